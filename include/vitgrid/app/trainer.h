@@ -1,0 +1,29 @@
+// The training loop and its eval / predict siblings. Owns the grid, backend, collectives,
+// model, optimizer, data loaders and output writers of one run.
+#pragma once
+#include <mpi.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "vitgrid/deck/deck.h"
+
+namespace vitgrid {
+
+class Trainer {
+ public:
+  // Called by all ranks. Builds everything; bad input (dataset, checkpoint, GPU count) ends
+  // the job here with one message and the same exit code on every rank.
+  Trainer(MPI_Comm world, const Deck& deck);
+  ~Trainer();
+  int train();
+  int evaluate_only();
+  int predict();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace vitgrid

@@ -1,0 +1,198 @@
+// The op set: everything the model, optimizers and trainer compute goes through this
+// interface, implemented once on the CPU (OpenBLAS + loops, backend/cpu) and once on CUDA
+// (cuBLASLt, cuDNN, own kernels, backend/cuda). Kernels know nothing of ranks.
+//
+// Conventions
+//  * Row-major. "act" pointers (void*) hold act elements of act_size() bytes;
+//    float* pointers are always fp32 (gradients of weights, master weights, optimizer state,
+//    layernorm statistics, losses). Activation gradients are act dtype too.
+//  * A Linear weight is [out, in] (PyTorch), y = x W^T + b.
+//  * "+=" in a comment means the op accumulates into that output (weight gradients accumulate
+//    over micro-batches; the caller zeroes them once per optimizer step).
+//  * All pointers are device pointers of this backend (host pointers on the CPU backend) unless
+//    the name ends in _host. Ops are asynchronous on CUDA; only functions returning values to
+//    the host, and synchronize(), block.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "vitgrid/core/types.h"
+
+namespace vitgrid {
+
+enum class Gelu : int { Exact = 0, Tanh = 1 };
+
+// Dropout is a pure function of (seed, key, element counter): the element with index i of a
+// call is kept iff rng_uniform(seed, key, counter_base + i) >= p; kept values scale by 1/(1-p).
+struct DropoutKey {
+  uint64_t seed = 0;
+  uint64_t key = 0;           // stream key: (step, micro-batch, layer site) mixed together
+  uint64_t counter_base = 0;  // global index of this call's element 0
+};
+
+// Optimizer hyper-parameters for one step (already scheduled: lr is this step's lr).
+struct AdamParams {
+  float lr, beta1, beta2, eps;
+  int step;          // 1-based optimizer step, for bias correction
+  float grad_scale;  // gradients are multiplied by this before use (1/loss_scale, clipping)
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;  // "cpu" or "cuda"
+  // Precision of activations and compute weights. act_size() is their storage size in bytes:
+  // 2 for bf16/fp16 on CUDA; 4 on the CPU, whose 16-bit modes are emulated (fp32 storage,
+  // every act result rounded to the 16-bit format's precision and range).
+  virtual DType act_dtype() const = 0;
+  virtual size_t act_size() const = 0;
+
+  // ---- memory (planned up front: the trainer allocates a few large buffers before step 1)
+  virtual void* alloc(size_t bytes) = 0;
+  virtual void release(void* p) = 0;
+  virtual void copy_to_device(void* dst, const void* src_host, size_t bytes) = 0;
+  virtual void copy_to_host(void* dst_host, const void* src, size_t bytes) = 0;
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  virtual void zero(void* p, size_t bytes) = 0;
+  virtual void synchronize() = 0;
+  virtual size_t peak_memory_bytes() const = 0;  // high-water mark of alloc()
+
+  // ---- conversions between fp32 and act dtype (identity copies when act dtype is fp32)
+  virtual void cast_to_act(void* dst_act, const float* src, size_t n) = 0;
+  virtual void cast_to_f32(float* dst, const void* src_act, size_t n) = 0;
+
+  // ---- GEMM-based layers
+  // y[N,out] = x[N,in] W[out,in]^T + b[out] (b may be null). With gelu_out != null the GELU
+  // epilogue is applied: y keeps the pre-activation and gelu_out = gelu(y).
+  virtual void linear_forward(void* y, const void* x, const void* W, const void* b, int N,
+                              int in, int out, void* gelu_out = nullptr,
+                              Gelu gelu = Gelu::Exact) = 0;
+  // dx[N,in] = dy W (overwritten; skipped when dx is null), dW[out,in] += dy^T x,
+  // db[out] += sum_rows dy (skipped when null).
+  virtual void linear_backward(void* dx, float* dW, float* db, const void* dy, const void* x,
+                               const void* W, int N, int in, int out) = 0;
+  // Plain batched strided GEMM on act dtype, fp32 accumulate:
+  // C_i = alpha op(A_i) op(B_i) + beta C_i, i < batch; row-major; op = transpose when flag set.
+  virtual void gemm_batched(bool transA, bool transB, int M, int N, int K, float alpha,
+                            const void* A, int64_t strideA, const void* B, int64_t strideB,
+                            float beta, void* C, int64_t strideC, int batch) = 0;
+
+  // ---- elementwise
+  virtual void gelu_forward(void* y, const void* x, size_t n, Gelu g) = 0;
+  // dx = dy * gelu'(x); dx may alias dy.
+  virtual void gelu_backward(void* dx, const void* x, const void* dy, size_t n, Gelu g) = 0;
+  // y = x with dropout applied (y may alias x). p == 0 copies.
+  virtual void dropout_forward(void* y, const void* x, size_t n, float p, DropoutKey k) = 0;
+  // dx = dy masked and scaled with the same mask as the forward (dx may alias dy).
+  virtual void dropout_backward(void* dx, const void* dy, size_t n, float p, DropoutKey k) = 0;
+  // y = a + b (y may alias a)
+  virtual void add(void* y, const void* a, const void* b, size_t n) = 0;
+  // y += x (act dtype)
+  virtual void accumulate(void* y, const void* x, size_t n) = 0;
+  // x *= s (fp32 buffer)
+  virtual void scale_f32(float* x, size_t n, float s) = 0;
+
+  // ---- normalisation
+  // Fused residual add + LayerNorm over the last dim C of N rows:
+  // res = a + b (b may be null: res = a; res may alias a); y = (res - mean) * rstd * gamma + beta.
+  // mean and rstd (fp32, N each) are saved for the backward.
+  virtual void add_layernorm_forward(void* res, void* y, float* mean, float* rstd,
+                                     const void* a, const void* b, const void* gamma,
+                                     const void* beta, int N, int C, float eps) = 0;
+  // dx[N,C] += LayerNorm backward of dy (dx is the residual-stream gradient, accumulated);
+  // dgamma[C] += ..., dbeta[C] += ... (fp32).
+  virtual void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy,
+                                  const void* x, const void* gamma, const float* mean,
+                                  const float* rstd, int N, int C) = 0;
+  // Row softmax of x[rows, cols] (scaled by `scale` first) into y.
+  virtual void softmax_forward(void* y, const void* x, int rows, int cols, float scale) = 0;
+  // dx = y * (dy - sum(dy * y)) * scale, rowwise.
+  virtual void softmax_backward(void* dx, const void* y, const void* dy, int rows, int cols,
+                                float scale) = 0;
+
+  // ---- attention (non-causal multi-head self-attention, timm layout)
+  // qkv[B,T,3C] holds per token [q(H,hd) | k(H,hd) | v(H,hd)], C = H*hd; out[B,T,C] holds
+  // heads concatenated. `saved` is backend-owned state for the backward (softmax probabilities
+  // on the CPU, log-sum-exp statistics with cuDNN), attention_saved_bytes() large.
+  virtual size_t attention_saved_bytes(int B, int T, int H, int hd) const = 0;
+  virtual size_t attention_workspace_bytes(int B, int T, int H, int hd) const = 0;
+  virtual void attention_forward(void* out, void* saved, const void* qkv, int B, int T, int H,
+                                 int hd, void* workspace) = 0;
+  // dqkv[B,T,3C] is overwritten.
+  virtual void attention_backward(void* dqkv, const void* dout, const void* qkv,
+                                  const void* out, const void* saved, int B, int T, int H,
+                                  int hd, void* workspace) = 0;
+
+  // ---- ViT-specific glue
+  // Input pipeline on the device: out[B,3,S,S] (act dtype) from uint8 HWC images[B,S,S,3]:
+  // zero-pad by `pad`, crop at (aug.dx, aug.dy), flip when aug.flip, normalise with
+  // mean3/std3 (host arrays, 0-255 images scaled to [0,1] first) and, when partners is not
+  // null, mix lam * image + (1 - lam) * partner (the partner cropped and flipped alike).
+  // aug is a device array of SampleAug {int dx, dy, flip; float lam} (data/dataset.h).
+  // Must match data::prepare_images_reference.
+  virtual void prepare_images(void* out, const uint8_t* images, const uint8_t* partners,
+                              const void* aug, int B, int S, int pad, const float* mean3_host,
+                              const float* std3_host) = 0;
+  // images[B,3,S,S] (act dtype, normalised) -> patches[B*(S/P)^2, 3*P*P] in the order of a
+  // conv weight [C,3,P,P] flattened (channel, row, col), patches row-major over the image.
+  virtual void patchify(void* patches, const void* images, int B, int S, int P) = 0;
+  // x[B,T,C] = concat(cls, patch_tokens[B,T-1,C]) + pos[T,C]
+  virtual void embed_tokens(void* x, const void* patch_tokens, const void* cls,
+                            const void* pos, int B, int T, int C) = 0;
+  // dpatch_tokens[B,T-1,C] = dx[:,1:], dcls[C] += sum_b dx[b,0], dpos[T,C] += sum_b dx[b]
+  virtual void embed_tokens_backward(void* dpatch_tokens, float* dcls, float* dpos,
+                                     const void* dx, int B, int T, int C) = 0;
+  // rows[B,C] = x[b, 0, :] (class-token pooling); backward writes dx[b,0,:] += drows[b], other
+  // tokens untouched.
+  virtual void gather_cls(void* rows, const void* x, int B, int T, int C) = 0;
+  virtual void scatter_cls_backward(void* dx, const void* drows, int B, int T, int C) = 0;
+
+  // ---- loss and metrics
+  // Softmax cross-entropy on logits[N,K] (act dtype) with label smoothing eps: the target is
+  // (1-eps) * t + eps/K where t is one-hot(labels) or, when soft_targets (fp32 [N,K]) is given,
+  // those soft targets (Mixup). losses[N] (fp32) gets each row's loss. When dlogits is not null
+  // it gets dloss/dlogits * grad_scale (the caller passes 1/global_batch and the loss scale).
+  virtual void cross_entropy(float* losses, void* dlogits, const void* logits,
+                             const int32_t* labels, const float* soft_targets, int N, int K,
+                             float smoothing, float grad_scale) = 0;
+  // correct1[N], correct5[N] (fp32 0/1): label in top-1 / top-5 of logits.
+  virtual void topk_correct(float* correct1, float* correct5, const void* logits,
+                            const int32_t* labels, int N, int K) = 0;
+
+  // ---- reductions (blocking: results land on the host)
+  // out_host[i] = sum of squares of buf[slices[i]] (fp32 buffer), in double for accuracy.
+  virtual void sum_squares(double* out_host, const float* buf,
+                           const std::vector<ParamSlice>& slices) = 0;
+  virtual double sum(const float* x, size_t n) = 0;
+  // true if every element of the fp32 buffer is finite
+  virtual bool all_finite(const float* x, size_t n) = 0;
+
+  // ---- optimizers: one call updates every slice of the flat buffers (multi-tensor)
+  // AdamW (decoupled weight decay, PyTorch semantics): p -= lr * (mhat/(sqrt(vhat)+eps) + wd*p)
+  virtual void adamw_update(float* p, const float* g, float* m, float* v,
+                            const std::vector<ParamSlice>& slices, const AdamParams& a) = 0;
+  // LAMB phase 1: update direction u = mhat/(sqrt(vhat)+eps) + wd*p (moments updated).
+  virtual void lamb_direction(float* u, const float* p, const float* g, float* m, float* v,
+                              const std::vector<ParamSlice>& slices, const AdamParams& a) = 0;
+  // LAMB phase 2: p[slice i] -= lr * ratio_host[i] * u[slice i]
+  virtual void lamb_apply(float* p, const float* u, const std::vector<ParamSlice>& slices,
+                          const std::vector<float>& ratio_host, float lr) = 0;
+  // SGD with momentum (PyTorch semantics): b = mu*b + (g*gs + wd*p); p -= lr*b (nesterov: g+mu*b)
+  virtual void sgd_update(float* p, const float* g, float* mom,
+                          const std::vector<ParamSlice>& slices, float lr, float momentum,
+                          bool nesterov, float grad_scale) = 0;
+};
+
+// Factory: "cpu" always; "cuda" when built with CUDA (throws UserError otherwise).
+// `device` is the local GPU index; `act` the activation dtype (on the CPU a 16-bit act dtype is
+// emulated: fp32 storage, every act result rounded to the 16-bit format's precision and
+// range, so the mixed-precision logic is exercised without a GPU); `allow_tf32` lets fp32
+// GEMMs use TF32 tensor cores (CUDA only).
+std::unique_ptr<Backend> make_backend(const std::string& kind, int device, DType act,
+                                      bool allow_tf32 = false);
+bool cuda_available();  // built with CUDA and at least one device visible
+
+}  // namespace vitgrid

@@ -1,0 +1,60 @@
+// Error paths (LAMMPS style):
+//  * fail_all(): a collective error that every rank of the communicator reaches in the same
+//    state (deck validation, dataset checks). Rank 0 prints one message, all ranks exit with
+//    the same non-zero code. Called by all ranks of `comm`.
+//  * fail_one(): a local fatal error that only this rank saw (a CUDA error, a failed read).
+//    Prints host, rank, file and line, then MPI_Abort so no rank hangs.
+// One check macro per library reports the library's own error string.
+#pragma once
+#include <mpi.h>
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace vitgrid {
+
+// Exit code used for user errors (bad deck, dataset, checkpoint), agreed on every rank.
+constexpr int kExitUserError = 2;
+// Exit code used after a preemption signal once the checkpoint is written (job scripts requeue).
+constexpr int kExitRequeue = 3;
+
+// A user-facing error (bad input). Thrown by validation code; the app turns it into fail_all
+// once every rank has agreed that somebody failed (see agree_error()).
+class UserError : public std::runtime_error {
+ public:
+  explicit UserError(const std::string& what) : std::runtime_error(what) {}
+};
+
+[[noreturn]] void fail_all(MPI_Comm comm, const std::string& msg, int code = kExitUserError);
+[[noreturn]] void fail_one(const char* file, int line, const std::string& msg);
+
+// Called by all ranks of comm: returns true if any rank passed ok=false. The message of the
+// lowest failing rank is returned in *msg on every rank. Never hangs when only some ranks fail,
+// because every rank reaches this call.
+bool agree_error(MPI_Comm comm, bool ok, std::string* msg);
+
+}  // namespace vitgrid
+
+#define VG_FAIL(msg_expr)                                     \
+  do {                                                        \
+    std::ostringstream vg_os_;                                \
+    vg_os_ << msg_expr;                                       \
+    ::vitgrid::fail_one(__FILE__, __LINE__, vg_os_.str());    \
+  } while (0)
+
+#define VG_CHECK(cond, msg_expr)                                        \
+  do {                                                                  \
+    if (!(cond)) VG_FAIL("check failed: " #cond ": " << msg_expr);      \
+  } while (0)
+
+#define MPI_CHECK(call)                                                          \
+  do {                                                                           \
+    int vg_rc_ = (call);                                                         \
+    if (vg_rc_ != MPI_SUCCESS) {                                                 \
+      char vg_buf_[MPI_MAX_ERROR_STRING];                                        \
+      int vg_len_ = 0;                                                           \
+      MPI_Error_string(vg_rc_, vg_buf_, &vg_len_);                               \
+      VG_FAIL("MPI error in " #call ": " << std::string(vg_buf_, vg_len_));      \
+    }                                                                            \
+  } while (0)

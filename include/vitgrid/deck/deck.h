@@ -1,0 +1,145 @@
+// The input deck: an INI file ([section] then key = value) parsed with Boost.ProgramOptions,
+// with --section.key=value overrides on the command line (the command line wins). The schema in
+// deck.cpp is the one place every key is declared, typed, defaulted and documented; help-deck
+// and the README table are generated from it. Validation refuses bad decks before any work.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace vitgrid {
+
+struct RunSection {
+  std::string out_dir = "runs/default";
+  uint64_t seed = 42;
+  int64_t steps = 0;   // optimizer steps; 0 = use epochs
+  double epochs = 0;   // alternative to steps (steps = ceil(epochs * train_size / global_batch))
+  int log_every = 10;
+  int eval_every = 0;  // optimizer steps between evals (0 = only at the end)
+  int64_t eval_samples = 0;  // 0 = the whole eval split
+};
+
+struct ModelSection {
+  std::string preset = "vit-lite-7/4";
+  int image_size = 32;
+  int patch_size = 4;
+  int channels = 3;  // fixed at 3 for now (RGB), validated
+  int hidden = 256;
+  int depth = 7;
+  int heads = 4;
+  double mlp_ratio = 2.0;
+  int num_classes = 10;
+  double dropout = 0.0;  // pos / proj / mlp dropout (timm drop_rate and proj_drop)
+  std::string gelu = "exact";  // exact | tanh
+  bool checkpoint_activations = false;
+  int mlp_hidden() const { return static_cast<int>(hidden * mlp_ratio + 0.5); }
+  int tokens() const { return (image_size / patch_size) * (image_size / patch_size) + 1; }
+};
+
+struct ParallelSection {
+  int pipeline = 1;
+  int tensor = 1;
+  std::string tensor_mode = "1d";  // 1d | 2d | 2.5d | 3d (ignored when tensor = 1)
+  int tensor_depth = 1;            // 2.5d depth
+  int micro_batches = 1;           // pipeline micro-batches
+  std::string schedule = "1f1b";   // gpipe | 1f1b | interleaved
+  int chunks = 1;                  // interleaved model chunks per stage
+  std::string partition = "uniform";  // uniform | balanced | list:n0,n1,...
+  int zero = 0;                    // 0 | 1 (optimizer state sharded over data)
+  int data = 0;                    // derived: world / (pipeline * tensor); 0 in the deck = derive
+};
+
+struct DataSection {
+  std::string dataset = "synthetic";  // synthetic | cifar10 | hdf5
+  std::string path;                   // directory (cifar10) or file (hdf5)
+  std::string eval_path;              // hdf5 eval file (optional; default: path's eval split)
+  int64_t global_batch = 128;
+  int grad_accum = 1;
+  int64_t synthetic_train = 4096;  // synthetic train split size
+  int64_t synthetic_eval = 1024;
+  int crop_padding = 4;  // random crop with this zero padding (0 = off)
+  bool hflip = true;
+  std::vector<float> mean = {0.4914f, 0.4822f, 0.4465f};
+  std::vector<float> std = {0.2470f, 0.2435f, 0.2616f};
+  double mixup_alpha = 0.0;     // 0 = off
+  double label_smoothing = 0.0;
+  int prefetch = 2;             // batches prepared ahead by the background thread
+};
+
+struct OptimSection {
+  std::string name = "adamw";  // adamw | lamb | sgd
+  double lr = 1e-3;
+  double min_lr = 0.0;
+  double weight_decay = 0.05;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  double momentum = 0.9;  // sgd
+  bool nesterov = false;
+  int64_t warmup_steps = 0;
+  double warmup_epochs = 0;  // alternative, converted to steps
+  std::string schedule = "cosine";  // cosine | linear | constant
+  double clip_grad_norm = 0.0;      // 0 = off
+  bool decay_norm_and_bias = false;  // weight decay on biases, norms, cls, pos (timm: off)
+};
+
+struct PrecisionSection {
+  std::string mode = "fp32";  // fp32 | tf32 | bf16 | fp16 | fp16-naive
+  double initial_scale = 65536.0;
+  int growth_interval = 1000;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+};
+
+struct CheckpointSection {
+  int64_t every_steps = 0;  // 0 = only at the end
+  std::string resume = "none";  // none | auto
+  std::string load;             // a checkpoint file to start from (eval/predict/fine-tune)
+  int keep = 0;                 // keep the newest K (0 = all)
+};
+
+struct DeviceSection {
+  std::string backend = "auto";  // auto | cuda | cpu
+};
+
+struct Deck {
+  RunSection run;
+  ModelSection model;
+  ParallelSection parallel;
+  DataSection data;
+  OptimSection optim;
+  PrecisionSection precision;
+  CheckpointSection checkpoint;
+  DeviceSection device;
+  std::string source;  // the deck file path
+  // The resolved deck as INI text (every key, final values), printed at start and stored in
+  // every output file; parsing it again yields the same Deck.
+  std::string resolved_text() const;
+};
+
+// Parses `deck_path` then `overrides` (each "--section.key=value"), applies the model preset
+// (keys set in the deck or on the command line win over the preset), derives parallel.data
+// from world_size and checks every rule. Throws UserError with one message naming the key and
+// where it came from ("deck.ini:12" or "command line"). Pure: no MPI, no file writes.
+Deck parse_deck(const std::string& deck_path, const std::vector<std::string>& overrides,
+                int world_size);
+// Same from INI text (tests).
+Deck parse_deck_text(const std::string& text, const std::vector<std::string>& overrides,
+                     int world_size, const std::string& source_name = "deck");
+
+// Checks that touch the file system (dataset paths exist, out_dir holds no other run unless
+// resuming). Throws UserError. Called on every rank by the app (same answer everywhere).
+void check_deck_paths(const Deck& d, bool training);
+
+// Markdown table of every key: section, key, type, default, meaning.
+std::string deck_reference();
+
+struct ModelPreset {
+  int image_size, patch_size, hidden, depth, heads;
+  double mlp_ratio;
+  int num_classes;
+};
+// "vit-tiny/16", "vit-small/16", "vit-base/16", "vit-large/16", "vit-lite-7/4", "vit-huge-4096"
+// (the hybrid-parallel guide's large ViT), "custom" (no preset).
+const std::map<std::string, ModelPreset>& model_presets();
+
+}  // namespace vitgrid

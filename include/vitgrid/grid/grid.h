@@ -1,0 +1,114 @@
+// The process grid: one MPI_Cart_create over (pipeline, data, tensor...) in row-major order, so
+// the tensor axis varies fastest (its ranks share a node) and pipeline slowest. The tensor axis
+// is itself a grid: 1d [t], 2d [q,q], 2.5d [d,q,q], 3d [q,q,q]. Every sub-communicator comes
+// from MPI_Cart_sub and is owned by an RAII handle. Model code never calls MPI: it uses
+// Collectives (CPU: MPI on host buffers; CUDA: NCCL communicators mirroring these).
+#pragma once
+#include <mpi.h>
+
+#include <array>
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace vitgrid {
+
+enum class TensorMode : int { None = 0, D1 = 1, D2 = 2, D2p5 = 3, D3 = 4 };
+TensorMode parse_tensor_mode(const std::string& s);  // "1d","2d","2.5d","3d" (throws UserError)
+const char* tensor_mode_name(TensorMode m);
+
+// Named axes. Tensor sub-axes: 2d uses Row/Col; 2.5d Depth/Row/Col; 3d X/Y/Z (Colossal-AI's
+// input / weight / output groups). `Tensor` is the whole tensor group in every mode.
+enum class Axis : int {
+  World = 0, Pipeline, Data, Tensor,
+  TensorRow, TensorCol, TensorDepth, TensorX, TensorY, TensorZ,
+  Count
+};
+const char* axis_name(Axis a);
+
+// An owned communicator (freed in the destructor unless it is MPI_COMM_WORLD / null).
+class Comm {
+ public:
+  Comm() = default;
+  explicit Comm(MPI_Comm c, bool owned = true);
+  ~Comm();
+  Comm(const Comm&) = delete;
+  Comm& operator=(const Comm&) = delete;
+  Comm(Comm&& o) noexcept;
+  Comm& operator=(Comm&& o) noexcept;
+  MPI_Comm get() const { return comm_; }
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  bool valid() const { return comm_ != MPI_COMM_NULL; }
+
+ private:
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  bool owned_ = false;
+  int rank_ = 0, size_ = 1;
+};
+
+struct GridShape {
+  int pipeline = 1;
+  int data = 1;
+  int tensor = 1;  // total ranks in the tensor group
+  TensorMode mode = TensorMode::None;
+  int depth = 1;  // 2.5d depth d
+  // Dims of the tensor sub-grid: 1d {t}, 2d {q,q}, 2.5d {d,q,q}, 3d {q,q,q}; none {1}.
+  std::vector<int> tensor_dims() const;
+  int q() const;  // side of the square / cube (1 for none and 1d)
+};
+
+// Validates the shape for a world size (throws UserError naming the deck key).
+void check_grid_shape(const GridShape& s, int world);
+
+class ProcessGrid {
+ public:
+  // Called by all ranks of `world`.
+  ProcessGrid(MPI_Comm world, const GridShape& shape);
+  const GridShape& shape() const { return shape_; }
+  const Comm& comm(Axis a) const { return comms_[static_cast<int>(a)]; }
+  int rank(Axis a) const { return comm(a).rank(); }
+  int size(Axis a) const { return comm(a).size(); }
+  // Cartesian coordinates: {pipeline, data, tensor dims...}
+  const std::vector<int>& coords() const { return coords_; }
+  int world_rank() const { return comm(Axis::World).rank(); }
+  int world_size() const { return comm(Axis::World).size(); }
+  int local_rank() const { return local_rank_; }  // rank on this node (GPU index)
+  int local_size() const { return local_size_; }
+  const std::string& host() const { return host_; }
+  // Table of global rank -> host, local rank, coordinates; gathered to every rank.
+  // Called by all ranks.
+  std::string rank_map() const;
+
+ private:
+  GridShape shape_;
+  std::array<Comm, static_cast<int>(Axis::Count)> comms_;
+  Comm cart_;
+  std::vector<int> coords_;
+  int local_rank_ = 0, local_size_ = 1;
+  std::string host_;
+};
+
+// Collective operations on backend buffers over a named axis. CPU: MPI on host memory;
+// CUDA: NCCL on device memory (backend/cuda). Every rank of the axis must call.
+class Collectives {
+ public:
+  virtual ~Collectives() = default;
+  virtual void allreduce_sum(float* buf, size_t n, Axis a) = 0;
+  virtual void allreduce_max(float* buf, size_t n, Axis a) = 0;
+  // act-dtype buffers (elem_size bytes per element); sum
+  virtual void allreduce_sum_act(void* buf, size_t n, size_t elem_size, Axis a) = 0;
+  virtual void broadcast(void* buf, size_t bytes, int root, Axis a) = 0;
+  // out[size*n] gathers each rank's in[n] in rank order (bytes per element: elem_size)
+  virtual void allgather(void* out, const void* in, size_t n, size_t elem_size, Axis a) = 0;
+  // out[n] = rank's block of the sum of in[size*n] (fp32)
+  virtual void reduce_scatter_sum(float* out, const float* in, size_t n, Axis a) = 0;
+  virtual void send(const void* buf, size_t bytes, int peer, Axis a) = 0;
+  virtual void recv(void* buf, size_t bytes, int peer, Axis a) = 0;
+  virtual void barrier(Axis a) = 0;
+};
+
+std::unique_ptr<Collectives> make_mpi_collectives(const ProcessGrid& grid);
+
+}  // namespace vitgrid

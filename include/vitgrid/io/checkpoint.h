@@ -1,0 +1,58 @@
+// Checkpoints: one shared HDF5 file per step, written collectively (DESIGN.md):
+//   /model/<timm name>           fp32, global (unsharded) shape
+//   /optim/<timm name>/<state>   fp32, global shape (exp_avg, exp_avg_sq, momentum_buffer)
+//   /state/<name>                scalars / small vectors (step, epoch, cursor, loss scale ...)
+//   root attributes: deck, grid, world_size, tensor_mode, version, complete (written last)
+// Written as step_<8 digits>.h5.tmp, marked complete, then renamed; a file without
+// complete = 1 is never loaded.
+#pragma once
+#include <mpi.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace vitgrid {
+
+// One rank's part of one global tensor: the hyperslab [offset, offset+count) of the global
+// shape, held in `data` (host fp32, row-major over count). Ranks holding a replica of the same
+// part set write = false except one, so each element is written once. A rank with no part
+// passes count with a zero (it still takes part in the collective calls).
+struct TensorShard {
+  std::string name;  // e.g. "model/blocks.0.attn.qkv.weight" or "optim/blocks.0.attn.qkv.weight/exp_avg"
+  std::vector<int64_t> global_shape;
+  std::vector<int64_t> offset;
+  std::vector<int64_t> count;
+  float* data = nullptr;
+  bool write = true;
+};
+
+struct CheckpointMeta {
+  std::string deck;             // resolved deck text
+  std::vector<int> grid;        // pipeline, data, tensor
+  std::string tensor_mode;
+  std::string backend;
+  int world_size = 1;
+  // small named state: step, epoch, cursor, loss scale, scaler good steps, rng ...
+  std::map<std::string, std::vector<double>> state;
+};
+
+// Called by all ranks of comm. Writes dir/step_<8 digits>.h5 atomically; keeps the newest
+// `keep` complete checkpoints when keep > 0. Returns the path. Every shard's name and global
+// shape must be identical on all ranks (same order).
+std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step,
+                             const std::vector<TensorShard>& shards, const CheckpointMeta& meta,
+                             int keep = 0);
+
+// Called by all ranks of comm. Reads each shard's hyperslab from `path` into shard.data; the
+// global shape stored must equal the shard's global_shape. Fills meta (deck, grid, state).
+// Throws UserError naming the file and dataset when the file is missing, incomplete, or a
+// tensor is absent or of the wrong shape.
+void read_checkpoint(MPI_Comm comm, const std::string& path, std::vector<TensorShard>& shards,
+                     CheckpointMeta* meta);
+
+// Newest complete checkpoint in dir ("" if none). Called by all ranks (rank 0 looks, bcast).
+std::string latest_checkpoint(MPI_Comm comm, const std::string& dir);
+
+}  // namespace vitgrid

@@ -1,0 +1,56 @@
+// metrics.h5, written collectively while training (DESIGN.md): extendible chunked datasets
+//   /train/step /train/loss /train/lr /train/grad_norm /train/images_per_s /train/loss_scale
+//   /train/step_time_s [steps, world] and /train/device_mem_bytes [steps, world] (each rank
+//   writes its own column), /eval/step /eval/loss /eval/top1 /eval/top5;
+//   root attributes deck, world_size, grid, tensor_mode, backend, version.
+// Rows are buffered and appended collectively by flush() (every rank must call it).
+#pragma once
+#include <mpi.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace vitgrid {
+
+struct TrainRow {
+  int64_t step;
+  double loss, lr, grad_norm, images_per_s, loss_scale;
+  double step_time_s;       // this rank's
+  double device_mem_bytes;  // this rank's
+};
+struct EvalRow {
+  int64_t step;
+  double loss, top1, top5;
+};
+
+class MetricsWriter {
+ public:
+  // Called by all ranks. Creates the file, or, when append is true and it exists, opens it and
+  // truncates rows after `resume_step` (so a resumed run continues the same file).
+  MetricsWriter(MPI_Comm comm, const std::string& path, const std::string& deck,
+                const std::vector<int>& grid, const std::string& tensor_mode,
+                const std::string& backend, bool append, int64_t resume_step);
+  ~MetricsWriter();
+  MetricsWriter(const MetricsWriter&) = delete;
+  MetricsWriter& operator=(const MetricsWriter&) = delete;
+  // Every rank adds the same rows (rank-local fields differ); flush() is collective.
+  void add_train(const TrainRow& r);
+  void add_eval(const EvalRow& r);
+  void flush();
+  // A named scalar attribute on the root (e.g. checkpoint bandwidth, peak memory).
+  void set_attribute(const std::string& name, double value);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// predictions.h5: /logits [N, K] fp32 and /labels [N] in dataset order, root attribute deck.
+// Called by all ranks of comm; each rank passes its rows and their first dataset index.
+void write_predictions(MPI_Comm comm, const std::string& path, const std::string& deck,
+                       int64_t total, int num_classes, int64_t first_index,
+                       const std::vector<float>& logits, const std::vector<int32_t>& labels);
+
+}  // namespace vitgrid

@@ -1,0 +1,122 @@
+// The Vision Transformer with timm VisionTransformer semantics (DESIGN.md): conv patch
+// embedding (k = s = patch), class token, learned position embedding, pre-norm blocks
+// (LayerNorm eps 1e-6, one qkv Linear with bias, scale hd^-0.5, output projection, MLP
+// Linear-GELU-Linear), final LayerNorm, class-token pooling, Linear head.
+//
+// Written once against the op set (Backend) and a TensorParallel strategy; it never calls MPI.
+// Memory is planned up front: one flat buffer each for master weights, compute weights,
+// gradients, and activations, sized for `max_batch` samples at construction.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "vitgrid/backend/backend.h"
+#include "vitgrid/parallel/tensor_parallel.h"
+
+namespace vitgrid {
+
+struct ModelSection;
+
+struct ViTConfig {
+  int image = 32, patch = 4, channels = 3, hidden = 256, depth = 7, heads = 4, mlp = 512;
+  int classes = 10;
+  float dropout = 0.0f;
+  Gelu gelu = Gelu::Exact;
+  bool checkpoint_activations = false;
+  float ln_eps = 1e-6f;
+  int patches() const { return (image / patch) * (image / patch); }
+  int tokens() const { return patches() + 1; }
+  int patch_dim() const { return channels * patch * patch; }
+  int head_dim() const { return hidden / heads; }
+  static ViTConfig from(const ModelSection& m);
+  // Model FLOPs of one training sample (forward + backward = 3x forward; GEMMs + attention).
+  double train_flops_per_sample() const;
+};
+
+enum class InitKind : int { Zeros, Ones, TruncNormal02, Normal1e6, PatchUniform };
+
+struct ParamInfo {
+  std::string name;                   // timm state_dict key
+  std::vector<int64_t> global_shape;  // timm shape
+  Shard shard;                        // this rank's hyperslab of it
+  size_t offset = 0;                  // in the flat local buffers (elements)
+  size_t numel = 0;                   // local elements
+  bool decay = true;                  // weight decay applies (off for biases, norms, cls, pos)
+  InitKind init = InitKind::Zeros;
+};
+
+// One micro-batch on the device.
+struct DeviceBatch {
+  const void* images = nullptr;       // act [count, 3, S, S], normalised and augmented
+  const int32_t* labels = nullptr;    // [count]
+  const float* soft = nullptr;        // [count, K] Mixup targets or null
+  int count = 0;
+  int64_t first_position = 0;         // global stream position of sample 0 (dropout counters)
+};
+
+class ViT {
+ public:
+  ViT(const ViTConfig& cfg, Backend& be, TensorParallel& tp, int max_batch);
+  ~ViT();
+  ViT(const ViT&) = delete;
+  ViT& operator=(const ViT&) = delete;
+
+  const ViTConfig& config() const { return cfg_; }
+  const std::vector<ParamInfo>& params() const { return params_; }
+  size_t num_local_params() const { return n_params_; }
+  int64_t num_global_params() const;
+
+  // Layout-independent init: element e of parameter p is a function of (seed, name(p), e's
+  // global index) whatever the shard. Writes master weights and the compute copy.
+  void init_params(uint64_t seed);
+  // After the optimizer changed master weights (or a checkpoint was loaded): refresh the
+  // compute (act dtype) copy. A no-op alias when act is fp32 storage.
+  void sync_compute_params();
+
+  float* master() { return master_; }
+  float* grads() { return grads_; }
+  void zero_grads();
+
+  // Forward + loss + backward of one micro-batch; weight gradients accumulate. dlogits are
+  // scaled by grad_scale (1/global_batch times the loss scale). Returns the sum of the
+  // per-sample losses of this micro-batch (blocking read of one scalar).
+  // `step` and `micro` key the dropout masks.
+  double forward_backward(const DeviceBatch& b, float smoothing, float grad_scale,
+                          int64_t step, int micro);
+  // Forward only; returns loss sum (no smoothing) and top-1 / top-5 counts.
+  void forward_eval(const DeviceBatch& b, double* loss_sum, double* top1, double* top5);
+  // Logits of the last forward (act dtype, [count, K]) copied to the host as fp32.
+  void logits_to_host(std::vector<float>& out, int count);
+
+  size_t activation_bytes() const { return act_bytes_; }
+
+ private:
+  struct Block;
+  void build_params();
+  void plan_activations();
+  void forward(const DeviceBatch& b, int64_t step, int micro, bool train);
+  void block_forward(int l, int B, int64_t step, int micro, int64_t first_pos, bool train);
+  void block_backward(int l, int B, int64_t step, int micro, int64_t first_pos);
+  DropoutKey dkey(int64_t step, int micro, int layer, int site, int64_t first_pos,
+                  int64_t per_sample) const;
+
+  ViTConfig cfg_;
+  Backend& be_;
+  TensorParallel& tp_;
+  int max_batch_;
+  std::vector<ParamInfo> params_;
+  size_t n_params_ = 0;
+  float* master_ = nullptr;
+  float* grads_ = nullptr;
+  void* compute_ = nullptr;  // act dtype copy of master_ (== master_ for fp32 storage)
+  bool compute_alias_ = false;
+  void* act_pool_ = nullptr;
+  size_t act_bytes_ = 0;
+  struct Acts;
+  std::unique_ptr<Acts> a_;
+  uint64_t seed_ = 0;
+};
+
+}  // namespace vitgrid

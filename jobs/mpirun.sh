@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One node, one rank per GPU (or NP CPU ranks), explicit binding.
+#   jobs/mpirun.sh DECK [NP] [--section.key=value ...]
+# NP defaults to the number of GPUs (nvidia-smi -L), else 2. Output goes to the deck's
+# run.out_dir unless --run.out_dir=... is given; the launch log is tee'd there too.
+set -euo pipefail
+source "$(dirname "$0")/env.sh"
+DECK=${1:?usage: jobs/mpirun.sh DECK [NP] [--section.key=value ...]}
+shift
+if [[ ${1:-} =~ ^[0-9]+$ ]]; then NP=$1; shift; else
+  NP=$(nvidia-smi -L 2>/dev/null | wc -l || true); [ "${NP:-0}" -gt 0 ] || NP=2
+fi
+# Each rank picks GPU = its local rank inside vitgrid, so no CUDA_VISIBLE_DEVICES juggling;
+# bind each rank to its own share of cores (map-by slot with PE=cores/NP).
+CORES=$(nproc)
+PE=$(( CORES / NP )); [ "$PE" -ge 1 ] || PE=1
+BIND="--map-by slot:PE=$PE --bind-to core"
+[ $(( NP * PE )) -le "$CORES" ] || BIND="--oversubscribe --bind-to none"
+exec mpirun -np "$NP" $BIND -x OMP_NUM_THREADS -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH \
+  "$VITGRID_BIN" train "$DECK" "$@"

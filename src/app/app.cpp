@@ -1,0 +1,84 @@
+#include "vitgrid/app/app.h"
+
+#include <mpi.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "vitgrid/app/trainer.h"
+#include "vitgrid/core/error.h"
+#include "vitgrid/core/log.h"
+#include "vitgrid/deck/deck.h"
+
+namespace vitgrid {
+namespace {
+
+const char* kUsage =
+    "usage: vitgrid train   DECK [--section.key=value ...]\n"
+    "       vitgrid eval    DECK --checkpoint.load=PATH [--section.key=value ...]\n"
+    "       vitgrid predict DECK --checkpoint.load=PATH   (writes RUN_DIR/predictions.h5)\n"
+    "       vitgrid help-deck    (every deck key, its type, default and meaning)\n"
+    "       vitgrid version\n";
+
+}  // namespace
+
+int run_app(int argc, char** argv) {
+  MPI_Comm world = MPI_COMM_WORLD;
+  Log log(world);
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty()) {
+    log("%s", kUsage);
+    return kExitUserError;
+  }
+  const std::string cmd = args[0];
+  if (cmd == "help-deck") {
+    log.block(deck_reference());
+    return 0;
+  }
+  if (cmd == "version" || cmd == "--version") {
+    log("vitgrid 0.1.0\n");
+    return 0;
+  }
+  if (cmd == "-h" || cmd == "--help" || cmd == "help") {
+    log("%s", kUsage);
+    return 0;
+  }
+  if (cmd != "train" && cmd != "eval" && cmd != "predict") {
+    log("vitgrid: error: unknown command '%s'\n%s", cmd.c_str(), kUsage);
+    return kExitUserError;
+  }
+  if (args.size() < 2 || args[1].rfind("--", 0) == 0) {
+    log("vitgrid: error: '%s' needs a deck file\n%s", cmd.c_str(), kUsage);
+    return kExitUserError;
+  }
+  int world_size = 1;
+  MPI_Comm_size(world, &world_size);
+  // Every rank parses the same deck; agree anyway so that one message is printed and every
+  // rank exits with the same code.
+  Deck deck;
+  std::string msg;
+  bool ok = true;
+  try {
+    std::vector<std::string> overrides(args.begin() + 2, args.end());
+    deck = parse_deck(args[1], overrides, world_size);
+    check_deck_paths(deck, cmd == "train");
+    if (cmd != "train" && deck.checkpoint.load.empty())
+      throw UserError("checkpoint.load: '" + cmd + "' needs a checkpoint (--checkpoint.load=PATH)");
+  } catch (const UserError& e) {
+    ok = false;
+    msg = e.what();
+  }
+  if (agree_error(world, ok, &msg)) fail_all(world, msg);
+  Trainer trainer(world, deck);
+  if (cmd == "train") return trainer.train();
+  if (cmd == "eval") return trainer.evaluate_only();
+  return trainer.predict();
+}
+
+}  // namespace vitgrid

@@ -1,0 +1,568 @@
+#include "vitgrid/app/trainer.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <sstream>
+
+#include "vitgrid/backend/backend.h"
+#include "vitgrid/core/error.h"
+#include "vitgrid/core/log.h"
+#include "vitgrid/data/dataset.h"
+#include "vitgrid/grid/grid.h"
+#include "vitgrid/io/checkpoint.h"
+#include "vitgrid/io/metrics.h"
+#include "vitgrid/model/vit.h"
+#include "vitgrid/optim/optimizer.h"
+#include "vitgrid/parallel/tensor_parallel.h"
+#ifdef VITGRID_HAVE_CUDA
+#include "vitgrid/backend/cuda/cuda_backend.h"
+#endif
+
+namespace vitgrid {
+namespace {
+
+DType act_dtype_of(const std::string& mode) {
+  if (mode == "bf16") return DType::BF16;
+  if (mode == "fp16" || mode == "fp16-naive") return DType::F16;
+  return DType::F32;
+}
+
+std::string fmt_duration(double s) {
+  if (!(s >= 0.0) || s > 1e8) return "--";
+  const long t = static_cast<long>(s + 0.5);
+  char buf[32];
+  if (t >= 3600)
+    std::snprintf(buf, sizeof buf, "%ldh%02ldm", t / 3600, (t / 60) % 60);
+  else if (t >= 60)
+    std::snprintf(buf, sizeof buf, "%ldm%02lds", t / 60, t % 60);
+  else
+    std::snprintf(buf, sizeof buf, "%lds", t);
+  return buf;
+}
+
+void mkdirs(const std::string& path) {
+  std::string cur;
+  std::stringstream ss(path);
+  std::string part;
+  if (!path.empty() && path[0] == '/') cur = "/";
+  while (std::getline(ss, part, '/')) {
+    if (part.empty()) continue;
+    cur += part + "/";
+    ::mkdir(cur.c_str(), 0755);
+  }
+}
+
+}  // namespace
+
+struct Trainer::Impl {
+  MPI_Comm world;
+  const Deck& deck;
+  Log log;
+  std::unique_ptr<ProcessGrid> grid;
+  std::unique_ptr<Backend> be;
+  std::unique_ptr<Collectives> coll;
+  std::unique_ptr<TensorParallel> tp;
+  ViTConfig cfg;
+  std::unique_ptr<ViT> model;
+  std::unique_ptr<Optimizer> opt;
+  std::unique_ptr<LossScaler> scaler;
+  std::shared_ptr<Dataset> train_ds, eval_ds;
+  int b = 0;  // per-rank micro-batch
+  int64_t total_steps = 0, warmup_steps = 0;
+  // device-side batch buffers (planned once)
+  uint8_t *d_img = nullptr, *d_partner = nullptr;
+  void* d_aug = nullptr;
+  int32_t* d_labels = nullptr;
+  float* d_soft = nullptr;
+  void* d_images = nullptr;
+  // state carried in checkpoints
+  int64_t step = 0;     // completed optimizer steps (including skipped fp16 steps)
+  int64_t applied = 0;  // applied updates (Adam bias correction)
+  double ckpt_write_gbs = 0.0, ckpt_read_gbs = 0.0;
+
+  Impl(MPI_Comm w, const Deck& d) : world(w), deck(d), log(w) {}
+
+  // Called by all ranks: turn a UserError on any rank into one message and a clean exit.
+  template <class F>
+  void agreed(F&& f) {
+    std::string msg;
+    bool ok = true;
+    try {
+      f();
+    } catch (const UserError& e) {
+      ok = false;
+      msg = e.what();
+    }
+    if (agree_error(world, ok, &msg)) fail_all(world, msg);
+  }
+
+  void setup(bool training) {
+    GridShape gs;
+    gs.pipeline = deck.parallel.pipeline;
+    gs.data = deck.parallel.data;
+    gs.tensor = deck.parallel.tensor;
+    gs.mode = gs.tensor > 1 ? parse_tensor_mode(deck.parallel.tensor_mode) : TensorMode::None;
+    gs.depth = deck.parallel.tensor_depth;
+    agreed([&] {
+      check_grid_shape(gs, [&] { int n; MPI_Comm_size(world, &n); return n; }());
+      if (gs.pipeline > 1)
+        throw UserError("parallel.pipeline = " + std::to_string(gs.pipeline) +
+                        ": pipeline parallelism is not available in this build yet");
+    });
+    grid = std::make_unique<ProcessGrid>(world, gs);
+    const std::string rank_map = grid->rank_map();
+    log("vitgrid 0.1.0: %d ranks, grid pipeline %d x data %d x tensor %d (%s)\n",
+        grid->world_size(), gs.pipeline, gs.data, gs.tensor,
+        gs.tensor > 1 ? tensor_mode_name(gs.mode) : "none");
+    log.block("---- resolved deck\n" + deck.resolved_text() + "---- rank map\n" + rank_map);
+
+    // Backend: each rank drives the GPU of its local rank.
+    std::string kind = deck.device.backend;
+    agreed([&] {
+      int gpus = 0;
+#ifdef VITGRID_HAVE_CUDA
+      gpus = cuda_device_count();
+#endif
+      if (kind == "auto") kind = gpus >= grid->local_size() && gpus > 0 ? "cuda" : "cpu";
+      if (kind == "cuda" && gpus < grid->local_size())
+        throw UserError("device.backend = cuda: host " + grid->host() + " has " +
+                        std::to_string(gpus) + " GPU(s) for " +
+                        std::to_string(grid->local_size()) + " local ranks");
+    });
+    // ranks agree on the kind (auto could differ across nodes with different GPU counts)
+    int is_cuda = kind == "cuda", all_cuda = 0;
+    MPI_Allreduce(&is_cuda, &all_cuda, 1, MPI_INT, MPI_MIN, world);
+    kind = all_cuda ? "cuda" : "cpu";
+    agreed([&] {
+      be = make_backend(kind, grid->local_rank(), act_dtype_of(deck.precision.mode),
+                        deck.precision.mode == "tf32");
+    });
+#ifdef VITGRID_HAVE_CUDA
+    if (kind == "cuda")
+      coll = make_nccl_collectives(*grid, *be, 600.0);
+    else
+#endif
+      coll = make_mpi_collectives(*grid);
+    log("backend %s, precision %s, %s\n", be->name().c_str(), deck.precision.mode.c_str(),
+        kind == "cpu" && deck.precision.mode != "fp32" && deck.precision.mode != "tf32"
+            ? "16-bit storage emulated on the CPU"
+            : "");
+    agreed([&] { tp = make_tensor_parallel(*grid, *be, *coll); });
+
+    cfg = ViTConfig::from(deck.model);
+    const int D = grid->size(Axis::Data);
+    b = static_cast<int>(deck.data.global_batch / (int64_t(D) * deck.data.grad_accum));
+    model = std::make_unique<ViT>(cfg, *be, *tp, b);
+    log("model %s: %lld parameters, %d tokens, hidden %d, depth %d, heads %d, mlp %d, "
+        "classes %d; micro-batch %d per rank, activations %.1f MiB per rank\n",
+        deck.model.preset.c_str(), static_cast<long long>(model->num_global_params()),
+        cfg.tokens(), cfg.hidden, cfg.depth, cfg.heads, cfg.mlp, cfg.classes, b,
+        model->activation_bytes() / 1048576.0);
+
+    agreed([&] {
+      if (training) train_ds = make_dataset(deck, true);
+      eval_ds = make_dataset(deck, false);
+    });
+    if (training) {
+      const int64_t n = train_ds->size(), G = deck.data.global_batch;
+      total_steps = deck.run.steps > 0
+                        ? deck.run.steps
+                        : static_cast<int64_t>(std::ceil(deck.run.epochs * n / double(G)));
+      warmup_steps = deck.optim.warmup_steps > 0
+                         ? deck.optim.warmup_steps
+                         : static_cast<int64_t>(std::llround(deck.optim.warmup_epochs * n / double(G)));
+      log("data: train %s; eval %s\n", train_ds->describe().c_str(),
+          eval_ds->describe().c_str());
+      opt = std::make_unique<Optimizer>(deck.optim, *be, *tp, *model);
+    } else {
+      log("data: eval %s\n", eval_ds->describe().c_str());
+    }
+    const bool fp16 = deck.precision.mode == "fp16" || deck.precision.mode == "fp16-naive";
+    scaler = std::make_unique<LossScaler>(deck.precision, fp16);
+
+    // batch upload buffers
+    const size_t img = static_cast<size_t>(cfg.image) * cfg.image * 3;
+    d_img = static_cast<uint8_t*>(be->alloc(b * img));
+    d_partner = static_cast<uint8_t*>(be->alloc(b * img));
+    d_aug = be->alloc(b * sizeof(SampleAug));
+    d_labels = static_cast<int32_t*>(be->alloc(b * sizeof(int32_t)));
+    d_soft = static_cast<float*>(be->alloc(static_cast<size_t>(b) * cfg.classes * sizeof(float)));
+    d_images = be->alloc(static_cast<size_t>(b) * 3 * cfg.image * cfg.image * be->act_size());
+  }
+
+  ~Impl() {
+    if (be) {
+      be->synchronize();
+      for (void* p : {static_cast<void*>(d_img), static_cast<void*>(d_partner), d_aug,
+                      static_cast<void*>(d_labels), static_cast<void*>(d_soft), d_images})
+        if (p) be->release(p);
+    }
+  }
+
+  LoaderConfig loader_config(bool train) const {
+    LoaderConfig c;
+    c.seed = deck.run.seed;
+    c.global_batch = deck.data.global_batch;
+    c.grad_accum = deck.data.grad_accum;
+    c.data_rank = grid->rank(Axis::Data);
+    c.data_size = grid->size(Axis::Data);
+    c.crop_padding = deck.data.crop_padding;
+    c.hflip = deck.data.hflip;
+    c.mixup_alpha = deck.data.mixup_alpha;
+    c.num_classes = cfg.classes;
+    c.prefetch = deck.data.prefetch;
+    c.train = train;
+    c.eval_samples = deck.run.eval_samples;
+    return c;
+  }
+
+  DeviceBatch upload(const HostBatch& hb, bool train) {
+    DeviceBatch db;
+    db.count = hb.count;
+    db.first_position = hb.first_position;
+    if (hb.count == 0) return db;
+    const size_t img = static_cast<size_t>(cfg.image) * cfg.image * 3;
+    be->copy_to_device(d_img, hb.images.data(), hb.count * img);
+    const bool mix = !hb.partners.empty();
+    if (mix) be->copy_to_device(d_partner, hb.partners.data(), hb.count * img);
+    be->copy_to_device(d_aug, hb.aug.data(), hb.count * sizeof(SampleAug));
+    be->copy_to_device(d_labels, hb.labels.data(), hb.count * sizeof(int32_t));
+    if (!hb.soft.empty())
+      be->copy_to_device(d_soft, hb.soft.data(), hb.soft.size() * sizeof(float));
+    const int pad = train ? deck.data.crop_padding : 0;
+    be->prepare_images(d_images, d_img, mix ? d_partner : nullptr, d_aug, hb.count, cfg.image,
+                       pad, deck.data.mean.data(), deck.data.std.data());
+    db.images = d_images;
+    db.labels = d_labels;
+    db.soft = hb.soft.empty() ? nullptr : d_soft;
+    return db;
+  }
+
+  // ---- checkpoints
+  std::string ckpt_dir() const { return deck.run.out_dir + "/checkpoints"; }
+
+  // Shards of every parameter (and optimizer state) with host staging buffers.
+  std::vector<TensorShard> shards(std::vector<float>& host, bool with_optim) {
+    const size_t n = model->num_local_params();
+    std::vector<std::pair<std::string, float*>> st;
+    if (with_optim && opt) st = opt->state();
+    host.assign(n * (1 + st.size()), 0.0f);
+    std::vector<TensorShard> out;
+    const bool data_root = grid->rank(Axis::Data) == 0;
+    for (size_t k = 0; k <= st.size(); ++k) {
+      for (const auto& p : model->params()) {
+        TensorShard s;
+        s.name = k == 0 ? "model/" + p.name : "optim/" + p.name + "/" + st[k - 1].first;
+        s.global_shape = p.global_shape;
+        s.offset = p.shard.offset;
+        s.count = p.shard.count;
+        s.data = host.data() + k * n + p.offset;
+        bool root = data_root;
+        for (Axis a : p.shard.replicated_over) root = root && grid->rank(a) == 0;
+        s.write = root;
+        out.push_back(std::move(s));
+      }
+    }
+    return out;
+  }
+
+  void save_checkpoint() {
+    std::vector<float> host;
+    auto sh = shards(host, true);
+    const size_t n = model->num_local_params();
+    be->copy_to_host(host.data(), model->master(), n * sizeof(float));
+    auto st = opt->state();
+    for (size_t k = 0; k < st.size(); ++k)
+      be->copy_to_host(host.data() + (k + 1) * n, st[k].second, n * sizeof(float));
+    CheckpointMeta meta;
+    meta.deck = deck.resolved_text();
+    meta.grid = {grid->shape().pipeline, grid->shape().data, grid->shape().tensor};
+    meta.tensor_mode = grid->shape().tensor > 1 ? tensor_mode_name(grid->shape().mode) : "none";
+    meta.backend = be->name();
+    meta.world_size = grid->world_size();
+    meta.state["step"] = {double(step)};
+    meta.state["applied_steps"] = {double(applied)};
+    meta.state["epoch"] = {double(step) * deck.data.global_batch / double(train_ds->size())};
+    meta.state["sample_cursor"] = {double(step) * deck.data.global_batch};
+    meta.state["seed"] = {double(deck.run.seed)};
+    meta.state["loss_scale"] = {double(scaler->scale())};
+    meta.state["scaler_good_steps"] = {double(scaler->good_steps())};
+    MPI_Barrier(world);
+    const double t0 = now_s();
+    const std::string path =
+        write_checkpoint(world, ckpt_dir(), step, sh, meta, deck.checkpoint.keep);
+    const double dt = now_s() - t0;
+    const double gb = double(model->num_global_params()) * 4.0 * (1 + st.size()) / 1e9;
+    ckpt_write_gbs = gb / std::max(dt, 1e-9);
+    log("checkpoint %s written: %.3f GB in %.2f s (%.2f GB/s)\n", path.c_str(), gb, dt,
+        ckpt_write_gbs);
+  }
+
+  // Loads parameters (and optimizer state + counters when `full`).
+  void load_checkpoint(const std::string& path, bool full) {
+    std::vector<float> host;
+    auto sh = shards(host, full);
+    CheckpointMeta meta;
+    const double t0 = now_s();
+    agreed([&] { read_checkpoint(world, path, sh, &meta); });
+    const double dt = now_s() - t0;
+    const size_t n = model->num_local_params();
+    be->copy_to_device(model->master(), host.data(), n * sizeof(float));
+    model->sync_compute_params();
+    if (full) {
+      auto st = opt->state();
+      for (size_t k = 0; k < st.size(); ++k)
+        be->copy_to_device(st[k].second, host.data() + (k + 1) * n, n * sizeof(float));
+      auto get = [&](const char* k) {
+        auto it = meta.state.find(k);
+        return it == meta.state.end() || it->second.empty() ? 0.0 : it->second[0];
+      };
+      step = static_cast<int64_t>(get("step"));
+      applied = static_cast<int64_t>(get("applied_steps"));
+      scaler->restore(get("loss_scale") > 0 ? get("loss_scale") : scaler->scale(),
+                      static_cast<int64_t>(get("scaler_good_steps")));
+    }
+    const double gb = double(model->num_global_params()) * 4.0 * (full ? 1 + opt->state().size() : 1) / 1e9;
+    ckpt_read_gbs = gb / std::max(dt, 1e-9);
+    log("checkpoint %s loaded%s: %.3f GB in %.2f s (%.2f GB/s)\n", path.c_str(),
+        full ? " (resuming)" : "", gb, dt, ckpt_read_gbs);
+  }
+
+  // ---- evaluation over the eval split; returns loss, top1, top5 (fractions)
+  void evaluate(double* loss, double* top1, double* top5,
+                std::vector<std::pair<int64_t, std::vector<float>>>* rows = nullptr) {
+    DataLoader loader(eval_ds, loader_config(false));
+    double s[4] = {0, 0, 0, 0};
+    int64_t t = 0;
+    const int64_t E = deck.data.global_batch / deck.data.grad_accum;
+    while (auto hb = loader.next()) {
+      DeviceBatch db = upload(*hb, false);
+      double l = 0, c1 = 0, c5 = 0;
+      model->forward_eval(db, &l, &c1, &c5);
+      s[0] += l;
+      s[1] += c1;
+      s[2] += c5;
+      s[3] += hb->count;
+      if (rows && hb->count > 0) {
+        std::vector<float> logits;
+        model->logits_to_host(logits, hb->count);
+        const int K = cfg.classes;
+        const int64_t first = t * E + int64_t(grid->rank(Axis::Data)) * b;
+        for (int i = 0; i < hb->count; ++i) {
+          std::vector<float> r(logits.begin() + int64_t(i) * K, logits.begin() + int64_t(i + 1) * K);
+          r.push_back(static_cast<float>(hb->labels[i]));
+          rows->emplace_back(first + i, std::move(r));
+        }
+      }
+      ++t;
+    }
+    MPI_Allreduce(MPI_IN_PLACE, s, 4, MPI_DOUBLE, MPI_SUM, grid->comm(Axis::Data).get());
+    const double n = std::max(s[3], 1.0);
+    *loss = s[0] / n;
+    *top1 = s[1] / n;
+    *top5 = s[2] / n;
+  }
+
+  int train() {
+    setup(true);
+    agreed([&] {
+      if (deck.checkpoint.resume == "auto") {
+        // nothing to check here: latest_checkpoint is collective and below
+      }
+    });
+    bool resumed = false;
+    if (deck.checkpoint.resume == "auto") {
+      const std::string last = latest_checkpoint(world, ckpt_dir());
+      if (!last.empty()) {
+        load_checkpoint(last, true);
+        resumed = true;
+      } else {
+        log("checkpoint.resume = auto: no complete checkpoint in %s, starting fresh\n",
+            ckpt_dir().c_str());
+      }
+    }
+    if (!resumed) {
+      model->init_params(deck.run.seed);
+      if (!deck.checkpoint.load.empty()) load_checkpoint(deck.checkpoint.load, false);
+    }
+    if (grid->world_rank() == 0) mkdirs(deck.run.out_dir);
+    MPI_Barrier(world);
+    MetricsWriter metrics(world, deck.run.out_dir + "/metrics.h5", deck.resolved_text(),
+                          {grid->shape().pipeline, grid->shape().data, grid->shape().tensor},
+                          grid->shape().tensor > 1 ? tensor_mode_name(grid->shape().mode) : "none",
+                          be->name(), resumed, step);
+
+    LrSchedule sched(deck.optim, total_steps, warmup_steps);
+    const int64_t G = deck.data.global_batch;
+    const int A = deck.data.grad_accum;
+    DataLoader loader(train_ds, loader_config(true), step);
+    const double flops_sample = cfg.train_flops_per_sample();
+    log("training %lld steps (%.2f epochs) from step %lld: global batch %lld = %d data x %d "
+        "accumulation x %d per rank; %s, lr %.3g, warmup %lld\n",
+        static_cast<long long>(total_steps), double(total_steps) * G / train_ds->size(),
+        static_cast<long long>(step), static_cast<long long>(G), grid->size(Axis::Data), A, b,
+        deck.optim.name.c_str(), deck.optim.lr, static_cast<long long>(warmup_steps));
+    const MPI_Comm data_comm = grid->comm(Axis::Data).get();
+    const double t_start = now_s();
+    double t_log = t_start;
+    int64_t steps_since_log = 0;
+    double last_loss = 0.0;
+    const int64_t first_step = step;
+    while (step < total_steps) {
+      const double t0 = now_s();
+      model->zero_grads();
+      const float scale = scaler->scale();
+      const float grad_scale = scale / static_cast<float>(G);
+      double loss_sum = 0.0;
+      for (int m = 0; m < A; ++m) {
+        auto hb = loader.next();
+        DeviceBatch db = upload(*hb, true);
+        loss_sum += model->forward_backward(db, static_cast<float>(deck.data.label_smoothing),
+                                            grad_scale, step, m);
+      }
+      // data-parallel gradient reduction (sum: each rank's gradient is already / G)
+      if (grid->size(Axis::Data) > 1)
+        coll->allreduce_sum(model->grads(), model->num_local_params(), Axis::Data);
+      MPI_Allreduce(MPI_IN_PLACE, &loss_sum, 1, MPI_DOUBLE, MPI_SUM, data_comm);
+      const double loss = loss_sum / double(G);
+      bool finite = true;
+      if (scaler->enabled()) {
+        int f = be->all_finite(model->grads(), model->num_local_params()) ? 1 : 0;
+        MPI_Allreduce(MPI_IN_PLACE, &f, 1, MPI_INT, MPI_MIN, world);  // agreed over every axis
+        finite = f != 0;
+      }
+      double gnorm = finite ? std::sqrt(opt->grad_norm_sq(model->grads())) / scale : NAN;
+      const double lr = sched.at(step + 1);
+      const bool apply = scaler->update(finite);
+      if (apply) {
+        float coef = 1.0f;
+        if (deck.optim.clip_grad_norm > 0.0 && gnorm > deck.optim.clip_grad_norm)
+          coef = static_cast<float>(deck.optim.clip_grad_norm / (gnorm + 1e-6));
+        ++applied;
+        opt->step(model->master(), model->grads(), lr, applied, coef / scale);
+        model->sync_compute_params();
+      }
+      be->synchronize();
+      ++step;
+      ++steps_since_log;
+      double dt = now_s() - t0, dt_max = dt;
+      MPI_Allreduce(MPI_IN_PLACE, &dt_max, 1, MPI_DOUBLE, MPI_MAX, world);
+      last_loss = loss;
+      metrics.add_train({step, loss, lr, gnorm, double(G) / dt_max, double(scale), dt,
+                         double(be->peak_memory_bytes())});
+      const bool last = step == total_steps;
+      if (step % deck.run.log_every == 0 || last) {
+        const double now = now_s();
+        const double ips = double(G) * steps_since_log / std::max(now - t_log, 1e-9);
+        const double eta = (total_steps - step) * (now - t_start) / double(step - first_step);
+        log("step %6lld/%lld | epoch %6.2f | loss %.4f | lr %.3e | %8.1f img/s | %5.1f "
+            "TFLOP/s | ETA %s%s\n",
+            static_cast<long long>(step), static_cast<long long>(total_steps),
+            double(step) * G / train_ds->size(), loss, lr, ips, ips * flops_sample / 1e12,
+            fmt_duration(eta).c_str(), apply ? "" : " | overflow: step skipped");
+        t_log = now;
+        steps_since_log = 0;
+        metrics.flush();
+      }
+      if ((deck.run.eval_every > 0 && step % deck.run.eval_every == 0) || last) {
+        double el, e1, e5;
+        evaluate(&el, &e1, &e5);
+        metrics.add_eval({step, el, e1, e5});
+        metrics.flush();
+        log("eval  %6lld | loss %.4f | top-1 %.2f%% | top-5 %.2f%%\n",
+            static_cast<long long>(step), el, 100 * e1, 100 * e5);
+      }
+      if ((deck.checkpoint.every_steps > 0 && step % deck.checkpoint.every_steps == 0) || last)
+        save_checkpoint();
+    }
+    metrics.set_attribute("peak_device_memory_bytes", double(be->peak_memory_bytes()));
+    metrics.set_attribute("checkpoint_write_GBps", ckpt_write_gbs);
+    metrics.flush();
+    log("done: %lld steps in %s, final loss %.4f; outputs in %s\n",
+        static_cast<long long>(step - first_step), fmt_duration(now_s() - t_start).c_str(),
+        last_loss, deck.run.out_dir.c_str());
+    return 0;
+  }
+
+  int evaluate_only() {
+    setup(false);
+    model->init_params(deck.run.seed);
+    load_checkpoint(deck.checkpoint.load, false);
+    double el, e1, e5;
+    evaluate(&el, &e1, &e5);
+    log("eval %s | loss %.4f | top-1 %.2f%% | top-5 %.2f%%\n", deck.checkpoint.load.c_str(), el,
+        100 * e1, 100 * e5);
+    return 0;
+  }
+
+  int predict() {
+    setup(false);
+    model->init_params(deck.run.seed);
+    load_checkpoint(deck.checkpoint.load, false);
+    std::vector<std::pair<int64_t, std::vector<float>>> rows;
+    double el, e1, e5;
+    evaluate(&el, &e1, &e5, &rows);
+    // Rows come interleaved over data ranks (eval batches are split across them); move them
+    // so that data rank r holds the contiguous block [r*chunk, (r+1)*chunk) and write those
+    // hyperslabs collectively. Ranks outside tensor/pipeline coordinate 0 hold copies.
+    const MPI_Comm dc = grid->comm(Axis::Data).get();
+    const int D = grid->size(Axis::Data), r = grid->rank(Axis::Data);
+    int64_t total = static_cast<int64_t>(rows.size());
+    MPI_Allreduce(MPI_IN_PLACE, &total, 1, MPI_INT64_T, MPI_SUM, dc);
+    const int64_t chunk = (total + D - 1) / D;
+    const int K = cfg.classes, W = K + 2;  // position, K logits, label
+    std::vector<std::vector<double>> out(D);
+    for (auto& [pos, v] : rows) {
+      auto& o = out[std::min<int64_t>(pos / chunk, D - 1)];
+      o.push_back(double(pos));
+      o.insert(o.end(), v.begin(), v.end());
+    }
+    std::vector<int> sc(D), rc(D), sd(D), rd(D);
+    std::vector<double> sbuf;
+    for (int i = 0; i < D; ++i) {
+      sd[i] = static_cast<int>(sbuf.size());
+      sc[i] = static_cast<int>(out[i].size());
+      sbuf.insert(sbuf.end(), out[i].begin(), out[i].end());
+    }
+    MPI_Alltoall(sc.data(), 1, MPI_INT, rc.data(), 1, MPI_INT, dc);
+    int rtot = 0;
+    for (int i = 0; i < D; ++i) {
+      rd[i] = rtot;
+      rtot += rc[i];
+    }
+    std::vector<double> rbuf(rtot);
+    MPI_Alltoallv(sbuf.data(), sc.data(), sd.data(), MPI_DOUBLE, rbuf.data(), rc.data(),
+                  rd.data(), MPI_DOUBLE, dc);
+    const int64_t nrows = rtot / W, first = std::min<int64_t>(int64_t(r) * chunk, total);
+    std::vector<float> logits(nrows * K);
+    std::vector<int32_t> labels(nrows);
+    for (int64_t i = 0; i < nrows; ++i) {
+      const double* row = rbuf.data() + i * W;
+      const int64_t at = static_cast<int64_t>(row[0]) - first;
+      for (int k = 0; k < K; ++k) logits[at * K + k] = static_cast<float>(row[1 + k]);
+      labels[at] = static_cast<int32_t>(row[1 + K]);
+    }
+    if (grid->world_rank() == 0) mkdirs(deck.run.out_dir);
+    MPI_Barrier(world);
+    write_predictions(dc, deck.run.out_dir + "/predictions.h5", deck.resolved_text(), total, K,
+                      first, logits, labels);
+    log("predict %s: %lld rows written to %s/predictions.h5 (top-1 %.2f%%)\n",
+        deck.checkpoint.load.c_str(), static_cast<long long>(total), deck.run.out_dir.c_str(),
+        100 * e1);
+    return 0;
+  }
+};
+
+Trainer::Trainer(MPI_Comm world, const Deck& deck) : impl_(std::make_unique<Impl>(world, deck)) {}
+Trainer::~Trainer() = default;
+int Trainer::train() { return impl_->train(); }
+int Trainer::evaluate_only() { return impl_->evaluate_only(); }
+int Trainer::predict() { return impl_->predict(); }
+
+}  // namespace vitgrid

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,7 @@ const char* kUsage =
     "usage: vitgrid train   DECK [--section.key=value ...]\n"
     "       vitgrid eval    DECK --checkpoint.load=PATH [--section.key=value ...]\n"
     "       vitgrid predict DECK --checkpoint.load=PATH   (writes RUN_DIR/predictions.h5)\n"
+    "       vitgrid bench   DECK [--warmup=N] [--steps=N] [--peak-tflops=X] [--section.key=value ...]\n"
     "       vitgrid help-deck    (every deck key, its type, default and meaning)\n"
     "       vitgrid version\n";
 
@@ -49,7 +51,7 @@ int run_app(int argc, char** argv) {
     log("%s", kUsage);
     return 0;
   }
-  if (cmd != "train" && cmd != "eval" && cmd != "predict") {
+  if (cmd != "train" && cmd != "eval" && cmd != "predict" && cmd != "bench") {
     log("vitgrid: error: unknown command '%s'\n%s", cmd.c_str(), kUsage);
     return kExitUserError;
   }
@@ -61,13 +63,29 @@ int run_app(int argc, char** argv) {
   MPI_Comm_size(world, &world_size);
   // Every rank parses the same deck; agree anyway so that one message is printed and every
   // rank exits with the same code.
+  // bench options (not deck keys)
+  int warmup = 5, steps = 20;
+  double peak = 0.0;
+  for (auto it = args.begin() + 2; it != args.end();) {
+    auto opt = [&](const char* name, auto& v) {
+      const std::string p = std::string("--") + name + "=";
+      if (it->rfind(p, 0) != 0) return false;
+      std::istringstream is(it->substr(p.size()));
+      is >> v;
+      return true;
+    };
+    if (cmd == "bench" && (opt("warmup", warmup) || opt("steps", steps) || opt("peak-tflops", peak)))
+      it = args.erase(it);
+    else
+      ++it;
+  }
   Deck deck;
   std::string msg;
   bool ok = true;
   try {
     std::vector<std::string> overrides(args.begin() + 2, args.end());
     deck = parse_deck(args[1], overrides, world_size);
-    check_deck_paths(deck, cmd == "train");
+    check_deck_paths(deck, cmd == "train");  // bench writes nothing
     if (cmd != "train" && deck.checkpoint.load.empty())
       throw UserError("checkpoint.load: '" + cmd + "' needs a checkpoint (--checkpoint.load=PATH)");
   } catch (const UserError& e) {
@@ -78,6 +96,14 @@ int run_app(int argc, char** argv) {
   Trainer trainer(world, deck);
   if (cmd == "train") return trainer.train();
   if (cmd == "eval") return trainer.evaluate_only();
+  if (cmd == "bench") {
+    // peak dense TFLOP/s of one device for MFU: H100/H200 bf16/fp16 989, tf32 494, fp32 67
+    if (peak <= 0.0) {
+      const std::string& m = deck.precision.mode;
+      peak = (m == "bf16" || m == "fp16" || m == "fp16-naive") ? 989.0 : (m == "tf32" ? 494.0 : 67.0);
+    }
+    return trainer.bench(warmup, steps, peak);
+  }
   return trainer.predict();
 }
 

@@ -222,7 +222,7 @@ struct Trainer::Impl {
     return c;
   }
 
-  DeviceBatch upload(const HostBatch& hb, bool train) {
+  DeviceBatch upload(const HostBatch& hb) {
     DeviceBatch db;
     db.count = hb.count;
     db.first_position = hb.first_position;
@@ -235,7 +235,8 @@ struct Trainer::Impl {
     be->copy_to_device(d_labels, hb.labels.data(), hb.count * sizeof(int32_t));
     if (!hb.soft.empty())
       be->copy_to_device(d_soft, hb.soft.data(), hb.soft.size() * sizeof(float));
-    const int pad = train ? deck.data.crop_padding : 0;
+    // eval batches carry dx = dy = pad: the crop of the padded image is the image itself
+    const int pad = deck.data.crop_padding;
     be->prepare_images(d_images, d_img, mix ? d_partner : nullptr, d_aug, hb.count, cfg.image,
                        pad, deck.data.mean.data(), deck.data.std.data());
     db.images = d_images;
@@ -342,7 +343,7 @@ struct Trainer::Impl {
     int64_t t = 0;
     const int64_t E = deck.data.global_batch / deck.data.grad_accum;
     while (auto hb = loader.next()) {
-      DeviceBatch db = upload(*hb, false);
+      DeviceBatch db = upload(*hb);
       double l = 0, c1 = 0, c5 = 0;
       model->forward_eval(db, &l, &c1, &c5);
       s[0] += l;
@@ -422,7 +423,7 @@ struct Trainer::Impl {
       double loss_sum = 0.0;
       for (int m = 0; m < A; ++m) {
         auto hb = loader.next();
-        DeviceBatch db = upload(*hb, true);
+        DeviceBatch db = upload(*hb);
         loss_sum += model->forward_backward(db, static_cast<float>(deck.data.label_smoothing),
                                             grad_scale, step, m);
       }
@@ -487,6 +488,50 @@ struct Trainer::Impl {
     log("done: %lld steps in %s, final loss %.4f; outputs in %s\n",
         static_cast<long long>(step - first_step), fmt_duration(now_s() - t_start).c_str(),
         last_loss, deck.run.out_dir.c_str());
+    return 0;
+  }
+
+  int bench(int warmup, int steps, double peak_tflops) {
+    setup(true);
+    model->init_params(deck.run.seed);
+    const int64_t G = deck.data.global_batch;
+    const int A = deck.data.grad_accum;
+    // one real batch from the loader, reused: times the model, not the input pipeline
+    DataLoader loader(train_ds, loader_config(true), 0);
+    auto hb = loader.next();
+    LrSchedule sched(deck.optim, warmup + steps, 0);
+    auto one_step = [&](int64_t s) {
+      model->zero_grads();
+      const float scale = scaler->scale();
+      for (int m = 0; m < A; ++m) {
+        DeviceBatch db = upload(*hb);
+        model->forward_backward(db, 0.1f, scale / float(G), s, m);
+      }
+      if (grid->size(Axis::Data) > 1)
+        coll->allreduce_sum(model->grads(), model->num_local_params(), Axis::Data);
+      const double gn = std::sqrt(opt->grad_norm_sq(model->grads())) / scale;
+      (void)gn;
+      opt->step(model->master(), model->grads(), sched.at(s + 1), s + 1, 1.0f / scale);
+      model->sync_compute_params();
+    };
+    for (int s = 0; s < warmup; ++s) one_step(s);
+    be->synchronize();
+    MPI_Barrier(world);
+    const double t0 = now_s();
+    for (int s = 0; s < steps; ++s) one_step(warmup + s);
+    be->synchronize();
+    double dt = (now_s() - t0) / std::max(steps, 1);
+    MPI_Allreduce(MPI_IN_PLACE, &dt, 1, MPI_DOUBLE, MPI_MAX, world);
+    double mem = double(be->peak_memory_bytes()), mem_max = mem;
+    MPI_Allreduce(MPI_IN_PLACE, &mem_max, 1, MPI_DOUBLE, MPI_MAX, world);
+    const double ips = double(G) / dt;
+    const double tflops = ips * cfg.train_flops_per_sample() / 1e12;
+    const double per_dev = tflops / grid->world_size();
+    log("bench | %s | %s | %s | world %d | global batch %lld | step %.2f ms | %.1f img/s | "
+        "%.1f img/s/device | %.1f TFLOP/s/device | MFU %.1f%% (peak %.0f) | peak mem %.2f GiB\n",
+        deck.model.preset.c_str(), deck.precision.mode.c_str(), be->name().c_str(),
+        grid->world_size(), static_cast<long long>(G), dt * 1e3, ips, ips / grid->world_size(),
+        per_dev, 100.0 * per_dev / peak_tflops, peak_tflops, mem_max / 1073741824.0);
     return 0;
   }
 
@@ -564,5 +609,6 @@ Trainer::~Trainer() = default;
 int Trainer::train() { return impl_->train(); }
 int Trainer::evaluate_only() { return impl_->evaluate_only(); }
 int Trainer::predict() { return impl_->predict(); }
+int Trainer::bench(int warmup, int steps, double peak) { return impl_->bench(warmup, steps, peak); }
 
 }  // namespace vitgrid

@@ -20,6 +20,10 @@ class Trainer {
   int train();
   int evaluate_only();
   int predict();
+  // Throughput: `warmup` untimed then `steps` timed training steps on one fixed synthetic
+  // batch (no input pipeline in the loop), full optimizer step included. Prints images/s,
+  // step time, model TFLOP/s, MFU against `peak_tflops` per device and peak memory.
+  int bench(int warmup, int steps, double peak_tflops);
 
  private:
   struct Impl;

@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""End-to-end tests of the vitgrid executable under mpirun (run by ctest, one test per name).
+
+    e2e.py NAME      NAME in: dp_equivalence, resume_exact, refusals, predict, optimizers
+
+They launch build/bin/vitgrid on 1-4 oversubscribed CPU ranks with the tiny deck beside this
+file and read metrics.h5 / checkpoints / predictions.h5 with h5py."""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import h5py
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VITGRID = os.environ.get("VITGRID_BIN", "build/bin/vitgrid")
+DECK = os.path.join(HERE, "tiny.ini")
+ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+           OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+FAILURES = []
+
+
+def run(np_, args, timeout=240, expect_rc=0):
+    cmd = ["mpirun", "-np", str(np_), "--oversubscribe", VITGRID] + args
+    p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    if expect_rc is not None and p.returncode != expect_rc:
+        print(p.stdout[-4000:], p.stderr[-4000:])
+        raise AssertionError(f"{' '.join(cmd)}: exit {p.returncode}, expected {expect_rc}")
+    return p
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what)
+    if not cond:
+        FAILURES.append(what)
+
+
+def losses(run_dir):
+    with h5py.File(os.path.join(run_dir, "metrics.h5"), "r") as f:
+        return np.asarray(f["/train/step"]), np.asarray(f["/train/loss"])
+
+
+def rel(a, b):
+    return np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-12))
+
+
+def t_dp_equivalence(tmp):
+    """The same deck on 1, 2 and 4 ranks (and with gradient accumulation) gives the same
+    loss for 20 steps within 1e-4 relative: dropout, Mixup, crops and flips are functions of
+    (seed, step, global sample), so only the reduction order differs."""
+    ref = None
+    for np_, accum in [(1, 1), (2, 1), (4, 1), (1, 4), (2, 2)]:
+        d = os.path.join(tmp, f"dp{np_}_acc{accum}")
+        run(np_, ["train", DECK, f"--run.out_dir={d}", f"--data.grad_accum={accum}",
+                  "--checkpoint.every_steps=0"])
+        steps, loss = losses(d)
+        check(len(loss) == 20 and list(steps) == list(range(1, 21)),
+              f"np={np_} accum={accum}: 20 steps recorded")
+        if ref is None:
+            ref = loss
+            check(loss[-1] < loss[0], f"loss decreases ({loss[0]:.4f} -> {loss[-1]:.4f})")
+        else:
+            r = rel(loss, ref)
+            check(r <= 1e-4, f"np={np_} accum={accum}: max relative loss difference {r:.2e} <= 1e-4")
+
+
+def t_resume_exact(tmp):
+    """Resume at step 10 continues bit for bit on the CPU backend (steps 11-20 identical)."""
+    a = os.path.join(tmp, "a")
+    run(2, ["train", DECK, f"--run.out_dir={a}", "--checkpoint.every_steps=10"])
+    _, la = losses(a)
+    b = os.path.join(tmp, "b")
+    shutil.copytree(a, b)
+    os.remove(os.path.join(b, "checkpoints", "step_00000020.h5"))
+    p = run(2, ["train", DECK, f"--run.out_dir={b}", "--checkpoint.resume=auto"])
+    check("resuming" in p.stdout, "second run resumed from a checkpoint")
+    steps, lb = losses(b)
+    check(list(steps) == list(range(1, 21)), "metrics continue: steps 1..20 once each")
+    check(np.array_equal(la[10:], lb[10:]), f"steps 11-20 bit-identical after resume "
+          f"(max diff {np.max(np.abs(la[10:] - lb[10:])):.3e})")
+    with h5py.File(os.path.join(a, "checkpoints", "step_00000020.h5"), "r") as fa, \
+         h5py.File(os.path.join(b, "checkpoints", "step_00000020.h5"), "r") as fb:
+        same = all(np.array_equal(fa["model"][k][()], fb["model"][k][()]) for k in fa["model"])
+        check(same, "final parameters bit-identical")
+        check(int(fa.attrs["complete"]) == 1, "checkpoint marked complete")
+        check("blocks.0.attn.qkv.weight" in fa["model"], "timm parameter names")
+
+
+def t_refusals(tmp):
+    """Bad input: one clear message naming the key, the same non-zero exit on every rank,
+    never a hang."""
+    cases = [
+        (["--model.hiden=32"], "model.hiden"),
+        (["--model.hidden=abc"], "model.hidden"),
+        (["--model.heads=5"], "model.heads"),
+        (["--model.patch_size=3"], "model.patch_size"),
+        (["--data.global_batch=10"], "data.global_batch"),
+        (["--parallel.tensor=3"], "parallel.tensor"),
+        (["--data.dataset=cifar10", f"--data.path={tmp}/nowhere"], "data.path"),
+        (["--precision.mode=fp8"], "precision.mode"),
+    ]
+    for extra, key in cases:
+        d = os.path.join(tmp, "refuse")
+        p = run(2, ["train", DECK, f"--run.out_dir={d}"] + extra, timeout=60, expect_rc=None)
+        out = p.stdout + p.stderr
+        n = out.count("vitgrid: error:")
+        check(p.returncode != 0 and n == 1 and key in out,
+              f"{' '.join(extra)}: exit {p.returncode}, {n} message(s), names {key}")
+    # an out_dir holding another run is refused unless resuming
+    d = os.path.join(tmp, "taken")
+    run(1, ["train", DECK, f"--run.out_dir={d}", "--run.steps=2", "--checkpoint.every_steps=0"])
+    p = run(2, ["train", DECK, f"--run.out_dir={d}"], timeout=60, expect_rc=None)
+    check(p.returncode != 0 and "run.out_dir" in p.stdout + p.stderr, "out_dir holding a run refused")
+    # a corrupt checkpoint is refused with the file named
+    bad = os.path.join(tmp, "bad.h5")
+    with open(bad, "wb") as f:
+        f.write(b"not an hdf5 file" * 100)
+    p = run(2, ["eval", DECK, f"--checkpoint.load={bad}", f"--run.out_dir={tmp}/ev"], timeout=60,
+            expect_rc=None)
+    out = p.stdout + p.stderr
+    check(p.returncode != 0 and "bad.h5" in out and out.count("vitgrid: error:") == 1,
+          "corrupt checkpoint refused naming the file")
+
+
+def t_predict(tmp):
+    """eval and predict from a checkpoint: predictions.h5 holds every eval sample in order and
+    its top-1 equals what eval reports."""
+    d = os.path.join(tmp, "p")
+    run(2, ["train", DECK, f"--run.out_dir={d}"])
+    ck = os.path.join(d, "checkpoints", "step_00000020.h5")
+    pe = run(2, ["eval", DECK, f"--checkpoint.load={ck}", f"--run.out_dir={d}/eval"])
+    run(2, ["predict", DECK, f"--checkpoint.load={ck}", f"--run.out_dir={d}/pred"])
+    with h5py.File(os.path.join(d, "pred", "predictions.h5"), "r") as f:
+        logits, labels = f["/logits"][()], f["/labels"][()]
+        check("deck" in f.attrs, "predictions.h5 stores the deck")
+    check(logits.shape == (64, 4) and labels.shape == (64,), f"predictions shape {logits.shape}")
+    top1 = float(np.mean(np.argmax(logits, 1) == labels))
+    line = [l for l in pe.stdout.splitlines() if "top-1" in l][-1]
+    reported = float(line.split("top-1")[1].split("%")[0]) / 100
+    check(abs(top1 - reported) < 1e-6, f"predict top-1 {top1:.4f} == eval top-1 {reported:.4f}")
+    with h5py.File(os.path.join(d, "metrics.h5"), "r") as f:
+        ev = f["/eval/top1"][()]
+        check(abs(ev[-1] - top1) < 1e-6, "metrics /eval/top1 agrees with predictions")
+        for k in ["deck", "world_size", "grid", "tensor_mode", "backend", "version"]:
+            check(k in f.attrs, f"metrics.h5 root attribute {k}")
+        check(f["/train/step_time_s"].shape == (20, 2), "step_time_s is [steps, world]")
+
+
+def t_optimizers(tmp):
+    """LAMB and SGD train (loss decreases) and are layout-independent too."""
+    for name, lr in [("lamb", "1e-2"), ("sgd", "5e-2")]:
+        ref = None
+        for np_ in (1, 2):
+            d = os.path.join(tmp, f"{name}{np_}")
+            run(np_, ["train", DECK, f"--run.out_dir={d}", f"--optim.name={name}",
+                      f"--optim.lr={lr}", "--checkpoint.every_steps=0"])
+            _, loss = losses(d)
+            if ref is None:
+                ref = loss
+                check(loss[-1] < loss[0], f"{name}: loss decreases ({loss[0]:.4f} -> {loss[-1]:.4f})")
+            else:
+                check(rel(loss, ref) <= 1e-4, f"{name}: 2 ranks match 1 rank ({rel(loss, ref):.2e})")
+
+
+def main():
+    name = sys.argv[1]
+    fn = globals()["t_" + name]
+    tmp = tempfile.mkdtemp(prefix=f"vg_{name}_")
+    try:
+        fn(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if FAILURES:
+        print(f"{len(FAILURES)} check(s) failed")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -262,8 +262,11 @@ DropoutKey ViT::dkey(int64_t step, int micro, int layer, int site, int64_t first
                      int64_t per_sample) const {
   DropoutKey k;
   k.seed = seed_;
-  k.key = mix64(kStreamDropout ^ mix64(static_cast<uint64_t>(step) * 1000003ull +
-                                       static_cast<uint64_t>(micro))) ^
+  // The micro-batch index is deliberately not part of the key: a sample's global stream
+  // position already identifies it, and its mask must not depend on how the global batch is
+  // cut into micro-batches (grad_accum) or ranks.
+  (void)micro;
+  k.key = mix64(kStreamDropout ^ mix64(static_cast<uint64_t>(step))) ^
           (static_cast<uint64_t>(layer) << 8 | static_cast<uint64_t>(site));
   k.counter_base = static_cast<uint64_t>(first_pos) * static_cast<uint64_t>(per_sample);
   return k;

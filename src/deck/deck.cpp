@@ -1,0 +1,897 @@
+// The input deck: schema, INI and command-line parsing, model presets, derivation, validation,
+// the resolved dump and the Markdown reference.
+//
+// Parsing happens in two passes over the same text. Our own scan walks the INI line by line so
+// that every key is known with its line number (Boost.ProgramOptions does not report lines), and
+// refuses syntax errors, unknown keys and duplicates with "deck.ini:12: ..." messages. Boost's
+// parse_config_file(allow_unregistered = false) then parses the text against the same schema
+// and supplies the values; anything it still objects to is reported with the deck's name.
+// Values are kept as strings until every source has been merged (deck, then command line, then
+// the preset fills whatever model key neither of them set), and converted once, so a conversion
+// error always knows where the offending string came from.
+#include "vitgrid/deck/deck.h"
+
+#include <algorithm>
+#include <boost/program_options.hpp>
+#include <cctype>
+#include <charconv>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <set>
+#include <sstream>
+#include <utility>
+
+#include "vitgrid/core/error.h"
+
+namespace po = boost::program_options;
+
+namespace vitgrid {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// The schema: one row per key. The C++ type of each field is deduced from the Deck member, so
+// the table cannot disagree with deck.h; defaults are read from a default-constructed Deck for
+// the same reason.
+
+enum class Kind { Int, Int64, UInt64, Double, Bool, String, FloatList };
+
+template <class T>
+constexpr Kind kind_of();
+template <>
+constexpr Kind kind_of<int>() {
+  return Kind::Int;
+}
+template <>
+constexpr Kind kind_of<int64_t>() {
+  return Kind::Int64;
+}
+template <>
+constexpr Kind kind_of<uint64_t>() {
+  return Kind::UInt64;
+}
+template <>
+constexpr Kind kind_of<double>() {
+  return Kind::Double;
+}
+template <>
+constexpr Kind kind_of<bool>() {
+  return Kind::Bool;
+}
+template <>
+constexpr Kind kind_of<std::string>() {
+  return Kind::String;
+}
+template <>
+constexpr Kind kind_of<std::vector<float>>() {
+  return Kind::FloatList;
+}
+
+struct Field {
+  const char* section;
+  const char* key;
+  Kind kind;
+  // For enum-like strings: the accepted values separated by '|' ("" = free text). An entry
+  // ending in ':' accepts that prefix followed by anything (parallel.partition's "list:").
+  const char* choices;
+  const char* help;
+  void* (*member)(Deck&);
+
+  std::string name() const { return std::string(section) + "." + key; }
+};
+
+#define VG_FIELD(sec, k, choices, help)                                                           \
+  Field {                                                                                         \
+#sec, #k, kind_of < std::decay_t < decltype(std::declval <Deck&>().sec.k)>>(), choices, help, \
+        [](Deck & d) -> void* { return &d.sec.k; }                                                \
+  }
+
+const std::vector<Field>& schema() {
+  static const std::vector<Field> fields = {
+      // [run]
+      VG_FIELD(run, out_dir, "", "run directory: metrics.h5, checkpoints/, predictions.h5"),
+      VG_FIELD(run, seed, "", "seed of every random stream (init, data order, mixup, dropout)"),
+      VG_FIELD(run, steps, "", "optimizer steps to train (exactly one of steps / epochs is > 0)"),
+      VG_FIELD(run, epochs, "", "epochs to train, alternative to run.steps"),
+      VG_FIELD(run, log_every, "", "optimizer steps between log lines and metrics rows"),
+      VG_FIELD(run, eval_every, "", "optimizer steps between evaluations (0 = only at the end)"),
+      VG_FIELD(run, eval_samples, "", "samples used per evaluation (0 = the whole eval split)"),
+      // [model]
+      VG_FIELD(model, preset, "",
+               "vit-tiny/16 | vit-small/16 | vit-base/16 | vit-large/16 | vit-lite-7/4 | "
+               "vit-huge-4096 | custom; fills the model keys not given explicitly"),
+      VG_FIELD(model, image_size, "", "input image side in pixels"),
+      VG_FIELD(model, patch_size, "", "patch side in pixels (divides image_size)"),
+      VG_FIELD(model, channels, "", "input channels (3: RGB)"),
+      VG_FIELD(model, hidden, "", "embedding width"),
+      VG_FIELD(model, depth, "", "transformer blocks"),
+      VG_FIELD(model, heads, "", "attention heads (divide hidden)"),
+      VG_FIELD(model, mlp_ratio, "", "MLP hidden width / hidden"),
+      VG_FIELD(model, num_classes, "", "classifier outputs"),
+      VG_FIELD(model, dropout, "", "dropout after pos-embed, attention proj and MLP, in [0,1)"),
+      VG_FIELD(model, gelu, "exact|tanh", "GELU form: exact (erf, timm default) or tanh"),
+      VG_FIELD(model, checkpoint_activations, "",
+               "recompute each block in the backward pass to save activation memory"),
+      // [parallel]
+      VG_FIELD(parallel, pipeline, "", "pipeline stages"),
+      VG_FIELD(parallel, tensor, "", "ranks in the tensor-parallel group"),
+      VG_FIELD(parallel, tensor_mode, "1d|2d|2.5d|3d",
+               "tensor-parallel layout: 1d [t], 2d [q,q], 2.5d [d,q,q], 3d [q,q,q]"),
+      VG_FIELD(parallel, tensor_depth, "", "depth d of the 2.5d layout (tensor = d*q*q)"),
+      VG_FIELD(parallel, micro_batches, "", "pipeline micro-batches per optimizer step"),
+      VG_FIELD(parallel, schedule, "gpipe|1f1b|interleaved", "pipeline schedule"),
+      VG_FIELD(parallel, chunks, "", "model chunks per stage (interleaved schedule only, >= 2)"),
+      VG_FIELD(parallel, partition, "uniform|balanced|list:",
+               "blocks per stage: uniform | balanced | list:n0,n1,... (pipeline*chunks entries)"),
+      VG_FIELD(parallel, zero, "", "ZeRO stage: 0 = off, 1 = optimizer state sharded over data"),
+      VG_FIELD(parallel, data, "",
+               "data-parallel replicas; derived as world / (pipeline * tensor), 0 = derive"),
+      // [data]
+      VG_FIELD(data, dataset, "synthetic|cifar10|hdf5", "dataset kind"),
+      VG_FIELD(data, path, "", "CIFAR-10 binary directory (cifar10) or HDF5 file (hdf5)"),
+      VG_FIELD(data, eval_path, "", "HDF5 eval file (default: the eval split of data.path)"),
+      VG_FIELD(data, global_batch, "", "samples per optimizer step over all replicas"),
+      VG_FIELD(data, grad_accum, "", "gradient accumulation steps per optimizer step"),
+      VG_FIELD(data, synthetic_train, "", "synthetic train split size"),
+      VG_FIELD(data, synthetic_eval, "", "synthetic eval split size"),
+      VG_FIELD(data, crop_padding, "", "random crop with this zero padding (0 = off)"),
+      VG_FIELD(data, hflip, "", "random horizontal flip"),
+      VG_FIELD(data, mean, "", "per-channel normalisation mean, 3 comma-separated floats"),
+      VG_FIELD(data, std, "", "per-channel normalisation std, 3 comma-separated floats > 0"),
+      VG_FIELD(data, mixup_alpha, "", "Mixup Beta(alpha, alpha) parameter (0 = off)"),
+      VG_FIELD(data, label_smoothing, "", "label smoothing in [0,1)"),
+      VG_FIELD(data, prefetch, "", "batches prepared ahead by the background thread"),
+      // [optim]
+      VG_FIELD(optim, name, "adamw|lamb|sgd", "optimizer"),
+      VG_FIELD(optim, lr, "", "peak learning rate (> 0)"),
+      VG_FIELD(optim, min_lr, "", "learning rate at the end of the schedule"),
+      VG_FIELD(optim, weight_decay, "", "decoupled weight decay"),
+      VG_FIELD(optim, beta1, "", "AdamW/LAMB first-moment decay in [0,1)"),
+      VG_FIELD(optim, beta2, "", "AdamW/LAMB second-moment decay in [0,1)"),
+      VG_FIELD(optim, eps, "", "AdamW/LAMB denominator epsilon"),
+      VG_FIELD(optim, momentum, "", "SGD momentum in [0,1)"),
+      VG_FIELD(optim, nesterov, "", "SGD Nesterov momentum"),
+      VG_FIELD(optim, warmup_steps, "", "linear warm-up steps"),
+      VG_FIELD(optim, warmup_epochs, "", "linear warm-up in epochs, alternative to warmup_steps"),
+      VG_FIELD(optim, schedule, "cosine|linear|constant", "learning-rate decay after warm-up"),
+      VG_FIELD(optim, clip_grad_norm, "", "clip the global gradient norm to this (0 = off)"),
+      VG_FIELD(optim, decay_norm_and_bias, "",
+               "apply weight decay to biases, norms, cls token and pos embedding (timm: off)"),
+      // [precision]
+      VG_FIELD(precision, mode, "fp32|tf32|bf16|fp16|fp16-naive",
+               "compute precision; fp16 uses dynamic loss scaling, fp16-naive does not"),
+      VG_FIELD(precision, initial_scale, "", "fp16 initial loss scale"),
+      VG_FIELD(precision, growth_interval, "",
+               "fp16 steps without overflow before the scale grows"),
+      VG_FIELD(precision, growth_factor, "", "fp16 loss-scale growth factor (> 1)"),
+      VG_FIELD(precision, backoff_factor, "", "fp16 loss-scale factor after an overflow, in (0,1)"),
+      // [checkpoint]
+      VG_FIELD(checkpoint, every_steps, "",
+               "optimizer steps between checkpoints (0 = only at the end)"),
+      VG_FIELD(checkpoint, resume, "none|auto",
+               "auto: continue from the newest complete checkpoint"),
+      VG_FIELD(checkpoint, load, "", "checkpoint file to start from (eval, predict, fine-tune)"),
+      VG_FIELD(checkpoint, keep, "", "keep the newest K checkpoints (0 = all)"),
+      // [device]
+      VG_FIELD(device, backend, "auto|cuda|cpu",
+               "compute backend (auto: cuda when a GPU is present)"),
+  };
+  return fields;
+}
+#undef VG_FIELD
+
+// Sections in the order resolved_text() writes them.
+const char* const kSections[] = {"run",   "model",     "parallel",   "data",
+                                 "optim", "precision", "checkpoint", "device"};
+
+// "uniform|balanced|list:" -> "uniform|balanced|list:n0,n1,..." for messages and the reference.
+std::string display_choices(const std::string& choices) {
+  std::string out = choices;
+  if (!out.empty() && out.back() == ':') out += "n0,n1,...";
+  return out;
+}
+
+const Field* find_field(const std::string& name) {
+  for (const Field& f : schema())
+    if (f.name() == name) return &f;
+  return nullptr;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Small string helpers.
+
+std::string trim(const std::string& s) {
+  size_t b = 0, e = s.size();
+  while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
+  while (e > b && std::isspace(static_cast<unsigned char>(s[e - 1]))) --e;
+  return s.substr(b, e - b);
+}
+
+std::string lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (true) {
+    size_t p = s.find(sep, start);
+    out.push_back(trim(s.substr(start, p == std::string::npos ? std::string::npos : p - start)));
+    if (p == std::string::npos) break;
+    start = p + 1;
+  }
+  return out;
+}
+
+// Shortest text that reads back to the same value (so resolved_text round-trips exactly).
+template <class T>
+std::string shortest(T v) {
+  char buf[64];
+  auto r = std::to_chars(buf, buf + sizeof(buf), v);
+  return std::string(buf, r.ptr);
+}
+
+template <class T>
+bool parse_integer(const std::string& s, T* out) {
+  if (s.empty()) return false;
+  const char* b = s.data();
+  const char* e = b + s.size();
+  if (*b == '+') ++b;  // from_chars refuses a leading '+', people write it
+  auto r = std::from_chars(b, e, *out);
+  return r.ec == std::errc() && r.ptr == e;
+}
+
+template <class T>
+bool parse_real(const std::string& s, T* out) {
+  if (s.empty()) return false;
+  const char* b = s.data();
+  const char* e = b + s.size();
+  if (*b == '+') ++b;
+  auto r = std::from_chars(b, e, *out);
+  return r.ec == std::errc() && r.ptr == e && std::isfinite(*out);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Where each value came from, for error messages.
+
+struct Origin {
+  enum Kind { Default, Deck, CommandLine, Preset } kind = Default;
+  int line = 0;  // deck line (Deck)
+};
+
+struct RawValue {
+  std::string value;
+  Origin origin;
+};
+
+class Parser {
+ public:
+  Parser(std::string source, int world) : source_(std::move(source)), world_(world) {}
+
+  Deck run(const std::string& text, const std::vector<std::string>& overrides) {
+    scan_ini(text);
+    boost_parse_ini(text);
+    scan_command_line(overrides);
+    Deck d;
+    d.source = source_;
+    apply_preset(&d);
+    for (const auto& kv : explicit_) assign(&d, kv.first, kv.second.value);
+    derive_and_validate(&d);
+    return d;
+  }
+
+ private:
+  // ---- locations
+  std::string where(const std::string& key) const {
+    auto it = origins_.find(key);
+    Origin o = it == origins_.end() ? Origin{} : it->second;
+    switch (o.kind) {
+      case Origin::Deck:
+        return source_ + ":" + std::to_string(o.line);
+      case Origin::CommandLine:
+        return "command line";
+      case Origin::Preset: {
+        auto p = origins_.find("model.preset");
+        if (p == origins_.end())  // the preset itself is the default one
+          return source_ + " (from the default model.preset '" + preset_ + "')";
+        return where("model.preset") + " (from model.preset '" + preset_ + "')";
+      }
+      case Origin::Default:
+        break;
+    }
+    return source_ + " (default value)";
+  }
+  [[noreturn]] void fail(const std::string& key, const std::string& msg) const {
+    throw UserError(where(key) + ": " + key + ": " + msg);
+  }
+  void require(bool cond, const std::string& key, const std::string& msg) const {
+    if (!cond) fail(key, msg);
+  }
+
+  // ---- pass 1: our scan of the INI text (lines, sections, unknown keys, duplicates)
+  void scan_ini(const std::string& text) {
+    std::istringstream in(text);
+    std::string raw, section;
+    int lineno = 0;
+    std::map<std::string, int> seen;
+    while (std::getline(in, raw)) {
+      ++lineno;
+      std::string s = raw;
+      // Boost's config-file grammar: '#' starts a comment anywhere on the line.
+      size_t hash = s.find('#');
+      if (hash != std::string::npos) s.resize(hash);
+      s = trim(s);
+      if (s.empty()) continue;
+      const std::string at = source_ + ":" + std::to_string(lineno) + ": ";
+      if (s.front() == '[') {
+        if (s.back() != ']') throw UserError(at + "malformed section header '" + s + "'");
+        section = trim(s.substr(1, s.size() - 2));
+        bool known = std::any_of(std::begin(kSections), std::end(kSections),
+                                 [&](const char* x) { return section == x; });
+        if (!known) throw UserError(at + "unknown section [" + section + "]");
+        continue;
+      }
+      size_t eq = s.find('=');
+      if (eq == std::string::npos)
+        throw UserError(at + "expected 'key = value' or '[section]', got '" + s + "'");
+      std::string key = trim(s.substr(0, eq));
+      std::string value = trim(s.substr(eq + 1));
+      if (key.empty()) throw UserError(at + "missing key before '='");
+      if (section.empty()) throw UserError(at + "key '" + key + "' outside any [section]");
+      std::string name = section + "." + key;
+      if (!find_field(name)) throw UserError(at + "unknown key '" + name + "'");
+      auto prev = seen.find(name);
+      if (prev != seen.end())
+        throw UserError(at + name + ": given twice (first at line " + std::to_string(prev->second) +
+                        ")");
+      seen[name] = lineno;
+      explicit_[name] = RawValue{value, Origin{Origin::Deck, lineno}};
+      origins_[name] = Origin{Origin::Deck, lineno};
+    }
+  }
+
+  static po::options_description boost_schema() {
+    po::options_description desc("vitgrid deck");
+    // Every value is taken as text: conversion is ours, so its errors can name the line.
+    for (const Field& f : schema())
+      desc.add_options()(f.name().c_str(), po::value<std::string>(), f.help);
+    return desc;
+  }
+
+  // ---- pass 2: Boost parses the same text against the schema and supplies the values.
+  void boost_parse_ini(const std::string& text) {
+    po::variables_map vm;
+    try {
+      std::istringstream in(text);
+      po::store(po::parse_config_file(in, boost_schema(), /*allow_unregistered=*/false), vm);
+    } catch (const po::error& e) {
+      // The scan above refuses everything Boost refuses, so this is a safety net.
+      throw UserError(source_ + ": " + e.what());
+    }
+    for (auto& kv : explicit_) {
+      auto it = vm.find(kv.first);
+      if (it == vm.end())
+        throw UserError(where(kv.first) + ": " + kv.first + ": value not understood");
+      kv.second.value = it->second.as<std::string>();
+    }
+  }
+
+  // ---- command line: "--section.key=value" (or "--section.key value")
+  void scan_command_line(const std::vector<std::string>& args) {
+    std::vector<std::string> normalized;
+    std::set<std::string> seen;
+    for (size_t i = 0; i < args.size(); ++i) {
+      const std::string& a = args[i];
+      if (a.rfind("--", 0) != 0 || a.size() == 2)
+        throw UserError("command line: expected --section.key=value, got '" + a + "'");
+      std::string name, value;
+      size_t eq = a.find('=');
+      if (eq != std::string::npos) {
+        name = a.substr(2, eq - 2);
+        value = a.substr(eq + 1);
+      } else {
+        name = a.substr(2);
+        if (!find_field(name)) throw UserError("command line: unknown key '" + name + "'");
+        if (i + 1 >= args.size())
+          throw UserError("command line: " + name + ": missing value (use --" + name + "=VALUE)");
+        value = args[++i];
+      }
+      if (!find_field(name)) throw UserError("command line: unknown key '" + name + "'");
+      if (!seen.insert(name).second) throw UserError("command line: " + name + ": given twice");
+      // The resolved deck is INI text: a value it cannot carry would not read back the same.
+      if (value.find('#') != std::string::npos || value.find('\n') != std::string::npos)
+        throw UserError("command line: " + name +
+                        ": '#' and newlines are not allowed in values (the deck format treats '#' "
+                        "as a comment)");
+      value = trim(value);
+      // Boost's adjacent form has no spelling for an empty value ("--k=" is refused), so an
+      // empty value travels as the next token instead.
+      if (value.empty()) {
+        normalized.push_back("--" + name);
+        normalized.push_back("");
+      } else {
+        normalized.push_back("--" + name + "=" + value);
+      }
+      explicit_[name] = RawValue{value, Origin{Origin::CommandLine, 0}};
+      origins_[name] = Origin{Origin::CommandLine, 0};
+    }
+    // Boost parses the normalised arguments against the same schema (no prefix guessing, so a
+    // truncated key is an unknown key, not a silent match).
+    try {
+      namespace cls = po::command_line_style;
+      po::variables_map vm;
+      po::store(po::command_line_parser(normalized)
+                    .options(boost_schema())
+                    .style(cls::allow_long | cls::long_allow_adjacent | cls::long_allow_next)
+                    .run(),
+                vm);
+      for (const auto& kv : vm) explicit_[kv.first].value = kv.second.as<std::string>();
+    } catch (const po::error& e) {
+      throw UserError(std::string("command line: ") + e.what());
+    }
+  }
+
+  // ---- presets: fill the model keys that neither the deck nor the command line set
+  void apply_preset(Deck* d) {
+    auto it = explicit_.find("model.preset");
+    preset_ = it == explicit_.end() ? d->model.preset : it->second.value;
+    const auto& presets = model_presets();
+    auto p = presets.find(preset_);
+    if (p == presets.end()) {
+      std::string names;
+      for (const auto& kv : presets) names += (names.empty() ? "" : ", ") + kv.first;
+      fail("model.preset", "unknown preset '" + preset_ + "' (known: " + names + ")");
+    }
+    d->model.preset = preset_;
+    if (preset_ == "custom") return;
+    const ModelPreset& m = p->second;
+    auto fill = [&](const char* key, auto value, auto* field) {
+      if (explicit_.count(key)) return;
+      *field = value;
+      origins_[key] = Origin{Origin::Preset, 0};
+    };
+    fill("model.image_size", m.image_size, &d->model.image_size);
+    fill("model.patch_size", m.patch_size, &d->model.patch_size);
+    fill("model.hidden", m.hidden, &d->model.hidden);
+    fill("model.depth", m.depth, &d->model.depth);
+    fill("model.heads", m.heads, &d->model.heads);
+    fill("model.mlp_ratio", m.mlp_ratio, &d->model.mlp_ratio);
+    fill("model.num_classes", m.num_classes, &d->model.num_classes);
+  }
+
+  // ---- conversion of one explicit value into its field
+  void assign(Deck* d, const std::string& name, const std::string& v) {
+    const Field* f = find_field(name);
+    void* p = f->member(*d);
+    auto bad = [&](const char* what) {
+      fail(name, std::string("expected ") + what + ", got '" + v + "'");
+    };
+    switch (f->kind) {
+      case Kind::Int:
+        if (!parse_integer(v, static_cast<int*>(p))) bad("an integer");
+        break;
+      case Kind::Int64:
+        if (!parse_integer(v, static_cast<int64_t*>(p))) bad("an integer");
+        break;
+      case Kind::UInt64:
+        if (!parse_integer(v, static_cast<uint64_t*>(p))) bad("a non-negative integer");
+        break;
+      case Kind::Double:
+        if (!parse_real(v, static_cast<double*>(p))) bad("a finite number");
+        break;
+      case Kind::Bool: {
+        const std::string l = lower(v);
+        bool* b = static_cast<bool*>(p);
+        if (l == "true" || l == "1" || l == "yes" || l == "on")
+          *b = true;
+        else if (l == "false" || l == "0" || l == "no" || l == "off")
+          *b = false;
+        else
+          bad("a boolean (true/false, 1/0, yes/no, on/off)");
+        break;
+      }
+      case Kind::String: {
+        std::string* s = static_cast<std::string*>(p);
+        if (*f->choices && !accepts(f->choices, v))
+          fail(name, "expected one of " + display_choices(f->choices) + ", got '" + v + "'");
+        *s = v;
+        break;
+      }
+      case Kind::FloatList: {
+        std::vector<float> vals;
+        for (const std::string& item : split(v, ',')) {
+          float x = 0;
+          if (!parse_real(item, &x)) bad("comma-separated numbers");
+          vals.push_back(x);
+        }
+        *static_cast<std::vector<float>*>(p) = vals;
+        break;
+      }
+    }
+  }
+
+  static bool accepts(const std::string& choices, const std::string& v) {
+    for (const std::string& c : split(choices, '|')) {
+      if (!c.empty() && c.back() == ':') {
+        if (v.rfind(c, 0) == 0) return true;
+      } else if (v == c) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // ---- derivation and every consistency rule
+  void derive_and_validate(Deck* dp) {
+    Deck& d = *dp;
+    auto positive = [&](const char* key, double v) {
+      if (!(v > 0)) fail(key, std::string("must be > 0, got ") + shortest(v));
+    };
+    auto non_negative = [&](const char* key, double v) {
+      if (!(v >= 0)) fail(key, std::string("must be >= 0, got ") + shortest(v));
+    };
+    auto unit_interval = [&](const char* key, double v) {  // [0,1)
+      if (!(v >= 0 && v < 1)) fail(key, std::string("must be in [0,1), got ") + shortest(v));
+    };
+
+    // [run]
+    non_negative("run.steps", static_cast<double>(d.run.steps));
+    non_negative("run.epochs", d.run.epochs);
+    if (d.run.steps > 0 && d.run.epochs > 0)
+      fail("run.steps", "run.steps (" + std::to_string(d.run.steps) + ") and run.epochs (" +
+                            shortest(d.run.epochs) + ", " + where("run.epochs") +
+                            ") are both set; set only one");
+    if (d.run.steps == 0 && d.run.epochs == 0)
+      fail("run.steps", "set run.steps or run.epochs to a positive value");
+    positive("run.log_every", d.run.log_every);
+    non_negative("run.eval_every", d.run.eval_every);
+    non_negative("run.eval_samples", static_cast<double>(d.run.eval_samples));
+    require(!d.run.out_dir.empty(), "run.out_dir", "must not be empty");
+
+    // [model]
+    ModelSection& m = d.model;
+    positive("model.image_size", m.image_size);
+    positive("model.patch_size", m.patch_size);
+    require(m.channels == 3, "model.channels",
+            "must be 3 (RGB inputs), got " + std::to_string(m.channels));
+    positive("model.hidden", m.hidden);
+    positive("model.depth", m.depth);
+    positive("model.heads", m.heads);
+    positive("model.mlp_ratio", m.mlp_ratio);
+    positive("model.num_classes", m.num_classes);
+    unit_interval("model.dropout", m.dropout);
+    require(m.image_size % m.patch_size == 0, "model.patch_size",
+            std::to_string(m.patch_size) + " does not divide model.image_size (" +
+                std::to_string(m.image_size) + ")");
+    require(m.hidden % m.heads == 0, "model.heads",
+            std::to_string(m.heads) + " does not divide model.hidden (" + std::to_string(m.hidden) +
+                ")");
+    require(m.mlp_hidden() > 0, "model.mlp_ratio", "gives an empty MLP");
+
+    // [data] (alone)
+    DataSection& dt = d.data;
+    if (dt.dataset == "cifar10" || dt.dataset == "hdf5")
+      require(!dt.path.empty(), "data.path",
+              "must name the " +
+                  std::string(dt.dataset == "cifar10" ? "CIFAR-10 directory" : "HDF5 file") +
+                  " for data.dataset = " + dt.dataset);
+    positive("data.global_batch", static_cast<double>(dt.global_batch));
+    positive("data.grad_accum", dt.grad_accum);
+    positive("data.synthetic_train", static_cast<double>(dt.synthetic_train));
+    positive("data.synthetic_eval", static_cast<double>(dt.synthetic_eval));
+    non_negative("data.crop_padding", dt.crop_padding);
+    non_negative("data.prefetch", dt.prefetch);
+    require(
+        dt.mean.size() == 3, "data.mean",
+        "needs 3 comma-separated values (one per channel), got " + std::to_string(dt.mean.size()));
+    require(
+        dt.std.size() == 3, "data.std",
+        "needs 3 comma-separated values (one per channel), got " + std::to_string(dt.std.size()));
+    for (float s : dt.std) require(s > 0, "data.std", "entries must be > 0, got " + shortest(s));
+    non_negative("data.mixup_alpha", dt.mixup_alpha);
+    unit_interval("data.label_smoothing", dt.label_smoothing);
+
+    // [optim]
+    OptimSection& o = d.optim;
+    positive("optim.lr", o.lr);
+    non_negative("optim.min_lr", o.min_lr);
+    require(o.min_lr <= o.lr, "optim.min_lr",
+            shortest(o.min_lr) + " exceeds optim.lr (" + shortest(o.lr) + ")");
+    non_negative("optim.weight_decay", o.weight_decay);
+    unit_interval("optim.beta1", o.beta1);
+    unit_interval("optim.beta2", o.beta2);
+    positive("optim.eps", o.eps);
+    unit_interval("optim.momentum", o.momentum);
+    non_negative("optim.warmup_steps", static_cast<double>(o.warmup_steps));
+    non_negative("optim.warmup_epochs", o.warmup_epochs);
+    if (o.warmup_steps > 0 && o.warmup_epochs > 0)
+      fail("optim.warmup_steps", "optim.warmup_steps and optim.warmup_epochs (" +
+                                     where("optim.warmup_epochs") + ") are both set; set only one");
+    non_negative("optim.clip_grad_norm", o.clip_grad_norm);
+
+    // [precision]
+    PrecisionSection& pr = d.precision;
+    positive("precision.initial_scale", pr.initial_scale);
+    positive("precision.growth_interval", pr.growth_interval);
+    require(pr.growth_factor > 1, "precision.growth_factor",
+            "must be > 1, got " + shortest(pr.growth_factor));
+    require(pr.backoff_factor > 0 && pr.backoff_factor < 1, "precision.backoff_factor",
+            "must be in (0,1), got " + shortest(pr.backoff_factor));
+
+    // [checkpoint]
+    non_negative("checkpoint.every_steps", static_cast<double>(d.checkpoint.every_steps));
+    non_negative("checkpoint.keep", d.checkpoint.keep);
+
+    // [parallel]: the grid
+    ParallelSection& p = d.parallel;
+    positive("parallel.pipeline", p.pipeline);
+    positive("parallel.tensor", p.tensor);
+    positive("parallel.tensor_depth", p.tensor_depth);
+    positive("parallel.micro_batches", p.micro_batches);
+    positive("parallel.chunks", p.chunks);
+    require(p.zero == 0 || p.zero == 1, "parallel.zero",
+            "must be 0 or 1, got " + std::to_string(p.zero));
+    non_negative("parallel.data", p.data);
+    if (world_ < 1) throw UserError("world size must be >= 1, got " + std::to_string(world_));
+    require(world_ % p.tensor == 0, "parallel.tensor",
+            std::to_string(p.tensor) + " does not divide the world size (" +
+                std::to_string(world_) + " ranks)");
+    require(world_ % (p.pipeline * p.tensor) == 0, "parallel.pipeline",
+            "parallel.pipeline (" + std::to_string(p.pipeline) + ") x parallel.tensor (" +
+                std::to_string(p.tensor) + ") does not divide the world size (" +
+                std::to_string(world_) + " ranks)");
+    const int derived = world_ / (p.pipeline * p.tensor);
+    require(p.data == 0 || p.data == derived, "parallel.data",
+            "is " + std::to_string(p.data) + " but world (" + std::to_string(world_) +
+                ") / (pipeline " + std::to_string(p.pipeline) + " x tensor " +
+                std::to_string(p.tensor) + ") = " + std::to_string(derived) +
+                "; leave it 0 to derive it");
+    p.data = derived;
+
+    // The tensor layout: q is the side of the square / cube; split_q is what each rank's
+    // activations are split by along the batch (see below).
+    const int t = p.tensor;
+    int q = 1, batch_split = 1;
+    if (t > 1 && p.tensor_mode == "1d") {
+      require(m.heads % t == 0, "model.heads",
+              std::to_string(m.heads) + " is not divisible by parallel.tensor (" +
+                  std::to_string(t) + ") for 1d tensor parallelism");
+      require(m.mlp_hidden() % t == 0, "model.mlp_ratio",
+              "MLP width " + std::to_string(m.mlp_hidden()) +
+                  " is not divisible by parallel.tensor (" + std::to_string(t) + ")");
+    } else if (t > 1 && p.tensor_mode == "2d") {
+      q = exact_root(t, 2);
+      require(q > 0, "parallel.tensor",
+              std::to_string(t) + " is not a square (2d needs tensor = q*q)");
+      batch_split = q;
+    } else if (t > 1 && p.tensor_mode == "2.5d") {
+      const int dd = p.tensor_depth;
+      require(t % dd == 0, "parallel.tensor_depth",
+              std::to_string(dd) + " does not divide parallel.tensor (" + std::to_string(t) +
+                  "); 2.5d needs tensor = depth*q*q");
+      q = exact_root(t / dd, 2);
+      require(q > 0, "parallel.tensor",
+              std::to_string(t) + " / parallel.tensor_depth (" + std::to_string(dd) +
+                  ") is not a square; 2.5d needs tensor = depth*q*q");
+      batch_split = dd * q;
+    } else if (t > 1 && p.tensor_mode == "3d") {
+      q = exact_root(t, 3);
+      require(q > 0, "parallel.tensor",
+              std::to_string(t) + " is not a cube (3d needs tensor = q*q*q)");
+      batch_split = q * q;
+    }
+    if (t > 1 && (p.tensor_mode == "2d" || p.tensor_mode == "2.5d")) {
+      divisible_by_q("model.hidden", m.hidden, q, "q", p.tensor_mode);
+      divisible_by_q("model.heads", m.heads, q, "q", p.tensor_mode);
+      divisible_by_q("model.mlp_ratio", m.mlp_hidden(), q, "q", p.tensor_mode, "MLP width ");
+    } else if (t > 1 && p.tensor_mode == "3d") {
+      divisible_by_q("model.hidden", m.hidden, q * q, "q*q", p.tensor_mode);
+      divisible_by_q("model.heads", m.heads, q, "q", p.tensor_mode);
+      divisible_by_q("model.mlp_ratio", m.mlp_hidden(), q * q, "q*q", p.tensor_mode, "MLP width ");
+    }
+
+    // The batch: global = data x grad_accum x micro_batches x micro-batch, and in 2d/2.5d/3d
+    // each micro-batch's activations are split over the batch dimension too.
+    const int64_t replicas_x_accum = static_cast<int64_t>(p.data) * dt.grad_accum;
+    const std::string product = "parallel.data (" + std::to_string(p.data) +
+                                ") x data.grad_accum (" + std::to_string(dt.grad_accum) +
+                                ") x parallel.micro_batches (" + std::to_string(p.micro_batches) +
+                                ")";
+    require(dt.global_batch % replicas_x_accum == 0, "data.global_batch",
+            std::to_string(dt.global_batch) + " is not divisible by " + product + " = " +
+                std::to_string(replicas_x_accum * p.micro_batches));
+    const int64_t per_rank = dt.global_batch / replicas_x_accum;
+    require(per_rank % p.micro_batches == 0, "parallel.micro_batches",
+            std::to_string(p.micro_batches) + " does not divide the per-rank batch " +
+                std::to_string(per_rank) + " (data.global_batch " +
+                std::to_string(dt.global_batch) + " / (" + product + " without micro-batches))");
+    const int64_t micro = per_rank / p.micro_batches;
+    require(micro % batch_split == 0, "data.global_batch",
+            "the micro-batch of " + std::to_string(micro) + " samples (" +
+                std::to_string(dt.global_batch) + " / (" + product + ")) is not divisible by " +
+                std::to_string(batch_split) + ", which " + p.tensor_mode +
+                " tensor parallelism splits it by");
+
+    // The pipeline.
+    const bool interleaved = p.schedule == "interleaved";
+    if (interleaved)
+      require(
+          p.chunks >= 2, "parallel.chunks",
+          "the interleaved schedule needs >= 2 chunks per stage, got " + std::to_string(p.chunks));
+    else
+      require(p.chunks == 1, "parallel.chunks",
+              "must be 1 unless parallel.schedule = interleaved, got " + std::to_string(p.chunks));
+    const int stages = p.pipeline * p.chunks;
+    require(stages <= m.depth, "parallel.pipeline",
+            std::to_string(stages) + " pipeline stages x chunks exceed model.depth (" +
+                std::to_string(m.depth) + " blocks)");
+    if (p.partition == "uniform" || interleaved)
+      require(m.depth % stages == 0, "model.depth",
+              std::to_string(m.depth) + " blocks cannot be split evenly over parallel.pipeline (" +
+                  std::to_string(p.pipeline) + ") x parallel.chunks (" + std::to_string(p.chunks) +
+                  ") = " + std::to_string(stages) + " stages" +
+                  (interleaved ? "" : "; use parallel.partition = balanced or list:n0,n1,..."));
+    if (p.partition.rfind("list:", 0) == 0) {
+      std::vector<std::string> items = split(p.partition.substr(5), ',');
+      int sum = 0;
+      for (const std::string& s : items) {
+        int n = 0;
+        if (!parse_integer(s, &n) || n < 1)
+          fail("parallel.partition",
+               "list entries must be positive integers, got '" + s + "' in '" + p.partition + "'");
+        sum += n;
+      }
+      require(static_cast<int>(items.size()) == stages, "parallel.partition",
+              "has " + std::to_string(items.size()) +
+                  " entries but parallel.pipeline x "
+                  "parallel.chunks = " +
+                  std::to_string(stages));
+      require(sum == m.depth, "parallel.partition",
+              "entries sum to " + std::to_string(sum) + " but model.depth is " +
+                  std::to_string(m.depth));
+    }
+  }
+
+  void divisible_by_q(const char* key, int value, int div, const char* divname,
+                      const std::string& mode, const std::string& what = "") const {
+    if (value % div != 0)
+      fail(key, what + std::to_string(value) + " is not divisible by " + divname + " = " +
+                    std::to_string(div) + " of the " + mode + " tensor layout");
+  }
+
+  // The integer r with r^k == n, or 0 when n is not a perfect power.
+  static int exact_root(int n, int k) {
+    for (int r = 1;; ++r) {
+      int64_t pw = 1;
+      for (int i = 0; i < k; ++i) pw *= r;
+      if (pw == n) return r;
+      if (pw > n) return 0;
+    }
+  }
+
+  std::string source_;
+  int world_;
+  std::string preset_;
+  std::map<std::string, RawValue> explicit_;  // merged deck + command line, by "section.key"
+  std::map<std::string, Origin> origins_;
+};
+
+// The value of one field as the deck would spell it.
+std::string format_value(const Field& f, const Deck& d) {
+  void* p = f.member(const_cast<Deck&>(d));  // read-only use
+  switch (f.kind) {
+    case Kind::Int:
+      return std::to_string(*static_cast<int*>(p));
+    case Kind::Int64:
+      return std::to_string(*static_cast<int64_t*>(p));
+    case Kind::UInt64:
+      return std::to_string(*static_cast<uint64_t*>(p));
+    case Kind::Double:
+      return shortest(*static_cast<double*>(p));
+    case Kind::Bool:
+      return *static_cast<bool*>(p) ? "true" : "false";
+    case Kind::String:
+      return *static_cast<std::string*>(p);
+    case Kind::FloatList: {
+      std::string out;
+      for (float x : *static_cast<std::vector<float>*>(p))
+        out += (out.empty() ? "" : ", ") + shortest(x);
+      return out;
+    }
+  }
+  return "";
+}
+
+const char* kind_name(const Field& f) {
+  if (*f.choices) return "enum";
+  switch (f.kind) {
+    case Kind::Int:
+    case Kind::Int64:
+      return "int";
+    case Kind::UInt64:
+      return "uint";
+    case Kind::Double:
+      return "float";
+    case Kind::Bool:
+      return "bool";
+    case Kind::String:
+      return "string";
+    case Kind::FloatList:
+      return "float list";
+  }
+  return "";
+}
+
+}  // namespace
+
+const std::map<std::string, ModelPreset>& model_presets() {
+  // {image_size, patch_size, hidden, depth, heads, mlp_ratio, num_classes}
+  static const std::map<std::string, ModelPreset> presets = {
+      {"vit-tiny/16", {224, 16, 192, 12, 3, 4.0, 1000}},
+      {"vit-small/16", {224, 16, 384, 12, 6, 4.0, 1000}},
+      {"vit-base/16", {224, 16, 768, 12, 12, 4.0, 1000}},
+      {"vit-large/16", {224, 16, 1024, 24, 16, 4.0, 1000}},
+      {"vit-lite-7/4", {32, 4, 256, 7, 4, 2.0, 10}},
+      // the hybrid-parallel guide's large ViT
+      {"vit-huge-4096", {224, 16, 4096, 32, 64, 4.0, 1000}},
+      // no preset: the model keys keep their defaults unless the deck sets them
+      {"custom", {0, 0, 0, 0, 0, 0.0, 0}},
+  };
+  return presets;
+}
+
+Deck parse_deck_text(const std::string& text, const std::vector<std::string>& overrides,
+                     int world_size, const std::string& source_name) {
+  return Parser(source_name, world_size).run(text, overrides);
+}
+
+Deck parse_deck(const std::string& deck_path, const std::vector<std::string>& overrides,
+                int world_size) {
+  std::ifstream in(deck_path, std::ios::binary);
+  if (!in) throw UserError("deck '" + deck_path + "': cannot open the file");
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) throw UserError("deck '" + deck_path + "': read error");
+  return parse_deck_text(text.str(), overrides, world_size, deck_path);
+}
+
+std::string Deck::resolved_text() const {
+  std::string src = source;
+  std::replace(src.begin(), src.end(), '\n', ' ');
+  std::ostringstream out;
+  out << "# vitgrid resolved deck: every key with its final value\n";
+  out << "# source: " << src << "\n";
+  for (const char* section : kSections) {
+    out << "\n[" << section << "]\n";
+    for (const Field& f : schema())
+      if (std::string(f.section) == section)
+        out << f.key << " = " << format_value(f, *this) << "\n";
+  }
+  return out.str();
+}
+
+std::string deck_reference() {
+  const Deck defaults;
+  std::ostringstream out;
+  out << "| section | key | type | default | meaning |\n";
+  out << "|---|---|---|---|---|\n";
+  auto escape = [](std::string s) {  // a '|' would end the Markdown cell
+    std::string r;
+    for (char c : s) {
+      if (c == '|') r += "\\";
+      r += c;
+    }
+    return r;
+  };
+  for (const Field& f : schema()) {
+    std::string type = kind_name(f);
+    if (*f.choices) type += ": " + display_choices(f.choices);
+    std::string def = format_value(f, defaults);
+    out << "| " << f.section << " | " << f.key << " | " << escape(type) << " | `"
+        << (def.empty() ? std::string(" ") : def) << "` | " << escape(f.help) << " |\n";
+  }
+  return out.str();
+}
+
+}  // namespace vitgrid

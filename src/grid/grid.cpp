@@ -1,0 +1,456 @@
+// The process grid: one Cartesian communicator over (pipeline, data, tensor dims...) and one
+// owned sub-communicator per named axis.
+//
+// Layout (row-major, last dim fastest, reorder = 0 so the Cartesian rank equals the world rank):
+//   world rank = ((pipeline * data_size + data) * tensor_size) + tensor_rank
+//   tensor_rank: 1d  t
+//                2d  row * q + col                      dims [q, q]
+//                2.5d (depth * q + row) * q + col       dims [d, q, q]
+//                3d  (c0 * q + c1) * q + c2             dims [q, q, q]
+// Tensor sub-axes follow Colossal-AI's process-group initializers, so the tensor-parallel
+// layers can follow its algorithms one to one:
+//   2d   Row = same row, varying col (Colossal-AI PARALLEL_2D_ROW: ranks j*q + k, k varies);
+//        Col = same col, varying row (PARALLEL_2D_COL).
+//   2.5d Row = varying col, Col = varying row, Depth = varying depth (PARALLEL_2P5D_ROW /
+//        _COL / _DEP: rank i + q*(j + q*k), i varies in ROW, j in COL, k in DEP).
+//   3d   with rank c2 + q*(c1 + q*c0), as in Colossal-AI's initializer_3d.py
+//        (i + depth*(j + depth*k)):  X = input group  (PARALLEL_3D_INPUT,  j = c1 varies),
+//                                    Y = weight group (PARALLEL_3D_WEIGHT, i = c2 varies),
+//                                    Z = output group (PARALLEL_3D_OUTPUT, k = c0 varies).
+#include "vitgrid/grid/grid.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <sstream>
+
+#include "vitgrid/core/error.h"
+
+namespace vitgrid {
+
+TensorMode parse_tensor_mode(const std::string& s) {
+  if (s == "1d") return TensorMode::D1;
+  if (s == "2d") return TensorMode::D2;
+  if (s == "2.5d") return TensorMode::D2p5;
+  if (s == "3d") return TensorMode::D3;
+  if (s == "none") return TensorMode::None;
+  throw UserError("parallel.tensor_mode: expected one of 1d|2d|2.5d|3d, got '" + s + "'");
+}
+
+const char* tensor_mode_name(TensorMode m) {
+  switch (m) {
+    case TensorMode::None:
+      return "none";
+    case TensorMode::D1:
+      return "1d";
+    case TensorMode::D2:
+      return "2d";
+    case TensorMode::D2p5:
+      return "2.5d";
+    case TensorMode::D3:
+      return "3d";
+  }
+  return "?";
+}
+
+const char* axis_name(Axis a) {
+  switch (a) {
+    case Axis::World:
+      return "world";
+    case Axis::Pipeline:
+      return "pipeline";
+    case Axis::Data:
+      return "data";
+    case Axis::Tensor:
+      return "tensor";
+    case Axis::TensorRow:
+      return "tensor_row";
+    case Axis::TensorCol:
+      return "tensor_col";
+    case Axis::TensorDepth:
+      return "tensor_depth";
+    case Axis::TensorX:
+      return "tensor_x";
+    case Axis::TensorY:
+      return "tensor_y";
+    case Axis::TensorZ:
+      return "tensor_z";
+    case Axis::Count:
+      break;
+  }
+  return "?";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Comm
+
+Comm::Comm(MPI_Comm c, bool owned) : comm_(c) {
+  // The predefined communicators are never freed, whatever the caller says.
+  owned_ = owned && c != MPI_COMM_NULL && c != MPI_COMM_WORLD && c != MPI_COMM_SELF;
+  if (c != MPI_COMM_NULL) {
+    MPI_CHECK(MPI_Comm_rank(c, &rank_));
+    MPI_CHECK(MPI_Comm_size(c, &size_));
+  }
+}
+
+Comm::~Comm() {
+  if (!owned_ || comm_ == MPI_COMM_NULL) return;
+  // Freeing after MPI_Finalize is erroneous; a handle that outlived MPI just leaks.
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Comm_free(&comm_);
+}
+
+Comm::Comm(Comm&& o) noexcept : comm_(o.comm_), owned_(o.owned_), rank_(o.rank_), size_(o.size_) {
+  o.comm_ = MPI_COMM_NULL;
+  o.owned_ = false;
+  o.rank_ = 0;
+  o.size_ = 1;
+}
+
+Comm& Comm::operator=(Comm&& o) noexcept {
+  if (this != &o) {
+    Comm tmp(std::move(*this));  // frees our old communicator when it goes out of scope
+    comm_ = o.comm_;
+    owned_ = o.owned_;
+    rank_ = o.rank_;
+    size_ = o.size_;
+    o.comm_ = MPI_COMM_NULL;
+    o.owned_ = false;
+    o.rank_ = 0;
+    o.size_ = 1;
+  }
+  return *this;
+}
+
+// ---------------------------------------------------------------------------------------------
+// GridShape
+
+namespace {
+
+// The integer r with r^k <= n < (r+1)^k.
+int int_root(int n, int k) {
+  if (n <= 0) return 0;
+  int r = 1;
+  while (true) {
+    long long pw = 1;
+    for (int i = 0; i < k; ++i) pw *= (r + 1);
+    if (pw > n) return r;
+    ++r;
+  }
+}
+
+std::string num(int v) { return std::to_string(v); }
+
+}  // namespace
+
+std::vector<int> GridShape::tensor_dims() const {
+  const int s = q();
+  switch (mode) {
+    case TensorMode::None:
+      return {1};
+    case TensorMode::D1:
+      return {tensor};
+    case TensorMode::D2:
+      return {s, s};
+    case TensorMode::D2p5:
+      return {depth, s, s};
+    case TensorMode::D3:
+      return {s, s, s};
+  }
+  return {tensor};
+}
+
+int GridShape::q() const {
+  switch (mode) {
+    case TensorMode::None:
+    case TensorMode::D1:
+      return 1;
+    case TensorMode::D2:
+      return int_root(tensor, 2);
+    case TensorMode::D2p5:
+      return depth > 0 ? int_root(tensor / depth, 2) : 0;
+    case TensorMode::D3:
+      return int_root(tensor, 3);
+  }
+  return 1;
+}
+
+void check_grid_shape(const GridShape& s, int world) {
+  if (s.pipeline < 1) throw UserError("parallel.pipeline: must be >= 1, got " + num(s.pipeline));
+  if (s.tensor < 1) throw UserError("parallel.tensor: must be >= 1, got " + num(s.tensor));
+  if (s.data < 1) throw UserError("parallel.data: must be >= 1, got " + num(s.data));
+  const std::string mode = tensor_mode_name(s.mode);
+  switch (s.mode) {
+    case TensorMode::None:
+      if (s.tensor != 1)
+        throw UserError("parallel.tensor: " + num(s.tensor) +
+                        " tensor ranks need a parallel.tensor_mode (1d|2d|2.5d|3d)");
+      break;
+    case TensorMode::D1:
+      break;
+    case TensorMode::D2:
+      if (s.q() * s.q() != s.tensor)
+        throw UserError("parallel.tensor: " + num(s.tensor) +
+                        " is not a square (2d needs tensor = q*q)");
+      break;
+    case TensorMode::D2p5:
+      if (s.depth < 1 || s.tensor % s.depth != 0)
+        throw UserError("parallel.tensor_depth: " + num(s.depth) +
+                        " does not divide parallel.tensor (" + num(s.tensor) +
+                        "); 2.5d needs tensor = depth*q*q");
+      if (s.depth * s.q() * s.q() != s.tensor)
+        throw UserError("parallel.tensor: " + num(s.tensor) + " / parallel.tensor_depth (" +
+                        num(s.depth) + ") is not a square; 2.5d needs tensor = depth*q*q");
+      break;
+    case TensorMode::D3:
+      if (s.q() * s.q() * s.q() != s.tensor)
+        throw UserError("parallel.tensor: " + num(s.tensor) +
+                        " is not a cube (3d needs tensor = q*q*q)");
+      break;
+  }
+  if (world % s.tensor != 0)
+    throw UserError("parallel.tensor: " + num(s.tensor) + " does not divide the world size (" +
+                    num(world) + " ranks)");
+  if (world % (s.pipeline * s.tensor) != 0)
+    throw UserError("parallel.pipeline: " + num(s.pipeline) + " x parallel.tensor (" +
+                    num(s.tensor) + ") does not divide the world size (" + num(world) + " ranks)");
+  if (s.pipeline * s.data * s.tensor != world)
+    throw UserError("parallel.data: " + num(s.data) + " but world (" + num(world) +
+                    ") / (pipeline " + num(s.pipeline) + " x tensor " + num(s.tensor) +
+                    ") = " + num(world / (s.pipeline * s.tensor)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// ProcessGrid
+
+namespace {
+
+Comm dup(MPI_Comm c) {
+  MPI_Comm out = MPI_COMM_NULL;
+  MPI_CHECK(MPI_Comm_dup(c, &out));
+  return Comm(out);
+}
+
+// The sub-communicator of `cart` that keeps the dims flagged in `remain`. Called by all ranks
+// of cart.
+Comm cart_sub(const Comm& cart, const std::vector<int>& remain) {
+  MPI_Comm out = MPI_COMM_NULL;
+  MPI_CHECK(MPI_Cart_sub(cart.get(), remain.data(), &out));
+  return Comm(out);
+}
+
+}  // namespace
+
+ProcessGrid::ProcessGrid(MPI_Comm world, const GridShape& shape) : shape_(shape) {
+  int wsize = 1;
+  MPI_CHECK(MPI_Comm_size(world, &wsize));
+  check_grid_shape(shape_, wsize);  // same verdict on every rank: no rank is left waiting
+
+  comms_[static_cast<int>(Axis::World)] = dup(world);
+
+  std::vector<int> dims = {shape_.pipeline, shape_.data};
+  const std::vector<int> tdims = shape_.tensor_dims();
+  dims.insert(dims.end(), tdims.begin(), tdims.end());
+  const int ndims = static_cast<int>(dims.size());
+  std::vector<int> periods(ndims, 0);
+  MPI_Comm cart = MPI_COMM_NULL;
+  // reorder = 0: the Cartesian rank is the world rank, so the layout is predictable and the
+  // tensor group (fastest dim) lands on consecutive ranks, i.e. on one node with usual launchers.
+  MPI_CHECK(MPI_Cart_create(world, ndims, dims.data(), periods.data(), /*reorder=*/0, &cart));
+  cart_ = Comm(cart);
+  coords_.assign(ndims, 0);
+  MPI_CHECK(MPI_Cart_coords(cart_.get(), cart_.rank(), ndims, coords_.data()));
+
+  // remain flags: index 0 pipeline, 1 data, 2.. tensor dims
+  auto only = [&](std::initializer_list<int> keep) {
+    std::vector<int> r(ndims, 0);
+    for (int k : keep) r[k] = 1;
+    return r;
+  };
+  std::vector<int> tensor_all(ndims, 0);
+  for (int i = 2; i < ndims; ++i) tensor_all[i] = 1;
+  auto set = [&](Axis a, Comm c) { comms_[static_cast<int>(a)] = std::move(c); };
+  set(Axis::Pipeline, cart_sub(cart_, only({0})));
+  set(Axis::Data, cart_sub(cart_, only({1})));
+  set(Axis::Tensor, cart_sub(cart_, tensor_all));
+  switch (shape_.mode) {
+    case TensorMode::D2:  // dims [row, col]
+      set(Axis::TensorRow, cart_sub(cart_, only({3})));
+      set(Axis::TensorCol, cart_sub(cart_, only({2})));
+      break;
+    case TensorMode::D2p5:  // dims [depth, row, col]
+      set(Axis::TensorDepth, cart_sub(cart_, only({2})));
+      set(Axis::TensorRow, cart_sub(cart_, only({4})));
+      set(Axis::TensorCol, cart_sub(cart_, only({3})));
+      break;
+    case TensorMode::D3:  // dims [c0, c1, c2]
+      set(Axis::TensorX, cart_sub(cart_, only({3})));
+      set(Axis::TensorY, cart_sub(cart_, only({4})));
+      set(Axis::TensorZ, cart_sub(cart_, only({2})));
+      break;
+    case TensorMode::None:
+    case TensorMode::D1:
+      break;
+  }
+  // Axes this mode lacks: a size-1 communicator, so callers never branch on the mode.
+  for (int a = 0; a < static_cast<int>(Axis::Count); ++a)
+    if (!comms_[a].valid()) comms_[a] = dup(MPI_COMM_SELF);
+
+  // Ranks sharing memory are one node; the local rank picks the GPU whatever the launcher.
+  MPI_Comm node = MPI_COMM_NULL;
+  MPI_CHECK(MPI_Comm_split_type(comms_[0].get(), MPI_COMM_TYPE_SHARED, comms_[0].rank(),
+                                MPI_INFO_NULL, &node));
+  Comm node_comm(node);
+  local_rank_ = node_comm.rank();
+  local_size_ = node_comm.size();
+
+  char name[MPI_MAX_PROCESSOR_NAME] = {0};
+  int len = 0;
+  MPI_CHECK(MPI_Get_processor_name(name, &len));
+  host_.assign(name, len);
+}
+
+std::string ProcessGrid::rank_map() const {
+  const Comm& w = comm(Axis::World);
+  const int n = w.size();
+  const int ndims = static_cast<int>(coords_.size());
+  constexpr int kHost = MPI_MAX_PROCESSOR_NAME;
+  std::vector<char> hosts(static_cast<size_t>(n) * kHost, 0);
+  std::vector<char> my_host(kHost, 0);
+  std::memcpy(my_host.data(), host_.data(), std::min<size_t>(host_.size(), kHost - 1));
+  MPI_CHECK(MPI_Allgather(my_host.data(), kHost, MPI_CHAR, hosts.data(), kHost, MPI_CHAR, w.get()));
+  std::vector<int> mine = {local_rank_};
+  mine.insert(mine.end(), coords_.begin(), coords_.end());
+  std::vector<int> all(static_cast<size_t>(n) * (ndims + 1));
+  MPI_CHECK(
+      MPI_Allgather(mine.data(), ndims + 1, MPI_INT, all.data(), ndims + 1, MPI_INT, w.get()));
+
+  size_t host_w = 4;
+  for (int r = 0; r < n; ++r)
+    host_w = std::max(host_w, std::strlen(&hosts[static_cast<size_t>(r) * kHost]));
+  std::ostringstream out;
+  auto pad = [](const std::string& s, size_t width) {
+    return s + std::string(width > s.size() ? width - s.size() : 0, ' ');
+  };
+  std::string tensor_label = std::string("tensor(") + tensor_mode_name(shape_.mode) + ")";
+  out << pad("rank", 6) << pad("host", host_w + 2) << pad("local", 7) << pad("pipeline", 10)
+      << pad("data", 6) << tensor_label << "\n";
+  for (int r = 0; r < n; ++r) {
+    const int* row = &all[static_cast<size_t>(r) * (ndims + 1)];
+    std::string t = "(";
+    for (int i = 2; i < ndims; ++i) t += (i > 2 ? "," : "") + std::to_string(row[1 + i]);
+    t += ")";
+    out << pad(std::to_string(r), 6) << pad(&hosts[static_cast<size_t>(r) * kHost], host_w + 2)
+        << pad(std::to_string(row[0]), 7) << pad(std::to_string(row[1]), 10)
+        << pad(std::to_string(row[2]), 6) << t << "\n";
+  }
+  return out.str();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Collectives on host buffers with MPI (the CPU backend's; CUDA uses NCCL).
+
+namespace {
+
+// MPI counts are int: large buffers go in pieces of at most this many elements.
+constexpr size_t kMaxCount = size_t(1) << 30;
+
+class MpiCollectives final : public Collectives {
+ public:
+  // The grid must outlive this object.
+  explicit MpiCollectives(const ProcessGrid& grid) : grid_(grid) {}
+
+  void allreduce_sum(float* buf, size_t n, Axis a) override { allreduce(buf, n, MPI_SUM, a); }
+  void allreduce_max(float* buf, size_t n, Axis a) override { allreduce(buf, n, MPI_MAX, a); }
+
+  void allreduce_sum_act(void* buf, size_t n, size_t elem_size, Axis a) override {
+    // The CPU backend keeps activations in fp32 even in the 16-bit modes, so a 2-byte buffer
+    // here means a caller bug, not a request to convert.
+    VG_CHECK(elem_size == 4, "the CPU collectives reduce fp32 activations only, got elem_size "
+                                 << elem_size << " on axis " << axis_name(a));
+    allreduce(static_cast<float*>(buf), n, MPI_SUM, a);
+  }
+
+  void broadcast(void* buf, size_t bytes, int root, Axis a) override {
+    char* p = static_cast<char*>(buf);
+    for (size_t off = 0; off < bytes; off += kMaxCount) {
+      const int c = static_cast<int>(std::min(kMaxCount, bytes - off));
+      MPI_CHECK(MPI_Bcast(p + off, c, MPI_BYTE, root, comm(a)));
+    }
+  }
+
+  void allgather(void* out, const void* in, size_t n, size_t elem_size, Axis a) override {
+    const Comm& c = grid_.comm(a);
+    const size_t bytes = n * elem_size;
+    // A rank that already placed its block in `out` passes that block as `in`: MPI forbids
+    // aliased buffers unless they are flagged as MPI_IN_PLACE.
+    const void* send = (in == static_cast<char*>(out) + bytes * c.rank()) ? MPI_IN_PLACE : in;
+    if (bytes <= static_cast<size_t>(INT_MAX)) {
+      const int cnt = static_cast<int>(bytes);
+      MPI_CHECK(MPI_Allgather(send, cnt, MPI_BYTE, out, cnt, MPI_BYTE, c.get()));
+      return;
+    }
+    // Blocks over 2 GiB: count elements of a contiguous element-sized type instead of bytes.
+    VG_CHECK(n <= static_cast<size_t>(INT_MAX), "allgather block of " << n << " elements");
+    MPI_Datatype t;
+    MPI_CHECK(MPI_Type_contiguous(static_cast<int>(elem_size), MPI_BYTE, &t));
+    MPI_CHECK(MPI_Type_commit(&t));
+    MPI_CHECK(MPI_Allgather(send, static_cast<int>(n), t, out, static_cast<int>(n), t, c.get()));
+    MPI_CHECK(MPI_Type_free(&t));
+  }
+
+  void reduce_scatter_sum(float* out, const float* in, size_t n, Axis a) override {
+    VG_CHECK(n <= static_cast<size_t>(INT_MAX), "reduce_scatter block of " << n << " floats");
+    MPI_CHECK(MPI_Reduce_scatter_block(in, out, static_cast<int>(n), MPI_FLOAT, MPI_SUM, comm(a)));
+  }
+
+  void send(const void* buf, size_t bytes, int peer, Axis a) override {
+    const char* p = static_cast<const char*>(buf);
+    // Pieces arrive in order: MPI messages between one pair on one tag do not overtake.
+    for (size_t off = 0; off < bytes || (bytes == 0 && off == 0); off += kMaxCount) {
+      const int c = static_cast<int>(std::min(kMaxCount, bytes - off));
+      MPI_CHECK(MPI_Send(p + off, c, MPI_BYTE, peer, kTag, comm(a)));
+      if (bytes == 0) break;
+    }
+  }
+
+  void recv(void* buf, size_t bytes, int peer, Axis a) override {
+    char* p = static_cast<char*>(buf);
+    for (size_t off = 0; off < bytes || (bytes == 0 && off == 0); off += kMaxCount) {
+      const int c = static_cast<int>(std::min(kMaxCount, bytes - off));
+      MPI_Status st;
+      MPI_CHECK(MPI_Recv(p + off, c, MPI_BYTE, peer, kTag, comm(a), &st));
+      int got = 0;
+      MPI_CHECK(MPI_Get_count(&st, MPI_BYTE, &got));
+      // A short message means the two sides disagree on a shape: stop here, not in a kernel.
+      VG_CHECK(got == c, "recv on axis " << axis_name(a) << " from " << peer << ": expected " << c
+                                         << " bytes, got " << got);
+      if (bytes == 0) break;
+    }
+  }
+
+  void barrier(Axis a) override { MPI_CHECK(MPI_Barrier(comm(a))); }
+
+ private:
+  static constexpr int kTag = 0;
+
+  MPI_Comm comm(Axis a) const { return grid_.comm(a).get(); }
+
+  void allreduce(float* buf, size_t n, MPI_Op op, Axis a) {
+    for (size_t off = 0; off < n; off += kMaxCount) {
+      const int c = static_cast<int>(std::min(kMaxCount, n - off));
+      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf + off, c, MPI_FLOAT, op, comm(a)));
+    }
+  }
+
+  const ProcessGrid& grid_;
+};
+
+}  // namespace
+
+std::unique_ptr<Collectives> make_mpi_collectives(const ProcessGrid& grid) {
+  return std::make_unique<MpiCollectives>(grid);
+}
+
+}  // namespace vitgrid

@@ -27,10 +27,16 @@ enum class Gelu : int { Exact = 0, Tanh = 1 };
 
 // Dropout is a pure function of (seed, key, element counter): the element with index i of a
 // call is kept iff rng_uniform(seed, key, counter_base + i) >= p; kept values scale by 1/(1-p).
+// With tensor parallelism a rank holds a column block of a wider global row: when cols > 0
+// the buffer is rows of `cols` local elements, and local element (r, c) has the global counter
+// counter_base + r * global_cols + col_offset + c. cols == 0 means contiguous (counter_base + i).
 struct DropoutKey {
   uint64_t seed = 0;
-  uint64_t key = 0;           // stream key: (step, micro-batch, layer site) mixed together
+  uint64_t key = 0;           // stream key: (step, layer, site) mixed together
   uint64_t counter_base = 0;  // global index of this call's element 0
+  int64_t cols = 0;           // local row length (0: contiguous numbering)
+  int64_t global_cols = 0;    // global row length
+  int64_t col_offset = 0;     // global column of local column 0
 };
 
 // Optimizer hyper-parameters for one step (already scheduled: lr is this step's lr).

@@ -24,6 +24,12 @@ struct TensorShard {
   std::vector<int64_t> global_shape;
   std::vector<int64_t> offset;
   std::vector<int64_t> count;
+  // Optional HDF5-style strided selection: `count` blocks of `block` elements spaced `stride`
+  // per dimension (e.g. a tensor-parallel shard of qkv.weight holds its heads' rows of q, k
+  // and v: three blocks). Empty: one contiguous block of `count`. data holds the selected
+  // elements in row-major file order.
+  std::vector<int64_t> stride;
+  std::vector<int64_t> block;
   float* data = nullptr;
   bool write = true;
 };

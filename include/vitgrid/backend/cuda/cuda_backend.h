@@ -1,0 +1,45 @@
+// The CUDA backend of the op set (cuBLASLt GEMMs, own kernels, NCCL collectives).
+// Only declared when the library is built with VITGRID_HAVE_CUDA; this header pulls in no
+// CUDA header so that plain C++ translation units (the backend factory, the app) can use it.
+//
+// Conventions beyond backend.h, fixed here:
+//  * act_size() is 4 (fp32), 2 (bf16 / fp16): activations are stored in the act dtype.
+//  * Every kernel computes in fp32 and rounds once when it stores an act-dtype result;
+//    reductions (layernorm statistics and parameter gradients, bias gradients, embedding
+//    gradients, sums) are deterministic two-stage reductions (no floating-point atomics), so
+//    two runs of the same step give bit-identical results.
+//  * Attention: the fallback path (cuBLASLt strided GEMMs + softmax kernel) saves the softmax
+//    probabilities [B,H,T,T] in the act dtype, like the CPU backend. Scores are kept in fp32.
+//  * cross_entropy: a label outside [0, K) cannot throw from the device; that row's loss
+//    (and its gradient row) become NaN, which the trainer's all_finite check catches.
+//  * peak_memory_bytes() counts alloc() plus the backend's own buffers (cuBLASLt workspace,
+//    reduction scratch, slice tables): all device memory the backend holds.
+#pragma once
+#include <memory>
+
+#include "vitgrid/backend/backend.h"
+#include "vitgrid/grid/grid.h"
+
+namespace vitgrid {
+
+// A backend on local GPU `device` with activations in `act`. allow_tf32 lets fp32 GEMMs use
+// TF32 tensor cores (CUBLAS_COMPUTE_32F_FAST_TF32); ignored for bf16/fp16.
+std::unique_ptr<Backend> make_cuda_backend(int device, DType act, bool allow_tf32 = false);
+
+// Number of visible CUDA devices; 0 when there is no driver or no device (never aborts).
+int cuda_device_count();
+
+// NCCL collectives mirroring every non-trivial axis of `grid` (one communicator per axis
+// communicator of size > 1), enqueued on `backend`'s stream (which must be a CUDA backend)
+// so they are ordered after the ops that produced their inputs. Each call returns when the
+// collective has completed; a watchdog polls for NCCL async errors and a timeout of
+// `timeout_s` seconds, and on either aborts every communicator and the MPI job (never hangs).
+// Sets NCCL_NVLS_ENABLE=0 unless the environment sets it (NVLink multicast stays off).
+// Called by all ranks of the grid's world communicator (communicator creation is collective).
+// allreduce_sum_act maps elem_size 4 to ncclFloat and 2 to the backend's act dtype
+// (ncclBfloat16 or ncclFloat16). send/recv complete before returning: pair them like
+// blocking MPI_Send/MPI_Recv. Operations on an axis of size 1 are local (copies or no-ops).
+std::unique_ptr<Collectives> make_nccl_collectives(const ProcessGrid& grid, Backend& backend,
+                                                   double timeout_s);
+
+}  // namespace vitgrid

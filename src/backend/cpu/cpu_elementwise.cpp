@@ -1,0 +1,106 @@
+// CpuBackend elementwise ops: GELU, dropout, add, accumulate, scale; forward and backward side
+// by side.
+#include <cmath>
+#include <cstring>
+
+#include "vitgrid/backend/cpu/cpu_backend.h"
+#include "vitgrid/core/rng.h"
+
+namespace vitgrid {
+
+namespace {
+
+constexpr float kInvSqrt2 = 0.70710678118654752f;
+constexpr float kInvSqrt2Pi = 0.39894228040143268f;  // 1/sqrt(2 pi)
+constexpr float kSqrt2OverPi = 0.79788456080286536f;
+constexpr float kGeluC = 0.044715f;
+
+// PyTorch's gelu(approximate='none'): x * Phi(x).
+inline float gelu_exact(float x) { return 0.5f * x * (1.0f + std::erf(x * kInvSqrt2)); }
+inline float gelu_exact_grad(float x) {
+  return 0.5f * (1.0f + std::erf(x * kInvSqrt2)) + x * kInvSqrt2Pi * std::exp(-0.5f * x * x);
+}
+// PyTorch's gelu(approximate='tanh').
+inline float gelu_tanh(float x) {
+  const float t = std::tanh(kSqrt2OverPi * (x + kGeluC * x * x * x));
+  return 0.5f * x * (1.0f + t);
+}
+inline float gelu_tanh_grad(float x) {
+  const float x2 = x * x;
+  const float t = std::tanh(kSqrt2OverPi * x * (1.0f + kGeluC * x2));
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluC * x2);
+}
+
+// Applies the dropout mask of (p, k) to src into dst: the mask is recomputed from the counter-
+// based RNG, never stored, so forward and backward agree and no mask memory is planned.
+void apply_dropout(float* dst, const float* src, size_t n, float p, const DropoutKey& k) {
+  if (p <= 0.0f) {
+    if (dst != src) std::memmove(dst, src, n * sizeof(float));
+    return;
+  }
+  if (p >= 1.0f) {  // every element dropped; avoid 0 * inf
+    std::memset(dst, 0, n * sizeof(float));
+    return;
+  }
+  const float keep_scale = 1.0f / (1.0f - p);
+  for (size_t i = 0; i < n; ++i) {
+    const bool keep = rng_uniform(k.seed, k.key, k.counter_base + i) >= p;
+    dst[i] = keep ? src[i] * keep_scale : 0.0f;
+  }
+}
+
+}  // namespace
+
+void CpuBackend::gelu_forward(void* y_, const void* x_, size_t n, Gelu g) {
+  float* y = static_cast<float*>(y_);
+  const float* x = static_cast<const float*>(x_);
+  if (g == Gelu::Exact) {
+    for (size_t i = 0; i < n; ++i) y[i] = gelu_exact(x[i]);
+  } else {
+    for (size_t i = 0; i < n; ++i) y[i] = gelu_tanh(x[i]);
+  }
+  round_act(y, n);
+}
+
+void CpuBackend::gelu_backward(void* dx_, const void* x_, const void* dy_, size_t n, Gelu g) {
+  float* dx = static_cast<float*>(dx_);  // may alias dy: each element is read before written
+  const float* x = static_cast<const float*>(x_);
+  const float* dy = static_cast<const float*>(dy_);
+  if (g == Gelu::Exact) {
+    for (size_t i = 0; i < n; ++i) dx[i] = dy[i] * gelu_exact_grad(x[i]);
+  } else {
+    for (size_t i = 0; i < n; ++i) dx[i] = dy[i] * gelu_tanh_grad(x[i]);
+  }
+  round_act(dx, n);
+}
+
+void CpuBackend::dropout_forward(void* y, const void* x, size_t n, float p, DropoutKey k) {
+  apply_dropout(static_cast<float*>(y), static_cast<const float*>(x), n, p, k);
+  round_act(static_cast<float*>(y), n);
+}
+
+void CpuBackend::dropout_backward(void* dx, const void* dy, size_t n, float p, DropoutKey k) {
+  apply_dropout(static_cast<float*>(dx), static_cast<const float*>(dy), n, p, k);
+  round_act(static_cast<float*>(dx), n);
+}
+
+void CpuBackend::add(void* y_, const void* a_, const void* b_, size_t n) {
+  float* y = static_cast<float*>(y_);  // may alias a
+  const float* a = static_cast<const float*>(a_);
+  const float* b = static_cast<const float*>(b_);
+  for (size_t i = 0; i < n; ++i) y[i] = a[i] + b[i];
+  round_act(y, n);
+}
+
+void CpuBackend::accumulate(void* y_, const void* x_, size_t n) {
+  float* __restrict y = static_cast<float*>(y_);
+  const float* __restrict x = static_cast<const float*>(x_);
+  for (size_t i = 0; i < n; ++i) y[i] += x[i];
+  round_act(y, n);
+}
+
+void CpuBackend::scale_f32(float* __restrict x, size_t n, float s) {
+  for (size_t i = 0; i < n; ++i) x[i] *= s;
+}
+
+}  // namespace vitgrid

@@ -1,0 +1,244 @@
+// CPU backend elementwise and normalisation ops: GELU, dropout, add/accumulate/scale,
+// fused residual LayerNorm, softmax. Forward against double references, backward against
+// central finite differences of those references (tolerances as in test_cpu_gemm.cpp:
+// fp32 kernels on O(1) data, atol 2e-5 / rtol 1e-4 unless stated).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "backend_test_util.h"
+#include "vitgrid/backend/cpu/cpu_backend.h"
+#include "vitgrid/core/rng.h"
+
+namespace {
+
+using vgtest::all_close;
+using vgtest::fd_grad;
+using vgtest::randn;
+using vgtest::to_d;
+using vitgrid::CpuBackend;
+using vitgrid::DropoutKey;
+using vitgrid::Gelu;
+
+constexpr double kAtol = 2e-5, kRtol = 1e-4;
+
+double ref_gelu(double x, Gelu g) {
+  if (g == Gelu::Exact) return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
+  return 0.5 * x * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x)));
+}
+
+TEST(CpuElementwise, GeluForwardBackwardBothForms) {
+  CpuBackend be;
+  // Odd count spanning the tails and zero.
+  std::vector<float> x = vgtest::randu(37, 1, -5.0f, 5.0f);
+  x[0] = 0.0f;
+  x[1] = -8.0f;
+  x[2] = 8.0f;
+  auto dy = randn(x.size(), 2);
+  for (Gelu g : {Gelu::Exact, Gelu::Tanh}) {
+    std::vector<float> y(x.size()), dx(x.size());
+    be.gelu_forward(y.data(), x.data(), x.size(), g);
+    std::vector<double> ref(x.size());
+    for (size_t i = 0; i < x.size(); ++i) ref[i] = ref_gelu(x[i], g);
+    EXPECT_TRUE(all_close(y, ref, kAtol, kRtol)) << "gelu " << (int)g;
+
+    be.gelu_backward(dx.data(), x.data(), dy.data(), x.size(), g);
+    for (size_t i = 0; i < x.size(); ++i) {
+      const double h = 1e-5;
+      const double fd = (ref_gelu(x[i] + h, g) - ref_gelu(x[i] - h, g)) / (2 * h);
+      EXPECT_NEAR(dx[i], dy[i] * fd, kAtol + kRtol * std::fabs(dy[i] * fd)) << i;
+    }
+    // dx may alias dy.
+    std::vector<float> inplace = dy;
+    be.gelu_backward(inplace.data(), x.data(), inplace.data(), x.size(), g);
+    EXPECT_EQ(inplace, dx);
+  }
+}
+
+TEST(CpuElementwise, DropoutMaskStatisticsDeterminismAndLayoutIndependence) {
+  CpuBackend be;
+  const size_t n = 100003;
+  const float p = 0.3f;
+  const DropoutKey key{42, 7, 1000};
+  auto x = vgtest::randu(n, 3, 0.5f, 2.0f);  // no zeros, so zeros in y are exactly the drops
+  std::vector<float> y(n), y2(n);
+  be.dropout_forward(y.data(), x.data(), n, p, key);
+  be.dropout_forward(y2.data(), x.data(), n, p, key);
+  EXPECT_EQ(y, y2) << "a pure function of (seed, key, counter)";
+
+  size_t dropped = 0;
+  const float s = 1.0f / (1.0f - p);
+  for (size_t i = 0; i < n; ++i) {
+    const bool keep = vitgrid::rng_uniform(key.seed, key.key, key.counter_base + i) >= p;
+    ASSERT_EQ(y[i], keep ? x[i] * s : 0.0f) << i;
+    dropped += !keep;
+  }
+  // Drop fraction within 5 standard deviations (sqrt(p(1-p)/n) = 0.00145) of p.
+  EXPECT_NEAR((double)dropped / n, p, 5 * std::sqrt(p * (1 - p) / n));
+
+  // Backward applies the same mask to the gradient (recomputed, not stored); in place too.
+  auto dy = vgtest::randu(n, 4, 0.5f, 2.0f);
+  std::vector<float> dx = dy;
+  be.dropout_backward(dx.data(), dx.data(), n, p, key);
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(dx[i] == 0.0f, y[i] == 0.0f) << i;
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(dx[i], y[i] == 0.0f ? 0.0f : dy[i] * s) << i;
+
+  // A call whose element 0 has global index base + k equals elements k.. of the base call:
+  // the mask depends on global indices only, so any sharding of a tensor gets the same mask.
+  const size_t k = 777;
+  std::vector<float> part(n - k);
+  be.dropout_forward(part.data(), x.data() + k, n - k, p, DropoutKey{42, 7, 1000 + k});
+  for (size_t i = 0; i < n - k; ++i) ASSERT_EQ(part[i], y[k + i]) << i;
+
+  // Another stream key gives another mask.
+  be.dropout_forward(y2.data(), x.data(), n, p, DropoutKey{42, 8, 1000});
+  EXPECT_NE(y, y2);
+
+  // p = 0 copies; p = 1 drops everything (no 0 * inf NaNs).
+  be.dropout_forward(y2.data(), x.data(), n, 0.0f, key);
+  EXPECT_EQ(y2, x);
+  be.dropout_forward(y2.data(), x.data(), n, 1.0f, key);
+  for (float v : y2) ASSERT_EQ(v, 0.0f);
+}
+
+TEST(CpuElementwise, AddAccumulateScale) {
+  CpuBackend be;
+  const size_t n = 101;
+  auto a = randn(n, 5), b = randn(n, 6);
+  std::vector<float> y(n);
+  be.add(y.data(), a.data(), b.data(), n);
+  for (size_t i = 0; i < n; ++i) EXPECT_EQ(y[i], a[i] + b[i]);
+  std::vector<float> acc = a;
+  be.accumulate(acc.data(), b.data(), n);
+  EXPECT_EQ(acc, y);
+  be.add(a.data(), a.data(), b.data(), n);  // y aliases a
+  EXPECT_EQ(a, y);
+  be.scale_f32(y.data(), n, -0.25f);
+  for (size_t i = 0; i < n; ++i) EXPECT_EQ(y[i], acc[i] * -0.25f);
+}
+
+// ---- LayerNorm
+
+struct LnRef {
+  std::vector<double> res, y, mean, rstd;
+};
+
+LnRef ref_add_layernorm(const std::vector<double>& a, const std::vector<double>* b,
+                        const std::vector<double>& gamma, const std::vector<double>& beta, int N,
+                        int C, double eps) {
+  LnRef r;
+  r.res = a;
+  if (b)
+    for (size_t i = 0; i < a.size(); ++i) r.res[i] += (*b)[i];
+  r.y.resize(a.size());
+  for (int n = 0; n < N; ++n) {
+    double m = 0.0, v = 0.0;
+    for (int c = 0; c < C; ++c) m += r.res[(size_t)n * C + c];
+    m /= C;
+    for (int c = 0; c < C; ++c) v += std::pow(r.res[(size_t)n * C + c] - m, 2);
+    v /= C;
+    const double rs = 1.0 / std::sqrt(v + eps);
+    r.mean.push_back(m);
+    r.rstd.push_back(rs);
+    for (int c = 0; c < C; ++c)
+      r.y[(size_t)n * C + c] = (r.res[(size_t)n * C + c] - m) * rs * gamma[c] + beta[c];
+  }
+  return r;
+}
+
+TEST(CpuNorm, AddLayernormForwardFusedResidual) {
+  const int N = 6, C = 19;
+  const float eps = 1e-6f;
+  CpuBackend be;
+  auto a = randn((size_t)N * C, 7, 2.0f), b = randn((size_t)N * C, 8);
+  for (auto& v : a) v += 3.0f;  // a residual stream with a mean: tests the centred variance
+  auto gamma = randn(C, 9), beta = randn(C, 10);
+  auto ad = to_d(a), bd = to_d(b), gd = to_d(gamma), btd = to_d(beta);
+  std::vector<float> res((size_t)N * C), y((size_t)N * C), mean(N), rstd(N);
+
+  be.add_layernorm_forward(res.data(), y.data(), mean.data(), rstd.data(), a.data(), b.data(),
+                           gamma.data(), beta.data(), N, C, eps);
+  LnRef r = ref_add_layernorm(ad, &bd, gd, btd, N, C, eps);
+  EXPECT_TRUE(all_close(res, r.res, 1e-6, 1e-6));
+  EXPECT_TRUE(all_close(y, r.y, kAtol, kRtol));
+  EXPECT_TRUE(all_close(mean, r.mean, kAtol, kRtol));
+  EXPECT_TRUE(all_close(rstd, r.rstd, kAtol, kRtol));
+
+  // b null: res = a; and res aliasing a.
+  std::vector<float> a2 = a, y2((size_t)N * C);
+  be.add_layernorm_forward(a2.data(), y2.data(), mean.data(), rstd.data(), a2.data(), nullptr,
+                           gamma.data(), beta.data(), N, C, eps);
+  LnRef r2 = ref_add_layernorm(ad, nullptr, gd, btd, N, C, eps);
+  EXPECT_EQ(a2, a);
+  EXPECT_TRUE(all_close(y2, r2.y, kAtol, kRtol));
+  // Fused in place: res aliases a with b given.
+  a2 = a;
+  be.add_layernorm_forward(a2.data(), y2.data(), mean.data(), rstd.data(), a2.data(), b.data(),
+                           gamma.data(), beta.data(), N, C, eps);
+  EXPECT_TRUE(all_close(a2, r.res, 1e-6, 1e-6));
+  EXPECT_TRUE(all_close(y2, r.y, kAtol, kRtol));
+}
+
+TEST(CpuNorm, LayernormBackwardFiniteDifferencesAndAccumulation) {
+  const int N = 5, C = 23;
+  const float eps = 1e-5f;
+  CpuBackend be;
+  auto x = randn((size_t)N * C, 11, 1.5f), gamma = randn(C, 12), beta = randn(C, 13);
+  auto dy = randn((size_t)N * C, 14);
+  std::vector<float> res((size_t)N * C), y((size_t)N * C), mean(N), rstd(N);
+  be.add_layernorm_forward(res.data(), y.data(), mean.data(), rstd.data(), x.data(), nullptr,
+                           gamma.data(), beta.data(), N, C, eps);
+  // Accumulators start non-zero: dx is the residual-stream gradient, dgamma/dbeta sum over
+  // micro-batches.
+  auto dx0 = randn((size_t)N * C, 15), dg0 = randn(C, 16), db0 = randn(C, 17);
+  std::vector<float> dx = dx0, dg = dg0, db = db0;
+  be.layernorm_backward(dx.data(), dg.data(), db.data(), dy.data(), res.data(), gamma.data(),
+                        mean.data(), rstd.data(), N, C);
+
+  const auto R = to_d(dy);
+  auto xd = to_d(x), gd = to_d(gamma), bd = to_d(beta);
+  auto L = [&](const std::vector<double>& xx, const std::vector<double>& gg,
+               const std::vector<double>& bb) {
+    return vgtest::dot(R, ref_add_layernorm(xx, nullptr, gg, bb, N, C, eps).y);
+  };
+  auto gx = fd_grad([&](const std::vector<double>& v) { return L(v, gd, bd); }, xd);
+  auto gg = fd_grad([&](const std::vector<double>& v) { return L(xd, v, bd); }, gd);
+  auto gb = fd_grad([&](const std::vector<double>& v) { return L(xd, gd, v); }, bd);
+  EXPECT_TRUE(all_close(dx, vgtest::add(gx, dx0), 1e-4, 1e-4));
+  EXPECT_TRUE(all_close(dg, vgtest::add(gg, dg0), 1e-4, 1e-4));
+  EXPECT_TRUE(all_close(db, vgtest::add(gb, db0), 1e-4, 1e-4));
+}
+
+// ---- softmax
+
+std::vector<double> ref_softmax(const std::vector<double>& x, int rows, int cols, double scale) {
+  std::vector<double> y(x.size());
+  for (int r = 0; r < rows; ++r) {
+    double mx = -1e300, s = 0.0;
+    for (int c = 0; c < cols; ++c) mx = std::max(mx, scale * x[(size_t)r * cols + c]);
+    for (int c = 0; c < cols; ++c) s += (y[(size_t)r * cols + c] = std::exp(scale * x[(size_t)r * cols + c] - mx));
+    for (int c = 0; c < cols; ++c) y[(size_t)r * cols + c] /= s;
+  }
+  return y;
+}
+
+TEST(CpuNorm, SoftmaxForwardBackwardWithScale) {
+  const int rows = 4, cols = 9;
+  CpuBackend be;
+  auto x = randn((size_t)rows * cols, 21, 3.0f), dy = randn((size_t)rows * cols, 22);
+  x[0] = 80.0f;  // large logits must not overflow: the max is subtracted
+  for (float scale : {0.37f, -0.5f, 1.0f}) {
+    std::vector<float> y(x.size()), dx(x.size());
+    be.softmax_forward(y.data(), x.data(), rows, cols, scale);
+    EXPECT_TRUE(all_close(y, ref_softmax(to_d(x), rows, cols, scale), 1e-6, kRtol)) << scale;
+    be.softmax_backward(dx.data(), y.data(), dy.data(), rows, cols, scale);
+    const auto R = to_d(dy);
+    auto g = fd_grad([&](const std::vector<double>& v) {
+      return vgtest::dot(R, ref_softmax(v, rows, cols, scale));
+    }, to_d(x));
+    EXPECT_TRUE(all_close(dx, g, kAtol, kRtol)) << scale;
+  }
+}
+
+}  // namespace

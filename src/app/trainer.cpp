@@ -263,6 +263,8 @@ struct Trainer::Impl {
         s.global_shape = p.global_shape;
         s.offset = p.shard.offset;
         s.count = p.shard.count;
+        s.stride = p.shard.stride;
+        s.block = p.shard.block;
         s.data = host.data() + k * n + p.offset;
         bool root = data_root;
         for (Axis a : p.shard.replicated_over) root = root && grid->rank(a) == 0;
@@ -427,6 +429,7 @@ struct Trainer::Impl {
         loss_sum += model->forward_backward(db, static_cast<float>(deck.data.label_smoothing),
                                             grad_scale, step, m);
       }
+      model->reduce_gradients();
       // data-parallel gradient reduction (sum: each rank's gradient is already / G)
       if (grid->size(Axis::Data) > 1)
         coll->allreduce_sum(model->grads(), model->num_local_params(), Axis::Data);
@@ -507,6 +510,7 @@ struct Trainer::Impl {
         DeviceBatch db = upload(*hb);
         model->forward_backward(db, 0.1f, scale / float(G), s, m);
       }
+      model->reduce_gradients();
       if (grid->size(Axis::Data) > 1)
         coll->allreduce_sum(model->grads(), model->num_local_params(), Axis::Data);
       const double gn = std::sqrt(opt->grad_norm_sq(model->grads())) / scale;

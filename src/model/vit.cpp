@@ -220,6 +220,8 @@ void ViT::plan_activations() {
 
 void ViT::zero_grads() { be_.zero(grads_, n_params_ * sizeof(float)); }
 
+void ViT::reduce_gradients() { tp_.reduce_replicated_grads(grads_, params_); }
+
 void ViT::init_params(uint64_t seed) {
   seed_ = seed;
   std::vector<float> host(n_params_, 0.0f);

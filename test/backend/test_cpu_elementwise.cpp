@@ -242,3 +242,28 @@ TEST(CpuNorm, SoftmaxForwardBackwardWithScale) {
 }
 
 }  // namespace
+
+// Tensor parallelism: a rank holding columns [off, off + cols) of rows of global width W must
+// draw exactly the mask elements of the 1-rank buffer at those positions.
+TEST(CpuElementwise, DropoutColumnBlockMatchesGlobalBuffer) {
+  vitgrid::CpuBackend be;
+  const int R = 7, W = 13, cols = 5, off = 6;
+  std::vector<float> ones(size_t(R) * W, 1.0f), full(size_t(R) * W), part(size_t(R) * cols);
+  vitgrid::DropoutKey k;
+  k.seed = 3;
+  k.key = 99;
+  k.counter_base = 1000;
+  be.dropout_forward(full.data(), ones.data(), full.size(), 0.4f, k);
+  k.cols = cols;
+  k.global_cols = W;
+  k.col_offset = off;
+  be.dropout_forward(part.data(), ones.data(), part.size(), 0.4f, k);
+  int dropped = 0;
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < cols; ++c) {
+      ASSERT_EQ(part[r * cols + c], full[r * W + off + c]) << r << "," << c;
+      dropped += part[r * cols + c] == 0.0f;
+    }
+  EXPECT_GT(dropped, 0);
+  EXPECT_LT(dropped, R * cols);
+}

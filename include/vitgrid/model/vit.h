@@ -78,6 +78,10 @@ class ViT {
   float* master() { return master_; }
   float* grads() { return grads_; }
   void zero_grads();
+  // Once per optimizer step, after the last micro-batch and before the data-parallel
+  // reduction: sums the partial gradients of parameters replicated inside the tensor group
+  // (the strategy knows which). Nothing to do without tensor parallelism.
+  void reduce_gradients();
 
   // Forward + loss + backward of one micro-batch; weight gradients accumulate. dlogits are
   // scaled by grad_scale (1/global_batch times the loss scale). Returns the sum of the

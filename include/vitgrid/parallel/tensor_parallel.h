@@ -23,10 +23,17 @@ enum class LinearRole : int { Column = 0, Row = 1, Replicated = 2 };
 struct Shard {
   std::vector<int64_t> offset;
   std::vector<int64_t> count;
+  // Optional strided selection (HDF5 semantics: `count` blocks of `block` spaced `stride`),
+  // e.g. a 1d shard of qkv.weight is three row blocks, one each of q, k and v. Empty: one
+  // contiguous block of `count`.
+  std::vector<int64_t> stride;
+  std::vector<int64_t> block;
   // Axes over which this shard is replicated (its gradient is summed over them after the
   // data-parallel reduction, and only coordinate 0 of them writes it to a checkpoint).
   std::vector<Axis> replicated_over;
 };
+
+struct ParamInfo;
 
 class TensorParallel {
  public:
@@ -50,6 +57,9 @@ class TensorParallel {
   // Sum of squares of the whole (unsharded) parameters: per-slice local sums reduced over the
   // axes each parameter is sharded on, so LAMB trust ratios and clipping use true norms.
   virtual void reduce_param_norms(std::vector<double>& sq) = 0;
+  // Sums, over the tensor sub-axes in each parameter's Shard::replicated_over, the partial
+  // gradients of replicated parameters (e.g. LayerNorm weights when the batch is split).
+  virtual void reduce_replicated_grads(float* grads, const std::vector<ParamInfo>& params) = 0;
 };
 
 // none (tensor = 1): every call goes straight to the backend.

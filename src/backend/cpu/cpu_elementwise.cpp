@@ -43,9 +43,22 @@ void apply_dropout(float* dst, const float* src, size_t n, float p, const Dropou
     return;
   }
   const float keep_scale = 1.0f / (1.0f - p);
-  for (size_t i = 0; i < n; ++i) {
-    const bool keep = rng_uniform(k.seed, k.key, k.counter_base + i) >= p;
-    dst[i] = keep ? src[i] * keep_scale : 0.0f;
+  if (k.cols <= 0) {
+    for (size_t i = 0; i < n; ++i) {
+      const bool keep = rng_uniform(k.seed, k.key, k.counter_base + i) >= p;
+      dst[i] = keep ? src[i] * keep_scale : 0.0f;
+    }
+    return;
+  }
+  // column block of wider global rows (tensor parallelism): global counters per element
+  const size_t cols = static_cast<size_t>(k.cols);
+  for (size_t r = 0, i = 0; i < n; ++r) {
+    const uint64_t row = k.counter_base + r * static_cast<uint64_t>(k.global_cols) +
+                         static_cast<uint64_t>(k.col_offset);
+    for (size_t c = 0; c < cols && i < n; ++c, ++i) {
+      const bool keep = rng_uniform(k.seed, k.key, row + c) >= p;
+      dst[i] = keep ? src[i] * keep_scale : 0.0f;
+    }
   }
 }
 

@@ -27,6 +27,7 @@ class TensorParallelNone final : public TensorParallel {
     be_.linear_backward(dx, dW, db, dy, x, W, rows, in, out);
   }
   void reduce_param_norms(std::vector<double>&) override {}
+  void reduce_replicated_grads(float*, const std::vector<ParamInfo>&) override {}
 
  private:
   Backend& be_;

@@ -1,0 +1,405 @@
+// Checkpoints: written by one split of every tensor, read back by another; metadata, pruning,
+// latest-complete lookup and every refusal, each agreed on all ranks.
+#include <gtest/gtest.h>
+
+#include <deque>
+#include <fstream>
+
+#include "io_test_util.h"
+#include "vitgrid/io/checkpoint.h"
+#include "vitgrid/io/metrics.h"
+
+namespace {
+
+using vgtest::rank_of;
+using vgtest::size_of;
+
+struct TensorDef {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+
+// Exact in fp32 for the sizes used here, so comparisons are exact.
+float value_of(size_t tensor, int64_t flat) { return static_cast<float>(tensor) * 1000.0f + 0.25f * flat; }
+
+// Shards plus the buffers they point into (deque: stable addresses).
+struct ShardSet {
+  std::vector<vitgrid::TensorShard> shards;
+  std::deque<std::vector<float>> bufs;
+};
+
+// Block `part` of `parts` over n (uneven; empty when n < parts).
+std::pair<int64_t, int64_t> block(int64_t n, int parts, int part) {
+  return {n * part / parts, n * (part + 1) / parts};
+}
+
+// This rank's shard of `def` split along `axis` into block `part` of `parts` (axis -1: the whole
+// tensor). fill: store the expected values; otherwise a sentinel the read must overwrite.
+void add_shard(ShardSet* set, size_t tensor_index, const TensorDef& def, int axis, int part,
+               int parts, bool fill, bool write = true) {
+  vitgrid::TensorShard s;
+  s.name = def.name;
+  s.global_shape = def.shape;
+  s.offset.assign(def.shape.size(), 0);
+  s.count = def.shape;
+  if (axis >= 0) {
+    auto b = block(def.shape[axis], parts, part);
+    s.offset[axis] = b.first;
+    s.count[axis] = b.second - b.first;
+  }
+  int64_t n = 1;
+  for (auto c : s.count) n *= c;
+  set->bufs.emplace_back(static_cast<size_t>(n), -12345.0f);
+  auto& buf = set->bufs.back();
+  if (fill) {
+    // walk the hyperslab in row-major order, computing each element's global flat index
+    const size_t nd = def.shape.size();
+    std::vector<int64_t> idx(nd, 0);
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t flat = 0;
+      for (size_t d = 0; d < nd; ++d) flat = flat * def.shape[d] + s.offset[d] + idx[d];
+      buf[i] = value_of(tensor_index, flat);
+      for (int d = static_cast<int>(nd) - 1; d >= 0; --d) {
+        if (++idx[d] < s.count[d]) break;
+        idx[d] = 0;
+      }
+    }
+  }
+  s.data = buf.empty() ? nullptr : buf.data();
+  s.write = write;
+  set->shards.push_back(s);
+}
+
+// Expected contents of a shard, via the same walk.
+void expect_shard_values(const vitgrid::TensorShard& s, size_t tensor_index) {
+  ShardSet expect;
+  add_shard(&expect, tensor_index, {s.name, s.global_shape}, -1, 0, 1, false);
+  auto& e = expect.shards[0];
+  e.offset = s.offset;
+  e.count = s.count;
+  const size_t nd = s.global_shape.size();
+  int64_t n = 1;
+  for (auto c : s.count) n *= c;
+  std::vector<int64_t> idx(nd, 0);
+  int bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t flat = 0;
+    for (size_t d = 0; d < nd; ++d) flat = flat * s.global_shape[d] + s.offset[d] + idx[d];
+    if (s.data[i] != value_of(tensor_index, flat) && bad++ < 5)
+      ADD_FAILURE() << s.name << " element " << i << " (global " << flat << "): " << s.data[i]
+                    << " != " << value_of(tensor_index, flat);
+    for (int d = static_cast<int>(nd) - 1; d >= 0; --d) {
+      if (++idx[d] < s.count[d]) break;
+      idx[d] = 0;
+    }
+  }
+}
+
+const std::vector<TensorDef> kTensors = {
+    {"model/patch_embed.proj.weight", {7, 5}},
+    {"model/blocks.0.attn.qkv.weight", {6, 9}},
+    {"model/cls_token", {1, 1, 8}},
+    {"model/pos_embed", {2, 3, 4}},
+    {"model/norm.bias", {10}},
+    {"model/head.bias", {3}},
+    {"optim/blocks.0.attn.qkv.weight/exp_avg", {6, 9}},
+};
+// split axis per tensor when writing and when reading (-1: replicated / whole)
+const int kWriteAxis[] = {0, 1, 2, 0, -1, 0, 0};
+const int kReadAxis[] = {1, 0, 2, 2, 0, 0, 1};
+
+ShardSet make_write_set() {
+  ShardSet set;
+  const int r = rank_of(), p = size_of();
+  for (size_t t = 0; t < kTensors.size(); ++t) {
+    // the replicated tensor: every rank holds it all, only the last rank writes it
+    bool write = kWriteAxis[t] >= 0 || r == p - 1;
+    add_shard(&set, t, kTensors[t], kWriteAxis[t], r, p, true, write);
+  }
+  return set;
+}
+
+ShardSet make_read_set() {
+  ShardSet set;
+  const int r = rank_of(), p = size_of();
+  // reversed block order for reads, so no rank reads what it wrote on a 1-D split
+  for (size_t t = 0; t < kTensors.size(); ++t) add_shard(&set, t, kTensors[t], kReadAxis[t], p - 1 - r, p, false);
+  return set;
+}
+
+vitgrid::CheckpointMeta make_meta(int64_t step) {
+  vitgrid::CheckpointMeta m;
+  m.deck = "[run]\nsteps = 10\nout_dir = runs/x\n\n[model]\npreset = vit_tiny_patch16_224\n";
+  m.grid = {1, size_of(), 1};
+  m.tensor_mode = "1d";
+  m.backend = "cpu";
+  m.world_size = size_of();
+  m.state["step"] = {static_cast<double>(step)};
+  m.state["epoch"] = {2.0};
+  m.state["loss_scale"] = {65536.0};
+  m.state["rng/philox"] = {1.0, 2.0, 3.0, 4.5};
+  m.state["empty"] = {};
+  return m;
+}
+
+// Rank 0: copies a checkpoint and removes its `complete` attribute with the HDF5 API.
+void make_incomplete_copy(const std::string& from, const std::string& to) {
+  if (rank_of() == 0) {
+    std::filesystem::copy_file(from, to, std::filesystem::copy_options::overwrite_existing);
+    std::lock_guard<std::recursive_mutex> lock(vitgrid::hdf5_mutex());
+    vitgrid::io_detail::H5Id f(H5Fopen(to.c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+    ASSERT_TRUE(f.valid());
+    ASSERT_GE(H5Adelete(f, "complete"), 0);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+void write_garbage(const std::string& path, size_t bytes) {
+  if (rank_of() == 0) {
+    std::ofstream o(path, std::ios::binary);
+    for (size_t i = 0; i < bytes; ++i) o.put(static_cast<char>((i * 131 + 7) & 0xff));
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+std::vector<std::string> list_dir(const std::string& dir) {
+  std::vector<std::string> names;
+  for (auto& e : std::filesystem::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+TEST(Checkpoint, RoundTripAcrossSplits) {
+  vgtest::SharedTmpDir tmp;
+  ShardSet w = make_write_set();
+  std::string path = vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp / "ckpt", 7, w.shards, make_meta(7));
+  EXPECT_EQ(path, tmp / "ckpt/step_00000007.h5");
+
+  ShardSet r = make_read_set();
+  vitgrid::read_checkpoint(MPI_COMM_WORLD, path, r.shards, nullptr);
+  for (size_t t = 0; t < kTensors.size(); ++t) expect_shard_values(r.shards[t], t);
+
+  // independent check of the global layout: rank 0 reads each whole dataset serially
+  if (rank_of() == 0) {
+    for (size_t t = 0; t < kTensors.size(); ++t) {
+      std::vector<hsize_t> dims;
+      auto v = vgtest::read_all<float>(path, kTensors[t].name, H5T_NATIVE_FLOAT, &dims);
+      EXPECT_EQ(std::vector<hsize_t>(kTensors[t].shape.begin(), kTensors[t].shape.end()), dims)
+          << kTensors[t].name;
+      for (size_t i = 0; i < v.size(); ++i)
+        ASSERT_EQ(v[i], value_of(t, static_cast<int64_t>(i))) << kTensors[t].name << " at " << i;
+    }
+  }
+}
+
+TEST(Checkpoint, MetaStateAndAttributes) {
+  vgtest::SharedTmpDir tmp;
+  ShardSet w = make_write_set();
+  auto meta = make_meta(123);
+  std::string path = vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp.path(), 123, w.shards, meta);
+
+  ShardSet r = make_read_set();
+  vitgrid::CheckpointMeta got;
+  got.state["stale"] = {9.0};  // must be replaced, not merged
+  vitgrid::read_checkpoint(MPI_COMM_WORLD, path, r.shards, &got);
+  EXPECT_EQ(got.deck, meta.deck);
+  EXPECT_EQ(got.grid, meta.grid);
+  EXPECT_EQ(got.tensor_mode, "1d");
+  EXPECT_EQ(got.backend, "cpu");
+  EXPECT_EQ(got.world_size, size_of());
+  EXPECT_EQ(got.state, meta.state);
+
+  if (rank_of() == 0) {
+    EXPECT_EQ(vgtest::read_int_attr(path, "complete"), std::vector<int>{1});
+    EXPECT_EQ(vgtest::read_int_attr(path, "world_size"), std::vector<int>{size_of()});
+    EXPECT_EQ(vgtest::read_string_attr(path, "version"), "0.1.0");
+    auto step = vgtest::read_all<double>(path, "/state/step", H5T_NATIVE_DOUBLE);
+    EXPECT_EQ(step, std::vector<double>{123.0});
+  }
+}
+
+TEST(Checkpoint, KeepPrunesOlderAndLeavesNoTmp) {
+  vgtest::SharedTmpDir tmp;
+  ShardSet w = make_write_set();
+  for (int64_t s = 1; s <= 5; ++s) {
+    vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp.path(), s * 100, w.shards, make_meta(s * 100), 2);
+    if (rank_of() == 0) {
+      auto names = list_dir(tmp.path());
+      for (auto& n : names) EXPECT_EQ(n.find(".tmp"), std::string::npos) << n;
+      EXPECT_EQ(names.size(), static_cast<size_t>(std::min<int64_t>(s, 2)));
+    }
+  }
+  if (rank_of() == 0) {
+    EXPECT_EQ(list_dir(tmp.path()), (std::vector<std::string>{"step_00000400.h5", "step_00000500.h5"}));
+  }
+  // keep = 0 keeps everything
+  vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp.path(), 600, w.shards, make_meta(600), 0);
+  if (rank_of() == 0) {
+    EXPECT_EQ(list_dir(tmp.path()).size(), 3u);
+  }
+  // a run restarted from an older step: its new checkpoint survives pruning next to newer ones
+  vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp.path(), 450, w.shards, make_meta(450), 2);
+  if (rank_of() == 0) {
+    EXPECT_EQ(list_dir(tmp.path()), (std::vector<std::string>{"step_00000450.h5", "step_00000600.h5"}));
+  }
+}
+
+TEST(Checkpoint, LatestSkipsIncompleteTmpAndGarbage) {
+  vgtest::SharedTmpDir tmp;
+  EXPECT_EQ(vitgrid::latest_checkpoint(MPI_COMM_WORLD, tmp / "does_not_exist"), "");
+  EXPECT_EQ(vitgrid::latest_checkpoint(MPI_COMM_WORLD, tmp.path()), "");
+
+  ShardSet w = make_write_set();
+  vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp.path(), 10, w.shards, make_meta(10));
+  std::string p20 = vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp.path(), 20, w.shards, make_meta(20));
+  EXPECT_EQ(vitgrid::latest_checkpoint(MPI_COMM_WORLD, tmp.path()), p20);
+
+  make_incomplete_copy(p20, tmp / "step_00000030.h5");
+  if (rank_of() == 0)
+    std::filesystem::copy_file(p20, tmp / "step_00000040.h5.tmp");  // a stray unfinished write
+  write_garbage(tmp / "step_00000050.h5", 3000);
+  EXPECT_EQ(vitgrid::latest_checkpoint(MPI_COMM_WORLD, tmp.path()), p20);
+
+  // a newer complete one wins, and pruning leaves the incomplete and stray files alone
+  std::string p25 = vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp.path(), 25, w.shards, make_meta(25), 1);
+  EXPECT_EQ(vitgrid::latest_checkpoint(MPI_COMM_WORLD, tmp.path()), p25);
+  if (rank_of() == 0) {
+    EXPECT_EQ(list_dir(tmp.path()),
+              (std::vector<std::string>{"step_00000025.h5", "step_00000030.h5",
+                                        "step_00000040.h5.tmp", "step_00000050.h5"}));
+  }
+}
+
+TEST(Checkpoint, RefusalsAreUserErrorsOnEveryRank) {
+  vgtest::SharedTmpDir tmp;
+  ShardSet w = make_write_set();
+  std::string good = vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp.path(), 1, w.shards, make_meta(1));
+
+  auto read = [&](const std::string& path, std::vector<vitgrid::TensorShard> shards) {
+    return [path, shards]() mutable {
+      vitgrid::CheckpointMeta m;
+      vitgrid::read_checkpoint(MPI_COMM_WORLD, path, shards, &m);
+    };
+  };
+  ShardSet r = make_read_set();
+
+  std::string missing = tmp / "step_00000099.h5";
+  vgtest::expect_user_error_everywhere(read(missing, r.shards), {missing, "no such file"});
+
+  std::string garbage = tmp / "garbage.h5";
+  write_garbage(garbage, 5000);
+  vgtest::expect_user_error_everywhere(read(garbage, r.shards), {garbage, "not an HDF5 file"});
+
+  std::string incomplete = tmp / "incomplete.h5";
+  make_incomplete_copy(good, incomplete);
+  vgtest::expect_user_error_everywhere(read(incomplete, r.shards),
+                                       {incomplete, "is incomplete (no 'complete' attribute)"});
+
+  // HDF5 signature intact, the rest cut off
+  std::string truncated = tmp / "truncated.h5";
+  if (rank_of() == 0) {
+    std::filesystem::copy_file(good, truncated);
+    std::filesystem::resize_file(truncated, 2048);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  vgtest::expect_user_error_everywhere(read(truncated, r.shards), {truncated});
+
+  // a tensor the file lacks (a model with one more parameter)
+  ShardSet extra = make_read_set();
+  add_shard(&extra, 99, {"model/blocks.1.mlp.fc1.weight", {4, 4}}, 0, rank_of(), size_of(), false);
+  vgtest::expect_user_error_everywhere(read(good, extra.shards),
+                                       {good, "'/model/blocks.1.mlp.fc1.weight' is missing"});
+
+  // a tensor of another shape (a different model preset)
+  ShardSet wrong = make_read_set();
+  add_shard(&wrong, 98, {"model/patch_embed.proj.weight", {5, 7}}, 1, rank_of(), size_of(), false);
+  wrong.shards.erase(wrong.shards.begin());
+  vgtest::expect_user_error_everywhere(
+      read(good, wrong.shards),
+      {good, "'/model/patch_embed.proj.weight' has shape [7, 5], expected [5, 7]"});
+
+  // after all that, a good read still works (no rank left behind in a collective)
+  vitgrid::read_checkpoint(MPI_COMM_WORLD, good, r.shards, nullptr);
+  for (size_t t = 0; t < kTensors.size(); ++t) expect_shard_values(r.shards[t], t);
+}
+
+// tools/inspect_checkpoint.py on a real checkpoint, an incomplete one and a non-checkpoint.
+TEST(Checkpoint, InspectTool) {
+  vgtest::SharedTmpDir tmp;
+  ShardSet w = make_write_set();
+  auto meta = make_meta(42);
+  std::string good = vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp.path(), 42, w.shards, meta);
+  make_incomplete_copy(good, tmp / "incomplete.h5");
+  write_garbage(tmp / "garbage.h5", 100);
+  {
+    vitgrid::MetricsWriter mw(MPI_COMM_WORLD, tmp / "metrics.h5", "deck", {1, size_of(), 1}, "1d", "cpu", false, 0);
+  }
+  if (rank_of() != 0) return;
+  if (vgtest::python3().empty() || vgtest::source_dir().empty()) GTEST_SKIP() << "no python3";
+  const std::string tool = vgtest::python3() + " " + vgtest::source_dir() + "/tools/inspect_checkpoint.py ";
+  std::string out;
+  ASSERT_EQ(vgtest::run_command(tool + good + " 2>&1", &out), 0) << out;
+  int64_t total = 0;
+  for (auto& t : kTensors)
+    if (t.name.rfind("model/", 0) == 0) {
+      int64_t n = 1;
+      for (auto d : t.shape) n *= d;
+      total += n;
+    }
+  for (const std::string& needle :
+       {std::string("complete: yes"), std::string("step: 42"), std::string("world_size: ") + std::to_string(size_of()),
+        std::string("tensor_mode: 1d"), std::string("model/blocks.0.attn.qkv.weight"), std::string("(6, 9)"),
+        std::string("parameters: ") + std::to_string(total)})
+    EXPECT_NE(out.find(needle), std::string::npos) << "missing '" << needle << "' in:\n" << out;
+  ASSERT_EQ(vgtest::run_command(tool + "--deck " + good + " 2>&1", &out), 0) << out;
+  EXPECT_NE(out.find(meta.deck), std::string::npos) << out;
+  EXPECT_EQ(vgtest::run_command(tool + (tmp / "incomplete.h5") + " 2>&1", &out), 2) << out;
+  EXPECT_NE(out.find("incomplete"), std::string::npos) << out;
+  EXPECT_EQ(vgtest::run_command(tool + (tmp / "garbage.h5") + " 2>&1", &out), 2) << out;
+  EXPECT_NE(out.find("garbage.h5"), std::string::npos) << out;
+  EXPECT_EQ(vgtest::run_command(tool + (tmp / "metrics.h5") + " 2>&1", &out), 2) << out;
+  EXPECT_NE(out.find("not a vitgrid checkpoint"), std::string::npos) << out;
+}
+
+}  // namespace
+
+namespace {
+// A tensor-parallel qkv shard: rank r of P holds rows [j*R + r*R/P, j*R + (r+1)*R/P) of each of
+// the three R-row blocks (q, k, v): one strided selection (stride R, 3 blocks of R/P rows).
+TEST(Checkpoint, StridedShardsRoundTrip) {
+  vgtest::SharedTmpDir tmp;
+  const int P = size_of(), r = rank_of();
+  const int64_t R = 4 * P, C = 5, rows = R / P;
+  vitgrid::TensorShard s;
+  s.name = "model/blocks.0.attn.qkv.weight";
+  s.global_shape = {3 * R, C};
+  s.offset = {r * rows, 0};
+  s.stride = {R, 1};
+  s.count = {3, 1};
+  s.block = {rows, C};
+  std::vector<float> buf(static_cast<size_t>(3 * rows * C));
+  for (int64_t j = 0; j < 3; ++j)
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t c = 0; c < C; ++c)
+        buf[(j * rows + i) * C + c] = value_of(0, (j * R + r * rows + i) * C + c);
+  s.data = buf.data();
+  std::string path = vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp / "ck", 1, {s}, make_meta(1));
+  // read the whole tensor contiguously on every rank: the global layout is timm's
+  std::vector<float> all(static_cast<size_t>(3 * R * C), -1.0f);
+  vitgrid::TensorShard w;
+  w.name = s.name;
+  w.global_shape = s.global_shape;
+  w.offset = {0, 0};
+  w.count = {3 * R, C};
+  w.data = all.data();
+  std::vector<vitgrid::TensorShard> ws{w};
+  vitgrid::read_checkpoint(MPI_COMM_WORLD, path, ws, nullptr);
+  for (size_t i = 0; i < all.size(); ++i) ASSERT_EQ(all[i], value_of(0, int64_t(i))) << i;
+  // and strided back into a poisoned buffer
+  std::vector<float> back(buf.size(), -7.0f);
+  s.data = back.data();
+  std::vector<vitgrid::TensorShard> ss{s};
+  vitgrid::read_checkpoint(MPI_COMM_WORLD, path, ss, nullptr);
+  EXPECT_EQ(back, buf);
+}
+}  // namespace

@@ -23,14 +23,14 @@ enum class LinearRole : int { Column = 0, Row = 1, Replicated = 2 };
 struct Shard {
   std::vector<int64_t> offset;
   std::vector<int64_t> count;
+  // Axes over which this shard is replicated (its gradient is summed over them after the
+  // data-parallel reduction, and only coordinate 0 of them writes it to a checkpoint).
+  std::vector<Axis> replicated_over;
   // Optional strided selection (HDF5 semantics: `count` blocks of `block` spaced `stride`),
   // e.g. a 1d shard of qkv.weight is three row blocks, one each of q, k and v. Empty: one
   // contiguous block of `count`.
   std::vector<int64_t> stride;
   std::vector<int64_t> block;
-  // Axes over which this shard is replicated (its gradient is summed over them after the
-  // data-parallel reduction, and only coordinate 0 of them writes it to a checkpoint).
-  std::vector<Axis> replicated_over;
 };
 
 struct ParamInfo;

@@ -86,7 +86,7 @@ int run_app(int argc, char** argv) {
     std::vector<std::string> overrides(args.begin() + 2, args.end());
     deck = parse_deck(args[1], overrides, world_size);
     check_deck_paths(deck, cmd == "train");  // bench writes nothing
-    if (cmd != "train" && deck.checkpoint.load.empty())
+    if ((cmd == "eval" || cmd == "predict") && deck.checkpoint.load.empty())
       throw UserError("checkpoint.load: '" + cmd + "' needs a checkpoint (--checkpoint.load=PATH)");
   } catch (const UserError& e) {
     ok = false;

@@ -33,6 +33,16 @@ DType act_dtype_of(const std::string& mode) {
   return DType::F32;
 }
 
+// Model FLOP rate with a unit that suits it (CPU ranks run at GFLOP/s, GPUs at TFLOP/s).
+std::string fmt_flops(double flops_per_s) {
+  char buf[32];
+  if (flops_per_s >= 1e12)
+    std::snprintf(buf, sizeof buf, "%.1f TFLOP/s", flops_per_s / 1e12);
+  else
+    std::snprintf(buf, sizeof buf, "%.1f GFLOP/s", flops_per_s / 1e9);
+  return buf;
+}
+
 std::string fmt_duration(double s) {
   if (!(s >= 0.0) || s > 1e8) return "--";
   const long t = static_cast<long>(s + 0.5);
@@ -465,10 +475,11 @@ struct Trainer::Impl {
         const double now = now_s();
         const double ips = double(G) * steps_since_log / std::max(now - t_log, 1e-9);
         const double eta = (total_steps - step) * (now - t_start) / double(step - first_step);
-        log("step %6lld/%lld | epoch %6.2f | loss %.4f | lr %.3e | %8.1f img/s | %5.1f "
-            "TFLOP/s | ETA %s%s\n",
+        log("step %6lld/%lld | epoch %6.2f | loss %.4f | lr %.3e | %8.1f img/s | %s | ETA "
+            "%s%s\n",
             static_cast<long long>(step), static_cast<long long>(total_steps),
-            double(step) * G / train_ds->size(), loss, lr, ips, ips * flops_sample / 1e12,
+            double(step) * G / train_ds->size(), loss, lr, ips,
+            fmt_flops(ips * flops_sample).c_str(),
             fmt_duration(eta).c_str(), apply ? "" : " | overflow: step skipped");
         t_log = now;
         steps_since_log = 0;
@@ -532,10 +543,11 @@ struct Trainer::Impl {
     const double tflops = ips * cfg.train_flops_per_sample() / 1e12;
     const double per_dev = tflops / grid->world_size();
     log("bench | %s | %s | %s | world %d | global batch %lld | step %.2f ms | %.1f img/s | "
-        "%.1f img/s/device | %.1f TFLOP/s/device | MFU %.1f%% (peak %.0f) | peak mem %.2f GiB\n",
+        "%.1f img/s/device | %s/device | MFU %.2f%% (peak %.0f TFLOP/s) | peak mem %.2f GiB\n",
         deck.model.preset.c_str(), deck.precision.mode.c_str(), be->name().c_str(),
         grid->world_size(), static_cast<long long>(G), dt * 1e3, ips, ips / grid->world_size(),
-        per_dev, 100.0 * per_dev / peak_tflops, peak_tflops, mem_max / 1073741824.0);
+        fmt_flops(per_dev * 1e12).c_str(), 100.0 * per_dev / peak_tflops, peak_tflops,
+        mem_max / 1073741824.0);
     return 0;
   }
 

@@ -1,0 +1,185 @@
+// The prefetching data loader: a background thread turns (step, micro-batch) or eval batch
+// numbers into HostBatches through the Sampler and the Dataset, keeping up to `prefetch`
+// finished batches in a bounded queue. The consumer (the training loop) only waits when the
+// thread falls behind. A failure in the thread (a read error) is handed to the consumer by
+// next() in the order it happened, after the batches finished before it.
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "vitgrid/core/error.h"
+#include "vitgrid/data/dataset.h"
+
+namespace vitgrid {
+
+struct DataLoader::Impl {
+  std::shared_ptr<Dataset> ds;
+  LoaderConfig cfg;
+  int64_t start_step = 0;
+  int b = 0;             // per-rank micro-batch
+  int64_t E = 0;         // global micro-batch G / A
+  int K = 0;             // classes (soft targets)
+  int64_t eval_n = 0;    // eval: samples in the pass
+  int64_t eval_batches = 0;
+
+  std::mutex mu;
+  std::condition_variable not_full, not_empty;
+  std::deque<std::shared_ptr<const HostBatch>> queue;
+  std::exception_ptr error;
+  bool finished = false;  // producer delivered its last batch (eval) or failed
+  bool stop = false;      // consumer is going away
+  std::thread worker;
+
+  void run();
+  // A label outside [0, K) would index past the soft targets and the loss: refuse it.
+  void check_labels(const std::vector<int32_t>& labels) const {
+    for (int32_t l : labels)
+      if (l < 0 || l >= K)
+        throw UserError(ds->describe() + ": label " + std::to_string(l) + " outside [0, " +
+                        std::to_string(K) + ")");
+  }
+  std::shared_ptr<HostBatch> make_train(const Sampler& sampler, int64_t k);
+  std::shared_ptr<HostBatch> make_eval(int64_t t);
+};
+
+std::shared_ptr<HostBatch> DataLoader::Impl::make_train(const Sampler& sampler, int64_t k) {
+  const int A = cfg.grad_accum;
+  auto hb = std::make_shared<HostBatch>();
+  hb->step = start_step + k / A;
+  hb->micro = (int)(k % A);
+  hb->count = b;
+  hb->first_position = hb->step * cfg.global_batch + hb->micro * E + (int64_t)cfg.data_rank * b;
+  const size_t img = (size_t)ds->image_size() * ds->image_size() * 3;
+  const bool mixup = cfg.mixup_alpha > 0.0;
+  std::vector<int64_t> idx(b), pidx;
+  hb->aug.resize(b);
+  for (int j = 0; j < b; ++j) {
+    const int64_t pos = hb->first_position + j;
+    idx[j] = sampler.index_at(pos);
+    hb->aug[j] = sampler.augment_at(pos, cfg.crop_padding, cfg.hflip, cfg.mixup_alpha);
+  }
+  hb->images.resize(b * img);
+  hb->labels.resize(b);
+  ds->read(idx.data(), b, hb->images.data(), hb->labels.data());
+  check_labels(hb->labels);
+  if (mixup) {
+    pidx.resize(b);
+    for (int j = 0; j < b; ++j) pidx[j] = sampler.partner_at(hb->first_position + j);
+    std::vector<int32_t> plabels(b);
+    hb->partners.resize(b * img);
+    ds->read(pidx.data(), b, hb->partners.data(), plabels.data());
+    check_labels(plabels);
+    hb->soft.assign((size_t)b * K, 0.0f);
+    for (int j = 0; j < b; ++j) {
+      const float lam = hb->aug[j].lam;
+      hb->soft[(size_t)j * K + hb->labels[j]] += lam;
+      hb->soft[(size_t)j * K + plabels[j]] += 1.0f - lam;
+    }
+  }
+  return hb;
+}
+
+// Eval batch t: positions [t*E + r*b, t*E + (r+1)*b) of the eval split, cut at eval_n (so a
+// rank's last batches may be short or empty; every rank still delivers eval_batches of them).
+// HostBatch::step holds t.
+std::shared_ptr<HostBatch> DataLoader::Impl::make_eval(int64_t t) {
+  auto hb = std::make_shared<HostBatch>();
+  hb->step = t;
+  hb->micro = 0;
+  hb->first_position = t * E + (int64_t)cfg.data_rank * b;
+  hb->count = (int)std::max<int64_t>(0, std::min<int64_t>(b, eval_n - hb->first_position));
+  const int n = hb->count;
+  const size_t img = (size_t)ds->image_size() * ds->image_size() * 3;
+  std::vector<int64_t> idx(n);
+  for (int j = 0; j < n; ++j) idx[j] = hb->first_position + j;  // eval order is the split order
+  SampleAug centre;  // no augmentation: the crop at (pad, pad) is the original image
+  centre.dx = centre.dy = cfg.crop_padding;
+  hb->aug.assign(n, centre);
+  hb->images.resize(n * img);
+  hb->labels.resize(n);
+  if (n > 0) ds->read(idx.data(), n, hb->images.data(), hb->labels.data());
+  check_labels(hb->labels);
+  return hb;
+}
+
+void DataLoader::Impl::run() {
+  try {
+    std::unique_ptr<Sampler> sampler;
+    if (cfg.train) sampler = std::make_unique<Sampler>(cfg.seed, ds->size());
+    const size_t cap = (size_t)std::max(1, cfg.prefetch);
+    for (int64_t k = 0; cfg.train || k < eval_batches; ++k) {
+      auto hb = cfg.train ? make_train(*sampler, k) : make_eval(k);
+      std::unique_lock<std::mutex> lock(mu);
+      not_full.wait(lock, [&] { return stop || queue.size() < cap; });
+      if (stop) return;
+      queue.push_back(std::move(hb));
+      not_empty.notify_one();
+    }
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mu);
+    error = std::current_exception();
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  finished = true;
+  not_empty.notify_all();
+}
+
+DataLoader::DataLoader(std::shared_ptr<Dataset> ds, const LoaderConfig& cfg, int64_t start_step)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  if (!ds) throw std::invalid_argument("DataLoader: no dataset");
+  if (cfg.global_batch <= 0 || cfg.grad_accum <= 0 || cfg.data_size <= 0 ||
+      cfg.global_batch % ((int64_t)cfg.grad_accum * cfg.data_size) != 0)
+    throw UserError("data.global_batch = " + std::to_string(cfg.global_batch) +
+                    " must be a positive multiple of data.grad_accum (" + std::to_string(cfg.grad_accum) +
+                    ") x data-parallel size (" + std::to_string(cfg.data_size) + ")");
+  if (cfg.data_rank < 0 || cfg.data_rank >= cfg.data_size)
+    throw std::invalid_argument("DataLoader: data_rank outside [0, data_size)");
+  if (start_step < 0) throw std::invalid_argument("DataLoader: negative start_step");
+  m.ds = std::move(ds);
+  m.cfg = cfg;
+  m.start_step = start_step;
+  m.E = cfg.global_batch / cfg.grad_accum;
+  m.b = (int)(m.E / cfg.data_size);
+  m.K = cfg.num_classes > 0 ? cfg.num_classes : m.ds->num_classes();
+  if (!cfg.train) {
+    m.eval_n = cfg.eval_samples > 0 ? std::min(cfg.eval_samples, m.ds->size()) : m.ds->size();
+    m.eval_batches = (m.eval_n + m.E - 1) / m.E;  // same on every rank: depends on E only
+  }
+  m.worker = std::thread([&m] { m.run(); });
+}
+
+DataLoader::~DataLoader() {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->stop = true;
+  }
+  impl_->not_full.notify_all();
+  // The worker finishes the batch it is preparing (one dataset read) and exits.
+  if (impl_->worker.joinable()) impl_->worker.join();
+}
+
+std::shared_ptr<const HostBatch> DataLoader::next() {
+  Impl& m = *impl_;
+  std::unique_lock<std::mutex> lock(m.mu);
+  m.not_empty.wait(lock, [&] { return !m.queue.empty() || m.finished; });
+  if (!m.queue.empty()) {
+    auto hb = std::move(m.queue.front());
+    m.queue.pop_front();
+    m.not_full.notify_one();
+    return hb;
+  }
+  if (m.error) std::rethrow_exception(m.error);
+  return nullptr;
+}
+
+int DataLoader::per_rank_batch() const { return impl_->b; }
+
+int64_t DataLoader::batches_per_eval() const { return impl_->eval_batches; }
+
+}  // namespace vitgrid

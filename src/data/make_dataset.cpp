@@ -1,0 +1,66 @@
+// Dataset from the deck, checked against the model it will feed.
+//
+// HDF5 evaluation file, in this order:
+//   1. data.eval_path when set;
+//   2. else, when data.path is "X_train.h5" (what tools/vitgrid_dataset writes) and "X_eval.h5"
+//      exists, that file;
+//   3. else the train file itself, with a warning printed once (rank 0): evaluating on the
+//      training data still measures fit, but it is not a held-out score.
+#include <sys/stat.h>
+
+#include <string>
+
+#include "vitgrid/core/error.h"
+#include "vitgrid/core/log.h"
+#include "vitgrid/data/dataset.h"
+#include "vitgrid/deck/deck.h"
+
+namespace vitgrid {
+namespace {
+
+bool is_file(const std::string& p) {
+  struct stat st;
+  return stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+std::string hdf5_eval_file(const DataSection& d) {
+  if (!d.eval_path.empty()) return d.eval_path;
+  const std::string suffix = "_train.h5";
+  if (d.path.size() > suffix.size() &&
+      d.path.compare(d.path.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    std::string ev = d.path.substr(0, d.path.size() - suffix.size()) + "_eval.h5";
+    if (is_file(ev)) return ev;
+  }
+  Log()("warning: data.eval_path is not set and no X_eval.h5 beside data.path = %s: evaluating "
+        "on the training file\n", d.path.c_str());
+  return d.path;
+}
+
+}  // namespace
+
+std::unique_ptr<Dataset> make_dataset(const Deck& deck, bool train) {
+  const DataSection& d = deck.data;
+  std::unique_ptr<Dataset> ds;
+  if (d.dataset == "synthetic") {
+    ds = make_synthetic(deck.run.seed, train, train ? d.synthetic_train : d.synthetic_eval,
+                        deck.model.image_size, deck.model.num_classes);
+  } else if (d.dataset == "cifar10") {
+    if (d.path.empty()) throw UserError("data.path must name the CIFAR-10 binary directory");
+    ds = make_cifar10(d.path, train);
+  } else if (d.dataset == "hdf5") {
+    if (d.path.empty()) throw UserError("data.path must name the HDF5 image file");
+    ds = make_hdf5_images(train ? d.path : hdf5_eval_file(d));
+  } else {
+    throw UserError("data.dataset = " + d.dataset + " is not one of synthetic, cifar10, hdf5");
+  }
+  if (ds->image_size() != deck.model.image_size)
+    throw UserError("model.image_size = " + std::to_string(deck.model.image_size) + " but " +
+                    ds->describe() + " holds " + std::to_string(ds->image_size()) + "x" +
+                    std::to_string(ds->image_size()) + " images");
+  if (ds->num_classes() != deck.model.num_classes)
+    throw UserError("model.num_classes = " + std::to_string(deck.model.num_classes) + " but " +
+                    ds->describe() + " has " + std::to_string(ds->num_classes()) + " classes");
+  return ds;
+}
+
+}  // namespace vitgrid

@@ -389,6 +389,8 @@ struct Trainer::Impl {
         // nothing to check here: latest_checkpoint is collective and below
       }
     });
+    // init first in every case: it also keys the model's random streams (dropout) by the seed
+    model->init_params(deck.run.seed);
     bool resumed = false;
     if (deck.checkpoint.resume == "auto") {
       const std::string last = latest_checkpoint(world, ckpt_dir());
@@ -400,10 +402,7 @@ struct Trainer::Impl {
             ckpt_dir().c_str());
       }
     }
-    if (!resumed) {
-      model->init_params(deck.run.seed);
-      if (!deck.checkpoint.load.empty()) load_checkpoint(deck.checkpoint.load, false);
-    }
+    if (!resumed && !deck.checkpoint.load.empty()) load_checkpoint(deck.checkpoint.load, false);
     if (grid->world_rank() == 0) mkdirs(deck.run.out_dir);
     MPI_Barrier(world);
     MetricsWriter metrics(world, deck.run.out_dir + "/metrics.h5", deck.resolved_text(),

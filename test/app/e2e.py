@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """End-to-end tests of the vitgrid executable under mpirun (run by ctest, one test per name).
 
-    e2e.py NAME      NAME in: dp_equivalence, resume_exact, refusals, predict, optimizers
+    e2e.py NAME      NAME in: dp_equivalence, resume_exact, refusals, predict, optimizers,
+                     tensor_parallel
 
 They launch build/bin/vitgrid on 1-4 oversubscribed CPU ranks with the tiny deck beside this
 file and read metrics.h5 / checkpoints / predictions.h5 with h5py."""
@@ -96,7 +97,7 @@ def t_refusals(tmp):
         (["--model.hidden=abc"], "model.hidden"),
         (["--model.heads=5"], "model.heads"),
         (["--model.patch_size=3"], "model.patch_size"),
-        (["--data.global_batch=10"], "data.global_batch"),
+        (["--data.global_batch=15"], "data.global_batch"),
         (["--parallel.tensor=3"], "parallel.tensor"),
         (["--data.dataset=cifar10", f"--data.path={tmp}/nowhere"], "data.path"),
         (["--precision.mode=fp8"], "precision.mode"),
@@ -139,7 +140,7 @@ def t_predict(tmp):
     top1 = float(np.mean(np.argmax(logits, 1) == labels))
     line = [l for l in pe.stdout.splitlines() if "top-1" in l][-1]
     reported = float(line.split("top-1")[1].split("%")[0]) / 100
-    check(abs(top1 - reported) < 1e-6, f"predict top-1 {top1:.4f} == eval top-1 {reported:.4f}")
+    check(abs(top1 - reported) < 5e-5, f"predict top-1 {top1:.4f} == eval top-1 {reported:.4f} (printed to 0.01%)")
     with h5py.File(os.path.join(d, "metrics.h5"), "r") as f:
         ev = f["/eval/top1"][()]
         check(abs(ev[-1] - top1) < 1e-6, "metrics /eval/top1 agrees with predictions")
@@ -162,6 +163,55 @@ def t_optimizers(tmp):
                 check(loss[-1] < loss[0], f"{name}: loss decreases ({loss[0]:.4f} -> {loss[-1]:.4f})")
             else:
                 check(rel(loss, ref) <= 1e-4, f"{name}: 2 ranks match 1 rank ({rel(loss, ref):.2e})")
+
+
+def model_tensors(path):
+    """{name: array} of /model in a checkpoint."""
+    out = {}
+    with h5py.File(path, "r") as f:
+        f["model"].visititems(lambda k, v: out.__setitem__(k, v[()]) if isinstance(v, h5py.Dataset) else None)
+    return out
+
+
+def t_tensor_parallel(tmp):
+    """Tensor parallelism in every mode (and with data parallelism on top) trains like 1 rank:
+    20 steps of the tiny deck (dropout, Mixup, clipping on) give losses within 1e-4 relative,
+    and the final checkpoints hold the same global timm-shaped tensors (1e-4 relative norm over
+    the whole model and per tensor; the k third of qkv.bias within 1e-3 of the qkv.bias norm:
+    its gradient is analytically zero, so Adam amplifies rounding noise there, and plain data
+    parallelism differs from 1 rank by ~1e-4 there too)."""
+    common = ["--model.hidden=32", "--model.heads=4", "--model.mlp_ratio=2",
+              "--checkpoint.every_steps=20"]
+    ref_dir = os.path.join(tmp, "ref")
+    run(1, ["train", DECK, f"--run.out_dir={ref_dir}"] + common)
+    _, ref_loss = losses(ref_dir)
+    ref = model_tensors(os.path.join(ref_dir, "checkpoints", "step_00000020.h5"))
+    C = 32
+    for np_, mode, t, depth in [(2, "1d", 2, 1), (4, "1d", 2, 1), (4, "2d", 4, 1), (8, "2d", 4, 1),
+                                (8, "2.5d", 8, 2), (8, "3d", 8, 1)]:
+        what = f"{mode} tensor={t} depth={depth} data={np_ // t}"
+        d = os.path.join(tmp, f"{mode}_{t}_{np_}")
+        run(np_, ["train", DECK, f"--run.out_dir={d}", f"--parallel.tensor={t}",
+                  f"--parallel.tensor_mode={mode}", f"--parallel.tensor_depth={depth}"] + common)
+        _, loss = losses(d)
+        check(len(loss) == 20 and rel(loss, ref_loss) <= 1e-4,
+              f"{what}: losses match 1 rank ({rel(loss, ref_loss):.2e})")
+        got = model_tensors(os.path.join(d, "checkpoints", "step_00000020.h5"))
+        check(sorted(got) == sorted(ref), f"{what}: checkpoint has the 1-rank tensor names")
+        num = sum(float(np.sum((got[k] - ref[k]) ** 2)) for k in ref)
+        den = sum(float(np.sum(ref[k] ** 2)) for k in ref)
+        check(np.sqrt(num / den) <= 1e-4, f"{what}: final parameters match ({np.sqrt(num / den):.2e})")
+        worst, kbias = 0.0, 0.0
+        for k in ref:
+            a, b = got[k], ref[k]
+            if k.endswith("attn.qkv.bias"):
+                kbias = max(kbias, np.linalg.norm(a[C:2 * C] - b[C:2 * C]) / np.linalg.norm(b))
+                a, b = np.delete(a, np.s_[C:2 * C]), np.delete(b, np.s_[C:2 * C])
+            worst = max(worst, np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
+        check(worst <= 1e-4, f"{what}: every checkpoint tensor matches ({worst:.2e})")
+        # pure data parallelism shows the same ~1e-4 there: loose bound, still catches a layout bug
+        check(kbias <= 1e-3, f"{what}: the k bias (zero gradient, Adam-amplified noise) within "
+                             f"1e-3 of the qkv.bias norm ({kbias:.2e})")
 
 
 def main():

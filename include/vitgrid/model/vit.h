@@ -40,9 +40,9 @@ enum class InitKind : int { Zeros, Ones, TruncNormal02, Normal1e6, PatchUniform 
 struct ParamInfo {
   std::string name;                   // timm state_dict key
   std::vector<int64_t> global_shape;  // timm shape
-  Shard shard;                        // this rank's hyperslab of it
+  Shard shard;                        // this rank's (possibly strided) hyperslab of it
   size_t offset = 0;                  // in the flat local buffers (elements)
-  size_t numel = 0;                   // local elements
+  size_t numel = 0;                   // local elements (row-major over the selection)
   bool decay = true;                  // weight decay applies (off for biases, norms, cls, pos)
   InitKind init = InitKind::Zeros;
 };
@@ -85,7 +85,10 @@ class ViT {
 
   // Forward + loss + backward of one micro-batch; weight gradients accumulate. dlogits are
   // scaled by grad_scale (1/global_batch times the loss scale). Returns the sum of the
-  // per-sample losses of this micro-batch (blocking read of one scalar).
+  // per-sample losses of this micro-batch (blocking read of one scalar). Every rank of the
+  // tensor group passes the same whole micro-batch (count samples) and gets the whole sum;
+  // the strategy picks this rank's samples. Collective over the tensor group (as are
+  // forward_eval, logits_to_host and reduce_gradients).
   // `step` and `micro` key the dropout masks.
   double forward_backward(const DeviceBatch& b, float smoothing, float grad_scale,
                           int64_t step, int micro);
@@ -103,8 +106,10 @@ class ViT {
   void forward(const DeviceBatch& b, int64_t step, int micro, bool train);
   void block_forward(int l, int B, int64_t step, int micro, int64_t first_pos, bool train);
   void block_backward(int l, int B, int64_t step, int micro, int64_t first_pos);
-  DropoutKey dkey(int64_t step, int micro, int layer, int site, int64_t first_pos,
-                  int64_t per_sample) const;
+  // The mask key of a dropout site on this rank's block of the global [B, T, width]
+  // activation of `layout` (counters are global element indices).
+  DropoutKey dkey(int64_t step, int layer, int site, int64_t first_pos, ActLayout layout, int B,
+                  int64_t width) const;
 
   ViTConfig cfg_;
   Backend& be_;

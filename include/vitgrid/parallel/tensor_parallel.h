@@ -1,11 +1,25 @@
 // The tensor-parallel seam. The model is written once against this interface; each mode
 // (none, 1d, 2d, 2.5d, 3d) is one implementation in its own folder under src/parallel/,
-// chosen once from the deck. A strategy decides how every parameter is sharded, how large
-// the local activations are, and which collectives a Linear, a LayerNorm and the loss need.
+// chosen once from the grid's mode by make_tensor_parallel. A strategy decides how every
+// parameter is sharded, which block of every activation a rank holds, and which collectives
+// a Linear, a LayerNorm, the loss and the gradient/norm reductions need.
 //
 // This interface is what the model calls; the strategy calls the backend and the grid's
-// Collectives. Kernels never know about ranks and the model never calls MPI.
+// Collectives. Kernels never know about ranks and the model never calls MPI, nor branches on
+// the mode: everything layout-dependent is a method here.
+//
+// Activation layouts. The model holds two kinds of activations, each a block of the global
+// [batch, tokens, width] tensor (whole samples: attention needs every token of a sample):
+//   Stream: the residual stream and everything of its shape (LayerNorm in/out, proj/fc2 out,
+//           patch tokens, class-token rows);
+//   Inner:  the outputs of Column Linears (qkv per q/k/v group, fc1, GELU) and the attention
+//           output that feeds a Row Linear.
+// act_block() says which samples and which columns of the global width this rank holds.
+//   none/1d  Stream: all samples, all columns. Inner: 1d splits columns over the tensor axis.
+//   2d/2.5d  both: batch split over (depth, col), columns split over the row axis.
+//   3d       Stream and Inner differ (Linear layers alternate their input/output groups).
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -16,21 +30,61 @@
 
 namespace vitgrid {
 
-// How a Linear's weight is split (Megatron 1d: qkv/fc1 column, proj/fc2 row).
-enum class LinearRole : int { Column = 0, Row = 1, Replicated = 2 };
+// The role of a Linear in the model, which tells a strategy how to split it.
+//   Column:     consumes the Stream, produces Inner (qkv, fc1; Megatron column-parallel).
+//   Row:        consumes Inner, produces the Stream (proj, fc2; Megatron row-parallel).
+//   Embed:      input features whole on every rank (patch pixels), output in the Stream
+//               layout (patch embedding).
+//   Head:       input in the Stream layout, output whole on every rank of the sample
+//               (classifier: logits [samples, classes]).
+//   Replicated: the whole Linear on every rank, no communication.
+enum class LinearRole : int { Column = 0, Row = 1, Replicated = 2, Embed = 3, Head = 4 };
+
+enum class ActLayout : int { Stream = 0, Inner = 1 };
+
+// This rank's block of a global [batch, tokens, width] activation.
+struct ActBlock {
+  int samples = 0;         // local samples
+  int sample_offset = 0;   // global index (within the micro-batch) of local sample 0
+  int64_t cols = 0;        // local columns
+  int64_t col_offset = 0;  // global column of local column 0
+};
 
 // Where a parameter's local shard sits in the global tensor: the checkpoint hyperslab.
 struct Shard {
   std::vector<int64_t> offset;
   std::vector<int64_t> count;
-  // Axes over which this shard is replicated (its gradient is summed over them after the
-  // data-parallel reduction, and only coordinate 0 of them writes it to a checkpoint).
-  std::vector<Axis> replicated_over;
   // Optional strided selection (HDF5 semantics: `count` blocks of `block` spaced `stride`),
   // e.g. a 1d shard of qkv.weight is three row blocks, one each of q, k and v. Empty: one
-  // contiguous block of `count`.
+  // contiguous block of `count`. The local buffer is row-major over the selected elements in
+  // global order.
   std::vector<int64_t> stride;
   std::vector<int64_t> block;
+  // Axes over which this shard is replicated: only coordinate 0 of them writes it to a
+  // checkpoint.
+  std::vector<Axis> replicated_over;
+  // Axes whose ranks hold different pieces of the parameter: per-parameter sums of squares
+  // (clipping, LAMB trust ratios) are summed over these.
+  std::vector<Axis> sharded_over;
+  // Axes over which this rank's gradient is only a partial sum (its activations hold part of
+  // the batch): reduce_replicated_grads sums the gradient over them. A subset of
+  // replicated_over; a replicated parameter whose gradient is already whole on every rank
+  // (1d LayerNorms: every tensor rank sees the whole batch) lists nothing here.
+  std::vector<Axis> partial_over;
+
+  // Local elements (count, times block when strided).
+  size_t numel() const {
+    size_t n = 1;
+    for (size_t d = 0; d < count.size(); ++d)
+      n *= static_cast<size_t>(count[d] * (block.empty() ? 1 : block[d]));
+    return n;
+  }
+  // Global coordinate along dim d of local index l (0 <= l < local extent of d).
+  int64_t global_coord(size_t d, int64_t l) const {
+    if (block.empty()) return offset[d] + l;
+    return offset[d] + (l / block[d]) * stride[d] + l % block[d];
+  }
+  int64_t local_extent(size_t d) const { return count[d] * (block.empty() ? 1 : block[d]); }
 };
 
 struct ParamInfo;
@@ -39,30 +93,68 @@ class TensorParallel {
  public:
   virtual ~TensorParallel() = default;
   virtual TensorMode mode() const = 0;
-  // The local shard of a parameter of global shape `shape` used in role `role` ("weight" of a
-  // Linear [out, in], its "bias" [out], or a per-hidden vector such as a LayerNorm's).
-  virtual Shard shard_linear_weight(int64_t out, int64_t in, LinearRole role) const = 0;
-  virtual Shard shard_linear_bias(int64_t out, LinearRole role) const = 0;
+
+  // ---- parameter shards
+  // Weight [out, in] and bias [out] of a Linear in role `role`. `groups` > 1 says the output
+  // features are `groups` equal, independent groups that must each be split alike (qkv: q, k
+  // and v), so the local output is [group 0 local | group 1 local | ...].
+  virtual Shard shard_linear_weight(int64_t out, int64_t in, LinearRole role,
+                                    int groups = 1) const = 0;
+  virtual Shard shard_linear_bias(int64_t out, LinearRole role, int groups = 1) const = 0;
+  // A per-hidden tensor whose last dim is the Stream width (LayerNorm weight/bias [C],
+  // cls_token [1,1,C], pos_embed [1,T,C]).
   virtual Shard shard_hidden_vector(const std::vector<int64_t>& shape) const = 0;
-  // Local sizes of the activation dims the model allocates.
-  virtual int local_batch(int batch) const = 0;
+  // Called once by the model after it built its parameter list (the order of the slices that
+  // reduce_param_norms receives and of reduce_replicated_grads' params).
+  virtual void register_params(const std::vector<ParamInfo>& params) = 0;
+
+  // ---- activation layouts
+  // This rank's block of a global [batch, *, width] activation of layout `l`. Throws
+  // UserError when `batch` does not split evenly.
+  virtual ActBlock act_block(ActLayout l, int batch, int64_t width) const = 0;
+  int local_batch(int batch) const { return act_block(ActLayout::Stream, batch, 0).samples; }
   virtual int local_heads(int heads) const = 0;
 
-  // y = x W^T + b for a Linear of global [out, in]; rows = local rows (batch * tokens).
+  // ---- layers. Collective over the tensor group: every rank of Axis::Tensor calls each in
+  // the same order. `in` and `out` are the GLOBAL feature counts; `rows` the local rows
+  // (local samples x tokens) of the input.
+  // y = x W^T + b. With gelu_out, y keeps the pre-activation and gelu_out = gelu(y).
   virtual void linear_forward(LinearRole role, void* y, const void* x, const void* W,
                               const void* b, int rows, int in, int out, void* gelu_out,
-                              Gelu g) = 0;
+                              Gelu g, int groups = 1) = 0;
+  // dx = dy W (overwritten; skipped when null), dW += dy^T x, db += sum dy (local shards).
   virtual void linear_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
-                               const void* x, const void* W, int rows, int in, int out) = 0;
+                               const void* x, const void* W, int rows, int in, int out,
+                               int groups = 1) = 0;
+  // Fused residual add + LayerNorm over the (global) width C of Stream rows, same contract as
+  // Backend::add_layernorm_forward / layernorm_backward; statistics over the whole width.
+  virtual void layernorm_forward(void* res, void* y, float* mean, float* rstd, const void* a,
+                                 const void* b, const void* gamma, const void* beta, int rows,
+                                 int C, float eps) = 0;
+  virtual void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy,
+                                  const void* x, const void* gamma, const float* mean,
+                                  const float* rstd, int rows, int C) = 0;
+
+  // ---- per-sample results. Collective over the tensor group.
+  // Sums host values over the ranks holding other samples of the Stream layout, so each
+  // tensor rank returns the whole micro-batch's sum (losses, top-k counts).
+  virtual void sum_over_batch(double* v, int n) = 0;
+  // out[batch, row_elems] (act dtype) = the Stream blocks in[samples, row_elems] of every
+  // rank, in global sample order (logits for predictions). out may alias in.
+  virtual void gather_batch(void* out, const void* in, int batch, int64_t row_elems) = 0;
+
+  // ---- gradients and norms. Collective over the tensor group.
   // Sum of squares of the whole (unsharded) parameters: per-slice local sums reduced over the
-  // axes each parameter is sharded on, so LAMB trust ratios and clipping use true norms.
+  // axes each parameter is sharded on (Shard::sharded_over), replicated ones counted once.
   virtual void reduce_param_norms(std::vector<double>& sq) = 0;
-  // Sums, over the tensor sub-axes in each parameter's Shard::replicated_over, the partial
-  // gradients of replicated parameters (e.g. LayerNorm weights when the batch is split).
+  // Sums the partial gradients of parameters whose Shard::partial_over is not empty (weights
+  // shared by ranks that see different samples), so every copy holds the whole gradient.
   virtual void reduce_replicated_grads(float* grads, const std::vector<ParamInfo>& params) = 0;
 };
 
-// none (tensor = 1): every call goes straight to the backend.
+// Chooses the strategy once from the grid's mode: none (tensor = 1), 1d, 2d, 2.5d or 3d.
+// Throws UserError for a layout it cannot run (e.g. a 16-bit act dtype where a mode reduces
+// activations in fp32, or 2d/2.5d/3d on a backend other than the CPU). Called by all ranks.
 std::unique_ptr<TensorParallel> make_tensor_parallel(const ProcessGrid& grid, Backend& backend,
                                                      Collectives& coll);
 

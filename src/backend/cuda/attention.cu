@@ -1,0 +1,177 @@
+// Multi-head self-attention, fallback path: cuBLASLt strided-batched GEMMs read q, k, v
+// straight out of the qkv[B,T,3C] layout (leading dimension 3C, head offset h*hd), scores
+// are kept in fp32, the softmax kernel writes the probabilities P[B,H,T,T] in the act dtype
+// (the `saved` state, as on the CPU), and the backward recomputes nothing.
+// Each GEMM is one launch per head with the batch running over b (or per image with the batch
+// over heads, whichever gives fewer launches), since (b, h) is not a single stride.
+#include <cmath>
+
+#include "cuda_backend_impl.h"
+#include "kernel_util.cuh"
+
+namespace vitgrid {
+
+namespace {
+
+// Byte offsets of one operand for batch index b and head h.
+struct Offs {
+  int64_t per_b, per_h;  // in elements
+  size_t elem;           // element size in bytes
+};
+
+const void* shift(const void* p, int64_t elems, size_t elem) {
+  return static_cast<const char*>(p) + elems * static_cast<int64_t>(elem);
+}
+
+}  // namespace
+
+// Runs spec for all (b, h): A/B/C pointers in spec are the (b=0, h=0) operands.
+static void attention_gemm(CudaBackend& be, GemmSpec s, Offs oa, Offs ob, Offs oc, int B,
+                           int H) {
+  const void* A0 = s.A;
+  const void* B0 = s.B;
+  void* C0 = s.C;
+  if (H <= B) {  // loop over heads, batch over images
+    s.batch = B;
+    s.strideA = oa.per_b;
+    s.strideB = ob.per_b;
+    s.strideC = oc.per_b;
+    for (int h = 0; h < H; ++h) {
+      s.A = shift(A0, h * oa.per_h, oa.elem);
+      s.B = shift(B0, h * ob.per_h, ob.elem);
+      s.C = const_cast<void*>(shift(C0, h * oc.per_h, oc.elem));
+      be.matmul(s);
+    }
+  } else {  // loop over images, batch over heads
+    s.batch = H;
+    s.strideA = oa.per_h;
+    s.strideB = ob.per_h;
+    s.strideC = oc.per_h;
+    for (int b = 0; b < B; ++b) {
+      s.A = shift(A0, b * oa.per_b, oa.elem);
+      s.B = shift(B0, b * ob.per_b, ob.elem);
+      s.C = const_cast<void*>(shift(C0, b * oc.per_b, oc.elem));
+      be.matmul(s);
+    }
+  }
+}
+
+size_t CudaBackend::attention_saved_bytes(int B, int T, int H, int /*hd*/) const {
+  return static_cast<size_t>(B) * H * T * T * act_size();  // P in the act dtype
+}
+
+size_t CudaBackend::attention_workspace_bytes(int B, int T, int H, int /*hd*/) const {
+  // fp32 scores (forward) / fp32 dP (backward), then dS in the act dtype (backward).
+  const size_t n = static_cast<size_t>(B) * H * T * T;
+  const size_t f32 = (n * sizeof(float) + 255) / 256 * 256;
+  return f32 + n * act_size();
+}
+
+void CudaBackend::attention_forward(void* out, void* saved, const void* qkv, int B, int T, int H,
+                                    int hd, void* workspace) {
+  if (B <= 0 || T <= 0) return;
+  const int64_t C = static_cast<int64_t>(H) * hd, C3 = 3 * C, TT = static_cast<int64_t>(T) * T;
+  const size_t es = act_size();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  float* S = static_cast<float*>(workspace);
+  const cudaDataType_t at = act_cuda_type();
+
+  GemmSpec s;  // S[b,h] = Q K^T  (M=T, N=T, K=hd), fp32 output
+  s.transB = true;
+  s.M = T;
+  s.N = T;
+  s.K = hd;
+  s.A = qkv;
+  s.lda = C3;
+  s.B = shift(qkv, C, es);
+  s.ldb = C3;
+  s.C = S;
+  s.ldc = T;
+  s.ab_type = at;
+  s.c_type = CUDA_R_32F;
+  attention_gemm(*this, s, {T * C3, hd, es}, {T * C3, hd, es}, {H * TT, TT, sizeof(float)}, B,
+                 H);
+
+  cuda::dispatch_act(act_, [&](auto tag) {
+    using E = typename decltype(tag)::type;
+    cuda::launch_softmax_fwd<float, E>(stream_, static_cast<E*>(saved), S, B * H * T, T, scale);
+  });
+
+  GemmSpec p;  // out[b, :, h] = P V  (M=T, N=hd, K=T)
+  p.M = T;
+  p.N = hd;
+  p.K = T;
+  p.A = saved;
+  p.lda = T;
+  p.B = shift(qkv, 2 * C, es);
+  p.ldb = C3;
+  p.C = out;
+  p.ldc = C;
+  p.ab_type = p.c_type = at;
+  attention_gemm(*this, p, {H * TT, TT, es}, {T * C3, hd, es}, {T * C, hd, es}, B, H);
+}
+
+void CudaBackend::attention_backward(void* dqkv, const void* dout, const void* qkv,
+                                     const void* /*out*/, const void* saved, int B, int T, int H,
+                                     int hd, void* workspace) {
+  if (B <= 0 || T <= 0) return;
+  const int64_t C = static_cast<int64_t>(H) * hd, C3 = 3 * C, TT = static_cast<int64_t>(T) * T;
+  const size_t es = act_size();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const size_t n = static_cast<size_t>(B) * H * TT;
+  float* dP = static_cast<float*>(workspace);
+  void* dS = static_cast<char*>(workspace) + (n * sizeof(float) + 255) / 256 * 256;
+  const cudaDataType_t at = act_cuda_type();
+
+  GemmSpec s;  // dP = dO V^T  (M=T, N=T, K=hd), fp32 output
+  s.transB = true;
+  s.M = T;
+  s.N = T;
+  s.K = hd;
+  s.A = dout;
+  s.lda = C;
+  s.B = shift(qkv, 2 * C, es);
+  s.ldb = C3;
+  s.C = dP;
+  s.ldc = T;
+  s.ab_type = at;
+  s.c_type = CUDA_R_32F;
+  attention_gemm(*this, s, {T * C, hd, es}, {T * C3, hd, es}, {H * TT, TT, sizeof(float)}, B,
+                 H);
+
+  // dS = P * (dP - rowsum(dP * P)) * scale (the scale of the scores folds in here).
+  cuda::dispatch_act(act_, [&](auto tag) {
+    using E = typename decltype(tag)::type;
+    cuda::launch_softmax_bwd<E, float, E>(stream_, static_cast<E*>(dS),
+                                          static_cast<const E*>(saved), dP, B * H * T, T, scale);
+  });
+
+  GemmSpec q;  // dQ = dS K  (M=T, N=hd, K=T)
+  q.M = T;
+  q.N = hd;
+  q.K = T;
+  q.A = dS;
+  q.lda = T;
+  q.B = shift(qkv, C, es);
+  q.ldb = C3;
+  q.C = dqkv;
+  q.ldc = C3;
+  q.ab_type = q.c_type = at;
+  attention_gemm(*this, q, {H * TT, TT, es}, {T * C3, hd, es}, {T * C3, hd, es}, B, H);
+
+  GemmSpec k = q;  // dK = dS^T Q
+  k.transA = true;
+  k.B = qkv;
+  k.C = static_cast<char*>(dqkv) + C * es;
+  attention_gemm(*this, k, {H * TT, TT, es}, {T * C3, hd, es}, {T * C3, hd, es}, B, H);
+
+  GemmSpec v = q;  // dV = P^T dO
+  v.transA = true;
+  v.A = saved;
+  v.B = dout;
+  v.ldb = C;
+  v.C = static_cast<char*>(dqkv) + 2 * C * es;
+  attention_gemm(*this, v, {H * TT, TT, es}, {T * C, hd, es}, {T * C3, hd, es}, B, H);
+}
+
+}  // namespace vitgrid

@@ -1,0 +1,499 @@
+// CudaBackend: construction, memory accounting, copies, and the cuBLASLt GEMM layer
+// (linear layers and batched GEMMs). Kernels live in the *.cu files beside this one.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+
+#include "cuda_backend_impl.h"
+#include "vitgrid/backend/cuda/cuda_backend.h"
+
+namespace vitgrid {
+
+namespace {
+constexpr size_t kLtWorkspaceBytes = 32u << 20;  // cuBLASLt workspace, allocated once
+constexpr size_t kReduceDoubles = 1u << 16;      // device result/partial area (doubles)
+constexpr size_t kPinnedBytes = 1u << 20;        // pinned landing area for host results
+
+// Largest power of two (<= 256) dividing the address: the alignment cuBLASLt may assume.
+uint32_t alignment_of(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  if (a == 0) return 256;
+  const uintptr_t low = a & (~a + 1);
+  return static_cast<uint32_t>(std::min<uintptr_t>(low, 256));
+}
+}  // namespace
+
+int cuda_device_count() {
+  int n = 0;
+  // No driver / no device is an answer (0), not an error: CI compiles with nvcc on machines
+  // without a GPU and the gpu tests skip themselves.
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky-free error state for later calls
+    return 0;
+  }
+  return n;
+}
+
+std::unique_ptr<Backend> make_cuda_backend(int device, DType act, bool allow_tf32) {
+  const int n = cuda_device_count();
+  if (n == 0) throw UserError("device.backend = cuda but no CUDA device is visible");
+  if (device < 0 || device >= n) {
+    throw UserError("CUDA device " + std::to_string(device) + " requested but only " +
+                    std::to_string(n) + " visible (one rank per GPU: check the launch)");
+  }
+  return std::make_unique<CudaBackend>(device, act, allow_tf32);
+}
+
+CudaBackend::CudaBackend(int device, DType act, bool allow_tf32)
+    : device_(device), act_(act), tf32_(allow_tf32 && act == DType::F32) {
+  CUDA_CHECK(cudaSetDevice(device_));
+  // A non-blocking stream: no implicit serialisation with the legacy default stream, which
+  // NCCL and other libraries might use.
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  CUBLAS_CHECK(cublasLtCreate(&lt_));
+  lt_workspace_bytes_ = kLtWorkspaceBytes;
+  lt_workspace_ = internal_alloc(lt_workspace_bytes_);
+  reduce_buf_ = static_cast<double*>(internal_alloc(kReduceDoubles * sizeof(double)));
+  flag_ = static_cast<int*>(internal_alloc(sizeof(int) * 4));
+  host_pinned_bytes_ = kPinnedBytes;
+  CUDA_CHECK(cudaMallocHost(&host_pinned_, host_pinned_bytes_));
+}
+
+CudaBackend::~CudaBackend() {
+  // Destructors must not abort a job that is already unwinding: report, do not VG_FAIL.
+  cudaSetDevice(device_);
+  if (stream_) cudaStreamSynchronize(stream_);
+  for (auto& kv : plans_) {
+    MatmulPlan& p = kv.second;
+    if (p.a) cublasLtMatrixLayoutDestroy(p.a);
+    if (p.b) cublasLtMatrixLayoutDestroy(p.b);
+    if (p.c) cublasLtMatrixLayoutDestroy(p.c);
+    if (p.desc) cublasLtMatmulDescDestroy(p.desc);
+  }
+  for (auto& t : slice_tables_) {
+    cudaFree(t.chunks);
+    cudaFree(t.first_chunk);
+    cudaFree(t.ratio);
+  }
+  cudaFree(scratch_);
+  cudaFree(gemm_tmp_);
+  cudaFree(reduce_buf_);
+  cudaFree(flag_);
+  cudaFree(lt_workspace_);
+  for (auto& kv : live_) cudaFree(kv.first);
+  if (host_pinned_) cudaFreeHost(host_pinned_);
+  if (lt_) cublasLtDestroy(lt_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+// ---------------------------------------------------------------- memory
+
+void* CudaBackend::internal_alloc(size_t bytes) {
+  void* p = nullptr;
+  const size_t sz = std::max<size_t>(bytes, 256);
+  cudaError_t e = cudaMalloc(&p, sz);
+  if (e != cudaSuccess) {
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    VG_FAIL("cudaMalloc of " << bytes << " bytes failed on device " << device_ << ": "
+                              << cudaGetErrorString(e) << " (backend holds " << current_bytes_
+                              << " bytes; device free " << free_b << " of " << total_b << ")");
+  }
+  std::lock_guard<std::mutex> lock(mem_mutex_);
+  current_bytes_ += sz;
+  peak_bytes_ = std::max(peak_bytes_, current_bytes_);
+  return p;
+}
+
+void CudaBackend::internal_free(void* p) {
+  if (!p) return;
+  // The only callers free buffers that queued kernels may still use: wait for them first.
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  CUDA_CHECK(cudaFree(p));
+}
+
+void* CudaBackend::alloc(size_t bytes) {
+  CUDA_CHECK(cudaSetDevice(device_));  // the loader thread may call us
+  void* p = nullptr;
+  // cudaMalloc returns 256-byte aligned memory, which every vector load and cuBLASLt needs.
+  const size_t sz = std::max<size_t>(bytes, 256);
+  cudaError_t e = cudaMalloc(&p, sz);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    throw UserError("cuda backend: out of device memory allocating " + std::to_string(bytes) +
+                    " bytes (" + std::to_string(current_bytes_) + " held; device free " +
+                    std::to_string(free_b) + " of " + std::to_string(total_b) +
+                    "): reduce data.global_batch or raise data.grad_accum");
+  }
+  std::lock_guard<std::mutex> lock(mem_mutex_);
+  live_[p] = sz;
+  current_bytes_ += sz;
+  peak_bytes_ = std::max(peak_bytes_, current_bytes_);
+  return p;
+}
+
+void CudaBackend::release(void* p) {
+  if (!p) return;
+  size_t sz = 0;
+  {
+    std::lock_guard<std::mutex> lock(mem_mutex_);
+    auto it = live_.find(p);
+    VG_CHECK(it != live_.end(), "cuda backend: release of a pointer not from alloc()");
+    sz = it->second;
+    live_.erase(it);
+    current_bytes_ -= sz;
+  }
+  CUDA_CHECK(cudaSetDevice(device_));
+  CUDA_CHECK(cudaFree(p));  // cudaFree waits for work using p
+}
+
+size_t CudaBackend::peak_memory_bytes() const {
+  std::lock_guard<std::mutex> lock(mem_mutex_);
+  return peak_bytes_;
+}
+size_t CudaBackend::current_memory_bytes() const {
+  std::lock_guard<std::mutex> lock(mem_mutex_);
+  return current_bytes_;
+}
+
+void CudaBackend::copy_to_device(void* dst, const void* src_host, size_t bytes) {
+  if (!bytes) return;
+  CUDA_CHECK(cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, stream_));
+  // Pageable source memory may be reused by the caller as soon as we return; for pageable
+  // memory cudaMemcpyAsync has staged it already, for pinned memory it has not: wait.
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+void CudaBackend::copy_to_host(void* dst_host, const void* src, size_t bytes) {
+  if (!bytes) return;
+  CUDA_CHECK(cudaMemcpyAsync(dst_host, src, bytes, cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+void CudaBackend::copy(void* dst, const void* src, size_t bytes) {
+  if (!bytes || dst == src) return;
+  // Device-to-device cudaMemcpy handles overlapping ranges like memmove? It does not
+  // promise so; overlapping copies go through a scratch buffer.
+  const char* s = static_cast<const char*>(src);
+  char* d = static_cast<char*>(dst);
+  const bool overlap = (d < s + bytes) && (s < d + bytes);
+  if (overlap) {
+    void* tmp = scratch(bytes);
+    CUDA_CHECK(cudaMemcpyAsync(tmp, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(dst, tmp, bytes, cudaMemcpyDeviceToDevice, stream_));
+  } else {
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+  }
+}
+void CudaBackend::zero(void* p, size_t bytes) {
+  if (bytes) CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
+}
+void CudaBackend::synchronize() { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+void* CudaBackend::scratch(size_t bytes) {
+  if (bytes > scratch_bytes_) {
+    // Grows to the largest request seen (the first training step sees them all), so the
+    // steady state never allocates.
+    if (scratch_) {
+      internal_free(scratch_);
+      std::lock_guard<std::mutex> lock(mem_mutex_);
+      current_bytes_ -= std::max<size_t>(scratch_bytes_, 256);
+    }
+    scratch_bytes_ = std::max(bytes, scratch_bytes_ * 2);
+    scratch_ = internal_alloc(scratch_bytes_);
+  }
+  return scratch_;
+}
+
+const SliceTable& CudaBackend::slice_table(const std::vector<ParamSlice>& slices) {
+  // The model passes the same few slice lists every step: an exact-match linear search over
+  // the (few) cached tables is cheaper than hashing and never confuses two lists.
+  for (const SliceTable& t : slice_tables_) {
+    if (t.slices.size() != slices.size()) continue;
+    bool same = true;
+    for (size_t i = 0; i < slices.size() && same; ++i) {
+      same = t.slices[i].offset == slices[i].offset && t.slices[i].n == slices[i].n &&
+             t.slices[i].weight_decay == slices[i].weight_decay;
+    }
+    if (same) return t;
+  }
+  SliceTable t;
+  t.slices = slices;
+  t.nslices = static_cast<int>(slices.size());
+  std::vector<SliceChunk> chunks;
+  std::vector<uint32_t> first(slices.size() + 1, 0);
+  for (size_t i = 0; i < slices.size(); ++i) {
+    first[i] = static_cast<uint32_t>(chunks.size());
+    for (size_t o = 0; o < slices[i].n; o += kChunkElems) {
+      SliceChunk c{};
+      c.offset = slices[i].offset + o;
+      c.n = static_cast<uint32_t>(std::min<size_t>(kChunkElems, slices[i].n - o));
+      c.slice = static_cast<uint32_t>(i);
+      c.weight_decay = slices[i].weight_decay;
+      chunks.push_back(c);
+    }
+  }
+  first[slices.size()] = static_cast<uint32_t>(chunks.size());
+  VG_CHECK(chunks.size() < (1u << 31), "slice list too large");
+  t.nchunks = static_cast<int>(chunks.size());
+  t.chunks = static_cast<SliceChunk*>(internal_alloc(std::max<size_t>(1, chunks.size()) *
+                                                     sizeof(SliceChunk)));
+  t.first_chunk = static_cast<uint32_t*>(internal_alloc(first.size() * sizeof(uint32_t)));
+  t.ratio = static_cast<float*>(internal_alloc(std::max<size_t>(1, slices.size()) *
+                                               sizeof(float)));
+  if (!chunks.empty()) {
+    CUDA_CHECK(cudaMemcpyAsync(t.chunks, chunks.data(), chunks.size() * sizeof(SliceChunk),
+                               cudaMemcpyHostToDevice, stream_));
+  }
+  CUDA_CHECK(cudaMemcpyAsync(t.first_chunk, first.data(), first.size() * sizeof(uint32_t),
+                             cudaMemcpyHostToDevice, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host vectors die with this scope
+  slice_tables_.push_back(std::move(t));
+  return slice_tables_.back();
+}
+
+// ---------------------------------------------------------------- cuBLASLt layer
+
+cudaDataType_t CudaBackend::act_cuda_type() const {
+  return act_ == DType::F32 ? CUDA_R_32F : (act_ == DType::BF16 ? CUDA_R_16BF : CUDA_R_16F);
+}
+
+bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
+  // cuBLASLt is column-major. A row-major matrix is the column-major view of its transpose,
+  // so the row-major C[M,N] = op(A) op(B) is computed as the column-major
+  // C^T[N,M] = op(B)^T op(A)^T: the operands swap, each keeps its transpose flag.
+  const bool tA = s.transB, tB = s.transA;  // flags of the column-major A' = B, B' = A
+  const int64_t m = s.N, n = s.M, k = s.K;
+  const bool fast_tf32 = tf32_ && s.ab_type == CUDA_R_32F;
+  char keybuf[512];
+  std::snprintf(keybuf, sizeof keybuf,
+                "%d%d|%d,%d,%d|%lld,%lld,%lld|%lld,%lld,%lld|%d|%d,%d|%d|%d|%u,%u,%u,%u,%u|%lld",
+                int(s.transA), int(s.transB), s.M, s.N, s.K, (long long)s.lda,
+                (long long)s.ldb, (long long)s.ldc, (long long)s.strideA,
+                (long long)s.strideB, (long long)s.strideC, s.batch, int(s.ab_type),
+                int(s.c_type), int(s.epilogue), int(fast_tf32), alignment_of(s.A),
+                alignment_of(s.B), alignment_of(s.C), alignment_of(s.bias),
+                alignment_of(s.aux), (long long)s.aux_ld);
+  const std::string key(keybuf);
+  auto it = plans_.find(key);
+  if (it == plans_.end()) {
+    MatmulPlan p;
+    const cublasComputeType_t compute =
+        fast_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, compute, CUDA_R_32F));
+    const cublasOperation_t opA = tA ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t opB = tB ? CUBLAS_OP_T : CUBLAS_OP_N;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opA,
+                                                sizeof opA));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opB,
+                                                sizeof opB));
+    const cublasLtEpilogue_t epi = s.epilogue;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
+                                                sizeof epi));
+    // The heuristic reads the epilogue pointers for their alignment: set them now.
+    if (s.bias) {
+      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                  &s.bias, sizeof s.bias));
+    }
+    if (s.aux) {
+      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+          p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &s.aux, sizeof s.aux));
+      const int64_t ld = s.aux_ld;
+      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+                                                  &ld, sizeof ld));
+    }
+    // Stored shapes (before op) of the column-major operands.
+    const uint64_t a_rows = tA ? k : m, a_cols = tA ? m : k;
+    const uint64_t b_rows = tB ? n : k, b_cols = tB ? k : n;
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, s.ab_type, a_rows, a_cols, s.ldb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, s.ab_type, b_rows, b_cols, s.lda));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, s.c_type, m, n, s.ldc));
+    if (s.batch > 1) {
+      const int32_t bc = s.batch;
+      const int64_t sa = s.strideB, sb = s.strideA, sc = s.strideC;
+      CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(p.a, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                    &bc, sizeof bc));
+      CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
+          p.a, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &sa, sizeof sa));
+      CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(p.b, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                    &bc, sizeof bc));
+      CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
+          p.b, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &sb, sizeof sb));
+      CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(p.c, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                    &bc, sizeof bc));
+      CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
+          p.c, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &sc, sizeof sc));
+    }
+    cublasLtMatmulPreference_t pref = nullptr;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    const uint64_t ws = lt_workspace_bytes_;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+    // Tell the heuristic the real pointer alignments (its default assumes 256 bytes, and an
+    // algorithm picked under that assumption would fail on e.g. a per-head qkv offset).
+    const uint32_t al_a = alignment_of(s.B), al_b = alignment_of(s.A), al_c = alignment_of(s.C);
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof al_b));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof al_c));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c));
+    cublasLtMatmulHeuristicResult_t res{};
+    int returned = 0;
+    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt_, p.desc, p.a, p.b, p.c, p.c,
+                                                             pref, 1, &res, &returned);
+    CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+    if (st == CUBLAS_STATUS_SUCCESS && returned > 0) {
+      p.algo = res.algo;
+      p.supported = true;
+    } else if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) {
+      CUBLAS_CHECK(st);  // a real error, not "no algorithm"
+    }
+    it = plans_.emplace(key, p).first;
+  }
+  MatmulPlan& p = it->second;
+  if (!p.supported) {
+    if (allow_unsupported) return false;
+    VG_FAIL("cuBLASLt has no algorithm for GEMM " << key
+                                                  << " (row-major transA,transB|M,N,K|lda,ldb,"
+                                                     "ldc|strides|batch|types|epilogue|tf32|"
+                                                     "alignments)");
+  }
+  if (s.bias) {
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                &s.bias, sizeof s.bias));
+  }
+  if (s.aux) {
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                                &s.aux, sizeof s.aux));
+  }
+  const float alpha = s.alpha, beta = s.beta;
+  CUBLAS_CHECK(cublasLtMatmul(lt_, p.desc, &alpha, s.B, p.a, s.A, p.b, &beta, s.C, p.c, s.C,
+                              p.c, &p.algo, lt_workspace_, lt_workspace_bytes_, stream_));
+  return true;
+}
+
+void CudaBackend::linear_forward(void* y, const void* x, const void* W, const void* b, int N,
+                                 int in, int out, void* gelu_out, Gelu gelu) {
+  if (N == 0 || out == 0) return;
+  GemmSpec s;
+  s.transA = false;
+  s.transB = true;  // y = x W^T with W [out, in]
+  s.M = N;
+  s.N = out;
+  s.K = in;
+  s.A = x;
+  s.lda = in;
+  s.B = W;
+  s.ldb = in;
+  s.ldc = out;
+  s.ab_type = s.c_type = act_cuda_type();
+  s.bias = b;
+  if (gelu_out && gelu == Gelu::Tanh && out % 8 == 0) {
+    // cuBLASLt's GELU epilogue is the tanh approximation, so it is only used for Gelu::Tanh:
+    // D = gelu(xW^T + b) into gelu_out, the pre-activation into y as the aux output.
+    s.C = gelu_out;
+    s.epilogue = b ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+    s.aux = y;
+    s.aux_ld = out;
+    if (matmul(s, /*allow_unsupported=*/true)) return;
+    s.aux = nullptr;
+    s.aux_ld = 0;
+  }
+  s.C = y;
+  s.epilogue = b ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+  matmul(s);
+  if (gelu_out) gelu_forward(gelu_out, y, static_cast<size_t>(N) * out, gelu);
+}
+
+void CudaBackend::linear_backward(void* dx, float* dW, float* db, const void* dy, const void* x,
+                                  const void* W, int N, int in, int out) {
+  const cudaDataType_t t = act_cuda_type();
+  if (dx) {
+    if (N > 0 && in > 0 && out > 0) {
+      GemmSpec s;  // dx[N,in] = dy[N,out] W[out,in]
+      s.M = N;
+      s.N = in;
+      s.K = out;
+      s.A = dy;
+      s.lda = out;
+      s.B = W;
+      s.ldb = in;
+      s.C = dx;
+      s.ldc = in;
+      s.ab_type = s.c_type = t;
+      matmul(s);
+    } else if (N > 0 && in > 0) {
+      zero(dx, static_cast<size_t>(N) * in * act_size());
+    }
+  }
+  if (N > 0 && in > 0 && out > 0) {
+    GemmSpec s;  // dW[out,in] += dy^T[out,N] x[N,in], accumulated in the fp32 buffer itself
+    s.transA = true;
+    s.M = out;
+    s.N = in;
+    s.K = N;
+    s.A = dy;
+    s.lda = out;
+    s.B = x;
+    s.ldb = in;
+    s.C = dW;
+    s.ldc = in;
+    s.ab_type = t;
+    s.c_type = CUDA_R_32F;
+    s.beta = 1.0f;
+    if (!matmul(s, /*allow_unsupported=*/true)) {
+      // No fp32-output kernel for this combination: GEMM into an act-dtype buffer kept for
+      // reuse, then add it into dW in fp32 (loses the fp32 rounding of the product only).
+      const size_t bytes = static_cast<size_t>(out) * in * act_size();
+      if (bytes > gemm_tmp_bytes_) {
+        if (gemm_tmp_) {
+          internal_free(gemm_tmp_);
+          std::lock_guard<std::mutex> lock(mem_mutex_);
+          current_bytes_ -= std::max<size_t>(gemm_tmp_bytes_, 256);
+        }
+        gemm_tmp_ = internal_alloc(bytes);
+        gemm_tmp_bytes_ = bytes;
+      }
+      s.C = gemm_tmp_;
+      s.c_type = t;
+      s.beta = 0.0f;
+      matmul(s);
+      // dW += tmp: an fp32 accumulate of an act buffer (cast + add fused in the kernel).
+      add_act_to_f32(dW, gemm_tmp_, static_cast<size_t>(out) * in);
+    }
+  }
+  if (db && N > 0 && out > 0) column_sums_add(db, dy, N, out);
+}
+
+void CudaBackend::gemm_batched(bool transA, bool transB, int M, int N, int K, float alpha,
+                               const void* A, int64_t strideA, const void* B, int64_t strideB,
+                               float beta, void* C, int64_t strideC, int batch) {
+  if (M == 0 || N == 0 || batch == 0) return;
+  GemmSpec s;
+  s.transA = transA;
+  s.transB = transB;
+  s.M = M;
+  s.N = N;
+  s.K = K;
+  s.A = A;
+  s.lda = transA ? M : K;
+  s.strideA = strideA;
+  s.B = B;
+  s.ldb = transB ? K : N;
+  s.strideB = strideB;
+  s.C = C;
+  s.ldc = N;
+  s.strideC = strideC;
+  s.batch = batch;
+  s.ab_type = s.c_type = act_cuda_type();
+  s.alpha = alpha;
+  s.beta = beta;
+  matmul(s);
+}
+
+}  // namespace vitgrid

@@ -1,0 +1,200 @@
+// CudaBackend: the class behind make_cuda_backend(), shared by the translation units of
+// src/backend/cuda (memory and GEMMs in cuda_backend.cpp, kernels in *.cu, NCCL in
+// nccl_collectives.cpp). Internal: not installed, not included outside src/backend/cuda.
+#pragma once
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+#include <library_types.h>
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "vitgrid/backend/backend.h"
+#include "vitgrid/backend/cuda/cuda_check.h"
+
+namespace vitgrid {
+
+// One chunk of a multi-tensor launch: a piece of one ParamSlice (one CUDA block each).
+struct SliceChunk {
+  uint64_t offset;     // first element in the flat buffer
+  uint32_t n;          // elements in this chunk (<= kChunkElems)
+  uint32_t slice;      // index into the slice list
+  float weight_decay;  // the slice's weight decay
+  float pad_ = 0.0f;   // keep the struct 8-byte aligned in size (24 bytes)
+};
+constexpr uint32_t kChunkElems = 16384;  // 256 threads x 64 elements
+
+// Device copy of a slice list cut into chunks, uploaded once per distinct list.
+struct SliceTable {
+  std::vector<ParamSlice> slices;  // the list it was built from (exact-match check)
+  SliceChunk* chunks = nullptr;    // device [nchunks]
+  uint32_t* first_chunk = nullptr; // device [nslices + 1]: chunk range of each slice
+  int nchunks = 0;
+  int nslices = 0;
+  float* ratio = nullptr;          // device [nslices]: LAMB trust ratios staged per call
+};
+
+// Row-major GEMM description handed to the cuBLASLt layer; see matmul() in cuda_backend.cpp.
+struct GemmSpec {
+  bool transA = false, transB = false;
+  int M = 0, N = 0, K = 0;          // C[M,N] = op(A)[M,K] op(B)[K,N]
+  const void* A = nullptr;
+  int64_t lda = 0, strideA = 0;
+  const void* B = nullptr;
+  int64_t ldb = 0, strideB = 0;
+  void* C = nullptr;
+  int64_t ldc = 0, strideC = 0;
+  int batch = 1;
+  cudaDataType_t ab_type = CUDA_R_32F;  // A and B
+  cudaDataType_t c_type = CUDA_R_32F;   // C and D
+  float alpha = 1.0f, beta = 0.0f;
+  cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+  const void* bias = nullptr;  // [N] of the row-major output (per output column)
+  void* aux = nullptr;         // GELU_AUX: pre-activation, row-major, ld = aux_ld
+  int64_t aux_ld = 0;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(int device, DType act, bool allow_tf32);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  std::string name() const override { return "cuda"; }
+  DType act_dtype() const override { return act_; }
+  size_t act_size() const override { return dtype_size(act_); }
+  cudaStream_t stream() const { return stream_; }
+  int device() const { return device_; }
+
+  void* alloc(size_t bytes) override;
+  void release(void* p) override;
+  void copy_to_device(void* dst, const void* src_host, size_t bytes) override;
+  void copy_to_host(void* dst_host, const void* src, size_t bytes) override;
+  void copy(void* dst, const void* src, size_t bytes) override;
+  void zero(void* p, size_t bytes) override;
+  void synchronize() override;
+  size_t peak_memory_bytes() const override;
+  size_t current_memory_bytes() const;
+
+  void cast_to_act(void* dst_act, const float* src, size_t n) override;
+  void cast_to_f32(float* dst, const void* src_act, size_t n) override;
+
+  void linear_forward(void* y, const void* x, const void* W, const void* b, int N, int in,
+                      int out, void* gelu_out = nullptr, Gelu gelu = Gelu::Exact) override;
+  void linear_backward(void* dx, float* dW, float* db, const void* dy, const void* x,
+                       const void* W, int N, int in, int out) override;
+  void gemm_batched(bool transA, bool transB, int M, int N, int K, float alpha, const void* A,
+                    int64_t strideA, const void* B, int64_t strideB, float beta, void* C,
+                    int64_t strideC, int batch) override;
+
+  void gelu_forward(void* y, const void* x, size_t n, Gelu g) override;
+  void gelu_backward(void* dx, const void* x, const void* dy, size_t n, Gelu g) override;
+  void dropout_forward(void* y, const void* x, size_t n, float p, DropoutKey k) override;
+  void dropout_backward(void* dx, const void* dy, size_t n, float p, DropoutKey k) override;
+  void add(void* y, const void* a, const void* b, size_t n) override;
+  void accumulate(void* y, const void* x, size_t n) override;
+  void scale_f32(float* x, size_t n, float s) override;
+
+  void add_layernorm_forward(void* res, void* y, float* mean, float* rstd, const void* a,
+                             const void* b, const void* gamma, const void* beta, int N, int C,
+                             float eps) override;
+  void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy, const void* x,
+                          const void* gamma, const float* mean, const float* rstd, int N,
+                          int C) override;
+  void softmax_forward(void* y, const void* x, int rows, int cols, float scale) override;
+  void softmax_backward(void* dx, const void* y, const void* dy, int rows, int cols,
+                        float scale) override;
+
+  size_t attention_saved_bytes(int B, int T, int H, int hd) const override;
+  size_t attention_workspace_bytes(int B, int T, int H, int hd) const override;
+  void attention_forward(void* out, void* saved, const void* qkv, int B, int T, int H, int hd,
+                         void* workspace) override;
+  void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out,
+                          const void* saved, int B, int T, int H, int hd,
+                          void* workspace) override;
+
+  void prepare_images(void* out, const uint8_t* images, const uint8_t* partners,
+                      const void* aug, int B, int S, int pad, const float* mean3_host,
+                      const float* std3_host) override;
+  void patchify(void* patches, const void* images, int B, int S, int P) override;
+  void embed_tokens(void* x, const void* patch_tokens, const void* cls, const void* pos, int B,
+                    int T, int C) override;
+  void embed_tokens_backward(void* dpatch_tokens, float* dcls, float* dpos, const void* dx,
+                             int B, int T, int C) override;
+  void gather_cls(void* rows, const void* x, int B, int T, int C) override;
+  void scatter_cls_backward(void* dx, const void* drows, int B, int T, int C) override;
+
+  void cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* labels,
+                     const float* soft_targets, int N, int K, float smoothing,
+                     float grad_scale) override;
+  void topk_correct(float* correct1, float* correct5, const void* logits,
+                    const int32_t* labels, int N, int K) override;
+
+  void sum_squares(double* out_host, const float* buf,
+                   const std::vector<ParamSlice>& slices) override;
+  double sum(const float* x, size_t n) override;
+  bool all_finite(const float* x, size_t n) override;
+
+  void adamw_update(float* p, const float* g, float* m, float* v,
+                    const std::vector<ParamSlice>& slices, const AdamParams& a) override;
+  void lamb_direction(float* u, const float* p, const float* g, float* m, float* v,
+                      const std::vector<ParamSlice>& slices, const AdamParams& a) override;
+  void lamb_apply(float* p, const float* u, const std::vector<ParamSlice>& slices,
+                  const std::vector<float>& ratio_host, float lr) override;
+  void sgd_update(float* p, const float* g, float* mom, const std::vector<ParamSlice>& slices,
+                  float lr, float momentum, bool nesterov, float grad_scale) override;
+
+  // The cuBLASLt layer: runs a row-major GEMM; returns false (and does nothing) only when
+  // cuBLASLt offers no algorithm for the combination and allow_unsupported is set, so the
+  // caller can take another route. Plans are cached per shape/type/epilogue/alignment key.
+  bool matmul(const GemmSpec& s, bool allow_unsupported = false);
+  cudaDataType_t act_cuda_type() const;
+
+ private:
+  struct MatmulPlan {
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+    bool supported = false;
+  };
+  // Internal device memory, counted in the tracked totals.
+  void* internal_alloc(size_t bytes);
+  void internal_free(void* p);
+  // Scratch for multi-stage reductions; grows (synchronising first) and is reused.
+  void* scratch(size_t bytes);
+  const SliceTable& slice_table(const std::vector<ParamSlice>& slices);
+  // Column sums of a row-major act matrix x[N,C], added into out[C] (fp32), deterministic.
+  void column_sums_add(float* out, const void* x, int N, int C);
+  // out[i] += x[i] (x act dtype, out fp32)
+  void add_act_to_f32(float* out, const void* x, size_t n);
+
+  int device_;
+  DType act_;
+  bool tf32_;
+  cudaStream_t stream_ = nullptr;
+  cublasLtHandle_t lt_ = nullptr;
+  void* lt_workspace_ = nullptr;
+  size_t lt_workspace_bytes_ = 0;
+  std::unordered_map<std::string, MatmulPlan> plans_;
+
+  mutable std::mutex mem_mutex_;  // alloc/release may come from the loader thread too
+  std::unordered_map<void*, size_t> live_;
+  size_t current_bytes_ = 0;
+  size_t peak_bytes_ = 0;
+
+  void* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
+  double* reduce_buf_ = nullptr;   // device doubles for sum / sum_squares results
+  int* flag_ = nullptr;            // device flag for all_finite
+  void* host_pinned_ = nullptr;    // pinned host landing area for small results
+  size_t host_pinned_bytes_ = 0;
+  std::vector<SliceTable> slice_tables_;
+  void* gemm_tmp_ = nullptr;       // act-dtype dW fallback when fp32 output is unsupported
+  size_t gemm_tmp_bytes_ = 0;
+};
+
+}  // namespace vitgrid

@@ -1,0 +1,339 @@
+// Elementwise ops (casts, GELU, dropout, add/accumulate/scale), row softmax and the
+// deterministic column-sum reduction, with their backward passes side by side.
+#include <cmath>
+
+#include "cuda_backend_impl.h"
+#include "kernel_util.cuh"
+#include "vitgrid/core/rng.h"
+
+namespace vitgrid {
+namespace cuda {
+
+template <class T, int NIN>
+struct InPtrs {
+  const T* p[NIN];
+};
+
+// y[i] = op(in_0[i], ..., in_{NIN-1}[i], i) in fp32, one rounding on store. The vector path
+// moves 16 bytes per operand per thread when every pointer is 16-byte aligned. y may alias an
+// input: each thread reads all of its operands before writing the same elements.
+template <class Tout, class Tin, int NIN, class Op>
+__global__ void map_kernel(Tout* y, InPtrs<Tin, NIN> in, size_t n, Op op, bool vec) {
+  constexpr int V = 16 / (sizeof(Tin) > sizeof(Tout) ? sizeof(Tin) : sizeof(Tout));
+  const size_t tid = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  size_t done = 0;
+  if (vec) {
+    const size_t npk = n / V;
+    for (size_t pk = tid; pk < npk; pk += stride) {
+      Pack<Tin, V> a[NIN];
+#pragma unroll
+      for (int j = 0; j < NIN; ++j) a[j] = reinterpret_cast<const Pack<Tin, V>*>(in.p[j])[pk];
+      Pack<Tout, V> o;
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        float v[NIN];
+#pragma unroll
+        for (int j = 0; j < NIN; ++j) v[j] = to_f(a[j].v[e]);
+        o.v[e] = from_f<Tout>(op(v, pk * V + e));
+      }
+      reinterpret_cast<Pack<Tout, V>*>(y)[pk] = o;
+    }
+    done = npk * V;
+  }
+  for (size_t i = done + tid; i < n; i += stride) {
+    float v[NIN];
+#pragma unroll
+    for (int j = 0; j < NIN; ++j) v[j] = to_f(in.p[j][i]);
+    y[i] = from_f<Tout>(op(v, i));
+  }
+}
+
+template <class Tout, class Tin, int NIN, class Op>
+void launch_map(cudaStream_t st, Tout* y, InPtrs<Tin, NIN> in, size_t n, Op op) {
+  if (n == 0) return;
+  bool vec = aligned16(y);
+  for (int j = 0; j < NIN; ++j) vec = vec && aligned16(in.p[j]);
+  const int threads = 256;
+  constexpr int V = 16 / (sizeof(Tin) > sizeof(Tout) ? sizeof(Tin) : sizeof(Tout));
+  map_kernel<<<grid_for(vec ? (n + V - 1) / V : n, threads), threads, 0, st>>>(y, in, n, op,
+                                                                               vec);
+  CUDA_CHECK_LAUNCH();
+}
+
+struct CastOp {
+  __device__ float operator()(const float* v, size_t) const { return v[0]; }
+};
+struct AddOp {
+  __device__ float operator()(const float* v, size_t) const { return v[0] + v[1]; }
+};
+struct ScaleOp {
+  float s;
+  __device__ float operator()(const float* v, size_t) const { return v[0] * s; }
+};
+
+constexpr float kSqrt1_2 = 0.70710678118654752440f;
+constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
+constexpr float kSqrt2OverPi = 0.79788456080286535588f;
+constexpr float kGeluC = 0.044715f;
+
+// Exact GELU uses erff (no fast-math: the build keeps full-precision erff/expf/tanhf).
+struct GeluFwdOp {
+  bool tanh_form;
+  __device__ float operator()(const float* v, size_t) const {
+    const float x = v[0];
+    if (tanh_form) {
+      const float u = kSqrt2OverPi * (x + kGeluC * x * x * x);
+      return 0.5f * x * (1.0f + tanhf(u));
+    }
+    return 0.5f * x * (1.0f + erff(x * kSqrt1_2));
+  }
+};
+struct GeluBwdOp {  // v = {x, dy}
+  bool tanh_form;
+  __device__ float operator()(const float* v, size_t) const {
+    const float x = v[0], dy = v[1];
+    float d;
+    if (tanh_form) {
+      const float u = kSqrt2OverPi * (x + kGeluC * x * x * x);
+      const float t = tanhf(u);
+      d = 0.5f * (1.0f + t) +
+          0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluC * x * x);
+    } else {
+      d = 0.5f * (1.0f + erff(x * kSqrt1_2)) + x * kInvSqrt2Pi * expf(-0.5f * x * x);
+    }
+    return dy * d;
+  }
+};
+// The mask bit of element i is the counter RNG at counter_base + i, as on the CPU.
+struct DropoutOp {
+  uint64_t seed, key, base;
+  float p, scale;
+  __device__ float operator()(const float* v, size_t i) const {
+    return rng_uniform(seed, key, base + i) >= p ? v[0] * scale : 0.0f;
+  }
+};
+
+template <class T>
+__global__ void add_act_to_f32_kernel(float* out, const T* x, size_t n) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += stride)
+    out[i] += to_f(x[i]);
+}
+
+// One warp per row: max, sum of exponentials, then the normalised values. Rows are read
+// three times; they are short (attention: T) and stay in L1/L2.
+template <class Tin, class Tout>
+__global__ void softmax_fwd_kernel(Tout* y, const Tin* x, int rows, int cols, float scale) {
+  const int warps = blockDim.x >> 5;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const Tin* xr = x + row * cols;
+  Tout* yr = y + row * cols;
+  float m = -INFINITY;
+  for (int c = lane; c < cols; c += 32) m = fmaxf(m, scale * to_f(xr[c]));
+  m = warp_max(m);
+  float s = 0.0f;
+  for (int c = lane; c < cols; c += 32) s += expf(scale * to_f(xr[c]) - m);
+  s = warp_sum(s);
+  const float inv = 1.0f / s;
+  for (int c = lane; c < cols; c += 32) yr[c] = from_f<Tout>(expf(scale * to_f(xr[c]) - m) * inv);
+}
+
+// dx = y * (dy - sum(dy * y)) * scale, one warp per row.
+template <class Ty, class Tdy, class Tdx>
+__global__ void softmax_bwd_kernel(Tdx* dx, const Ty* y, const Tdy* dy, int rows, int cols,
+                                   float scale) {
+  const int warps = blockDim.x >> 5;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const Ty* yr = y + row * cols;
+  const Tdy* dyr = dy + row * cols;
+  Tdx* dxr = dx + row * cols;
+  float dot = 0.0f;
+  for (int c = lane; c < cols; c += 32) dot += to_f(dyr[c]) * to_f(yr[c]);
+  dot = warp_sum(dot);
+  for (int c = lane; c < cols; c += 32)
+    dxr[c] = from_f<Tdx>(to_f(yr[c]) * (to_f(dyr[c]) - dot) * scale);
+}
+
+// Column sums, stage 1: block (32 columns x 8 row lanes) sums kRowsPerChunk rows of its 32
+// columns into partial[chunk, col]. Reads are 32 consecutive elements per row: coalesced.
+constexpr int kRowsPerChunk = 1024;  // few enough chunks for a short stage 2
+template <class T>
+__global__ void colsum_partial_kernel(float* partial, const T* x, int N, int C) {
+  __shared__ float sh[8][33];
+  const int col = blockIdx.x * 32 + threadIdx.x;
+  const int r0 = blockIdx.y * kRowsPerChunk;
+  const int r1 = min(N, r0 + kRowsPerChunk);
+  float s = 0.0f;
+  if (col < C)
+    for (int r = r0 + threadIdx.y; r < r1; r += 8) s += to_f(x[static_cast<int64_t>(r) * C + col]);
+  sh[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < C) {
+    float t = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) t += sh[j][threadIdx.x];
+    partial[static_cast<int64_t>(blockIdx.y) * C + col] = t;
+  }
+}
+// Stage 2: out[col] += sum over chunks in chunk order (deterministic).
+__global__ void colsum_final_kernel(float* out, const float* partial, int chunks, int C) {
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= C) return;
+  float t = 0.0f;
+  for (int k = 0; k < chunks; ++k) t += partial[static_cast<int64_t>(k) * C + col];
+  out[col] += t;
+}
+
+template <class Tin, class Tout>
+void launch_softmax_fwd(cudaStream_t st, Tout* y, const Tin* x, int rows, int cols,
+                        float scale) {
+  if (rows <= 0 || cols <= 0) return;
+  const int threads = 256, warps = threads / 32;
+  softmax_fwd_kernel<<<(rows + warps - 1) / warps, threads, 0, st>>>(y, x, rows, cols, scale);
+  CUDA_CHECK_LAUNCH();
+}
+template <class Ty, class Tdy, class Tdx>
+void launch_softmax_bwd(cudaStream_t st, Tdx* dx, const Ty* y, const Tdy* dy, int rows,
+                        int cols, float scale) {
+  if (rows <= 0 || cols <= 0) return;
+  const int threads = 256, warps = threads / 32;
+  softmax_bwd_kernel<<<(rows + warps - 1) / warps, threads, 0, st>>>(dx, y, dy, rows, cols,
+                                                                     scale);
+  CUDA_CHECK_LAUNCH();
+}
+
+// Instantiations used by attention.cu (scores kept in fp32).
+#define VG_SOFTMAX_INST(T)                                                                   \
+  template void launch_softmax_fwd<float, T>(cudaStream_t, T*, const float*, int, int, float); \
+  template void launch_softmax_bwd<T, float, T>(cudaStream_t, T*, const T*, const float*, int, \
+                                                int, float);
+VG_SOFTMAX_INST(float)
+VG_SOFTMAX_INST(__nv_bfloat16)
+VG_SOFTMAX_INST(__half)
+
+}  // namespace cuda
+
+using namespace cuda;
+
+void CudaBackend::cast_to_act(void* dst_act, const float* src, size_t n) {
+  dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (std::is_same<T, float>::value) {
+      copy(dst_act, src, n * sizeof(float));
+    } else {
+      launch_map(stream_, static_cast<T*>(dst_act), InPtrs<float, 1>{{src}}, n, CastOp{});
+    }
+  });
+}
+
+void CudaBackend::cast_to_f32(float* dst, const void* src_act, size_t n) {
+  dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (std::is_same<T, float>::value) {
+      copy(dst, src_act, n * sizeof(float));
+    } else {
+      launch_map(stream_, dst, InPtrs<T, 1>{{static_cast<const T*>(src_act)}}, n, CastOp{});
+    }
+  });
+}
+
+void CudaBackend::gelu_forward(void* y, const void* x, size_t n, Gelu g) {
+  dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    launch_map(stream_, static_cast<T*>(y), InPtrs<T, 1>{{static_cast<const T*>(x)}}, n,
+               GeluFwdOp{g == Gelu::Tanh});
+  });
+}
+
+void CudaBackend::gelu_backward(void* dx, const void* x, const void* dy, size_t n, Gelu g) {
+  dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    launch_map(stream_, static_cast<T*>(dx),
+               InPtrs<T, 2>{{static_cast<const T*>(x), static_cast<const T*>(dy)}}, n,
+               GeluBwdOp{g == Gelu::Tanh});
+  });
+}
+
+void CudaBackend::dropout_forward(void* y, const void* x, size_t n, float p, DropoutKey k) {
+  if (p <= 0.0f) {
+    copy(y, x, n * act_size());
+    return;
+  }
+  const float scale = 1.0f / (1.0f - p);
+  dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    launch_map(stream_, static_cast<T*>(y), InPtrs<T, 1>{{static_cast<const T*>(x)}}, n,
+               DropoutOp{k.seed, k.key, k.counter_base, p, scale});
+  });
+}
+
+void CudaBackend::dropout_backward(void* dx, const void* dy, size_t n, float p, DropoutKey k) {
+  // Same mask, same scale: the backward of y = m * x / (1-p) is dx = m * dy / (1-p).
+  dropout_forward(dx, dy, n, p, k);
+}
+
+void CudaBackend::add(void* y, const void* a, const void* b, size_t n) {
+  dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    launch_map(stream_, static_cast<T*>(y),
+               InPtrs<T, 2>{{static_cast<const T*>(a), static_cast<const T*>(b)}}, n, AddOp{});
+  });
+}
+
+void CudaBackend::accumulate(void* y, const void* x, size_t n) { add(y, y, x, n); }
+
+void CudaBackend::scale_f32(float* x, size_t n, float s) {
+  launch_map(stream_, x, InPtrs<float, 1>{{x}}, n, ScaleOp{s});
+}
+
+void CudaBackend::add_act_to_f32(float* out, const void* x, size_t n) {
+  if (n == 0) return;
+  dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    add_act_to_f32_kernel<<<grid_for(n, 256), 256, 0, stream_>>>(out, static_cast<const T*>(x),
+                                                                  n);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void CudaBackend::softmax_forward(void* y, const void* x, int rows, int cols, float scale) {
+  dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (rows <= 0 || cols <= 0) return;
+    const int threads = 256, warps = threads / 32;
+    softmax_fwd_kernel<<<(rows + warps - 1) / warps, threads, 0, stream_>>>(
+        static_cast<T*>(y), static_cast<const T*>(x), rows, cols, scale);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void CudaBackend::softmax_backward(void* dx, const void* y, const void* dy, int rows, int cols,
+                                   float scale) {
+  dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    launch_softmax_bwd(stream_, static_cast<T*>(dx), static_cast<const T*>(y),
+                       static_cast<const T*>(dy), rows, cols, scale);
+  });
+}
+
+void CudaBackend::column_sums_add(float* out, const void* x, int N, int C) {
+  if (N <= 0 || C <= 0) return;
+  const int chunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
+  float* partial = static_cast<float*>(scratch(static_cast<size_t>(chunks) * C * sizeof(float)));
+  dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dim3 grid((C + 31) / 32, chunks), block(32, 8);
+    colsum_partial_kernel<<<grid, block, 0, stream_>>>(partial, static_cast<const T*>(x), N, C);
+    CUDA_CHECK_LAUNCH();
+  });
+  colsum_final_kernel<<<(C + 255) / 256, 256, 0, stream_>>>(out, partial, chunks, C);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace vitgrid

@@ -1,0 +1,289 @@
+// ViT glue on the device: image preparation (pad/crop/flip/normalise/Mixup), patchify, token
+// embedding and class-token pooling (forward and backward side by side), and the loss and
+// accuracy kernels (cross-entropy fused with its gradient, top-1/top-5).
+#include <cmath>
+
+#include "cuda_backend_impl.h"
+#include "kernel_util.cuh"
+
+namespace vitgrid {
+namespace cuda {
+
+// Mirror of data::SampleAug {int32 dx, dy, flip; float lam} (data/dataset.h); the backend
+// layer may not include the data layer, so the layout is restated and pinned here.
+struct AugDev {
+  int32_t dx, dy, flip;
+  float lam;
+};
+static_assert(sizeof(AugDev) == 16, "SampleAug layout");
+
+struct Norm3 {
+  float mean[3], std[3];
+};
+
+// out[b,c,y,x]: padded pixel (dy + y, dx + xs), xs = S-1-x when flipped (crop, then flip the
+// crop); padding is 0 in the 0-255 image, so it becomes (0 - mean)/std after normalisation.
+__device__ __forceinline__ float prep_pixel(const uint8_t* img, int b, int c, int y, int x,
+                                            int S, int pad, const AugDev& a, const Norm3& nm) {
+  const int xs = a.flip ? S - 1 - x : x;
+  const int iy = a.dy + y - pad, ix = a.dx + xs - pad;
+  float v = 0.0f;
+  if (iy >= 0 && iy < S && ix >= 0 && ix < S)
+    v = static_cast<float>(img[((static_cast<int64_t>(b) * S + iy) * S + ix) * 3 + c]);
+  return (v / 255.0f - nm.mean[c]) / nm.std[c];
+}
+
+template <class T>
+__global__ void prepare_images_kernel(T* out, const uint8_t* images, const uint8_t* partners,
+                                      const AugDev* aug, int B, int S, int pad, Norm3 nm) {
+  const int64_t total = static_cast<int64_t>(B) * 3 * S * S;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += stride) {
+    const int x = static_cast<int>(i % S);
+    const int y = static_cast<int>((i / S) % S);
+    const int c = static_cast<int>((i / (static_cast<int64_t>(S) * S)) % 3);
+    const int b = static_cast<int>(i / (3 * static_cast<int64_t>(S) * S));
+    const AugDev a = aug[b];
+    float v = prep_pixel(images, b, c, y, x, S, pad, a, nm);
+    if (partners) v = a.lam * v + (1.0f - a.lam) * prep_pixel(partners, b, c, y, x, S, pad, a, nm);
+    out[i] = from_f<T>(v);
+  }
+}
+
+// patches[b*np*np + py*np + px, c*P*P + i*P + j] = images[b, c, py*P + i, px*P + j]
+template <class T>
+__global__ void patchify_kernel(T* patches, const T* images, int B, int S, int P) {
+  const int np = S / P;
+  const int64_t cols = 3LL * P * P;
+  const int64_t total = static_cast<int64_t>(B) * np * np * cols;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t o = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; o < total;
+       o += stride) {
+    const int64_t r = o / cols;
+    const int k = static_cast<int>(o % cols);
+    const int c = k / (P * P), i = (k / P) % P, j = k % P;
+    const int b = static_cast<int>(r / (np * np));
+    const int py = static_cast<int>((r / np) % np), px = static_cast<int>(r % np);
+    patches[o] = images[((static_cast<int64_t>(b) * 3 + c) * S + py * P + i) * S + px * P + j];
+  }
+}
+
+// x[b,t,c] = (t == 0 ? cls[c] : patch[b,t-1,c]) + pos[t,c]
+template <class T>
+__global__ void embed_tokens_kernel(T* x, const T* patch, const T* cls, const T* pos, int B,
+                                    int T_, int C) {
+  const int64_t total = static_cast<int64_t>(B) * T_ * C;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += stride) {
+    const int c = static_cast<int>(i % C);
+    const int t = static_cast<int>((i / C) % T_);
+    const int64_t b = i / (static_cast<int64_t>(T_) * C);
+    const float v = t == 0 ? to_f(cls[c]) : to_f(patch[(b * (T_ - 1) + t - 1) * C + c]);
+    x[i] = from_f<T>(v + to_f(pos[static_cast<int64_t>(t) * C + c]));
+  }
+}
+
+// One thread per (t, c): sums over the batch in order (deterministic), writes the patch-token
+// gradient as it goes.
+template <class T>
+__global__ void embed_tokens_bwd_kernel(T* dpatch, float* dcls, float* dpos, const T* dx, int B,
+                                        int T_, int C) {
+  const int64_t tc = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (tc >= static_cast<int64_t>(T_) * C) return;
+  const int c = static_cast<int>(tc % C);
+  const int t = static_cast<int>(tc / C);
+  float s = 0.0f;
+  for (int b = 0; b < B; ++b) {
+    const T v = dx[(static_cast<int64_t>(b) * T_ + t) * C + c];
+    s += to_f(v);
+    if (t > 0) dpatch[(static_cast<int64_t>(b) * (T_ - 1) + t - 1) * C + c] = v;
+  }
+  dpos[tc] += s;
+  if (t == 0) dcls[c] += s;
+}
+
+template <class T>
+__global__ void gather_cls_kernel(T* rows, const T* x, int B, int T_, int C) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= static_cast<int64_t>(B) * C) return;
+  rows[i] = x[(i / C) * T_ * C + i % C];
+}
+template <class T>
+__global__ void scatter_cls_kernel(T* dx, const T* drows, int B, int T_, int C) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= static_cast<int64_t>(B) * C) return;
+  const int64_t o = (i / C) * T_ * C + i % C;
+  dx[o] = from_f<T>(to_f(dx[o]) + to_f(drows[i]));
+}
+
+// One block per row. target_j = (1-eps) t_j + eps/K; loss = sum_j target_j (lse - z_j);
+// dlogits_j = (p_j * sum(target) - target_j) * grad_scale (exact for targets not summing to 1).
+template <class T>
+__global__ void cross_entropy_kernel(float* losses, T* dlogits, const T* logits,
+                                     const int32_t* labels, const float* soft, int N, int K,
+                                     float eps, float grad_scale) {
+  __shared__ float sh[32];
+  const int64_t row = blockIdx.x;
+  const T* z = logits + row * K;
+  const int label = soft ? -1 : labels[row];
+  const bool bad = !soft && (label < 0 || label >= K);
+  const float* sr = soft ? soft + row * K : nullptr;
+  const float base = eps / K;
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j < K; j += blockDim.x) m = fmaxf(m, to_f(z[j]));
+  m = block_max(m, sh);
+  float se = 0.0f;
+  for (int j = threadIdx.x; j < K; j += blockDim.x) se += expf(to_f(z[j]) - m);
+  se = block_sum(se, sh);
+  const float lse = m + logf(se);
+  float loss = 0.0f, tsum = 0.0f;
+  for (int j = threadIdx.x; j < K; j += blockDim.x) {
+    const float t = sr ? (1.0f - eps) * sr[j] + base : (j == label ? 1.0f - eps + base : base);
+    loss += t * (lse - to_f(z[j]));
+    tsum += t;
+  }
+  loss = block_sum(loss, sh);
+  tsum = block_sum(tsum, sh);
+  if (threadIdx.x == 0) losses[row] = bad ? NAN : loss;
+  if (dlogits) {
+    T* d = dlogits + row * K;
+    for (int j = threadIdx.x; j < K; j += blockDim.x) {
+      const float t = sr ? (1.0f - eps) * sr[j] + base : (j == label ? 1.0f - eps + base : base);
+      const float p = expf(to_f(z[j]) - lse);
+      d[j] = from_f<T>(bad ? NAN : (p * tsum - t) * grad_scale);
+    }
+  }
+}
+
+// rank(label) = #{j : z_j > z_l} + #{j < l : z_j == z_l} (first maximum wins ties, as on the
+// CPU); in the top-k iff rank < k.
+template <class T>
+__global__ void topk_kernel(float* c1, float* c5, const T* logits, const int32_t* labels, int N,
+                            int K) {
+  __shared__ float sh[32];
+  const int64_t row = blockIdx.x;
+  const T* z = logits + row * K;
+  const int l = labels[row];
+  const bool ok = l >= 0 && l < K;
+  const float zl = ok ? to_f(z[l]) : 0.0f;
+  float cnt = 0.0f;  // counts up to K < 2^24 are exact in fp32
+  if (ok)
+    for (int j = threadIdx.x; j < K; j += blockDim.x) {
+      const float v = to_f(z[j]);
+      cnt += (v > zl || (v == zl && j < l)) ? 1.0f : 0.0f;
+    }
+  cnt = block_sum(cnt, sh);
+  if (threadIdx.x == 0) {
+    c1[row] = ok && cnt < 1.0f ? 1.0f : 0.0f;
+    c5[row] = ok && cnt < 5.0f ? 1.0f : 0.0f;
+  }
+}
+
+}  // namespace cuda
+
+using namespace cuda;
+
+void CudaBackend::prepare_images(void* out, const uint8_t* images, const uint8_t* partners,
+                                 const void* aug, int B, int S, int pad,
+                                 const float* mean3_host, const float* std3_host) {
+  if (B <= 0) return;
+  Norm3 nm;
+  for (int c = 0; c < 3; ++c) {
+    nm.mean[c] = mean3_host[c];
+    nm.std[c] = std3_host[c];
+  }
+  const size_t total = static_cast<size_t>(B) * 3 * S * S;
+  dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    prepare_images_kernel<<<grid_for(total, 256), 256, 0, stream_>>>(
+        static_cast<T*>(out), images, partners, static_cast<const AugDev*>(aug), B, S, pad, nm);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void CudaBackend::patchify(void* patches, const void* images, int B, int S, int P) {
+  VG_CHECK(P > 0 && S % P == 0, "patchify: image size " << S << " not a multiple of " << P);
+  const size_t total = static_cast<size_t>(B) * S * S * 3;
+  if (total == 0) return;
+  dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    patchify_kernel<<<grid_for(total, 256), 256, 0, stream_>>>(
+        static_cast<T*>(patches), static_cast<const T*>(images), B, S, P);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void CudaBackend::embed_tokens(void* x, const void* patch_tokens, const void* cls,
+                               const void* pos, int B, int T, int C) {
+  const size_t total = static_cast<size_t>(B) * T * C;
+  if (total == 0) return;
+  dispatch_act(act_, [&](auto tag) {
+    using E = typename decltype(tag)::type;
+    embed_tokens_kernel<<<grid_for(total, 256), 256, 0, stream_>>>(
+        static_cast<E*>(x), static_cast<const E*>(patch_tokens), static_cast<const E*>(cls),
+        static_cast<const E*>(pos), B, T, C);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void CudaBackend::embed_tokens_backward(void* dpatch_tokens, float* dcls, float* dpos,
+                                        const void* dx, int B, int T, int C) {
+  const int64_t tc = static_cast<int64_t>(T) * C;
+  if (tc == 0 || B == 0) return;
+  dispatch_act(act_, [&](auto tag) {
+    using E = typename decltype(tag)::type;
+    embed_tokens_bwd_kernel<<<static_cast<unsigned>((tc + 255) / 256), 256, 0, stream_>>>(
+        static_cast<E*>(dpatch_tokens), dcls, dpos, static_cast<const E*>(dx), B, T, C);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void CudaBackend::gather_cls(void* rows, const void* x, int B, int T, int C) {
+  const int64_t n = static_cast<int64_t>(B) * C;
+  if (n == 0) return;
+  dispatch_act(act_, [&](auto tag) {
+    using E = typename decltype(tag)::type;
+    gather_cls_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream_>>>(
+        static_cast<E*>(rows), static_cast<const E*>(x), B, T, C);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void CudaBackend::scatter_cls_backward(void* dx, const void* drows, int B, int T, int C) {
+  const int64_t n = static_cast<int64_t>(B) * C;
+  if (n == 0) return;
+  dispatch_act(act_, [&](auto tag) {
+    using E = typename decltype(tag)::type;
+    scatter_cls_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream_>>>(
+        static_cast<E*>(dx), static_cast<const E*>(drows), B, T, C);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void CudaBackend::cross_entropy(float* losses, void* dlogits, const void* logits,
+                                const int32_t* labels, const float* soft_targets, int N, int K,
+                                float smoothing, float grad_scale) {
+  if (N <= 0) return;
+  dispatch_act(act_, [&](auto tag) {
+    using E = typename decltype(tag)::type;
+    cross_entropy_kernel<<<N, 256, 0, stream_>>>(losses, static_cast<E*>(dlogits),
+                                                 static_cast<const E*>(logits), labels,
+                                                 soft_targets, N, K, smoothing, grad_scale);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void CudaBackend::topk_correct(float* correct1, float* correct5, const void* logits,
+                               const int32_t* labels, int N, int K) {
+  if (N <= 0) return;
+  dispatch_act(act_, [&](auto tag) {
+    using E = typename decltype(tag)::type;
+    topk_kernel<<<N, 256, 0, stream_>>>(correct1, correct5, static_cast<const E*>(logits),
+                                        labels, N, K);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+}  // namespace vitgrid

@@ -1,0 +1,398 @@
+#include "tp_common.h"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "vitgrid/core/error.h"
+#include "vitgrid/model/vit.h"  // ParamInfo (header-only struct)
+
+namespace vitgrid {
+
+namespace {
+bool contains(const std::vector<Axis>& v, Axis a) {
+  return std::find(v.begin(), v.end(), a) != v.end();
+}
+}  // namespace
+
+TensorParallelBase::TensorParallelBase(const ProcessGrid& grid, Backend& be, Collectives& coll,
+                                       std::vector<Axis> mode_axes, bool has_hidden, Axis hidden,
+                                       std::vector<Axis> batch_axes)
+    : grid_(grid), be_(be), coll_(coll), has_hidden_(has_hidden), hidden_(hidden) {
+  for (Axis a : mode_axes)
+    if (grid.size(a) > 1) mode_axes_.push_back(a);
+  if (has_hidden_) {
+    hq_ = grid.size(hidden);
+    hr_ = grid.rank(hidden);
+  }
+  int stride = 1;
+  for (Axis a : batch_axes) {
+    bidx_ += grid.rank(a) * stride;
+    stride *= grid.size(a);
+    batch_axes_.push_back(a);
+  }
+  bsplit_ = stride;
+}
+
+TensorParallelBase::~TensorParallelBase() {
+  for (void* p : scratch_)
+    if (p) be_.release(p);
+}
+
+void* TensorParallelBase::scratch(int slot, size_t bytes) {
+  if (static_cast<size_t>(slot) >= scratch_.size()) {
+    scratch_.resize(slot + 1, nullptr);
+    scratch_bytes_.resize(slot + 1, 0);
+  }
+  if (scratch_bytes_[slot] < bytes) {
+    if (scratch_[slot]) be_.release(scratch_[slot]);
+    scratch_[slot] = be_.alloc(bytes);
+    scratch_bytes_[slot] = bytes;
+  }
+  return scratch_[slot];
+}
+
+void TensorParallelBase::require_host_pointers(const char* what) const {
+  if (be_.name() != "cpu")
+    throw UserError(std::string("parallel.tensor_mode = ") + tensor_mode_name(mode()) + ": " +
+                    what + " runs on the CPU backend only in this build (device.backend = " +
+                    be_.name() + ")");
+}
+
+void TensorParallelBase::split_samples(int batch, int nblocks, int idx, ActBlock* blk) {
+  if (batch % nblocks != 0)
+    throw UserError("data.global_batch: a micro-batch of " + std::to_string(batch) +
+                    " samples does not split over the " + std::to_string(nblocks) +
+                    " tensor ranks that share its samples");
+  blk->samples = batch / nblocks;
+  blk->sample_offset = idx * blk->samples;
+}
+
+void TensorParallelBase::split_cols(int64_t width, int n, int idx, ActBlock* blk) {
+  VG_CHECK(width % n == 0, "width " << width << " does not split in " << n << " blocks");
+  blk->cols = width / n;
+  blk->col_offset = idx * blk->cols;
+}
+
+ActBlock TensorParallelBase::stream_block(int batch, int64_t width) const {
+  ActBlock b;
+  split_samples(batch, bsplit_, bidx_, &b);
+  split_cols(width, hq_, hr_, &b);
+  return b;
+}
+
+std::vector<Axis> TensorParallelBase::axes_except(std::initializer_list<Axis> except) const {
+  std::vector<Axis> out;
+  for (Axis a : mode_axes_)
+    if (std::find(except.begin(), except.end(), a) == except.end()) out.push_back(a);
+  return out;
+}
+
+std::vector<Axis> TensorParallelBase::batch_axes_split() const {
+  std::vector<Axis> out;
+  for (Axis a : batch_axes_)
+    if (size(a) > 1) out.push_back(a);
+  return out;
+}
+
+// ---- shards of the Stream-shaped parameters
+
+Shard TensorParallelBase::shard_hidden_vector(const std::vector<int64_t>& shape) const {
+  Shard s;
+  s.offset.assign(shape.size(), 0);
+  s.count = shape;
+  const int64_t C = shape.back();
+  VG_CHECK(C % hq_ == 0, "hidden " << C << " does not split over " << hq_ << " ranks");
+  s.offset.back() = hr_ * (C / hq_);
+  s.count.back() = C / hq_;
+  if (hq_ > 1) s.sharded_over = {hidden_};
+  s.replicated_over = has_hidden_ ? axes_except({hidden_}) : mode_axes_;
+  // Each copy only saw this rank's samples: the gradients are partial over the batch axes.
+  s.partial_over = batch_axes_split();
+  return s;
+}
+
+Shard TensorParallelBase::shard_linear_weight(int64_t out, int64_t in, LinearRole role,
+                                              int groups) const {
+  switch (role) {
+    case LinearRole::Column:
+    case LinearRole::Row:
+      return parallel_weight(out, in, role, groups);
+    case LinearRole::Embed: {
+      // rows = output features = Stream columns: split like a hidden vector
+      Shard s = shard_hidden_vector({in, out});
+      return Shard{{s.offset[1], 0}, {s.count[1], in}, {}, {}, s.replicated_over,
+                   s.sharded_over, s.partial_over};
+    }
+    case LinearRole::Head: {
+      // columns = input features = Stream columns
+      Shard s = shard_hidden_vector({out, in});
+      return s;
+    }
+    case LinearRole::Replicated:
+      break;
+  }
+  Shard s;
+  s.offset = {0, 0};
+  s.count = {out, in};
+  s.replicated_over = mode_axes_;
+  s.partial_over = batch_axes_split();
+  return s;
+}
+
+Shard TensorParallelBase::shard_linear_bias(int64_t out, LinearRole role, int groups) const {
+  switch (role) {
+    case LinearRole::Column:
+    case LinearRole::Row:
+      return parallel_bias(out, role, groups);
+    case LinearRole::Embed:
+      return shard_hidden_vector({out});
+    case LinearRole::Head:
+    case LinearRole::Replicated:
+      break;
+  }
+  // whole on every rank; the head's bias is added once after the hidden-axis reduction
+  Shard s;
+  s.offset = {0};
+  s.count = {out};
+  s.replicated_over = mode_axes_;
+  s.partial_over = batch_axes_split();
+  return s;
+}
+
+void TensorParallelBase::register_params(const std::vector<ParamInfo>& params) {
+  sharded_.clear();
+  partial_.clear();
+  for (const auto& p : params) {
+    sharded_.push_back(p.shard.sharded_over);
+    partial_.push_back(p.shard.partial_over);
+  }
+}
+
+// ---- Linears
+
+void TensorParallelBase::linear_forward(LinearRole role, void* y, const void* x, const void* W,
+                                        const void* b, int rows, int in, int out, void* gelu_out,
+                                        Gelu g, int groups) {
+  switch (role) {
+    case LinearRole::Column:
+    case LinearRole::Row:
+      parallel_forward(role, y, x, W, b, rows, in, out, gelu_out, g, groups);
+      return;
+    case LinearRole::Embed:
+      // whole input features, this rank's output columns: no communication
+      be_.linear_forward(y, x, W, b, rows, in, out / hq_, gelu_out, g);
+      return;
+    case LinearRole::Head:
+      // partial logits over the hidden axis; the bias is added by hidden rank 0 only, so the
+      // sum holds it once
+      be_.linear_forward(y, x, W, hr_ == 0 ? b : nullptr, rows, in / hq_, out, nullptr, g);
+      if (hq_ > 1) coll_.allreduce_sum_act(y, static_cast<size_t>(rows) * out, be_.act_size(), hidden_);
+      if (gelu_out) be_.gelu_forward(gelu_out, y, static_cast<size_t>(rows) * out, g);
+      return;
+    case LinearRole::Replicated:
+      be_.linear_forward(y, x, W, b, rows, in, out, gelu_out, g);
+      return;
+  }
+}
+
+void TensorParallelBase::linear_backward(LinearRole role, void* dx, float* dW, float* db,
+                                         const void* dy, const void* x, const void* W, int rows,
+                                         int in, int out, int groups) {
+  switch (role) {
+    case LinearRole::Column:
+    case LinearRole::Row:
+      parallel_backward(role, dx, dW, db, dy, x, W, rows, in, out, groups);
+      return;
+    case LinearRole::Embed:
+      // dx (not needed by the model: the input is pixels) sums over the output columns
+      be_.linear_backward(dx, dW, db, dy, x, W, rows, in, out / hq_);
+      if (dx && hq_ > 1)
+        coll_.allreduce_sum_act(dx, static_cast<size_t>(rows) * in, be_.act_size(), hidden_);
+      return;
+    case LinearRole::Head:
+      // dy (whole logits gradient) is the same on every hidden rank: dx is this rank's
+      // columns, dW its column block, db whole (identical over the hidden axis).
+      be_.linear_backward(dx, dW, db, dy, x, W, rows, in / hq_, out);
+      return;
+    case LinearRole::Replicated:
+      be_.linear_backward(dx, dW, db, dy, x, W, rows, in, out);
+      return;
+  }
+}
+
+// ---- LayerNorm with the statistics reduced over the hidden axis
+
+void TensorParallelBase::layernorm_forward(void* res_, void* y_, float* mean, float* rstd,
+                                           const void* a_, const void* b_, const void* gamma_,
+                                           const void* beta_, int rows, int C, float eps) {
+  if (hq_ == 1) {
+    be_.add_layernorm_forward(res_, y_, mean, rstd, a_, b_, gamma_, beta_, rows, C, eps);
+    return;
+  }
+  // Host loops (require_host_pointers was checked at construction): two passes as in the
+  // CPU backend, each pass's row sums reduced over the hidden axis.
+  const int Cl = C / hq_;
+  const float* a = static_cast<const float*>(a_);
+  const float* b = static_cast<const float*>(b_);
+  const float* gamma = static_cast<const float*>(gamma_);
+  const float* beta = static_cast<const float*>(beta_);
+  float* res = static_cast<float*>(res_);
+  float* y = static_cast<float*>(y_);
+  for (int r = 0; r < rows; ++r) {
+    float* xr = res + static_cast<size_t>(r) * Cl;
+    const float* ar = a + static_cast<size_t>(r) * Cl;
+    if (b) {
+      const float* br = b + static_cast<size_t>(r) * Cl;
+      for (int j = 0; j < Cl; ++j) xr[j] = ar[j] + br[j];
+    } else if (xr != ar) {
+      std::memcpy(xr, ar, sizeof(float) * Cl);
+    }
+    float s = 0.0f;
+    for (int j = 0; j < Cl; ++j) s += xr[j];
+    mean[r] = s;
+  }
+  coll_.allreduce_sum(mean, rows, hidden_);
+  for (int r = 0; r < rows; ++r) {
+    mean[r] /= static_cast<float>(C);
+    const float* xr = res + static_cast<size_t>(r) * Cl;
+    float ss = 0.0f;
+    for (int j = 0; j < Cl; ++j) {
+      const float d = xr[j] - mean[r];
+      ss += d * d;
+    }
+    rstd[r] = ss;
+  }
+  coll_.allreduce_sum(rstd, rows, hidden_);
+  for (int r = 0; r < rows; ++r) {
+    rstd[r] = 1.0f / std::sqrt(rstd[r] / static_cast<float>(C) + eps);
+    const float* xr = res + static_cast<size_t>(r) * Cl;
+    float* yr = y + static_cast<size_t>(r) * Cl;
+    for (int j = 0; j < Cl; ++j) yr[j] = (xr[j] - mean[r]) * rstd[r] * gamma[j] + beta[j];
+  }
+}
+
+void TensorParallelBase::layernorm_backward(void* dx_, float* dgamma, float* dbeta,
+                                            const void* dy_, const void* x_, const void* gamma_,
+                                            const float* mean, const float* rstd, int rows,
+                                            int C) {
+  if (hq_ == 1) {
+    be_.layernorm_backward(dx_, dgamma, dbeta, dy_, x_, gamma_, mean, rstd, rows, C);
+    return;
+  }
+  const int Cl = C / hq_;
+  const float* dy = static_cast<const float*>(dy_);
+  const float* x = static_cast<const float*>(x_);
+  const float* gamma = static_cast<const float*>(gamma_);
+  float* dx = static_cast<float*>(dx_);
+  // per row: sum(g) and sum(g xhat) over the whole width, g = dy gamma
+  float* sums = static_cast<float*>(scratch(0, sizeof(float) * 2 * rows));
+  for (int r = 0; r < rows; ++r) {
+    const float* dyr = dy + static_cast<size_t>(r) * Cl;
+    const float* xr = x + static_cast<size_t>(r) * Cl;
+    float sg = 0.0f, sgx = 0.0f;
+    for (int j = 0; j < Cl; ++j) {
+      const float xh = (xr[j] - mean[r]) * rstd[r];
+      const float g = dyr[j] * gamma[j];
+      sg += g;
+      sgx += g * xh;
+      dgamma[j] += dyr[j] * xh;
+      dbeta[j] += dyr[j];
+    }
+    sums[2 * r] = sg;
+    sums[2 * r + 1] = sgx;
+  }
+  coll_.allreduce_sum(sums, 2 * static_cast<size_t>(rows), hidden_);
+  const float invC = 1.0f / static_cast<float>(C);
+  for (int r = 0; r < rows; ++r) {
+    const float* dyr = dy + static_cast<size_t>(r) * Cl;
+    const float* xr = x + static_cast<size_t>(r) * Cl;
+    float* dxr = dx + static_cast<size_t>(r) * Cl;
+    const float mg = sums[2 * r] * invC, mgx = sums[2 * r + 1] * invC;
+    for (int j = 0; j < Cl; ++j) {
+      const float xh = (xr[j] - mean[r]) * rstd[r];
+      dxr[j] += rstd[r] * (dyr[j] * gamma[j] - mg - xh * mgx);
+    }
+  }
+}
+
+// ---- per-sample results
+
+void TensorParallelBase::sum_over_batch(double* v, int n) {
+  // host doubles: MPI on the axis communicator (valid whatever the backend)
+  for (Axis a : batch_axes_split())
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, MPI_SUM, grid_.comm(a).get()));
+}
+
+void TensorParallelBase::gather_batch(void* out, const void* in, int batch, int64_t row_elems) {
+  const size_t es = be_.act_size();
+  const size_t local = static_cast<size_t>(batch / bsplit_) * row_elems;
+  if (bsplit_ == 1) {
+    if (out != in) be_.copy(out, in, local * es);
+    return;
+  }
+  // Minor axis first: after gathering over axes 0..i the buffer holds the blocks of every
+  // rank that differs from this one in those axes only, in block-index order.
+  const void* src = in;
+  size_t n = local;
+  int slot = 1;
+  for (Axis a : batch_axes_) {
+    if (size(a) == 1) continue;
+    void* dst = scratch(slot, n * size(a) * es);
+    coll_.allgather(dst, src, n, es, a);
+    n *= size(a);
+    src = dst;
+    slot = slot == 1 ? 2 : 1;
+  }
+  be_.copy(out, src, n * es);
+}
+
+// ---- gradients and norms
+
+void TensorParallelBase::reduce_param_norms(std::vector<double>& sq) {
+  VG_CHECK(sq.size() == sharded_.size(),
+           sq.size() << " norms for " << sharded_.size() << " registered parameters");
+  // Sequential sums over each axis: summing over A then over B sums over A x B.
+  std::vector<double> v(sq.size());
+  for (Axis a : mode_axes_) {
+    bool any = false;
+    for (size_t i = 0; i < sq.size(); ++i) {
+      v[i] = contains(sharded_[i], a) ? sq[i] : 0.0;
+      any = any || contains(sharded_[i], a);
+    }
+    if (!any) continue;  // the same verdict on every rank of the axis: same parameter list
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_DOUBLE,
+                            MPI_SUM, grid_.comm(a).get()));
+    for (size_t i = 0; i < sq.size(); ++i)
+      if (contains(sharded_[i], a)) sq[i] = v[i];
+  }
+}
+
+void TensorParallelBase::reduce_replicated_grads(float* grads,
+                                                 const std::vector<ParamInfo>& params) {
+  for (Axis a : mode_axes_) {
+    size_t n = 0;
+    for (const auto& p : params)
+      if (contains(p.shard.partial_over, a)) n += p.numel;
+    if (n == 0) continue;
+    // pack the partial gradients, one allreduce, unpack
+    float* buf = static_cast<float*>(scratch(3, n * sizeof(float)));
+    size_t off = 0;
+    for (const auto& p : params)
+      if (contains(p.shard.partial_over, a)) {
+        be_.copy(buf + off, grads + p.offset, p.numel * sizeof(float));
+        off += p.numel;
+      }
+    coll_.allreduce_sum(buf, n, a);
+    off = 0;
+    for (const auto& p : params)
+      if (contains(p.shard.partial_over, a)) {
+        be_.copy(grads + p.offset, buf + off, p.numel * sizeof(float));
+        off += p.numel;
+      }
+  }
+}
+
+}  // namespace vitgrid

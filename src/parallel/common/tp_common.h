@@ -1,0 +1,104 @@
+// What every tensor-parallel mode shares: the Stream layout is described by one "hidden" axis
+// (over which the Stream's columns are split) and a list of "batch" axes (over which its
+// samples are split). From that description this base implements everything that is not a
+// Column/Row Linear: the shards of per-hidden vectors, the patch embedding and the head,
+// LayerNorm with statistics reduced over the hidden axis, the per-sample sums and gathers,
+// and the gradient / norm reductions driven by each Shard's axis lists. A mode (none, 1d,
+// 2d/2.5d, 3d) sets the description and implements the Column/Row Linears and act_block.
+#pragma once
+#include <vector>
+
+#include "vitgrid/parallel/tensor_parallel.h"
+
+namespace vitgrid {
+
+class TensorParallelBase : public TensorParallel {
+ public:
+  Shard shard_linear_weight(int64_t out, int64_t in, LinearRole role, int groups) const final;
+  Shard shard_linear_bias(int64_t out, LinearRole role, int groups) const final;
+  Shard shard_hidden_vector(const std::vector<int64_t>& shape) const override;
+  void register_params(const std::vector<ParamInfo>& params) override;
+
+  void linear_forward(LinearRole role, void* y, const void* x, const void* W, const void* b,
+                      int rows, int in, int out, void* gelu_out, Gelu g, int groups) final;
+  void linear_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
+                       const void* x, const void* W, int rows, int in, int out,
+                       int groups) final;
+  void layernorm_forward(void* res, void* y, float* mean, float* rstd, const void* a,
+                         const void* b, const void* gamma, const void* beta, int rows, int C,
+                         float eps) override;
+  void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy, const void* x,
+                          const void* gamma, const float* mean, const float* rstd, int rows,
+                          int C) override;
+  void sum_over_batch(double* v, int n) override;
+  void gather_batch(void* out, const void* in, int batch, int64_t row_elems) override;
+  void reduce_param_norms(std::vector<double>& sq) override;
+  void reduce_replicated_grads(float* grads, const std::vector<ParamInfo>& params) override;
+
+ protected:
+  // `mode_axes`: the tensor sub-axes of this mode (sizes 1 are dropped). `hidden`: the axis
+  // the Stream's columns are split over (nullptr-like: pass has_hidden = false when they are
+  // not split). `batch_axes`: axes the Stream's samples are split over, minor first (the
+  // Stream block index is sum rank(a_i) * prod_{k<i} size(a_k)).
+  TensorParallelBase(const ProcessGrid& grid, Backend& be, Collectives& coll,
+                     std::vector<Axis> mode_axes, bool has_hidden, Axis hidden,
+                     std::vector<Axis> batch_axes);
+
+  // Column / Row Linears of the mode.
+  virtual Shard parallel_weight(int64_t out, int64_t in, LinearRole role, int groups) const = 0;
+  virtual Shard parallel_bias(int64_t out, LinearRole role, int groups) const = 0;
+  virtual void parallel_forward(LinearRole role, void* y, const void* x, const void* W,
+                                const void* b, int rows, int in, int out, void* gelu_out, Gelu g,
+                                int groups) = 0;
+  virtual void parallel_backward(LinearRole role, void* dx, float* dW, float* db,
+                                 const void* dy, const void* x, const void* W, int rows, int in,
+                                 int out, int groups) = 0;
+
+  int size(Axis a) const { return grid_.size(a); }
+  int rank(Axis a) const { return grid_.rank(a); }
+  // Block `idx` of `nblocks` equal blocks of `batch` samples (UserError when uneven).
+  static void split_samples(int batch, int nblocks, int idx, ActBlock* blk);
+  // Columns `idx` of `n` equal blocks of `width` (VG_CHECK: the deck guarantees divisibility).
+  static void split_cols(int64_t width, int n, int idx, ActBlock* blk);
+  ActBlock stream_block(int batch, int64_t width) const;
+  // The mode axes minus `except`.
+  std::vector<Axis> axes_except(std::initializer_list<Axis> except) const;
+  std::vector<Axis> batch_axes_split() const;  // batch axes of size > 1
+  // Backend scratch buffer `slot`, grown on demand: shapes are fixed after the first
+  // micro-batch, so the step loop stops allocating after step 1.
+  void* scratch(int slot, size_t bytes);
+  // Host act buffers (CPU backend) are needed by the host loops of the split LayerNorm.
+  void require_host_pointers(const char* what) const;
+
+  const ProcessGrid& grid_;
+  Backend& be_;
+  Collectives& coll_;
+  std::vector<Axis> mode_axes_;
+  bool has_hidden_;
+  Axis hidden_;
+  int hq_ = 1, hr_ = 0;  // hidden split and this rank's column block of the Stream
+  std::vector<Axis> batch_axes_;
+  int bsplit_ = 1, bidx_ = 0;  // Stream batch split and this rank's block
+
+ private:
+  std::vector<std::vector<Axis>> sharded_, partial_;  // per registered parameter
+  std::vector<void*> scratch_;
+  std::vector<size_t> scratch_bytes_;
+
+ public:
+  ~TensorParallelBase() override;
+};
+
+// Factories of the modes (one folder each).
+std::unique_ptr<TensorParallel> make_tensor_parallel_none(const ProcessGrid& grid, Backend& be,
+                                                          Collectives& coll);
+std::unique_ptr<TensorParallel> make_tensor_parallel_1d(const ProcessGrid& grid, Backend& be,
+                                                        Collectives& coll);
+std::unique_ptr<TensorParallel> make_tensor_parallel_2d(const ProcessGrid& grid, Backend& be,
+                                                        Collectives& coll);
+std::unique_ptr<TensorParallel> make_tensor_parallel_2p5d(const ProcessGrid& grid, Backend& be,
+                                                          Collectives& coll);
+std::unique_ptr<TensorParallel> make_tensor_parallel_3d(const ProcessGrid& grid, Backend& be,
+                                                        Collectives& coll);
+
+}  // namespace vitgrid

@@ -1,0 +1,117 @@
+// 1d tensor parallelism (Megatron-LM): Column Linears (qkv, fc1) split their output features
+// over the tensor axis, Row Linears (proj, fc2) their input features. The Stream (residual
+// stream, LayerNorms, embeddings, head) is whole on every tensor rank, so LayerNorm, patch
+// embedding, cls/pos, head and loss run replicated and their gradients are already whole and
+// identical on every tensor rank (nothing to reduce). Attention runs on this rank's heads.
+//   Column: y = x W_r^T + b_r (no communication); backward: dx = dy_r W_r summed over ranks.
+//   Row:    y = sum_r x_r W_r^T + b (allreduce; the bias added once); backward: dx_r = dy W_r,
+//           dW_r = dy^T x_r, db whole (dy is whole on every rank).
+// qkv's rows are [q; k; v]: a rank holds its heads of each, rows j*C + [r*C/t, (r+1)*C/t)
+// for j = 0,1,2 (a strided shard), so its qkv output is [q_r | k_r | v_r] and the backend's
+// attention op works on H/t heads unchanged.
+#include "../common/tp_common.h"
+#include "vitgrid/core/error.h"
+
+namespace vitgrid {
+namespace {
+
+class TensorParallel1D final : public TensorParallelBase {
+ public:
+  TensorParallel1D(const ProcessGrid& grid, Backend& be, Collectives& coll)
+      : TensorParallelBase(grid, be, coll, {Axis::Tensor}, false, Axis::Tensor, {}),
+        t_(grid.size(Axis::Tensor)),
+        r_(grid.rank(Axis::Tensor)) {}
+  TensorMode mode() const override { return TensorMode::D1; }
+
+  ActBlock act_block(ActLayout l, int batch, int64_t width) const override {
+    ActBlock b = stream_block(batch, width);
+    if (l == ActLayout::Inner) split_cols(width, t_, r_, &b);
+    return b;
+  }
+  int local_heads(int heads) const override {
+    if (heads % t_ != 0)
+      throw UserError("model.heads: " + std::to_string(heads) +
+                      " is not divisible by parallel.tensor (" + std::to_string(t_) + ")");
+    return heads / t_;
+  }
+
+ private:
+  // Output rows of a Column Linear: each of `groups` groups split over the tensor axis.
+  Shard column_rows(const std::vector<int64_t>& shape, int groups) const {
+    const int64_t out = shape[0], og = out / groups;
+    if (og % t_ != 0)
+      throw UserError("parallel.tensor: a Linear with " + std::to_string(og) +
+                      " output features per group does not split over " + std::to_string(t_) +
+                      " 1d ranks (check model.hidden, model.heads, model.mlp_ratio)");
+    Shard s;
+    s.offset.assign(shape.size(), 0);
+    s.count = shape;
+    s.offset[0] = r_ * (og / t_);
+    if (groups == 1) {
+      s.count[0] = og / t_;
+    } else {
+      s.stride = shape;
+      s.stride[0] = og;
+      s.count.assign(shape.size(), 1);
+      s.count[0] = groups;
+      s.block = shape;
+      s.block[0] = og / t_;
+    }
+    s.sharded_over = {Axis::Tensor};
+    return s;
+  }
+
+  Shard parallel_weight(int64_t out, int64_t in, LinearRole role, int groups) const override {
+    if (role == LinearRole::Column) return column_rows({out, in}, groups);
+    if (in % t_ != 0)
+      throw UserError("parallel.tensor: a Row Linear with " + std::to_string(in) +
+                      " input features does not split over " + std::to_string(t_) + " ranks");
+    Shard s;
+    s.offset = {0, r_ * (in / t_)};
+    s.count = {out, in / t_};
+    s.sharded_over = {Axis::Tensor};
+    return s;
+  }
+  Shard parallel_bias(int64_t out, LinearRole role, int groups) const override {
+    if (role == LinearRole::Column) return column_rows({out}, groups);
+    Shard s;  // Row bias: whole, added once after the allreduce, gradient whole everywhere
+    s.offset = {0};
+    s.count = {out};
+    s.replicated_over = {Axis::Tensor};
+    return s;
+  }
+
+  void parallel_forward(LinearRole role, void* y, const void* x, const void* W, const void* b,
+                        int rows, int in, int out, void* gelu_out, Gelu g, int) override {
+    if (role == LinearRole::Column) {
+      be_.linear_forward(y, x, W, b, rows, in, out / t_, gelu_out, g);
+      return;
+    }
+    be_.linear_forward(y, x, W, r_ == 0 ? b : nullptr, rows, in / t_, out);
+    coll_.allreduce_sum_act(y, static_cast<size_t>(rows) * out, be_.act_size(), Axis::Tensor);
+    if (gelu_out) be_.gelu_forward(gelu_out, y, static_cast<size_t>(rows) * out, g);
+  }
+  void parallel_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
+                         const void* x, const void* W, int rows, int in, int out,
+                         int) override {
+    if (role == LinearRole::Column) {
+      be_.linear_backward(dx, dW, db, dy, x, W, rows, in, out / t_);
+      if (dx)
+        coll_.allreduce_sum_act(dx, static_cast<size_t>(rows) * in, be_.act_size(),
+                                Axis::Tensor);
+      return;
+    }
+    be_.linear_backward(dx, dW, db, dy, x, W, rows, in / t_, out);
+  }
+
+  int t_, r_;
+};
+
+}  // namespace
+
+std::unique_ptr<TensorParallel> make_tensor_parallel_1d(const ProcessGrid& grid, Backend& be,
+                                                        Collectives& coll) {
+  return std::make_unique<TensorParallel1D>(grid, be, coll);
+}
+
+}  // namespace vitgrid

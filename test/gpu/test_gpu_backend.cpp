@@ -1,0 +1,543 @@
+// The CUDA backend against the CPU reference backend (fp32), op by op, in fp32, bf16 and fp16.
+// Inputs are random, of odd sizes, and already representable in the act dtype (rounded on the
+// host), so a 16-bit run differs from the reference only by the rounding of its own results.
+// Every output is poisoned with NaN before the GPU op, so an element the kernel forgets to
+// write fails the comparison. Error measure: relative L2, ||gpu - cpu|| / ||cpu||.
+// Tolerances (rel L2), stated per dtype in tol():
+//   fp32 1e-5 (different summation orders only), bf16 1e-2 (8-bit mantissa: one rounding is
+//   <= 2^-9 relative), fp16 2e-3 (11-bit mantissa, <= 2^-12 per rounding, a few roundings).
+//   Chains of several act-dtype roundings with cancellation (attention backward) get 2x.
+//   fp32 outputs computed from identical inputs (losses, statistics, parameter gradients of
+//   fp32 GEMMs, optimizers) are held to 1e-5 / 1e-6; dropout masks and top-k to exact equality.
+// Every test skips when no GPU is visible (CI compiles with nvcc on machines without one).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "vitgrid/backend/backend.h"
+#include "vitgrid/backend/cpu/emulate16.h"
+#include "vitgrid/backend/cuda/cuda_backend.h"
+#include "vitgrid/core/rng.h"
+
+namespace vitgrid {
+namespace {
+
+using Vec = std::vector<float>;
+const float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+double rel_l2(const Vec& a, const Vec& ref) {
+  EXPECT_EQ(a.size(), ref.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size() && i < ref.size(); ++i) {
+    const double d = double(a[i]) - double(ref[i]);
+    num += d * d;
+    den += double(ref[i]) * double(ref[i]);
+  }
+  if (den == 0) return std::sqrt(num);
+  return std::sqrt(num / den);  // NaN anywhere in a makes this NaN: fails every EXPECT_LT
+}
+
+#define EXPECT_CLOSE(gpu, cpu, tol_)                                                    \
+  do {                                                                                  \
+    const double vg_err_ = rel_l2(gpu, cpu);                                            \
+    EXPECT_TRUE(vg_err_ < (tol_)) << #gpu << " vs " << #cpu << ": rel L2 " << vg_err_   \
+                                  << " >= " << (tol_);                                  \
+  } while (0)
+
+// A backend plus the buffers it allocated for one test (released at the end).
+class Dev {
+ public:
+  explicit Dev(std::unique_ptr<Backend> b) : be(std::move(b)) {}
+  ~Dev() {
+    for (void* p : bufs) be->release(p);
+  }
+  void* raw(size_t bytes) {
+    void* p = be->alloc(bytes);
+    bufs.push_back(p);
+    return p;
+  }
+  float* f32(const Vec& h) {
+    float* p = static_cast<float*>(raw(std::max<size_t>(1, h.size()) * 4));
+    be->copy_to_device(p, h.data(), h.size() * 4);
+    return p;
+  }
+  void* act(const Vec& h) {
+    void* p = raw(std::max<size_t>(1, h.size()) * be->act_size());
+    float* t = static_cast<float*>(be->alloc(std::max<size_t>(1, h.size()) * 4));
+    be->copy_to_device(t, h.data(), h.size() * 4);
+    be->cast_to_act(p, t, h.size());
+    be->synchronize();
+    be->release(t);
+    return p;
+  }
+  void* nan_act(size_t n) { return act(Vec(n, kNaN)); }
+  float* nan_f32(size_t n) { return f32(Vec(n, kNaN)); }
+  Vec get_f32(const float* p, size_t n) {
+    Vec h(n);
+    be->copy_to_host(h.data(), p, n * 4);
+    return h;
+  }
+  Vec get_act(const void* p, size_t n) {
+    float* t = static_cast<float*>(be->alloc(std::max<size_t>(1, n) * 4));
+    be->cast_to_f32(t, p, n);
+    Vec h = get_f32(t, n);
+    be->release(t);
+    return h;
+  }
+  std::unique_ptr<Backend> be;
+  std::vector<void*> bufs;
+};
+
+class GpuBackend : public ::testing::TestWithParam<DType> {
+ protected:
+  void SetUp() override {
+    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+    dt = GetParam();
+    cpu = std::make_unique<Dev>(make_backend("cpu", 0, DType::F32));
+    gpu = std::make_unique<Dev>(make_cuda_backend(0, dt, false));
+  }
+  double tol() const { return dt == DType::F32 ? 1e-5 : (dt == DType::BF16 ? 1e-2 : 2e-3); }
+  // Random values representable in the act dtype.
+  Vec rnd(size_t n, float scale = 1.0f, float shift = 0.0f) {
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    Vec v(n);
+    for (auto& x : v) x = round_to(dt, shift + scale * d(rng));
+    return v;
+  }
+  DType dt = DType::F32;
+  std::mt19937 rng{12345};
+  std::unique_ptr<Dev> cpu, gpu;
+};
+
+TEST_P(GpuBackend, LinearForward) {
+  for (int out : {24, 29}) {          // 24: GELU epilogue eligible (out % 8 == 0); 29: not
+    for (int mode = 0; mode < 4; ++mode) {  // 0 bias, 1 no bias, 2 gelu exact, 3 gelu tanh
+      const int N = 37, in = 53;
+      Vec x = rnd(size_t(N) * in), W = rnd(size_t(out) * in, 0.2f), b = rnd(out);
+      const bool has_b = mode != 1, gel = mode >= 2;
+      const Gelu g = mode == 3 ? Gelu::Tanh : Gelu::Exact;
+      Vec yc, gc, yg, gg;
+      for (Dev* d : {cpu.get(), gpu.get()}) {
+        void* y = d->nan_act(size_t(N) * out);
+        void* go = gel ? d->nan_act(size_t(N) * out) : nullptr;
+        d->be->linear_forward(y, d->act(x), d->act(W), has_b ? d->act(b) : nullptr, N, in, out,
+                              go, g);
+        (d == cpu.get() ? yc : yg) = d->get_act(y, size_t(N) * out);
+        if (gel) (d == cpu.get() ? gc : gg) = d->get_act(go, size_t(N) * out);
+      }
+      SCOPED_TRACE("out " + std::to_string(out) + " mode " + std::to_string(mode));
+      EXPECT_CLOSE(yg, yc, tol());
+      if (gel) EXPECT_CLOSE(gg, gc, tol());
+    }
+  }
+}
+
+TEST_P(GpuBackend, LinearForwardTf32) {
+  if (dt != DType::F32) GTEST_SKIP() << "tf32 applies to fp32 only";
+  Dev tf(make_cuda_backend(0, DType::F32, true));
+  const int N = 67, in = 96, out = 40;
+  Vec x = rnd(size_t(N) * in), W = rnd(size_t(out) * in, 0.2f), b = rnd(out);
+  void* yc = cpu->nan_act(size_t(N) * out);
+  cpu->be->linear_forward(yc, cpu->act(x), cpu->act(W), cpu->act(b), N, in, out);
+  void* yg = tf.nan_act(size_t(N) * out);
+  tf.be->linear_forward(yg, tf.act(x), tf.act(W), tf.act(b), N, in, out);
+  // TF32 keeps 10 mantissa bits of each input: ~1e-3 relative.
+  EXPECT_CLOSE(tf.get_act(yg, size_t(N) * out), cpu->get_act(yc, size_t(N) * out), 2e-3);
+}
+
+TEST_P(GpuBackend, LinearBackward) {
+  const int N = 41, in = 35, out = 27;
+  Vec dy = rnd(size_t(N) * out), x = rnd(size_t(N) * in), W = rnd(size_t(out) * in, 0.2f);
+  Vec dW0 = rnd(size_t(out) * in), db0 = rnd(out);  // += semantics: start from non-zero
+  Vec r[2][3];
+  for (int k = 0; k < 2; ++k) {
+    Dev* d = k ? gpu.get() : cpu.get();
+    void* dx = d->nan_act(size_t(N) * in);
+    float* dW = d->f32(dW0);
+    float* db = d->f32(db0);
+    d->be->linear_backward(dx, dW, db, d->act(dy), d->act(x), d->act(W), N, in, out);
+    r[k][0] = d->get_act(dx, size_t(N) * in);
+    r[k][1] = d->get_f32(dW, size_t(out) * in);
+    r[k][2] = d->get_f32(db, out);
+  }
+  EXPECT_CLOSE(r[1][0], r[0][0], tol());
+  // dW and db are fp32 sums of products of identical (act-representable) inputs.
+  EXPECT_CLOSE(r[1][1], r[0][1], 1e-5);
+  EXPECT_CLOSE(r[1][2], r[0][2], 1e-5);
+  // dx == null skips dx; dW still accumulates.
+  float* dW = gpu->f32(dW0);
+  gpu->be->linear_backward(nullptr, dW, nullptr, gpu->act(dy), gpu->act(x), gpu->act(W), N, in,
+                           out);
+  EXPECT_CLOSE(gpu->get_f32(dW, size_t(out) * in), r[0][1], 1e-5);
+}
+
+TEST_P(GpuBackend, GemmBatched) {
+  const int M = 13, N = 21, K = 17, batch = 3;
+  for (int t = 0; t < 4; ++t) {
+    const bool tA = t & 1, tB = t & 2;
+    Vec A = rnd(size_t(batch) * M * K), B = rnd(size_t(batch) * K * N), C0 = rnd(size_t(batch) * M * N);
+    Vec res[2];
+    for (int k = 0; k < 2; ++k) {
+      Dev* d = k ? gpu.get() : cpu.get();
+      void* C = d->act(C0);
+      d->be->gemm_batched(tA, tB, M, N, K, 0.75f, d->act(A), int64_t(M) * K, d->act(B),
+                          int64_t(K) * N, 0.5f, C, int64_t(M) * N, batch);
+      res[k] = d->get_act(C, C0.size());
+    }
+    SCOPED_TRACE("transA " + std::to_string(tA) + " transB " + std::to_string(tB));
+    EXPECT_CLOSE(res[1], res[0], tol());
+  }
+}
+
+TEST_P(GpuBackend, Elementwise) {
+  const size_t n = 10007;  // odd: exercises the scalar tail after the 16-byte vector path
+  Vec x = rnd(n, 2.0f), y = rnd(n), dy = rnd(n);
+  for (float& v : x)
+    if (v == 0.0f) v = 0.5f;  // no zeros: a zero output then means a dropped element
+  for (Gelu g : {Gelu::Exact, Gelu::Tanh}) {
+    Vec f[2], b[2];
+    for (int k = 0; k < 2; ++k) {
+      Dev* d = k ? gpu.get() : cpu.get();
+      void* o = d->nan_act(n);
+      d->be->gelu_forward(o, d->act(x), n, g);
+      f[k] = d->get_act(o, n);
+      void* dx = d->act(dy);  // dx aliases dy, as the interface allows
+      d->be->gelu_backward(dx, d->act(x), dx, n, g);
+      b[k] = d->get_act(dx, n);
+    }
+    EXPECT_CLOSE(f[1], f[0], tol());
+    EXPECT_CLOSE(b[1], b[0], tol());
+  }
+  // Dropout: masks identical bit for bit (same counter RNG), values within rounding.
+  const DropoutKey key{77, 0x1234abcdULL, 5000};
+  for (float p : {0.0f, 0.1f, 0.5f}) {
+    Vec f[2], b[2];
+    for (int k = 0; k < 2; ++k) {
+      Dev* d = k ? gpu.get() : cpu.get();
+      void* o = d->nan_act(n);
+      d->be->dropout_forward(o, d->act(x), n, p, key);
+      f[k] = d->get_act(o, n);
+      void* g = d->act(x);
+      d->be->dropout_backward(g, g, n, p, key);  // in place
+      b[k] = d->get_act(g, n);
+    }
+    size_t mism = 0, dropped = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const bool keep = rng_uniform(key.seed, key.key, key.counter_base + i) >= p;
+      dropped += !keep;
+      mism += (f[1][i] == 0.0f) != !keep;
+      mism += (f[0][i] == 0.0f) != !keep;
+      mism += (b[1][i] == 0.0f) != !keep;
+    }
+    EXPECT_EQ(mism, 0u) << "dropout masks differ, p = " << p;
+    if (p > 0) {
+      EXPECT_GT(dropped, 0u);
+    }
+    EXPECT_CLOSE(f[1], f[0], tol());
+    EXPECT_CLOSE(b[1], b[0], tol());
+  }
+  // add, accumulate, scale_f32, casts
+  Vec a[2], c[2], s[2], cast[2];
+  for (int k = 0; k < 2; ++k) {
+    Dev* d = k ? gpu.get() : cpu.get();
+    void* o = d->nan_act(n);
+    d->be->add(o, d->act(x), d->act(y), n);
+    a[k] = d->get_act(o, n);
+    void* acc = d->act(x);
+    d->be->accumulate(acc, d->act(y), n);
+    c[k] = d->get_act(acc, n);
+    float* f = d->f32(x);
+    d->be->scale_f32(f, n, -0.37f);
+    s[k] = d->get_f32(f, n);
+    void* ca = d->nan_act(n);
+    d->be->cast_to_act(ca, d->f32(y), n);
+    cast[k] = d->get_act(ca, n);
+  }
+  EXPECT_CLOSE(a[1], a[0], tol());
+  EXPECT_CLOSE(c[1], c[0], tol());
+  EXPECT_CLOSE(s[1], s[0], 1e-6);
+  EXPECT_CLOSE(cast[1], cast[0], 1e-7);  // y is representable: the cast is exact
+}
+
+TEST_P(GpuBackend, LayerNorm) {
+  const int N = 45, C = 77;
+  const float eps = 1e-6f;
+  Vec a = rnd(size_t(N) * C, 1.0f, 0.3f), b = rnd(size_t(N) * C), g = rnd(C, 0.2f, 1.0f),
+      be = rnd(C, 0.1f), dy = rnd(size_t(N) * C), dx0 = rnd(size_t(N) * C),
+      dg0 = rnd(C), db0 = rnd(C);
+  for (int with_b = 0; with_b < 2; ++with_b) {
+    Vec r[2][7];
+    for (int k = 0; k < 2; ++k) {
+      Dev* d = k ? gpu.get() : cpu.get();
+      void* res = d->nan_act(size_t(N) * C);
+      void* y = d->nan_act(size_t(N) * C);
+      float* mean = d->nan_f32(N);
+      float* rstd = d->nan_f32(N);
+      void* gam = d->act(g);
+      d->be->add_layernorm_forward(res, y, mean, rstd, d->act(a), with_b ? d->act(b) : nullptr,
+                                   gam, d->act(be), N, C, eps);
+      r[k][0] = d->get_act(res, size_t(N) * C);
+      r[k][1] = d->get_act(y, size_t(N) * C);
+      r[k][2] = d->get_f32(mean, N);
+      r[k][3] = d->get_f32(rstd, N);
+      void* dx = d->act(dx0);
+      float* dgam = d->f32(dg0);
+      float* dbet = d->f32(db0);
+      d->be->layernorm_backward(dx, dgam, dbet, d->act(dy), res, gam, mean, rstd, N, C);
+      r[k][4] = d->get_act(dx, size_t(N) * C);
+      r[k][5] = d->get_f32(dgam, C);
+      r[k][6] = d->get_f32(dbet, C);
+    }
+    SCOPED_TRACE(with_b ? "with residual" : "without residual");
+    for (int j = 0; j < 7; ++j) {
+      // mean/rstd/dgamma/dbeta are fp32 but depend on res, which is rounded identically
+      // only when a + b is exact; use the act tolerance for all but rstd-free fp32 sums.
+      SCOPED_TRACE("output " + std::to_string(j));
+      EXPECT_CLOSE(r[1][j], r[0][j], tol());
+    }
+  }
+  // In place: res aliases a.
+  Vec rr[2];
+  for (int k = 0; k < 2; ++k) {
+    Dev* d = k ? gpu.get() : cpu.get();
+    void* aa = d->act(a);
+    d->be->add_layernorm_forward(aa, d->nan_act(size_t(N) * C), d->nan_f32(N), d->nan_f32(N), aa,
+                                 d->act(b), d->act(g), d->act(be), N, C, eps);
+    rr[k] = d->get_act(aa, size_t(N) * C);
+  }
+  EXPECT_CLOSE(rr[1], rr[0], tol());
+}
+
+TEST_P(GpuBackend, Softmax) {
+  const int rows = 29, cols = 197;
+  Vec x = rnd(size_t(rows) * cols, 3.0f), dy = rnd(size_t(rows) * cols);
+  Vec f[2], b[2];
+  for (int k = 0; k < 2; ++k) {
+    Dev* d = k ? gpu.get() : cpu.get();
+    void* y = d->nan_act(x.size());
+    d->be->softmax_forward(y, d->act(x), rows, cols, 0.125f);
+    f[k] = d->get_act(y, x.size());
+    void* dx = d->nan_act(x.size());
+    // backward from the reference probabilities so both sides see the same y
+    d->be->softmax_backward(dx, d->act(f[0]), d->act(dy), rows, cols, 0.125f);
+    b[k] = d->get_act(dx, x.size());
+  }
+  EXPECT_CLOSE(f[1], f[0], tol());
+  EXPECT_CLOSE(b[1], b[0], 2 * tol());
+}
+
+TEST_P(GpuBackend, Attention) {
+  struct Shape { int B, T, H, hd; };
+  for (Shape s : {Shape{3, 17, 2, 16}, Shape{2, 197, 3, 64}, Shape{5, 9, 7, 8}}) {
+    const size_t C = size_t(s.H) * s.hd, nqkv = size_t(s.B) * s.T * 3 * C,
+                 nout = size_t(s.B) * s.T * C;
+    Vec qkv = rnd(nqkv), dout = rnd(nout);
+    Vec o[2], g[2];
+    for (int k = 0; k < 2; ++k) {
+      Dev* d = k ? gpu.get() : cpu.get();
+      void* q = d->act(qkv);
+      void* out = d->nan_act(nout);
+      void* saved = d->raw(d->be->attention_saved_bytes(s.B, s.T, s.H, s.hd));
+      const size_t wsb = d->be->attention_workspace_bytes(s.B, s.T, s.H, s.hd);
+      void* ws = wsb ? d->raw(wsb) : nullptr;
+      d->be->attention_forward(out, saved, q, s.B, s.T, s.H, s.hd, ws);
+      o[k] = d->get_act(out, nout);
+      void* dq = d->nan_act(nqkv);
+      d->be->attention_backward(dq, d->act(dout), q, out, saved, s.B, s.T, s.H, s.hd, ws);
+      g[k] = d->get_act(dq, nqkv);
+    }
+    SCOPED_TRACE("B T H hd = " + std::to_string(s.B) + " " + std::to_string(s.T) + " " +
+                 std::to_string(s.H) + " " + std::to_string(s.hd));
+    EXPECT_CLOSE(o[1], o[0], 2 * tol());
+    EXPECT_CLOSE(g[1], g[0], dt == DType::F32 ? 2e-5 : 2 * tol());
+  }
+}
+
+TEST_P(GpuBackend, VitGlue) {
+  const int B = 3, S = 12, pad = 2, P = 4, T = (S / P) * (S / P) + 1, C = 19;
+  std::uniform_int_distribution<int> px(0, 255);
+  std::vector<uint8_t> img(size_t(B) * S * S * 3), par(img.size());
+  for (auto& v : img) v = uint8_t(px(rng));
+  for (auto& v : par) v = uint8_t(px(rng));
+  struct Aug { int32_t dx, dy, flip; float lam; };  // data::SampleAug layout
+  std::vector<Aug> aug = {{0, 4, 1, 0.7f}, {3, 1, 0, 1.0f}, {4, 0, 1, 0.25f}};
+  const float mean3[3] = {0.485f, 0.456f, 0.406f}, std3[3] = {0.229f, 0.224f, 0.225f};
+  for (int mix = 0; mix < 2; ++mix) {
+    Vec r[2];
+    for (int k = 0; k < 2; ++k) {
+      Dev* d = k ? gpu.get() : cpu.get();
+      auto* di = static_cast<uint8_t*>(d->raw(img.size()));
+      auto* dp = static_cast<uint8_t*>(d->raw(par.size()));
+      void* da = d->raw(aug.size() * sizeof(Aug));
+      d->be->copy_to_device(di, img.data(), img.size());
+      d->be->copy_to_device(dp, par.data(), par.size());
+      d->be->copy_to_device(da, aug.data(), aug.size() * sizeof(Aug));
+      void* out = d->nan_act(size_t(B) * 3 * S * S);
+      d->be->prepare_images(out, di, mix ? dp : nullptr, da, B, S, pad, mean3, std3);
+      r[k] = d->get_act(out, size_t(B) * 3 * S * S);
+    }
+    SCOPED_TRACE(mix ? "mixup" : "no mixup");
+    EXPECT_CLOSE(r[1], r[0], dt == DType::F32 ? 1e-6 : tol());
+  }
+  Vec im = rnd(size_t(B) * 3 * S * S), tok = rnd(size_t(B) * (T - 1) * C), cls = rnd(C),
+      pos = rnd(size_t(T) * C), dx = rnd(size_t(B) * T * C), dcls0 = rnd(C),
+      dpos0 = rnd(size_t(T) * C), drows = rnd(size_t(B) * C), dxs0 = rnd(size_t(B) * T * C);
+  Vec r[2][7];
+  for (int k = 0; k < 2; ++k) {
+    Dev* d = k ? gpu.get() : cpu.get();
+    void* patches = d->nan_act(size_t(B) * S * S * 3);
+    d->be->patchify(patches, d->act(im), B, S, P);
+    r[k][0] = d->get_act(patches, size_t(B) * S * S * 3);
+    void* x = d->nan_act(size_t(B) * T * C);
+    d->be->embed_tokens(x, d->act(tok), d->act(cls), d->act(pos), B, T, C);
+    r[k][1] = d->get_act(x, size_t(B) * T * C);
+    void* dtok = d->nan_act(size_t(B) * (T - 1) * C);
+    float* dcls = d->f32(dcls0);
+    float* dpos = d->f32(dpos0);
+    d->be->embed_tokens_backward(dtok, dcls, dpos, d->act(dx), B, T, C);
+    r[k][2] = d->get_act(dtok, size_t(B) * (T - 1) * C);
+    r[k][3] = d->get_f32(dcls, C);
+    r[k][4] = d->get_f32(dpos, size_t(T) * C);
+    void* rows = d->nan_act(size_t(B) * C);
+    d->be->gather_cls(rows, d->act(dx), B, T, C);
+    r[k][5] = d->get_act(rows, size_t(B) * C);
+    void* dxs = d->act(dxs0);
+    d->be->scatter_cls_backward(dxs, d->act(drows), B, T, C);
+    r[k][6] = d->get_act(dxs, size_t(B) * T * C);
+  }
+  EXPECT_CLOSE(r[1][0], r[0][0], 1e-7);  // pure data movement
+  EXPECT_CLOSE(r[1][1], r[0][1], tol());
+  EXPECT_CLOSE(r[1][2], r[0][2], 1e-7);
+  EXPECT_CLOSE(r[1][3], r[0][3], 1e-5);
+  EXPECT_CLOSE(r[1][4], r[0][4], 1e-5);
+  EXPECT_CLOSE(r[1][5], r[0][5], 1e-7);
+  EXPECT_CLOSE(r[1][6], r[0][6], tol());
+}
+
+TEST_P(GpuBackend, LossAndMetrics) {
+  const int N = 33, K = 1000;
+  Vec logits = rnd(size_t(N) * K, 2.0f);
+  std::vector<int32_t> labels(N);
+  std::uniform_int_distribution<int> lab(0, K - 1);
+  for (auto& l : labels) l = lab(rng);
+  // Ties for top-k: row 0 has its label tied with an earlier maximum (not top-1), row 1 has
+  // its label as the first of tied maxima (top-1).
+  for (int j = 0; j < K; ++j) logits[j] = logits[K + j] = -1.0f;
+  labels[0] = 10;
+  logits[5] = logits[10] = 4.0f;
+  labels[1] = 3;
+  logits[K + 3] = logits[K + 900] = 4.0f;
+  Vec soft(size_t(N) * K);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  for (int i = 0; i < N; ++i) {
+    float s = 0;
+    for (int j = 0; j < K; ++j) s += (soft[size_t(i) * K + j] = u(rng) < 0.01f ? u(rng) : 0.0f);
+    for (int j = 0; j < K && s > 0; ++j) soft[size_t(i) * K + j] /= s;
+  }
+  for (int soft_mode = 0; soft_mode < 2; ++soft_mode) {
+    Vec r[2][2];
+    for (int k = 0; k < 2; ++k) {
+      Dev* d = k ? gpu.get() : cpu.get();
+      auto* dl = static_cast<int32_t*>(d->raw(N * 4));
+      d->be->copy_to_device(dl, labels.data(), N * 4);
+      float* losses = d->nan_f32(N);
+      void* dlog = d->nan_act(size_t(N) * K);
+      d->be->cross_entropy(losses, dlog, d->act(logits), dl, soft_mode ? d->f32(soft) : nullptr,
+                           N, K, 0.1f, 1.0f / 64);
+      r[k][0] = d->get_f32(losses, N);
+      r[k][1] = d->get_act(dlog, size_t(N) * K);
+    }
+    SCOPED_TRACE(soft_mode ? "soft targets" : "hard labels");
+    EXPECT_CLOSE(r[1][0], r[0][0], 1e-5);  // fp32 losses of identical logits
+    EXPECT_CLOSE(r[1][1], r[0][1], tol());
+  }
+  Vec c[2][2];
+  for (int k = 0; k < 2; ++k) {
+    Dev* d = k ? gpu.get() : cpu.get();
+    auto* dl = static_cast<int32_t*>(d->raw(N * 4));
+    d->be->copy_to_device(dl, labels.data(), N * 4);
+    float* c1 = d->nan_f32(N);
+    float* c5 = d->nan_f32(N);
+    d->be->topk_correct(c1, c5, d->act(logits), dl, N, K);
+    c[k][0] = d->get_f32(c1, N);
+    c[k][1] = d->get_f32(c5, N);
+  }
+  EXPECT_EQ(c[1][0], c[0][0]);  // exact
+  EXPECT_EQ(c[1][1], c[0][1]);
+  EXPECT_EQ(c[1][0][0], 0.0f);
+  EXPECT_EQ(c[1][1][0], 1.0f);
+  EXPECT_EQ(c[1][0][1], 1.0f);
+}
+
+TEST_P(GpuBackend, ReductionsAndOptimizers) {
+  // fp32 state: the act dtype does not matter, but every backend instance must get it right.
+  const size_t n = 70001;
+  std::vector<ParamSlice> slices = {{0, 5, 0.0f}, {5, 40000, 0.05f}, {40005, 1, 0.0f},
+                                    {40100, 29901, 0.1f}};  // gap 40006..40099 untouched
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  auto r = [&](float sc) { Vec v(n); for (auto& x : v) x = sc * nd(rng); return v; };
+  Vec p0 = r(1.0f), g0 = r(0.1f), m0 = r(0.01f), v0(n), u0 = r(1.0f);
+  for (auto& x : v0) x = 0.001f * std::fabs(nd(rng));
+  // sum_squares, sum, all_finite
+  std::vector<double> ssc(slices.size()), ssg(slices.size());
+  cpu->be->sum_squares(ssc.data(), cpu->f32(p0), slices);
+  float* gp = gpu->f32(p0);
+  gpu->be->sum_squares(ssg.data(), gp, slices);
+  for (size_t i = 0; i < slices.size(); ++i) EXPECT_NEAR(ssg[i], ssc[i], 1e-9 * ssc[i] + 1e-12);
+  EXPECT_NEAR(gpu->be->sum(gp, n), cpu->be->sum(cpu->f32(p0), n), 1e-6 * n);
+  EXPECT_TRUE(gpu->be->all_finite(gp, n));
+  for (float bad : {kNaN, std::numeric_limits<float>::infinity()}) {
+    Vec q = p0;
+    q[n - 3] = bad;
+    EXPECT_FALSE(gpu->be->all_finite(gpu->f32(q), n));
+  }
+  const AdamParams ap{1e-3f, 0.9f, 0.999f, 1e-8f, 3, 0.5f};
+  Vec res[2][5];
+  for (int k = 0; k < 2; ++k) {
+    Dev* d = k ? gpu.get() : cpu.get();
+    float *p = d->f32(p0), *g = d->f32(g0), *m = d->f32(m0), *v = d->f32(v0);
+    for (int it = 0; it < 3; ++it) d->be->adamw_update(p, g, m, v, slices, ap);
+    res[k][0] = d->get_f32(p, n);
+    res[k][1] = d->get_f32(m, n);
+    res[k][2] = d->get_f32(v, n);
+    float *p2 = d->f32(p0), *u = d->f32(u0), *m2 = d->f32(m0), *v2 = d->f32(v0);
+    d->be->lamb_direction(u, p2, g, m2, v2, slices, ap);
+    res[k][3] = d->get_f32(u, n);
+    d->be->lamb_apply(p2, u, slices, {0.5f, 1.5f, 2.0f, 0.25f}, 0.01f);
+    float* mom = d->f32(m0);
+    d->be->sgd_update(p2, g, mom, slices, 0.1f, 0.9f, false, 0.5f);
+    d->be->sgd_update(p2, g, mom, slices, 0.1f, 0.9f, true, 0.5f);
+    res[k][4] = d->get_f32(p2, n);
+  }
+  for (int j = 0; j < 5; ++j) {
+    SCOPED_TRACE("optimizer output " + std::to_string(j));
+    EXPECT_CLOSE(res[1][j], res[0][j], 1e-6);
+  }
+  // Elements outside every slice are untouched.
+  for (size_t i = 40006; i < 40100; ++i) ASSERT_EQ(res[1][0][i], p0[i]);
+}
+
+TEST_P(GpuBackend, MemoryAccounting) {
+  const size_t before = gpu->be->peak_memory_bytes();
+  void* p = gpu->be->alloc(size_t(64) << 20);
+  EXPECT_GE(gpu->be->peak_memory_bytes(), before + (size_t(64) << 20));
+  gpu->be->zero(p, size_t(64) << 20);
+  gpu->be->release(p);
+  EXPECT_EQ(gpu->be->name(), "cuda");
+  EXPECT_EQ(gpu->be->act_size(), dtype_size(dt));
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, GpuBackend,
+                         ::testing::Values(DType::F32, DType::BF16, DType::F16),
+                         [](const ::testing::TestParamInfo<DType>& i) {
+                           return std::string(dtype_name(i.param));
+                         });
+
+}  // namespace
+}  // namespace vitgrid

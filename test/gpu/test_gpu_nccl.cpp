@@ -1,0 +1,152 @@
+// NCCL collectives over every axis of several process grids, checked against values each
+// rank can compute by itself. Launched at 2 and 4 ranks (one GPU per local rank); skipped on
+// every rank (agreed) when the node has fewer GPUs than local ranks.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "vitgrid/backend/backend.h"
+#include "vitgrid/backend/cuda/cuda_backend.h"
+#include "vitgrid/core/error.h"
+#include "vitgrid/grid/grid.h"
+
+namespace vitgrid {
+namespace {
+
+bool enough_gpus() {
+  MPI_Comm local;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local);
+  int lsize = 1;
+  MPI_Comm_size(local, &lsize);
+  MPI_Comm_free(&local);
+  int ok = cuda_device_count() >= lsize ? 1 : 0, all = 0;
+  MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);  // every rank agrees
+  return all == 1;
+}
+
+std::vector<GridShape> shapes_for(int world) {
+  std::vector<GridShape> out;
+  auto add = [&](int p, int d, int t, TensorMode m) {
+    GridShape s;
+    s.pipeline = p;
+    s.data = d;
+    s.tensor = t;
+    s.mode = m;
+    try {
+      check_grid_shape(s, world);
+      out.push_back(s);
+    } catch (const UserError&) {
+      // not a valid layout for this world size: same verdict on every rank
+    }
+  };
+  add(1, world, 1, TensorMode::None);
+  add(1, world / 2, 2, TensorMode::D1);
+  add(2, world / 2, 1, TensorMode::None);
+  add(2, world / 4, 2, TensorMode::D1);
+  add(1, world / 4, 4, TensorMode::D2);
+  return out;
+}
+
+// Checks one act-dtype / fp32 collective suite over axis a.
+void check_axis(Backend& be, Collectives& coll, const ProcessGrid& grid, Axis a) {
+  if (!grid.comm(a).valid()) return;
+  const int size = grid.size(a), r = grid.rank(a);
+  SCOPED_TRACE(std::string("axis ") + axis_name(a) + " size " + std::to_string(size));
+  const size_t n = 1003;
+  float* buf = static_cast<float*>(be.alloc(size * n * sizeof(float)));
+  float* out = static_cast<float*>(be.alloc(size * n * sizeof(float)));
+  std::vector<float> h(size * n), got(size * n);
+
+  for (size_t i = 0; i < n; ++i) h[i] = r + 0.5f * i;
+  be.copy_to_device(buf, h.data(), n * 4);
+  coll.allreduce_sum(buf, n, a);
+  be.copy_to_host(got.data(), buf, n * 4);
+  for (size_t i = 0; i < n; ++i)
+    ASSERT_EQ(got[i], size * (size - 1) / 2.0f + size * 0.5f * i) << "allreduce_sum " << i;
+
+  for (size_t i = 0; i < n; ++i) h[i] = r * 1000.0f + i;
+  be.copy_to_device(buf, h.data(), n * 4);
+  coll.allreduce_max(buf, n, a);
+  be.copy_to_host(got.data(), buf, n * 4);
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], (size - 1) * 1000.0f + i) << "allreduce_max";
+
+  // act dtype (bf16 here): small integers are exact
+  for (size_t i = 0; i < n; ++i) h[i] = float(r + 1 + (i % 7));
+  be.copy_to_device(buf, h.data(), n * 4);
+  void* act = be.alloc(n * be.act_size());
+  be.cast_to_act(act, buf, n);
+  coll.allreduce_sum_act(act, n, be.act_size(), a);
+  be.cast_to_f32(buf, act, n);
+  be.copy_to_host(got.data(), buf, n * 4);
+  for (size_t i = 0; i < n; ++i)
+    ASSERT_EQ(got[i], size * (size + 1) / 2.0f + size * float(i % 7)) << "allreduce_sum_act";
+  be.release(act);
+
+  for (size_t i = 0; i < n; ++i) h[i] = r * 10.0f + i;
+  be.copy_to_device(buf, h.data(), n * 4);
+  coll.broadcast(buf, n * 4, size - 1, a);
+  be.copy_to_host(got.data(), buf, n * 4);
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], (size - 1) * 10.0f + i) << "broadcast";
+
+  for (size_t i = 0; i < n; ++i) h[i] = r * 100.0f + i;
+  be.copy_to_device(buf, h.data(), n * 4);
+  coll.allgather(out, buf, n, sizeof(float), a);
+  be.copy_to_host(got.data(), out, size * n * 4);
+  for (int j = 0; j < size; ++j)
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(got[j * n + i], j * 100.0f + i) << "allgather";
+
+  for (size_t k = 0; k < size * n; ++k) h[k] = float(r) + float(k);
+  be.copy_to_device(buf, h.data(), size * n * 4);
+  coll.reduce_scatter_sum(out, buf, n, a);
+  be.copy_to_host(got.data(), out, n * 4);
+  for (size_t i = 0; i < n; ++i)
+    ASSERT_EQ(got[i], size * (size - 1) / 2.0f + size * float(r * n + i)) << "reduce_scatter";
+
+  if (size >= 2) {  // pairs (0,1), (2,3), ...: exchange, sender first on even ranks
+    const int peer = r % 2 == 0 ? r + 1 : r - 1;
+    if (peer < size) {
+      for (size_t i = 0; i < n; ++i) h[i] = r * 7.0f + i;
+      be.copy_to_device(buf, h.data(), n * 4);
+      if (r % 2 == 0) {
+        coll.send(buf, n * 4, peer, a);
+        coll.recv(out, n * 4, peer, a);
+      } else {
+        coll.recv(out, n * 4, peer, a);
+        coll.send(buf, n * 4, peer, a);
+      }
+      be.copy_to_host(got.data(), out, n * 4);
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], peer * 7.0f + i) << "send/recv";
+    }
+  }
+  coll.barrier(a);
+  be.release(buf);
+  be.release(out);
+}
+
+TEST(GpuNccl, CollectivesOnEveryAxis) {
+  if (!enough_gpus()) GTEST_SKIP() << "fewer GPUs than local ranks";
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  for (const GridShape& s : shapes_for(world)) {
+    ProcessGrid grid(MPI_COMM_WORLD, s);
+    auto be = make_cuda_backend(grid.local_rank(), DType::BF16, false);
+    auto coll = make_nccl_collectives(grid, *be, 120.0);
+    SCOPED_TRACE("grid p" + std::to_string(s.pipeline) + " d" + std::to_string(s.data) + " t" +
+                 std::to_string(s.tensor));
+    for (Axis a : {Axis::World, Axis::Pipeline, Axis::Data, Axis::Tensor, Axis::TensorRow,
+                   Axis::TensorCol}) {
+      check_axis(*be, *coll, grid, a);
+      // A failed ASSERT on one rank would leave peers waiting in the next collective:
+      // stop here on every rank if any failed.
+      int bad = ::testing::Test::HasFatalFailure() ? 1 : 0, any = 0;
+      MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+      ASSERT_EQ(any, 0) << "a collective failed on some rank";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace vitgrid

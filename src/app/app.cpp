@@ -24,7 +24,7 @@ const char* kUsage =
     "usage: vitgrid train   DECK [--section.key=value ...]\n"
     "       vitgrid eval    DECK --checkpoint.load=PATH [--section.key=value ...]\n"
     "       vitgrid predict DECK --checkpoint.load=PATH   (writes RUN_DIR/predictions.h5)\n"
-    "       vitgrid bench   DECK [--warmup=N] [--steps=N] [--peak-tflops=X] [--section.key=value ...]\n"
+    "       vitgrid bench   DECK [--warmup=N] [--steps=N] [--peak-tflops=X] [--profile] [overrides]\n"
     "       vitgrid help-deck    (every deck key, its type, default and meaning)\n"
     "       vitgrid version\n";
 
@@ -66,6 +66,7 @@ int run_app(int argc, char** argv) {
   // bench options (not deck keys)
   int warmup = 5, steps = 20;
   double peak = 0.0;
+  bool profile = false;
   for (auto it = args.begin() + 2; it != args.end();) {
     auto opt = [&](const char* name, auto& v) {
       const std::string p = std::string("--") + name + "=";
@@ -76,6 +77,8 @@ int run_app(int argc, char** argv) {
     };
     if (cmd == "bench" && (opt("warmup", warmup) || opt("steps", steps) || opt("peak-tflops", peak)))
       it = args.erase(it);
+    else if (cmd == "bench" && *it == "--profile")
+      profile = true, it = args.erase(it);
     else
       ++it;
   }
@@ -102,7 +105,7 @@ int run_app(int argc, char** argv) {
       const std::string& m = deck.precision.mode;
       peak = (m == "bf16" || m == "fp16" || m == "fp16-naive") ? 989.0 : (m == "tf32" ? 494.0 : 67.0);
     }
-    return trainer.bench(warmup, steps, peak);
+    return trainer.bench(warmup, steps, peak, profile);
   }
   return trainer.predict();
 }

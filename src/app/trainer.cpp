@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "vitgrid/backend/backend.h"
+#include "vitgrid/backend/profile.h"
 #include "vitgrid/core/error.h"
 #include "vitgrid/core/log.h"
 #include "vitgrid/data/dataset.h"
@@ -76,6 +77,8 @@ struct Trainer::Impl {
   Log log;
   std::unique_ptr<ProcessGrid> grid;
   std::unique_ptr<Backend> be;
+  ProfiledBackend* prof = nullptr;  // set when bench --profile wraps the backend
+  bool profile = false;
   std::unique_ptr<Collectives> coll;
   std::unique_ptr<TensorParallel> tp;
   ViTConfig cfg;
@@ -152,6 +155,11 @@ struct Trainer::Impl {
     agreed([&] {
       be = make_backend(kind, grid->local_rank(), act_dtype_of(deck.precision.mode),
                         deck.precision.mode == "tf32");
+      if (profile) {
+        auto p = make_profiled(std::move(be));
+        prof = p.get();
+        be = std::move(p);
+      }
     });
 #ifdef VITGRID_HAVE_CUDA
     if (kind == "cuda")
@@ -504,7 +512,8 @@ struct Trainer::Impl {
     return 0;
   }
 
-  int bench(int warmup, int steps, double peak_tflops) {
+  int bench(int warmup, int steps, double peak_tflops, bool with_profile) {
+    profile = with_profile;
     setup(true);
     model->init_params(deck.run.seed);
     const int64_t G = deck.data.global_batch;
@@ -538,6 +547,20 @@ struct Trainer::Impl {
     MPI_Allreduce(MPI_IN_PLACE, &dt, 1, MPI_DOUBLE, MPI_MAX, world);
     double mem = double(be->peak_memory_bytes()), mem_max = mem;
     MPI_Allreduce(MPI_IN_PLACE, &mem_max, 1, MPI_DOUBLE, MPI_MAX, world);
+    if (prof) {
+      // a few more steps with every op synchronised and timed: where the time goes
+      const int ps = 3;
+      be->synchronize();
+      prof->set_enabled(true);
+      const double p0 = now_s();
+      for (int s = 0; s < ps; ++s) one_step(warmup + steps + s);
+      be->synchronize();
+      const double pdt = (now_s() - p0) / ps;
+      prof->set_enabled(false);
+      log("profile (rank 0, %d steps, every op synchronised: %.2f ms/step vs %.2f ms "
+          "unsynchronised)\n%s",
+          ps, pdt * 1e3, dt * 1e3, prof->table(ps).c_str());
+    }
     const double ips = double(G) / dt;
     const double tflops = ips * cfg.train_flops_per_sample() / 1e12;
     const double per_dev = tflops / grid->world_size();
@@ -624,6 +647,8 @@ Trainer::~Trainer() = default;
 int Trainer::train() { return impl_->train(); }
 int Trainer::evaluate_only() { return impl_->evaluate_only(); }
 int Trainer::predict() { return impl_->predict(); }
-int Trainer::bench(int warmup, int steps, double peak) { return impl_->bench(warmup, steps, peak); }
+int Trainer::bench(int warmup, int steps, double peak, bool profile) {
+  return impl_->bench(warmup, steps, peak, profile);
+}
 
 }  // namespace vitgrid

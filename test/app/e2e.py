@@ -214,10 +214,30 @@ def t_tensor_parallel(tmp):
                              f"1e-3 of the qkv.bias norm ({kbias:.2e})")
 
 
+def t_gpu_matches_cpu(tmp):
+    """The CUDA backend trains the tiny deck (dropout, Mixup on) for 30 steps in fp32 along the
+    CPU backend's loss curve, and bf16 / fp16 follow it loosely. Skipped (77) without a GPU."""
+    if subprocess.run(["sh", "-c", "nvidia-smi -L"], capture_output=True).returncode != 0:
+        print("no GPU: skipped")
+        sys.exit(77)
+    curves = {}
+    for be, mode in [("cpu", "fp32"), ("cuda", "fp32"), ("cuda", "bf16"), ("cuda", "fp16")]:
+        d = os.path.join(tmp, f"{be}_{mode}")
+        run(1, ["train", DECK, f"--run.out_dir={d}", f"--device.backend={be}", "--run.steps=30",
+                f"--precision.mode={mode}", "--checkpoint.every_steps=0"])
+        curves[(be, mode)] = losses(d)[1]
+    ref = curves[("cpu", "fp32")]
+    r = rel(curves[("cuda", "fp32")], ref)
+    check(r <= 1e-4, f"cuda fp32 vs cpu fp32: max relative loss difference {r:.2e} <= 1e-4")
+    for mode in ("bf16", "fp16"):
+        r = rel(curves[("cuda", mode)], ref)
+        check(r <= 5e-2, f"cuda {mode} vs cpu fp32: max relative loss difference {r:.2e} <= 5e-2")
+
+
 def main():
     name = sys.argv[1]
     fn = globals()["t_" + name]
-    tmp = tempfile.mkdtemp(prefix=f"vg_{name}_")
+    tmp = tempfile.mkdtemp(prefix=f"vg_{name}_")  # noqa: S108
     try:
         fn(tmp)
     finally:

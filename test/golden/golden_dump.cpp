@@ -192,13 +192,14 @@ void write_params(hid_t group, Backend& be, ViT& vit) {
   H5_CHECK(H5Gclose(g));
 }
 
-int run(const char* out_path) {
+int run(const char* out_path, const char* backend) {
   ProcessGrid grid(MPI_COMM_WORLD, GridShape{});
   if (grid.world_size() != 1) {
     std::fprintf(stderr, "golden_dump: run it as one process\n");
     return 1;
   }
-  auto be = make_backend("cpu", 0, DType::F32);
+  // fp32 without TF32: the golden tolerances are fp32 tolerances on either backend
+  auto be = make_backend(backend, 0, DType::F32, false);
   auto coll = make_mpi_collectives(grid);
   auto tp = make_tensor_parallel(grid, *be, *coll);
 
@@ -312,11 +313,11 @@ int run(const char* out_path) {
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   int rc = 1;
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: golden_dump OUT.h5\n");
+  if (argc != 2 && argc != 3) {
+    std::fprintf(stderr, "usage: golden_dump OUT.h5 [cpu|cuda]\n");
   } else {
     try {
-      rc = run(argv[1]);
+      rc = run(argv[1], argc == 3 ? argv[2] : "cpu");
     } catch (const std::exception& e) {
       std::fprintf(stderr, "golden_dump: %s\n", e.what());
       rc = 1;

@@ -266,7 +266,10 @@ TEST_P(GpuBackend, Elementwise) {
 }
 
 TEST_P(GpuBackend, LayerNorm) {
-  const int N = 45, C = 77;
+  // odd width (generic kernels) and a 16-byte-divisible width (fused vector backward)
+  for (auto [N, C] : {std::pair<int, int>{45, 77}, std::pair<int, int>{301, 256},
+                      std::pair<int, int>{67, 1024}}) {
+  SCOPED_TRACE("N=" + std::to_string(N) + " C=" + std::to_string(C));
   const float eps = 1e-6f;
   Vec a = rnd(size_t(N) * C, 1.0f, 0.3f), b = rnd(size_t(N) * C), g = rnd(C, 0.2f, 1.0f),
       be = rnd(C, 0.1f), dy = rnd(size_t(N) * C), dx0 = rnd(size_t(N) * C),
@@ -312,6 +315,7 @@ TEST_P(GpuBackend, LayerNorm) {
     rr[k] = d->get_act(aa, size_t(N) * C);
   }
   EXPECT_CLOSE(rr[1], rr[0], tol());
+  }
 }
 
 TEST_P(GpuBackend, Softmax) {

@@ -23,7 +23,8 @@ class Trainer {
   // Throughput: `warmup` untimed then `steps` timed training steps on one fixed synthetic
   // batch (no input pipeline in the loop), full optimizer step included. Prints images/s,
   // step time, model TFLOP/s, MFU against `peak_tflops` per device and peak memory.
-  int bench(int warmup, int steps, double peak_tflops);
+  // With `profile`, 3 more steps time every op (synchronised) and print the table.
+  int bench(int warmup, int steps, double peak_tflops, bool profile);
 
  private:
   struct Impl;

@@ -2,6 +2,8 @@
 // One warp per row (ViT rows are C = 192..1280 wide: a warp streams them at full bandwidth and
 // needs no shared memory); statistics in fp32; parameter gradients through a deterministic
 // two-stage column reduction (no atomics, same bits every run).
+#include <algorithm>
+
 #include "cuda_backend_impl.h"
 #include "kernel_util.cuh"
 
@@ -126,6 +128,97 @@ __global__ void layernorm_bwd_param_final(float* dgamma, float* dbeta, const flo
   dbeta[col] += tb;
 }
 
+
+// Fused backward for rows of up to 32*K packs of V elements (C <= 1024 in 16-bit types): one
+// warp per row, each lane owning the same K packs (16-byte vectors) of every row it visits, so
+// dy and x are read once for dx, dgamma and dbeta; per-lane column sums stay in registers,
+// then the block's warps combine them in fixed order in shared memory and the block writes
+// one partial row. Deterministic like the generic path.
+template <class T, int K>
+__global__ void __launch_bounds__(128) layernorm_bwd_fused_kernel(
+    T* dx, float* pg, float* pb, const T* dy, const T* x, const T* gamma, const float* mean,
+    const float* rstd, int N, int C) {
+  constexpr int V = 16 / sizeof(T);
+  constexpr int W = 4;  // warps per block
+  extern __shared__ float sh[];  // [W][2][C]
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int packs = C / V;
+  float gam[K][V], accg[K][V], accb[K][V];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int p = lane + 32 * k;
+    Pack<T, V> gp;
+    if (p < packs) gp = reinterpret_cast<const Pack<T, V>*>(gamma)[p];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      gam[k][j] = p < packs ? to_f(gp.v[j]) : 0.0f;
+      accg[k][j] = accb[k][j] = 0.0f;
+    }
+  }
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * W + w; row < N;
+       row += static_cast<int64_t>(gridDim.x) * W) {
+    const Pack<T, V>* dyr = reinterpret_cast<const Pack<T, V>*>(dy + row * C);
+    const Pack<T, V>* xr = reinterpret_cast<const Pack<T, V>*>(x + row * C);
+    Pack<T, V>* dxr = reinterpret_cast<Pack<T, V>*>(dx + row * C);
+    const float m = mean[row], rs = rstd[row];
+    float d[K][V], xh[K][V];
+    float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int p = lane + 32 * k;
+      Pack<T, V> dp, xp;
+      if (p < packs) {
+        dp = dyr[p];
+        xp = xr[p];
+      }
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        d[k][j] = p < packs ? to_f(dp.v[j]) : 0.0f;
+        xh[k][j] = p < packs ? (to_f(xp.v[j]) - m) * rs : 0.0f;
+        const float g = d[k][j] * gam[k][j];
+        s1 += g;
+        s2 += g * xh[k][j];
+        accg[k][j] += d[k][j] * xh[k][j];
+        accb[k][j] += d[k][j];
+      }
+    }
+    s1 = warp_sum(s1) / C;
+    s2 = warp_sum(s2) / C;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int p = lane + 32 * k;
+      if (p >= packs) continue;
+      Pack<T, V> o = dxr[p];
+#pragma unroll
+      for (int j = 0; j < V; ++j)
+        o.v[j] = from_f<T>(to_f(o.v[j]) + rs * (d[k][j] * gam[k][j] - s1 - xh[k][j] * s2));
+      dxr[p] = o;
+    }
+  }
+  // combine the warps' column sums in a fixed order
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int p = lane + 32 * k;
+    if (p >= packs) continue;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      sh[(w * 2 + 0) * C + p * V + j] = accg[k][j];
+      sh[(w * 2 + 1) * C + p * V + j] = accb[k][j];
+    }
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    float tg = 0.0f, tb = 0.0f;
+#pragma unroll
+    for (int ww = 0; ww < W; ++ww) {
+      tg += sh[(ww * 2 + 0) * C + c];
+      tb += sh[(ww * 2 + 1) * C + c];
+    }
+    pg[static_cast<int64_t>(blockIdx.x) * C + c] = tg;
+    pb[static_cast<int64_t>(blockIdx.x) * C + c] = tb;
+  }
+}
+
 }  // namespace cuda
 
 using namespace cuda;
@@ -149,6 +242,38 @@ void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, cons
                                      const void* x, const void* gamma, const float* mean,
                                      const float* rstd, int N, int C) {
   if (N <= 0 || C <= 0) return;
+  bool done = false;
+  dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    constexpr int V = 16 / sizeof(T);
+    const int packs = C / V;
+    const bool vec = C % V == 0 && aligned16(dx) && aligned16(dy) && aligned16(x) &&
+                     aligned16(gamma) && packs <= 32 * 4;
+    if (!vec) return;
+    // one partial row per block: a few blocks per SM keep every row's loads in flight
+    const int blocks = std::min<int>((N + 3) / 4, 132 * 4);
+    float* pg = static_cast<float*>(scratch(2 * static_cast<size_t>(blocks) * C * sizeof(float)));
+    float* pb = pg + static_cast<size_t>(blocks) * C;
+    const size_t smem = 4 * 2 * static_cast<size_t>(C) * sizeof(float);
+    auto launch = [&](auto kernel) {
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(smem)));
+      kernel<<<blocks, 128, smem, stream_>>>(static_cast<T*>(dx), pg, pb,
+                                             static_cast<const T*>(dy), static_cast<const T*>(x),
+                                             static_cast<const T*>(gamma), mean, rstd, N, C);
+      CUDA_CHECK_LAUNCH();
+    };
+    const int K = (packs + 31) / 32;
+    if (K <= 1) launch(layernorm_bwd_fused_kernel<T, 1>);
+    else if (K == 2) launch(layernorm_bwd_fused_kernel<T, 2>);
+    else if (K == 3) launch(layernorm_bwd_fused_kernel<T, 3>);
+    else launch(layernorm_bwd_fused_kernel<T, 4>);
+    layernorm_bwd_param_final<<<(C + 255) / 256, 256, 0, stream_>>>(dgamma, dbeta, pg, pb,
+                                                                     blocks, C);
+    CUDA_CHECK_LAUNCH();
+    done = true;
+  });
+  if (done) return;
   const int chunks = (N + kLnRowsPerChunk - 1) / kLnRowsPerChunk;
   float* pg = static_cast<float*>(scratch(2 * static_cast<size_t>(chunks) * C * sizeof(float)));
   float* pb = pg + static_cast<size_t>(chunks) * C;

@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""The peer's number for the same job: timm ViT training-step throughput with PyTorch, to run
+side by side with `vitgrid bench` (same model, batch, precision, AdamW step included).
+
+    python3 tools/bench_pytorch.py --model vit_base_patch16_224 --batch 256 --precision bf16 [--compile]
+    torchrun --nproc_per_node 4 tools/bench_pytorch.py ... --ddp      # DistributedDataParallel
+
+Prints one line: model, precision, mode, world, img/s (global), img/s per GPU, step ms, peak
+memory (GiB, torch.cuda.max_memory_allocated)."""
+import argparse
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="vit_base_patch16_224")
+    ap.add_argument("--batch", type=int, default=256, help="per GPU")
+    ap.add_argument("--img", type=int, default=224)
+    ap.add_argument("--classes", type=int, default=1000)
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32", "tf32"])
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--ddp", action="store_true")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=30)
+    a = ap.parse_args()
+    import timm
+
+    rank, world = 0, 1
+    if a.ddp:
+        torch.distributed.init_process_group("nccl")
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    torch.backends.cuda.matmul.allow_tf32 = a.precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = a.precision == "tf32"
+    model = timm.create_model(a.model, num_classes=a.classes, img_size=a.img).cuda()
+    if a.ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05, fused=True)
+    fwd = torch.compile(model) if a.compile else model
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.precision)
+    scaler = torch.cuda.amp.GradScaler(enabled=a.precision == "fp16")
+    x = torch.randn(a.batch, 3, a.img, a.img, device="cuda")
+    y = torch.randint(0, a.classes, (a.batch,), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+            loss = F.cross_entropy(fwd(x), y, label_smoothing=0.1)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(a.warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        step()
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / a.steps
+    mem = torch.cuda.max_memory_allocated() / 2**30
+    if rank == 0:
+        mode = ("ddp " if a.ddp else "") + ("torch.compile" if a.compile else "eager")
+        print(f"pytorch | {a.model} | {a.precision} | {mode} | world {world} | batch/GPU {a.batch} | "
+              f"step {dt * 1e3:.2f} ms | {world * a.batch / dt:.1f} img/s | {a.batch / dt:.1f} img/s/device | "
+              f"peak mem {mem:.2f} GiB | torch {torch.__version__} timm {timm.__version__}", flush=True)
+    if a.ddp:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Build, test and measure vitgrid on a GPU node in one go, beside PyTorch + timm.
+#   tools/gpu_check.sh [build|test|bench|scale|all]...      (default: all of build test bench)
+# Writes logs under $OUT (default /tmp/vitgrid-gpu). On a node without parallel HDF5 or
+# Boost.ProgramOptions, put their Debian packages in .gpu-deps/ (see README): they are unpacked
+# into /opt/deps and used from there.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/vitgrid-gpu}
+mkdir -p "$OUT"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 PYTHONUNBUFFERED=1
+B=${BUILD:-build-gpu}
+CMAKE_EXTRA=()
+if [ -d .gpu-deps ] && ls .gpu-deps/*.deb >/dev/null 2>&1; then
+  for f in .gpu-deps/*.deb; do dpkg -x "$f" /opt/deps; done
+  L=/opt/deps/usr/lib/x86_64-linux-gnu
+  export LD_LIBRARY_PATH=$L:${LD_LIBRARY_PATH:-}
+  CMAKE_EXTRA=(-DCMAKE_PREFIX_PATH=/opt/deps/usr -DBoost_ROOT=/opt/deps/usr -DBoost_NO_SYSTEM_PATHS=ON
+               -DVITGRID_HDF5_INCLUDE_DIR=/opt/deps/usr/include/hdf5/openmpi
+               -DVITGRID_HDF5_LIBRARY=$L/libhdf5_openmpi.so)
+fi
+PY=$(command -v python3)
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(build test bench)
+NGPU=$(nvidia-smi -L | wc -l)
+for s in "${steps[@]}"; do
+  case $s in
+  build)
+    cmake -S . -B "$B" -DCMAKE_BUILD_TYPE=Release -DVITGRID_CUDA=ON -DVG_PYTHON3="$PY" \
+      "${CMAKE_EXTRA[@]}" >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+    cmake --build "$B" -j "$(nproc)" >"$OUT/build.log" 2>&1 || { grep -E "error" "$OUT/build.log" | head -30; exit 1; }
+    echo "build ok"
+    ;;
+  test)
+    (cd "$B" && ctest -L gpu --output-on-failure --timeout 600) >"$OUT/test_gpu.log" 2>&1
+    grep -E "tests passed|Failed|Passed|Skipped|\*\*\*" "$OUT/test_gpu.log" | tail -15
+    ;;
+  cputest)
+    (cd "$B" && ctest -LE gpu -j 8 --timeout 600) >"$OUT/test_cpu.log" 2>&1
+    grep -E "tests passed|Failed" "$OUT/test_cpu.log" | tail -10
+    ;;
+  bench)
+    # vitgrid and PyTorch side by side: ViT-B/16, 224 px, batch 256 per GPU
+    for p in bf16 fp16 tf32 fp32; do
+      mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --precision.mode=$p --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
+    done | tee "$OUT/bench_vitgrid.log"
+    for p in bf16 fp16 tf32 fp32; do
+      "$PY" tools/bench_pytorch.py --precision $p 2>&1 | grep -E "^pytorch|Error"
+    done | tee "$OUT/bench_pytorch.log"
+    "$PY" tools/bench_pytorch.py --precision bf16 --compile 2>&1 | grep -E "^pytorch|Error" | tee -a "$OUT/bench_pytorch.log"
+    ;;
+  compile)
+    "$PY" tools/bench_pytorch.py --precision fp16 --compile 2>&1 | grep -E "^pytorch|Error" | tee -a "$OUT/bench_pytorch.log"
+    ;;
+  scale)
+    # data-parallel efficiency: 256 images per GPU at 1..NGPU GPUs, vitgrid and DDP
+    for n in 1 2 4 8; do
+      [ "$n" -le "$NGPU" ] || continue
+      mpirun -np $n --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini \
+        --data.global_batch=$((256 * n)) --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
+      "$PY" -m torch.distributed.run --nproc_per_node $n tools/bench_pytorch.py --ddp --precision bf16 2>&1 | grep -E "^pytorch|Error"
+    done | tee "$OUT/scale.log"
+    ;;
+  *) echo "unknown step $s"; exit 2 ;;
+  esac
+done

@@ -6,11 +6,13 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <system_error>
 #include <utility>
 
 #include "h5_parallel.h"
+#include "vitgrid/core/rng.h"
 
 namespace vitgrid {
 
@@ -152,6 +154,160 @@ std::pair<H5Id, H5Id> shard_spaces(const TensorShard& s, bool active) {
   return {std::move(fspace), std::move(mspace)};
 }
 
+
+// ---- integrity: one checksum per dataset
+// checksum = sum over elements i (global row-major index) of mix64(i * golden ^ bits(x_i)),
+// modulo 2^64: order-independent, so every rank hashes the elements it writes (or reads) and
+// one all-reduce makes the dataset's value, whatever the sharding. bits is the element's raw
+// IEEE pattern (uint32 for the fp32 tensors, uint64 for the fp64 state). tools/ reproduces it
+// in numpy (tools/checkpoint_hash.py).
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+inline uint64_t element_hash(uint64_t i, uint64_t bits) { return mix64(i * kGolden ^ bits); }
+
+// Calls f(k, i) for the shard's k-th element in selection order with its global flat index i.
+template <class F>
+void for_each_global_index(const TensorShard& s, F&& f) {
+  const size_t nd = s.global_shape.size();
+  if (nd == 0) {
+    f(0, 0);
+    return;
+  }
+  std::vector<std::vector<int64_t>> coords(nd);
+  for (size_t d = 0; d < nd; ++d) {
+    const int64_t blk = strided(s) ? s.block[d] : 1, str = strided(s) ? s.stride[d] : 1;
+    for (int64_t c = 0; c < s.count[d]; ++c)
+      for (int64_t b = 0; b < blk; ++b)
+        coords[d].push_back(strided(s) ? s.offset[d] + c * str + b : s.offset[d] + c);
+  }
+  for (const auto& c : coords)
+    if (c.empty()) return;
+  std::vector<size_t> pos(nd, 0);
+  const size_t inner = coords[nd - 1].size();
+  for (size_t k = 0;;) {
+    int64_t base = 0;
+    for (size_t d = 0; d + 1 < nd; ++d) base = base * s.global_shape[d] + coords[d][pos[d]];
+    base *= s.global_shape[nd - 1];
+    for (size_t j = 0; j < inner; ++j, ++k) f(k, static_cast<uint64_t>(base + coords[nd - 1][j]));
+    size_t d = nd - 1;
+    while (d-- > 0) {
+      if (++pos[d] < coords[d].size()) break;
+      pos[d] = 0;
+    }
+    if (d == static_cast<size_t>(-1)) return;
+  }
+}
+
+uint64_t shard_hash(const TensorShard& s) {
+  uint64_t h = 0;
+  for_each_global_index(s, [&](size_t k, uint64_t i) {
+    uint32_t bits;
+    std::memcpy(&bits, s.data + k, 4);
+    h += element_hash(i, bits);
+  });
+  return h;
+}
+
+uint64_t values_hash(const std::vector<double>& v) {
+  uint64_t h = 0;
+  for (size_t i = 0; i < v.size(); ++i) {
+    uint64_t bits;
+    std::memcpy(&bits, &v[i], 8);
+    h += element_hash(i, bits);
+  }
+  return h;
+}
+
+void write_attr_u64(hid_t obj, const char* name, uint64_t v) {
+  H5Id space(H5_CHECK(H5Screate(H5S_SCALAR)));
+  H5Id attr(H5_CHECK(H5Acreate2(obj, name, H5T_STD_U64LE, space, H5P_DEFAULT, H5P_DEFAULT)));
+  H5_CHECK(H5Awrite(attr, H5T_NATIVE_UINT64, &v));
+}
+
+bool read_attr_u64(hid_t obj, const char* name, uint64_t* v) {
+  if (H5Aexists(obj, name) <= 0) return false;
+  H5Id attr(H5Aopen(obj, name, H5P_DEFAULT));
+  return attr.valid() && H5Aread(attr, H5T_NATIVE_UINT64, v) >= 0;
+}
+
+// Called by all ranks of comm. Recomputes the checksum of each named dataset of `file` (each
+// rank reading an even block of its rows) and compares it with the stored attribute; returns
+// "" or a message naming the first dataset that fails. One extra read of the data: the price
+// of refusing a corrupted file before any of it is used.
+std::string verify_datasets(MPI_Comm comm, hid_t file, const std::string& what,
+                            const std::vector<std::string>& names) {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  H5Id dxpl = io_detail::collective_dxpl();
+  std::vector<uint64_t> got(names.size(), 0), want(names.size(), 0);
+  std::vector<int> has(names.size(), 1);
+  for (size_t n = 0; n < names.size(); ++n) {
+    H5Id d(H5_CHECK(H5Dopen2(file, names[n].c_str(), H5P_DEFAULT)));
+    {
+      io_detail::H5ErrorSilencer quiet;
+      if (!read_attr_u64(d, "checksum", &want[n])) has[n] = 0;
+    }
+    std::vector<hsize_t> dims = io_detail::dataset_dims(d);
+    H5Id type(H5_CHECK(H5Dget_type(d)));
+    const bool f64 = H5Tget_size(type) == 8;
+    TensorShard s;
+    s.global_shape.assign(dims.begin(), dims.end());
+    s.offset.assign(dims.size(), 0);
+    s.count.assign(dims.begin(), dims.end());
+    if (!dims.empty()) {
+      s.offset[0] = static_cast<int64_t>(dims[0]) * rank / size;
+      s.count[0] = static_cast<int64_t>(dims[0]) * (rank + 1) / size - s.offset[0];
+    }
+    int64_t total = 1;
+    for (hsize_t x : dims) total *= static_cast<int64_t>(x);
+    if (total == 0) continue;  // an empty dataset has no storage to read; its checksum is 0
+    const int64_t ne = shard_elements(s);
+    auto spaces = shard_spaces(s, ne > 0);
+    if (f64) {
+      std::vector<double> buf(std::max<int64_t>(ne, 1));
+      H5_CHECK(H5Dread(d, H5T_NATIVE_DOUBLE, spaces.second, spaces.first, dxpl, buf.data()));
+      for_each_global_index(s, [&](size_t k, uint64_t i) {
+        uint64_t bits;
+        std::memcpy(&bits, &buf[k], 8);
+        got[n] += element_hash(i, bits);
+      });
+      if (ne == 0) got[n] = 0;
+    } else {
+      std::vector<float> buf(std::max<int64_t>(ne, 1));
+      H5_CHECK(H5Dread(d, H5T_NATIVE_FLOAT, spaces.second, spaces.first, dxpl, buf.data()));
+      s.data = buf.data();
+      got[n] = ne > 0 ? shard_hash(s) : 0;
+    }
+  }
+  if (!got.empty())
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, got.data(), static_cast<int>(got.size()),
+                            MPI_UINT64_T, MPI_SUM, comm));
+  for (size_t n = 0; n < names.size(); ++n) {
+    if (!has[n]) return what + ": dataset '/" + names[n] + "' has no checksum (not a vitgrid checkpoint?)";
+    if (got[n] != want[n]) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%016llx, stored %016llx", static_cast<unsigned long long>(got[n]),
+                    static_cast<unsigned long long>(want[n]));
+      return what + ": dataset '/" + names[n] + "' fails its checksum (computed " + buf + "): corrupted";
+    }
+  }
+  return "";
+}
+
+// Every dataset of the file (model, optim, state), in name order.
+std::vector<std::string> all_datasets(hid_t file) {
+  std::vector<std::string> names;
+  auto visit = [](hid_t g, const char* name, const H5L_info_t* info, void* op) -> herr_t {
+    if (info->type != H5L_TYPE_HARD) return 0;
+    H5Id obj(H5Oopen(g, name, H5P_DEFAULT));
+    if (obj.valid() && H5Iget_type(obj) == H5I_DATASET)
+      static_cast<std::vector<std::string>*>(op)->push_back(name);
+    return 0;
+  };
+  H5_CHECK(H5Lvisit(file, H5_INDEX_NAME, H5_ITER_INC, visit, &names));
+  return names;
+}
+
 }  // namespace
 
 // Called by all ranks of comm.
@@ -191,6 +347,14 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
       H5Id group(H5_CHECK(H5Gcreate2(file, g, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)));
     }
 
+    // checksums: each rank hashes what it writes; one all-reduce gives every dataset's value
+    std::vector<uint64_t> sums(shards.size(), 0);
+    for (size_t i = 0; i < shards.size(); ++i)
+      if (shards[i].write && shard_elements(shards[i]) > 0) sums[i] = shard_hash(shards[i]);
+    if (!sums.empty())
+      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sums.data(), static_cast<int>(sums.size()),
+                              MPI_UINT64_T, MPI_SUM, comm));
+    size_t si = 0;
     float dummy = 0.0f;
     for (const auto& s : shards) {
       auto spaces = shard_spaces(s, s.write);
@@ -199,6 +363,7 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
       VG_CHECK(!(s.write && shard_elements(s) > 0) || s.data, "shard '" << s.name << "' has no data");
       const float* buf = (s.write && shard_elements(s) > 0) ? s.data : &dummy;
       H5_CHECK(H5Dwrite(dset, H5T_NATIVE_FLOAT, spaces.second, spaces.first, dxpl, buf));
+      write_attr_u64(dset, "checksum", sums[si++]);
     }
 
     // small state: rank 0 writes, the others select nothing (values are the same everywhere)
@@ -208,6 +373,7 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
       H5Id fspace(H5_CHECK(H5Screate_simple(1, &n, nullptr)));
       H5Id dset(H5_CHECK(H5Dcreate2(file, ("state/" + kv.first).c_str(), H5T_IEEE_F64LE, fspace,
                                     lcpl, dcpl, H5P_DEFAULT)));
+      write_attr_u64(dset, "checksum", values_hash(kv.second));  // same values on every rank
       if (n == 0) continue;
       H5Id mspace(H5_CHECK(H5Screate_simple(1, &n, nullptr)));
       if (rank != 0) {
@@ -328,6 +494,20 @@ void read_checkpoint(MPI_Comm comm, const std::string& path, std::vector<TensorS
     io_detail::throw_if_any_failed(comm, ok, msg);
   }
 
+  {
+    // integrity before use: every requested tensor and the state against its checksum
+    std::vector<std::string> names;
+    for (const auto& s : shards) names.push_back(s.name);
+    if (meta && io_detail::path_exists(file, "state"))
+      for (const auto& n : all_datasets(file))
+        if (n.rfind("state/", 0) == 0) names.push_back(n);
+    std::string bad = verify_datasets(comm, file, what, names);
+    if (!bad.empty()) {
+      dsets.clear();
+      throw UserError(bad);  // the same verdict on every rank: the sums were all-reduced
+    }
+  }
+
   H5Id dxpl = io_detail::collective_dxpl();
   float dummy = 0.0f;
   for (size_t i = 0; i < shards.size(); ++i) {
@@ -375,26 +555,67 @@ void read_checkpoint(MPI_Comm comm, const std::string& path, std::vector<TensorS
 }
 
 // Called by all ranks of comm.
-std::string latest_checkpoint(MPI_Comm comm, const std::string& dir) {
+void verify_checkpoint(MPI_Comm comm, const std::string& path) {
+  std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
+  const std::string what = "checkpoint '" + path + "'";
+  switch (io_detail::probe_file(comm, path)) {
+    case io_detail::FileProbe::missing: throw UserError(what + ": no such file");
+    case io_detail::FileProbe::not_hdf5: throw UserError(what + " is not an HDF5 file");
+    case io_detail::FileProbe::ok: break;
+  }
+  H5Id file = io_detail::open_parallel(comm, path, false);
+  io_detail::throw_if_any_failed(comm, file.valid(),
+                                 what + " cannot be opened as HDF5 (truncated or corrupt?)");
+  std::vector<int> c;
+  {
+    io_detail::H5ErrorSilencer quiet;
+    const bool complete = H5Aexists(file, "complete") > 0 &&
+                          io_detail::read_attr_ints(file, "complete", &c) && c.size() == 1 &&
+                          c[0] == 1;
+    io_detail::throw_if_any_failed(comm, complete, what + " is incomplete (no 'complete' attribute)");
+  }
+  std::string bad = verify_datasets(comm, file, what, all_datasets(file));
+  if (!bad.empty()) throw UserError(bad);
+}
+
+// Called by all ranks of comm.
+std::vector<std::string> list_checkpoints(MPI_Comm comm, const std::string& dir) {
   int rank = 0;
   MPI_Comm_rank(comm, &rank);
-  std::string path;
+  std::string joined;
   if (rank == 0) {
     std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
     // newest first; a file without complete = 1 (a hand-made copy, another tool's partial
-    // write) is skipped in favour of the next older one
-    for (auto& f : list_step_files(dir)) {
-      if (is_complete_serial(f.second)) {
-        path = f.second;
-        break;
-      }
+    // write) is left out
+    for (auto& f : list_step_files(dir))
+      if (is_complete_serial(f.second)) joined += f.second + '\n';
+  }
+  int len = static_cast<int>(joined.size());
+  MPI_CHECK(MPI_Bcast(&len, 1, MPI_INT, 0, comm));
+  joined.resize(len);
+  if (len > 0) MPI_CHECK(MPI_Bcast(&joined[0], len, MPI_CHAR, 0, comm));
+  std::vector<std::string> out;
+  size_t a = 0;
+  for (size_t b; (b = joined.find('\n', a)) != std::string::npos; a = b + 1)
+    out.push_back(joined.substr(a, b - a));
+  return out;
+}
+
+// Called by all ranks of comm.
+std::string latest_checkpoint(MPI_Comm comm, const std::string& dir, bool verify) {
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  for (const auto& path : list_checkpoints(comm, dir)) {
+    if (!verify) return path;
+    try {
+      verify_checkpoint(comm, path);  // agreed on every rank
+      return path;
+    } catch (const UserError& e) {
+      if (rank == 0)
+        std::fprintf(stderr, "vitgrid: warning: %s; trying an older checkpoint\n", e.what());
     }
   }
-  int len = static_cast<int>(path.size());
-  MPI_CHECK(MPI_Bcast(&len, 1, MPI_INT, 0, comm));
-  path.resize(len);
-  if (len > 0) MPI_CHECK(MPI_Bcast(&path[0], len, MPI_CHAR, 0, comm));
-  return path;
+  return "";
 }
 
 }  // namespace vitgrid

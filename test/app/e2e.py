@@ -214,6 +214,53 @@ def t_tensor_parallel(tmp):
                              f"1e-3 of the qkv.bias norm ({kbias:.2e})")
 
 
+def corrupt(path, dataset):
+    """Flips bytes inside one dataset's stored data (contiguous layout: a fixed file offset)."""
+    with h5py.File(path, "r") as f:
+        off = f[dataset].id.get_offset()
+    with open(path, "r+b") as f:
+        f.seek(off + 4)
+        b = f.read(4)
+        f.seek(off + 4)
+        f.write(bytes(x ^ 0x5A for x in b))
+
+
+def t_integrity(tmp):
+    """Checksums: a corrupted or truncated checkpoint is refused naming file and dataset, and
+    checkpoint.resume = auto falls back to the newest checkpoint that verifies."""
+    a = os.path.join(tmp, "a")
+    run(2, ["train", DECK, f"--run.out_dir={a}", "--checkpoint.every_steps=10"])
+    _, la = losses(a)
+    c20 = os.path.join(a, "checkpoints", "step_00000020.h5")
+    with h5py.File(c20, "r") as f:
+        check(all("checksum" in f["model"][k].attrs for k in f["model"]), "every tensor has a checksum")
+    b = os.path.join(tmp, "b")
+    shutil.copytree(a, b)
+    corrupt(os.path.join(b, "checkpoints", "step_00000020.h5"), "/model/blocks.1.mlp.fc1.weight")
+    p = run(2, ["eval", DECK, f"--checkpoint.load={b}/checkpoints/step_00000020.h5",
+                f"--run.out_dir={tmp}/ev"], timeout=60, expect_rc=None)
+    out = p.stdout + p.stderr
+    check(p.returncode != 0 and "blocks.1.mlp.fc1.weight" in out and "step_00000020.h5" in out
+          and out.count("vitgrid: error:") == 1, "corrupted tensor refused naming file and dataset")
+    # resume = auto skips the corrupted step 20 and continues from step 10: same losses
+    p = run(2, ["train", DECK, f"--run.out_dir={b}", "--checkpoint.resume=auto", "--run.steps=20"])
+    out = p.stdout + p.stderr
+    check("fails its checksum" in out and "step_00000010.h5" in out, "resume fell back to step 10")
+    _, lb = losses(b)
+    check(np.array_equal(la[10:], lb[10:]), "steps 11-20 identical after the fallback")
+    # a truncated file is refused too
+    t = os.path.join(tmp, "trunc.h5")
+    with open(c20, "rb") as f:
+        data = f.read()
+    with open(t, "wb") as f:
+        f.write(data[: len(data) // 2])
+    p = run(2, ["eval", DECK, f"--checkpoint.load={t}", f"--run.out_dir={tmp}/ev2"], timeout=60,
+            expect_rc=None)
+    out = p.stdout + p.stderr
+    check(p.returncode != 0 and "trunc.h5" in out and out.count("vitgrid: error:") == 1,
+          "truncated checkpoint refused naming the file")
+
+
 def t_gpu_matches_cpu(tmp):
     """The CUDA backend trains the tiny deck (dropout, Mixup on) for 30 steps in fp32 along the
     CPU backend's loss curve, and bf16 / fp16 follow it loosely. Skipped (77) without a GPU."""

@@ -58,7 +58,18 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
 void read_checkpoint(MPI_Comm comm, const std::string& path, std::vector<TensorShard>& shards,
                      CheckpointMeta* meta);
 
-// Newest complete checkpoint in dir ("" if none). Called by all ranks (rank 0 looks, bcast).
-std::string latest_checkpoint(MPI_Comm comm, const std::string& dir);
+// Complete checkpoints in dir, newest first. Called by all ranks (rank 0 looks, bcast).
+std::vector<std::string> list_checkpoints(MPI_Comm comm, const std::string& dir);
+
+// Integrity: every dataset carries a `checksum` attribute (uint64: the sum over elements i, in
+// global row-major order, of mix64(i * 0x9E3779B97F4A7C15 ^ bits(x_i)) mod 2^64, bits the raw
+// IEEE pattern). read_checkpoint verifies the datasets it reads (plus the state) before using
+// them; verify_checkpoint checks all of them. Both throw UserError naming file and dataset.
+// Called by all ranks of comm.
+void verify_checkpoint(MPI_Comm comm, const std::string& path);
+
+// Newest complete checkpoint in dir that verifies ("" if none): a corrupted newest one is
+// reported on rank 0 and the next older one tried. Called by all ranks.
+std::string latest_checkpoint(MPI_Comm comm, const std::string& dir, bool verify = true);
 
 }  // namespace vitgrid

@@ -11,6 +11,7 @@ incomplete (no complete = 1 root attribute: vitgrid never loads such a file eith
 Needs python3 with h5py and numpy (Debian: python3-h5py).
 """
 import argparse
+import os
 import sys
 
 try:
@@ -19,6 +20,8 @@ try:
 except ImportError as err:  # pragma: no cover - environment problem, not a checkpoint problem
     print(f"inspect_checkpoint: needs h5py and numpy ({err})", file=sys.stderr)
     sys.exit(1)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checkpoint_hash import checksum  # noqa: E402
 
 
 def fail(msg):
@@ -88,15 +91,26 @@ def main():
 
         items = tensors(f)
         width = max([len(n) for n, _ in items] + [4])
-        print(f"\n{'name':<{width}}  {'shape':<20} {'elements':>12}  dtype")
+        print(f"\n{'name':<{width}}  {'shape':<20} {'elements':>12}  dtype    checksum")
         params = 0
+        bad = []
         for name, d in items:
-            print(f"{name:<{width}}  {str(tuple(d.shape)):<20} {d.size:>12}  {d.dtype}")
+            stored = d.attrs.get("checksum")
+            if stored is None:
+                verdict = "missing"
+                bad.append(name)
+            elif checksum(d[()]) == int(stored):
+                verdict = "ok"
+            else:
+                verdict = "MISMATCH"
+                bad.append(name)
+            print(f"{name:<{width}}  {str(tuple(d.shape)):<20} {d.size:>12}  {str(d.dtype):<8} {verdict}")
             if name.startswith("model/"):
                 params += d.size
         n_model = sum(1 for n, _ in items if n.startswith("model/"))
         print(f"\ntensors: {len(items)} ({n_model} in /model)")
         print(f"parameters: {params}")
+        print(f"checksums: {'all verified' if not bad else f'{len(bad)} FAILED'}")
         if "state" in f:
             state = []
             f["state"].visititems(lambda n, o: state.append(n) if isinstance(o, h5py.Dataset) else None)
@@ -104,6 +118,8 @@ def main():
                 v = np.asarray(f["state"][n][()]).reshape(-1)
                 shown = ", ".join(f"{x:g}" for x in v[:8]) + (", ..." if v.size > 8 else "")
                 print(f"state/{n}: [{shown}]")
+        if bad:
+            fail(f"checkpoint '{path}': {len(bad)} dataset(s) fail verification: {', '.join(bad[:5])}")
     return 0
 
 

@@ -18,8 +18,10 @@
 #include "vitgrid/grid/grid.h"
 #include "vitgrid/io/checkpoint.h"
 #include "vitgrid/io/metrics.h"
+#include "vitgrid/model/pipeline_runner.h"
 #include "vitgrid/model/vit.h"
 #include "vitgrid/optim/optimizer.h"
+#include "vitgrid/parallel/pipeline.h"
 #include "vitgrid/parallel/tensor_parallel.h"
 #ifdef VITGRID_HAVE_CUDA
 #include "vitgrid/backend/cuda/cuda_backend.h"
@@ -83,10 +85,13 @@ struct Trainer::Impl {
   std::unique_ptr<TensorParallel> tp;
   ViTConfig cfg;
   std::unique_ptr<ViT> model;
+  std::unique_ptr<PipelineRunner> pipe;  // every step goes through it (P = 1 included)
+  std::vector<int> partition;            // blocks per virtual stage
   std::unique_ptr<Optimizer> opt;
   std::unique_ptr<LossScaler> scaler;
   std::shared_ptr<Dataset> train_ds, eval_ds;
-  int b = 0;  // per-rank micro-batch
+  int b = 0;      // per-rank batch of one accumulation step (M pipeline micro-batches)
+  int micro = 0;  // per-rank pipeline micro-batch (b / M)
   int64_t total_steps = 0, warmup_steps = 0;
   // device-side batch buffers (planned once)
   uint8_t *d_img = nullptr, *d_partner = nullptr;
@@ -124,9 +129,6 @@ struct Trainer::Impl {
     gs.depth = deck.parallel.tensor_depth;
     agreed([&] {
       check_grid_shape(gs, [&] { int n; MPI_Comm_size(world, &n); return n; }());
-      if (gs.pipeline > 1)
-        throw UserError("parallel.pipeline = " + std::to_string(gs.pipeline) +
-                        ": pipeline parallelism is not available in this build yet");
     });
     grid = std::make_unique<ProcessGrid>(world, gs);
     const std::string rank_map = grid->rank_map();
@@ -176,11 +178,11 @@ struct Trainer::Impl {
     cfg = ViTConfig::from(deck.model);
     const int D = grid->size(Axis::Data);
     b = static_cast<int>(deck.data.global_batch / (int64_t(D) * deck.data.grad_accum));
-    model = std::make_unique<ViT>(cfg, *be, *tp, b);
+    build_pipeline();
     log("model %s: %lld parameters, %d tokens, hidden %d, depth %d, heads %d, mlp %d, "
-        "classes %d; micro-batch %d per rank, activations %.1f MiB per rank\n",
+        "classes %d; micro-batch %d per rank, activations %.1f MiB per rank (stage 0)\n",
         deck.model.preset.c_str(), static_cast<long long>(model->num_global_params()),
-        cfg.tokens(), cfg.hidden, cfg.depth, cfg.heads, cfg.mlp, cfg.classes, b,
+        cfg.tokens(), cfg.hidden, cfg.depth, cfg.heads, cfg.mlp, cfg.classes, micro,
         model->activation_bytes() / 1048576.0);
 
     agreed([&] {
@@ -212,6 +214,108 @@ struct Trainer::Impl {
     d_labels = static_cast<int32_t*>(be->alloc(b * sizeof(int32_t)));
     d_soft = static_cast<float*>(be->alloc(static_cast<size_t>(b) * cfg.classes * sizeof(float)));
     d_images = be->alloc(static_cast<size_t>(b) * 3 * cfg.image * cfg.image * be->act_size());
+  }
+
+  // Called by all ranks from setup(): the stage partition, the schedules' plans, this stage's
+  // part of the model (its layers, and activation sets for the micro-batches the plans keep in
+  // flight) and the runner. Every rank computes every stage's plan, so they agree without
+  // talking.
+  void build_pipeline() {
+    const ParallelSection& pp = deck.parallel;
+    const int P = grid->size(Axis::Pipeline), s = grid->rank(Axis::Pipeline);
+    const int M = pp.micro_batches;
+    micro = b / M;
+    PipeSchedule kind = PipeSchedule::OneFOneB;
+    PipelinePlans train_plans, eval_plans;
+    agreed([&] {
+      kind = parse_pipe_schedule(pp.schedule);
+      const int V = kind == PipeSchedule::Interleaved ? pp.chunks : 1;
+      // counted forward multiply-adds per sample (balanced partition): a block is the same in
+      // every stage; the embedding and the head + final norm sit on the ends
+      const double T = cfg.tokens(), C = cfg.hidden, Mh = cfg.mlp;
+      PipeCost cost;
+      cost.block = T * (4 * C * C + 2 * C * Mh) + 2 * T * T * C;
+      cost.embed = double(cfg.patches()) * cfg.patch_dim() * C + T * C;
+      cost.head = C * cfg.classes + 4 * C;
+      partition = partition_blocks(pp.partition, cfg.depth, P, V, cost);
+      train_plans = build_pipeline_plans(kind, P, V, M, true);
+      eval_plans = build_pipeline_plans(kind, P, V, M, false);
+    });
+    const int V = train_plans.V;
+    StageLayout layout;
+    layout.chunks.clear();
+    for (int c = 0; c < V; ++c) {
+      const int k = c * P + s;  // virtual stage
+      int first = 0;
+      for (int i = 0; i < k; ++i) first += partition[i];
+      layout.chunks.push_back({first, partition[k]});
+    }
+    layout.embed = s == 0;
+    layout.head = s == P - 1;
+    layout.sets = std::max(train_plans.stages[s].num_slots, eval_plans.stages[s].num_slots);
+    model = std::make_unique<ViT>(cfg, *be, *tp, micro, layout);
+    if (P > 1 || M > 1) {
+      std::string parts;
+      for (size_t k = 0; k < partition.size(); ++k)
+        parts += (k ? "," : "") + std::to_string(partition[k]);
+      // every stage's sets, gathered for the log (rank 0 is stage 0)
+      std::vector<int> sets(P, 0);
+      sets[s] = layout.sets;
+      MPI_Allreduce(MPI_IN_PLACE, sets.data(), P, MPI_INT, MPI_MAX, world);
+      std::string set_list;
+      for (int k = 0; k < P; ++k) set_list += (k ? "," : "") + std::to_string(sets[k]);
+      log("pipeline: %d stages x %d chunk(s), schedule %s, %d micro-batches of %d per rank; "
+          "blocks per virtual stage %s (partition %s); activation sets per stage %s; bubble "
+          "(P-1)/%s = %.3f, simulated idle fraction %.3f\n",
+          P, V, pipe_schedule_name(kind), M, micro, parts.c_str(), pp.partition.c_str(),
+          set_list.c_str(), kind == PipeSchedule::Interleaved ? "(V*M)" : "M",
+          theoretical_bubble(kind, P, V, M), train_plans.simulated_bubble);
+    }
+    pipe = std::make_unique<PipelineRunner>(*model, *be, *coll, *grid, std::move(train_plans),
+                                            std::move(eval_plans), micro);
+  }
+
+  // Called by all ranks: the loss (or any sums) known on the last stage, on every stage.
+  void from_last_stage(double* v, int n) {
+    const int P = grid->size(Axis::Pipeline);
+    if (P > 1) MPI_Bcast(v, n, MPI_DOUBLE, P - 1, grid->comm(Axis::Pipeline).get());
+  }
+
+  // Called by all ranks: sum of squares of the whole gradient, every stage's parameters.
+  double grad_norm_sq() {
+    double sq = opt->grad_norm_sq(model->grads());
+    if (grid->size(Axis::Pipeline) > 1)
+      MPI_Allreduce(MPI_IN_PLACE, &sq, 1, MPI_DOUBLE, MPI_SUM, grid->comm(Axis::Pipeline).get());
+    return sq;
+  }
+
+  // Called by all ranks: the measured bubble of each stage (time blocked in pipeline send /
+  // recv over the time of the training steps, summed over the stage's ranks), logged beside
+  // the schedule's theoretical bubble and stored as metrics.h5 root attributes
+  // bubble_fraction_stage<k> (and bubble_fraction_theoretical).
+  void report_bubble(MetricsWriter& metrics) {
+    const int P = grid->size(Axis::Pipeline), s = grid->rank(Axis::Pipeline);
+    if (P == 1) return;
+    std::vector<double> v(2 * P, 0.0);
+    v[s] = pipe->wait_seconds();
+    v[P + s] = pipe->total_seconds();
+    MPI_Allreduce(MPI_IN_PLACE, v.data(), 2 * P, MPI_DOUBLE, MPI_SUM, world);
+    const PipelinePlans& pl = pipe->train_plans();
+    const double theory = theoretical_bubble(pl.schedule, pl.P, pl.V, pl.M);
+    std::string line;
+    for (int k = 0; k < P; ++k) {
+      const double f = v[k] / std::max(v[P + k], 1e-12);
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%s%d %.3f", k ? ", " : "", k, f);
+      line += buf;
+      metrics.set_attribute("bubble_fraction_stage" + std::to_string(k), f);
+    }
+    metrics.set_attribute("bubble_fraction_theoretical", theory);
+    log("pipeline bubble (time waiting on neighbours / step time) per stage: %s; schedule %s: "
+        "theoretical (P-1)/%s = %.3f, i.e. %.3f of the step; simulated %.3f\n",
+        line.c_str(), pipe_schedule_name(pl.schedule),
+        pl.schedule == PipeSchedule::Interleaved ? "(V*M)" : "M", theory, theory / (1 + theory),
+        pl.simulated_bubble);
   }
 
   ~Impl() {
@@ -246,20 +350,23 @@ struct Trainer::Impl {
     db.first_position = hb.first_position;
     if (hb.count == 0) return db;
     const size_t img = static_cast<size_t>(cfg.image) * cfg.image * 3;
+    be->copy_to_device(d_labels, hb.labels.data(), hb.count * sizeof(int32_t));
+    if (!hb.soft.empty())
+      be->copy_to_device(d_soft, hb.soft.data(), hb.soft.size() * sizeof(float));
+    db.labels = d_labels;
+    db.soft = hb.soft.empty() ? nullptr : d_soft;
+    // Only the stage holding the patch embedding reads images (every stage of a pipeline
+    // loads the same batch, which keeps the loaders' cursors in step without talking).
+    if (!model->layout().embed) return db;
     be->copy_to_device(d_img, hb.images.data(), hb.count * img);
     const bool mix = !hb.partners.empty();
     if (mix) be->copy_to_device(d_partner, hb.partners.data(), hb.count * img);
     be->copy_to_device(d_aug, hb.aug.data(), hb.count * sizeof(SampleAug));
-    be->copy_to_device(d_labels, hb.labels.data(), hb.count * sizeof(int32_t));
-    if (!hb.soft.empty())
-      be->copy_to_device(d_soft, hb.soft.data(), hb.soft.size() * sizeof(float));
     // eval batches carry dx = dy = pad: the crop of the padded image is the image itself
     const int pad = deck.data.crop_padding;
     be->prepare_images(d_images, d_img, mix ? d_partner : nullptr, d_aug, hb.count, cfg.image,
                        pad, deck.data.mean.data(), deck.data.std.data());
     db.images = d_images;
-    db.labels = d_labels;
-    db.soft = hb.soft.empty() ? nullptr : d_soft;
     return db;
   }
 
@@ -274,11 +381,24 @@ struct Trainer::Impl {
     host.assign(n * (1 + st.size()), 0.0f);
     std::vector<TensorShard> out;
     const bool data_root = grid->rank(Axis::Data) == 0;
+    // Every rank lists every tensor of the model (dataset creation is collective); a
+    // pipeline stage selects nothing of the layers it does not hold.
+    std::map<std::string, const ParamInfo*> held;
+    for (const auto& p : model->params()) held[p.name] = &p;
     for (size_t k = 0; k <= st.size(); ++k) {
-      for (const auto& p : model->params()) {
+      for (const auto& g : model->all_param_names()) {
         TensorShard s;
-        s.name = k == 0 ? "model/" + p.name : "optim/" + p.name + "/" + st[k - 1].first;
-        s.global_shape = p.global_shape;
+        s.name = k == 0 ? "model/" + g.name : "optim/" + g.name + "/" + st[k - 1].first;
+        s.global_shape = g.global_shape;
+        auto it = held.find(g.name);
+        if (it == held.end()) {
+          s.offset.assign(g.global_shape.size(), 0);
+          s.count.assign(g.global_shape.size(), 0);
+          s.write = false;
+          out.push_back(std::move(s));
+          continue;
+        }
+        const ParamInfo& p = *it->second;
         s.offset = p.shard.offset;
         s.count = p.shard.count;
         s.stride = p.shard.stride;
@@ -365,14 +485,14 @@ struct Trainer::Impl {
     while (auto hb = loader.next()) {
       DeviceBatch db = upload(*hb);
       double l = 0, c1 = 0, c5 = 0;
-      model->forward_eval(db, &l, &c1, &c5);
+      std::vector<float> logits;
+      const bool want_rows = rows && pipe->last_stage();
+      pipe->eval(db, &l, &c1, &c5, want_rows ? &logits : nullptr);
       s[0] += l;
       s[1] += c1;
       s[2] += c5;
       s[3] += hb->count;
-      if (rows && hb->count > 0) {
-        std::vector<float> logits;
-        model->logits_to_host(logits, hb->count);
+      if (want_rows && hb->count > 0) {
         const int K = cfg.classes;
         const int64_t first = t * E + int64_t(grid->rank(Axis::Data)) * b;
         for (int i = 0; i < hb->count; ++i) {
@@ -384,6 +504,7 @@ struct Trainer::Impl {
       ++t;
     }
     MPI_Allreduce(MPI_IN_PLACE, s, 4, MPI_DOUBLE, MPI_SUM, grid->comm(Axis::Data).get());
+    from_last_stage(s, 3);  // the sums are known on the last stage; the counts everywhere
     const double n = std::max(s[3], 1.0);
     *loss = s[0] / n;
     *top1 = s[1] / n;
@@ -443,14 +564,15 @@ struct Trainer::Impl {
       for (int m = 0; m < A; ++m) {
         auto hb = loader.next();
         DeviceBatch db = upload(*hb);
-        loss_sum += model->forward_backward(db, static_cast<float>(deck.data.label_smoothing),
-                                            grad_scale, step, m);
+        loss_sum += pipe->train(db, static_cast<float>(deck.data.label_smoothing), grad_scale,
+                                step);
       }
       model->reduce_gradients();
       // data-parallel gradient reduction (sum: each rank's gradient is already / G)
       if (grid->size(Axis::Data) > 1)
         coll->allreduce_sum(model->grads(), model->num_local_params(), Axis::Data);
       MPI_Allreduce(MPI_IN_PLACE, &loss_sum, 1, MPI_DOUBLE, MPI_SUM, data_comm);
+      from_last_stage(&loss_sum, 1);
       const double loss = loss_sum / double(G);
       bool finite = true;
       if (scaler->enabled()) {
@@ -458,7 +580,7 @@ struct Trainer::Impl {
         MPI_Allreduce(MPI_IN_PLACE, &f, 1, MPI_INT, MPI_MIN, world);  // agreed over every axis
         finite = f != 0;
       }
-      double gnorm = finite ? std::sqrt(opt->grad_norm_sq(model->grads())) / scale : NAN;
+      double gnorm = finite ? std::sqrt(grad_norm_sq()) / scale : NAN;
       const double lr = sched.at(step + 1);
       const bool apply = scaler->update(finite);
       if (apply) {
@@ -503,6 +625,7 @@ struct Trainer::Impl {
       if ((deck.checkpoint.every_steps > 0 && step % deck.checkpoint.every_steps == 0) || last)
         save_checkpoint();
     }
+    report_bubble(metrics);
     metrics.set_attribute("peak_device_memory_bytes", double(be->peak_memory_bytes()));
     metrics.set_attribute("checkpoint_write_GBps", ckpt_write_gbs);
     metrics.flush();
@@ -527,12 +650,12 @@ struct Trainer::Impl {
       const float scale = scaler->scale();
       for (int m = 0; m < A; ++m) {
         DeviceBatch db = upload(*hb);
-        model->forward_backward(db, 0.1f, scale / float(G), s, m);
+        pipe->train(db, 0.1f, scale / float(G), s);
       }
       model->reduce_gradients();
       if (grid->size(Axis::Data) > 1)
         coll->allreduce_sum(model->grads(), model->num_local_params(), Axis::Data);
-      const double gn = std::sqrt(opt->grad_norm_sq(model->grads())) / scale;
+      const double gn = std::sqrt(grad_norm_sq()) / scale;
       (void)gn;
       opt->step(model->master(), model->grads(), sched.at(s + 1), s + 1, 1.0f / scale);
       model->sync_compute_params();
@@ -633,11 +756,16 @@ struct Trainer::Impl {
     }
     if (grid->world_rank() == 0) mkdirs(deck.run.out_dir);
     MPI_Barrier(world);
-    write_predictions(dc, deck.run.out_dir + "/predictions.h5", deck.resolved_text(), total, K,
-                      first, logits, labels);
+    // The logits are on the last stage, alike on its tensor ranks: one data group writes.
+    if (pipe->last_stage() && grid->rank(Axis::Tensor) == 0)
+      write_predictions(dc, deck.run.out_dir + "/predictions.h5", deck.resolved_text(), total,
+                        K, first, logits, labels);
+    MPI_Barrier(world);
+    double rows_written = static_cast<double>(total);
+    from_last_stage(&rows_written, 1);
     log("predict %s: %lld rows written to %s/predictions.h5 (top-1 %.2f%%)\n",
-        deck.checkpoint.load.c_str(), static_cast<long long>(total), deck.run.out_dir.c_str(),
-        100 * e1);
+        deck.checkpoint.load.c_str(), static_cast<long long>(rows_written),
+        deck.run.out_dir.c_str(), 100 * e1);
     return 0;
   }
 };

@@ -1,5 +1,6 @@
 #include "vitgrid/model/vit.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -33,26 +34,35 @@ double ViTConfig::train_flops_per_sample() const {
   return 3.0 * 2.0 * fwd;  // 2 flops per multiply-add; backward = 2x forward
 }
 
-// Activation buffers, carved from one pool planned at construction.
+// Activation buffers, carved from one pool planned at construction. What a micro-batch needs
+// between its forward and its backward lives in a Set (one per micro-batch in flight on this
+// stage: PipelinePlan::num_slots); scratch that is consumed at once is shared.
 struct ViT::Acts {
   struct BlockActs {
     void *y1, *qkv, *att, *p, *r_mid, *y2, *h, *g, *f;
     float *m1, *s1, *m2, *s2;
     void* asaved;
   };
-  void* patches;
+  struct Set {
+    void* patches = nullptr;         // embedding input (first chunk of the first stage)
+    std::vector<void*> r_in;         // residual stream entering each block of the chunk; r_in[0]
+                                     // is the chunk input, and d(input) after the backward
+    std::vector<BlockActs> blocks;   // per block of the chunk (none with checkpointing)
+    void* out = nullptr;             // chunk output (r_mid + f of its last block), sent on
+    void *cls_rows = nullptr, *cls_norm = nullptr, *dlogits = nullptr;  // head (last chunk)
+    float *mf = nullptr, *sf = nullptr;
+  };
+  std::vector<Set> sets;
+  BlockActs shared;  // with activation checkpointing: the one block set, recomputed per block
   void* ptok;
-  std::vector<void*> r_in;           // residual stream entering each block (always kept)
-  std::vector<BlockActs> blocks;     // per block, or one shared set with checkpointing
-  void *cls_a, *cls_b, *cls_rows, *cls_norm, *logits;
+  void *cls_a, *cls_b, *logits;
   void* logits_all;   // [max_batch, K]: every rank's logits rows gathered (predictions)
   float* logits_f32;  // the same in fp32 for the host copy
-  float *mf, *sf, *losses, *c1, *c5;
+  float *losses, *c1, *c5;
   // gradients of activations
-  void *dres, *dtmp, *ddrop, *dqkv, *dh, *dcls_rows, *dcls_norm, *dlogits, *dptok;
+  void *dres, *dtmp, *ddrop, *dqkv, *dh, *dcls_rows, *dcls_norm, *dptok;
   void* attn_ws;
   int last_count = 0;
-  BlockActs& blk(int l) { return blocks.size() == 1 ? blocks[0] : blocks[l]; }
 };
 
 namespace {
@@ -64,7 +74,24 @@ enum DropSite { kSitePos = 0, kSiteProj = 1, kSiteMlpAct = 2, kSiteMlpOut = 3 };
 }  // namespace
 
 ViT::ViT(const ViTConfig& cfg, Backend& be, TensorParallel& tp, int max_batch)
-    : cfg_(cfg), be_(be), tp_(tp), max_batch_(max_batch), a_(std::make_unique<Acts>()) {
+    : ViT(cfg, be, tp, max_batch, StageLayout::whole(cfg.depth)) {}
+
+ViT::ViT(const ViTConfig& cfg, Backend& be, TensorParallel& tp, int max_batch,
+         const StageLayout& layout)
+    : cfg_(cfg),
+      be_(be),
+      tp_(tp),
+      max_batch_(max_batch),
+      layout_(layout),
+      a_(std::make_unique<Acts>()) {
+  VG_CHECK(!layout_.chunks.empty() && layout_.sets >= 1, "a stage layout without chunks or sets");
+  for (size_t c = 0; c < layout_.chunks.size(); ++c) {
+    const auto& ch = layout_.chunks[c];
+    VG_CHECK(ch.blocks >= 1 && ch.first_block >= 0 && ch.first_block + ch.blocks <= cfg_.depth &&
+                 (c == 0 || ch.first_block > layout_.chunks[c - 1].first_block),
+             "chunk " << c << " (blocks " << ch.first_block << " + " << ch.blocks
+                      << ") outside the model's " << cfg_.depth << " blocks or out of order");
+  }
   build_params();
   master_ = static_cast<float*>(be_.alloc(n_params_ * sizeof(float)));
   grads_ = static_cast<float*>(be_.alloc(n_params_ * sizeof(float)));
@@ -85,8 +112,13 @@ ViT::~ViT() {
 void ViT::build_params() {
   const int64_t C = cfg_.hidden, M = cfg_.mlp, K = cfg_.classes, T = cfg_.tokens();
   const int64_t P = cfg_.patch, Ch = cfg_.channels;
+  // Every parameter is named (checkpoints list the whole model on every rank); only those
+  // of this stage's layers are held. `held` is set by the loop below per layer.
+  bool held = true;
   auto add = [&](const std::string& name, std::vector<int64_t> shape, Shard sh, bool decay,
                  InitKind init) {
+    all_names_.push_back({name, shape});
+    if (!held) return;
     ParamInfo p;
     p.name = name;
     p.global_shape = std::move(shape);
@@ -110,7 +142,10 @@ void ViT::build_params() {
     add(base + ".weight", {C}, tp_.shard_hidden_vector({C}), false, InitKind::Ones);
     add(base + ".bias", {C}, tp_.shard_hidden_vector({C}), false, InitKind::Zeros);
   };
+  block_param_.assign(cfg_.depth, -1);
   // patch embedding: a conv weight [C, 3, P, P] used as a Linear [C, 3*P*P]
+  held = layout_.embed;
+  if (held) embed_param_ = static_cast<int>(params_.size());
   {
     // the strategy splits only the output rows of the patch embedding (its input is whole)
     Shard w4 = tp_.shard_linear_weight(C, Ch * P * P, LinearRole::Embed);
@@ -126,6 +161,8 @@ void ViT::build_params() {
   add("pos_embed", {1, T, C}, tp_.shard_hidden_vector({1, T, C}), false,
       InitKind::TruncNormal02);
   for (int l = 0; l < cfg_.depth; ++l) {
+    held = chunk_of_block(l) >= 0;
+    if (held) block_param_[l] = static_cast<int>(params_.size());
     const std::string b = "blocks." + std::to_string(l);
     norm(b + ".norm1");
     linear(b + ".attn.qkv", 3 * C, C, LinearRole::Column, 3);  // q, k, v split alike
@@ -134,14 +171,24 @@ void ViT::build_params() {
     linear(b + ".mlp.fc1", M, C, LinearRole::Column, 1);
     linear(b + ".mlp.fc2", C, M, LinearRole::Row, 1);
   }
+  held = layout_.head;
+  if (held) head_param_ = static_cast<int>(params_.size());
   norm("norm");
   linear("head", K, C, LinearRole::Head, 1);
   tp_.register_params(params_);
 }
 
+int ViT::chunk_of_block(int l) const {
+  for (size_t c = 0; c < layout_.chunks.size(); ++c) {
+    const auto& ch = layout_.chunks[c];
+    if (l >= ch.first_block && l < ch.first_block + ch.blocks) return static_cast<int>(c);
+  }
+  return -1;
+}
+
 int64_t ViT::num_global_params() const {
   int64_t n = 0;
-  for (const auto& p : params_) {
+  for (const auto& p : all_names_) {
     int64_t e = 1;
     for (int64_t d : p.global_shape) e *= d;
     n += e;
@@ -171,40 +218,53 @@ void ViT::plan_activations() {
     off += bytes;
     return p;
   };
-  const int nsets = cfg_.checkpoint_activations ? 1 : cfg_.depth;
+  int max_blocks = 0;
+  for (const auto& ch : layout_.chunks) max_blocks = std::max(max_blocks, ch.blocks);
+  // a chunk that is not the model's last sends its output on
+  const bool has_out = layout_.chunks.size() > 1 || !layout_.head;
+  const bool ckpt = cfg_.checkpoint_activations;
+  auto block_set = [&](Acts::BlockActs& b) {
+    b.y1 = take(N * C * as);
+    b.qkv = take(N * 3 * Cl * as);
+    b.att = take(N * Cl * as);
+    b.asaved = take(asaved);
+    b.p = take(N * C * as);
+    b.r_mid = take(N * C * as);
+    b.y2 = take(N * C * as);
+    b.h = take(N * Ml * as);
+    b.g = take(N * Ml * as);
+    b.f = take(N * C * as);
+    b.m1 = static_cast<float*>(take(N * 4));
+    b.s1 = static_cast<float*>(take(N * 4));
+    b.m2 = static_cast<float*>(take(N * 4));
+    b.s2 = static_cast<float*>(take(N * 4));
+  };
   for (int pass = 0; pass < 2; ++pass) {
     off = 0;
     Acts& a = *a_;
-    a.patches = take(Np * cfg_.patch_dim() * as);
-    a.ptok = take(Np * C * as);
-    a.r_in.assign(cfg_.depth, nullptr);
-    for (int l = 0; l < cfg_.depth; ++l) a.r_in[l] = take(N * C * as);
-    a.blocks.assign(nsets, {});
-    for (auto& b : a.blocks) {
-      b.y1 = take(N * C * as);
-      b.qkv = take(N * 3 * Cl * as);
-      b.att = take(N * Cl * as);
-      b.asaved = take(asaved);
-      b.p = take(N * C * as);
-      b.r_mid = take(N * C * as);
-      b.y2 = take(N * C * as);
-      b.h = take(N * Ml * as);
-      b.g = take(N * Ml * as);
-      b.f = take(N * C * as);
-      b.m1 = static_cast<float*>(take(N * 4));
-      b.s1 = static_cast<float*>(take(N * 4));
-      b.m2 = static_cast<float*>(take(N * 4));
-      b.s2 = static_cast<float*>(take(N * 4));
+    a.sets.assign(layout_.sets, {});
+    for (auto& st : a.sets) {
+      if (layout_.embed) st.patches = take(Np * cfg_.patch_dim() * as);
+      st.r_in.assign(max_blocks, nullptr);
+      for (auto& r : st.r_in) r = take(N * C * as);
+      st.blocks.assign(ckpt ? 0 : max_blocks, {});
+      for (auto& b : st.blocks) block_set(b);
+      if (has_out) st.out = take(N * C * as);
+      if (layout_.head) {
+        st.cls_rows = take(Bm * C * as);
+        st.cls_norm = take(Bm * C * as);
+        st.dlogits = take(Bm * K * as);
+        st.mf = static_cast<float*>(take(Bm * 4));
+        st.sf = static_cast<float*>(take(Bm * 4));
+      }
     }
+    if (ckpt) block_set(a.shared);
+    a.ptok = take(Np * C * as);
     a.cls_a = take(Bm * C * as);
     a.cls_b = take(Bm * C * as);
-    a.cls_rows = take(Bm * C * as);
-    a.cls_norm = take(Bm * C * as);
     a.logits = take(Bm * K * as);
     a.logits_all = take(static_cast<size_t>(max_batch_) * K * as);
     a.logits_f32 = static_cast<float*>(take(static_cast<size_t>(max_batch_) * K * 4));
-    a.mf = static_cast<float*>(take(Bm * 4));
-    a.sf = static_cast<float*>(take(Bm * 4));
     a.losses = static_cast<float*>(take(Bm * 4));
     a.c1 = static_cast<float*>(take(Bm * 4));
     a.c5 = static_cast<float*>(take(Bm * 4));
@@ -215,7 +275,6 @@ void ViT::plan_activations() {
     a.dh = take(N * Ml * as);
     a.dcls_rows = take(Bm * C * as);
     a.dcls_norm = take(Bm * C * as);
-    a.dlogits = take(Bm * K * as);
     a.dptok = take(Np * C * as);
     a.attn_ws = take(aws);
     if (pass == 0) {
@@ -294,10 +353,17 @@ DropoutKey ViT::dkey(int64_t step, int layer, int site, int64_t first_pos, ActLa
   return k;
 }
 
-void ViT::block_forward(int l, int B, int64_t step, int micro, int64_t fp, bool train) {
-  (void)micro;
+// Block l (global index: it keys the dropout masks) of micro-batch B in set `set`. With
+// checkpointing the block's activations live in the shared set and this also runs as the
+// recompute of the backward (`recompute`: the outputs it stores for others are already there).
+void ViT::block_forward(int l, int B, int64_t step, int64_t fp, bool train, int set,
+                        bool recompute) {
   Acts& a = *a_;
-  Acts::BlockActs& b = a.blk(l);
+  Acts::Set& st = a.sets[set];
+  const auto& ch = layout_.chunks[chunk_of_block(l)];
+  const int j = l - ch.first_block;  // index within the chunk
+  const bool ckpt = cfg_.checkpoint_activations;
+  Acts::BlockActs& b = ckpt ? a.shared : st.blocks[j];
   // B is the whole micro-batch; this rank computes its blocks (Bl samples, Cs / Ml columns)
   const int T = cfg_.tokens(), C = cfg_.hidden, M = cfg_.mlp;
   const int Bl = tp_.local_batch(B), N = Bl * T;
@@ -305,20 +371,21 @@ void ViT::block_forward(int l, int B, int64_t step, int micro, int64_t fp, bool 
   const size_t Ml = tp_.act_block(ActLayout::Inner, B, M).cols;
   const int H = tp_.local_heads(cfg_.heads), hd = cfg_.head_dim();
   const size_t as = be_.act_size();
-  const int base = 4 + l * kParamsPerBlock;
+  const int base = block_param_[l];
   auto W = [&](int i) -> const void* {
     return static_cast<const char*>(compute_) + params_[base + i].offset * as;
   };
   const bool drop = train && cfg_.dropout > 0.0f;
-  // LayerNorm 1 on the residual stream entering the block. For l > 0 the stream is the
-  // previous block's r_mid + f: fused add (unless recomputing from the stored r_in).
-  const bool fused_add = l > 0 && !(cfg_.checkpoint_activations);
+  // LayerNorm 1 on the residual stream entering the block. Inside a chunk the stream is the
+  // previous block's r_mid + f: fused add (unless recomputing from the stored r_in). The
+  // chunk's first block reads its input (embedding output or the previous stage's output).
+  const bool fused_add = j > 0 && !ckpt;
   if (fused_add) {
-    Acts::BlockActs& pb = a.blk(l - 1);
-    tp_.layernorm_forward(a.r_in[l], b.y1, b.m1, b.s1, pb.r_mid, pb.f, W(kNorm1W), W(kNorm1B),
+    Acts::BlockActs& pb = st.blocks[j - 1];
+    tp_.layernorm_forward(st.r_in[j], b.y1, b.m1, b.s1, pb.r_mid, pb.f, W(kNorm1W), W(kNorm1B),
                           N, C, cfg_.ln_eps);
   } else {
-    tp_.layernorm_forward(a.r_in[l], b.y1, b.m1, b.s1, a.r_in[l], nullptr, W(kNorm1W),
+    tp_.layernorm_forward(st.r_in[j], b.y1, b.m1, b.s1, st.r_in[j], nullptr, W(kNorm1W),
                           W(kNorm1B), N, C, cfg_.ln_eps);
   }
   tp_.linear_forward(LinearRole::Column, b.qkv, b.y1, W(kQkvW), W(kQkvB), N, C, 3 * C, nullptr,
@@ -329,8 +396,8 @@ void ViT::block_forward(int l, int B, int64_t step, int micro, int64_t fp, bool 
   if (drop)
     be_.dropout_forward(b.p, b.p, N * Cs, cfg_.dropout,
                         dkey(step, l, kSiteProj, fp, ActLayout::Stream, B, C));
-  tp_.layernorm_forward(b.r_mid, b.y2, b.m2, b.s2, a.r_in[l], b.p, W(kNorm2W), W(kNorm2B), N, C,
-                        cfg_.ln_eps);
+  tp_.layernorm_forward(b.r_mid, b.y2, b.m2, b.s2, st.r_in[j], b.p, W(kNorm2W), W(kNorm2B), N,
+                        C, cfg_.ln_eps);
   tp_.linear_forward(LinearRole::Column, b.h, b.y2, W(kFc1W), W(kFc1B), N, C, M, b.g,
                      cfg_.gelu);
   if (drop)
@@ -341,12 +408,21 @@ void ViT::block_forward(int l, int B, int64_t step, int micro, int64_t fp, bool 
   if (drop)
     be_.dropout_forward(b.f, b.f, N * Cs, cfg_.dropout,
                         dkey(step, l, kSiteMlpOut, fp, ActLayout::Stream, B, C));
-  // With activation checkpointing the next block reads only r_in[l+1]: store it now.
-  if (cfg_.checkpoint_activations && l + 1 < cfg_.depth) be_.add(a.r_in[l + 1], b.r_mid, b.f, N * Cs);
+  if (recompute) return;
+  // With activation checkpointing the next block reads only r_in[j+1]: store it now. The
+  // chunk's last block stores the output the next stage receives (unless the head follows).
+  if (ckpt && j + 1 < ch.blocks) be_.add(st.r_in[j + 1], b.r_mid, b.f, N * Cs);
+  if (j + 1 == ch.blocks && st.out) be_.add(st.out, b.r_mid, b.f, N * Cs);
 }
 
-void ViT::forward(const DeviceBatch& in, int64_t step, int micro, bool train) {
+void ViT::chunk_forward(int chunk, int set, const DeviceBatch& in, int64_t step, bool train,
+                        float smoothing, float grad_scale, double* loss, double* top1,
+                        double* top5) {
   Acts& a = *a_;
+  Acts::Set& st = a.sets[set];
+  const auto& ch = layout_.chunks[chunk];
+  const bool first = chunk == 0 && layout_.embed;
+  const bool last = chunk + 1 == static_cast<int>(layout_.chunks.size()) && layout_.head;
   const int B = in.count, T = cfg_.tokens(), C = cfg_.hidden, K = cfg_.classes;
   const ActBlock sb = tp_.act_block(ActLayout::Stream, B, C);
   const int Bl = sb.samples;
@@ -355,42 +431,67 @@ void ViT::forward(const DeviceBatch& in, int64_t step, int micro, bool train) {
     return static_cast<const char*>(compute_) + params_[i].offset * as;
   };
   a.last_count = B;
-  // this rank's samples of the micro-batch (whole images: the patch embedding's input)
-  const size_t img = static_cast<size_t>(cfg_.channels) * cfg_.image * cfg_.image;
-  const void* images = static_cast<const char*>(in.images) + sb.sample_offset * img * as;
-  be_.patchify(a.patches, images, Bl, cfg_.image, cfg_.patch);
-  tp_.linear_forward(LinearRole::Embed, a.ptok, a.patches, P(0), P(1), Bl * cfg_.patches(),
-                     cfg_.patch_dim(), C, nullptr, cfg_.gelu);
-  be_.embed_tokens(a.r_in[0], a.ptok, P(2), P(3), Bl, T, static_cast<int>(sb.cols));
-  if (train && cfg_.dropout > 0.0f)
-    be_.dropout_forward(a.r_in[0], a.r_in[0], static_cast<size_t>(Bl) * T * sb.cols,
-                        cfg_.dropout,
-                        dkey(step, 0, kSitePos, in.first_position, ActLayout::Stream, B, C));
-  for (int l = 0; l < cfg_.depth; ++l) block_forward(l, B, step, micro, in.first_position, train);
+  if (first) {
+    // this rank's samples of the micro-batch (whole images: the patch embedding's input)
+    const int e = embed_param_;
+    const size_t img = static_cast<size_t>(cfg_.channels) * cfg_.image * cfg_.image;
+    const void* images = static_cast<const char*>(in.images) + sb.sample_offset * img * as;
+    be_.patchify(st.patches, images, Bl, cfg_.image, cfg_.patch);
+    tp_.linear_forward(LinearRole::Embed, a.ptok, st.patches, P(e), P(e + 1),
+                       Bl * cfg_.patches(), cfg_.patch_dim(), C, nullptr, cfg_.gelu);
+    be_.embed_tokens(st.r_in[0], a.ptok, P(e + 2), P(e + 3), Bl, T, static_cast<int>(sb.cols));
+    if (train && cfg_.dropout > 0.0f)
+      be_.dropout_forward(st.r_in[0], st.r_in[0], static_cast<size_t>(Bl) * T * sb.cols,
+                          cfg_.dropout,
+                          dkey(step, 0, kSitePos, in.first_position, ActLayout::Stream, B, C));
+  }
+  for (int l = ch.first_block; l < ch.first_block + ch.blocks; ++l)
+    block_forward(l, B, step, in.first_position, train, set, false);
+  if (!last) return;
   // final norm on the class token only (the only row the head reads; timm normalises every
   // token, which gives the same logits and zero gradient for the others)
-  Acts::BlockActs& lb = a.blk(cfg_.depth - 1);
+  Acts::BlockActs& lb = cfg_.checkpoint_activations ? a.shared : st.blocks[ch.blocks - 1];
   const int Cs = static_cast<int>(sb.cols);
   be_.gather_cls(a.cls_a, lb.r_mid, Bl, T, Cs);
   be_.gather_cls(a.cls_b, lb.f, Bl, T, Cs);
-  const int fn = 4 + cfg_.depth * kParamsPerBlock;
-  tp_.layernorm_forward(a.cls_rows, a.cls_norm, a.mf, a.sf, a.cls_a, a.cls_b, P(fn), P(fn + 1),
-                        Bl, C, cfg_.ln_eps);
-  tp_.linear_forward(LinearRole::Head, a.logits, a.cls_norm, P(fn + 2), P(fn + 3), Bl, C, K,
+  const int fn = head_param_;
+  tp_.layernorm_forward(st.cls_rows, st.cls_norm, st.mf, st.sf, a.cls_a, a.cls_b, P(fn),
+                        P(fn + 1), Bl, C, cfg_.ln_eps);
+  tp_.linear_forward(LinearRole::Head, a.logits, st.cls_norm, P(fn + 2), P(fn + 3), Bl, C, K,
                      nullptr, cfg_.gelu);
+  // the loss at once (Megatron's last stage does the same): dlogits wait in the set
+  const int32_t* labels = in.labels + sb.sample_offset;
+  if (train) {
+    be_.cross_entropy(a.losses, st.dlogits, a.logits, labels,
+                      in.soft ? in.soft + static_cast<size_t>(sb.sample_offset) * K : nullptr,
+                      Bl, K, smoothing, grad_scale);
+    double v = be_.sum(a.losses, Bl);
+    tp_.sum_over_batch(&v, 1);
+    if (loss) *loss = v;
+    return;
+  }
+  be_.cross_entropy(a.losses, nullptr, a.logits, labels, nullptr, Bl, K, 0.0f, 0.0f);
+  be_.topk_correct(a.c1, a.c5, a.logits, labels, Bl, K);
+  double v[3] = {be_.sum(a.losses, Bl), be_.sum(a.c1, Bl), be_.sum(a.c5, Bl)};
+  tp_.sum_over_batch(v, 3);
+  if (loss) *loss = v[0];
+  if (top1) *top1 = v[1];
+  if (top5) *top5 = v[2];
 }
 
-void ViT::block_backward(int l, int B, int64_t step, int micro, int64_t fp) {
+void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set) {
   Acts& a = *a_;
-  if (cfg_.checkpoint_activations) block_forward(l, B, step, micro, fp, true);
-  Acts::BlockActs& b = a.blk(l);
+  if (cfg_.checkpoint_activations) block_forward(l, B, step, fp, true, set, true);
+  Acts::Set& st = a.sets[set];
+  const int j = l - layout_.chunks[chunk_of_block(l)].first_block;
+  Acts::BlockActs& b = cfg_.checkpoint_activations ? a.shared : st.blocks[j];
   const int T = cfg_.tokens(), C = cfg_.hidden, M = cfg_.mlp;
   const int Bl = tp_.local_batch(B), N = Bl * T;
   const size_t Cs = tp_.act_block(ActLayout::Stream, B, C).cols;
   const size_t Ml = tp_.act_block(ActLayout::Inner, B, M).cols;
   const int H = tp_.local_heads(cfg_.heads), hd = cfg_.head_dim();
   const size_t as = be_.act_size();
-  const int base = 4 + l * kParamsPerBlock;
+  const int base = block_param_[l];
   auto W = [&](int i) -> const void* {
     return static_cast<const char*>(compute_) + params_[base + i].offset * as;
   };
@@ -426,67 +527,82 @@ void ViT::block_backward(int l, int B, int64_t step, int micro, int64_t fp) {
   tp_.linear_backward(LinearRole::Column, a.dtmp, G(kQkvW), G(kQkvB), a.dqkv, b.y1, W(kQkvW), N,
                       C, 3 * C, 3);
   // dres += LN1 backward: now dres = d r_in[l]
-  tp_.layernorm_backward(a.dres, G(kNorm1W), G(kNorm1B), a.dtmp, a.r_in[l], W(kNorm1W), b.m1,
+  tp_.layernorm_backward(a.dres, G(kNorm1W), G(kNorm1B), a.dtmp, st.r_in[j], W(kNorm1W), b.m1,
                          b.s1, N, C);
 }
 
-double ViT::forward_backward(const DeviceBatch& in, float smoothing, float grad_scale,
-                             int64_t step, int micro) {
-  if (in.count == 0) return 0.0;
+void ViT::chunk_backward(int chunk, int set, const DeviceBatch& in, int64_t step) {
   Acts& a = *a_;
+  Acts::Set& st = a.sets[set];
+  const auto& ch = layout_.chunks[chunk];
+  const bool first = chunk == 0 && layout_.embed;
+  const bool last = chunk + 1 == static_cast<int>(layout_.chunks.size()) && layout_.head;
   const int B = in.count, T = cfg_.tokens(), C = cfg_.hidden, K = cfg_.classes;
-  forward(in, step, micro, true);
   const ActBlock sb = tp_.act_block(ActLayout::Stream, B, C);
   const int Bl = sb.samples;
   const size_t Cs = sb.cols;
-  be_.cross_entropy(a.losses, a.dlogits, a.logits, in.labels + sb.sample_offset,
-                    in.soft ? in.soft + static_cast<size_t>(sb.sample_offset) * K : nullptr, Bl,
-                    K, smoothing, grad_scale);
-  const int fn = 4 + cfg_.depth * kParamsPerBlock;
   const size_t as = be_.act_size();
   auto P = [&](int i) -> const void* {
     return static_cast<const char*>(compute_) + params_[i].offset * as;
   };
   auto G = [&](int i) -> float* { return grads_ + params_[i].offset; };
-  tp_.linear_backward(LinearRole::Head, a.dcls_norm, G(fn + 2), G(fn + 3), a.dlogits,
-                      a.cls_norm, P(fn + 2), Bl, C, K);
-  be_.zero(a.dcls_rows, Bl * Cs * as);
-  tp_.layernorm_backward(a.dcls_rows, G(fn), G(fn + 1), a.dcls_norm, a.cls_rows, P(fn), a.mf,
-                         a.sf, Bl, C);
-  be_.zero(a.dres, static_cast<size_t>(Bl) * T * Cs * as);
-  be_.scatter_cls_backward(a.dres, a.dcls_rows, Bl, T, static_cast<int>(Cs));
-  for (int l = cfg_.depth - 1; l >= 0; --l) block_backward(l, B, step, micro, in.first_position);
+  if (last) {
+    const int fn = head_param_;
+    tp_.linear_backward(LinearRole::Head, a.dcls_norm, G(fn + 2), G(fn + 3), st.dlogits,
+                        st.cls_norm, P(fn + 2), Bl, C, K);
+    be_.zero(a.dcls_rows, Bl * Cs * as);
+    tp_.layernorm_backward(a.dcls_rows, G(fn), G(fn + 1), a.dcls_norm, st.cls_rows, P(fn),
+                           st.mf, st.sf, Bl, C);
+    be_.zero(a.dres, static_cast<size_t>(Bl) * T * Cs * as);
+    be_.scatter_cls_backward(a.dres, a.dcls_rows, Bl, T, static_cast<int>(Cs));
+  }
+  // (otherwise dres holds d(chunk output), put there by the pipeline)
+  for (int l = ch.first_block + ch.blocks - 1; l >= ch.first_block; --l)
+    block_backward(l, B, step, in.first_position, set);
+  if (!first) {
+    // d(chunk input) goes back to the previous stage from the set (r_in[0] is spent)
+    be_.copy(st.r_in[0], a.dres, static_cast<size_t>(Bl) * T * Cs * as);
+    return;
+  }
+  const int e = embed_param_;
   const void* dx0 = a.dres;
   if (cfg_.dropout > 0.0f) {
     be_.dropout_backward(a.ddrop, a.dres, static_cast<size_t>(Bl) * T * Cs, cfg_.dropout,
                          dkey(step, 0, kSitePos, in.first_position, ActLayout::Stream, B, C));
     dx0 = a.ddrop;
   }
-  be_.embed_tokens_backward(a.dptok, G(2), G(3), dx0, Bl, T, static_cast<int>(Cs));
-  tp_.linear_backward(LinearRole::Embed, nullptr, G(0), G(1), a.dptok, a.patches, P(0),
+  be_.embed_tokens_backward(a.dptok, G(e + 2), G(e + 3), dx0, Bl, T, static_cast<int>(Cs));
+  tp_.linear_backward(LinearRole::Embed, nullptr, G(e), G(e + 1), a.dptok, st.patches, P(e),
                       Bl * cfg_.patches(), cfg_.patch_dim(), C);
-  // the loss of the whole micro-batch on every tensor rank
-  double loss = be_.sum(a.losses, Bl);
-  tp_.sum_over_batch(&loss, 1);
+}
+
+void* ViT::stage_input(int set) { return a_->sets[set].r_in[0]; }
+void* ViT::stage_output(int set) { return a_->sets[set].out; }
+void* ViT::grad_input() { return a_->dres; }
+
+size_t ViT::boundary_bytes(int batch) const {
+  const ActBlock sb = tp_.act_block(ActLayout::Stream, batch, cfg_.hidden);
+  return static_cast<size_t>(sb.samples) * cfg_.tokens() * sb.cols * be_.act_size();
+}
+
+double ViT::forward_backward(const DeviceBatch& in, float smoothing, float grad_scale,
+                             int64_t step, int micro) {
+  (void)micro;  // dropout masks are keyed by the samples' stream positions, not micro-batches
+  VG_CHECK(layout_.chunks.size() == 1 && layout_.embed && layout_.head,
+           "forward_backward needs the whole model on this rank");
+  if (in.count == 0) return 0.0;
+  double loss = 0.0;
+  chunk_forward(0, 0, in, step, true, smoothing, grad_scale, &loss, nullptr, nullptr);
+  chunk_backward(0, 0, in, step);
   return loss;
 }
 
 void ViT::forward_eval(const DeviceBatch& in, double* loss_sum, double* top1, double* top5) {
+  VG_CHECK(layout_.chunks.size() == 1 && layout_.embed && layout_.head,
+           "forward_eval needs the whole model on this rank");
   *loss_sum = *top1 = *top5 = 0.0;
   if (in.count == 0) return;
-  Acts& a = *a_;
-  const int B = in.count, K = cfg_.classes;
-  forward(in, 0, 0, false);
-  const ActBlock sb = tp_.act_block(ActLayout::Stream, B, cfg_.hidden);
-  const int Bl = sb.samples;
-  const int32_t* labels = in.labels + sb.sample_offset;
-  be_.cross_entropy(a.losses, nullptr, a.logits, labels, nullptr, Bl, K, 0.0f, 0.0f);
-  be_.topk_correct(a.c1, a.c5, a.logits, labels, Bl, K);
-  double v[3] = {be_.sum(a.losses, Bl), be_.sum(a.c1, Bl), be_.sum(a.c5, Bl)};
-  tp_.sum_over_batch(v, 3);
-  *loss_sum = v[0];
-  *top1 = v[1];
-  *top5 = v[2];
+  chunk_forward(0, 0, in, 0, false, 0.0f, 0.0f, loss_sum, top1, top5);
 }
 
 void ViT::logits_to_host(std::vector<float>& out, int count) {

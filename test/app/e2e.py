@@ -2,12 +2,13 @@
 """End-to-end tests of the vitgrid executable under mpirun (run by ctest, one test per name).
 
     e2e.py NAME      NAME in: dp_equivalence, resume_exact, refusals, predict, optimizers,
-                     tensor_parallel
+                     tensor_parallel, pipeline, pipeline_hybrid, pipeline_refusals
 
 They launch build/bin/vitgrid on 1-4 oversubscribed CPU ranks with the tiny deck beside this
 file and read metrics.h5 / checkpoints / predictions.h5 with h5py."""
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -259,6 +260,198 @@ def t_integrity(tmp):
     out = p.stdout + p.stderr
     check(p.returncode != 0 and "trunc.h5" in out and out.count("vitgrid: error:") == 1,
           "truncated checkpoint refused naming the file")
+
+
+def t_preemption(tmp):
+    """SIGUSR1 to mpirun (what SLURM's --signal=USR1@120 delivers): every rank finishes its step,
+    writes a checkpoint and exits with 3 (the job scripts requeue on it); resume = auto then
+    continues bit for bit."""
+    steps = 60
+    ref = os.path.join(tmp, "ref")
+    run(2, ["train", DECK, f"--run.out_dir={ref}", f"--run.steps={steps}", "--checkpoint.every_steps=0"])
+    _, lref = losses(ref)
+    d = os.path.join(tmp, "pre")
+    cmd = ["mpirun", "-np", "2", "--oversubscribe", VITGRID, "train", DECK, f"--run.out_dir={d}",
+           f"--run.steps={steps}", "--checkpoint.every_steps=0", "--run.log_every=1"]
+    p = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in p.stdout:
+        seen.append(line)
+        if line.startswith("step") and "/60" in line and int(line.split()[1].split("/")[0]) >= 8:
+            p.send_signal(signal.SIGUSR1)
+            break
+    out = "".join(seen) + p.stdout.read()
+    rc = p.wait(timeout=120)
+    check(rc == 3, f"exit code {rc} == 3 (requeue)")
+    check("preempt" in out, "the log says it was preempted")
+    ck = sorted(os.listdir(os.path.join(d, "checkpoints")))
+    check(len(ck) == 1 and ck[0].endswith(".h5"), f"one complete checkpoint written: {ck}")
+    stopped = int(ck[0][5:13]) if ck else 0
+    check(8 <= stopped < steps, f"stopped at step {stopped}")
+    run(2, ["train", DECK, f"--run.out_dir={d}", f"--run.steps={steps}", "--checkpoint.every_steps=0",
+            "--checkpoint.resume=auto"])
+    s2, l2 = losses(d)
+    check(list(s2) == list(range(1, steps + 1)), "metrics hold steps 1..60 once each")
+    check(np.array_equal(l2, lref), "the preempted-and-resumed run equals the uninterrupted one")
+
+
+def pipeline_run(tmp, name, np_, extra, common):
+    d = os.path.join(tmp, name)
+    p = run(np_, ["train", DECK, f"--run.out_dir={d}"] + common + extra)
+    _, loss = losses(d)
+    return d, loss, p.stdout
+
+
+def compare_checkpoints(what, d, ref):
+    got = model_tensors(os.path.join(d, "checkpoints", "step_00000020.h5"))
+    check(sorted(got) == sorted(ref), f"{what}: checkpoint holds every tensor under its timm name")
+    if sorted(got) != sorted(ref):
+        return
+    num = sum(float(np.sum((got[k] - ref[k]) ** 2)) for k in ref)
+    den = sum(float(np.sum(ref[k] ** 2)) for k in ref)
+    check(np.sqrt(num / den) <= 1e-4, f"{what}: final parameters match 1 rank ({np.sqrt(num / den):.2e})")
+    worst = max(np.linalg.norm(got[k] - ref[k]) / max(np.linalg.norm(ref[k]), 1e-12) for k in ref
+                if not k.endswith("attn.qkv.bias"))
+    check(worst <= 1e-4, f"{what}: every weight tensor matches ({worst:.2e})")
+
+
+def t_pipeline(tmp):
+    """Pipeline parallelism trains like 1 rank: the tiny deck (dropout, Mixup, clipping on) with
+    4 micro-batches, P = 2 and 4 under GPipe and 1F1B (depth 4) and interleaved P = 2 / 4 with
+    2 chunks (depth 8) gives the 1-rank loss curve within 1e-4 relative for 20 steps, and the
+    checkpoints hold the 1-rank global tensors. Also: balanced and list partitions of an uneven
+    depth, gradient accumulation with activation checkpointing, and the bubble attributes."""
+    common = ["--parallel.micro_batches=4", "--checkpoint.every_steps=20"]
+    for depth, cases in [
+        (4, [(2, "gpipe", 1), (2, "1f1b", 1), (4, "gpipe", 1), (4, "1f1b", 1)]),
+        (8, [(2, "interleaved", 2), (4, "interleaved", 2)]),
+    ]:
+        dc = common + [f"--model.depth={depth}"]
+        ref_dir, ref_loss, _ = pipeline_run(tmp, f"ref{depth}", 1, [], dc)
+        check(ref_loss[-1] < ref_loss[0], f"depth {depth}: 1-rank loss decreases")
+        ref = model_tensors(os.path.join(ref_dir, "checkpoints", "step_00000020.h5"))
+        for P, sched, V in cases:
+            what = f"P={P} {sched} V={V} depth={depth}"
+            d, loss, out = pipeline_run(tmp, f"p{P}_{sched}_{depth}", P,
+                                        [f"--parallel.pipeline={P}", f"--parallel.schedule={sched}",
+                                         f"--parallel.chunks={V}"], dc)
+            r = rel(loss, ref_loss)
+            check(len(loss) == 20 and r <= 1e-4, f"{what}: losses match 1 rank ({r:.2e})")
+            compare_checkpoints(what, d, ref)
+            with h5py.File(os.path.join(d, "metrics.h5"), "r") as f:
+                b = [float(f.attrs.get(f"bubble_fraction_stage{k}", -1)) for k in range(P)]
+                theory = float(f.attrs.get("bubble_fraction_theoretical", -1))
+            want = (P - 1) / (V * 4)
+            check(all(0.0 <= x < 1.0 for x in b) and abs(theory - want) < 1e-12,
+                  f"{what}: bubble per stage {[round(x, 3) for x in b]}, theoretical {theory:.3f}")
+            check("pipeline bubble" in out, f"{what}: bubble logged")
+            # eval goes through the pipeline too: the final eval equals the 1-rank one
+            with h5py.File(os.path.join(d, "metrics.h5"), "r") as f, \
+                 h5py.File(os.path.join(ref_dir, "metrics.h5"), "r") as g:
+                e, er = f["/eval/loss"][()], g["/eval/loss"][()]
+                t1, t1r = f["/eval/top1"][()], g["/eval/top1"][()]
+            check(len(e) == len(er) and rel(e, er) <= 1e-4 and np.allclose(t1, t1r),
+                  f"{what}: eval loss / top-1 match 1 rank")
+
+    # uneven depth 3 over 2 stages: balanced moves the odd block away from the embedding's
+    # stage (the head's is cheaper); an explicit list does the opposite; both train like 1 rank
+    dc = ["--parallel.micro_batches=4", "--model.depth=3", "--checkpoint.every_steps=0"]
+    _, ref_loss, _ = pipeline_run(tmp, "ref3", 1, [], dc)
+    for part, blocks in [("balanced", "1,2"), ("list:2,1", "2,1")]:
+        _, loss, out = pipeline_run(tmp, f"part_{part[:4]}", 2,
+                                    ["--parallel.pipeline=2", f"--parallel.partition={part}"], dc)
+        check(f"blocks per virtual stage {blocks}" in out, f"partition {part}: blocks {blocks}")
+        check(rel(loss, ref_loss) <= 1e-4, f"partition {part}: losses match 1 rank ({rel(loss, ref_loss):.2e})")
+
+    # gradient accumulation, activation checkpointing and data parallelism together
+    dc = ["--model.depth=4", "--data.grad_accum=2", "--model.checkpoint_activations=true",
+          "--checkpoint.every_steps=0"]
+    _, ref_loss, _ = pipeline_run(tmp, "ref_acc", 1, ["--parallel.micro_batches=2"], dc)
+    _, loss, _ = pipeline_run(tmp, "acc", 4, ["--parallel.pipeline=2", "--parallel.micro_batches=2"], dc)
+    check(rel(loss, ref_loss) <= 1e-4,
+          f"P=2 x data 2, accumulation 2, activation checkpointing: losses match 1 rank ({rel(loss, ref_loss):.2e})")
+
+    # fp16 with loss scaling: the overflow verdict is agreed over every stage
+    dc = ["--parallel.micro_batches=4", "--model.depth=4", "--precision.mode=fp16",
+          "--checkpoint.every_steps=0"]
+    _, ref_loss, _ = pipeline_run(tmp, "ref_fp16", 1, [], dc)
+    d, loss, _ = pipeline_run(tmp, "fp16", 2, ["--parallel.pipeline=2"], dc)
+    with h5py.File(os.path.join(d, "metrics.h5"), "r") as f:
+        scale = f["/train/loss_scale"][()]
+    check(rel(loss, ref_loss) <= 1e-3 and len(scale) == 20,
+          f"fp16 P=2: losses follow 1 rank ({rel(loss, ref_loss):.2e})")
+
+    # a pipelined run (P=2 x data 2) resumes bit for bit from its step-10 checkpoint
+    x = ["--parallel.micro_batches=4", "--parallel.pipeline=2", "--checkpoint.every_steps=10"]
+    a = os.path.join(tmp, "res_a")
+    run(4, ["train", DECK, f"--run.out_dir={a}"] + x)
+    b = os.path.join(tmp, "res_b")
+    shutil.copytree(a, b)
+    os.remove(os.path.join(b, "checkpoints", "step_00000020.h5"))
+    p = run(4, ["train", DECK, f"--run.out_dir={b}", "--checkpoint.resume=auto"] + x)
+    _, la = losses(a)
+    _, lb = losses(b)
+    check("resuming" in p.stdout and np.array_equal(la, lb), "P=2 x data 2: exact resume at step 10")
+
+
+def t_pipeline_hybrid(tmp):
+    """Pipeline x tensor x data parallelism at 8 ranks (P2 x 1d t2 x dp2, P2 x 2d t4) trains
+    like 1 rank (losses 1e-4 relative; checkpoint tensors 1e-4), and predict through the
+    pipeline writes every eval row."""
+    common = ["--model.hidden=32", "--model.heads=4", "--model.depth=4", "--parallel.micro_batches=4",
+              "--checkpoint.every_steps=20"]
+    ref_dir, ref_loss, _ = pipeline_run(tmp, "ref", 1, [], common)
+    ref = model_tensors(os.path.join(ref_dir, "checkpoints", "step_00000020.h5"))
+    for sched, mode, t in [("1f1b", "1d", 2), ("gpipe", "2d", 4)]:
+        what = f"P=2 {sched} x {mode} tensor={t} x data={8 // (2 * t)}"
+        d, loss, _ = pipeline_run(tmp, f"{mode}_{sched}", 8,
+                                  ["--parallel.pipeline=2", f"--parallel.schedule={sched}",
+                                   f"--parallel.tensor={t}", f"--parallel.tensor_mode={mode}"], common)
+        r = rel(loss, ref_loss)
+        check(len(loss) == 20 and r <= 1e-4, f"{what}: losses match 1 rank ({r:.2e})")
+        compare_checkpoints(what, d, ref)
+    # a pipelined checkpoint loads anywhere: predict on P=2 x 1d t2 from the 1-rank run
+    ck = os.path.join(ref_dir, "checkpoints", "step_00000020.h5")
+    pe = run(1, ["eval", DECK, f"--checkpoint.load={ck}", f"--run.out_dir={tmp}/ev"] + common)
+    run(8, ["predict", DECK, f"--checkpoint.load={ck}", f"--run.out_dir={tmp}/pred",
+            "--parallel.pipeline=2", "--parallel.tensor=2"] + common)
+    with h5py.File(os.path.join(tmp, "pred", "predictions.h5"), "r") as f:
+        logits, labels = f["/logits"][()], f["/labels"][()]
+    top1 = float(np.mean(np.argmax(logits, 1) == labels))
+    line = [l for l in pe.stdout.splitlines() if "top-1" in l][-1]
+    reported = float(line.split("top-1")[1].split("%")[0]) / 100
+    check(logits.shape == (64, 4) and abs(top1 - reported) < 5e-5,
+          f"predict through the pipeline: {logits.shape}, top-1 {top1:.4f} == 1-rank eval {reported:.4f}")
+
+
+def t_pipeline_refusals(tmp):
+    """Pipeline decks that cannot run are refused naming the key; a rank failing mid-step
+    ends the job (MPI_Abort) instead of leaving its neighbours blocked in recv."""
+    cases = [
+        (["--parallel.pipeline=2", "--model.depth=3"], "model.depth"),
+        (["--parallel.pipeline=2", "--parallel.micro_batches=3"], "parallel.micro_batches"),
+        (["--parallel.pipeline=2", "--parallel.schedule=interleaved", "--parallel.chunks=2",
+          "--model.depth=6"], "model.depth"),
+        (["--parallel.pipeline=2", "--parallel.schedule=interleaved", "--parallel.chunks=1"],
+         "parallel.chunks"),
+        (["--parallel.pipeline=2", "--parallel.partition=list:1,2"], "parallel.partition"),
+        (["--parallel.pipeline=2", "--parallel.schedule=zigzag"], "parallel.schedule"),
+    ]
+    for extra, key in cases:
+        d = os.path.join(tmp, "refuse")
+        p = run(2, ["train", DECK, f"--run.out_dir={d}"] + extra, timeout=60, expect_rc=None)
+        out = p.stdout + p.stderr
+        n = out.count("vitgrid: error:")
+        check(p.returncode != 0 and n == 1 and key in out,
+              f"{' '.join(extra)}: exit {p.returncode}, {n} message(s), names {key}")
+    env = dict(ENV, VITGRID_TEST_FAIL_AT="1:3")
+    d = os.path.join(tmp, "fail")
+    cmd = ["mpirun", "-np", "4", "--oversubscribe", "-x", "VITGRID_TEST_FAIL_AT", VITGRID, "train", DECK,
+           f"--run.out_dir={d}", "--parallel.pipeline=4", "--model.depth=4", "--parallel.micro_batches=4"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    check(p.returncode != 0 and "injected failure" in out,
+          f"a stage failing at step 3 ends the job (exit {p.returncode}) with its message")
 
 
 def t_gpu_matches_cpu(tmp):

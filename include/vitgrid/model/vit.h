@@ -56,15 +56,51 @@ struct DeviceBatch {
   int64_t first_position = 0;         // global stream position of sample 0 (dropout counters)
 };
 
+// The part of the model one pipeline stage holds: its chunks (runs of consecutive blocks, in
+// forward order: chunk c of stage s is virtual stage c * P + s), whether its first chunk starts
+// with the patch embedding (virtual stage 0) and whether its last chunk ends with the final
+// norm, head and loss (the last virtual stage), and how many activation sets (micro-batches in
+// flight) to plan up front. whole(): the unsplit model, one set.
+struct StageLayout {
+  struct Chunk {
+    int first_block = 0;
+    int blocks = 0;
+  };
+  std::vector<Chunk> chunks;
+  bool embed = true;
+  bool head = true;
+  int sets = 1;
+  static StageLayout whole(int depth, int sets = 1) {
+    StageLayout l;
+    l.chunks = {{0, depth}};
+    l.sets = sets;
+    return l;
+  }
+};
+
+// (name, global shape) of every parameter of the whole model, in timm order, whatever this
+// rank holds: checkpoints need the full list on every rank.
+struct ParamName {
+  std::string name;
+  std::vector<int64_t> global_shape;
+};
+
 class ViT {
  public:
   ViT(const ViTConfig& cfg, Backend& be, TensorParallel& tp, int max_batch);
+  // A pipeline stage's part of the model: parameters of its layers only (global names), and
+  // `layout.sets` activation sets for micro-batches of up to max_batch samples.
+  ViT(const ViTConfig& cfg, Backend& be, TensorParallel& tp, int max_batch,
+      const StageLayout& layout);
   ~ViT();
   ViT(const ViT&) = delete;
   ViT& operator=(const ViT&) = delete;
 
   const ViTConfig& config() const { return cfg_; }
+  // The parameters this rank holds (all of them without pipelining).
   const std::vector<ParamInfo>& params() const { return params_; }
+  const std::vector<ParamName>& all_param_names() const { return all_names_; }
+  const StageLayout& layout() const { return layout_; }
   size_t num_local_params() const { return n_params_; }
   int64_t num_global_params() const;
 
@@ -89,7 +125,10 @@ class ViT {
   // tensor group passes the same whole micro-batch (count samples) and gets the whole sum;
   // the strategy picks this rank's samples. Collective over the tensor group (as are
   // forward_eval, logits_to_host and reduce_gradients).
-  // `step` and `micro` key the dropout masks.
+  // `step` keys the dropout masks (`micro` does not: a sample's mask depends on its global
+  // stream position only). The whole-model calls (forward_backward, forward_eval) need a
+  // layout holding the whole model (the default constructor's); pipeline stages use the
+  // chunk_* calls below through PipelineRunner.
   double forward_backward(const DeviceBatch& b, float smoothing, float grad_scale,
                           int64_t step, int micro);
   // Forward only; returns loss sum (no smoothing) and top-1 / top-5 counts.
@@ -99,13 +138,38 @@ class ViT {
 
   size_t activation_bytes() const { return act_bytes_; }
 
+  // ---- pipeline stages (PipelineRunner drives these). Collective over the tensor group, like
+  // the rest; never over the pipeline axis (the runner moves the boundary tensors).
+  // Forward of local chunk `chunk` on micro-batch b in activation set `set`. The first chunk of
+  // the first stage reads b.images; any other chunk reads its input from stage_input(set). The
+  // last chunk of the model computes the loss at once: training (train = true) stores
+  // dlogits (scaled by grad_scale, with label smoothing) for the backward and returns the loss
+  // sum in *loss; eval also returns the top-1 / top-5 counts (top1 / top5 may be null in
+  // training). Other chunks leave their output in stage_output(set).
+  void chunk_forward(int chunk, int set, const DeviceBatch& b, int64_t step, bool train,
+                     float smoothing, float grad_scale, double* loss, double* top1,
+                     double* top5);
+  // Backward of local chunk `chunk` on micro-batch b in set `set`. A chunk that is not the
+  // model's last reads d(its output) from grad_input() (received or copied there first).
+  // Weight gradients accumulate. A chunk that is not the model's first leaves d(its input) in
+  // stage_input(set) (the set's input is not needed any more).
+  void chunk_backward(int chunk, int set, const DeviceBatch& b, int64_t step);
+  void* stage_input(int set);
+  void* stage_output(int set);
+  void* grad_input();
+  // Bytes of this rank's shard of a chunk boundary (the residual stream, Stream layout) of a
+  // micro-batch of `batch` samples: what goes between stages.
+  size_t boundary_bytes(int batch) const;
+
  private:
   struct Block;
+  struct Set;
   void build_params();
   void plan_activations();
-  void forward(const DeviceBatch& b, int64_t step, int micro, bool train);
-  void block_forward(int l, int B, int64_t step, int micro, int64_t first_pos, bool train);
-  void block_backward(int l, int B, int64_t step, int micro, int64_t first_pos);
+  int chunk_of_block(int l) const;
+  void block_forward(int l, int B, int64_t step, int64_t first_pos, bool train, int set,
+                     bool recompute);
+  void block_backward(int l, int B, int64_t step, int64_t first_pos, int set);
   // The mask key of a dropout site on this rank's block of the global [B, T, width]
   // activation of `layout` (counters are global element indices).
   DropoutKey dkey(int64_t step, int layer, int site, int64_t first_pos, ActLayout layout, int B,
@@ -115,7 +179,13 @@ class ViT {
   Backend& be_;
   TensorParallel& tp_;
   int max_batch_;
+  StageLayout layout_;
   std::vector<ParamInfo> params_;
+  std::vector<ParamName> all_names_;
+  // index in params_ of the first parameter of block l (-1: not on this stage), of the
+  // patch embedding's weight and of the final norm's weight (-1: not held)
+  std::vector<int> block_param_;
+  int embed_param_ = -1, head_param_ = -1;
   size_t n_params_ = 0;
   float* master_ = nullptr;
   float* grads_ = nullptr;

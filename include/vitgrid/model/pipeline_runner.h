@@ -1,0 +1,70 @@
+// Runs a stage's pipeline plan (parallel/pipeline.h) on its part of the ViT: cuts the rank's
+// batch into the plan's micro-batches, calls the model's chunk forward / backward in the
+// plan's order, and moves the chunk boundaries (this rank's tensor shard of the residual
+// stream and its gradient) to the neighbouring stages with Collectives send / recv on
+// Axis::Pipeline: MPI on the CPU, NCCL on the GPU. Shapes come from the deck and the batch's
+// sample count, which every stage of a pipeline knows alike (they load the same batch), so
+// nothing but the tensors themselves is exchanged.
+//
+// A failure inside a step on one rank (an exception from a kernel, a check) ends the whole job
+// with MPI_Abort and a message naming the stage: its neighbours are blocked in send / recv and
+// would otherwise wait forever.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "vitgrid/backend/backend.h"
+#include "vitgrid/grid/grid.h"
+#include "vitgrid/model/vit.h"
+#include "vitgrid/parallel/pipeline.h"
+
+namespace vitgrid {
+
+class PipelineRunner {
+ public:
+  // `micro` is the samples of one micro-batch (the per-rank batch / M); the model must have
+  // been built with at least max(num_slots) sets of `micro` samples for this stage.
+  PipelineRunner(ViT& model, Backend& be, Collectives& coll, const ProcessGrid& grid,
+                 PipelinePlans train_plans, PipelinePlans eval_plans, int micro);
+
+  // Called by every rank of the pipeline and tensor groups (same batch on the stages of one
+  // pipeline). One forward + backward of the rank's batch `b` (b.count = M * micro): weight
+  // gradients accumulate. Returns the loss sum over b on the last stage, 0 elsewhere.
+  double train(const DeviceBatch& b, float smoothing, float grad_scale, int64_t step);
+  // Called likewise. Forward only of an eval batch (b.count <= M * micro: the last batches of
+  // a pass may be short or empty). Sums on the last stage (0 elsewhere); with `logits`, the
+  // last stage appends b's logits rows (fp32, [count, K], sample order).
+  void eval(const DeviceBatch& b, double* loss, double* top1, double* top5,
+            std::vector<float>* logits);
+
+  int stage() const { return stage_; }
+  int stages() const { return P_; }
+  bool last_stage() const { return stage_ == P_ - 1; }
+  // Seconds of training steps spent blocked in send / recv (waiting for a neighbour) and in
+  // total since the last reset: the measured bubble is wait / total.
+  double wait_seconds() const { return wait_s_; }
+  double total_seconds() const { return total_s_; }
+  void reset_timers() { wait_s_ = total_s_ = 0.0; }
+  const PipelinePlans& train_plans() const { return train_; }
+
+ private:
+  void run(const PipelinePlan& plan, const DeviceBatch& b, bool train, float smoothing,
+           float grad_scale, int64_t step, double* sums, std::vector<float>* logits);
+  DeviceBatch micro_batch(const DeviceBatch& b, int m) const;
+
+  ViT& model_;
+  Backend& be_;
+  Collectives& coll_;
+  PipelinePlans train_, eval_;
+  int micro_;
+  int P_, stage_;
+  size_t image_bytes_;  // one sample's prepared image (act dtype)
+  double wait_s_ = 0.0, total_s_ = 0.0;
+  // Fault injection for the tests (VITGRID_TEST_FAIL_AT=stage:step): this stage's first rank
+  // fails at the start of that step, as a crashing kernel would.
+  int fail_stage_ = -1;
+  int64_t fail_step_ = -1;
+  bool fail_rank_ = false;
+};
+
+}  // namespace vitgrid

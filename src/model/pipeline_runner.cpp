@@ -1,0 +1,151 @@
+#include "vitgrid/model/pipeline_runner.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <exception>
+#include <string>
+
+#include "vitgrid/core/error.h"
+#include "vitgrid/core/log.h"
+
+namespace vitgrid {
+
+PipelineRunner::PipelineRunner(ViT& model, Backend& be, Collectives& coll,
+                               const ProcessGrid& grid, PipelinePlans train_plans,
+                               PipelinePlans eval_plans, int micro)
+    : model_(model),
+      be_(be),
+      coll_(coll),
+      train_(std::move(train_plans)),
+      eval_(std::move(eval_plans)),
+      micro_(micro),
+      P_(grid.size(Axis::Pipeline)),
+      stage_(grid.rank(Axis::Pipeline)) {
+  VG_CHECK(train_.P == P_ && eval_.P == P_, "pipeline plans for " << train_.P << " stages on a grid of " << P_);
+  VG_CHECK(micro_ >= 1, "micro-batch of " << micro_ << " samples");
+  const ViTConfig& c = model_.config();
+  image_bytes_ = static_cast<size_t>(c.channels) * c.image * c.image * be_.act_size();
+  if (const char* f = std::getenv("VITGRID_TEST_FAIL_AT")) {
+    const std::string s(f);
+    const size_t colon = s.find(':');
+    if (colon != std::string::npos) {
+      fail_stage_ = std::atoi(s.substr(0, colon).c_str());
+      fail_step_ = std::atoll(s.substr(colon + 1).c_str());
+      // one rank of the stage: the others must be left blocked on it
+      bool first = true;
+      for (Axis a : {Axis::Data, Axis::Tensor}) first = first && grid.rank(a) == 0;
+      fail_rank_ = first && stage_ == fail_stage_;
+    }
+  }
+}
+
+DeviceBatch PipelineRunner::micro_batch(const DeviceBatch& b, int m) const {
+  DeviceBatch d;
+  const int first = m * micro_;
+  d.count = std::max(0, std::min(micro_, b.count - first));
+  d.first_position = b.first_position + first;
+  if (d.count == 0) return d;
+  const int K = model_.config().classes;
+  if (b.images) d.images = static_cast<const char*>(b.images) + first * image_bytes_;
+  if (b.labels) d.labels = b.labels + first;
+  if (b.soft) d.soft = b.soft + static_cast<size_t>(first) * K;
+  return d;
+}
+
+// Called by every rank of the pipeline and tensor groups.
+void PipelineRunner::run(const PipelinePlan& plan, const DeviceBatch& b, bool train,
+                         float smoothing, float grad_scale, int64_t step, double* sums,
+                         std::vector<float>* logits) {
+  const int M = train_.M;
+  // micro-batches of this batch (eval's last batch may leave some short or empty: both sides
+  // of every message know it from the batch count and skip empty ones alike)
+  std::vector<DeviceBatch> mb(M);
+  for (int m = 0; m < M; ++m) mb[m] = micro_batch(b, m);
+  const int last_chunk = static_cast<int>(model_.layout().chunks.size()) - 1;
+  const bool holds_head = model_.layout().head;
+  std::vector<float> rows;
+  double wait = 0.0;  // blocked in send / recv
+  try {
+    for (const PipeOp& op : plan.ops) {
+      const DeviceBatch& d = mb[op.micro];
+      if (d.count == 0) continue;
+      const size_t bytes = model_.boundary_bytes(d.count);
+      double t0 = 0.0;
+      switch (op.kind) {
+        case PipeOpKind::Forward: {
+          double v[3] = {0.0, 0.0, 0.0};
+          model_.chunk_forward(op.chunk, op.slot, d, step, train, smoothing, grad_scale, &v[0],
+                               &v[1], &v[2]);
+          if (holds_head && op.chunk == last_chunk) {
+            for (int i = 0; i < 3; ++i) sums[i] += v[i];
+            if (logits) {
+              // rows arrive in micro-batch order: the plan runs a stage's forwards in order
+              model_.logits_to_host(rows, d.count);
+              logits->insert(logits->end(), rows.begin(), rows.end());
+            }
+          }
+          break;
+        }
+        case PipeOpKind::Backward:
+          model_.chunk_backward(op.chunk, op.slot, d, step);
+          break;
+        case PipeOpKind::SendAct:
+          t0 = now_s();
+          coll_.send(model_.stage_output(op.slot), bytes, op.peer, Axis::Pipeline);
+          wait += now_s() - t0;
+          break;
+        case PipeOpKind::RecvAct:
+          t0 = now_s();
+          coll_.recv(model_.stage_input(op.slot), bytes, op.peer, Axis::Pipeline);
+          wait += now_s() - t0;
+          break;
+        case PipeOpKind::SendGrad:
+          t0 = now_s();
+          coll_.send(model_.stage_input(op.slot), bytes, op.peer, Axis::Pipeline);
+          wait += now_s() - t0;
+          break;
+        case PipeOpKind::RecvGrad:
+          t0 = now_s();
+          coll_.recv(model_.grad_input(), bytes, op.peer, Axis::Pipeline);
+          wait += now_s() - t0;
+          break;
+        case PipeOpKind::CopyAct:
+          be_.copy(model_.stage_input(op.slot), model_.stage_output(op.src_slot), bytes);
+          break;
+        case PipeOpKind::CopyGrad:
+          be_.copy(model_.grad_input(), model_.stage_input(op.src_slot), bytes);
+          break;
+      }
+    }
+  } catch (const std::exception& e) {
+    // Only this rank saw it; its neighbours wait in send / recv: end the job.
+    VG_FAIL("pipeline stage " << stage_ << ", step " << step << ": " << e.what());
+  }
+  if (train) wait_s_ += wait;  // the bubble is measured on training steps
+}
+
+double PipelineRunner::train(const DeviceBatch& b, float smoothing, float grad_scale,
+                             int64_t step) {
+  VG_CHECK(b.count == train_.M * micro_, "a training batch of " << b.count << " samples for "
+                                             << train_.M << " micro-batches of " << micro_);
+  if (fail_rank_ && step == fail_step_)
+    VG_FAIL("injected failure (VITGRID_TEST_FAIL_AT) on pipeline stage " << stage_ << " at step " << step);
+  const double t0 = now_s();
+  double sums[3] = {0.0, 0.0, 0.0};
+  run(train_.stages[stage_], b, true, smoothing, grad_scale, step, sums, nullptr);
+  total_s_ += now_s() - t0;
+  return sums[0];
+}
+
+void PipelineRunner::eval(const DeviceBatch& b, double* loss, double* top1, double* top5,
+                          std::vector<float>* logits) {
+  VG_CHECK(b.count <= eval_.M * micro_, "an eval batch of " << b.count << " samples for "
+                                            << eval_.M << " micro-batches of " << micro_);
+  double sums[3] = {0.0, 0.0, 0.0};
+  run(eval_.stages[stage_], b, false, 0.0f, 0.0f, 0, sums, logits);
+  *loss = sums[0];
+  *top1 = sums[1];
+  *top5 = sums[2];
+}
+
+}  // namespace vitgrid

@@ -1,0 +1,480 @@
+// Pipeline schedules, stage partition and the point-to-point plan (pipeline.h).
+//
+// How a plan is made deadlock-free with blocking send/recv. Each stage's schedule is a list of
+// compute operations (forward / backward of a chunk and micro-batch). We simulate the schedules
+// with unit costs and free communication, which gives every compute a start time (and proves
+// the orders feasible: a schedule waiting on itself never finishes the simulation). We then
+// walk all computes of all stages in order of start time, and when a compute needs a message
+// we append the send to the producer's list and the recv to the consumer's list at that moment,
+// then the compute. The lists are therefore the projections of one sequential execution in
+// which each send/recv pair happens at once; replaying them with rendezvous semantics can
+// always run the earliest unfinished event of that execution, so it never deadlocks, and the
+// messages between two ranks are sent and received in the same order (MPI does not let
+// messages of one pair and tag overtake; NCCL send/recv match in order too).
+//
+// Activation sets ("slots") are assigned while walking: a set is taken when a chunk's input
+// arrives (or its forward starts on virtual stage 0) and given back once nothing reads it any
+// more: after the backward on virtual stage 0, after its d(input) was sent elsewhere, or in
+// forward-only plans once its output was sent. The largest number held at once is what the
+// model allocates up front: M for GPipe, about P - stage for 1F1B.
+#include "vitgrid/parallel/pipeline.h"
+
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "vitgrid/core/error.h"
+
+namespace vitgrid {
+
+PipeSchedule parse_pipe_schedule(const std::string& s) {
+  if (s == "gpipe") return PipeSchedule::GPipe;
+  if (s == "1f1b") return PipeSchedule::OneFOneB;
+  if (s == "interleaved") return PipeSchedule::Interleaved;
+  throw UserError("parallel.schedule: unknown schedule '" + s + "' (gpipe | 1f1b | interleaved)");
+}
+
+const char* pipe_schedule_name(PipeSchedule s) {
+  switch (s) {
+    case PipeSchedule::GPipe: return "gpipe";
+    case PipeSchedule::OneFOneB: return "1f1b";
+    case PipeSchedule::Interleaved: return "interleaved";
+  }
+  return "?";
+}
+
+const char* pipe_op_name(PipeOpKind k) {
+  switch (k) {
+    case PipeOpKind::Forward: return "F";
+    case PipeOpKind::Backward: return "B";
+    case PipeOpKind::SendAct: return "send-act";
+    case PipeOpKind::RecvAct: return "recv-act";
+    case PipeOpKind::SendGrad: return "send-grad";
+    case PipeOpKind::RecvGrad: return "recv-grad";
+    case PipeOpKind::CopyAct: return "copy-act";
+    case PipeOpKind::CopyGrad: return "copy-grad";
+  }
+  return "?";
+}
+
+// ---- partition
+
+std::vector<int> partition_blocks(const std::string& spec, int depth, int P, int V,
+                                  const PipeCost& cost) {
+  const int S = P * V;
+  if (S < 1 || depth < S)
+    throw UserError("parallel.pipeline: " + std::to_string(S) +
+                    " (virtual) stages need at least as many blocks, model.depth is " +
+                    std::to_string(depth));
+  std::vector<int> n;
+  if (spec == "uniform") {
+    if (depth % S != 0)
+      throw UserError("model.depth: " + std::to_string(depth) + " blocks do not split evenly over " +
+                      std::to_string(S) + " stages (parallel.partition = uniform)");
+    n.assign(S, depth / S);
+  } else if (spec.rfind("list:", 0) == 0) {
+    std::stringstream ss(spec.substr(5));
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      int v = 0;
+      try {
+        size_t used = 0;
+        v = std::stoi(item, &used);
+        if (used != item.size()) v = 0;
+      } catch (const std::exception&) {
+        v = 0;
+      }
+      if (v < 1) throw UserError("parallel.partition: entry '" + item + "' is not a positive integer");
+      n.push_back(v);
+    }
+    int sum = 0;
+    for (int v : n) sum += v;
+    if (static_cast<int>(n.size()) != S || sum != depth)
+      throw UserError("parallel.partition: '" + spec + "' must list " + std::to_string(S) +
+                      " block counts summing to model.depth (" + std::to_string(depth) + ")");
+  } else if (spec == "balanced") {
+    // Minimise the most expensive virtual stage over contiguous splits (every stage >= 1
+    // block): best[k][j] = cheapest maximum for the first j blocks on the first k stages.
+    auto stage_cost = [&](int k, int blocks) {
+      return blocks * cost.block + (k == 0 ? cost.embed : 0.0) + (k == S - 1 ? cost.head : 0.0);
+    };
+    const double inf = std::numeric_limits<double>::infinity();
+    std::vector<std::vector<double>> best(S + 1, std::vector<double>(depth + 1, inf));
+    std::vector<std::vector<int>> from(S + 1, std::vector<int>(depth + 1, -1));
+    best[0][0] = 0.0;
+    for (int k = 1; k <= S; ++k)
+      for (int j = k; j <= depth - (S - k); ++j)
+        for (int i = k - 1; i < j; ++i) {
+          if (best[k - 1][i] == inf) continue;
+          const double c = std::max(best[k - 1][i], stage_cost(k - 1, j - i));
+          // strict improvement only: among equal maxima the first stages keep more blocks,
+          // which is uniform whenever uniform is optimal
+          if (c < best[k][j] - 1e-12 * std::max(1.0, c)) {
+            best[k][j] = c;
+            from[k][j] = i;
+          }
+        }
+    n.assign(S, 0);
+    for (int k = S, j = depth; k > 0; --k) {
+      const int i = from[k][j];
+      n[k - 1] = j - i;
+      j = i;
+    }
+  } else {
+    throw UserError("parallel.partition: unknown partition '" + spec +
+                    "' (uniform | balanced | list:n0,n1,...)");
+  }
+  return n;
+}
+
+double theoretical_bubble(PipeSchedule s, int P, int V, int M) {
+  if (s == PipeSchedule::Interleaved) return double(P - 1) / (double(V) * M);
+  return double(P - 1) / M;
+}
+
+// ---- schedules
+
+namespace {
+
+struct Work {
+  bool fwd;
+  int chunk, micro;
+};
+
+// Forward order of (chunk, micro) pairs on a stage for the interleaved schedule (Megatron):
+// micro-batches in groups of P, each group through chunk 0, then chunk 1, ...; backward goes
+// through the chunks in reverse.
+std::vector<std::pair<int, int>> interleaved_order(int P, int V, int M, bool forward) {
+  std::vector<std::pair<int, int>> out;
+  for (int g0 = 0; g0 < M; g0 += P)
+    for (int ci = 0; ci < V; ++ci) {
+      const int c = forward ? ci : V - 1 - ci;
+      for (int m = g0; m < std::min(g0 + P, M); ++m) out.emplace_back(c, m);
+    }
+  return out;
+}
+
+// The compute list of stage s. `extra` lengthens the warm-up (see build_pipeline_plans).
+std::vector<Work> stage_order(PipeSchedule k, int P, int V, int M, int s, bool train, int extra) {
+  std::vector<Work> w;
+  if (k != PipeSchedule::Interleaved) V = 1;
+  auto fseq = k == PipeSchedule::Interleaved ? interleaved_order(P, V, M, true)
+                                             : interleaved_order(1, 1, M, true);
+  auto bseq = k == PipeSchedule::Interleaved ? interleaved_order(P, V, M, false)
+                                             : interleaved_order(1, 1, M, false);
+  const int total = static_cast<int>(fseq.size());
+  if (!train) {
+    for (auto [c, m] : fseq) w.push_back({true, c, m});
+    return w;
+  }
+  int warm = 0;
+  switch (k) {
+    case PipeSchedule::GPipe: warm = total; break;
+    case PipeSchedule::OneFOneB: warm = P - s - 1; break;
+    case PipeSchedule::Interleaved:
+      // Megatron: all forwards first when M == P, else 2 per later stage + one group per
+      // extra chunk
+      warm = M == P ? total : (P - s - 1) * 2 + (V - 1) * P;
+      break;
+  }
+  warm = std::min(warm + extra, total);
+  for (int i = 0; i < warm; ++i) w.push_back({true, fseq[i].first, fseq[i].second});
+  for (int i = 0; i < total - warm; ++i) {
+    w.push_back({true, fseq[warm + i].first, fseq[warm + i].second});
+    w.push_back({false, bseq[i].first, bseq[i].second});
+  }
+  for (int i = total - warm; i < total; ++i) w.push_back({false, bseq[i].first, bseq[i].second});
+  return w;
+}
+
+struct Timed {
+  int stage, index;
+  double start;
+  bool needs_msg;
+};
+
+}  // namespace
+
+PipelinePlans build_pipeline_plans(PipeSchedule k, int P, int V, int M, bool train) {
+  VG_CHECK(P >= 1 && V >= 1 && M >= 1, "pipeline plan for P " << P << " V " << V << " M " << M);
+  VG_CHECK(V == 1 || k == PipeSchedule::Interleaved, "model chunks without the interleaved schedule");
+  const int S = P * V;
+  const double cf = 1.0, cb = 2.0;
+  PipelinePlans out;
+  out.schedule = k;
+  out.P = P;
+  out.V = V;
+  out.M = M;
+  out.train = train;
+
+  // 1. Simulate (unit costs, free communication) to get start times; grow the warm-up until
+  //    the orders are feasible (all forwards first always is).
+  std::vector<std::vector<Work>> order(P);
+  std::vector<std::vector<double>> start(P);
+  double makespan = 0.0;
+  for (int extra = 0;; ++extra) {
+    for (int s = 0; s < P; ++s) order[s] = stage_order(k, P, V, M, s, train, extra);
+    std::vector<std::vector<double>> endF(S, std::vector<double>(M, -1.0)), endB = endF;
+    std::vector<size_t> next(P, 0);
+    std::vector<double> free_at(P, 0.0);
+    for (int s = 0; s < P; ++s) start[s].assign(order[s].size(), 0.0);
+    bool progress = true;
+    size_t done = 0, all = 0;
+    for (auto& o : order) all += o.size();
+    while (progress) {
+      progress = false;
+      for (int s = 0; s < P; ++s) {
+        while (next[s] < order[s].size()) {
+          const Work& w = order[s][next[s]];
+          const int v = w.chunk * P + s;
+          double dep = 0.0;
+          if (w.fwd) {
+            if (v > 0) dep = endF[v - 1][w.micro];
+          } else {
+            dep = endF[v][w.micro];
+            if (v < S - 1) {
+              const double g = endB[v + 1][w.micro];
+              dep = (dep < 0.0 || g < 0.0) ? -1.0 : std::max(dep, g);
+            }
+          }
+          if (dep < 0.0) break;
+          const double t0 = std::max(free_at[s], dep);
+          start[s][next[s]] = t0;
+          free_at[s] = t0 + (w.fwd ? cf : cb);
+          (w.fwd ? endF : endB)[v][w.micro] = free_at[s];
+          ++next[s];
+          ++done;
+          progress = true;
+        }
+      }
+    }
+    if (done == all) {
+      makespan = *std::max_element(free_at.begin(), free_at.end());
+      double idle = 0.0;
+      for (int s = 0; s < P; ++s) {
+        double busy = 0.0;
+        for (const Work& w : order[s]) busy += w.fwd ? cf : cb;
+        idle += (makespan - busy) / makespan;
+      }
+      out.simulated_bubble = idle / P;
+      break;
+    }
+    if (extra > 2 * S * M)
+      throw UserError("parallel.micro_batches: the " + std::string(pipe_schedule_name(k)) +
+                      " schedule cannot run " + std::to_string(M) + " micro-batches on " +
+                      std::to_string(P) + " stages x " + std::to_string(V) + " chunks");
+  }
+
+  // 2. Walk every compute in start order, placing each message's send and recv as it is
+  //    needed. Ties: a compute that receives goes first, so the sender's send lands before
+  //    its own compute that starts at the same time.
+  std::vector<Timed> all;
+  for (int s = 0; s < P; ++s)
+    for (size_t i = 0; i < order[s].size(); ++i) {
+      const Work& w = order[s][i];
+      const int v = w.chunk * P + s;
+      const bool needs = w.fwd ? v > 0 : v < S - 1;
+      all.push_back({s, static_cast<int>(i), start[s][i], needs});
+    }
+  std::stable_sort(all.begin(), all.end(), [](const Timed& a, const Timed& b) {
+    if (a.start != b.start) return a.start < b.start;
+    if (a.needs_msg != b.needs_msg) return a.needs_msg;
+    return a.stage < b.stage;
+  });
+
+  out.stages.resize(P);
+  // per stage: slot of each (chunk, micro) currently held, and the free slots
+  std::vector<std::map<std::pair<int, int>, int>> slot_of(P);
+  std::vector<std::set<int>> free_slots(P);
+  auto take = [&](int s, int c, int m) {
+    PipelinePlan& pl = out.stages[s];
+    int slot;
+    if (free_slots[s].empty()) {
+      slot = pl.num_slots++;
+    } else {
+      slot = *free_slots[s].begin();
+      free_slots[s].erase(free_slots[s].begin());
+    }
+    slot_of[s][{c, m}] = slot;
+    return slot;
+  };
+  auto give = [&](int s, int c, int m) {
+    auto it = slot_of[s].find({c, m});
+    VG_CHECK(it != slot_of[s].end(), "pipeline plan: no set held for chunk " << c << " micro " << m);
+    free_slots[s].insert(it->second);
+    slot_of[s].erase(it);
+  };
+  auto held = [&](int s, int c, int m) {
+    auto it = slot_of[s].find({c, m});
+    VG_CHECK(it != slot_of[s].end(), "pipeline plan: no set held for chunk " << c << " micro " << m);
+    return it->second;
+  };
+  for (int s = 0; s < P; ++s) out.stages[s].stage = s;
+  for (const Timed& t : all) {
+    const Work& w = order[t.stage][t.index];
+    const int s = t.stage, c = w.chunk, m = w.micro, v = c * P + s;
+    auto& ops = out.stages[s].ops;
+    if (w.fwd) {
+      int slot;
+      if (v > 0) {
+        const int ps = (v - 1) % P, pc = (v - 1) / P;
+        const int src = held(ps, pc, m);
+        if (ps != s) {
+          PipeOp snd{PipeOpKind::SendAct, pc, m, src, s, -1, !train};
+          out.stages[ps].ops.push_back(snd);
+          if (!train) give(ps, pc, m);
+          slot = take(s, c, m);
+          ops.push_back({PipeOpKind::RecvAct, c, m, slot, ps, -1, false});
+        } else {
+          slot = take(s, c, m);
+          ops.push_back({PipeOpKind::CopyAct, c, m, slot, -1, src, !train});
+          if (!train) give(s, pc, m);
+        }
+      } else {
+        slot = take(s, c, m);
+      }
+      const bool frees = !train && v == S - 1;
+      ops.push_back({PipeOpKind::Forward, c, m, slot, -1, -1, frees});
+      if (frees) give(s, c, m);
+    } else {
+      const int slot = held(s, c, m);
+      if (v < S - 1) {
+        const int ps = (v + 1) % P, pc = (v + 1) / P;
+        const int src = held(ps, pc, m);
+        if (ps != s) {
+          out.stages[ps].ops.push_back({PipeOpKind::SendGrad, pc, m, src, s, -1, true});
+          give(ps, pc, m);
+          ops.push_back({PipeOpKind::RecvGrad, c, m, slot, ps, -1, false});
+        } else {
+          ops.push_back({PipeOpKind::CopyGrad, c, m, slot, -1, src, true});
+          give(s, pc, m);
+        }
+      }
+      ops.push_back({PipeOpKind::Backward, c, m, slot, -1, -1, v == 0});
+      if (v == 0) give(s, c, m);
+    }
+  }
+  for (int s = 0; s < P; ++s)
+    VG_CHECK(slot_of[s].empty(), "pipeline plan: stage " << s << " ends holding sets");
+  return out;
+}
+
+// ---- replay
+
+std::string check_pipeline_plans(const PipelinePlans& plans) {
+  const int P = plans.P, V = plans.V, M = plans.M, S = P * V;
+  std::ostringstream err;
+  if (static_cast<int>(plans.stages.size()) != P) return "wrong number of stage plans";
+  std::vector<size_t> pc(P, 0);
+  // slot owner: virtual stage * M + micro, or -1
+  std::vector<std::vector<int>> owner(P);
+  for (int s = 0; s < P; ++s) owner[s].assign(plans.stages[s].num_slots, -1);
+  std::vector<std::vector<int>> fdone(S, std::vector<int>(M, 0)), bdone = fdone;
+  auto key = [&](int s, int c, int m) { return (c * P + s) * M + m; };
+  auto fail = [&](int s, const PipeOp& op, const std::string& what) {
+    err << "stage " << s << " op " << pc[s] << " (" << pipe_op_name(op.kind) << " chunk "
+        << op.chunk << " micro " << op.micro << "): " << what;
+    return err.str();
+  };
+  auto slot_ok = [&](int s, int slot) {
+    return slot >= 0 && slot < static_cast<int>(owner[s].size());
+  };
+  bool progress = true;
+  while (progress) {
+    progress = false;
+    for (int s = 0; s < P; ++s) {
+      const auto& ops = plans.stages[s].ops;
+      while (pc[s] < ops.size()) {
+        const PipeOp& op = ops[pc[s]];
+        const int v = op.chunk * P + s;
+        const int k = key(s, op.chunk, op.micro);
+        if (op.kind == PipeOpKind::RecvAct || op.kind == PipeOpKind::RecvGrad) break;  // by sender
+        if (op.kind == PipeOpKind::SendAct || op.kind == PipeOpKind::SendGrad) {
+          const int q = op.peer;
+          if (q < 0 || q >= P || q == s) return fail(s, op, "bad peer");
+          if (pc[q] >= plans.stages[q].ops.size()) break;
+          const PipeOp& r = plans.stages[q].ops[pc[q]];
+          const bool act = op.kind == PipeOpKind::SendAct;
+          if (r.kind != (act ? PipeOpKind::RecvAct : PipeOpKind::RecvGrad) || r.peer != s) break;
+          // matched: the receiver must expect exactly this message
+          const int rv = r.chunk * P + q;
+          if (r.micro != op.micro || rv != (act ? v + 1 : v - 1))
+            return fail(s, op, "matched by a receive of another message on stage " + std::to_string(q));
+          if (!slot_ok(s, op.slot) || owner[s][op.slot] != k) return fail(s, op, "sends from a set it does not hold");
+          if (act ? !fdone[v][op.micro] : !bdone[v][op.micro]) return fail(s, op, "sends before computing");
+          if (!slot_ok(q, r.slot)) return fail(s, op, "receiver's set out of range");
+          if (act) {
+            if (owner[q][r.slot] != -1) return fail(q, r, "receives into a set in use");
+            owner[q][r.slot] = key(q, r.chunk, r.micro);
+          } else if (owner[q][r.slot] != key(q, r.chunk, r.micro)) {
+            return fail(q, r, "receives a gradient for a set it does not hold");
+          }
+          if (op.frees) owner[s][op.slot] = -1;
+          ++pc[q];
+          ++pc[s];
+          progress = true;
+          continue;
+        }
+        if (!slot_ok(s, op.slot)) return fail(s, op, "set out of range");
+        switch (op.kind) {
+          case PipeOpKind::Forward:
+            if (v == 0) {
+              if (owner[s][op.slot] != -1) return fail(s, op, "starts in a set in use");
+              owner[s][op.slot] = k;
+            }
+            if (owner[s][op.slot] != k) return fail(s, op, "runs without its input");
+            fdone[v][op.micro] = 1;
+            break;
+          case PipeOpKind::Backward:
+            if (owner[s][op.slot] != k) return fail(s, op, "runs on a set it does not hold");
+            if (!fdone[v][op.micro]) return fail(s, op, "backward before forward");
+            if (v < S - 1 && !bdone[v + 1][op.micro]) return fail(s, op, "backward before its gradient");
+            bdone[v][op.micro] = 1;
+            break;
+          case PipeOpKind::CopyAct:
+          case PipeOpKind::CopyGrad: {
+            const bool act = op.kind == PipeOpKind::CopyAct;
+            const int sv = act ? v - 1 : v + 1;
+            if (!slot_ok(s, op.src_slot) || sv < 0 || sv >= S || sv % P != s ||
+                owner[s][op.src_slot] != sv * M + op.micro)
+              return fail(s, op, "copies from a set it does not hold");
+            if (act ? !fdone[sv][op.micro] : !bdone[sv][op.micro]) return fail(s, op, "copies before computing");
+            if (act) {
+              if (owner[s][op.slot] != -1) return fail(s, op, "copies into a set in use");
+              owner[s][op.slot] = k;
+            }
+            if (op.frees) owner[s][op.src_slot] = -1;
+            ++pc[s];
+            progress = true;
+            continue;
+          }
+          default: break;
+        }
+        if (op.frees) owner[s][op.slot] = -1;
+        ++pc[s];
+        progress = true;
+      }
+    }
+  }
+  for (int s = 0; s < P; ++s)
+    if (pc[s] < plans.stages[s].ops.size()) {
+      const PipeOp& op = plans.stages[s].ops[pc[s]];
+      err << "deadlock: stage " << s << " blocked at op " << pc[s] << " (" << pipe_op_name(op.kind)
+          << " chunk " << op.chunk << " micro " << op.micro << ")";
+      return err.str();
+    }
+  for (int v = 0; v < S; ++v)
+    for (int m = 0; m < M; ++m) {
+      if (!fdone[v][m]) return "forward of virtual stage " + std::to_string(v) + " micro " + std::to_string(m) + " never ran";
+      if (plans.train && !bdone[v][m])
+        return "backward of virtual stage " + std::to_string(v) + " micro " + std::to_string(m) + " never ran";
+    }
+  for (int s = 0; s < P; ++s)
+    for (int o : owner[s])
+      if (o != -1) return "stage " + std::to_string(s) + " ends holding a set";
+  return "";
+}
+
+}  // namespace vitgrid

@@ -1,5 +1,7 @@
 #include "vitgrid/app/trainer.h"
 
+#include "vitgrid/app/preempt.h"
+
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -513,11 +515,7 @@ struct Trainer::Impl {
 
   int train() {
     setup(true);
-    agreed([&] {
-      if (deck.checkpoint.resume == "auto") {
-        // nothing to check here: latest_checkpoint is collective and below
-      }
-    });
+    PreemptionWatch preempt;  // SIGTERM / SIGUSR1: checkpoint at the end of the step, exit 3
     // init first in every case: it also keys the model's random streams (dropout) by the seed
     model->init_params(deck.run.seed);
     bool resumed = false;
@@ -622,8 +620,17 @@ struct Trainer::Impl {
         log("eval  %6lld | loss %.4f | top-1 %.2f%% | top-5 %.2f%%\n",
             static_cast<long long>(step), el, 100 * e1, 100 * e5);
       }
-      if ((deck.checkpoint.every_steps > 0 && step % deck.checkpoint.every_steps == 0) || last)
+      const bool stop = !last && preempt.requested(world);  // agreed: every rank stops here
+      if ((deck.checkpoint.every_steps > 0 && step % deck.checkpoint.every_steps == 0) || last ||
+          stop)
         save_checkpoint();
+      if (stop) {
+        metrics.flush();
+        log("preempted (signal %d) after step %lld: checkpoint written; exiting with %d so the "
+            "job script requeues; checkpoint.resume = auto continues from here\n",
+            PreemptionWatch::signal_seen(), static_cast<long long>(step), kExitRequeue);
+        return kExitRequeue;
+      }
     }
     report_bubble(metrics);
     metrics.set_attribute("peak_device_memory_bytes", double(be->peak_memory_bytes()));

@@ -62,6 +62,29 @@ for s in "${steps[@]}"; do
       "$PY" -m torch.distributed.run --nproc_per_node $n tools/bench_pytorch.py --ddp --precision bf16 2>&1 | grep -E "^pytorch|Error"
     done | tee "$OUT/scale.log"
     ;;
+  large)
+    # the hybrid-parallel guide's large ViT (hidden 4096, depth 32, heads 64, 224/16) with
+    # activation checkpointing, per layout on the node's GPUs
+    L=(inputs/bench_vit_b16.ini --model.preset=vit-huge-4096 --model.checkpoint_activations=true
+       --warmup=1 --steps=3)
+    {
+      [ "$NGPU" -ge 4 ] && mpirun -np 4 --bind-to none "$B/bin/vitgrid" bench "${L[@]}" --data.global_batch=32 \
+        --parallel.pipeline=4 --parallel.micro_batches=8 --precision.mode=bf16 2>&1 | grep -E "^bench|bubble|error"
+      [ "$NGPU" -ge 4 ] && mpirun -np 4 --bind-to none "$B/bin/vitgrid" bench "${L[@]}" --data.global_batch=32 \
+        --parallel.tensor=4 --parallel.tensor_mode=1d --precision.mode=fp32 2>&1 | grep -E "^bench|error"
+      [ "$NGPU" -ge 4 ] && mpirun -np 4 --bind-to none "$B/bin/vitgrid" bench "${L[@]}" --data.global_batch=32 \
+        --parallel.pipeline=2 --parallel.micro_batches=4 --parallel.tensor=2 --parallel.tensor_mode=1d \
+        --precision.mode=fp32 2>&1 | grep -E "^bench|bubble|error"
+      [ "$NGPU" -ge 2 ] && mpirun -np 2 --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini \
+        --data.global_batch=256 --parallel.tensor=2 --parallel.tensor_mode=1d --precision.mode=fp32 \
+        --warmup=2 --steps=10 2>&1 | grep -E "^bench|error"
+      mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --precision.mode=fp32 --warmup=2 --steps=10 2>&1 | grep -E "^bench|error"
+    } | tee "$OUT/large.log"
+    ;;
+  profile)
+    mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --precision.mode=bf16 --profile 2>&1 \
+      | grep -E "^\||^bench|^profile" | tee "$OUT/profile.log"
+    ;;
   *) echo "unknown step $s"; exit 2 ;;
   esac
 done

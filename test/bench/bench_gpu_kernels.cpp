@@ -1,5 +1,6 @@
 // Kernel benchmarks of the CUDA backend at ViT-B/16 shapes (batch 256, T = 197, C = 768,
-// H = 12, hd = 64) in bf16: linear forward/backward, attention forward+backward, fused
+// H = 12, hd = 64) in bf16: linear forward/backward, attention forward and forward+backward
+// (fused flash kernels and the fallback), fused
 // add+LayerNorm forward/backward, AdamW over 86M parameters. Manual time: each iteration
 // runs the op `reps` times between two stream synchronisations (so launch gaps are included,
 // as in training) and reports the mean per op; counters TFLOP and GB are rates per second of
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <vector>
 
@@ -90,25 +92,68 @@ void BM_LinearBackward(benchmark::State& st) {
                                               benchmark::Counter::kIsIterationInvariantRate);
 }
 
-void BM_AttentionFwdBwd(benchmark::State& st) {
-  if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
-  const size_t a = gpu().act_size();
-  Bufs b;
-  void* qkv = b.get(size_t(kN) * 3 * kC * a);
-  void* out = b.get(size_t(kN) * kC * a);
-  void* dout = b.get(size_t(kN) * kC * a);
-  void* dqkv = b.get(size_t(kN) * 3 * kC * a);
-  void* saved = b.get(gpu().attention_saved_bytes(kB, kT, kH, kHd));
-  void* ws = b.get(gpu().attention_workspace_bytes(kB, kT, kH, kHd));
-  timed(st, [&] {
-    gpu().attention_forward(out, saved, qkv, kB, kT, kH, kHd, ws);
-    gpu().attention_backward(dqkv, dout, qkv, out, saved, kB, kT, kH, kHd, ws);
-  });
-  // forward 2 GEMMs + backward 4 GEMMs of 2*B*H*T*T*hd each
-  st.counters["TFLOP"] = benchmark::Counter(12.0 * kB * kH * double(kT) * kT * kHd * 1e-12,
-                                              benchmark::Counter::kIsIterationInvariantRate);
-  st.SetLabel("fallback (cuBLASLt + softmax kernel)");
+// Attention at ViT-B/16 shape. Arg path: 0 = the backend's default (the fused flash kernels
+// in bf16), 1 = the cuBLASLt + softmax fallback (a second backend made with
+// VITGRID_ATTENTION=fallback). FLOPs: 4*B*H*T^2*hd forward (QK^T and PV), 2.5x that for the
+// backward (5 GEMMs; the fused backward actually runs 7 for determinism, uncounted).
+Backend& attention_backend(int path) {
+  if (path == 0) return gpu();
+  static std::unique_ptr<Backend> fb = [] {
+    setenv("VITGRID_ATTENTION", "fallback", 1);
+    auto b = make_cuda_backend(0, DType::BF16, false);
+    unsetenv("VITGRID_ATTENTION");
+    return b;
+  }();
+  return *fb;
 }
+
+void attention_bench(benchmark::State& st, bool backward) {
+  if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
+  const int path = static_cast<int>(st.range(0));
+  Backend& be = attention_backend(path);
+  const size_t a = be.act_size();
+  std::vector<void*> bufs;
+  auto get = [&](size_t bytes) {
+    void* q = be.alloc(bytes);
+    be.zero(q, bytes);
+    bufs.push_back(q);
+    return q;
+  };
+  void* qkv = get(size_t(kN) * 3 * kC * a);
+  void* out = get(size_t(kN) * kC * a);
+  void* dout = get(size_t(kN) * kC * a);
+  void* dqkv = get(size_t(kN) * 3 * kC * a);
+  const size_t sb = be.attention_saved_bytes(kB, kT, kH, kHd);
+  const size_t wb = be.attention_workspace_bytes(kB, kT, kH, kHd);
+  void* saved = get(sb);
+  void* ws = get(wb);
+  auto op = [&] {
+    be.attention_forward(out, saved, qkv, kB, kT, kH, kHd, ws);
+    if (backward) be.attention_backward(dqkv, dout, qkv, out, saved, kB, kT, kH, kHd, ws);
+  };
+  op();
+  be.synchronize();
+  for (auto _ : st) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int r = 0; r < kReps; ++r) op();
+    be.synchronize();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    st.SetIterationTime(s / kReps);
+  }
+  const double fwd = 4.0 * kB * kH * double(kT) * kT * kHd;
+  st.counters["TFLOP"] = benchmark::Counter((backward ? 3.5 : 1.0) * fwd * 1e-12,
+                                              benchmark::Counter::kIsIterationInvariantRate);
+  char label[160];
+  std::snprintf(label, sizeof label, "%s, saved %.1f MB, workspace %.1f MB",
+                path == 0 ? "fused flash" : "fallback (cuBLASLt + softmax kernel)", sb / 1e6,
+                wb / 1e6);
+  st.SetLabel(label);
+  be.synchronize();
+  for (void* q : bufs) be.release(q);
+}
+
+void BM_AttentionForward(benchmark::State& st) { attention_bench(st, false); }
+void BM_AttentionFwdBwd(benchmark::State& st) { attention_bench(st, true); }
 
 void BM_LayerNormForward(benchmark::State& st) {
   if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
@@ -184,7 +229,18 @@ BENCHMARK(BM_LinearBackward)
     ->Args({4 * kC, kC})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_AttentionFwdBwd)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AttentionForward)
+    ->ArgName("path")
+    ->Arg(0)
+    ->Arg(1)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_AttentionFwdBwd)
+    ->ArgName("path")
+    ->Arg(0)
+    ->Arg(1)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LayerNormForward)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LayerNormBackward)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AdamW)->UseManualTime()->Unit(benchmark::kMillisecond);

@@ -1,15 +1,31 @@
-// Multi-head self-attention, fallback path: cuBLASLt strided-batched GEMMs read q, k, v
+// Multi-head self-attention. bf16/fp16 with a supported head dim (32, 64, 80, 128) runs the
+// fused flash kernels of flash_attention.cu (saved state: fp32 log-sum-exp [B,H,T]; workspace:
+// fp32 D = rowsum(dO * O) [B,H,T] for the backward). Everything else, or every case when
+// VITGRID_ATTENTION=fallback was set when the backend was made, takes the fallback below.
+//
+// Fallback path: cuBLASLt strided-batched GEMMs read q, k, v
 // straight out of the qkv[B,T,3C] layout (leading dimension 3C, head offset h*hd), scores
 // are kept in fp32, the softmax kernel writes the probabilities P[B,H,T,T] in the act dtype
 // (the `saved` state, as on the CPU), and the backward recomputes nothing.
 // Each GEMM is one launch per head with the batch running over b (or per image with the batch
 // over heads, whichever gives fewer launches), since (b, h) is not a single stride.
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "cuda_backend_impl.h"
 #include "kernel_util.cuh"
 
 namespace vitgrid {
+
+namespace cuda {  // flash_attention.cu
+bool flash_attention_supported(DType act, int hd);
+void flash_attention_forward(cudaStream_t st, DType act, void* out, float* lse, const void* qkv,
+                             int B, int T, int H, int hd);
+void flash_attention_backward(cudaStream_t st, DType act, void* dqkv, float* Dws,
+                              const void* dout, const void* qkv, const void* out,
+                              const float* lse, int B, int T, int H, int hd);
+}  // namespace cuda
 
 namespace {
 
@@ -56,11 +72,22 @@ static void attention_gemm(CudaBackend& be, GemmSpec s, Offs oa, Offs ob, Offs o
   }
 }
 
-size_t CudaBackend::attention_saved_bytes(int B, int T, int H, int /*hd*/) const {
+bool CudaBackend::attention_fallback_from_env() {
+  const char* v = std::getenv("VITGRID_ATTENTION");
+  return v != nullptr && std::strcmp(v, "fallback") == 0;
+}
+
+bool CudaBackend::attention_fused(int hd) const {
+  return !attention_force_fallback_ && cuda::flash_attention_supported(act_, hd);
+}
+
+size_t CudaBackend::attention_saved_bytes(int B, int T, int H, int hd) const {
+  if (attention_fused(hd)) return static_cast<size_t>(B) * H * T * sizeof(float);  // LSE
   return static_cast<size_t>(B) * H * T * T * act_size();  // P in the act dtype
 }
 
-size_t CudaBackend::attention_workspace_bytes(int B, int T, int H, int /*hd*/) const {
+size_t CudaBackend::attention_workspace_bytes(int B, int T, int H, int hd) const {
+  if (attention_fused(hd)) return static_cast<size_t>(B) * H * T * sizeof(float);  // D
   // fp32 scores (forward) / fp32 dP (backward), then dS in the act dtype (backward).
   const size_t n = static_cast<size_t>(B) * H * T * T;
   const size_t f32 = (n * sizeof(float) + 255) / 256 * 256;
@@ -70,6 +97,11 @@ size_t CudaBackend::attention_workspace_bytes(int B, int T, int H, int /*hd*/) c
 void CudaBackend::attention_forward(void* out, void* saved, const void* qkv, int B, int T, int H,
                                     int hd, void* workspace) {
   if (B <= 0 || T <= 0) return;
+  if (attention_fused(hd)) {
+    cuda::flash_attention_forward(stream_, act_, out, static_cast<float*>(saved), qkv, B, T, H,
+                                  hd);
+    return;
+  }
   const int64_t C = static_cast<int64_t>(H) * hd, C3 = 3 * C, TT = static_cast<int64_t>(T) * T;
   const size_t es = act_size();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
@@ -112,9 +144,14 @@ void CudaBackend::attention_forward(void* out, void* saved, const void* qkv, int
 }
 
 void CudaBackend::attention_backward(void* dqkv, const void* dout, const void* qkv,
-                                     const void* /*out*/, const void* saved, int B, int T, int H,
+                                     const void* out, const void* saved, int B, int T, int H,
                                      int hd, void* workspace) {
   if (B <= 0 || T <= 0) return;
+  if (attention_fused(hd)) {
+    cuda::flash_attention_backward(stream_, act_, dqkv, static_cast<float*>(workspace), dout,
+                                   qkv, out, static_cast<const float*>(saved), B, T, H, hd);
+    return;
+  }
   const int64_t C = static_cast<int64_t>(H) * hd, C3 = 3 * C, TT = static_cast<int64_t>(T) * T;
   const size_t es = act_size();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));

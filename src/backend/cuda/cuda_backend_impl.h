@@ -109,6 +109,11 @@ class CudaBackend final : public Backend {
   void softmax_backward(void* dx, const void* y, const void* dy, int rows, int cols,
                         float scale) override;
 
+  // Attention (attention.cu): the fused flash kernels (flash_attention.cu) for bf16/fp16 and
+  // head dims 32/64/80/128, saving the fp32 log-sum-exp [B,H,T]; otherwise (fp32, other head
+  // dims, or VITGRID_ATTENTION=fallback in the environment when the backend was made) the
+  // cuBLASLt + softmax fallback, saving the probabilities [B,H,T,T].
+  bool attention_fused(int hd) const;
   size_t attention_saved_bytes(int B, int T, int H, int hd) const override;
   size_t attention_workspace_bytes(int B, int T, int H, int hd) const override;
   void attention_forward(void* out, void* saved, const void* qkv, int B, int T, int H, int hd,
@@ -195,6 +200,9 @@ class CudaBackend final : public Backend {
   std::vector<SliceTable> slice_tables_;
   void* gemm_tmp_ = nullptr;       // act-dtype dW fallback when fp32 output is unsupported
   size_t gemm_tmp_bytes_ = 0;
+  // VITGRID_ATTENTION=fallback: read once, when the backend is constructed (attention.cu).
+  static bool attention_fallback_from_env();
+  const bool attention_force_fallback_ = attention_fallback_from_env();
 };
 
 }  // namespace vitgrid

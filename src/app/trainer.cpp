@@ -22,6 +22,7 @@
 #include "vitgrid/io/metrics.h"
 #include "vitgrid/model/pipeline_runner.h"
 #include "vitgrid/model/vit.h"
+#include "vitgrid/optim/grad_reduce.h"
 #include "vitgrid/optim/optimizer.h"
 #include "vitgrid/parallel/pipeline.h"
 #include "vitgrid/parallel/tensor_parallel.h"
@@ -90,6 +91,10 @@ struct Trainer::Impl {
   std::unique_ptr<PipelineRunner> pipe;  // every step goes through it (P = 1 included)
   std::vector<int> partition;            // blocks per virtual stage
   std::unique_ptr<Optimizer> opt;
+  // data-parallel gradient reduction: buckets overlapped with the backward (overlap), ZeRO-1
+  std::unique_ptr<GradReducer> reducer;
+  ZeroShards zero_shards;
+  bool zero = false, overlap = false;
   std::unique_ptr<LossScaler> scaler;
   std::shared_ptr<Dataset> train_ds, eval_ds;
   int b = 0;      // per-rank batch of one accumulation step (M pipeline micro-batches)
@@ -201,7 +206,15 @@ struct Trainer::Impl {
                          : static_cast<int64_t>(std::llround(deck.optim.warmup_epochs * n / double(G)));
       log("data: train %s; eval %s\n", train_ds->describe().c_str(),
           eval_ds->describe().c_str());
-      opt = std::make_unique<Optimizer>(deck.optim, *be, *tp, *model);
+      setup_grad_reduction();
+      opt = std::make_unique<Optimizer>(deck.optim, *be, *tp, *model,
+                                        zero ? &zero_shards : nullptr, coll.get(),
+                                        grid->comm(Axis::Data).get());
+      if (zero)
+        log("ZeRO-1: optimizer state sharded over %d data ranks: %.2f MiB per state buffer per "
+            "rank instead of %.2f MiB\n",
+            grid->size(Axis::Data), opt->state_elems() * 4.0 / 1048576.0,
+            model->num_local_params() * 4.0 / 1048576.0);
     } else {
       log("data: eval %s\n", eval_ds->describe().c_str());
     }
@@ -255,6 +268,10 @@ struct Trainer::Impl {
     layout.embed = s == 0;
     layout.head = s == P - 1;
     layout.sets = std::max(train_plans.stages[s].num_slots, eval_plans.stages[s].num_slots);
+    // ZeRO-1 splits every gradient bucket evenly over the data ranks, in 16-element pieces
+    const int D = grid->size(Axis::Data);
+    zero = deck.parallel.zero == 1 && D > 1;
+    if (zero) layout.pad_to = static_cast<size_t>(D) * 16;
     model = std::make_unique<ViT>(cfg, *be, *tp, micro, layout);
     if (P > 1 || M > 1) {
       std::string parts;
@@ -275,6 +292,47 @@ struct Trainer::Impl {
     }
     pipe = std::make_unique<PipelineRunner>(*model, *be, *coll, *grid, std::move(train_plans),
                                             std::move(eval_plans), micro);
+  }
+
+  // Called by all ranks from setup(): the gradient buckets of this stage (alike on its data
+  // ranks), the reducer and the model's gradient-ready hook.
+  void setup_grad_reduction() {
+    const int D = grid->size(Axis::Data);
+    double mb = 0.0;
+    agreed([&] { mb = grad_bucket_mb_from_env(); });
+    overlap = D > 1 && mb > 0.0;
+    std::vector<GradRange> groups;
+    for (const auto& g : model->grad_groups()) groups.push_back({g.offset, g.n});
+    const size_t n = model->num_local_params();
+    auto buckets = plan_grad_buckets(groups, n, overlap ? static_cast<size_t>(mb * 262144.0) : 0,
+                                     zero ? static_cast<size_t>(D) * 16 : 1);
+    zero_shards.size = D;
+    zero_shards.rank = grid->rank(Axis::Data);
+    zero_shards.buckets = buckets;
+    reducer = std::make_unique<GradReducer>(*coll, D, grid->rank(Axis::Data), buckets, zero);
+    if (overlap) model->set_grad_ready_hook([this](size_t o, size_t c) { reducer->ready(o, c); });
+    if (D > 1)
+      log("data-parallel gradients (fp32): %zu bucket(s) of %.2f MiB on average (stage 0), %s; "
+          "%s\n",
+          buckets.size(), n * 4.0 / 1048576.0 / std::max<size_t>(buckets.size(), 1),
+          overlap ? "reduced during the backward" : "reduced after the backward",
+          zero ? "ZeRO-1: reduce-scatter, sharded update, all-gather of the master weights"
+               : "all-reduce");
+  }
+
+  // Called by all ranks, once the step's batches went through the backward: gradients whole
+  // on every rank (zero = 0) or on this rank's pieces (zero = 1). With the overlap, the data
+  // reduction came first (during the backward), then the tensor groups' partial sums; sums
+  // commute, and ZeRO's pieces are alike on the ranks of a tensor group.
+  void reduce_grads() {
+    if (!overlap) model->reduce_gradients();
+    if (grid->size(Axis::Data) > 1) {
+      if (zero || overlap)
+        reducer->finish();
+      else
+        coll->allreduce_sum(model->grads(), model->num_local_params(), Axis::Data);
+    }
+    if (overlap) model->reduce_gradients();
   }
 
   // Called by all ranks: the loss (or any sums) known on the last stage, on every stage.
@@ -421,8 +479,8 @@ struct Trainer::Impl {
     const size_t n = model->num_local_params();
     be->copy_to_host(host.data(), model->master(), n * sizeof(float));
     auto st = opt->state();
-    for (size_t k = 0; k < st.size(); ++k)
-      be->copy_to_host(host.data() + (k + 1) * n, st[k].second, n * sizeof(float));
+    // global form whatever the layout (ZeRO: the pieces gathered over the data axis)
+    for (size_t k = 0; k < st.size(); ++k) opt->state_to_host(k, host.data() + (k + 1) * n);
     CheckpointMeta meta;
     meta.deck = deck.resolved_text();
     meta.grid = {grid->shape().pipeline, grid->shape().data, grid->shape().tensor};
@@ -460,8 +518,7 @@ struct Trainer::Impl {
     model->sync_compute_params();
     if (full) {
       auto st = opt->state();
-      for (size_t k = 0; k < st.size(); ++k)
-        be->copy_to_device(st[k].second, host.data() + (k + 1) * n, n * sizeof(float));
+      for (size_t k = 0; k < st.size(); ++k) opt->state_from_host(k, host.data() + (k + 1) * n);
       auto get = [&](const char* k) {
         auto it = meta.state.find(k);
         return it == meta.state.end() || it->second.empty() ? 0.0 : it->second[0];
@@ -556,6 +613,7 @@ struct Trainer::Impl {
     while (step < total_steps) {
       const double t0 = now_s();
       model->zero_grads();
+      reducer->begin(model->grads());
       const float scale = scaler->scale();
       const float grad_scale = scale / static_cast<float>(G);
       double loss_sum = 0.0;
@@ -563,18 +621,16 @@ struct Trainer::Impl {
         auto hb = loader.next();
         DeviceBatch db = upload(*hb);
         loss_sum += pipe->train(db, static_cast<float>(deck.data.label_smoothing), grad_scale,
-                                step);
+                                step, overlap && m == A - 1);
       }
-      model->reduce_gradients();
       // data-parallel gradient reduction (sum: each rank's gradient is already / G)
-      if (grid->size(Axis::Data) > 1)
-        coll->allreduce_sum(model->grads(), model->num_local_params(), Axis::Data);
+      reduce_grads();
       MPI_Allreduce(MPI_IN_PLACE, &loss_sum, 1, MPI_DOUBLE, MPI_SUM, data_comm);
       from_last_stage(&loss_sum, 1);
       const double loss = loss_sum / double(G);
       bool finite = true;
       if (scaler->enabled()) {
-        int f = be->all_finite(model->grads(), model->num_local_params()) ? 1 : 0;
+        int f = opt->grads_finite(model->grads()) ? 1 : 0;
         MPI_Allreduce(MPI_IN_PLACE, &f, 1, MPI_INT, MPI_MIN, world);  // agreed over every axis
         finite = f != 0;
       }
@@ -654,14 +710,13 @@ struct Trainer::Impl {
     LrSchedule sched(deck.optim, warmup + steps, 0);
     auto one_step = [&](int64_t s) {
       model->zero_grads();
+      reducer->begin(model->grads());
       const float scale = scaler->scale();
       for (int m = 0; m < A; ++m) {
         DeviceBatch db = upload(*hb);
-        pipe->train(db, 0.1f, scale / float(G), s);
+        pipe->train(db, 0.1f, scale / float(G), s, overlap && m == A - 1);
       }
-      model->reduce_gradients();
-      if (grid->size(Axis::Data) > 1)
-        coll->allreduce_sum(model->grads(), model->num_local_params(), Axis::Data);
+      reduce_grads();
       const double gn = std::sqrt(grad_norm_sq()) / scale;
       (void)gn;
       opt->step(model->master(), model->grads(), sched.at(s + 1), s + 1, 1.0f / scale);
@@ -695,11 +750,13 @@ struct Trainer::Impl {
     const double tflops = ips * cfg.train_flops_per_sample() / 1e12;
     const double per_dev = tflops / grid->world_size();
     log("bench | %s | %s | %s | world %d | global batch %lld | step %.2f ms | %.1f img/s | "
-        "%.1f img/s/device | %s/device | MFU %.2f%% (peak %.0f TFLOP/s) | peak mem %.2f GiB\n",
+        "%.1f img/s/device | %s/device | MFU %.2f%% (peak %.0f TFLOP/s) | peak mem %.2f GiB "
+        "(%.3f MiB) | zero %d | grad buckets %zu%s\n",
         deck.model.preset.c_str(), deck.precision.mode.c_str(), be->name().c_str(),
         grid->world_size(), static_cast<long long>(G), dt * 1e3, ips, ips / grid->world_size(),
         fmt_flops(per_dev * 1e12).c_str(), 100.0 * per_dev / peak_tflops, peak_tflops,
-        mem_max / 1073741824.0);
+        mem_max / 1073741824.0, mem_max / 1048576.0, zero ? 1 : 0, reducer->buckets().size(),
+        overlap ? " overlapped" : "");
     return 0;
   }
 

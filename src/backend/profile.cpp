@@ -155,6 +155,61 @@ class Profiled final : public ProfiledBackend {
       add("scale_f32", t0);
     }
   }
+  void accumulate_f32(float* y, const float* x, size_t n) override {
+    const double t0 = now_s();
+    b_->accumulate_f32(y, x, n);
+    if (on_) {
+      b_->synchronize();
+      add("accumulate_f32", t0);
+    }
+  }
+  void layernorm_split_sums(float* sum, const void* x, int N, int C) override {
+    const double t0 = now_s();
+    b_->layernorm_split_sums(sum, x, N, C);
+    if (on_) {
+      b_->synchronize();
+      add("layernorm_split_sums", t0);
+    }
+  }
+  void layernorm_split_centered(float* sq, float* mean, const void* x, int N, int C,
+                                int C_total) override {
+    const double t0 = now_s();
+    b_->layernorm_split_centered(sq, mean, x, N, C, C_total);
+    if (on_) {
+      b_->synchronize();
+      add("layernorm_split_centered", t0);
+    }
+  }
+  void layernorm_split_apply(void* y, float* rstd, const void* x, const float* mean,
+                             const void* gamma, const void* beta, int N, int C, int C_total,
+                             float eps) override {
+    const double t0 = now_s();
+    b_->layernorm_split_apply(y, rstd, x, mean, gamma, beta, N, C, C_total, eps);
+    if (on_) {
+      b_->synchronize();
+      add("layernorm_split_apply", t0);
+    }
+  }
+  void layernorm_split_backward_sums(float* sums, float* dgamma, float* dbeta, const void* dy,
+                                     const void* x, const void* gamma, const float* mean,
+                                     const float* rstd, int N, int C) override {
+    const double t0 = now_s();
+    b_->layernorm_split_backward_sums(sums, dgamma, dbeta, dy, x, gamma, mean, rstd, N, C);
+    if (on_) {
+      b_->synchronize();
+      add("layernorm_split_backward_sums", t0);
+    }
+  }
+  void layernorm_split_backward_dx(void* dx, const void* dy, const void* x, const void* gamma,
+                                   const float* mean, const float* rstd, const float* sums,
+                                   int N, int C, int C_total) override {
+    const double t0 = now_s();
+    b_->layernorm_split_backward_dx(dx, dy, x, gamma, mean, rstd, sums, N, C, C_total);
+    if (on_) {
+      b_->synchronize();
+      add("layernorm_split_backward_dx", t0);
+    }
+  }
   void add_layernorm_forward(void* res, void* y, float* mean, float* rstd, const void* a,
                              const void* b, const void* gamma, const void* beta, int N, int C,
                              float eps) override {

@@ -402,7 +402,63 @@ class MpiCollectives final : public Collectives {
 
   void reduce_scatter_sum(float* out, const float* in, size_t n, Axis a) override {
     VG_CHECK(n <= static_cast<size_t>(INT_MAX), "reduce_scatter block of " << n << " floats");
+    const int r = grid_.comm(a).rank();
+    if (out == in + static_cast<size_t>(r) * n) {
+      // In place (NCCL's convention): MPI's in-place form leaves the block at the front.
+      float* buf = out - static_cast<size_t>(r) * n;
+      MPI_CHECK(MPI_Reduce_scatter_block(MPI_IN_PLACE, buf, static_cast<int>(n), MPI_FLOAT,
+                                         MPI_SUM, comm(a)));
+      if (r != 0) std::memcpy(out, buf, n * sizeof(float));
+      return;
+    }
     MPI_CHECK(MPI_Reduce_scatter_block(in, out, static_cast<int>(n), MPI_FLOAT, MPI_SUM, comm(a)));
+  }
+
+  void start_allreduce_sum(float* buf, size_t n, Axis a) override {
+    for (size_t off = 0; off < n; off += kMaxCount) {
+      const int c = static_cast<int>(std::min(kMaxCount, n - off));
+      reqs_.emplace_back();
+      MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf + off, c, MPI_FLOAT, MPI_SUM, comm(a),
+                               &reqs_.back()));
+    }
+  }
+
+  void start_reduce_scatter_sum(float* out, const float* in, size_t n, Axis a) override {
+    VG_CHECK(n <= static_cast<size_t>(INT_MAX), "reduce_scatter block of " << n << " floats");
+    const int r = grid_.comm(a).rank();
+    reqs_.emplace_back();
+    if (out == in + static_cast<size_t>(r) * n) {
+      float* buf = out - static_cast<size_t>(r) * n;
+      MPI_CHECK(MPI_Ireduce_scatter_block(MPI_IN_PLACE, buf, static_cast<int>(n), MPI_FLOAT,
+                                          MPI_SUM, comm(a), &reqs_.back()));
+      if (r != 0) moves_.push_back({out, buf, n});  // done in wait_all
+      return;
+    }
+    MPI_CHECK(MPI_Ireduce_scatter_block(in, out, static_cast<int>(n), MPI_FLOAT, MPI_SUM, comm(a),
+                                        &reqs_.back()));
+  }
+
+  void progress() override {
+    if (reqs_.empty()) return;
+    int done = 0;
+    MPI_CHECK(MPI_Testall(static_cast<int>(reqs_.size()), reqs_.data(), &done,
+                          MPI_STATUSES_IGNORE));
+  }
+
+  void wait_all() override {
+    if (!reqs_.empty())
+      MPI_CHECK(MPI_Waitall(static_cast<int>(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE));
+    reqs_.clear();
+    for (const Move& m : moves_) std::memcpy(m.dst, m.src, m.n * sizeof(float));
+    moves_.clear();
+  }
+
+  void reduce_scatter_sum_act(void* out, const void* in, size_t n, size_t elem_size,
+                              Axis a) override {
+    // fp32 storage only, as in allreduce_sum_act
+    VG_CHECK(elem_size == 4, "the CPU collectives reduce fp32 activations only, got elem_size "
+                                 << elem_size << " on axis " << axis_name(a));
+    reduce_scatter_sum(static_cast<float*>(out), static_cast<const float*>(in), n, a);
   }
 
   void send(const void* buf, size_t bytes, int peer, Axis a) override {
@@ -445,6 +501,15 @@ class MpiCollectives final : public Collectives {
   }
 
   const ProcessGrid& grid_;
+  // outstanding non-blocking reductions, and the in-place reduce-scatter blocks to move into
+  // place once they complete
+  struct Move {
+    float* dst;
+    const float* src;
+    size_t n;
+  };
+  std::vector<MPI_Request> reqs_;
+  std::vector<Move> moves_;
 };
 
 }  // namespace

@@ -55,7 +55,7 @@ DeviceBatch PipelineRunner::micro_batch(const DeviceBatch& b, int m) const {
 // Called by every rank of the pipeline and tensor groups.
 void PipelineRunner::run(const PipelinePlan& plan, const DeviceBatch& b, bool train,
                          float smoothing, float grad_scale, int64_t step, double* sums,
-                         std::vector<float>* logits) {
+                         std::vector<float>* logits, bool grads_final) {
   const int M = train_.M;
   // micro-batches of this batch (eval's last batch may leave some short or empty: both sides
   // of every message know it from the batch count and skip empty ones alike)
@@ -64,9 +64,16 @@ void PipelineRunner::run(const PipelinePlan& plan, const DeviceBatch& b, bool tr
   const int last_chunk = static_cast<int>(model_.layout().chunks.size()) - 1;
   const bool holds_head = model_.layout().head;
   std::vector<float> rows;
+  // each chunk's last backward in the plan: its gradients are final after it (grads_final)
+  std::vector<size_t> last_backward(last_chunk + 1, plan.ops.size());
+  if (grads_final)
+    for (size_t i = 0; i < plan.ops.size(); ++i)
+      if (plan.ops[i].kind == PipeOpKind::Backward && mb[plan.ops[i].micro].count > 0)
+        last_backward[plan.ops[i].chunk] = i;
   double wait = 0.0;  // blocked in send / recv
   try {
-    for (const PipeOp& op : plan.ops) {
+    for (size_t oi = 0; oi < plan.ops.size(); ++oi) {
+      const PipeOp& op = plan.ops[oi];
       const DeviceBatch& d = mb[op.micro];
       if (d.count == 0) continue;
       const size_t bytes = model_.boundary_bytes(d.count);
@@ -87,7 +94,8 @@ void PipelineRunner::run(const PipelinePlan& plan, const DeviceBatch& b, bool tr
           break;
         }
         case PipeOpKind::Backward:
-          model_.chunk_backward(op.chunk, op.slot, d, step);
+          model_.chunk_backward(op.chunk, op.slot, d, step,
+                                grads_final && last_backward[op.chunk] == oi);
           break;
         case PipeOpKind::SendAct:
           t0 = now_s();
@@ -125,14 +133,14 @@ void PipelineRunner::run(const PipelinePlan& plan, const DeviceBatch& b, bool tr
 }
 
 double PipelineRunner::train(const DeviceBatch& b, float smoothing, float grad_scale,
-                             int64_t step) {
+                             int64_t step, bool grads_final) {
   VG_CHECK(b.count == train_.M * micro_, "a training batch of " << b.count << " samples for "
                                              << train_.M << " micro-batches of " << micro_);
   if (fail_rank_ && step == fail_step_)
     VG_FAIL("injected failure (VITGRID_TEST_FAIL_AT) on pipeline stage " << stage_ << " at step " << step);
   const double t0 = now_s();
   double sums[3] = {0.0, 0.0, 0.0};
-  run(train_.stages[stage_], b, true, smoothing, grad_scale, step, sums, nullptr);
+  run(train_.stages[stage_], b, true, smoothing, grad_scale, step, sums, nullptr, grads_final);
   total_s_ += now_s() - t0;
   return sums[0];
 }

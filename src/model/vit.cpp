@@ -176,6 +176,32 @@ void ViT::build_params() {
   norm("norm");
   linear("head", K, C, LinearRole::Head, 1);
   tp_.register_params(params_);
+  // zero padding at the end (ZeRO: an even split over the data ranks)
+  const size_t q = std::max<size_t>(layout_.pad_to, 1);
+  n_params_ = (n_params_ + q - 1) / q * q;
+
+  // Gradient groups in offset order: embedding, blocks, head; the last takes the padding.
+  auto group_at = [&](int first_param, int count) {
+    GradGroup g;
+    g.offset = params_[first_param].offset;
+    const ParamInfo& last = params_[first_param + count - 1];
+    g.n = last.offset + (last.numel + 15) / 16 * 16 - g.offset;
+    groups_.push_back(g);
+    return static_cast<int>(groups_.size()) - 1;
+  };
+  block_group_.assign(cfg_.depth, -1);
+  if (embed_param_ >= 0) embed_group_ = group_at(embed_param_, 4);
+  for (int l = 0; l < cfg_.depth; ++l)
+    if (block_param_[l] >= 0) block_group_[l] = group_at(block_param_[l], kParamsPerBlock);
+  if (head_param_ >= 0) head_group_ = group_at(head_param_, 4);
+  for (size_t g = 0; g < groups_.size(); ++g)
+    VG_CHECK(groups_[g].offset == (g == 0 ? 0 : groups_[g - 1].offset + groups_[g - 1].n),
+             "gradient groups do not tile the flat buffer");
+  if (!groups_.empty()) groups_.back().n = n_params_ - groups_.back().offset;
+}
+
+void ViT::report(int group) const {
+  if (hook_ && group >= 0) hook_(groups_[group].offset, groups_[group].n);
 }
 
 int ViT::chunk_of_block(int l) const {
@@ -531,7 +557,7 @@ void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set) {
                          b.s1, N, C);
 }
 
-void ViT::chunk_backward(int chunk, int set, const DeviceBatch& in, int64_t step) {
+void ViT::chunk_backward(int chunk, int set, const DeviceBatch& in, int64_t step, bool final) {
   Acts& a = *a_;
   Acts::Set& st = a.sets[set];
   const auto& ch = layout_.chunks[chunk];
@@ -555,10 +581,13 @@ void ViT::chunk_backward(int chunk, int set, const DeviceBatch& in, int64_t step
                            st.mf, st.sf, Bl, C);
     be_.zero(a.dres, static_cast<size_t>(Bl) * T * Cs * as);
     be_.scatter_cls_backward(a.dres, a.dcls_rows, Bl, T, static_cast<int>(Cs));
+    if (final) report(head_group_);
   }
   // (otherwise dres holds d(chunk output), put there by the pipeline)
-  for (int l = ch.first_block + ch.blocks - 1; l >= ch.first_block; --l)
+  for (int l = ch.first_block + ch.blocks - 1; l >= ch.first_block; --l) {
     block_backward(l, B, step, in.first_position, set);
+    if (final) report(block_group_[l]);
+  }
   if (!first) {
     // d(chunk input) goes back to the previous stage from the set (r_in[0] is spent)
     be_.copy(st.r_in[0], a.dres, static_cast<size_t>(Bl) * T * Cs * as);
@@ -574,6 +603,7 @@ void ViT::chunk_backward(int chunk, int set, const DeviceBatch& in, int64_t step
   be_.embed_tokens_backward(a.dptok, G(e + 2), G(e + 3), dx0, Bl, T, static_cast<int>(Cs));
   tp_.linear_backward(LinearRole::Embed, nullptr, G(e), G(e + 1), a.dptok, st.patches, P(e),
                       Bl * cfg_.patches(), cfg_.patch_dim(), C);
+  if (final) report(embed_group_);
 }
 
 void* ViT::stage_input(int set) { return a_->sets[set].r_in[0]; }

@@ -1,6 +1,7 @@
 #include "vitgrid/optim/optimizer.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 
 #include "vitgrid/core/error.h"
@@ -43,7 +44,8 @@ bool LossScaler::update(bool all_finite) {
   return true;
 }
 
-Optimizer::Optimizer(const OptimSection& o, Backend& be, TensorParallel& tp, const ViT& model)
+Optimizer::Optimizer(const OptimSection& o, Backend& be, TensorParallel& tp, const ViT& model,
+                     const ZeroShards* zero, Collectives* coll, MPI_Comm data_comm)
     : o_(o), be_(be), tp_(tp), n_(model.num_local_params()) {
   for (const auto& p : model.params()) {
     ParamSlice s;
@@ -54,7 +56,36 @@ Optimizer::Optimizer(const OptimSection& o, Backend& be, TensorParallel& tp, con
     s.weight_decay = 0.0f;
     plain_.push_back(s);
   }
-  const size_t bytes = n_ * sizeof(float);
+  if (zero && zero->size > 1) {
+    VG_CHECK(coll && data_comm != MPI_COMM_NULL, "ZeRO needs the data axis' collectives");
+    zero_ = true;
+    shards_ = *zero;
+    coll_ = coll;
+    data_comm_ = data_comm;
+    size_t at = 0, end = 0;
+    for (size_t k = 0; k < shards_.buckets.size(); ++k) {
+      VG_CHECK(shards_.buckets[k].offset == end, "buckets do not tile the gradient buffer");
+      end += shards_.buckets[k].n;
+      Piece pc;
+      pc.flat = shards_.piece_offset(k);
+      pc.shard = at;
+      pc.n = shards_.piece_n(k);
+      for (size_t i = 0; i < slices_.size(); ++i) {
+        const size_t lo = std::max(slices_[i].offset, pc.flat);
+        const size_t hi = std::min(slices_[i].offset + slices_[i].n, pc.flat + pc.n);
+        if (lo >= hi) continue;
+        pc.slices.push_back({lo - pc.flat, hi - lo, slices_[i].weight_decay});
+        pc.param.push_back(static_cast<int>(i));
+        zslices_.push_back({lo, hi - lo, 0.0f});
+        zparam_.push_back(static_cast<int>(i));
+      }
+      at += pc.n;
+      pieces_.push_back(std::move(pc));
+    }
+    VG_CHECK(end == n_, "buckets cover " << end << " of " << n_ << " gradient elements");
+    shard_n_ = at;
+  }
+  const size_t bytes = state_elems() * sizeof(float);
   m_ = static_cast<float*>(be_.alloc(bytes));
   be_.zero(m_, bytes);
   if (o_.name != "sgd") {
@@ -68,18 +99,80 @@ Optimizer::~Optimizer() {
   be_.release(m_);
 }
 
+// Called by every rank of the data axis.
+std::vector<double> Optimizer::piece_norms(const float* buf) {
+  std::vector<double> part(zslices_.size());
+  if (!zslices_.empty()) be_.sum_squares(part.data(), buf, zslices_);
+  std::vector<double> sq(plain_.size(), 0.0);
+  for (size_t i = 0; i < part.size(); ++i) sq[zparam_[i]] += part[i];
+  // a parameter may straddle pieces of several ranks: whole-parameter sums
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sq.data(), static_cast<int>(sq.size()), MPI_DOUBLE,
+                          MPI_SUM, data_comm_));
+  return sq;
+}
+
 double Optimizer::grad_norm_sq(const float* grads) {
   std::vector<double> sq(plain_.size());
-  be_.sum_squares(sq.data(), grads, plain_);
+  if (zero_)
+    sq = piece_norms(grads);
+  else
+    be_.sum_squares(sq.data(), grads, plain_);
   tp_.reduce_param_norms(sq);
   double total = 0.0;
   for (double s : sq) total += s;
   return total;
 }
 
+bool Optimizer::grads_finite(const float* grads) {
+  if (!zero_) return be_.all_finite(grads, n_);
+  bool ok = true;
+  for (const Piece& pc : pieces_)
+    if (pc.n > 0) ok = be_.all_finite(grads + pc.flat, pc.n) && ok;
+  return ok;
+}
+
 void Optimizer::step(float* params, float* grads, double lr, int64_t step, float grad_scale) {
   AdamParams a{static_cast<float>(lr), static_cast<float>(o_.beta1), static_cast<float>(o_.beta2),
                static_cast<float>(o_.eps), static_cast<int>(step), grad_scale};
+  if (zero_) {
+    // this rank's pieces: one multi-tensor call per bucket (state offsets differ from flat ones)
+    if (o_.name == "adamw") {
+      for (const Piece& pc : pieces_)
+        if (!pc.slices.empty())
+          be_.adamw_update(params + pc.flat, grads + pc.flat, m_ + pc.shard, v_ + pc.shard,
+                           pc.slices, a);
+    } else if (o_.name == "lamb") {
+      for (const Piece& pc : pieces_)
+        if (!pc.slices.empty())
+          be_.lamb_direction(grads + pc.flat, params + pc.flat, grads + pc.flat, m_ + pc.shard,
+                             v_ + pc.shard, pc.slices, a);
+      std::vector<double> wn = piece_norms(params), un = piece_norms(grads);
+      tp_.reduce_param_norms(wn);
+      tp_.reduce_param_norms(un);
+      for (const Piece& pc : pieces_) {
+        if (pc.slices.empty()) continue;
+        std::vector<float> ratio(pc.slices.size(), 1.0f);
+        for (size_t j = 0; j < ratio.size(); ++j) {
+          const int i = pc.param[j];
+          const double w = std::min(std::sqrt(wn[i]), 10.0), u = std::sqrt(un[i]);
+          ratio[j] = (w > 0.0 && u > 0.0) ? static_cast<float>(w / u) : 1.0f;
+        }
+        be_.lamb_apply(params + pc.flat, grads + pc.flat, pc.slices, ratio,
+                       static_cast<float>(lr));
+      }
+    } else {
+      for (const Piece& pc : pieces_)
+        if (!pc.slices.empty())
+          be_.sgd_update(params + pc.flat, grads + pc.flat, m_ + pc.shard, pc.slices,
+                         static_cast<float>(lr), static_cast<float>(o_.momentum), o_.nesterov,
+                         grad_scale);
+    }
+    // every rank's updated pieces to every rank (in place, fp32 master; the caller casts)
+    for (size_t k = 0; k < shards_.buckets.size(); ++k)
+      coll_->allgather(params + shards_.buckets[k].offset, params + shards_.piece_offset(k),
+                       shards_.piece_n(k), sizeof(float), Axis::Data);
+    return;
+  }
   if (o_.name == "adamw") {
     be_.adamw_update(params, grads, m_, v_, slices_, a);
   } else if (o_.name == "lamb") {
@@ -108,6 +201,32 @@ void Optimizer::step(float* params, float* grads, double lr, int64_t step, float
 std::vector<std::pair<std::string, float*>> Optimizer::state() {
   if (o_.name == "sgd") return {{"momentum_buffer", m_}};
   return {{"exp_avg", m_}, {"exp_avg_sq", v_}};
+}
+
+void Optimizer::state_to_host(size_t k, float* flat) {
+  const float* buf = state().at(k).second;
+  if (!zero_) {
+    be_.copy_to_host(flat, buf, n_ * sizeof(float));
+    return;
+  }
+  for (const Piece& pc : pieces_)
+    if (pc.n > 0) be_.copy_to_host(flat + pc.flat, buf + pc.shard, pc.n * sizeof(float));
+  for (size_t b = 0; b < shards_.buckets.size(); ++b) {
+    const size_t c = shards_.piece_n(b);
+    VG_CHECK(c <= static_cast<size_t>(INT_MAX), "bucket piece of " << c << " floats");
+    MPI_CHECK(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, flat + shards_.buckets[b].offset,
+                            static_cast<int>(c), MPI_FLOAT, data_comm_));
+  }
+}
+
+void Optimizer::state_from_host(size_t k, const float* flat) {
+  float* buf = state().at(k).second;
+  if (!zero_) {
+    be_.copy_to_device(buf, flat, n_ * sizeof(float));
+    return;
+  }
+  for (const Piece& pc : pieces_)
+    if (pc.n > 0) be_.copy_to_device(buf + pc.shard, flat + pc.flat, pc.n * sizeof(float));
 }
 
 }  // namespace vitgrid

@@ -10,12 +10,9 @@ std::unique_ptr<TensorParallel> make_tensor_parallel(const ProcessGrid& grid, Ba
                                                      Collectives& coll) {
   const GridShape& s = grid.shape();
   if (s.tensor == 1) return make_tensor_parallel_none(grid, backend, coll);
-  // The modes reduce activations (and their gradients) with fp32 collectives.
-  if (backend.act_size() != 4)
-    throw UserError(std::string("precision.mode: parallel.tensor_mode = ") +
-                    tensor_mode_name(s.mode) +
-                    " reduces activations in fp32; use precision.mode = fp32 or tf32 with "
-                    "parallel.tensor > 1");
+  // Every mode runs on any backend and act dtype: activations (and their gradients) are
+  // reduced in the act dtype (Backend::act_size() bytes per element), weight gradients and
+  // LayerNorm statistics in fp32, and the split LayerNorm uses the backend's ops.
   switch (s.mode) {
     case TensorMode::D1:
       return make_tensor_parallel_1d(grid, backend, coll);

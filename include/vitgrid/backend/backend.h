@@ -100,6 +100,8 @@ class Backend {
   virtual void accumulate(void* y, const void* x, size_t n) = 0;
   // x *= s (fp32 buffer)
   virtual void scale_f32(float* x, size_t n, float s) = 0;
+  // y += x (fp32 buffers: weight gradients reduced by a tensor-parallel strategy)
+  virtual void accumulate_f32(float* y, const float* x, size_t n) = 0;
 
   // ---- normalisation
   // Fused residual add + LayerNorm over the last dim C of N rows:
@@ -113,6 +115,39 @@ class Backend {
   virtual void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy,
                                   const void* x, const void* gamma, const float* mean,
                                   const float* rstd, int N, int C) = 0;
+  // ---- LayerNorm of rows split over ranks (tensor parallelism: 2d/2.5d/3d Stream rows).
+  // A rank holds C of the C_total columns of N rows (x[N,C], gamma/beta[C] its slices). The
+  // ops produce fp32 per-row partial sums; between two ops the caller sums them over the
+  // ranks that share the rows (an fp32 allreduce), so statistics cover the whole width.
+  // The statistics are two-pass like add_layernorm_forward (mean first, then the centred sum
+  // of squares), which avoids the cancellation of E[x^2] - E[x]^2. Forward:
+  //   layernorm_split_sums:     sum[r] = sum_j x[r,j]                              -> reduce
+  //   layernorm_split_centered: mean[r] = mean[r] / C_total (in: the reduced sums, in place),
+  //                             sq[r] = sum_j (x[r,j] - mean[r])^2                 -> reduce
+  //   layernorm_split_apply:    rstd[r] = 1 / sqrt(rstd[r] / C_total + eps) (in: the reduced
+  //                             sq, in place); y = (x - mean) rstd gamma + beta (act dtype)
+  // mean and rstd then hold what add_layernorm_forward saves for the backward.
+  virtual void layernorm_split_sums(float* sum, const void* x, int N, int C) = 0;
+  virtual void layernorm_split_centered(float* sq, float* mean, const void* x, int N, int C,
+                                        int C_total) = 0;
+  virtual void layernorm_split_apply(void* y, float* rstd, const void* x, const float* mean,
+                                     const void* gamma, const void* beta, int N, int C,
+                                     int C_total, float eps) = 0;
+  // Backward, with g = dy gamma and xhat = (x - mean) rstd:
+  //   layernorm_split_backward_sums: sums[2r] = sum_j g, sums[2r+1] = sum_j g xhat (fp32
+  //                             [N,2]) -> reduce; dgamma[C] += sum_r dy xhat, dbeta[C] +=
+  //                             sum_r dy (this rank's columns: nothing to reduce over the row)
+  //   layernorm_split_backward_dx: dx[N,C] += rstd (g - sums[2r]/C_total - xhat sums[2r+1]/
+  //                             C_total) (the residual-stream gradient, accumulated)
+  virtual void layernorm_split_backward_sums(float* sums, float* dgamma, float* dbeta,
+                                             const void* dy, const void* x, const void* gamma,
+                                             const float* mean, const float* rstd, int N,
+                                             int C) = 0;
+  virtual void layernorm_split_backward_dx(void* dx, const void* dy, const void* x,
+                                           const void* gamma, const float* mean,
+                                           const float* rstd, const float* sums, int N, int C,
+                                           int C_total) = 0;
+
   // Row softmax of x[rows, cols] (scaled by `scale` first) into y.
   virtual void softmax_forward(void* y, const void* x, int rows, int cols, float scale) = 0;
   // dx = y * (dy - sum(dy * y)) * scale, rowwise.

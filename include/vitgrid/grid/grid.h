@@ -104,9 +104,31 @@ class Collectives {
   virtual void allgather(void* out, const void* in, size_t n, size_t elem_size, Axis a) = 0;
   // out[n] = rank's block of the sum of in[size*n] (fp32)
   virtual void reduce_scatter_sum(float* out, const float* in, size_t n, Axis a) = 0;
+  // The same for act-dtype buffers (elem_size bytes per element): CPU fp32 storage only
+  // (elem_size 4, as Backend::act_size() there); NCCL reduces 2-byte elements in the
+  // backend's bf16/fp16.
+  virtual void reduce_scatter_sum_act(void* out, const void* in, size_t n, size_t elem_size,
+                                      Axis a) = 0;
   virtual void send(const void* buf, size_t bytes, int peer, Axis a) = 0;
   virtual void recv(void* buf, size_t bytes, int peer, Axis a) = 0;
   virtual void barrier(Axis a) = 0;
+
+  // ---- Asynchronous reductions: data-parallel gradient buckets overlapped with the backward.
+  // A start_* call is ordered after everything this rank enqueued on the backend before it
+  // (CUDA: an event on the compute stream that the communication stream waits on) and
+  // returns at once; its buffers must not be touched until wait_all() returns. Every rank of
+  // the axis must start the same sequence of reductions in the same order. progress() lets the
+  // library advance them (MPI: MPI_Testall; call it now and then from the host thread).
+  // wait_all() returns once every started reduction has completed (under the watchdog on
+  // CUDA), and orders later backend work after them. The defaults run the blocking calls.
+  virtual void start_allreduce_sum(float* buf, size_t n, Axis a) { allreduce_sum(buf, n, a); }
+  // out[n] = rank's block of the sum of in[size*n] (fp32). out may be in + rank*n (in place:
+  // the rest of in then holds unspecified values afterwards).
+  virtual void start_reduce_scatter_sum(float* out, const float* in, size_t n, Axis a) {
+    reduce_scatter_sum(out, in, n, a);
+  }
+  virtual void progress() {}
+  virtual void wait_all() {}
 };
 
 std::unique_ptr<Collectives> make_mpi_collectives(const ProcessGrid& grid);

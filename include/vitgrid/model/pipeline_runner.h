@@ -30,7 +30,11 @@ class PipelineRunner {
   // Called by every rank of the pipeline and tensor groups (same batch on the stages of one
   // pipeline). One forward + backward of the rank's batch `b` (b.count = M * micro): weight
   // gradients accumulate. Returns the loss sum over b on the last stage, 0 elsewhere.
-  double train(const DeviceBatch& b, float smoothing, float grad_scale, int64_t step);
+  // With `grads_final` (the optimizer step's last batch), each chunk's last backward in the
+  // plan passes `final` to the model, whose gradient-ready hook then reports the gradient
+  // groups as they complete (ViT::set_grad_ready_hook).
+  double train(const DeviceBatch& b, float smoothing, float grad_scale, int64_t step,
+               bool grads_final = false);
   // Called likewise. Forward only of an eval batch (b.count <= M * micro: the last batches of
   // a pass may be short or empty). Sums on the last stage (0 elsewhere); with `logits`, the
   // last stage appends b's logits rows (fp32, [count, K], sample order).
@@ -49,7 +53,8 @@ class PipelineRunner {
 
  private:
   void run(const PipelinePlan& plan, const DeviceBatch& b, bool train, float smoothing,
-           float grad_scale, int64_t step, double* sums, std::vector<float>* logits);
+           float grad_scale, int64_t step, double* sums, std::vector<float>* logits,
+           bool grads_final = false);
   DeviceBatch micro_batch(const DeviceBatch& b, int m) const;
 
   ViT& model_;

@@ -8,6 +8,7 @@
 // gradients, and activations, sized for `max_batch` samples at construction.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -70,6 +71,9 @@ struct StageLayout {
   bool embed = true;
   bool head = true;
   int sets = 1;
+  // The flat buffers (master, compute, gradients) are padded with zeros to a multiple of this
+  // many elements (ZeRO splits them evenly over the data ranks).
+  size_t pad_to = 1;
   static StageLayout whole(int depth, int sets = 1) {
     StageLayout l;
     l.chunks = {{0, depth}};
@@ -114,6 +118,20 @@ class ViT {
   float* master() { return master_; }
   float* grads() { return grads_; }
   void zero_grads();
+
+  // Gradient-ready hook (data-parallel reduction overlapped with the backward): during a
+  // chunk_backward called with `final` (this step's last backward of that chunk), once the
+  // kernels producing a gradient group are enqueued, hook(offset, n) says that elements
+  // [offset, offset + n) of grads() are final for this step. The groups are listed by
+  // grad_groups(): the patch embedding with cls_token and pos_embed, each block, the final
+  // norm with the head; they tile [0, num_local_params()) (padding included), and each is
+  // reported once per final pass, in backward order.
+  using GradReadyHook = std::function<void(size_t offset, size_t n)>;
+  void set_grad_ready_hook(GradReadyHook hook) { hook_ = std::move(hook); }
+  struct GradGroup {
+    size_t offset = 0, n = 0;
+  };
+  const std::vector<GradGroup>& grad_groups() const { return groups_; }
   // Once per optimizer step, after the last micro-batch and before the data-parallel
   // reduction: sums the partial gradients of parameters replicated inside the tensor group
   // (the strategy knows which). Nothing to do without tensor parallelism.
@@ -153,7 +171,9 @@ class ViT {
   // model's last reads d(its output) from grad_input() (received or copied there first).
   // Weight gradients accumulate. A chunk that is not the model's first leaves d(its input) in
   // stage_input(set) (the set's input is not needed any more).
-  void chunk_backward(int chunk, int set, const DeviceBatch& b, int64_t step);
+  // With `final`, the gradient-ready hook reports each group of the chunk as it completes.
+  void chunk_backward(int chunk, int set, const DeviceBatch& b, int64_t step,
+                      bool final = false);
   void* stage_input(int set);
   void* stage_output(int set);
   void* grad_input();
@@ -186,6 +206,12 @@ class ViT {
   // patch embedding's weight and of the final norm's weight (-1: not held)
   std::vector<int> block_param_;
   int embed_param_ = -1, head_param_ = -1;
+  // gradient groups: groups_ in offset order; the group index of block l / embedding / head
+  std::vector<GradGroup> groups_;
+  std::vector<int> block_group_;
+  int embed_group_ = -1, head_group_ = -1;
+  GradReadyHook hook_;
+  void report(int group) const;
   size_t n_params_ = 0;
   float* master_ = nullptr;
   float* grads_ = nullptr;

@@ -1,13 +1,24 @@
 // Optimizers (AdamW, LAMB, SGD with momentum), the learning-rate schedule, global-norm
 // clipping and dynamic loss scaling. State lives in flat fp32 buffers parallel to the model's
 // parameters; every update is one multi-tensor backend call over the parameter slices.
+//
+// ZeRO-1 (a ZeroShards given): the state holds only this data rank's pieces of the flat
+// buffer (grad_reduce.h), so it takes 1/D of the memory. A step updates the rank's pieces of
+// the fp32 master weights (one multi-tensor call per bucket) from the reduce-scattered
+// gradient pieces, then all-gathers the master weights over the data axis; norms (clipping,
+// LAMB trust ratios) are whole-parameter norms: per-parameter partial sums of squares over
+// the pieces, summed over the data axis, then over the tensor axes as without ZeRO.
 #pragma once
+#include <mpi.h>
+
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "vitgrid/backend/backend.h"
+#include "vitgrid/grid/grid.h"
 #include "vitgrid/model/vit.h"
+#include "vitgrid/optim/grad_reduce.h"
 #include "vitgrid/parallel/tensor_parallel.h"
 
 namespace vitgrid {
@@ -50,23 +61,49 @@ class LossScaler {
 
 class Optimizer {
  public:
-  Optimizer(const OptimSection& o, Backend& be, TensorParallel& tp, const ViT& model);
+  // zero: ZeRO-1 over the data axis (`coll` all-gathers the master weights, `data_comm`
+  // reduces norms); null: every rank holds the whole state.
+  Optimizer(const OptimSection& o, Backend& be, TensorParallel& tp, const ViT& model,
+            const ZeroShards* zero = nullptr, Collectives* coll = nullptr,
+            MPI_Comm data_comm = MPI_COMM_NULL);
   ~Optimizer();
   Optimizer(const Optimizer&) = delete;
   Optimizer& operator=(const Optimizer&) = delete;
 
-  // Sum of squares of the whole gradient (true norms across tensor shards), before unscaling.
+  // Sum of squares of the whole gradient (true norms across tensor shards, and across data
+  // ranks with ZeRO), before unscaling. Collective over the tensor (and, with ZeRO, data) axes.
   double grad_norm_sq(const float* grads);
+  // Whether this rank's reduced gradients are finite (with ZeRO: its pieces only; the caller
+  // agrees the verdict over every rank).
+  bool grads_finite(const float* grads);
   // One update with this step's lr; grads are multiplied by grad_scale first (unscale and
-  // clip). step is the 1-based count of applied updates (bias correction).
+  // clip). step is the 1-based count of applied updates (bias correction). With ZeRO, called by
+  // every data rank: the master weights are whole on every rank afterwards.
   void step(float* params, float* grads, double lr, int64_t step, float grad_scale);
 
   // Named state buffers for checkpoints: ("exp_avg", m), ("exp_avg_sq", v) for Adam-type,
-  // ("momentum_buffer", mom) for SGD (PyTorch's names).
+  // ("momentum_buffer", mom) for SGD (PyTorch's names). With ZeRO they hold the pieces only
+  // (state_elems() each); use the host helpers below for the flat (global-layout) form.
   std::vector<std::pair<std::string, float*>> state();
+  size_t state_elems() const { return zero_ ? shard_n_ : n_; }
+  bool sharded() const { return zero_; }
+  // State k in the model's flat layout on the host (num_local_params() floats). With ZeRO,
+  // all-gathered over the data axis on the host (called by every data rank).
+  void state_to_host(size_t k, float* flat_host);
+  // The reverse: this rank's part of a flat host copy into state k.
+  void state_from_host(size_t k, const float* flat_host);
   const std::vector<ParamSlice>& slices() const { return slices_; }
 
  private:
+  // ZeRO: the parameters' intersections with piece k, offsets relative to the piece
+  struct Piece {
+    size_t flat = 0, shard = 0, n = 0;
+    std::vector<ParamSlice> slices;
+    std::vector<int> param;  // index of each slice's parameter
+  };
+  // per-parameter sums of squares over the pieces, summed over the data axis
+  std::vector<double> piece_norms(const float* buf);
+
   const OptimSection& o_;
   Backend& be_;
   TensorParallel& tp_;
@@ -75,6 +112,15 @@ class Optimizer {
   std::vector<ParamSlice> plain_;  // the same slices, weight decay 0 (for norms)
   float* m_ = nullptr;
   float* v_ = nullptr;
+  // ZeRO-1
+  bool zero_ = false;
+  ZeroShards shards_;
+  Collectives* coll_ = nullptr;
+  MPI_Comm data_comm_ = MPI_COMM_NULL;
+  size_t shard_n_ = 0;
+  std::vector<Piece> pieces_;
+  std::vector<ParamSlice> zslices_;  // every piece's slices, flat offsets, decay 0 (norms)
+  std::vector<int> zparam_;          // parameter of each zslice
 };
 
 }  // namespace vitgrid

@@ -152,9 +152,10 @@ class TensorParallel {
   virtual void reduce_replicated_grads(float* grads, const std::vector<ParamInfo>& params) = 0;
 };
 
-// Chooses the strategy once from the grid's mode: none (tensor = 1), 1d, 2d, 2.5d or 3d.
-// Throws UserError for a layout it cannot run (e.g. a 16-bit act dtype where a mode reduces
-// activations in fp32, or 2d/2.5d/3d on a backend other than the CPU). Called by all ranks.
+// Chooses the strategy once from the grid's mode: none (tensor = 1), 1d, 2d, 2.5d or 3d, on
+// any backend and act dtype (activations are reduced in the act dtype, weight gradients and
+// LayerNorm statistics in fp32). Throws UserError for a mode the grid does not name.
+// Called by all ranks.
 std::unique_ptr<TensorParallel> make_tensor_parallel(const ProcessGrid& grid, Backend& backend,
                                                      Collectives& coll);
 

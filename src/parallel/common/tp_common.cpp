@@ -3,8 +3,6 @@
 #include <mpi.h>
 
 #include <algorithm>
-#include <cmath>
-#include <cstring>
 
 #include "vitgrid/core/error.h"
 #include "vitgrid/model/vit.h"  // ParamInfo (header-only struct)
@@ -52,13 +50,6 @@ void* TensorParallelBase::scratch(int slot, size_t bytes) {
     scratch_bytes_[slot] = bytes;
   }
   return scratch_[slot];
-}
-
-void TensorParallelBase::require_host_pointers(const char* what) const {
-  if (be_.name() != "cpu")
-    throw UserError(std::string("parallel.tensor_mode = ") + tensor_mode_name(mode()) + ": " +
-                    what + " runs on the CPU backend only in this build (device.backend = " +
-                    be_.name() + ")");
 }
 
 void TensorParallelBase::split_samples(int batch, int nblocks, int idx, ActBlock* blk) {
@@ -225,97 +216,43 @@ void TensorParallelBase::linear_backward(LinearRole role, void* dx, float* dW, f
 
 // ---- LayerNorm with the statistics reduced over the hidden axis
 
-void TensorParallelBase::layernorm_forward(void* res_, void* y_, float* mean, float* rstd,
-                                           const void* a_, const void* b_, const void* gamma_,
-                                           const void* beta_, int rows, int C, float eps) {
+void TensorParallelBase::layernorm_forward(void* res, void* y, float* mean, float* rstd,
+                                           const void* a, const void* b, const void* gamma,
+                                           const void* beta, int rows, int C, float eps) {
   if (hq_ == 1) {
-    be_.add_layernorm_forward(res_, y_, mean, rstd, a_, b_, gamma_, beta_, rows, C, eps);
+    be_.add_layernorm_forward(res, y, mean, rstd, a, b, gamma, beta, rows, C, eps);
     return;
   }
-  // Host loops (require_host_pointers was checked at construction): two passes as in the
-  // CPU backend, each pass's row sums reduced over the hidden axis.
+  // Two-pass statistics as in the fused op, each pass's per-row partial sums (fp32, in the
+  // mean / rstd buffers themselves) reduced over the hidden axis between the backend ops.
   const int Cl = C / hq_;
-  const float* a = static_cast<const float*>(a_);
-  const float* b = static_cast<const float*>(b_);
-  const float* gamma = static_cast<const float*>(gamma_);
-  const float* beta = static_cast<const float*>(beta_);
-  float* res = static_cast<float*>(res_);
-  float* y = static_cast<float*>(y_);
-  for (int r = 0; r < rows; ++r) {
-    float* xr = res + static_cast<size_t>(r) * Cl;
-    const float* ar = a + static_cast<size_t>(r) * Cl;
-    if (b) {
-      const float* br = b + static_cast<size_t>(r) * Cl;
-      for (int j = 0; j < Cl; ++j) xr[j] = ar[j] + br[j];
-    } else if (xr != ar) {
-      std::memcpy(xr, ar, sizeof(float) * Cl);
-    }
-    float s = 0.0f;
-    for (int j = 0; j < Cl; ++j) s += xr[j];
-    mean[r] = s;
-  }
+  const size_t n = static_cast<size_t>(rows) * Cl;
+  if (b)
+    be_.add(res, a, b, n);  // rounded to the act dtype before the statistics see it
+  else if (res != a)
+    be_.copy(res, a, n * be_.act_size());
+  be_.layernorm_split_sums(mean, res, rows, Cl);
   coll_.allreduce_sum(mean, rows, hidden_);
-  for (int r = 0; r < rows; ++r) {
-    mean[r] /= static_cast<float>(C);
-    const float* xr = res + static_cast<size_t>(r) * Cl;
-    float ss = 0.0f;
-    for (int j = 0; j < Cl; ++j) {
-      const float d = xr[j] - mean[r];
-      ss += d * d;
-    }
-    rstd[r] = ss;
-  }
+  be_.layernorm_split_centered(rstd, mean, res, rows, Cl, C);
   coll_.allreduce_sum(rstd, rows, hidden_);
-  for (int r = 0; r < rows; ++r) {
-    rstd[r] = 1.0f / std::sqrt(rstd[r] / static_cast<float>(C) + eps);
-    const float* xr = res + static_cast<size_t>(r) * Cl;
-    float* yr = y + static_cast<size_t>(r) * Cl;
-    for (int j = 0; j < Cl; ++j) yr[j] = (xr[j] - mean[r]) * rstd[r] * gamma[j] + beta[j];
-  }
+  be_.layernorm_split_apply(y, rstd, res, mean, gamma, beta, rows, Cl, C, eps);
 }
 
-void TensorParallelBase::layernorm_backward(void* dx_, float* dgamma, float* dbeta,
-                                            const void* dy_, const void* x_, const void* gamma_,
+void TensorParallelBase::layernorm_backward(void* dx, float* dgamma, float* dbeta,
+                                            const void* dy, const void* x, const void* gamma,
                                             const float* mean, const float* rstd, int rows,
                                             int C) {
   if (hq_ == 1) {
-    be_.layernorm_backward(dx_, dgamma, dbeta, dy_, x_, gamma_, mean, rstd, rows, C);
+    be_.layernorm_backward(dx, dgamma, dbeta, dy, x, gamma, mean, rstd, rows, C);
     return;
   }
+  // per row: sum(g) and sum(g xhat) over the whole width (g = dy gamma), reduced over the
+  // hidden axis; dgamma/dbeta are this rank's columns already
   const int Cl = C / hq_;
-  const float* dy = static_cast<const float*>(dy_);
-  const float* x = static_cast<const float*>(x_);
-  const float* gamma = static_cast<const float*>(gamma_);
-  float* dx = static_cast<float*>(dx_);
-  // per row: sum(g) and sum(g xhat) over the whole width, g = dy gamma
-  float* sums = static_cast<float*>(scratch(0, sizeof(float) * 2 * rows));
-  for (int r = 0; r < rows; ++r) {
-    const float* dyr = dy + static_cast<size_t>(r) * Cl;
-    const float* xr = x + static_cast<size_t>(r) * Cl;
-    float sg = 0.0f, sgx = 0.0f;
-    for (int j = 0; j < Cl; ++j) {
-      const float xh = (xr[j] - mean[r]) * rstd[r];
-      const float g = dyr[j] * gamma[j];
-      sg += g;
-      sgx += g * xh;
-      dgamma[j] += dyr[j] * xh;
-      dbeta[j] += dyr[j];
-    }
-    sums[2 * r] = sg;
-    sums[2 * r + 1] = sgx;
-  }
+  float* sums = static_cast<float*>(scratch(0, sizeof(float) * 2 * static_cast<size_t>(rows)));
+  be_.layernorm_split_backward_sums(sums, dgamma, dbeta, dy, x, gamma, mean, rstd, rows, Cl);
   coll_.allreduce_sum(sums, 2 * static_cast<size_t>(rows), hidden_);
-  const float invC = 1.0f / static_cast<float>(C);
-  for (int r = 0; r < rows; ++r) {
-    const float* dyr = dy + static_cast<size_t>(r) * Cl;
-    const float* xr = x + static_cast<size_t>(r) * Cl;
-    float* dxr = dx + static_cast<size_t>(r) * Cl;
-    const float mg = sums[2 * r] * invC, mgx = sums[2 * r + 1] * invC;
-    for (int j = 0; j < Cl; ++j) {
-      const float xh = (xr[j] - mean[r]) * rstd[r];
-      dxr[j] += rstd[r] * (dyr[j] * gamma[j] - mg - xh * mgx);
-    }
-  }
+  be_.layernorm_split_backward_dx(dx, dy, x, gamma, mean, rstd, sums, rows, Cl, C);
 }
 
 // ---- per-sample results

@@ -67,8 +67,6 @@ class TensorParallelBase : public TensorParallel {
   // Backend scratch buffer `slot`, grown on demand: shapes are fixed after the first
   // micro-batch, so the step loop stops allocating after step 1.
   void* scratch(int slot, size_t bytes);
-  // Host act buffers (CPU backend) are needed by the host loops of the split LayerNorm.
-  void require_host_pointers(const char* what) const;
 
   const ProcessGrid& grid_;
   Backend& be_;

@@ -13,8 +13,9 @@
 //   Backward: dx[i,s] = sum_j dy[i,j] W^T[s,j]^T and dW^T[s,j] = sum_i x[i,s]^T dy[i,j]: for
 //             each s the same broadcasts, the local products stacked by s, then one
 //             reduce-scatter over the Row axis (dx) and one over the Col axis (dW).
-//   LayerNorm: statistics reduced over the Row axis (base class); its weights split over the
-//   Row axis, replicated over (Col, Depth) with gradients summed there. Patch embedding:
+//   LayerNorm: statistics reduced over the Row axis (base class: the backend's split-LayerNorm
+//   ops, so any backend runs it); its weights split over the Row axis, replicated over
+//   (Col, Depth) with gradients summed there. Patch embedding:
 //   output columns split over Row (no communication). Head: input columns split over Row,
 //   partial logits summed over Row, loss per sample on its batch block, summed over
 //   (Col, Depth) so every rank returns the whole micro-batch's loss.
@@ -35,7 +36,6 @@ class TensorParallelSumma final : public TensorParallelBase {
         i_(grid.rank(Axis::TensorCol)),
         j_(grid.rank(Axis::TensorRow)) {
     VG_CHECK(grid.size(Axis::TensorCol) == q_, "2d grid is not square");
-    if (q_ > 1) require_host_pointers("the row-split LayerNorm");
   }
   TensorMode mode() const override { return mode_; }
   ActBlock act_block(ActLayout, int batch, int64_t width) const override {
@@ -133,13 +133,11 @@ class TensorParallelSumma final : public TensorParallelBase {
       be_.linear_backward(P ? P + s * xn * es : nullptr, Q + s * wn, s == 0 ? db : nullptr, dy,
                           xs, ws, rows, inl, outl);
     }
-    // dx[i,j] = sum over the row of the partials for column block j; the act dtype is fp32
-    // (make_tensor_parallel refuses 16-bit storage with tensor parallelism)
-    if (dx) coll_.reduce_scatter_sum(static_cast<float*>(dx), reinterpret_cast<float*>(P), xn,
-                                     Axis::TensorRow);
+    // dx[i,j] = sum over the row of the partials for column block j (act dtype); dW in fp32
+    if (dx) coll_.reduce_scatter_sum_act(dx, P, xn, es, Axis::TensorRow);
     float* mine = static_cast<float*>(scratch(8, wn * sizeof(float)));
     coll_.reduce_scatter_sum(mine, Q, wn, Axis::TensorCol);
-    be_.accumulate(dW, mine, wn);
+    be_.accumulate_f32(dW, mine, wn);
   }
 
   TensorMode mode_;

@@ -30,9 +30,7 @@ class TensorParallel3D final : public TensorParallelBase {
       : TensorParallelBase(grid, be, coll, {Axis::TensorX, Axis::TensorY, Axis::TensorZ}, true,
                            Axis::TensorZ, {Axis::TensorX, Axis::TensorY}),
         q_(grid.size(Axis::TensorY)),
-        a_(grid.rank(Axis::TensorY)) {
-    if (q_ > 1) require_host_pointers("the column-split LayerNorm");
-  }
+        a_(grid.rank(Axis::TensorY)) {}
   TensorMode mode() const override { return TensorMode::D3; }
   ActBlock act_block(ActLayout l, int batch, int64_t width) const override {
     if (l == ActLayout::Stream) return stream_block(batch, width);
@@ -128,9 +126,7 @@ class TensorParallel3D final : public TensorParallelBase {
     const void* Wg = gather_weight(W, out, inl, groups);
     void* P = scratch(6, size_t(q_) * rows * outl * es);
     be_.linear_forward(P, X, Wg, rank(S) == 0 ? b : nullptr, q_ * rows, inl, outl);
-    // fp32 activations (make_tensor_parallel refuses 16-bit storage with tensor parallelism)
-    coll_.reduce_scatter_sum(static_cast<float*>(y), static_cast<float*>(P), size_t(rows) * outl,
-                             S);
+    coll_.reduce_scatter_sum_act(y, P, size_t(rows) * outl, es, S);
     if (gelu_out) be_.gelu_forward(gelu_out, y, size_t(rows) * outl, g);
   }
 
@@ -150,9 +146,7 @@ class TensorParallel3D final : public TensorParallelBase {
     float* dWg = static_cast<float*>(scratch(8, wn * sizeof(float)));
     be_.zero(dWg, wn * sizeof(float));
     be_.linear_backward(dX, dWg, db, dY, X, Wg, q_ * rows, inl, outl);
-    if (dx)
-      coll_.reduce_scatter_sum(static_cast<float*>(dx), static_cast<float*>(dX),
-                               size_t(rows) * inl, G);
+    if (dx) coll_.reduce_scatter_sum_act(dx, dX, size_t(rows) * inl, es, G);
     float* src = dWg;
     if (groups > 1) {  // back to [a][group][rows] so that piece a is contiguous
       src = static_cast<float*>(scratch(10, wn * sizeof(float)));
@@ -161,7 +155,7 @@ class TensorParallel3D final : public TensorParallelBase {
     }
     float* mine = static_cast<float*>(scratch(11, wn / q_ * sizeof(float)));
     coll_.reduce_scatter_sum(mine, src, wn / q_, Axis::TensorY);
-    be_.accumulate(dW, mine, wn / q_);
+    be_.accumulate_f32(dW, mine, wn / q_);
   }
 
   int q_, a_;

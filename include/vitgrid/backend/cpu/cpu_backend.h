@@ -121,6 +121,22 @@ class CpuBackend final : public Backend {
   void sgd_update(float* p, const float* g, float* mom, const std::vector<ParamSlice>& slices,
                   float lr, float momentum, bool nesterov, float grad_scale) override;
 
+  // Tensor-parallel ops (cpu_tp_ops.cpp): fp32 accumulation of reduced weight
+  // gradients and the LayerNorm of rows split over ranks.
+  void accumulate_f32(float* y, const float* x, size_t n) override;
+  void layernorm_split_sums(float* sum, const void* x, int N, int C) override;
+  void layernorm_split_centered(float* sq, float* mean, const void* x, int N, int C,
+                                int C_total) override;
+  void layernorm_split_apply(void* y, float* rstd, const void* x, const float* mean,
+                             const void* gamma, const void* beta, int N, int C, int C_total,
+                             float eps) override;
+  void layernorm_split_backward_sums(float* sums, float* dgamma, float* dbeta, const void* dy,
+                                     const void* x, const void* gamma, const float* mean,
+                                     const float* rstd, int N, int C) override;
+  void layernorm_split_backward_dx(void* dx, const void* dy, const void* x, const void* gamma,
+                                   const float* mean, const float* rstd, const float* sums,
+                                   int N, int C, int C_total) override;
+
  private:
   // Rounds an act-dtype result in place (no-op in fp32 mode).
   void round_act(float* p, size_t n) const;

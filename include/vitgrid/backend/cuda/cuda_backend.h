@@ -39,6 +39,10 @@ int cuda_device_count();
 // allreduce_sum_act maps elem_size 4 to ncclFloat and 2 to the backend's act dtype
 // (ncclBfloat16 or ncclFloat16). send/recv complete before returning: pair them like
 // blocking MPI_Send/MPI_Recv. Operations on an axis of size 1 are local (copies or no-ops).
+// start_allreduce_sum / start_reduce_scatter_sum run on a dedicated communication stream
+// that first waits on an event recorded on the backend's stream (so they follow the kernels
+// that produced their inputs, and the compute stream is never blocked by them); wait_all()
+// waits for that stream under the same watchdog and makes the backend's stream wait on it.
 std::unique_ptr<Collectives> make_nccl_collectives(const ProcessGrid& grid, Backend& backend,
                                                    double timeout_s);
 

@@ -1,0 +1,85 @@
+// Data-parallel gradient reduction in buckets, overlapped with the backward pass.
+//
+// The flat fp32 gradient buffer is cut into buckets (contiguous ranges made of whole gradient
+// groups: a few blocks each, ~bucket_bytes), planned from the end of the buffer because the
+// backward produces the head first and the patch embedding last. The model's gradient-ready
+// hook reports groups as the step's last backward finishes them; a bucket whose every element
+// is reported is reduced at once (Collectives::start_*), while the backward continues. The
+// reduction stays fp32 whatever the precision mode.
+//
+// zero = 0: each bucket is all-reduced in place. zero = 1 (ZeRO-1): each bucket is
+// reduce-scattered in place: data rank r owns the r-th 1/D of every bucket (its "piece"), and
+// only the pieces hold the reduced gradient afterwards; the rest of the buffer holds
+// unspecified values. Buckets are then multiples of D * 16 elements (the buffer is padded so).
+#pragma once
+#include <cstddef>
+#include <vector>
+
+#include "vitgrid/grid/grid.h"
+
+namespace vitgrid {
+
+struct GradBucket {
+  size_t offset = 0;  // first element in the flat buffer
+  size_t n = 0;       // elements (a multiple of quantum)
+};
+
+// Range of the flat buffer reported final by the model, in any order (ViT::grad_groups()).
+struct GradRange {
+  size_t offset = 0, n = 0;
+};
+
+// Buckets tiling [0, total): walking the groups from the end of the buffer, a bucket closes
+// once it holds at least bucket_elems elements, at the start of the group it reached rounded
+// up to a multiple of `quantum` (so it never waits for an earlier group). total must be a
+// multiple of quantum. bucket_elems == 0: one bucket.
+std::vector<GradBucket> plan_grad_buckets(const std::vector<GradRange>& groups, size_t total,
+                                          size_t bucket_elems, size_t quantum);
+
+// Bucket size from the environment: VITGRID_BUCKET_MB (MiB of fp32 gradients per bucket,
+// default 25; 0 turns the overlap off: the whole buffer is reduced after the backward).
+double grad_bucket_mb_from_env();
+
+// ZeRO-1 shard geometry: data rank `rank` of `size` owns piece k = elements
+// [buckets[k].offset + rank * buckets[k].n / size, + buckets[k].n / size) of each bucket;
+// its optimizer state holds the pieces back to back (shard offset of piece k: the sum of the
+// earlier pieces' sizes).
+struct ZeroShards {
+  int size = 1, rank = 0;
+  std::vector<GradBucket> buckets;
+  size_t piece_n(size_t k) const { return buckets[k].n / static_cast<size_t>(size); }
+  size_t piece_offset(size_t k) const {
+    return buckets[k].offset + static_cast<size_t>(rank) * piece_n(k);
+  }
+  size_t shard_elems() const;
+};
+
+class GradReducer {
+ public:
+  // Every rank of the data axis builds it with the same buckets (the same stage layout).
+  // zero: reduce-scatter (ZeRO-1) instead of all-reduce.
+  GradReducer(Collectives& coll, int data_size, int data_rank, std::vector<GradBucket> buckets,
+              bool zero);
+  // Before the step's last batch: nothing reported yet.
+  void begin(float* grads);
+  // The hook body: [offset, offset + n) of the gradient buffer is final; reduces the buckets
+  // that became complete. Called by every data rank in the same order.
+  void ready(size_t offset, size_t n);
+  // After the backward: reduces the buckets not started yet (all of them when nothing was
+  // reported), waits for every reduction. Called by every data rank.
+  void finish();
+  const std::vector<GradBucket>& buckets() const { return buckets_; }
+
+ private:
+  void start(size_t k);
+
+  Collectives& coll_;
+  int size_, rank_;
+  std::vector<GradBucket> buckets_;
+  bool zero_;
+  float* grads_ = nullptr;
+  std::vector<size_t> remaining_;
+  std::vector<bool> started_;
+};
+
+}  // namespace vitgrid

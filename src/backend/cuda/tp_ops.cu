@@ -1,0 +1,257 @@
+// CudaBackend ops for tensor parallelism: fp32 accumulation of reduced weight gradients and
+// the LayerNorm of rows whose columns are split over ranks, forward and backward side by side.
+// Same shape as layernorm.cu: one warp per row for the row sums and the elementwise passes
+// (statistics in fp32, one rounding to the act dtype on store), and a deterministic two-stage
+// column reduction for dgamma/dbeta (no atomics, same bits every run). The CPU reference is
+// src/backend/cpu/cpu_tp_ops.cpp.
+#include <algorithm>
+
+#include "cuda_backend_impl.h"
+#include "kernel_util.cuh"
+
+namespace vitgrid {
+namespace cuda {
+
+__global__ void accumulate_f32_kernel(float* y, const float* x, size_t n) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n; i += stride)
+    y[i] += x[i];
+}
+
+// sum[r] = sum_j x[r,j]
+template <class T>
+__global__ void ln_split_sums_kernel(float* sum, const T* x, int N, int C) {
+  const int warps = blockDim.x >> 5;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= N) return;
+  const T* xr = x + row * C;
+  float s = 0.0f;
+  for (int c = lane; c < C; c += 32) s += to_f(xr[c]);
+  s = warp_sum(s);
+  if (lane == 0) sum[row] = s;
+}
+
+// mean[r] = mean[r] / C_total (in place); sq[r] = sum_j (x[r,j] - mean[r])^2
+template <class T>
+__global__ void ln_split_centered_kernel(float* sq, float* mean, const T* x, int N, int C,
+                                         float Ct) {
+  const int warps = blockDim.x >> 5;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= N) return;
+  const float m = mean[row] / Ct;  // divided as add_layernorm_forward does
+  const T* xr = x + row * C;
+  float v = 0.0f;
+  for (int c = lane; c < C; c += 32) {
+    const float d = to_f(xr[c]) - m;
+    v += d * d;
+  }
+  v = warp_sum(v);
+  __syncwarp();  // every lane has read mean[row] before lane 0 overwrites it
+  if (lane == 0) {
+    mean[row] = m;
+    sq[row] = v;
+  }
+}
+
+// rstd[r] = 1 / sqrt(rstd[r] / C_total + eps) (in place); y = (x - mean) rstd gamma + beta
+template <class T>
+__global__ void ln_split_apply_kernel(T* y, float* rstd, const T* x, const float* mean,
+                                      const T* gamma, const T* beta, int N, int C, float Ct,
+                                      float eps) {
+  const int warps = blockDim.x >> 5;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= N) return;
+  const float m = mean[row];
+  const float rs = 1.0f / sqrtf(rstd[row] / Ct + eps);
+  const T* xr = x + row * C;
+  T* yr = y + row * C;  // may alias x: each element is read and written by the same lane
+  for (int c = lane; c < C; c += 32)
+    yr[c] = from_f<T>((to_f(xr[c]) - m) * rs * to_f(gamma[c]) + to_f(beta[c]));
+  __syncwarp();  // every lane has read rstd[row] before lane 0 overwrites it
+  if (lane == 0) rstd[row] = rs;
+}
+
+// sums[2r] = sum_j dy gamma, sums[2r+1] = sum_j dy gamma xhat
+template <class T>
+__global__ void ln_split_bwd_sums_kernel(float* sums, const T* dy, const T* x, const T* gamma,
+                                         const float* mean, const float* rstd, int N, int C) {
+  const int warps = blockDim.x >> 5;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= N) return;
+  const T* dyr = dy + row * C;
+  const T* xr = x + row * C;
+  const float m = mean[row], rs = rstd[row];
+  float s1 = 0.0f, s2 = 0.0f;
+  for (int c = lane; c < C; c += 32) {
+    const float g = to_f(dyr[c]) * to_f(gamma[c]);
+    s1 += g;
+    s2 += g * (to_f(xr[c]) - m) * rs;
+  }
+  s1 = warp_sum(s1);
+  s2 = warp_sum(s2);
+  if (lane == 0) {
+    sums[2 * row] = s1;
+    sums[2 * row + 1] = s2;
+  }
+}
+
+// Stage 1 of dgamma/dbeta: block (32 columns x 8 row lanes) over a chunk of rows, one partial
+// row per chunk. (layernorm.cu has the same reduction for the unsplit LayerNorm.)
+constexpr int kSplitRowsPerChunk = 1024;
+template <class T>
+__global__ void ln_split_param_partial(float* pg, float* pb, const T* dy, const T* x,
+                                       const float* mean, const float* rstd, int N, int C) {
+  __shared__ float shg[8][33], shb[8][33];
+  const int col = blockIdx.x * 32 + threadIdx.x;
+  const int r0 = blockIdx.y * kSplitRowsPerChunk;
+  const int r1 = min(N, r0 + kSplitRowsPerChunk);
+  float sg = 0.0f, sb = 0.0f;
+  if (col < C) {
+    for (int r = r0 + threadIdx.y; r < r1; r += 8) {
+      const int64_t i = static_cast<int64_t>(r) * C + col;
+      const float d = to_f(dy[i]);
+      sg += d * (to_f(x[i]) - mean[r]) * rstd[r];
+      sb += d;
+    }
+  }
+  shg[threadIdx.y][threadIdx.x] = sg;
+  shb[threadIdx.y][threadIdx.x] = sb;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < C) {
+    float tg = 0.0f, tb = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      tg += shg[j][threadIdx.x];
+      tb += shb[j][threadIdx.x];
+    }
+    pg[static_cast<int64_t>(blockIdx.y) * C + col] = tg;
+    pb[static_cast<int64_t>(blockIdx.y) * C + col] = tb;
+  }
+}
+// Stage 2: dgamma[col] += sum of the chunks in order; dbeta likewise.
+__global__ void ln_split_param_final(float* dgamma, float* dbeta, const float* pg, const float* pb,
+                                     int chunks, int C) {
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= C) return;
+  float tg = 0.0f, tb = 0.0f;
+  for (int k = 0; k < chunks; ++k) {
+    tg += pg[static_cast<int64_t>(k) * C + col];
+    tb += pb[static_cast<int64_t>(k) * C + col];
+  }
+  dgamma[col] += tg;
+  dbeta[col] += tb;
+}
+
+// dx += rstd (g - sums[2r]/C_total - xhat sums[2r+1]/C_total), g = dy gamma
+template <class T>
+__global__ void ln_split_bwd_dx_kernel(T* dx, const T* dy, const T* x, const T* gamma,
+                                       const float* mean, const float* rstd, const float* sums,
+                                       int N, int C, float invC) {
+  const int warps = blockDim.x >> 5;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= N) return;
+  const T* dyr = dy + row * C;
+  const T* xr = x + row * C;
+  T* dxr = dx + row * C;
+  const float m = mean[row], rs = rstd[row];
+  const float mg = sums[2 * row] * invC, mgx = sums[2 * row + 1] * invC;
+  for (int c = lane; c < C; c += 32) {
+    const float g = to_f(dyr[c]) * to_f(gamma[c]);
+    const float xh = (to_f(xr[c]) - m) * rs;
+    dxr[c] = from_f<T>(to_f(dxr[c]) + rs * (g - mg - xh * mgx));
+  }
+}
+
+constexpr int kRowThreads = 256;  // 8 rows (warps) per block
+inline unsigned row_blocks(int N) {
+  const int warps = kRowThreads / 32;
+  return static_cast<unsigned>((N + warps - 1) / warps);
+}
+
+}  // namespace cuda
+
+using namespace cuda;
+
+void CudaBackend::accumulate_f32(float* y, const float* x, size_t n) {
+  if (n == 0) return;
+  accumulate_f32_kernel<<<grid_for(n, 256), 256, 0, stream_>>>(y, x, n);
+  CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::layernorm_split_sums(float* sum, const void* x, int N, int C) {
+  if (N <= 0 || C <= 0) return;
+  dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    ln_split_sums_kernel<<<row_blocks(N), kRowThreads, 0, stream_>>>(sum, static_cast<const T*>(x),
+                                                                     N, C);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void CudaBackend::layernorm_split_centered(float* sq, float* mean, const void* x, int N, int C,
+                                           int C_total) {
+  if (N <= 0 || C <= 0) return;
+  dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    ln_split_centered_kernel<<<row_blocks(N), kRowThreads, 0, stream_>>>(
+        sq, mean, static_cast<const T*>(x), N, C, static_cast<float>(C_total));
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void CudaBackend::layernorm_split_apply(void* y, float* rstd, const void* x, const float* mean,
+                                        const void* gamma, const void* beta, int N, int C,
+                                        int C_total, float eps) {
+  if (N <= 0 || C <= 0) return;
+  dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    ln_split_apply_kernel<<<row_blocks(N), kRowThreads, 0, stream_>>>(
+        static_cast<T*>(y), rstd, static_cast<const T*>(x), mean, static_cast<const T*>(gamma),
+        static_cast<const T*>(beta), N, C, static_cast<float>(C_total), eps);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void CudaBackend::layernorm_split_backward_sums(float* sums, float* dgamma, float* dbeta,
+                                                const void* dy, const void* x, const void* gamma,
+                                                const float* mean, const float* rstd, int N,
+                                                int C) {
+  if (N <= 0 || C <= 0) return;
+  const int chunks = (N + kSplitRowsPerChunk - 1) / kSplitRowsPerChunk;
+  float* pg = static_cast<float*>(scratch(2 * static_cast<size_t>(chunks) * C * sizeof(float)));
+  float* pb = pg + static_cast<size_t>(chunks) * C;
+  dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    ln_split_bwd_sums_kernel<<<row_blocks(N), kRowThreads, 0, stream_>>>(
+        sums, static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(gamma),
+        mean, rstd, N, C);
+    CUDA_CHECK_LAUNCH();
+    dim3 grid((C + 31) / 32, chunks), block(32, 8);
+    ln_split_param_partial<<<grid, block, 0, stream_>>>(pg, pb, static_cast<const T*>(dy),
+                                                        static_cast<const T*>(x), mean, rstd, N, C);
+    CUDA_CHECK_LAUNCH();
+  });
+  ln_split_param_final<<<(C + 255) / 256, 256, 0, stream_>>>(dgamma, dbeta, pg, pb, chunks, C);
+  CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::layernorm_split_backward_dx(void* dx, const void* dy, const void* x,
+                                              const void* gamma, const float* mean,
+                                              const float* rstd, const float* sums, int N, int C,
+                                              int C_total) {
+  if (N <= 0 || C <= 0) return;
+  dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    ln_split_bwd_dx_kernel<<<row_blocks(N), kRowThreads, 0, stream_>>>(
+        static_cast<T*>(dx), static_cast<const T*>(dy), static_cast<const T*>(x),
+        static_cast<const T*>(gamma), mean, rstd, sums, N, C, 1.0f / static_cast<float>(C_total));
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+}  // namespace vitgrid

@@ -1,0 +1,98 @@
+#include "vitgrid/optim/grad_reduce.h"
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "vitgrid/core/error.h"
+
+namespace vitgrid {
+
+std::vector<GradBucket> plan_grad_buckets(const std::vector<GradRange>& groups, size_t total,
+                                          size_t bucket_elems, size_t quantum) {
+  quantum = std::max<size_t>(quantum, 1);
+  VG_CHECK(total % quantum == 0, "gradient buffer of " << total << " elements for buckets of "
+                                                       << quantum << "-element quanta");
+  std::vector<GradRange> g = groups;
+  std::sort(g.begin(), g.end(),
+            [](const GradRange& a, const GradRange& b) { return a.offset > b.offset; });
+  // bucket ends, from the end of the buffer down to 0
+  std::vector<size_t> cuts = {total};
+  if (bucket_elems > 0) {
+    for (const GradRange& r : g) {
+      if (cuts.back() - std::min(cuts.back(), r.offset) < bucket_elems) continue;
+      const size_t cut = (r.offset + quantum - 1) / quantum * quantum;
+      if (cut > 0 && cut < cuts.back()) cuts.push_back(cut);
+    }
+  }
+  if (cuts.back() != 0) cuts.push_back(0);
+  std::vector<GradBucket> out;
+  for (size_t i = cuts.size() - 1; i > 0; --i) out.push_back({cuts[i], cuts[i - 1] - cuts[i]});
+  return out;
+}
+
+double grad_bucket_mb_from_env() {
+  const char* s = std::getenv("VITGRID_BUCKET_MB");
+  if (!s || !*s) return 25.0;
+  char* end = nullptr;
+  const double v = std::strtod(s, &end);
+  if (end == s || *end != '\0' || !(v >= 0.0))
+    throw UserError(std::string("VITGRID_BUCKET_MB: expected MiB >= 0, got '") + s + "'");
+  return v;
+}
+
+size_t ZeroShards::shard_elems() const {
+  size_t n = 0;
+  for (size_t k = 0; k < buckets.size(); ++k) n += piece_n(k);
+  return n;
+}
+
+GradReducer::GradReducer(Collectives& coll, int data_size, int data_rank,
+                         std::vector<GradBucket> buckets, bool zero)
+    : coll_(coll), size_(data_size), rank_(data_rank), buckets_(std::move(buckets)), zero_(zero) {
+  for (const GradBucket& b : buckets_)
+    VG_CHECK(!zero_ || b.n % static_cast<size_t>(size_) == 0,
+             "bucket of " << b.n << " elements over " << size_ << " data ranks");
+  remaining_.resize(buckets_.size());
+  started_.resize(buckets_.size());
+}
+
+void GradReducer::begin(float* grads) {
+  grads_ = grads;
+  for (size_t k = 0; k < buckets_.size(); ++k) {
+    remaining_[k] = buckets_[k].n;
+    started_[k] = false;
+  }
+}
+
+void GradReducer::start(size_t k) {
+  const GradBucket& b = buckets_[k];
+  started_[k] = true;
+  if (zero_) {
+    const size_t c = b.n / static_cast<size_t>(size_);
+    coll_.start_reduce_scatter_sum(grads_ + b.offset + static_cast<size_t>(rank_) * c,
+                                   grads_ + b.offset, c, Axis::Data);
+  } else {
+    coll_.start_allreduce_sum(grads_ + b.offset, b.n, Axis::Data);
+  }
+}
+
+void GradReducer::ready(size_t offset, size_t n) {
+  const size_t end = offset + n;
+  for (size_t k = 0; k < buckets_.size(); ++k) {
+    const GradBucket& b = buckets_[k];
+    const size_t lo = std::max(offset, b.offset), hi = std::min(end, b.offset + b.n);
+    if (lo >= hi || started_[k]) continue;
+    VG_CHECK(remaining_[k] >= hi - lo, "gradient range reported twice");
+    remaining_[k] -= hi - lo;
+    if (remaining_[k] == 0) start(k);
+  }
+  coll_.progress();
+}
+
+void GradReducer::finish() {
+  for (size_t k = buckets_.size(); k-- > 0;)
+    if (!started_[k]) start(k);
+  coll_.wait_all();
+}
+
+}  // namespace vitgrid

@@ -35,6 +35,8 @@ for s in "${steps[@]}"; do
   test)
     (cd "$B" && ctest -L gpu --output-on-failure --timeout 600) >"$OUT/test_gpu.log" 2>&1
     grep -E "tests passed|Failed|Passed|Skipped|\*\*\*" "$OUT/test_gpu.log" | tail -15
+    # the end-to-end checks' own lines (layout, measured difference, bound)
+    grep -hE "^(ok|FAIL|skip) " "$B/Testing/Temporary/LastTest.log" | tee "$OUT/test_gpu_checks.log"
     ;;
   cputest)
     (cd "$B" && ctest -LE gpu -j 8 --timeout 600) >"$OUT/test_cpu.log" 2>&1
@@ -61,6 +63,15 @@ for s in "${steps[@]}"; do
         --data.global_batch=$((256 * n)) --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
       "$PY" -m torch.distributed.run --nproc_per_node $n tools/bench_pytorch.py --ddp --precision bf16 2>&1 | grep -E "^pytorch|Error"
     done | tee "$OUT/scale.log"
+    # ZeRO-1 and overlap on the node's GPUs: memory and step time
+    if [ "$NGPU" -ge 2 ]; then
+      for z in 1; do
+        mpirun -np "$NGPU" --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini \
+          --data.global_batch=$((256 * NGPU)) --parallel.zero=$z --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
+      done
+      VITGRID_BUCKET_MB=0 mpirun -np "$NGPU" --bind-to none -x VITGRID_BUCKET_MB "$B/bin/vitgrid" bench \
+        inputs/bench_vit_b16.ini --data.global_batch=$((256 * NGPU)) --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
+    fi | tee -a "$OUT/scale.log"
     ;;
   large)
     # the hybrid-parallel guide's large ViT (hidden 4096, depth 32, heads 64, 224/16) with
@@ -83,7 +94,7 @@ for s in "${steps[@]}"; do
     ;;
   profile)
     mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --precision.mode=bf16 --profile 2>&1 \
-      | grep -E "^\||^bench|^profile" | tee "$OUT/profile.log"
+      | grep -E "^\||^bench|^profile|rror" | tee "$OUT/profile.log"
     ;;
   *) echo "unknown step $s"; exit 2 ;;
   esac

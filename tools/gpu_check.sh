@@ -75,22 +75,23 @@ for s in "${steps[@]}"; do
     ;;
   large)
     # the hybrid-parallel guide's large ViT (hidden 4096, depth 32, heads 64, 224/16) with
-    # activation checkpointing, per layout on the node's GPUs
+    # activation checkpointing, bf16, global batch 32, per layout on 4 GPUs
     L=(inputs/bench_vit_b16.ini --model.preset=vit-huge-4096 --model.checkpoint_activations=true
-       --warmup=1 --steps=3)
-    {
-      [ "$NGPU" -ge 4 ] && mpirun -np 4 --bind-to none "$B/bin/vitgrid" bench "${L[@]}" --data.global_batch=32 \
-        --parallel.pipeline=4 --parallel.micro_batches=8 --precision.mode=bf16 2>&1 | grep -E "^bench|bubble|error"
-      [ "$NGPU" -ge 4 ] && mpirun -np 4 --bind-to none "$B/bin/vitgrid" bench "${L[@]}" --data.global_batch=32 \
-        --parallel.tensor=4 --parallel.tensor_mode=1d --precision.mode=fp32 2>&1 | grep -E "^bench|error"
-      [ "$NGPU" -ge 4 ] && mpirun -np 4 --bind-to none "$B/bin/vitgrid" bench "${L[@]}" --data.global_batch=32 \
-        --parallel.pipeline=2 --parallel.micro_batches=4 --parallel.tensor=2 --parallel.tensor_mode=1d \
-        --precision.mode=fp32 2>&1 | grep -E "^bench|bubble|error"
-      [ "$NGPU" -ge 2 ] && mpirun -np 2 --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini \
-        --data.global_batch=256 --parallel.tensor=2 --parallel.tensor_mode=1d --precision.mode=fp32 \
-        --warmup=2 --steps=10 2>&1 | grep -E "^bench|error"
-      mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --precision.mode=fp32 --warmup=2 --steps=10 2>&1 | grep -E "^bench|error"
-    } | tee "$OUT/large.log"
+       --data.global_batch=32 --precision.mode=bf16 --warmup=1 --steps=3)
+    if [ "$NGPU" -ge 4 ]; then
+      for lay in "--parallel.pipeline=4 --parallel.micro_batches=8" \
+                 "--parallel.tensor=4 --parallel.tensor_mode=1d" \
+                 "--parallel.tensor=4 --parallel.tensor_mode=2d" \
+                 "--parallel.pipeline=2 --parallel.micro_batches=4 --parallel.tensor=2 --parallel.tensor_mode=1d"; do
+        echo "layout: $lay"
+        mpirun -np 4 --bind-to none "$B/bin/vitgrid" bench "${L[@]}" $lay 2>&1 | grep -E "^bench|error"
+      done | tee "$OUT/large.log"
+    fi
+    ;;
+  e2epar)
+    (cd "$B" && ctest -R "e2e_gpu_parallel|gpu_backend" --output-on-failure --timeout 300) >"$OUT/test_par.log" 2>&1
+    grep -E "tests passed|Failed" "$OUT/test_par.log" | tail -4
+    grep -hE "^(ok|FAIL|skip) " "$B/Testing/Temporary/LastTest.log"
     ;;
   profile)
     mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --precision.mode=bf16 --profile 2>&1 \

@@ -217,8 +217,10 @@ TEST_P(GpuBackend, Elementwise) {
     EXPECT_CLOSE(f[1], f[0], tol());
     EXPECT_CLOSE(b[1], b[0], tol());
   }
-  // Dropout: masks identical bit for bit (same counter RNG), values within rounding.
-  const DropoutKey key{77, 0x1234abcdULL, 5000};
+  // Dropout: masks identical bit for bit (same counter RNG), values within rounding; also the
+  // tensor-parallel column-block numbering (cols > 0).
+  for (DropoutKey key : {DropoutKey{77, 0x1234abcdULL, 5000, 0, 0, 0},
+                         DropoutKey{77, 0x1234abcdULL, 5000, 7, 19, 5}})
   for (float p : {0.0f, 0.1f, 0.5f}) {
     Vec f[2], b[2];
     for (int k = 0; k < 2; ++k) {
@@ -232,7 +234,10 @@ TEST_P(GpuBackend, Elementwise) {
     }
     size_t mism = 0, dropped = 0;
     for (size_t i = 0; i < n; ++i) {
-      const bool keep = rng_uniform(key.seed, key.key, key.counter_base + i) >= p;
+      const uint64_t c = key.cols > 0 ? key.counter_base + (i / key.cols) * key.global_cols +
+                                            key.col_offset + i % key.cols
+                                      : key.counter_base + i;
+      const bool keep = rng_uniform(key.seed, key.key, c) >= p;
       dropped += !keep;
       mism += (f[1][i] == 0.0f) != !keep;
       mism += (f[0][i] == 0.0f) != !keep;

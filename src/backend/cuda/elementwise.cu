@@ -106,11 +106,20 @@ struct GeluBwdOp {  // v = {x, dy}
   }
 };
 // The mask bit of element i is the counter RNG at counter_base + i, as on the CPU.
+// The counter of element i: contiguous (cols == 0), or, for a tensor-parallel column block of
+// wider global rows, row * global_cols + col_offset + col (DropoutKey in backend.h), so every
+// layout draws the 1-rank run's mask.
 struct DropoutOp {
   uint64_t seed, key, base;
   float p, scale;
+  int64_t cols, global_cols, col_offset;
   __device__ float operator()(const float* v, size_t i) const {
-    return rng_uniform(seed, key, base + i) >= p ? v[0] * scale : 0.0f;
+    uint64_t c = base + i;
+    if (cols > 0) {
+      const uint64_t r = i / static_cast<uint64_t>(cols), col = i - r * static_cast<uint64_t>(cols);
+      c = base + r * static_cast<uint64_t>(global_cols) + static_cast<uint64_t>(col_offset) + col;
+    }
+    return rng_uniform(seed, key, c) >= p ? v[0] * scale : 0.0f;
   }
 };
 
@@ -269,7 +278,8 @@ void CudaBackend::dropout_forward(void* y, const void* x, size_t n, float p, Dro
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
     launch_map(stream_, static_cast<T*>(y), InPtrs<T, 1>{{static_cast<const T*>(x)}}, n,
-               DropoutOp{k.seed, k.key, k.counter_base, p, scale});
+               DropoutOp{k.seed, k.key, k.counter_base, p, scale, k.cols, k.global_cols,
+                         k.col_offset});
   });
 }
 

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <map>
 #include <sstream>
+#include <thread>
 
 #include "vitgrid/backend/backend.h"
 #include "vitgrid/backend/profile.h"
@@ -399,6 +400,11 @@ struct Trainer::Impl {
     c.mixup_alpha = deck.data.mixup_alpha;
     c.num_classes = cfg.classes;
     c.prefetch = deck.data.prefetch;
+    // auto: this rank's share of the node's cores (a CPU-backend rank computes on one)
+    c.workers = deck.data.workers > 0
+                    ? deck.data.workers
+                    : std::max(1, std::min<int>(16, static_cast<int>(std::thread::hardware_concurrency()) /
+                                                       std::max(1, grid->local_size())));
     c.train = train;
     c.eval_samples = deck.run.eval_samples;
     return c;

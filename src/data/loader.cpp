@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "vitgrid/core/error.h"
 #include "vitgrid/data/dataset.h"
@@ -47,6 +48,33 @@ struct DataLoader::Impl {
   std::shared_ptr<HostBatch> make_eval(int64_t t);
 };
 
+// Reads samples idx[0..n) into images/labels with `workers` threads, each a contiguous part
+// (datasets are thread-safe: synthetic and CIFAR-10 are pure/in-memory, HDF5 serialises).
+void read_parallel(Dataset& ds, const int64_t* idx, int n, uint8_t* images, int32_t* labels,
+                   int workers) {
+  const size_t img = (size_t)ds.image_size() * ds.image_size() * 3;
+  const int w = std::max(1, std::min(workers, n / 8));  // >= 8 samples per thread
+  if (w <= 1) {
+    ds.read(idx, n, images, labels);
+    return;
+  }
+  std::vector<std::thread> pool;
+  std::vector<std::exception_ptr> errors(w);
+  for (int t = 0; t < w; ++t) {
+    const int a = (int)((int64_t)n * t / w), b = (int)((int64_t)n * (t + 1) / w);
+    pool.emplace_back([&, t, a, b] {
+      try {
+        ds.read(idx + a, b - a, images + a * img, labels + a);
+      } catch (...) {
+        errors[t] = std::current_exception();
+      }
+    });
+  }
+  for (auto& th : pool) th.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
 std::shared_ptr<HostBatch> DataLoader::Impl::make_train(const Sampler& sampler, int64_t k) {
   const int A = cfg.grad_accum;
   auto hb = std::make_shared<HostBatch>();
@@ -65,14 +93,14 @@ std::shared_ptr<HostBatch> DataLoader::Impl::make_train(const Sampler& sampler, 
   }
   hb->images.resize(b * img);
   hb->labels.resize(b);
-  ds->read(idx.data(), b, hb->images.data(), hb->labels.data());
+  read_parallel(*ds, idx.data(), b, hb->images.data(), hb->labels.data(), cfg.workers);
   check_labels(hb->labels);
   if (mixup) {
     pidx.resize(b);
     for (int j = 0; j < b; ++j) pidx[j] = sampler.partner_at(hb->first_position + j);
     std::vector<int32_t> plabels(b);
     hb->partners.resize(b * img);
-    ds->read(pidx.data(), b, hb->partners.data(), plabels.data());
+    read_parallel(*ds, pidx.data(), b, hb->partners.data(), plabels.data(), cfg.workers);
     check_labels(plabels);
     hb->soft.assign((size_t)b * K, 0.0f);
     for (int j = 0; j < b; ++j) {
@@ -102,7 +130,7 @@ std::shared_ptr<HostBatch> DataLoader::Impl::make_eval(int64_t t) {
   hb->aug.assign(n, centre);
   hb->images.resize(n * img);
   hb->labels.resize(n);
-  if (n > 0) ds->read(idx.data(), n, hb->images.data(), hb->labels.data());
+  if (n > 0) read_parallel(*ds, idx.data(), n, hb->images.data(), hb->labels.data(), cfg.workers);
   check_labels(hb->labels);
   return hb;
 }
@@ -143,6 +171,8 @@ DataLoader::DataLoader(std::shared_ptr<Dataset> ds, const LoaderConfig& cfg, int
   if (start_step < 0) throw std::invalid_argument("DataLoader: negative start_step");
   m.ds = std::move(ds);
   m.cfg = cfg;
+  if (m.cfg.workers <= 0)
+    m.cfg.workers = (int)std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
   m.start_step = start_step;
   m.E = cfg.global_batch / cfg.grad_accum;
   m.b = (int)(m.E / cfg.data_size);

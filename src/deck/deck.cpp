@@ -141,6 +141,7 @@ const std::vector<Field>& schema() {
       VG_FIELD(data, mixup_alpha, "", "Mixup Beta(alpha, alpha) parameter (0 = off)"),
       VG_FIELD(data, label_smoothing, "", "label smoothing in [0,1)"),
       VG_FIELD(data, prefetch, "", "batches prepared ahead by the background thread"),
+      VG_FIELD(data, workers, "", "threads reading one batch's samples (0 = auto: cores per rank, at most 16)"),
       // [optim]
       VG_FIELD(optim, name, "adamw|lamb|sgd", "optimizer"),
       VG_FIELD(optim, lr, "", "peak learning rate (> 0)"),
@@ -582,6 +583,7 @@ class Parser {
     positive("data.synthetic_eval", static_cast<double>(dt.synthetic_eval));
     non_negative("data.crop_padding", dt.crop_padding);
     non_negative("data.prefetch", dt.prefetch);
+    non_negative("data.workers", dt.workers);
     require(
         dt.mean.size() == 3, "data.mean",
         "needs 3 comma-separated values (one per channel), got " + std::to_string(dt.mean.size()));

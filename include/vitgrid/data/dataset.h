@@ -71,6 +71,7 @@ struct LoaderConfig {
   double mixup_alpha = 0.0;
   int num_classes = 0;
   int prefetch = 2;
+  int workers = 1;          // threads reading one batch's samples in parallel (0: auto)
   bool train = true;        // false: sequential eval order, no augmentation
   int64_t eval_samples = 0; // eval: how many samples (0 = all)
 };

@@ -65,6 +65,7 @@ struct DataSection {
   double mixup_alpha = 0.0;     // 0 = off
   double label_smoothing = 0.0;
   int prefetch = 2;             // batches prepared ahead by the background thread
+  int workers = 0;              // threads reading a batch's samples (0 = auto: cores per rank, <= 8)
 };
 
 struct OptimSection {

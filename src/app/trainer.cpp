@@ -208,9 +208,11 @@ struct Trainer::Impl {
       log("data: train %s; eval %s\n", train_ds->describe().c_str(),
           eval_ds->describe().c_str());
       setup_grad_reduction();
-      opt = std::make_unique<Optimizer>(deck.optim, *be, *tp, *model,
-                                        zero ? &zero_shards : nullptr, coll.get(),
-                                        grid->comm(Axis::Data).get());
+      agreed([&] {
+        opt = std::make_unique<Optimizer>(deck.optim, *be, *tp, *model,
+                                          zero ? &zero_shards : nullptr, coll.get(),
+                                          grid->comm(Axis::Data).get());
+      });
       if (zero)
         log("ZeRO-1: optimizer state sharded over %d data ranks: %.2f MiB per state buffer per "
             "rank instead of %.2f MiB\n",
@@ -273,7 +275,8 @@ struct Trainer::Impl {
     const int D = grid->size(Axis::Data);
     zero = deck.parallel.zero == 1 && D > 1;
     if (zero) layout.pad_to = static_cast<size_t>(D) * 16;
-    model = std::make_unique<ViT>(cfg, *be, *tp, micro, layout);
+    // planned memory is allocated here: running out is reported once, on every rank
+    agreed([&] { model = std::make_unique<ViT>(cfg, *be, *tp, micro, layout); });
     if (P > 1 || M > 1) {
       std::string parts;
       for (size_t k = 0; k < partition.size(); ++k)

@@ -54,6 +54,12 @@ struct ViT::Acts {
   };
   std::vector<Set> sets;
   BlockActs shared;  // with activation checkpointing: the one block set, recomputed per block
+  // Not kept between a block's forward and its backward, so shared by every block and set: the
+  // projection output p (consumed by the fused residual add at once), the MLP output f (read by
+  // the next block's fused add, by the chunk output and by the head: two buffers alternate by
+  // block parity) and the GELU output g (recomputed from h in the backward: one elementwise
+  // pass instead of N x mlp elements of memory per block).
+  void *p_scr = nullptr, *g_scr = nullptr, *f_scr[2] = {nullptr, nullptr};
   void* ptok;
   void *cls_a, *cls_b, *logits;
   void* logits_all;   // [max_batch, K]: every rank's logits rows gathered (predictions)
@@ -254,12 +260,9 @@ void ViT::plan_activations() {
     b.qkv = take(N * 3 * Cl * as);
     b.att = take(N * Cl * as);
     b.asaved = take(asaved);
-    b.p = take(N * C * as);
     b.r_mid = take(N * C * as);
     b.y2 = take(N * C * as);
     b.h = take(N * Ml * as);
-    b.g = take(N * Ml * as);
-    b.f = take(N * C * as);
     b.m1 = static_cast<float*>(take(N * 4));
     b.s1 = static_cast<float*>(take(N * 4));
     b.m2 = static_cast<float*>(take(N * 4));
@@ -285,6 +288,19 @@ void ViT::plan_activations() {
       }
     }
     if (ckpt) block_set(a.shared);
+    a.p_scr = take(N * C * as);
+    a.g_scr = take(N * Ml * as);
+    a.f_scr[0] = take(N * C * as);
+    a.f_scr[1] = take(N * C * as);
+    for (auto& st : a.sets)
+      for (size_t j = 0; j < st.blocks.size(); ++j) {
+        st.blocks[j].p = a.p_scr;
+        st.blocks[j].g = a.g_scr;
+        st.blocks[j].f = a.f_scr[j & 1];
+      }
+    a.shared.p = a.p_scr;
+    a.shared.g = a.g_scr;
+    a.shared.f = a.f_scr[0];
     a.ptok = take(Np * C * as);
     a.cls_a = take(Bm * C * as);
     a.cls_b = take(Bm * C * as);
@@ -530,6 +546,13 @@ void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set) {
     be_.dropout_backward(a.ddrop, a.dres, NC, cfg_.dropout,
                          dkey(step, l, kSiteMlpOut, fp, ActLayout::Stream, B, C));
     df = a.ddrop;
+  }
+  if (!cfg_.checkpoint_activations) {
+    // g = dropout(gelu(h)) again: the same kernels on the same input give the same bits
+    be_.gelu_forward(b.g, b.h, NM, cfg_.gelu);
+    if (drop)
+      be_.dropout_forward(b.g, b.g, NM, cfg_.dropout,
+                          dkey(step, l, kSiteMlpAct, fp, ActLayout::Inner, B, M));
   }
   tp_.linear_backward(LinearRole::Row, a.dh, G(kFc2W), G(kFc2B), df, b.g, W(kFc2W), N, M, C);
   if (drop)

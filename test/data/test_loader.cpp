@@ -278,3 +278,24 @@ TEST(Loader, RefusesBadConfig) {
   EXPECT_THROW(DataLoader(ds, train_cfg(16, 3, 1, 0)), vitgrid::UserError);  // 16 % 3
   EXPECT_THROW(DataLoader(ds, train_cfg(16, 1, 2, 2)), std::invalid_argument);
 }
+
+// data.workers: a batch read by several threads is the batch read by one, and a failure in
+// any of them reaches the consumer.
+TEST(Loader, ParallelReadsMatchSerial) {
+  auto cfg = train_cfg(64, 1, 1, 0);
+  cfg.mixup_alpha = 0.4;
+  auto one = cfg, four = cfg;
+  one.workers = 1;
+  four.workers = 4;
+  DataLoader a(small_synthetic(200), one), b(small_synthetic(200), four);
+  for (int k = 0; k < 3; ++k) {
+    auto x = a.next(), y = b.next();
+    EXPECT_EQ(x->images, y->images);
+    EXPECT_EQ(x->partners, y->partners);
+    EXPECT_EQ(x->labels, y->labels);
+    EXPECT_EQ(x->soft, y->soft);
+  }
+  auto failing = std::make_shared<ProbeDataset>(small_synthetic(200), /*fail_at=*/2);
+  DataLoader c(failing, four);
+  EXPECT_THROW(c.next(), std::runtime_error);
+}

@@ -418,6 +418,40 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
   return final_path;
 }
 
+namespace {
+
+// Called by all ranks of comm. Opens `path` for a collective read, refusing (UserError, the
+// same on every rank) a missing, non-HDF5, unreadable or incomplete file.
+H5Id open_complete_checkpoint(MPI_Comm comm, const std::string& path, const std::string& what) {
+  switch (io_detail::probe_file(comm, path)) {
+    case io_detail::FileProbe::missing: throw UserError(what + ": no such file");
+    case io_detail::FileProbe::not_hdf5: throw UserError(what + " is not an HDF5 file");
+    case io_detail::FileProbe::ok: break;
+  }
+  H5Id file = io_detail::open_parallel(comm, path, false);
+  // Metadata is read collectively (rank 0 reads, broadcasts), so every rank sees the same
+  // answers below; agreeing anyway costs one all-reduce and rules out a hang.
+  io_detail::throw_if_any_failed(comm, file.valid(),
+                                 what + " cannot be opened as HDF5 (truncated or corrupt?)");
+  bool ok = true;
+  std::string msg;
+  io_detail::H5ErrorSilencer quiet;
+  if (H5Aexists(file, "complete") <= 0) {
+    ok = false;
+    msg = what + " is incomplete (no 'complete' attribute)";
+  } else {
+    std::vector<int> c;
+    if (!io_detail::read_attr_ints(file, "complete", &c) || c.size() != 1 || c[0] != 1) {
+      ok = false;
+      msg = what + " is incomplete ('complete' attribute is not 1)";
+    }
+  }
+  io_detail::throw_if_any_failed(comm, ok, msg);
+  return file;
+}
+
+}  // namespace
+
 // Called by all ranks of comm.
 void read_checkpoint(MPI_Comm comm, const std::string& path, std::vector<TensorShard>& shards,
                      CheckpointMeta* meta) {
@@ -426,34 +460,7 @@ void read_checkpoint(MPI_Comm comm, const std::string& path, std::vector<TensorS
   for (const auto& s : shards) check_shard_bounds(s);
   io_detail::check_same_on_all_ranks(comm, shard_signature(shards), "checkpoint tensor names/shapes");
 
-  switch (io_detail::probe_file(comm, path)) {
-    case io_detail::FileProbe::missing: throw UserError(what + ": no such file");
-    case io_detail::FileProbe::not_hdf5: throw UserError(what + " is not an HDF5 file");
-    case io_detail::FileProbe::ok: break;
-  }
-
-  H5Id file = io_detail::open_parallel(comm, path, false);
-  // Metadata is read collectively (rank 0 reads, broadcasts), so every rank sees the same
-  // answers below; agreeing anyway costs one all-reduce and rules out a hang.
-  io_detail::throw_if_any_failed(comm, file.valid(),
-                                 what + " cannot be opened as HDF5 (truncated or corrupt?)");
-
-  {
-    bool ok = true;
-    std::string msg;
-    io_detail::H5ErrorSilencer quiet;
-    if (H5Aexists(file, "complete") <= 0) {
-      ok = false;
-      msg = what + " is incomplete (no 'complete' attribute)";
-    } else {
-      std::vector<int> c;
-      if (!io_detail::read_attr_ints(file, "complete", &c) || c.size() != 1 || c[0] != 1) {
-        ok = false;
-        msg = what + " is incomplete ('complete' attribute is not 1)";
-      }
-    }
-    io_detail::throw_if_any_failed(comm, ok, msg);
-  }
+  H5Id file = open_complete_checkpoint(comm, path, what);
 
   // Check every tensor before reading any, so a bad file fails before touching the caller's
   // buffers and without collective reads that only some ranks would reach.
@@ -558,22 +565,7 @@ void read_checkpoint(MPI_Comm comm, const std::string& path, std::vector<TensorS
 void verify_checkpoint(MPI_Comm comm, const std::string& path) {
   std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
   const std::string what = "checkpoint '" + path + "'";
-  switch (io_detail::probe_file(comm, path)) {
-    case io_detail::FileProbe::missing: throw UserError(what + ": no such file");
-    case io_detail::FileProbe::not_hdf5: throw UserError(what + " is not an HDF5 file");
-    case io_detail::FileProbe::ok: break;
-  }
-  H5Id file = io_detail::open_parallel(comm, path, false);
-  io_detail::throw_if_any_failed(comm, file.valid(),
-                                 what + " cannot be opened as HDF5 (truncated or corrupt?)");
-  std::vector<int> c;
-  {
-    io_detail::H5ErrorSilencer quiet;
-    const bool complete = H5Aexists(file, "complete") > 0 &&
-                          io_detail::read_attr_ints(file, "complete", &c) && c.size() == 1 &&
-                          c[0] == 1;
-    io_detail::throw_if_any_failed(comm, complete, what + " is incomplete (no 'complete' attribute)");
-  }
+  H5Id file = open_complete_checkpoint(comm, path, what);
   std::string bad = verify_datasets(comm, file, what, all_datasets(file));
   if (!bad.empty()) throw UserError(bad);
 }

@@ -160,7 +160,7 @@ const std::vector<Field>& schema() {
                "apply weight decay to biases, norms, cls token and pos embedding (timm: off)"),
       // [precision]
       VG_FIELD(precision, mode, "fp32|tf32|bf16|fp16|fp16-naive",
-               "compute precision; fp16 uses dynamic loss scaling, fp16-naive does not"),
+               "compute precision (fp32 master weights in every mode); fp16 and fp16-naive (Colossal-AI NAIVE: every activation fp16) both keep activations in fp16 with dynamic loss scaling and compute the same"),
       VG_FIELD(precision, initial_scale, "", "fp16 initial loss scale"),
       VG_FIELD(precision, growth_interval, "",
                "fp16 steps without overflow before the scale grows"),

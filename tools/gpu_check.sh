@@ -84,7 +84,7 @@ for s in "${steps[@]}"; do
                  "--parallel.tensor=4 --parallel.tensor_mode=2d" \
                  "--parallel.pipeline=2 --parallel.micro_batches=4 --parallel.tensor=2 --parallel.tensor_mode=1d"; do
         echo "layout: $lay"
-        mpirun -np 4 --bind-to none "$B/bin/vitgrid" bench "${L[@]}" $lay 2>&1 | grep -E "^bench|error"
+        mpirun -np 4 --bind-to none "$B/bin/vitgrid" bench "${L[@]}" $lay 2>&1 | grep -E "^bench|bubble|error"
       done | tee "$OUT/large.log"
     fi
     ;;

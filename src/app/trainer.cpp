@@ -354,10 +354,10 @@ struct Trainer::Impl {
   }
 
   // Called by all ranks: the measured bubble of each stage (time blocked in pipeline send /
-  // recv over the time of the training steps, summed over the stage's ranks), logged beside
-  // the schedule's theoretical bubble and stored as metrics.h5 root attributes
-  // bubble_fraction_stage<k> (and bubble_fraction_theoretical).
-  void report_bubble(MetricsWriter& metrics) {
+  // recv over the time of the steps so far, summed over the stage's ranks), logged beside the
+  // schedule's theoretical bubble; with `metrics`, also stored as root attributes
+  // bubble_fraction_stage<k> and bubble_fraction_theoretical.
+  void report_bubble(MetricsWriter* metrics) {
     const int P = grid->size(Axis::Pipeline), s = grid->rank(Axis::Pipeline);
     if (P == 1) return;
     std::vector<double> v(2 * P, 0.0);
@@ -372,9 +372,9 @@ struct Trainer::Impl {
       char buf[64];
       std::snprintf(buf, sizeof buf, "%s%d %.3f", k ? ", " : "", k, f);
       line += buf;
-      metrics.set_attribute("bubble_fraction_stage" + std::to_string(k), f);
+      if (metrics) metrics->set_attribute("bubble_fraction_stage" + std::to_string(k), f);
     }
-    metrics.set_attribute("bubble_fraction_theoretical", theory);
+    if (metrics) metrics->set_attribute("bubble_fraction_theoretical", theory);
     log("pipeline bubble (time waiting on neighbours / step time) per stage: %s; schedule %s: "
         "theoretical (P-1)/%s = %.3f, i.e. %.3f of the step; simulated %.3f\n",
         line.c_str(), pipe_schedule_name(pl.schedule),
@@ -697,7 +697,7 @@ struct Trainer::Impl {
         return kExitRequeue;
       }
     }
-    report_bubble(metrics);
+    report_bubble(&metrics);
     metrics.set_attribute("peak_device_memory_bytes", double(be->peak_memory_bytes()));
     metrics.set_attribute("checkpoint_write_GBps", ckpt_write_gbs);
     metrics.flush();
@@ -726,8 +726,7 @@ struct Trainer::Impl {
         pipe->train(db, 0.1f, scale / float(G), s, overlap && m == A - 1);
       }
       reduce_grads();
-      const double gn = std::sqrt(grad_norm_sq()) / scale;
-      (void)gn;
+      grad_norm_sq();  // computed every training step (clipping, logging): timed here too
       opt->step(model->master(), model->grads(), sched.at(s + 1), s + 1, 1.0f / scale);
       model->sync_compute_params();
     };
@@ -755,6 +754,7 @@ struct Trainer::Impl {
           "unsynchronised)\n%s",
           ps, pdt * 1e3, dt * 1e3, prof->table(ps).c_str());
     }
+    report_bubble(nullptr);
     const double ips = double(G) / dt;
     const double tflops = ips * cfg.train_flops_per_sample() / 1e12;
     const double per_dev = tflops / grid->world_size();

@@ -1,8 +1,10 @@
 #include "vitgrid/model/vit.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <thread>
 
 #include "vitgrid/core/error.h"
 #include "vitgrid/core/rng.h"
@@ -335,7 +337,9 @@ void ViT::reduce_gradients() { tp_.reduce_replicated_grads(grads_, params_); }
 void ViT::init_params(uint64_t seed) {
   seed_ = seed;
   std::vector<float> host(n_params_, 0.0f);
-  for (const auto& p : params_) {
+  // Every element is a pure function of (seed, name, global index), so parameters can be
+  // filled by several threads in any order (6.4B elements of the large ViT take minutes on one).
+  auto fill = [&](const ParamInfo& p) {
     const uint64_t key = key_of(p.name.c_str()) ^ kStreamInit;
     const size_t nd = p.global_shape.size();
     // fan-in of the conv patch embedding (PyTorch Conv2d default init: kaiming_uniform(a=sqrt 5)
@@ -363,7 +367,16 @@ void ViT::init_params(uint64_t seed) {
         idx[d] = 0;
       }
     }
-  }
+  };
+  std::atomic<size_t> next{0};
+  auto worker = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < params_.size();) fill(params_[i]);
+  };
+  const unsigned nt = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> pool;
+  for (unsigned t = 1; t < nt; ++t) pool.emplace_back(worker);
+  worker();
+  for (auto& t : pool) t.join();
   be_.copy_to_device(master_, host.data(), n_params_ * sizeof(float));
   sync_compute_params();
 }

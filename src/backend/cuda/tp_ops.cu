@@ -8,6 +8,7 @@
 
 #include "cuda_backend_impl.h"
 #include "kernel_util.cuh"
+#include "layernorm_reduce.cuh"
 
 namespace vitgrid {
 namespace cuda {
@@ -99,52 +100,6 @@ __global__ void ln_split_bwd_sums_kernel(float* sums, const T* dy, const T* x, c
   }
 }
 
-// Stage 1 of dgamma/dbeta: block (32 columns x 8 row lanes) over a chunk of rows, one partial
-// row per chunk. (layernorm.cu has the same reduction for the unsplit LayerNorm.)
-constexpr int kSplitRowsPerChunk = 1024;
-template <class T>
-__global__ void ln_split_param_partial(float* pg, float* pb, const T* dy, const T* x,
-                                       const float* mean, const float* rstd, int N, int C) {
-  __shared__ float shg[8][33], shb[8][33];
-  const int col = blockIdx.x * 32 + threadIdx.x;
-  const int r0 = blockIdx.y * kSplitRowsPerChunk;
-  const int r1 = min(N, r0 + kSplitRowsPerChunk);
-  float sg = 0.0f, sb = 0.0f;
-  if (col < C) {
-    for (int r = r0 + threadIdx.y; r < r1; r += 8) {
-      const int64_t i = static_cast<int64_t>(r) * C + col;
-      const float d = to_f(dy[i]);
-      sg += d * (to_f(x[i]) - mean[r]) * rstd[r];
-      sb += d;
-    }
-  }
-  shg[threadIdx.y][threadIdx.x] = sg;
-  shb[threadIdx.y][threadIdx.x] = sb;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < C) {
-    float tg = 0.0f, tb = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      tg += shg[j][threadIdx.x];
-      tb += shb[j][threadIdx.x];
-    }
-    pg[static_cast<int64_t>(blockIdx.y) * C + col] = tg;
-    pb[static_cast<int64_t>(blockIdx.y) * C + col] = tb;
-  }
-}
-// Stage 2: dgamma[col] += sum of the chunks in order; dbeta likewise.
-__global__ void ln_split_param_final(float* dgamma, float* dbeta, const float* pg, const float* pb,
-                                     int chunks, int C) {
-  const int col = blockIdx.x * blockDim.x + threadIdx.x;
-  if (col >= C) return;
-  float tg = 0.0f, tb = 0.0f;
-  for (int k = 0; k < chunks; ++k) {
-    tg += pg[static_cast<int64_t>(k) * C + col];
-    tb += pb[static_cast<int64_t>(k) * C + col];
-  }
-  dgamma[col] += tg;
-  dbeta[col] += tb;
-}
 
 // dx += rstd (g - sums[2r]/C_total - xhat sums[2r+1]/C_total), g = dy gamma
 template <class T>
@@ -222,7 +177,7 @@ void CudaBackend::layernorm_split_backward_sums(float* sums, float* dgamma, floa
                                                 const float* mean, const float* rstd, int N,
                                                 int C) {
   if (N <= 0 || C <= 0) return;
-  const int chunks = (N + kSplitRowsPerChunk - 1) / kSplitRowsPerChunk;
+  const int chunks = (N + kLnRowsPerChunk - 1) / kLnRowsPerChunk;
   float* pg = static_cast<float*>(scratch(2 * static_cast<size_t>(chunks) * C * sizeof(float)));
   float* pb = pg + static_cast<size_t>(chunks) * C;
   dispatch_act(act_, [&](auto tag) {
@@ -232,11 +187,11 @@ void CudaBackend::layernorm_split_backward_sums(float* sums, float* dgamma, floa
         mean, rstd, N, C);
     CUDA_CHECK_LAUNCH();
     dim3 grid((C + 31) / 32, chunks), block(32, 8);
-    ln_split_param_partial<<<grid, block, 0, stream_>>>(pg, pb, static_cast<const T*>(dy),
+    layernorm_bwd_param_partial<<<grid, block, 0, stream_>>>(pg, pb, static_cast<const T*>(dy),
                                                         static_cast<const T*>(x), mean, rstd, N, C);
     CUDA_CHECK_LAUNCH();
   });
-  ln_split_param_final<<<(C + 255) / 256, 256, 0, stream_>>>(dgamma, dbeta, pg, pb, chunks, C);
+  layernorm_bwd_param_final<<<(C + 255) / 256, 256, 0, stream_>>>(dgamma, dbeta, pg, pb, chunks, C);
   CUDA_CHECK_LAUNCH();
 }
 

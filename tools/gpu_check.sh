@@ -79,14 +79,49 @@ for s in "${steps[@]}"; do
     L=(inputs/bench_vit_b16.ini --model.preset=vit-huge-4096 --model.checkpoint_activations=true
        --data.global_batch=32 --precision.mode=bf16 --warmup=1 --steps=3)
     if [ "$NGPU" -ge 4 ]; then
-      for lay in "--parallel.pipeline=4 --parallel.micro_batches=8" \
-                 "--parallel.tensor=4 --parallel.tensor_mode=1d" \
+      for lay in "--parallel.tensor=4 --parallel.tensor_mode=1d" \
                  "--parallel.tensor=4 --parallel.tensor_mode=2d" \
-                 "--parallel.pipeline=2 --parallel.micro_batches=4 --parallel.tensor=2 --parallel.tensor_mode=1d"; do
+                 "--parallel.tensor=4 --parallel.tensor_mode=2.5d --parallel.tensor_depth=1" \
+                 "--parallel.pipeline=2 --parallel.micro_batches=4 --parallel.tensor=2 --parallel.tensor_mode=1d" \
+                 "--parallel.pipeline=2 --parallel.micro_batches=8 --parallel.tensor=2 --parallel.tensor_mode=1d" \
+                 "--parallel.pipeline=4 --parallel.micro_batches=8"; do
         echo "layout: $lay"
         mpirun -np 4 --bind-to none "$B/bin/vitgrid" bench "${L[@]}" $lay 2>&1 | grep -E "^bench|bubble|error"
       done | tee "$OUT/large.log"
     fi
+    ;;
+  tpvitb)
+    # ViT-B/16 in 1d tensor parallelism against data parallelism at the same global batch
+    # (256 images per GPU), and tensor x data on 4 GPUs
+    for n in 2 4; do
+      [ "$n" -le "$NGPU" ] || continue
+      for lay in "" "--parallel.tensor=$n --parallel.tensor_mode=1d" \
+                 "--parallel.tensor=2 --parallel.tensor_mode=1d"; do
+        [ "$lay" = "--parallel.tensor=2 --parallel.tensor_mode=1d" ] && [ "$n" -ne 4 ] && continue
+        echo "gpus $n layout: ${lay:-data parallel}"
+        mpirun -np $n --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini \
+          --data.global_batch=$((256 * n)) $lay --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
+      done
+    done | tee "$OUT/tp_vitb.log"
+    ;;
+  ckpt)
+    # checkpoint write / read bandwidth: ViT-B/16 data-parallel and the large ViT in 1d t4 on
+    # the node's GPUs (train 1 step -> write; resume -> read, 1 more step -> write again)
+    R=${RUNS:-/tmp/vitgrid-ckpt}
+    rm -rf "$R"; mkdir -p "$R"
+    n=$NGPU; [ "$n" -le 4 ] || n=4
+    V=(--run.log_every=1 --run.eval_samples=64 --data.synthetic_eval=64)
+    for c in "vitb|--data.global_batch=$((64 * n))" \
+             "large|--model.preset=vit-huge-4096 --model.checkpoint_activations=true --data.global_batch=8 --parallel.tensor=$n --parallel.tensor_mode=1d"; do
+      name=${c%%|*}; lay=${c#*|}
+      echo "checkpoint $name ($n GPUs): $lay"
+      mpirun -np $n --bind-to none "$B/bin/vitgrid" train inputs/bench_vit_b16.ini "${V[@]}" $lay \
+        --run.out_dir="$R/$name" --run.steps=1 2>&1 | grep -E "checkpoint .*(written|loaded)|rror"
+      mpirun -np $n --bind-to none "$B/bin/vitgrid" train inputs/bench_vit_b16.ini "${V[@]}" $lay \
+        --run.out_dir="$R/$name" --run.steps=2 --checkpoint.resume=auto --checkpoint.keep=1 2>&1 | grep -E "checkpoint .*(written|loaded)|rror"
+      du -sh "$R/$name/checkpoints" 2>/dev/null
+      rm -rf "$R/$name"
+    done | tee "$OUT/ckpt.log"
     ;;
   e2epar)
     (cd "$B" && ctest -R "e2e_gpu_parallel|gpu_backend" --output-on-failure --timeout 300) >"$OUT/test_par.log" 2>&1

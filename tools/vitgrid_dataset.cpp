@@ -1,6 +1,10 @@
 // vitgrid_dataset: writes datasets in the packed HDF5 format that data.dataset = hdf5 reads
-// (/images uint8 [N,S,S,3] chunked by 64 images, /labels int32 [N], root attributes
-// num_classes and source).
+// (/images uint8 [N,S,S,3] contiguous, /labels int32 [N], root attributes num_classes and
+// source).
+//
+// /images is contiguous (its size is known up front): the reader then finds every image at
+// offset + i*S*S*3 and pread()s it without the HDF5 library or its lock. (Files from older
+// versions of this tool, chunked by 64 images, are still read directly, chunk by chunk.)
 //
 //   vitgrid_dataset cifar10 DIR OUT_PREFIX
 //       -> OUT_PREFIX_train.h5 (data_batch_1..5.bin) and OUT_PREFIX_eval.h5 (test_batch.bin)
@@ -26,7 +30,6 @@
 
 namespace {
 
-constexpr int64_t kChunkImages = 64;
 constexpr int64_t kWriteImages = 1024;  // images read from the source per write (bounded memory)
 
 [[noreturn]] void usage(const char* msg) {
@@ -54,10 +57,10 @@ void write_packed(vitgrid::Dataset& ds, const std::string& path, const std::stri
   if (file < 0) throw vitgrid::UserError("cannot create " + path);
 
   hsize_t dims[4] = {(hsize_t)n, (hsize_t)S, (hsize_t)S, 3};
-  hsize_t chunk[4] = {(hsize_t)std::min<int64_t>(kChunkImages, n), (hsize_t)S, (hsize_t)S, 3};
   hid_t fspace = H5Screate_simple(4, dims, nullptr);
   hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
-  H5_OK(H5Pset_chunk(dcpl, 4, chunk));
+  H5_OK(H5Pset_layout(dcpl, H5D_CONTIGUOUS));
+  H5_OK(H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER));  // every byte is written below
   hid_t dimages = H5Dcreate2(file, "images", H5T_STD_U8LE, fspace, H5P_DEFAULT, dcpl, H5P_DEFAULT);
   H5_OK(dimages);
   hsize_t ldims[1] = {(hsize_t)n};

@@ -44,12 +44,42 @@ struct DataLoader::Impl {
         throw UserError(ds->describe() + ": label " + std::to_string(l) + " outside [0, " +
                         std::to_string(K) + ")");
   }
+  // Batches the consumer has dropped come back here and are refilled, so their buffers (38 MB
+  // of images for 256 samples at 224 px) are not allocated and page-faulted again per batch.
+  struct Pool {
+    std::mutex mu;
+    std::vector<std::unique_ptr<HostBatch>> free;
+  };
+  std::shared_ptr<Pool> pool = std::make_shared<Pool>();
+  std::shared_ptr<HostBatch> new_batch() {
+    std::unique_ptr<HostBatch> hb;
+    {
+      std::lock_guard<std::mutex> lock(pool->mu);
+      if (!pool->free.empty()) {
+        hb = std::move(pool->free.back());
+        pool->free.pop_back();
+      }
+    }
+    if (!hb) hb = std::make_unique<HostBatch>();
+    std::weak_ptr<Pool> home = pool;  // the loader may be gone when the last user drops it
+    return std::shared_ptr<HostBatch>(hb.release(), [home](HostBatch* p) {
+      if (auto pl = home.lock()) {
+        std::lock_guard<std::mutex> lock(pl->mu);
+        if (pl->free.size() < 8) {
+          pl->free.emplace_back(p);
+          return;
+        }
+      }
+      delete p;
+    });
+  }
   std::shared_ptr<HostBatch> make_train(const Sampler& sampler, int64_t k);
   std::shared_ptr<HostBatch> make_eval(int64_t t);
 };
 
 // Reads samples idx[0..n) into images/labels with `workers` threads, each a contiguous part
-// (datasets are thread-safe: synthetic and CIFAR-10 are pure/in-memory, HDF5 serialises).
+// (datasets are thread-safe: synthetic and CIFAR-10 are pure/in-memory, HDF5 reads with
+// positioned reads, or serialises on its fallback path).
 void read_parallel(Dataset& ds, const int64_t* idx, int n, uint8_t* images, int32_t* labels,
                    int workers) {
   const size_t img = (size_t)ds.image_size() * ds.image_size() * 3;
@@ -77,7 +107,7 @@ void read_parallel(Dataset& ds, const int64_t* idx, int n, uint8_t* images, int3
 
 std::shared_ptr<HostBatch> DataLoader::Impl::make_train(const Sampler& sampler, int64_t k) {
   const int A = cfg.grad_accum;
-  auto hb = std::make_shared<HostBatch>();
+  auto hb = new_batch();
   hb->step = start_step + k / A;
   hb->micro = (int)(k % A);
   hb->count = b;
@@ -116,7 +146,7 @@ std::shared_ptr<HostBatch> DataLoader::Impl::make_train(const Sampler& sampler, 
 // rank's last batches may be short or empty; every rank still delivers eval_batches of them).
 // HostBatch::step holds t.
 std::shared_ptr<HostBatch> DataLoader::Impl::make_eval(int64_t t) {
-  auto hb = std::make_shared<HostBatch>();
+  auto hb = new_batch();
   hb->step = t;
   hb->micro = 0;
   hb->first_position = t * E + (int64_t)cfg.data_rank * b;

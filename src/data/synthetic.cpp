@@ -177,21 +177,37 @@ class SyntheticDataset final : public Dataset {
     const float nscale = kNoiseAmplitude / 255.0f;
     // rng_u64(seed, noise_key, c) == mix64(stream + c * kCounterStep): hoist the stream part.
     const uint64_t noise_stream = mix64(seed_ ^ mix64(noise_key_));
-    uint64_t word = 0;
-    int o = 0;
+    // The noise words of the whole image first (the sample o takes bytes 2o and 2o+1 of the
+    // little-endian word stream), then the pixels in a branch-free loop the compiler vectorises.
+    const size_t nwords = (size_t)(npix + 3) / 4;
+    thread_local std::vector<uint64_t> words;
+    thread_local std::vector<float> mrow;
+    if (words.size() < nwords + 1) words.resize(nwords + 1);
+    if (mrow.size() < (size_t)S_) mrow.resize(S_);
+    for (size_t w = 0; w < nwords; ++w) words[w] = mix64(noise_stream + (noise_base + w) * kCounterStep);
+    static_assert(sizeof(uint64_t) == 8, "noise words");
+    // byte k of the stream is byte k % 8 of word k / 8, counted from the least significant
+    const unsigned char* nb = reinterpret_cast<const unsigned char*>(words.data());
+    const bool little = [] { const uint16_t one = 1; return *reinterpret_cast<const unsigned char*>(&one) == 1; }();
+    if (!little) throw std::logic_error("synthetic dataset: the noise byte order assumes a little-endian host");
     for (int y = 0; y < S_; ++y) {
       const float s0 = row[2 * y], c0 = row[2 * y + 1];
+      const float gyy = gy[y];
       for (int x = 0; x < S_; ++x) {
         // sin(kx x + ky y + phase), separably
         const float g = tilt * p.sx[x] * c0 + p.cx[x] * s0;
-        const float m = gx[x] * gy[y] * (0.5f + 0.5f * g);
-        for (int ch = 0; ch < 3; ++ch, ++o) {
-          if ((o & 3) == 0) word = mix64(noise_stream + (noise_base + (uint64_t)(o >> 2)) * kCounterStep);
-          int sh = (o & 3) * 16;
-          float noise = ((float)((word >> sh) & 0xFF) + (float)((word >> (sh + 8)) & 0xFF) - 255.0f) * nscale;
+        mrow[x] = gx[x] * gyy * (0.5f + 0.5f * g);
+      }
+      const int o0 = y * S_ * 3;
+      uint8_t* dst = out + o0;
+      for (int x = 0; x < S_; ++x) {
+        const float m = mrow[x];
+        for (int ch = 0; ch < 3; ++ch) {
+          const size_t o = (size_t)o0 + 3 * x + ch;
+          float noise = ((float)nb[2 * o] + (float)nb[2 * o + 1] - 255.0f) * nscale;
           float v = base_c[ch] + m * diff_c[ch] + noise;
           v = std::min(255.0f, std::max(0.0f, v));
-          out[o] = (uint8_t)(v + 0.5f);
+          dst[3 * x + ch] = (uint8_t)(v + 0.5f);
         }
       }
     }

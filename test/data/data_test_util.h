@@ -37,6 +37,11 @@ struct H5Spec {
   int64_t n = 0;
   int h = 0, w = 0, c = 3;
   bool chunked = false;
+  int64_t chunk_images = 2;          // chunked: chunk [chunk_images, h, w, c]
+  int chunk_h = 0;                   // chunked: > 0 gives chunks that split images [.., chunk_h, w, c]
+  int gzip = 0;                      // chunked: deflate level (0: no filter)
+  bool labels_first = false;         // write /labels before /images (the pixels end the file)
+  hsize_t userblock = 0;             // user block bytes before the HDF5 data (0 or 512, 1024, ...)
   bool write_labels = true;
   hid_t image_type = H5T_STD_U8LE;   // stored type of /images
   hid_t label_type = H5T_STD_I64LE;  // stored type of /labels
@@ -47,19 +52,27 @@ struct H5Spec {
 // Writes /images (values given as uint8 HWC, converted to the stored type) and /labels.
 inline void write_h5(const std::string& path, const H5Spec& s, const std::vector<uint8_t>& images,
                      const std::vector<int64_t>& labels) {
-  hid_t f = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
-  hsize_t dims[4] = {(hsize_t)s.n, (hsize_t)s.h, (hsize_t)s.w, (hsize_t)s.c};
-  hid_t sp = H5Screate_simple(4, dims, nullptr);
-  hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
-  if (s.chunked) {
-    hsize_t ch[4] = {2, (hsize_t)s.h, (hsize_t)s.w, (hsize_t)s.c};
-    H5Pset_chunk(dcpl, 4, ch);
-  }
-  hid_t d = H5Dcreate2(f, "images", s.image_type, sp, H5P_DEFAULT, dcpl, H5P_DEFAULT);
-  H5Dwrite(d, H5T_NATIVE_UCHAR, H5S_ALL, H5S_ALL, H5P_DEFAULT, images.data());
-  H5Dclose(d);
-  H5Pclose(dcpl);
-  H5Sclose(sp);
+  hid_t fcpl = H5Pcreate(H5P_FILE_CREATE);
+  if (s.userblock) H5Pset_userblock(fcpl, s.userblock);
+  hid_t f = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, fcpl, H5P_DEFAULT);
+  H5Pclose(fcpl);
+  auto write_images = [&] {
+    hsize_t dims[4] = {(hsize_t)s.n, (hsize_t)s.h, (hsize_t)s.w, (hsize_t)s.c};
+    hid_t sp = H5Screate_simple(4, dims, nullptr);
+    hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
+    if (s.chunked) {
+      hsize_t ch[4] = {(hsize_t)s.chunk_images, (hsize_t)(s.chunk_h > 0 ? s.chunk_h : s.h), (hsize_t)s.w,
+                       (hsize_t)s.c};
+      H5Pset_chunk(dcpl, 4, ch);
+      if (s.gzip > 0) H5Pset_deflate(dcpl, (unsigned)s.gzip);
+    }
+    hid_t d = H5Dcreate2(f, "images", s.image_type, sp, H5P_DEFAULT, dcpl, H5P_DEFAULT);
+    H5Dwrite(d, H5T_NATIVE_UCHAR, H5S_ALL, H5S_ALL, H5P_DEFAULT, images.data());
+    H5Dclose(d);
+    H5Pclose(dcpl);
+    H5Sclose(sp);
+  };
+  if (!s.labels_first) write_images();
   if (s.write_labels) {
     hsize_t ln = (hsize_t)(s.label_count >= 0 ? s.label_count : s.n);
     std::vector<int64_t> l(labels);
@@ -70,6 +83,7 @@ inline void write_h5(const std::string& path, const H5Spec& s, const std::vector
     H5Dclose(ld);
     H5Sclose(lsp);
   }
+  if (s.labels_first) write_images();
   if (s.num_classes_attr >= 0) {
     hid_t as = H5Screate(H5S_SCALAR);
     hid_t a = H5Acreate2(f, "num_classes", H5T_STD_I32LE, as, H5P_DEFAULT, H5P_DEFAULT);

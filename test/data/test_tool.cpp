@@ -38,10 +38,23 @@ void expect_same(vitgrid::Dataset& a, vitgrid::Dataset& b) {
 TEST(DatasetTool, SyntheticMatchesMakeSynthetic) {
   vgtest::TempDir dir;
   const std::string prefix = dir.file("syn");
-  // 150 train images: more than two 64-image chunks, a partial last chunk
+  // 150 train images (older versions of the tool wrote chunks of 64: a partial last chunk)
   ASSERT_EQ(run("synthetic " + prefix + " --train 150 --eval 30 --size 12 --classes 5 --seed 9"), 0);
   auto tr = vitgrid::make_hdf5_images(prefix + "_train.h5");
   auto ev = vitgrid::make_hdf5_images(prefix + "_eval.h5");
+  // /images is contiguous and unfiltered, so the reader pread()s it without the HDF5 lock
+  for (const char* split : {"_train.h5", "_eval.h5"}) {
+    hid_t f = H5Fopen((prefix + split).c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+    hid_t d = H5Dopen2(f, "images", H5P_DEFAULT);
+    hid_t dcpl = H5Dget_create_plist(d);
+    EXPECT_EQ(H5Pget_layout(dcpl), H5D_CONTIGUOUS) << split;
+    EXPECT_EQ(H5Pget_nfilters(dcpl), 0) << split;
+    H5Pclose(dcpl);
+    H5Dclose(d);
+    H5Fclose(f);
+  }
+  EXPECT_NE(tr->describe().find("contiguous, pread"), std::string::npos) << tr->describe();
+  EXPECT_NE(ev->describe().find("contiguous, pread"), std::string::npos) << ev->describe();
   expect_same(*tr, *vitgrid::make_synthetic(9, true, 150, 12, 5));
   expect_same(*ev, *vitgrid::make_synthetic(9, false, 30, 12, 5));
 }

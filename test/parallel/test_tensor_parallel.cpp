@@ -1,7 +1,8 @@
 // Tensor parallelism against the 1-rank computation, on the CPU backend in fp32 and in
 // emulated bf16 (16-bit activations: fp32 storage, every act result rounded to bf16).
 // Each test runs every mode that fits the world size (tensor = world, data = 1; and 1d with
-// data = 2 on 4 ranks): 1d at 2 and 4 ranks, 2d (q=2) at 4, 2.5d (q=2, d=2) and 3d (q=2) at 8.
+// data = 2 on 4 ranks): 1d at 2 and 4 ranks, 2d (q=2) and 2.5d (q=2, d=1) at 4, 2.5d (q=2,
+// d=2) and 3d (q=2) at 8.
 //  * Layers: Column (plain and q/k/v-grouped), Row, Embed, Head Linears and LayerNorm: the
 //    forward output and every gradient (input, weight, bias) of this rank's blocks equal the
 //    1-rank layer's, relative error <= 1e-5.
@@ -14,20 +15,48 @@
 //    1e-2 (measured <= 4.5e-3 over all modes), the whole model's loss, logits, gradients and
 //    norms 5e-2 (measured: loss <= 1.4e-4, logits <= 6.9e-3, gradients <= 2.8e-2, the worst
 //    being qkv.bias, whose k part is analytically zero); top-k counts still exactly equal.
+//
+// GPU variant (ctest gpu_mpi_tp_np2/np4, label gpu; the binary is built with
+// VITGRID_TEST_CUDA_DEFAULT=1, and any build of this source honours the environment variable
+// VITGRID_TEST_BACKEND=cuda|cpu): the tensor-parallel rig (MPI_COMM_WORLD) runs on the CUDA
+// backend (GPU = local rank, fp32 GEMMs without TF32) with NCCL collectives, against the same
+// 1-rank reference on the CPU backend (an independent reference). Same checks, same cases
+// (1d at 2; 1d t4, 1d t2 x data 2, 2d q2 and 2.5d q2 d1 at 4) and the same bounds: fp32
+// 1e-5 (cuBLAS fp32 GEMMs and the backend's deterministic fp32 reductions differ from the CPU
+// only in summation order, ~1e-7), real bf16 on the GPU against emulated bf16 on the CPU
+// 1e-2 per layer and 5e-2 for the whole model (measured on 4 and 2 H200s over all five
+// cases: fp32 layers <= 2.6e-7, fp32 model <= 1.3e-6; bf16 layers <= 3.9e-3, bf16 model
+// <= 3.7e-2: as on the CPU the worst is a qkv.bias gradient, here with checkpointing and
+// Mixup at 1d t4; top-k counts exactly equal). With 2-byte activations the host inputs of
+// act buffers (x, W, b, dy, gamma, beta, images) are rounded to bf16 first, for both runs, so
+// that both start from the same values (the emulated CPU run would otherwise see the
+// unrounded fp32 inputs). Every rank skips alike (agreed over MPI) when the CUDA backend is
+// requested but not built, no GPU is visible, or a node has fewer GPUs than ranks.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
+#include <initializer_list>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "vitgrid/backend/backend.h"
+#include "vitgrid/backend/cpu/emulate16.h"
 #include "vitgrid/core/error.h"
 #include "vitgrid/grid/grid.h"
 #include "vitgrid/model/vit.h"
 #include "vitgrid/parallel/tensor_parallel.h"
+#ifdef VITGRID_HAVE_CUDA
+#include "vitgrid/backend/cuda/cuda_backend.h"
+#endif
+
+#ifndef VITGRID_TEST_CUDA_DEFAULT
+#define VITGRID_TEST_CUDA_DEFAULT 0
+#endif
 
 namespace vitgrid {
 namespace {
@@ -69,6 +98,7 @@ std::vector<Case> cases() {
     out.push_back({TensorMode::D1, 4, 1});
     out.push_back({TensorMode::D1, 2, 1});  // with data = 2 beside it
     out.push_back({TensorMode::D2, 4, 1});
+    out.push_back({TensorMode::D2p5, 4, 1});  // q = 2, d = 1
   }
   if (w == 8) {
     out.push_back({TensorMode::D2p5, 8, 2});
@@ -77,12 +107,75 @@ std::vector<Case> cases() {
   return out;
 }
 
+// ---- the backend of the tensor-parallel rig: "cpu" (MPI collectives) or "cuda" (NCCL)
+
+// VITGRID_TEST_BACKEND when set, else the build's default (cuda for the gpu_mpi_tp binary).
+std::string tp_backend_kind() {
+  const char* e = std::getenv("VITGRID_TEST_BACKEND");
+  if (e && *e) return e;
+  return VITGRID_TEST_CUDA_DEFAULT ? "cuda" : "cpu";
+}
+bool tp_on_cuda() { return tp_backend_kind() == "cuda"; }
+
+// Empty when the tensor-parallel rig can run here; else why not. Collective over
+// MPI_COMM_WORLD the first time (every test calls it first, on every rank), so all ranks
+// reach the same verdict and none is left waiting in a collective the others skipped.
+std::string backend_unavailable() {
+  static const std::string reason = [] {
+    const std::string kind = tp_backend_kind();
+    std::string why;
+    if (kind == "cuda") {
+      MPI_Comm node = MPI_COMM_NULL;
+      MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+      int local = 1;
+      MPI_Comm_size(node, &local);
+      MPI_Comm_free(&node);
+#ifdef VITGRID_HAVE_CUDA
+      const int gpus = cuda_available() ? cuda_device_count() : 0;
+      if (gpus < local)
+        why = "the cuda backend needs one GPU per rank of a node: " + std::to_string(gpus) +
+              " visible for " + std::to_string(local) + " local ranks";
+#else
+      why = "the cuda backend was requested but this build has no CUDA";
+#endif
+    } else if (kind != "cpu") {
+      why = "VITGRID_TEST_BACKEND=" + kind + " names no backend (cpu|cuda)";
+    }
+    int ok = why.empty() ? 1 : 0, all = 0;
+    MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    if (all == 0 && why.empty()) why = "another rank cannot run the " + kind + " backend";
+    return why;
+  }();
+  return reason;
+}
+
+// First statement of every test: skip (every rank alike) when the backend cannot run here;
+// fail when VITGRID_TEST_BACKEND names no backend (a typo must not pass as a skip).
+#define VG_REQUIRE_TP_BACKEND()                                                    \
+  do {                                                                             \
+    const std::string vg_why_ = backend_unavailable();                             \
+    const std::string vg_kind_ = tp_backend_kind();                                \
+    if (vg_kind_ != "cpu" && vg_kind_ != "cuda") GTEST_FAIL() << vg_why_;          \
+    if (!vg_why_.empty()) GTEST_SKIP() << vg_why_;                                 \
+  } while (0)
+
+// With 2-byte activation storage (the CUDA backend in bf16) the host inputs of act buffers
+// are rounded to the act dtype, for the reference run too, so that both runs start from the
+// same values. No-op otherwise (CPU backend, fp32): the inputs stay as drawn.
+bool round_act_inputs(DType act) { return tp_on_cuda() && act != DType::F32; }
+void to_act_values(DType act, std::initializer_list<std::vector<float>*> vs) {
+  if (!round_act_inputs(act)) return;
+  for (auto* v : vs) round_buffer(act, v->data(), v->size());
+}
+
 struct Rig {
   std::unique_ptr<ProcessGrid> grid;
   std::unique_ptr<Backend> be;
   std::unique_ptr<Collectives> coll;
   std::unique_ptr<TensorParallel> tp;
-  Rig(MPI_Comm comm, const Case& c, DType act = DType::F32) {
+  // `tensor_parallel`: the rig under test (backend of tp_backend_kind()); otherwise the CPU
+  // backend with MPI collectives (the 1-rank reference).
+  Rig(MPI_Comm comm, const Case& c, DType act = DType::F32, bool tensor_parallel = false) {
     GridShape s;
     int n = 1;
     MPI_Comm_size(comm, &n);
@@ -91,10 +184,84 @@ struct Rig {
     s.depth = c.depth;
     s.data = n / c.tensor;
     grid = std::make_unique<ProcessGrid>(comm, s);
-    be = make_backend("cpu", 0, act);
-    coll = make_mpi_collectives(*grid);
+    (void)tensor_parallel;  // without CUDA every rig is a CPU one
+#ifdef VITGRID_HAVE_CUDA
+    if (tensor_parallel && tp_on_cuda()) {
+      be = make_backend("cuda", grid->local_rank(), act, /*allow_tf32=*/false);
+      coll = make_nccl_collectives(*grid, *be, 120.0);
+    }
+#endif
+    if (!be) {
+      be = make_backend("cpu", 0, act);
+      coll = make_mpi_collectives(*grid);
+    }
     tp = make_tensor_parallel(*grid, *be, *coll);
   }
+};
+
+// The tensor-parallel rig of a case (on MPI_COMM_WORLD).
+std::unique_ptr<Rig> tp_rig(const Case& c, DType act = DType::F32) {
+  return std::make_unique<Rig>(MPI_COMM_WORLD, c, act, /*tensor_parallel=*/true);
+}
+
+// Host <-> backend buffers. An act buffer holds act_size() bytes per element: with 4 (CPU,
+// also in emulated bf16; CUDA fp32) the host fp32 values are copied as they are, with 2 (CUDA
+// bf16) they go through fp32 and cast_to_act / cast_to_f32 on the device.
+void* upload_act(Backend& be, const std::vector<float>& h) {
+  const size_t n = h.size();
+  void* p = be.alloc(std::max<size_t>(n, 1) * be.act_size());
+  if (be.act_size() == 4) {
+    be.copy_to_device(p, h.data(), n * 4);
+    return p;
+  }
+  float* t = static_cast<float*>(be.alloc(std::max<size_t>(n, 1) * 4));
+  be.copy_to_device(t, h.data(), n * 4);
+  be.cast_to_act(p, t, n);
+  be.synchronize();
+  be.release(t);
+  return p;
+}
+float* upload_f32(Backend& be, const std::vector<float>& h) {
+  float* p = static_cast<float*>(be.alloc(std::max<size_t>(h.size(), 1) * 4));
+  be.copy_to_device(p, h.data(), h.size() * 4);
+  return p;
+}
+std::vector<float> download_f32(Backend& be, const float* p, size_t n) {
+  std::vector<float> h(n);
+  be.copy_to_host(h.data(), p, n * 4);
+  return h;
+}
+std::vector<float> download_act(Backend& be, const void* p, size_t n) {
+  if (be.act_size() == 4) return download_f32(be, static_cast<const float*>(p), n);
+  float* t = static_cast<float*>(be.alloc(std::max<size_t>(n, 1) * 4));
+  be.cast_to_f32(t, p, n);
+  std::vector<float> h = download_f32(be, t, n);
+  be.release(t);
+  return h;
+}
+
+// The buffers of one check on one backend, released when the check ends.
+class DevBufs {
+ public:
+  explicit DevBufs(Backend& be) : be_(be) {}
+  ~DevBufs() {
+    be_.synchronize();
+    for (void* p : bufs_) be_.release(p);
+  }
+  DevBufs(const DevBufs&) = delete;
+  DevBufs& operator=(const DevBufs&) = delete;
+  void* act(const std::vector<float>& h) { return keep(upload_act(be_, h)); }
+  float* f32(const std::vector<float>& h) { return static_cast<float*>(keep(upload_f32(be_, h))); }
+  std::vector<float> get_act(const void* p, size_t n) { return download_act(be_, p, n); }
+  std::vector<float> get_f32(const float* p, size_t n) { return download_f32(be_, p, n); }
+
+ private:
+  void* keep(void* p) {
+    bufs_.push_back(p);
+    return p;
+  }
+  Backend& be_;
+  std::vector<void*> bufs_;
 };
 
 std::vector<float> randn(size_t n, unsigned seed, float scale = 1.0f) {
@@ -164,17 +331,18 @@ ParamInfo param(const std::string& name, std::vector<int64_t> shape, Shard s, si
   return p;
 }
 
-// One Linear of `role` on both the 1-rank rig and the tensor-parallel rig; compares y, dx, dW
-// and db. Stream/Inner layouts of input and output follow from the role.
-void check_linear(const Case& c, LinearRole role, int in, int out, int groups, bool gelu,
-                  const Prec& pr = kF32) {
+// One Linear of `role` on both the 1-rank rig and the tensor-parallel rig `tp` (made with
+// the same act dtype); compares y, dx, dW and db. Stream/Inner layouts of input and output
+// follow from the role.
+void check_linear(Rig& tp, const Case& c, LinearRole role, int in, int out, int groups,
+                  bool gelu, const Prec& pr = kF32) {
   Rig ref(MPI_COMM_SELF, {TensorMode::None, 1, 1}, pr.act);
-  Rig tp(MPI_COMM_WORLD, c, pr.act);
   const int B = 8, T = 3, R = B * T;
   auto x = randn(size_t(R) * in, 1);
   auto W = randn(size_t(out) * in, 2, 0.2f);
   auto b = randn(out, 3);
   auto dy = randn(size_t(R) * out, 4);
+  to_act_values(pr.act, {&x, &W, &b, &dy});
   // reference
   std::vector<float> y(size_t(R) * out), g(y.size()), dx(size_t(R) * in), dW(W.size(), 0.0f),
       db(out, 0.0f);
@@ -203,17 +371,28 @@ void check_linear(const Case& c, LinearRole role, int in, int out, int groups, b
   auto bl = take_shard(b, {out}, sb);
   auto dyl = take_act(dy, B, T, out / groups, bout, groups);
   const int rows = bin.samples * T;
-  std::vector<float> yl(dyl.size()), gl(dyl.size()), dxl(xl.size());
-  // gradients in one flat buffer, as the model keeps them
-  std::vector<float> grads(Wl.size() + bl.size(), 0.0f);
+  // this rank's buffers on the rig's backend (weights and bias: the act-dtype compute copy)
+  DevBufs d(*tp.be);
+  void* x_d = d.act(xl);
+  void* W_d = d.act(Wl);
+  void* b_d = d.act(bl);
+  void* dy_d = d.act(dyl);
+  void* y_d = d.act(std::vector<float>(dyl.size(), 0.0f));
+  void* g_d = d.act(std::vector<float>(dyl.size(), 0.0f));
+  void* dx_d = d.act(std::vector<float>(xl.size(), 0.0f));
+  // gradients in one flat fp32 buffer, as the model keeps them
+  float* grads = d.f32(std::vector<float>(Wl.size() + bl.size(), 0.0f));
   std::vector<ParamInfo> params = {param("w", {out, in}, sw, 0),
                                    param("b", {out}, sb, Wl.size())};
   t.register_params(params);
-  t.linear_forward(role, yl.data(), xl.data(), Wl.data(), bl.data(), rows, in, out,
-                   gelu ? gl.data() : nullptr, Gelu::Exact, groups);
-  t.linear_backward(role, dxl.data(), grads.data(), grads.data() + Wl.size(), dyl.data(),
-                    xl.data(), Wl.data(), rows, in, out, groups);
-  t.reduce_replicated_grads(grads.data(), params);
+  t.linear_forward(role, y_d, x_d, W_d, b_d, rows, in, out, gelu ? g_d : nullptr, Gelu::Exact,
+                   groups);
+  t.linear_backward(role, dx_d, grads, grads + Wl.size(), dy_d, x_d, W_d, rows, in, out,
+                    groups);
+  t.reduce_replicated_grads(grads, params);
+  const auto yl = d.get_act(y_d, dyl.size()), gl = d.get_act(g_d, dyl.size());
+  const auto dxl = d.get_act(dx_d, xl.size());
+  const auto gr = d.get_f32(grads, Wl.size() + bl.size());
   const std::string what = c.name() + " role " + std::to_string(int(role)) + " groups " +
                            std::to_string(groups);
   EXPECT_LE(max_over_world(rel_err(yl, take_act(y, B, T, out / groups, bout, groups))), pr.tol)
@@ -223,8 +402,8 @@ void check_linear(const Case& c, LinearRole role, int in, int out, int groups, b
         << what << ": gelu";
   }
   EXPECT_LE(max_over_world(rel_err(dxl, take_act(dx, B, T, in, bin))), pr.tol) << what << ": dx";
-  std::vector<float> dWl(grads.begin(), grads.begin() + Wl.size());
-  std::vector<float> dbl(grads.begin() + Wl.size(), grads.end());
+  std::vector<float> dWl(gr.begin(), gr.begin() + Wl.size());
+  std::vector<float> dbl(gr.begin() + Wl.size(), gr.end());
   EXPECT_LE(max_over_world(rel_err(dWl, take_shard(dW, {out, in}, sw))), pr.tol) << what << ": dW";
   EXPECT_LE(max_over_world(rel_err(dbl, take_shard(db, {out}, sb))), pr.tol) << what << ": db";
   // whole-parameter norms from the local shards
@@ -242,61 +421,88 @@ void check_linear(const Case& c, LinearRole role, int in, int out, int groups, b
 void check_linears(const Prec& pr) {
   for (const Case& c : cases()) {
     SCOPED_TRACE(c.name());
-    check_linear(c, LinearRole::Column, 16, 48, 3, false, pr);  // qkv-like
-    check_linear(c, LinearRole::Column, 16, 32, 1, true, pr);   // fc1 with GELU
-    check_linear(c, LinearRole::Row, 16, 16, 1, false, pr);     // proj
-    check_linear(c, LinearRole::Row, 32, 16, 1, false, pr);     // fc2
-    check_linear(c, LinearRole::Embed, 12, 16, 1, false, pr);   // patch embedding
-    check_linear(c, LinearRole::Head, 16, 5, 1, false, pr);     // classifier
+    auto tp = tp_rig(c, pr.act);  // one rig (NCCL communicators on the GPU) for the case
+    check_linear(*tp, c, LinearRole::Column, 16, 48, 3, false, pr);  // qkv-like
+    check_linear(*tp, c, LinearRole::Column, 16, 32, 1, true, pr);   // fc1 with GELU
+    check_linear(*tp, c, LinearRole::Row, 16, 16, 1, false, pr);     // proj
+    check_linear(*tp, c, LinearRole::Row, 32, 16, 1, false, pr);     // fc2
+    check_linear(*tp, c, LinearRole::Embed, 12, 16, 1, false, pr);   // patch embedding
+    check_linear(*tp, c, LinearRole::Head, 16, 5, 1, false, pr);     // classifier
   }
 }
 
-TEST(TensorParallel, Linears) { check_linears(kF32); }
-TEST(TensorParallel, LinearsBf16) { check_linears(kBf16Layer); }
+TEST(TensorParallel, Linears) {
+  VG_REQUIRE_TP_BACKEND();
+  check_linears(kF32);
+}
+TEST(TensorParallel, LinearsBf16) {
+  VG_REQUIRE_TP_BACKEND();
+  check_linears(kBf16Layer);
+}
 
 void check_layernorm(const Prec& pr) {
   for (const Case& c : cases()) {
     SCOPED_TRACE(c.name());
     Rig ref(MPI_COMM_SELF, {TensorMode::None, 1, 1}, pr.act);
-    Rig tp(MPI_COMM_WORLD, c, pr.act);
+    auto tp = tp_rig(c, pr.act);
     const int B = 8, T = 3, R = B * T, C = 16;
     auto a = randn(size_t(R) * C, 1), b = randn(size_t(R) * C, 2);
     for (auto& v : a) v += 3.0f;  // a large mean: the two-pass statistics matter
     auto gam = randn(C, 3), bet = randn(C, 4), dy = randn(size_t(R) * C, 5);
+    to_act_values(pr.act, {&a, &b, &gam, &bet, &dy});
     std::vector<float> res(a.size()), y(a.size()), mean(R), rstd(R), dx(a.size(), 0.5f),
         dg(C, 0.0f), dbt(C, 0.0f);
     ref.be->add_layernorm_forward(res.data(), y.data(), mean.data(), rstd.data(), a.data(),
                                   b.data(), gam.data(), bet.data(), R, C, 1e-6f);
     ref.be->layernorm_backward(dx.data(), dg.data(), dbt.data(), dy.data(), res.data(),
                                gam.data(), mean.data(), rstd.data(), R, C);
-    TensorParallel& t = *tp.tp;
+    TensorParallel& t = *tp->tp;
     const ActBlock blk = t.act_block(ActLayout::Stream, B, C);
     const Shard sv = t.shard_hidden_vector({C});
     auto al = take_act(a, B, T, C, blk), bl = take_act(b, B, T, C, blk);
     auto gl = take_shard(gam, {C}, sv), btl = take_shard(bet, {C}, sv);
     auto dyl = take_act(dy, B, T, C, blk);
     const int rows = blk.samples * T;
-    std::vector<float> resl(al.size()), yl(al.size()), ml(rows), rl(rows), dxl(al.size(), 0.5f);
-    std::vector<float> grads(2 * gl.size(), 0.0f);
+    // this rank's buffers (gamma/beta: the act-dtype compute copy; statistics and the
+    // parameter gradients fp32)
+    DevBufs d(*tp->be);
+    void* a_d = d.act(al);
+    void* b_d = d.act(bl);
+    void* g_d = d.act(gl);
+    void* bt_d = d.act(btl);
+    void* dy_d = d.act(dyl);
+    void* res_d = d.act(std::vector<float>(al.size(), 0.0f));
+    void* y_d = d.act(std::vector<float>(al.size(), 0.0f));
+    void* dx_d = d.act(std::vector<float>(al.size(), 0.5f));
+    float* m_d = d.f32(std::vector<float>(rows, 0.0f));
+    float* r_d = d.f32(std::vector<float>(rows, 0.0f));
+    float* grads = d.f32(std::vector<float>(2 * gl.size(), 0.0f));
     std::vector<ParamInfo> params = {param("g", {C}, sv, 0), param("b", {C}, sv, gl.size())};
     t.register_params(params);
-    t.layernorm_forward(resl.data(), yl.data(), ml.data(), rl.data(), al.data(), bl.data(),
-                        gl.data(), btl.data(), rows, C, 1e-6f);
-    t.layernorm_backward(dxl.data(), grads.data(), grads.data() + gl.size(), dyl.data(),
-                         resl.data(), gl.data(), ml.data(), rl.data(), rows, C);
-    t.reduce_replicated_grads(grads.data(), params);
+    t.layernorm_forward(res_d, y_d, m_d, r_d, a_d, b_d, g_d, bt_d, rows, C, 1e-6f);
+    t.layernorm_backward(dx_d, grads, grads + gl.size(), dy_d, res_d, g_d, m_d, r_d, rows, C);
+    t.reduce_replicated_grads(grads, params);
+    const auto resl = d.get_act(res_d, al.size()), yl = d.get_act(y_d, al.size());
+    const auto dxl = d.get_act(dx_d, al.size());
+    const auto gr = d.get_f32(grads, 2 * gl.size());
     EXPECT_LE(max_over_world(rel_err(resl, take_act(res, B, T, C, blk))), pr.tol) << "res";
     EXPECT_LE(max_over_world(rel_err(yl, take_act(y, B, T, C, blk))), pr.tol) << "y";
     EXPECT_LE(max_over_world(rel_err(dxl, take_act(dx, B, T, C, blk))), pr.tol) << "dx";
-    std::vector<float> dgl(grads.begin(), grads.begin() + gl.size()),
-        dbl(grads.begin() + gl.size(), grads.end());
+    std::vector<float> dgl(gr.begin(), gr.begin() + gl.size()),
+        dbl(gr.begin() + gl.size(), gr.end());
     EXPECT_LE(max_over_world(rel_err(dgl, take_shard(dg, {C}, sv))), pr.tol) << "dgamma";
     EXPECT_LE(max_over_world(rel_err(dbl, take_shard(dbt, {C}, sv))), pr.tol) << "dbeta";
   }
 }
 
-TEST(TensorParallel, LayerNorm) { check_layernorm(kF32); }
-TEST(TensorParallel, LayerNormBf16) { check_layernorm(kBf16Layer); }
+TEST(TensorParallel, LayerNorm) {
+  VG_REQUIRE_TP_BACKEND();
+  check_layernorm(kF32);
+}
+TEST(TensorParallel, LayerNormBf16) {
+  VG_REQUIRE_TP_BACKEND();
+  check_layernorm(kBf16Layer);
+}
 
 // ---- the whole ViT
 
@@ -307,14 +513,15 @@ struct Model {
   int32_t* labels = nullptr;
   float* soft = nullptr;
   int B;
-  Model(MPI_Comm comm, const Case& c, const ViTConfig& cfg, int B_, DType act = DType::F32)
-      : rig(comm, c, act), B(B_) {
+  // `img`: the micro-batch's images [B, 3, S, S] (host fp32, uploaded in the act dtype);
+  // `tensor_parallel`: the rig under test (see Rig).
+  Model(MPI_Comm comm, const Case& c, const ViTConfig& cfg, int B_, const std::vector<float>& img,
+        DType act = DType::F32, bool tensor_parallel = false)
+      : rig(comm, c, act, tensor_parallel), B(B_) {
     vit = std::make_unique<ViT>(cfg, *rig.be, *rig.tp, B);
     vit->init_params(11);
     // every rank of the tensor group gets the whole micro-batch, as from the data loader
-    auto img = randn(size_t(B) * 3 * cfg.image * cfg.image, 5);
-    images = rig.be->alloc(img.size() * 4);
-    rig.be->copy_to_device(images, img.data(), img.size() * 4);
+    images = upload_act(*rig.be, img);
     std::vector<int32_t> lab(B);
     for (int i = 0; i < B; ++i) lab[i] = (i * 7) % cfg.classes;
     labels = static_cast<int32_t*>(rig.be->alloc(B * 4));
@@ -329,6 +536,7 @@ struct Model {
   }
   ~Model() {
     vit.reset();
+    rig.be->synchronize();
     rig.be->release(images);
     rig.be->release(labels);
     rig.be->release(soft);
@@ -359,8 +567,10 @@ void check_model(const Case& c, bool ckpt, bool mix, const Prec& prec = kF32) {
   cfg.dropout = 0.1f;
   cfg.checkpoint_activations = ckpt;
   const int B = 8;
-  Model ref(MPI_COMM_SELF, {TensorMode::None, 1, 1}, cfg, B, prec.act);
-  Model tp(MPI_COMM_WORLD, c, cfg, B, prec.act);
+  auto img = randn(size_t(B) * 3 * cfg.image * cfg.image, 5);
+  to_act_values(prec.act, {&img});
+  Model ref(MPI_COMM_SELF, {TensorMode::None, 1, 1}, cfg, B, img, prec.act);
+  Model tp(MPI_COMM_WORLD, c, cfg, B, img, prec.act, /*tensor_parallel=*/true);
   const double lr = ref.train_step(mix), lt = tp.train_step(mix);
   EXPECT_LE(max_over_world(std::abs(lt - lr) / std::abs(lr)), prec.tol) << "loss " << lt << " vs " << lr;
   auto pr = ref.host(ref.vit->master()), pt = tp.host(tp.vit->master());
@@ -413,6 +623,7 @@ void check_model(const Case& c, bool ckpt, bool mix, const Prec& prec = kF32) {
 }
 
 TEST(TensorParallel, WholeModel) {
+  VG_REQUIRE_TP_BACKEND();
   for (const Case& c : cases()) {
     SCOPED_TRACE(c.name());
     check_model(c, false, false);
@@ -421,6 +632,7 @@ TEST(TensorParallel, WholeModel) {
 }
 
 TEST(TensorParallel, WholeModelBf16) {
+  VG_REQUIRE_TP_BACKEND();
   for (const Case& c : cases()) {
     SCOPED_TRACE(c.name());
     check_model(c, false, false, kBf16Model);
@@ -429,12 +641,13 @@ TEST(TensorParallel, WholeModelBf16) {
 }
 
 TEST(TensorParallel, RefusesUndividedBatch) {
+  VG_REQUIRE_TP_BACKEND();
   for (const Case& c : cases()) {
-    Rig tp(MPI_COMM_WORLD, c);
+    auto tp = tp_rig(c);
     // 1d keeps whole samples on every rank; the other modes split the batch
-    const int split = tp.tp->local_batch(8) == 8 ? 1 : 8 / tp.tp->local_batch(8);
+    const int split = tp->tp->local_batch(8) == 8 ? 1 : 8 / tp->tp->local_batch(8);
     if (split == 1) continue;
-    EXPECT_THROW(tp.tp->act_block(ActLayout::Stream, split + 1, 32), UserError) << c.name();
+    EXPECT_THROW(tp->tp->act_block(ActLayout::Stream, split + 1, 32), UserError) << c.name();
   }
 }
 

@@ -41,6 +41,9 @@ deps:
 	  echo "installing:$$missing"; \
 	  $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $$missing; \
 	else echo "deps: all present"; fi
+	@# cuDNN fused attention: the header-only cudnn_frontend, only where CUDA is (never fails)
+	@if [ -x /usr/local/cuda/bin/nvcc ] || command -v nvcc >/dev/null 2>&1; then \
+	  bash tools/fetch_cudnn_frontend.sh $(BUILD)/_deps/cudnn_frontend || true; fi
 
 $(BUILD)/CMakeCache.txt:
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)

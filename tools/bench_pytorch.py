@@ -3,6 +3,7 @@
 side by side with `vitgrid bench` (same model, batch, precision, AdamW step included).
 
     python3 tools/bench_pytorch.py --model vit_base_patch16_224 --batch 256 --precision bf16 [--compile]
+    python3 tools/bench_pytorch.py --model vit_lite_7_4 --img 32 --classes 10 --batch 512   # ViT-Lite-7/4
     torchrun --nproc_per_node 4 tools/bench_pytorch.py ... --ddp      # DistributedDataParallel
 
 Prints one line: model, precision, mode, world, img/s (global), img/s per GPU, step ms, peak
@@ -37,7 +38,12 @@ def main():
     torch.cuda.set_device(local)
     torch.backends.cuda.matmul.allow_tf32 = a.precision == "tf32"
     torch.backends.cudnn.allow_tf32 = a.precision == "tf32"
-    model = timm.create_model(a.model, num_classes=a.classes, img_size=a.img).cuda()
+    if a.model == "vit_lite_7_4":  # Colossal-AI's CIFAR-10 ViT-Lite-7/4 (not a timm name)
+        from timm.models.vision_transformer import VisionTransformer
+        model = VisionTransformer(img_size=a.img, patch_size=4, embed_dim=256, depth=7, num_heads=4,
+                                  mlp_ratio=2.0, num_classes=a.classes).cuda()
+    else:
+        model = timm.create_model(a.model, num_classes=a.classes, img_size=a.img).cuda()
     if a.ddp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05, fused=True)

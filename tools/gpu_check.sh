@@ -20,6 +20,13 @@ if [ -d .gpu-deps ] && ls .gpu-deps/*.deb >/dev/null 2>&1; then
                -DVITGRID_HDF5_INCLUDE_DIR=/opt/deps/usr/include/hdf5/openmpi
                -DVITGRID_HDF5_LIBRARY=$L/libhdf5_openmpi.so)
 fi
+# cuDNN's fused attention needs the header-only cudnn_frontend: from a wheel in .gpu-deps/ on
+# nodes without network (tools/fetch_cudnn_frontend.sh), else from PyPI
+if [ ! -f build/_deps/cudnn_frontend/include/cudnn_frontend.h ]; then
+  VITGRID_WHEEL_DIR=$PWD/.gpu-deps tools/fetch_cudnn_frontend.sh /opt/deps/cudnn_frontend
+  [ -f /opt/deps/cudnn_frontend/include/cudnn_frontend.h ] &&
+    CMAKE_EXTRA+=(-DVITGRID_CUDNN_FRONTEND_DIR=/opt/deps/cudnn_frontend/include)
+fi
 PY=$(command -v python3)
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(build test bench)
@@ -51,6 +58,44 @@ for s in "${steps[@]}"; do
       "$PY" tools/bench_pytorch.py --precision $p 2>&1 | grep -E "^pytorch|Error"
     done | tee "$OUT/bench_pytorch.log"
     "$PY" tools/bench_pytorch.py --precision bf16 --compile 2>&1 | grep -E "^pytorch|Error" | tee -a "$OUT/bench_pytorch.log"
+    ;;
+  models)
+    # the small models, where launch overhead weighs: ViT-S/16 (224 px, batch 256) and
+    # ViT-Lite-7/4 (32 px, batch 512), bf16, vitgrid beside PyTorch eager and torch.compile
+    {
+      mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --model.preset=vit-small/16 \
+        --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
+      mpirun -np 1 "$B/bin/vitgrid" bench inputs/cifar10_vit_lite_7_4.ini --data.dataset=synthetic \
+        --data.global_batch=512 --warmup=10 --steps=50 2>&1 | grep -E "^bench|error"
+      for c in "" --compile; do
+        "$PY" tools/bench_pytorch.py --model vit_small_patch16_224 --precision bf16 $c 2>&1 | grep -E "^pytorch|Error"
+        "$PY" tools/bench_pytorch.py --model vit_lite_7_4 --img 32 --classes 10 --batch 512 \
+          --precision bf16 --steps 50 $c 2>&1 | grep -E "^pytorch|Error"
+      done
+    } | tee "$OUT/models.log"
+    ;;
+  loader)
+    # the input pipeline on its own, one rank with the node's cores per GPU: synthetic 224 px,
+    # HDF5 224 px (written first), CIFAR-10 binary 32 px (random records in its format)
+    D=${DATA:-/tmp/vitgrid-data}
+    mkdir -p "$D/cifar"
+    "$B/bin/vitgrid_dataset" synthetic "$D/syn224" --train 4096 --eval 256 --size 224 \
+      --classes 1000 --seed 1 >/dev/null
+    "$PY" - "$D/cifar" <<'PYEOF'
+import os, sys, numpy as np
+r = np.random.default_rng(0)
+for n in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]:
+    rec = r.integers(0, 256, size=(10000, 3073), dtype=np.uint8)
+    rec[:, 0] %= 10
+    rec.tofile(os.path.join(sys.argv[1], n))
+PYEOF
+    {
+      echo "synthetic 224 px:"; "$B/bin/bench_loader" inputs/bench_vit_b16.ini --batches=40 2>&1 | tail -2
+      echo "hdf5 224 px:"; "$B/bin/bench_loader" inputs/bench_vit_b16.ini --data.dataset=hdf5 \
+        --data.path="$D/syn224_train.h5" --data.eval_path="$D/syn224_eval.h5" --batches=40 2>&1 | tail -2
+      echo "cifar10 32 px (crop, flip, mixup):"; "$B/bin/bench_loader" inputs/cifar10_vit_lite_7_4.ini \
+        --data.path="$D/cifar" --batches=100 2>&1 | tail -2
+    } | tee "$OUT/loader.log"
     ;;
   compile)
     "$PY" tools/bench_pytorch.py --precision fp16 --compile 2>&1 | grep -E "^pytorch|Error" | tee -a "$OUT/bench_pytorch.log"
@@ -124,7 +169,7 @@ for s in "${steps[@]}"; do
     done | tee "$OUT/ckpt.log"
     ;;
   e2epar)
-    (cd "$B" && ctest -R "e2e_gpu_parallel|gpu_backend" --output-on-failure --timeout 300) >"$OUT/test_par.log" 2>&1
+    (cd "$B" && ctest -R "e2e_gpu_parallel|e2e_gpu_resume|gpu_mpi_tp|gpu_nccl|gpu_zero_nccl" --output-on-failure --timeout 600) >"$OUT/test_par.log" 2>&1
     grep -E "tests passed|Failed" "$OUT/test_par.log" | tail -4
     grep -hE "^(ok|FAIL|skip) " "$B/Testing/Temporary/LastTest.log"
     ;;

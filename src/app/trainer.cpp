@@ -23,6 +23,7 @@
 #include "vitgrid/io/metrics.h"
 #include "vitgrid/model/pipeline_runner.h"
 #include "vitgrid/model/vit.h"
+#include "vitgrid/model/workspace_plan.h"
 #include "vitgrid/optim/grad_reduce.h"
 #include "vitgrid/optim/optimizer.h"
 #include "vitgrid/parallel/pipeline.h"
@@ -87,6 +88,7 @@ struct Trainer::Impl {
   bool profile = false;
   std::unique_ptr<Collectives> coll;
   std::unique_ptr<TensorParallel> tp;
+  Backend* compute_be = nullptr;  // be itself, or the backend inside the profiling wrapper
   ViTConfig cfg;
   std::unique_ptr<ViT> model;
   std::unique_ptr<PipelineRunner> pipe;  // every step goes through it (P = 1 included)
@@ -102,10 +104,12 @@ struct Trainer::Impl {
   int micro = 0;  // per-rank pipeline micro-batch (b / M)
   int64_t total_steps = 0, warmup_steps = 0;
   // device-side batch buffers (planned once)
-  uint8_t *d_img = nullptr, *d_partner = nullptr;
-  void* d_aug = nullptr;
-  int32_t* d_labels = nullptr;
-  float* d_soft = nullptr;
+  // Input upload slots: 0 and 1 alternate in training (the next micro-batch is copied while
+  // the current one computes), 2 serves eval / predict. Each device buffer holds one rank
+  // batch as [images | partners | labels | soft targets | aug], at offsets off_*.
+  static constexpr int kUploadSlots = 3, kEvalSlot = 2;
+  void* d_raw[kUploadSlots] = {nullptr, nullptr, nullptr};
+  size_t off_partner = 0, off_labels = 0, off_soft = 0, off_aug = 0, raw_bytes = 0;
   void* d_images = nullptr;
   // state carried in checkpoints
   int64_t step = 0;     // completed optimizer steps (including skipped fp16 steps)
@@ -165,6 +169,7 @@ struct Trainer::Impl {
     agreed([&] {
       be = make_backend(kind, grid->local_rank(), act_dtype_of(deck.precision.mode),
                         deck.precision.mode == "tf32");
+      compute_be = be.get();
       if (profile) {
         auto p = make_profiled(std::move(be));
         prof = p.get();
@@ -173,7 +178,7 @@ struct Trainer::Impl {
     });
 #ifdef VITGRID_HAVE_CUDA
     if (kind == "cuda")
-      coll = make_nccl_collectives(*grid, *be, 600.0);
+      coll = make_nccl_collectives(*grid, *compute_be, deck.device.comm_timeout);
     else
 #endif
       coll = make_mpi_collectives(*grid);
@@ -224,14 +229,30 @@ struct Trainer::Impl {
     const bool fp16 = deck.precision.mode == "fp16" || deck.precision.mode == "fp16-naive";
     scaler = std::make_unique<LossScaler>(deck.precision, fp16);
 
-    // batch upload buffers
+    // batch upload buffers (partners and soft targets only with Mixup)
     const size_t img = static_cast<size_t>(cfg.image) * cfg.image * 3;
-    d_img = static_cast<uint8_t*>(be->alloc(b * img));
-    d_partner = static_cast<uint8_t*>(be->alloc(b * img));
-    d_aug = be->alloc(b * sizeof(SampleAug));
-    d_labels = static_cast<int32_t*>(be->alloc(b * sizeof(int32_t)));
-    d_soft = static_cast<float*>(be->alloc(static_cast<size_t>(b) * cfg.classes * sizeof(float)));
+    const bool mixup = deck.data.mixup_alpha > 0;
+    auto align = [](size_t n) { return (n + 255) / 256 * 256; };
+    off_partner = align(b * img);
+    off_labels = off_partner + (mixup ? align(b * img) : 0);
+    off_soft = off_labels + align(b * sizeof(int32_t));
+    off_aug = off_soft + (mixup ? align(static_cast<size_t>(b) * cfg.classes * sizeof(float)) : 0);
+    raw_bytes = off_aug + align(b * sizeof(SampleAug));
+    for (void*& p : d_raw) p = be->alloc(raw_bytes);
+    for (int k = 0; k < kUploadSlots; ++k) be->staging(k, raw_bytes);
     d_images = be->alloc(static_cast<size_t>(b) * 3 * cfg.image * cfg.image * be->act_size());
+
+    // Parameters, gradients, optimizer state and activations are allocated; now the backend's
+    // own workspace (reduction scratch, GEMM temporaries, optimizer tables) at the largest
+    // shapes this rank's steps run, so that no step allocates.
+    WorkspaceShape ws;
+    ws.micro_batch = micro;
+    ws.act_size = be->act_size();
+    ws.optimizer = opt != nullptr;
+    ws.param_tensors = model->params().size();
+    ws.local_params = model->num_local_params();
+    ws.grad_buckets = reducer ? reducer->buckets().size() : 0;
+    agreed([&] { be->plan_workspace(workspace_plan_for(cfg, ws)); });
   }
 
   // Called by all ranks from setup(): the stage partition, the schedules' plans, this stage's
@@ -353,8 +374,8 @@ struct Trainer::Impl {
     return sq;
   }
 
-  // Called by all ranks: the measured bubble of each stage (time blocked in pipeline send /
-  // recv over the time of the steps so far, summed over the stage's ranks), logged beside the
+  // Called by all ranks: the measured bubble of each stage (device time outside its forward /
+  // backward ops over the time of the steps so far, summed over the stage's ranks), logged beside the
   // schedule's theoretical bubble; with `metrics`, also stored as root attributes
   // bubble_fraction_stage<k> and bubble_fraction_theoretical.
   void report_bubble(MetricsWriter* metrics) {
@@ -375,7 +396,7 @@ struct Trainer::Impl {
       if (metrics) metrics->set_attribute("bubble_fraction_stage" + std::to_string(k), f);
     }
     if (metrics) metrics->set_attribute("bubble_fraction_theoretical", theory);
-    log("pipeline bubble (time waiting on neighbours / step time) per stage: %s; schedule %s: "
+    log("pipeline bubble (device time outside forward/backward / stage time) per stage: %s; schedule %s: "
         "theoretical (P-1)/%s = %.3f, i.e. %.3f of the step; simulated %.3f\n",
         line.c_str(), pipe_schedule_name(pl.schedule),
         pl.schedule == PipeSchedule::Interleaved ? "(V*M)" : "M", theory, theory / (1 + theory),
@@ -385,9 +406,9 @@ struct Trainer::Impl {
   ~Impl() {
     if (be) {
       be->synchronize();
-      for (void* p : {static_cast<void*>(d_img), static_cast<void*>(d_partner), d_aug,
-                      static_cast<void*>(d_labels), static_cast<void*>(d_soft), d_images})
+      for (void* p : d_raw)
         if (p) be->release(p);
+      if (d_images) be->release(d_images);
     }
   }
 
@@ -413,30 +434,54 @@ struct Trainer::Impl {
     return c;
   }
 
-  DeviceBatch upload(const HostBatch& hb) {
+  // Copies a host batch into upload slot `slot` and starts its transfer to the device; the
+  // slot's previous batch must have been consumed (release_slot) before.
+  void start_upload(const HostBatch& hb, int slot) {
+    if (hb.count == 0) return;
+    const size_t img = static_cast<size_t>(cfg.image) * cfg.image * 3;
+    char* h = static_cast<char*>(be->staging(slot, raw_bytes));
+    size_t end = off_aug + hb.count * sizeof(SampleAug);
+    std::memcpy(h + off_labels, hb.labels.data(), hb.count * sizeof(int32_t));
+    if (!hb.soft.empty()) std::memcpy(h + off_soft, hb.soft.data(), hb.soft.size() * sizeof(float));
+    // Only the stage holding the patch embedding reads images (every stage of a pipeline
+    // loads the same batch, which keeps the loaders' cursors in step without talking).
+    if (model->layout().embed) {
+      std::memcpy(h, hb.images.data(), hb.count * img);
+      if (!hb.partners.empty()) std::memcpy(h + off_partner, hb.partners.data(), hb.count * img);
+      std::memcpy(h + off_aug, hb.aug.data(), hb.count * sizeof(SampleAug));
+    } else {
+      end = off_aug;
+    }
+    be->upload_async(slot, d_raw[slot], end);
+  }
+
+  // The device batch of an upload started with start_upload(hb, slot): waits for it on the
+  // device (not the host) and prepares the images (crop, flip, normalise, Mixup) there.
+  DeviceBatch finish_upload(const HostBatch& hb, int slot) {
     DeviceBatch db;
     db.count = hb.count;
     db.first_position = hb.first_position;
     if (hb.count == 0) return db;
-    const size_t img = static_cast<size_t>(cfg.image) * cfg.image * 3;
-    be->copy_to_device(d_labels, hb.labels.data(), hb.count * sizeof(int32_t));
-    if (!hb.soft.empty())
-      be->copy_to_device(d_soft, hb.soft.data(), hb.soft.size() * sizeof(float));
-    db.labels = d_labels;
-    db.soft = hb.soft.empty() ? nullptr : d_soft;
-    // Only the stage holding the patch embedding reads images (every stage of a pipeline
-    // loads the same batch, which keeps the loaders' cursors in step without talking).
+    be->wait_uploads();
+    uint8_t* d = static_cast<uint8_t*>(d_raw[slot]);
+    db.labels = reinterpret_cast<const int32_t*>(d + off_labels);
+    db.soft = hb.soft.empty() ? nullptr : reinterpret_cast<const float*>(d + off_soft);
     if (!model->layout().embed) return db;
-    be->copy_to_device(d_img, hb.images.data(), hb.count * img);
     const bool mix = !hb.partners.empty();
-    if (mix) be->copy_to_device(d_partner, hb.partners.data(), hb.count * img);
-    be->copy_to_device(d_aug, hb.aug.data(), hb.count * sizeof(SampleAug));
     // eval batches carry dx = dy = pad: the crop of the padded image is the image itself
     const int pad = deck.data.crop_padding;
-    be->prepare_images(d_images, d_img, mix ? d_partner : nullptr, d_aug, hb.count, cfg.image,
-                       pad, deck.data.mean.data(), deck.data.std.data());
+    be->prepare_images(d_images, d, mix ? d + off_partner : nullptr, d + off_aug, hb.count,
+                       cfg.image, pad, deck.data.mean.data(), deck.data.std.data());
     db.images = d_images;
     return db;
+  }
+
+  // Eval / predict: one batch at a time through the eval slot (its previous batch's work
+  // was enqueued before this call, so releasing the slot here covers it).
+  DeviceBatch upload(const HostBatch& hb) {
+    be->release_slot(kEvalSlot);
+    start_upload(hb, kEvalSlot);
+    return finish_upload(hb, kEvalSlot);
   }
 
   // ---- checkpoints
@@ -619,6 +664,15 @@ struct Trainer::Impl {
     int64_t steps_since_log = 0;
     double last_loss = 0.0;
     const int64_t first_step = step;
+    const int64_t allocs_before = be->device_allocations();
+    // The first micro-batch is uploaded here; every later one while its predecessor computes
+    // (upload slots 0 and 1 alternate).
+    int slot = 0;
+    std::shared_ptr<const HostBatch> next_hb;
+    if (step < total_steps) {
+      next_hb = loader.next();
+      start_upload(*next_hb, slot);
+    }
     while (step < total_steps) {
       const double t0 = now_s();
       model->zero_grads();
@@ -627,10 +681,17 @@ struct Trainer::Impl {
       const float grad_scale = scale / static_cast<float>(G);
       double loss_sum = 0.0;
       for (int m = 0; m < A; ++m) {
-        auto hb = loader.next();
-        DeviceBatch db = upload(*hb);
+        const auto hb = std::move(next_hb);
+        const int cur = slot;
+        DeviceBatch db = finish_upload(*hb, cur);
         loss_sum += pipe->train(db, static_cast<float>(deck.data.label_smoothing), grad_scale,
                                 step, overlap && m == A - 1);
+        be->release_slot(cur);
+        if (m < A - 1 || step + 1 < total_steps) {  // the next micro-batch, during this one
+          next_hb = loader.next();
+          slot ^= 1;
+          start_upload(*next_hb, slot);
+        }
       }
       // data-parallel gradient reduction (sum: each rank's gradient is already / G)
       reduce_grads();
@@ -657,6 +718,13 @@ struct Trainer::Impl {
       be->synchronize();
       ++step;
       ++steps_since_log;
+      if (step == first_step + 1) {
+        // the workspace was planned in setup(): a first step that allocates is worth a line
+        long long n = static_cast<long long>(be->device_allocations() - allocs_before);
+        MPI_Allreduce(MPI_IN_PLACE, &n, 1, MPI_LONG_LONG, MPI_MAX, world);
+        if (n > 0)
+          log("warning: %lld device allocations during step 1: workspace plan too small\n", n);
+      }
       double dt = now_s() - t0, dt_max = dt;
       MPI_Allreduce(MPI_IN_PLACE, &dt_max, 1, MPI_DOUBLE, MPI_MAX, world);
       last_loss = loss;
@@ -717,29 +785,42 @@ struct Trainer::Impl {
     DataLoader loader(train_ds, loader_config(true), 0);
     auto hb = loader.next();
     LrSchedule sched(deck.optim, warmup + steps, 0);
+    int slot = 0;  // as in train(): the next micro-batch's upload overlaps this one
+    start_upload(*hb, slot);
     auto one_step = [&](int64_t s) {
       model->zero_grads();
       reducer->begin(model->grads());
       const float scale = scaler->scale();
       for (int m = 0; m < A; ++m) {
-        DeviceBatch db = upload(*hb);
+        DeviceBatch db = finish_upload(*hb, slot);
         pipe->train(db, 0.1f, scale / float(G), s, overlap && m == A - 1);
+        be->release_slot(slot);
+        slot ^= 1;
+        start_upload(*hb, slot);
       }
       reduce_grads();
       grad_norm_sq();  // computed every training step (clipping, logging): timed here too
       opt->step(model->master(), model->grads(), sched.at(s + 1), s + 1, 1.0f / scale);
       model->sync_compute_params();
     };
+    const int64_t allocs0 = be->device_allocations();  // setup() planned the workspace
     for (int s = 0; s < warmup; ++s) one_step(s);
     be->synchronize();
+    const int64_t allocs1 = be->device_allocations();
+    pipe->reset_timers();  // the bubble of the timed steps only
     MPI_Barrier(world);
     const double t0 = now_s();
     for (int s = 0; s < steps; ++s) one_step(warmup + s);
     be->synchronize();
     double dt = (now_s() - t0) / std::max(steps, 1);
+    // device allocations from step 1 on, and in the timed steps only (the most of any rank)
+    long long allocs[2] = {static_cast<long long>(be->device_allocations() - allocs0),
+                           static_cast<long long>(be->device_allocations() - allocs1)};
+    MPI_Allreduce(MPI_IN_PLACE, allocs, 2, MPI_LONG_LONG, MPI_MAX, world);
     MPI_Allreduce(MPI_IN_PLACE, &dt, 1, MPI_DOUBLE, MPI_MAX, world);
     double mem = double(be->peak_memory_bytes()), mem_max = mem;
     MPI_Allreduce(MPI_IN_PLACE, &mem_max, 1, MPI_DOUBLE, MPI_MAX, world);
+    report_bubble(nullptr);
     if (prof) {
       // a few more steps with every op synchronised and timed: where the time goes
       const int ps = 3;
@@ -754,18 +835,24 @@ struct Trainer::Impl {
           "unsynchronised)\n%s",
           ps, pdt * 1e3, dt * 1e3, prof->table(ps).c_str());
     }
-    report_bubble(nullptr);
     const double ips = double(G) / dt;
     const double tflops = ips * cfg.train_flops_per_sample() / 1e12;
     const double per_dev = tflops / grid->world_size();
+    std::string attention = be->name();  // the CPU backend has one attention path
+#ifdef VITGRID_HAVE_CUDA
+    if (be->name() == "cuda")  // this rank's micro-batch shape
+      attention = cuda_attention_path(*compute_be, micro, cfg.tokens(),
+                                      tp->local_heads(cfg.heads), cfg.head_dim());
+#endif
     log("bench | %s | %s | %s | world %d | global batch %lld | step %.2f ms | %.1f img/s | "
         "%.1f img/s/device | %s/device | MFU %.2f%% (peak %.0f TFLOP/s) | peak mem %.2f GiB "
-        "(%.3f MiB) | zero %d | grad buckets %zu%s\n",
+        "(%.3f MiB) | zero %d | grad buckets %zu%s | allocs from step 1 %lld | allocs in timed "
+        "steps %lld | attention %s\n",
         deck.model.preset.c_str(), deck.precision.mode.c_str(), be->name().c_str(),
         grid->world_size(), static_cast<long long>(G), dt * 1e3, ips, ips / grid->world_size(),
         fmt_flops(per_dev * 1e12).c_str(), 100.0 * per_dev / peak_tflops, peak_tflops,
         mem_max / 1073741824.0, mem_max / 1048576.0, zero ? 1 : 0, reducer->buckets().size(),
-        overlap ? " overlapped" : "");
+        overlap ? " overlapped" : "", allocs[0], allocs[1], attention.c_str());
     return 0;
   }
 

@@ -176,6 +176,8 @@ const std::vector<Field>& schema() {
       // [device]
       VG_FIELD(device, backend, "auto|cuda|cpu",
                "compute backend (auto: cuda when a GPU is present)"),
+      VG_FIELD(device, comm_timeout, "",
+               "seconds a GPU collective may stay incomplete before the watchdog aborts the job (NCCL)"),
   };
   return fields;
 }
@@ -624,6 +626,9 @@ class Parser {
     // [checkpoint]
     non_negative("checkpoint.every_steps", static_cast<double>(d.checkpoint.every_steps));
     non_negative("checkpoint.keep", d.checkpoint.keep);
+
+    // [device]
+    positive("device.comm_timeout", d.device.comm_timeout);
 
     // [parallel]: the grid
     ParallelSection& p = d.parallel;

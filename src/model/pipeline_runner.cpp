@@ -70,14 +70,17 @@ void PipelineRunner::run(const PipelinePlan& plan, const DeviceBatch& b, bool tr
     for (size_t i = 0; i < plan.ops.size(); ++i)
       if (plan.ops[i].kind == PipeOpKind::Backward && mb[plan.ops[i].micro].count > 0)
         last_backward[plan.ops[i].chunk] = i;
-  double wait = 0.0;  // blocked in send / recv
+  // device-time marks around the step and each compute op (the bubble, harvested later)
+  const bool timed = train;
+  if (timed) step_marks_.push_back(be_.mark());
   try {
     for (size_t oi = 0; oi < plan.ops.size(); ++oi) {
       const PipeOp& op = plan.ops[oi];
       const DeviceBatch& d = mb[op.micro];
       if (d.count == 0) continue;
       const size_t bytes = model_.boundary_bytes(d.count);
-      double t0 = 0.0;
+      const bool compute = op.kind == PipeOpKind::Forward || op.kind == PipeOpKind::Backward;
+      if (timed && compute) busy_marks_.push_back(be_.mark());
       switch (op.kind) {
         case PipeOpKind::Forward: {
           double v[3] = {0.0, 0.0, 0.0};
@@ -98,24 +101,16 @@ void PipelineRunner::run(const PipelinePlan& plan, const DeviceBatch& b, bool tr
                                 grads_final && last_backward[op.chunk] == oi);
           break;
         case PipeOpKind::SendAct:
-          t0 = now_s();
           coll_.send(model_.stage_output(op.slot), bytes, op.peer, Axis::Pipeline);
-          wait += now_s() - t0;
           break;
         case PipeOpKind::RecvAct:
-          t0 = now_s();
           coll_.recv(model_.stage_input(op.slot), bytes, op.peer, Axis::Pipeline);
-          wait += now_s() - t0;
           break;
         case PipeOpKind::SendGrad:
-          t0 = now_s();
           coll_.send(model_.stage_input(op.slot), bytes, op.peer, Axis::Pipeline);
-          wait += now_s() - t0;
           break;
         case PipeOpKind::RecvGrad:
-          t0 = now_s();
           coll_.recv(model_.grad_input(), bytes, op.peer, Axis::Pipeline);
-          wait += now_s() - t0;
           break;
         case PipeOpKind::CopyAct:
           be_.copy(model_.stage_input(op.slot), model_.stage_output(op.src_slot), bytes);
@@ -124,12 +119,35 @@ void PipelineRunner::run(const PipelinePlan& plan, const DeviceBatch& b, bool tr
           be_.copy(model_.grad_input(), model_.stage_input(op.src_slot), bytes);
           break;
       }
+      if (timed && compute) busy_marks_.push_back(be_.mark());
     }
   } catch (const std::exception& e) {
     // Only this rank saw it; its neighbours wait in send / recv: end the job.
     VG_FAIL("pipeline stage " << stage_ << ", step " << step << ": " << e.what());
   }
-  if (train) wait_s_ += wait;  // the bubble is measured on training steps
+  if (timed) step_marks_.push_back(be_.mark());
+}
+
+// Device time of the marked steps: stage time (first to last mark of a step) and the time in
+// forward / backward ops; the rest is the bubble (waiting on neighbours, plus the boundary
+// copies). Harvested one step late, so reading the marks never stalls the step that made them.
+void PipelineRunner::harvest() {
+  for (size_t i = 0; i + 1 < step_marks_.size(); i += 2)
+    total_s_ += be_.seconds_between(step_marks_[i], step_marks_[i + 1]);
+  double busy = 0.0;
+  for (size_t i = 0; i + 1 < busy_marks_.size(); i += 2)
+    busy += be_.seconds_between(busy_marks_[i], busy_marks_[i + 1]);
+  busy_s_ += busy;
+  step_marks_.clear();
+  busy_marks_.clear();
+  be_.clear_marks();
+}
+
+void PipelineRunner::reset_timers() {
+  step_marks_.clear();
+  busy_marks_.clear();
+  be_.clear_marks();
+  busy_s_ = total_s_ = 0.0;
 }
 
 double PipelineRunner::train(const DeviceBatch& b, float smoothing, float grad_scale,
@@ -138,10 +156,9 @@ double PipelineRunner::train(const DeviceBatch& b, float smoothing, float grad_s
                                              << train_.M << " micro-batches of " << micro_);
   if (fail_rank_ && step == fail_step_)
     VG_FAIL("injected failure (VITGRID_TEST_FAIL_AT) on pipeline stage " << stage_ << " at step " << step);
-  const double t0 = now_s();
+  harvest();  // the previous step's marks
   double sums[3] = {0.0, 0.0, 0.0};
   run(train_.stages[stage_], b, true, smoothing, grad_scale, step, sums, nullptr, grads_final);
-  total_s_ += now_s() - t0;
   return sums[0];
 }
 

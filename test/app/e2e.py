@@ -3,7 +3,7 @@
 
     e2e.py NAME      NAME in: dp_equivalence, resume_exact, refusals, predict, optimizers,
                      tensor_parallel, pipeline, pipeline_hybrid, pipeline_refusals,
-                     overlap, zero
+                     overlap, zero; on GPUs: gpu_matches_cpu, gpu_resume, gpu_parallel
 
 They launch build/bin/vitgrid on 1-4 oversubscribed CPU ranks with the tiny deck beside this
 file and read metrics.h5 / checkpoints / predictions.h5 with h5py."""
@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import h5py
 import numpy as np
@@ -683,6 +684,41 @@ def t_gpu_matches_cpu(tmp):
         check(r <= 5e-2, f"cuda {mode} vs cpu fp32: max relative loss difference {r:.2e} <= 5e-2")
 
 
+def t_gpu_resume(tmp):
+    """Resume on the GPU: 20 steps with a checkpoint at step 10 against 10 steps, then a
+    resumed run to 20, on one GPU (fp32 and bf16) and on 2 GPUs (data parallel, ZeRO-1): steps
+    11-20 within fp32 rounding (1e-6 relative; the kernels are deterministic, so in practice
+    identical), the final parameters likewise. 77 without a GPU."""
+    p = subprocess.run(["sh", "-c", "nvidia-smi -L"], capture_output=True, text=True)
+    ngpu = len(p.stdout.strip().splitlines()) if p.returncode == 0 else 0
+    if ngpu == 0:
+        print("no GPU: skipped")
+        sys.exit(77)
+    model = ["--model.hidden=32", "--model.heads=4", "--model.depth=4", "--device.backend=cuda"]
+    cases = [("1gpu_fp32", 1, ["--precision.mode=fp32"]), ("1gpu_bf16", 1, ["--precision.mode=bf16"]),
+             ("2gpu_zero1_bf16", 2, ["--precision.mode=bf16", "--parallel.zero=1"])]
+    for name, n, extra in cases:
+        if n > ngpu:
+            print(f"skip {name}: needs {n} GPUs")
+            continue
+        a = os.path.join(tmp, name + "_a")
+        run(n, ["train", DECK, f"--run.out_dir={a}", "--checkpoint.every_steps=10"] + model + extra)
+        _, la = losses(a)
+        b = os.path.join(tmp, name + "_b")
+        shutil.copytree(a, b)
+        os.remove(os.path.join(b, "checkpoints", "step_00000020.h5"))
+        p = run(n, ["train", DECK, f"--run.out_dir={b}", "--checkpoint.resume=auto"] + model + extra)
+        steps, lb = losses(b)
+        r = rel(lb[10:], la[10:])
+        check("resuming" in p.stdout and list(steps) == list(range(1, 21)) and r <= 1e-6,
+              f"{name}: steps 11-20 after resume within {r:.2e} <= 1e-6 of the uninterrupted run")
+        with h5py.File(os.path.join(a, "checkpoints", "step_00000020.h5"), "r") as fa, \
+             h5py.File(os.path.join(b, "checkpoints", "step_00000020.h5"), "r") as fb:
+            worst = max(float(np.linalg.norm(fa["model"][k][()] - fb["model"][k][()]) /
+                              max(np.linalg.norm(fa["model"][k][()]), 1e-30)) for k in fa["model"])
+        check(worst <= 1e-6, f"{name}: final parameters within {worst:.2e} <= 1e-6")
+
+
 def t_gpu_parallel(tmp):
     """Parallel layouts on GPUs through NCCL: data, tensor (1d, 2d, 2.5d) and pipeline
     parallelism and a hybrid give the 1-GPU fp32 loss curve within 1e-4 relative (20 steps);
@@ -725,6 +761,30 @@ def t_gpu_parallel(tmp):
         r = rel(losses(d)[1], ref[mode])
         tol = 1e-4 if mode == "fp32" else 2e-2
         check(r <= tol, f"{name} on {n} GPUs ({mode}): max relative loss difference {r:.2e} <= {tol:g}")
+    if ngpu < 2:
+        return
+    # NCCL calls return once enqueued: the same layout with every call waiting on the host
+    # (VITGRID_NCCL_BLOCKING=1) computes the same bits
+    env = dict(ENV, VITGRID_NCCL_BLOCKING="1")
+    d = os.path.join(tmp, "1d_t2_blocking")
+    cmd = ["mpirun", "-np", "2", "-x", "VITGRID_NCCL_BLOCKING", VITGRID, "train", DECK,
+           f"--run.out_dir={d}", "--precision.mode=fp32", "--parallel.tensor=2",
+           "--parallel.tensor_mode=1d"] + model
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    same = p.returncode == 0 and np.array_equal(losses(d)[1], losses(os.path.join(tmp, "1d_t2"))[1])
+    check(same, f"1d_t2 with blocking NCCL calls: identical losses (exit {p.returncode})")
+    # the watchdog: rank 1 skips its 5th collective, rank 0 waits in it; both ranks end with a
+    # message naming the collective and the axis within the timeout instead of hanging
+    env = dict(ENV, VITGRID_TEST_NCCL_SKIP="1:5")
+    d = os.path.join(tmp, "watchdog")
+    cmd = ["mpirun", "-np", "2", "-x", "VITGRID_TEST_NCCL_SKIP", VITGRID, "train", DECK,
+           f"--run.out_dir={d}", "--device.comm_timeout=5"] + model
+    t0 = time.time()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    out = p.stdout + p.stderr
+    check(p.returncode != 0 and "NCCL" in out and "timed out" in out and "axis" in out,
+          f"a rank skipping a collective: watchdog ends the job in {time.time() - t0:.0f} s "
+          f"(exit {p.returncode})")
 
 
 def main():

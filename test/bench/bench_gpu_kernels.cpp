@@ -1,6 +1,6 @@
 // Kernel benchmarks of the CUDA backend at ViT-B/16 shapes (batch 256, T = 197, C = 768,
 // H = 12, hd = 64) in bf16: linear forward/backward, attention forward and forward+backward
-// (fused flash kernels and the fallback), fused
+// (own flash kernels, the fallback, cuDNN's fused SDPA), fused
 // add+LayerNorm forward/backward, AdamW over 86M parameters. Manual time: each iteration
 // runs the op `reps` times between two stream synchronisations (so launch gaps are included,
 // as in training) and reports the mean per op; counters TFLOP and GB are rates per second of
@@ -15,12 +15,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "vitgrid/backend/backend.h"
 #include "vitgrid/backend/cuda/cuda_backend.h"
+#include "vitgrid/core/error.h"
 
 namespace vitgrid {
+
 namespace {
 
 constexpr int kB = 256, kT = 197, kC = 768, kH = 12, kHd = 64;
@@ -92,25 +95,38 @@ void BM_LinearBackward(benchmark::State& st) {
                                               benchmark::Counter::kIsIterationInvariantRate);
 }
 
-// Attention at ViT-B/16 shape. Arg path: 0 = the backend's default (the fused flash kernels
-// in bf16), 1 = the cuBLASLt + softmax fallback (a second backend made with
-// VITGRID_ATTENTION=fallback). FLOPs: 4*B*H*T^2*hd forward (QK^T and PV), 2.5x that for the
-// backward (5 GEMMs; the fused backward actually runs 7 for determinism, uncounted).
-Backend& attention_backend(int path) {
-  if (path == 0) return gpu();
-  static std::unique_ptr<Backend> fb = [] {
-    setenv("VITGRID_ATTENTION", "fallback", 1);
-    auto b = make_cuda_backend(0, DType::BF16, false);
+// Attention at ViT-B/16 shape, one backend per path (VITGRID_ATTENTION is read when a backend
+// is made). Arg path: 0 = the own flash kernels (VITGRID_ATTENTION=flash), 1 = the cuBLASLt +
+// softmax fallback (=fallback), 2 = cuDNN's fused SDPA (=cudnn; skipped in builds without
+// cudnn_frontend; the label names the path that ran, flash if cuDNN rejected the shape).
+// FLOPs: 4*B*H*T^2*hd forward (QK^T and PV), 2.5x that for the backward (5 GEMMs; the flash
+// backward actually runs 7 for determinism, uncounted).
+const char* const kAttentionModes[3] = {"flash", "fallback", "cudnn"};
+
+// The backend of a path, made once; nullptr (and *why) when the mode is refused.
+Backend* attention_backend(int path, std::string* why) {
+  static std::unique_ptr<Backend> be[3];
+  static std::string error[3];
+  if (!be[path] && error[path].empty()) {
+    setenv("VITGRID_ATTENTION", kAttentionModes[path], 1);
+    try {
+      be[path] = make_cuda_backend(0, DType::BF16, false);
+    } catch (const UserError& e) {
+      error[path] = e.what();
+    }
     unsetenv("VITGRID_ATTENTION");
-    return b;
-  }();
-  return *fb;
+  }
+  *why = error[path];
+  return be[path].get();
 }
 
 void attention_bench(benchmark::State& st, bool backward) {
   if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
   const int path = static_cast<int>(st.range(0));
-  Backend& be = attention_backend(path);
+  std::string why;
+  Backend* bp = attention_backend(path, &why);
+  if (bp == nullptr) return st.SkipWithError(why.c_str());
+  Backend& be = *bp;
   const size_t a = be.act_size();
   std::vector<void*> bufs;
   auto get = [&](size_t bytes) {
@@ -144,9 +160,9 @@ void attention_bench(benchmark::State& st, bool backward) {
   st.counters["TFLOP"] = benchmark::Counter((backward ? 3.5 : 1.0) * fwd * 1e-12,
                                               benchmark::Counter::kIsIterationInvariantRate);
   char label[160];
-  std::snprintf(label, sizeof label, "%s, saved %.1f MB, workspace %.1f MB",
-                path == 0 ? "fused flash" : "fallback (cuBLASLt + softmax kernel)", sb / 1e6,
-                wb / 1e6);
+  std::snprintf(
+      label, sizeof label, "VITGRID_ATTENTION=%s ran %s, saved %.1f MB, workspace %.1f MB",
+      kAttentionModes[path], cuda_attention_path(be, kB, kT, kH, kHd), sb / 1e6, wb / 1e6);
   st.SetLabel(label);
   be.synchronize();
   for (void* q : bufs) be.release(q);
@@ -233,12 +249,14 @@ BENCHMARK(BM_AttentionForward)
     ->ArgName("path")
     ->Arg(0)
     ->Arg(1)
+    ->Arg(2)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AttentionFwdBwd)
     ->ArgName("path")
     ->Arg(0)
     ->Arg(1)
+    ->Arg(2)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LayerNormForward)->UseManualTime()->Unit(benchmark::kMillisecond);

@@ -21,15 +21,19 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "vitgrid/backend/backend.h"
 #include "vitgrid/backend/cpu/emulate16.h"
 #include "vitgrid/backend/cuda/cuda_backend.h"
 #include "gpu_test_util.h"
+#include "vitgrid/core/error.h"
 #include "vitgrid/core/rng.h"
+#include "vitgrid/model/workspace_plan.h"
 
 namespace vitgrid {
+
 namespace {
 
 using namespace gputest;  // NOLINT: test file, the harness is its vocabulary
@@ -265,32 +269,68 @@ TEST_P(GpuBackend, Softmax) {
   EXPECT_CLOSE(b[1], b[0], 2 * tol());
 }
 
-// Attention: the CPU reference against both CUDA paths, the fused flash kernels (bf16/fp16 with
-// head dim 32/64/80/128) and the cuBLASLt + softmax fallback (forced by VITGRID_ATTENTION=
-// fallback when the backend is made; fp32 and other head dims always take it), and the two
-// CUDA paths against each other. Shapes cover ragged tiles (T = 17, 50, 65, 197 against 64-row
-// tiles), several heads and batches, and hd = 32, 64, 80, 128 (16 and 8: fallback only).
+// Attention: the CPU reference against every CUDA path: cuDNN's fused SDPA (bf16/fp16, head
+// dim 64/80/128, builds with cudnn_frontend; a shape cuDNN rejects runs the flash kernels),
+// the own flash kernels (bf16/fp16, head dim 32/64/80/128) and the cuBLASLt + softmax
+// fallback (fp32 and other head dims always take it). One backend per VITGRID_ATTENTION value
+// (read when the backend is made): the default (auto), cudnn, flash and fallback; each prints
+// the path it took. Shapes cover ragged tiles (T = 17, 50, 65, 197 against 64-row tiles; 128:
+// a multiple of cuDNN's 128-key tiles), several heads and batches, and hd = 32, 64, 80, 128
+// (16 and 8: fallback only).
 // Tolerances (rel L2): forward 2x the dtype's (bf16 2e-2, fp16 4e-3, fp32 2e-5); backward
 // bf16 2.5e-2 (P and dS are rounded to bf16 before their GEMMs, dS = P (dP - D) cancels),
-// fp16 4e-3, fp32 2e-5. The fused backward must also be bitwise reproducible (no atomics).
+// fp16 4e-3, fp32 2e-5. The fused backwards (flash, and cuDNN's deterministic algorithm) must
+// also be bitwise reproducible.
 TEST_P(GpuBackend, Attention) {
   struct Shape { int B, T, H, hd; };
-  // A second CUDA backend forced onto the fallback path (the variable is read at construction).
-  setenv("VITGRID_ATTENTION", "fallback", 1);
-  Dev fb(make_cuda_backend(0, dt, false));
-  unsetenv("VITGRID_ATTENTION");
+  // Extra CUDA backends, one per forced path (the variable is read at construction).
+  auto make_with = [&](const char* mode) {
+    setenv("VITGRID_ATTENTION", mode, 1);
+    std::unique_ptr<Dev> d;
+    try {
+      d = std::make_unique<Dev>(make_cuda_backend(0, dt, false));
+    } catch (const UserError& e) {
+      std::printf("[attention %s] VITGRID_ATTENTION=%s: %s\n", dtype_name(dt), mode, e.what());
+    }
+    unsetenv("VITGRID_ATTENTION");
+    return d;
+  };
+  std::unique_ptr<Dev> fb = make_with("fallback"), fl = make_with("flash"),
+                       cd = make_with("cudnn");
+  ASSERT_TRUE(fb && fl);
+#if defined(VITGRID_HAVE_CUDNN_FRONTEND) && VITGRID_HAVE_CUDNN_FRONTEND
+  ASSERT_TRUE(cd) << "built with cudnn_frontend, yet VITGRID_ATTENTION=cudnn was refused";
+#else
+  EXPECT_FALSE(cd) << "VITGRID_ATTENTION=cudnn accepted by a build without cudnn_frontend";
+#endif
+  {  // an unknown value is a user error naming the variable
+    setenv("VITGRID_ATTENTION", "fastest", 1);
+    try {
+      make_cuda_backend(0, dt, false);
+      ADD_FAILURE() << "VITGRID_ATTENTION=fastest accepted";
+    } catch (const UserError& e) {
+      EXPECT_NE(std::string(e.what()).find("VITGRID_ATTENTION"), std::string::npos) << e.what();
+    }
+    unsetenv("VITGRID_ATTENTION");
+  }
   const double tol_f = dt == DType::F32 ? 2e-5 : 2 * tol();
   const double tol_b = dt == DType::F32 ? 2e-5 : (dt == DType::BF16 ? 2.5e-2 : 2 * tol());
-  for (Shape s : {Shape{3, 17, 2, 64}, Shape{2, 197, 3, 64}, Shape{2, 65, 4, 80},
-                  Shape{1, 50, 2, 128}, Shape{2, 33, 3, 32}, Shape{3, 17, 2, 16},
-                  Shape{5, 9, 7, 8}}) {
+  // 0 CPU reference, then the CUDA backends: 1 default (auto), 2 fallback, 3 flash, 4 cudnn
+  const char* names[5] = {"cpu", "default", "fallback", "flash", "cudnn"};
+  Dev* devs[5] = {cpu.get(), gpu.get(), fb.get(), fl.get(), cd.get()};
+  for (Shape s : {Shape{3, 17, 2, 64}, Shape{2, 197, 3, 64}, Shape{2, 128, 2, 64},
+                  Shape{2, 65, 4, 80}, Shape{1, 50, 2, 128}, Shape{2, 33, 3, 32},
+                  Shape{3, 17, 2, 16}, Shape{5, 9, 7, 8}}) {
     const size_t C = size_t(s.H) * s.hd, nqkv = size_t(s.B) * s.T * 3 * C,
                  nout = size_t(s.B) * s.T * C;
     Vec qkv = rnd(nqkv), dout = rnd(nout);
-    Vec o[3], g[3], g2;
-    size_t saved_bytes[3] = {0, 0, 0};
-    for (int k = 0; k < 3; ++k) {  // 0 CPU, 1 CUDA default (fused when eligible), 2 fallback
-      Dev* d = k == 0 ? cpu.get() : (k == 1 ? gpu.get() : &fb);
+    Vec o[5], g[5], g2[5];
+    size_t saved_bytes[5] = {0, 0, 0, 0, 0};
+    std::string path[5];
+    for (int k = 0; k < 5; ++k) {
+      Dev* d = devs[k];
+      if (d == nullptr) continue;
+      path[k] = k == 0 ? "cpu" : cuda_attention_path(*d->be, s.B, s.T, s.H, s.hd);
       void* q = d->act(qkv);
       void* out = d->nan_act(nout);
       saved_bytes[k] = d->be->attention_saved_bytes(s.B, s.T, s.H, s.hd);
@@ -303,34 +343,56 @@ TEST_P(GpuBackend, Attention) {
       void* dq = d->nan_act(nqkv);
       d->be->attention_backward(dq, dO, q, out, saved, s.B, s.T, s.H, s.hd, ws);
       g[k] = d->get_act(dq, nqkv);
-      if (k == 1) {  // run the backward again into a fresh NaN buffer: same bits
+      if (k > 0) {  // run the backward again into a fresh NaN buffer (bitwise check below)
         void* dq2 = d->nan_act(nqkv);
         d->be->attention_backward(dq2, dO, q, out, saved, s.B, s.T, s.H, s.hd, ws);
-        g2 = d->get_act(dq2, nqkv);
+        g2[k] = d->get_act(dq2, nqkv);
+        // the path asked after the runs is the one asked before (and the one they took)
+        EXPECT_EQ(path[k], cuda_attention_path(*d->be, s.B, s.T, s.H, s.hd));
       }
     }
     const bool fused = dt != DType::F32 && (s.hd == 32 || s.hd == 64 || s.hd == 80 ||
                                             s.hd == 128);
-    const std::string tag = "B T H hd = " + std::to_string(s.B) + " " + std::to_string(s.T) +
-                            " " + std::to_string(s.H) + " " + std::to_string(s.hd) +
-                            (fused ? " (fused)" : " (fallback only)");
+    const bool cudnn_eligible = fused && s.hd != 32;
+    std::string tag = "B T H hd = " + std::to_string(s.B) + " " + std::to_string(s.T) + " " +
+                      std::to_string(s.H) + " " + std::to_string(s.hd) + " (paths:";
+    for (int k = 1; k < 5; ++k) {
+      if (devs[k]) tag += std::string(" ") + names[k] + "=" + path[k];
+    }
+    tag += ")";
     SCOPED_TRACE(tag);
-    std::printf("[attention %s] %s: fwd rel L2 default %.3g fallback %.3g vs-fallback %.3g; "
-                "bwd default %.3g fallback %.3g vs-fallback %.3g\n",
-                dtype_name(dt), tag.c_str(), rel_l2(o[1], o[0]), rel_l2(o[2], o[0]),
-                rel_l2(o[1], o[2]), rel_l2(g[1], g[0]), rel_l2(g[2], g[0]), rel_l2(g[1], g[2]));
-    EXPECT_CLOSE(o[1], o[0], tol_f);
-    EXPECT_CLOSE(o[2], o[0], tol_f);
-    EXPECT_CLOSE(o[1], o[2], tol_f);
-    EXPECT_CLOSE(g[1], g[0], tol_b);
-    EXPECT_CLOSE(g[2], g[0], tol_b);
-    EXPECT_CLOSE(g[1], g[2], tol_b);
-    if (fused) {  // bitwise reproducible; only the log-sum-exp is saved
-      EXPECT_EQ(0, std::memcmp(g[1].data(), g2.data(), g2.size() * sizeof(float)))
-          << "fused attention backward is not bitwise reproducible";
-      EXPECT_EQ(saved_bytes[1], size_t(s.B) * s.H * s.T * sizeof(float));
-    } else {
-      EXPECT_EQ(saved_bytes[1], saved_bytes[2]);
+    std::printf("[attention %s] %s\n", dtype_name(dt), tag.c_str());
+    for (int k = 1; k < 5; ++k) {
+      if (!devs[k]) continue;
+      std::printf("[attention %s]   %-8s (%-8s): fwd rel L2 %.3g vs-fallback %.3g; bwd %.3g "
+                  "vs-fallback %.3g\n",
+                  dtype_name(dt), names[k], path[k].c_str(), rel_l2(o[k], o[0]),
+                  rel_l2(o[k], o[2]), rel_l2(g[k], g[0]), rel_l2(g[k], g[2]));
+      SCOPED_TRACE(std::string("VITGRID_ATTENTION ") + names[k] + ", path " + path[k]);
+      EXPECT_CLOSE(o[k], o[0], tol_f);
+      EXPECT_CLOSE(g[k], g[0], tol_b);
+      if (k != 2) {
+        EXPECT_CLOSE(o[k], o[2], tol_f);
+        EXPECT_CLOSE(g[k], g[2], tol_b);
+      }
+      // the path each mode may take
+      if (k == 2 || !fused) {
+        EXPECT_EQ(path[k], "fallback");
+      } else if (k == 3 || !cudnn_eligible || !cd) {
+        EXPECT_EQ(path[k], "flash");
+      } else {  // default and cudnn: cuDNN, or flash for a shape cuDNN rejects
+        EXPECT_TRUE(path[k] == "cudnn" || path[k] == "flash") << path[k];
+      }
+      if (path[k] != "fallback") {  // bitwise reproducible; only the log-sum-exp is saved
+        EXPECT_EQ(0, std::memcmp(g[k].data(), g2[k].data(), g2[k].size() * sizeof(float)))
+            << names[k] << " (" << path[k] << ") attention backward is not bitwise reproducible";
+        EXPECT_EQ(saved_bytes[k], size_t(s.B) * s.H * s.T * sizeof(float));
+      } else {
+        EXPECT_EQ(saved_bytes[k], saved_bytes[2]);
+      }
+    }
+    if (cd) {
+      EXPECT_EQ(path[1], path[4]);  // auto takes what cudnn takes
     }
   }
 }
@@ -514,6 +576,239 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, GpuBackend,
                          [](const ::testing::TestParamInfo<DType>& i) {
                            return std::string(dtype_name(i.param));
                          });
+
+
+// ---- workspace planning: after plan_workspace, the ops that use the backend's internal
+// workspace (reduction scratch, GEMM temporaries, multi-tensor slice tables, overlapping
+// copies) allocate nothing at the planned maxima. The plan comes from workspace_plan_for, as
+// in the trainer, for a ViT-Base shaped model (2 blocks), with and without ZeRO-1 lists.
+
+// The parameter tensors of the model (timm order) in one flat buffer, as the optimizer sees
+// them: weight decay `wd` on the matrices, 0 on biases, norms, cls token and pos embedding.
+std::vector<ParamSlice> vit_param_slices(const ViTConfig& c, float wd) {
+  const size_t C = c.hidden, M = c.mlp, K = c.classes, T = c.tokens();
+  std::vector<ParamSlice> v;
+  size_t at = 0;
+  auto add = [&](size_t n, bool decay) {
+    v.push_back({at, n, decay ? wd : 0.0f});
+    at += n;
+  };
+  add(C * c.patch_dim(), true);
+  add(C, false);
+  add(C, false);      // cls token
+  add(T * C, false);  // pos embedding
+  for (int l = 0; l < c.depth; ++l) {
+    add(C, false), add(C, false);
+    add(3 * C * C, true), add(3 * C, false);
+    add(C * C, true), add(C, false);
+    add(C, false), add(C, false);
+    add(M * C, true), add(M, false);
+    add(C * M, true), add(C, false);
+  }
+  add(C, false), add(C, false);
+  add(K * C, true), add(K, false);
+  return v;
+}
+
+class GpuWorkspace : public ::testing::TestWithParam<std::tuple<DType, bool>> {
+ protected:
+  void SetUp() override {
+    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_P(GpuWorkspace, PlannedOpsAllocateNothing) {
+  const DType dt = std::get<0>(GetParam());
+  const bool zero = std::get<1>(GetParam());
+  Dev d(make_cuda_backend(0, dt, false));
+  Backend& be = *d.be;
+  ViTConfig cfg;
+  cfg.image = 224, cfg.patch = 16, cfg.hidden = 768, cfg.depth = 2, cfg.heads = 12;
+  cfg.mlp = 3072, cfg.classes = 1000;
+  const int micro = 16;
+  const std::vector<ParamSlice> decayed = vit_param_slices(cfg, 0.05f);
+  const std::vector<ParamSlice> plain = vit_param_slices(cfg, 0.0f);
+  size_t n = plain.back().offset + plain.back().n;
+
+  // ZeRO-1 over 2 data ranks, 3 buckets: rank 0 updates the first half of each bucket, one
+  // slice list per bucket (offsets from the piece's start) and one of all pieces (flat).
+  struct Piece {
+    size_t flat = 0, n = 0;
+    std::vector<ParamSlice> slices;
+  };
+  std::vector<Piece> pieces;
+  std::vector<ParamSlice> zslices;
+  const size_t kBuckets = 3;
+  if (zero) {
+    const size_t bs = (n + kBuckets * 32 - 1) / (kBuckets * 32) * 32;
+    n = kBuckets * bs;  // padded like the model's flat buffers
+    for (size_t k = 0; k < kBuckets; ++k) {
+      Piece pc;
+      pc.flat = k * bs;
+      pc.n = bs / 2;
+      for (const ParamSlice& s : decayed) {
+        const size_t lo = std::max(s.offset, pc.flat), hi = std::min(s.offset + s.n, pc.flat + pc.n);
+        if (lo >= hi) continue;
+        pc.slices.push_back({lo - pc.flat, hi - lo, s.weight_decay});
+        zslices.push_back({lo, hi - lo, 0.0f});
+      }
+      pieces.push_back(std::move(pc));
+    }
+  }
+
+  WorkspaceShape ws;
+  ws.micro_batch = micro;
+  ws.act_size = be.act_size();
+  ws.optimizer = true;
+  ws.param_tensors = plain.size();
+  ws.local_params = n;
+  ws.grad_buckets = zero ? kBuckets : 0;
+  const Backend::WorkspacePlan plan = workspace_plan_for(cfg, ws);
+  ASSERT_EQ(plan.max_rows, int64_t(micro) * cfg.tokens());
+  ASSERT_EQ(plan.max_cols, 3072);
+  be.plan_workspace(plan);
+
+  // inputs, all allocated (and filled) before the count is taken
+  const int R = static_cast<int>(plan.max_rows), Cw = static_cast<int>(plan.max_cols);
+  const int C = cfg.hidden, K = cfg.classes, Mh = cfg.mlp;
+  const size_t as = be.act_size(), big = size_t(R) * Cw;
+  void* dy = d.raw(big * as);
+  void* x = d.raw(big * as);
+  void* dx = d.raw(big * as);
+  void* W = d.raw(size_t(plan.max_weight_elems) * as);
+  void* gamma = d.raw(size_t(Cw) * as);
+  float* dW = static_cast<float*>(d.raw(size_t(plan.max_weight_elems) * 4));
+  float* db = static_cast<float*>(d.raw(size_t(Cw) * 4));
+  float* dgamma = static_cast<float*>(d.raw(size_t(Cw) * 4));
+  float* dbeta = static_cast<float*>(d.raw(size_t(Cw) * 4));
+  float* mean = static_cast<float*>(d.raw(size_t(R) * 4));
+  float* rstd = static_cast<float*>(d.raw(size_t(R) * 4));
+  float* sums = static_cast<float*>(d.raw(size_t(R) * 2 * 4));
+  for (void* p : {dy, x, dx}) be.zero(p, big * as);
+  be.zero(W, size_t(plan.max_weight_elems) * as);
+  be.zero(gamma, size_t(Cw) * as);
+  be.zero(mean, size_t(R) * 4);
+  be.zero(rstd, size_t(R) * 4);
+  const size_t cb = plan.max_copy_bytes, shift = 4104;  // 8-byte aligned, not 256
+  std::vector<uint8_t> pattern(cb + shift);
+  for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<uint8_t>(i * 131 + (i >> 9));
+  uint8_t* cbuf = static_cast<uint8_t*>(d.raw(pattern.size()));
+  be.copy_to_device(cbuf, pattern.data(), pattern.size());
+  Vec gh(n);
+  for (size_t i = 0; i < n; ++i) gh[i] = 0.01f * float(int(i % 13) - 6);
+  float* p = d.f32(Vec(n, 0.5f));
+  float* g = d.f32(gh);
+  float* m = d.f32(Vec(n, 0.0f));
+  float* v = d.f32(Vec(n, 0.0f));
+  float* u = d.f32(Vec(n, 0.0f));
+  be.synchronize();
+  const int64_t before = be.device_allocations();
+
+  // GEMM-based layers at the planned rows: bias gradients (column sums) of the widest output
+  // and the head's, the patch embedding's; dW accumulated in fp32 (or through the act-dtype
+  // temporary where cuBLASLt offers no fp32 output)
+  be.linear_backward(dx, dW, db, dy, x, W, R, C, Cw);
+  be.linear_backward(nullptr, dW, db, dy, x, W, R, C, K);
+  be.linear_backward(nullptr, dW, db, dy, x, W, R, Mh, C);
+  be.linear_backward(nullptr, dW, db, dy, x, W, R, cfg.patch_dim(), C);
+  // LayerNorm backward: the hidden width (fused path in 16-bit) and the widest (general path)
+  be.layernorm_backward(dx, dgamma, dbeta, dy, x, gamma, mean, rstd, R, C);
+  be.layernorm_backward(dx, dgamma, dbeta, dy, x, gamma, mean, rstd, R, Cw);
+  be.layernorm_split_backward_sums(sums, dgamma, dbeta, dy, x, gamma, mean, rstd, R, C);
+  be.layernorm_split_backward_sums(sums, dgamma, dbeta, dy, x, gamma, mean, rstd, R, Cw);
+  // overlapping copies of the planned size, both directions
+  be.copy(cbuf + shift, cbuf, cb);
+  be.copy(cbuf, cbuf + shift, cb);
+  be.copy(cbuf + 1, cbuf, cb);
+  // the optimizer's multi-tensor ops over every list it uses
+  const AdamParams ap{1e-3f, 0.9f, 0.999f, 1e-8f, 1, 1.0f};
+  std::vector<double> sq;
+  if (!zero) {
+    sq.resize(plain.size());
+    be.sum_squares(sq.data(), g, plain);
+    be.adamw_update(p, g, m, v, decayed, ap);
+    be.lamb_direction(u, p, g, m, v, decayed, ap);
+    std::vector<double> wn(plain.size()), un(plain.size());
+    be.sum_squares(wn.data(), p, plain);
+    be.sum_squares(un.data(), u, plain);
+    be.lamb_apply(p, u, plain, std::vector<float>(plain.size(), 1.0f), 1e-3f);
+    be.sgd_update(p, g, m, decayed, 0.1f, 0.9f, true, 1.0f);
+  } else {
+    sq.resize(zslices.size());
+    be.sum_squares(sq.data(), g, zslices);
+    for (const Piece& pc : pieces) {
+      be.adamw_update(p + pc.flat, g + pc.flat, m + pc.flat / 2, v + pc.flat / 2, pc.slices, ap);
+      be.lamb_direction(u + pc.flat, p + pc.flat, g + pc.flat, m + pc.flat / 2,
+                        v + pc.flat / 2, pc.slices, ap);
+      be.lamb_apply(p + pc.flat, u + pc.flat, pc.slices,
+                    std::vector<float>(pc.slices.size(), 1.0f), 1e-3f);
+      be.sgd_update(p + pc.flat, g + pc.flat, m + pc.flat / 2, pc.slices, 0.1f, 0.9f, false,
+                    1.0f);
+    }
+  }
+  EXPECT_TRUE(be.all_finite(g, n));
+  be.synchronize();
+  EXPECT_EQ(be.device_allocations(), before)
+      << "device allocations in planned ops (" << dtype_name(dt) << (zero ? ", ZeRO" : "")
+      << ")";
+
+  // and the ops still compute what they should: the memmove, the per-slice sums of squares
+  std::vector<uint8_t> want = pattern, got(pattern.size());
+  std::memmove(want.data() + shift, want.data(), cb);
+  std::memmove(want.data(), want.data() + shift, cb);
+  std::memmove(want.data() + 1, want.data(), cb);
+  be.copy_to_host(got.data(), cbuf, got.size());
+  EXPECT_TRUE(got == want) << "overlapping copy differs from memmove";
+  const std::vector<ParamSlice>& sl = zero ? zslices : plain;
+  for (size_t i = 0; i < sl.size(); ++i) {
+    double ref = 0.0;
+    for (size_t j = 0; j < sl[i].n; ++j) ref += double(gh[sl[i].offset + j]) * gh[sl[i].offset + j];
+    EXPECT_NEAR(sq[i], ref, 1e-9 * ref + 1e-12) << "slice " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(DtypesZero, GpuWorkspace,
+                         ::testing::Combine(::testing::Values(DType::F32, DType::BF16, DType::F16),
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<DType, bool>>& i) {
+                           return std::string(dtype_name(std::get<0>(i.param))) +
+                                  (std::get<1>(i.param) ? "_zero" : "");
+                         });
+
+// Without a plan the same ops do allocate (the counter sees internal allocations); a plan
+// made afterwards covers them.
+TEST(GpuWorkspaceCounter, UnplannedOpsAllocate) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  Dev d(make_cuda_backend(0, DType::BF16, false));
+  Backend& be = *d.be;
+  const int N = 4096, C = 1536;
+  const int64_t c0 = be.device_allocations();
+  void* dy = d.raw(size_t(N) * C * 2);
+  EXPECT_EQ(be.device_allocations(), c0 + 1);  // alloc() counts
+  void* x = d.raw(size_t(N) * C * 2);
+  void* dx = d.raw(size_t(N) * C * 2);
+  void* gamma = d.raw(size_t(C) * 2);
+  float* dg = static_cast<float*>(d.raw(size_t(C) * 4));
+  float* dbt = static_cast<float*>(d.raw(size_t(C) * 4));
+  float* mean = static_cast<float*>(d.raw(size_t(N) * 4));
+  float* rstd = static_cast<float*>(d.raw(size_t(N) * 4));
+  for (void* q : {dy, x, dx}) be.zero(q, size_t(N) * C * 2);
+  be.zero(gamma, size_t(C) * 2);
+  be.zero(mean, size_t(N) * 4);
+  be.zero(rstd, size_t(N) * 4);
+  const int64_t c1 = be.device_allocations();
+  be.layernorm_backward(dx, dg, dbt, dy, x, gamma, mean, rstd, N, C);
+  be.synchronize();
+  EXPECT_GT(be.device_allocations(), c1) << "unplanned scratch did not allocate?";
+  Backend::WorkspacePlan plan;
+  plan.max_rows = 2 * N;
+  plan.max_cols = 2 * C;
+  be.plan_workspace(plan);
+  const int64_t c2 = be.device_allocations();
+  be.layernorm_backward(dx, dg, dbt, dy, x, gamma, mean, rstd, N, C);
+  be.synchronize();
+  EXPECT_EQ(be.device_allocations(), c2);
+}
 
 }  // namespace
 }  // namespace vitgrid

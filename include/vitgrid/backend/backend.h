@@ -66,6 +66,29 @@ class Backend {
   virtual void synchronize() = 0;
   virtual size_t peak_memory_bytes() const = 0;  // high-water mark of alloc()
 
+  // ---- workspace planning: the largest shapes the step will run, known from the deck, so a
+  // backend allocates its internal workspace (reduction scratch, GEMM temporaries, the device
+  // tables of the multi-tensor ops) before step 1 and never in the step loop. Zeros plan
+  // nothing; a later plan only grows what an earlier one allocated. An op beyond the plan
+  // still runs (the backend then allocates, and device_allocations() shows it).
+  struct WorkspacePlan {
+    int64_t max_rows = 0;          // rows of any row-wise op: LayerNorm (plain and split over
+                                   // ranks) backward, linear_backward's bias gradient
+    int64_t max_cols = 0;          // widest row of those ops (hidden, 3*hidden, mlp, classes)
+    int64_t max_weight_elems = 0;  // largest Linear weight [out, in] of a linear_backward
+    size_t max_copy_bytes = 0;     // largest copy() (its source and destination may overlap)
+    // Multi-tensor ops (sum_squares, adamw_update, lamb_*, sgd_update): how many distinct
+    // slice lists they see, and over all those lists together, their slices and the elements
+    // the slices cover.
+    int64_t slice_lists = 0;
+    int64_t slices = 0;
+    int64_t slice_elems = 0;
+  };
+  virtual void plan_workspace(const WorkspacePlan& p) { (void)p; }
+  // Device allocations the backend made so far (alloc() and internal ones); the bench and the
+  // tests use it to show that the step loop allocates nothing. 0 where not counted (CPU).
+  virtual int64_t device_allocations() const { return 0; }
+
   // ---- conversions between fp32 and act dtype (identity copies when act dtype is fp32)
   virtual void cast_to_act(void* dst_act, const float* src, size_t n) = 0;
   virtual void cast_to_f32(float* dst, const void* src_act, size_t n) = 0;
@@ -225,6 +248,27 @@ class Backend {
   virtual void sgd_update(float* p, const float* g, float* mom,
                           const std::vector<ParamSlice>& slices, float lr, float momentum,
                           bool nesterov, float grad_scale) = 0;
+
+  // ---- device-time marks (the pipeline bubble): mark() records a point in the order of the
+  // work enqueued so far and returns its id; seconds_between(a, b) is the time from mark a to
+  // mark b, waiting for b to pass; clear_marks() forgets every mark (ids are reused). CPU: the
+  // host clock at the call (its ops complete before returning); CUDA: events on the stream.
+  virtual int mark() = 0;
+  virtual double seconds_between(int a, int b) = 0;
+  virtual void clear_marks() = 0;
+
+  // ---- input batches, copied while the previous batch computes. A slot is a host staging
+  // area (page-locked on CUDA) plus the device buffer the caller uploads it into.
+  // staging(slot, bytes) returns the slot's host area once its previous upload has read it;
+  // upload_async(slot, dst, bytes) starts copying it to dst (CUDA: on a copy stream, after the
+  // work enqueued before the slot's last release_slot(), which read dst's previous contents)
+  // and returns; wait_uploads() orders the work enqueued after it behind every upload started;
+  // release_slot(slot) marks the work enqueued so far as the last to read the slot's device
+  // buffer. CPU: plain memory and synchronous copies.
+  virtual void* staging(int slot, size_t bytes) = 0;
+  virtual void upload_async(int slot, void* dst, size_t bytes) = 0;
+  virtual void wait_uploads() = 0;
+  virtual void release_slot(int slot) = 0;
 };
 
 // Factory: "cpu" always; "cuda" when built with CUDA (throws UserError otherwise).

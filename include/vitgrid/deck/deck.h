@@ -100,6 +100,7 @@ struct CheckpointSection {
 
 struct DeviceSection {
   std::string backend = "auto";  // auto | cuda | cpu
+  double comm_timeout = 600.0;   // seconds a collective may stay incomplete (NCCL watchdog)
 };
 
 struct Deck {

@@ -44,11 +44,13 @@ class PipelineRunner {
   int stage() const { return stage_; }
   int stages() const { return P_; }
   bool last_stage() const { return stage_ == P_ - 1; }
-  // Seconds of training steps spent blocked in send / recv (waiting for a neighbour) and in
-  // total since the last reset: the measured bubble is wait / total.
-  double wait_seconds() const { return wait_s_; }
-  double total_seconds() const { return total_s_; }
-  void reset_timers() { wait_s_ = total_s_ = 0.0; }
+  // Device seconds of this stage's training steps since the last reset, in total (first to
+  // last op of each step) and outside its forward / backward ops (waiting on neighbours): the
+  // measured bubble is wait / total. Measured with backend marks (CUDA events), so it counts
+  // the GPU's idle time, not the host's.
+  double wait_seconds() { harvest(); return total_s_ - busy_s_; }
+  double total_seconds() { harvest(); return total_s_; }
+  void reset_timers();
   const PipelinePlans& train_plans() const { return train_; }
 
  private:
@@ -56,6 +58,7 @@ class PipelineRunner {
            float grad_scale, int64_t step, double* sums, std::vector<float>* logits,
            bool grads_final = false);
   DeviceBatch micro_batch(const DeviceBatch& b, int m) const;
+  void harvest();
 
   ViT& model_;
   Backend& be_;
@@ -64,7 +67,8 @@ class PipelineRunner {
   int micro_;
   int P_, stage_;
   size_t image_bytes_;  // one sample's prepared image (act dtype)
-  double wait_s_ = 0.0, total_s_ = 0.0;
+  double busy_s_ = 0.0, total_s_ = 0.0;
+  std::vector<int> step_marks_, busy_marks_;  // pairs of backend marks not yet harvested
   // Fault injection for the tests (VITGRID_TEST_FAIL_AT=stage:step): this stage's first rank
   // fails at the start of that step, as a crashing kernel would.
   int fail_stage_ = -1;

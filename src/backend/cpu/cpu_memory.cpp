@@ -1,4 +1,5 @@
 // CpuBackend: construction, memory accounting, copies and dtype casts.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -6,6 +7,7 @@
 #include "vitgrid/backend/cpu/cpu_backend.h"
 #include "vitgrid/backend/cpu/emulate16.h"
 #include "vitgrid/core/error.h"
+#include "vitgrid/core/log.h"
 
 namespace vitgrid {
 
@@ -51,6 +53,30 @@ void CpuBackend::release(void* p) {
 size_t CpuBackend::peak_memory_bytes() const {
   std::lock_guard<std::mutex> lock(mem_mutex_);
   return peak_bytes_;
+}
+
+int CpuBackend::mark() {
+  marks_.push_back(now_s());
+  return static_cast<int>(marks_.size()) - 1;
+}
+
+double CpuBackend::seconds_between(int a, int b) {
+  VG_CHECK(a >= 0 && b >= 0 && size_t(std::max(a, b)) < marks_.size(),
+           "cpu backend: marks " << a << ", " << b << " of " << marks_.size());
+  return marks_[b] - marks_[a];
+}
+
+void* CpuBackend::staging(int slot, size_t bytes) {
+  VG_CHECK(slot >= 0, "cpu backend: staging slot " << slot);
+  if (static_cast<size_t>(slot) >= staging_.size()) staging_.resize(slot + 1);
+  if (staging_[slot].size() < bytes) staging_[slot].resize(bytes);
+  return staging_[slot].data();
+}
+
+void CpuBackend::upload_async(int slot, void* dst, size_t bytes) {
+  VG_CHECK(slot >= 0 && static_cast<size_t>(slot) < staging_.size() && staging_[slot].size() >= bytes,
+           "cpu backend: upload of " << bytes << " bytes from staging slot " << slot);
+  if (bytes) std::memcpy(dst, staging_[slot].data(), bytes);
 }
 
 size_t CpuBackend::current_memory_bytes() const {

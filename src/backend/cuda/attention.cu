@@ -1,7 +1,13 @@
-// Multi-head self-attention. bf16/fp16 with a supported head dim (32, 64, 80, 128) runs the
-// fused flash kernels of flash_attention.cu (saved state: fp32 log-sum-exp [B,H,T]; workspace:
-// fp32 D = rowsum(dO * O) [B,H,T] for the backward). Everything else, or every case when
-// VITGRID_ATTENTION=fallback was set when the backend was made, takes the fallback below.
+// Multi-head self-attention, three paths (VITGRID_ATTENTION, read when the backend is made:
+// auto | cudnn | flash | fallback; unset = auto):
+//  * cuDNN's fused SDPA (cudnn_attention.cpp): auto and cudnn, bf16/fp16 with head dim 64, 80
+//    or 128, when the build has cudnn_frontend and cuDNN builds both graphs of the shape
+//    (saved state: fp32 log-sum-exp [B,H,T]; workspace: what the graphs ask for, never less
+//    than the flash path's, so a shape cuDNN rejects can run the flash kernels instead).
+//  * the own flash kernels of flash_attention.cu: bf16/fp16 with head dim 32, 64, 80, 128
+//    (saved state: fp32 log-sum-exp [B,H,T], the same quantity as cuDNN's; workspace: fp32
+//    D = rowsum(dO * O) [B,H,T] for the backward).
+//  * the fallback below: everything else, or every case with VITGRID_ATTENTION=fallback.
 //
 // Fallback path: cuBLASLt strided-batched GEMMs read q, k, v
 // straight out of the qkv[B,T,3C] layout (leading dimension 3C, head offset h*hd), scores
@@ -12,8 +18,10 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "cuda_backend_impl.h"
+#include "cudnn_attention.h"
 #include "kernel_util.cuh"
 
 namespace vitgrid {
@@ -72,13 +80,62 @@ static void attention_gemm(CudaBackend& be, GemmSpec s, Offs oa, Offs ob, Offs o
   }
 }
 
-bool CudaBackend::attention_fallback_from_env() {
+CudaBackend::AttentionMode CudaBackend::attention_mode_from_env() {
   const char* v = std::getenv("VITGRID_ATTENTION");
-  return v != nullptr && std::strcmp(v, "fallback") == 0;
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return AttentionMode::Auto;
+  if (std::strcmp(v, "flash") == 0) return AttentionMode::Flash;
+  if (std::strcmp(v, "fallback") == 0) return AttentionMode::Fallback;
+  if (std::strcmp(v, "cudnn") == 0) {
+    if (!cuda::CudnnAttention::available()) {
+      throw UserError(
+          "VITGRID_ATTENTION=cudnn, but this build has no cudnn_frontend (the cuDNN SDPA path "
+          "is not compiled in: run `make deps` or tools/fetch_cudnn_frontend.sh, or point "
+          "VITGRID_CUDNN_FRONTEND_DIR at the headers, and reconfigure); use auto, flash or "
+          "fallback");
+    }
+    return AttentionMode::Cudnn;
+  }
+  throw UserError(std::string("VITGRID_ATTENTION=") + v +
+                  " is not a known attention path; allowed: auto (the default), cudnn, flash, "
+                  "fallback");
+}
+
+const char* CudaBackend::attention_path_name(AttentionPath p) {
+  switch (p) {
+    case AttentionPath::Cudnn: return "cudnn";
+    case AttentionPath::Flash: return "flash";
+    default: return "fallback";
+  }
+}
+
+cuda::CudnnAttention* CudaBackend::cudnn_attention() const {
+  if (!cudnn_attention_) {
+    cudnn_attention_.reset(
+        new cuda::CudnnAttention(device_, stream_, attention_mode_ == AttentionMode::Cudnn));
+  }
+  return cudnn_attention_.get();
+}
+
+CudaBackend::AttentionPath CudaBackend::attention_route(int B, int T, int H, int hd) const {
+  if (attention_mode_ == AttentionMode::Fallback) return AttentionPath::Fallback;
+  if ((attention_mode_ == AttentionMode::Auto || attention_mode_ == AttentionMode::Cudnn) &&
+      cuda::CudnnAttention::available() && cuda::CudnnAttention::eligible(act_, hd)) {
+    // usable(): supported, and the workspace fits what attention_workspace_bytes() granted
+    if (B <= 0 || T <= 0 || cudnn_attention()->usable(act_, B, T, H, hd)) {
+      return AttentionPath::Cudnn;
+    }
+  }
+  return cuda::flash_attention_supported(act_, hd) ? AttentionPath::Flash
+                                                   : AttentionPath::Fallback;
 }
 
 bool CudaBackend::attention_fused(int hd) const {
-  return !attention_force_fallback_ && cuda::flash_attention_supported(act_, hd);
+  return attention_route(0, 0, 0, hd) != AttentionPath::Fallback;
+}
+
+const char* cuda_attention_path(const Backend& be, int B, int T, int H, int hd) {
+  const auto* cb = dynamic_cast<const CudaBackend*>(&be);
+  return cb ? cb->attention_path(B, T, H, hd) : "none";
 }
 
 size_t CudaBackend::attention_saved_bytes(int B, int T, int H, int hd) const {
@@ -87,7 +144,13 @@ size_t CudaBackend::attention_saved_bytes(int B, int T, int H, int hd) const {
 }
 
 size_t CudaBackend::attention_workspace_bytes(int B, int T, int H, int hd) const {
-  if (attention_fused(hd)) return static_cast<size_t>(B) * H * T * sizeof(float);  // D
+  const size_t lse_ws = static_cast<size_t>(B) * H * T * sizeof(float);  // flash: D
+  const AttentionPath path = attention_route(0, 0, 0, hd);
+  if (path == AttentionPath::Cudnn && B > 0 && T > 0) {
+    // builds the shape's graphs now (not in the step); never below the flash path's need
+    return cudnn_attention()->workspace_bytes(act_, B, T, H, hd, lse_ws);
+  }
+  if (path != AttentionPath::Fallback) return lse_ws;
   // fp32 scores (forward) / fp32 dP (backward), then dS in the act dtype (backward).
   const size_t n = static_cast<size_t>(B) * H * T * T;
   const size_t f32 = (n * sizeof(float) + 255) / 256 * 256;
@@ -97,7 +160,13 @@ size_t CudaBackend::attention_workspace_bytes(int B, int T, int H, int hd) const
 void CudaBackend::attention_forward(void* out, void* saved, const void* qkv, int B, int T, int H,
                                     int hd, void* workspace) {
   if (B <= 0 || T <= 0) return;
-  if (attention_fused(hd)) {
+  const AttentionPath path = attention_route(B, T, H, hd);
+  if (path == AttentionPath::Cudnn) {
+    cudnn_attention()->forward(act_, out, static_cast<float*>(saved), qkv, B, T, H, hd,
+                               workspace);
+    return;
+  }
+  if (path == AttentionPath::Flash) {
     cuda::flash_attention_forward(stream_, act_, out, static_cast<float*>(saved), qkv, B, T, H,
                                   hd);
     return;
@@ -147,7 +216,13 @@ void CudaBackend::attention_backward(void* dqkv, const void* dout, const void* q
                                      const void* out, const void* saved, int B, int T, int H,
                                      int hd, void* workspace) {
   if (B <= 0 || T <= 0) return;
-  if (attention_fused(hd)) {
+  const AttentionPath path = attention_route(B, T, H, hd);
+  if (path == AttentionPath::Cudnn) {
+    cudnn_attention()->backward(act_, dqkv, dout, qkv, out, static_cast<const float*>(saved), B,
+                                T, H, hd, workspace);
+    return;
+  }
+  if (path == AttentionPath::Flash) {
     cuda::flash_attention_backward(stream_, act_, dqkv, static_cast<float*>(workspace), dout,
                                    qkv, out, static_cast<const float*>(saved), B, T, H, hd);
     return;

@@ -15,6 +15,10 @@ namespace {
 constexpr size_t kLtWorkspaceBytes = 32u << 20;  // cuBLASLt workspace, allocated once
 constexpr size_t kReduceDoubles = 1u << 16;      // device result/partial area (doubles)
 constexpr size_t kPinnedBytes = 1u << 20;        // pinned landing area for host results
+constexpr size_t kCopyPieceBytes = 4u << 20;     // overlapping copies go through the scratch
+                                                 // in pieces of at most this (or its size)
+
+size_t align256(size_t n) { return (n + 255) & ~size_t(255); }
 
 // Largest power of two (<= 256) dividing the address: the alignment cuBLASLt may assume.
 uint32_t alignment_of(const void* p) {
@@ -65,6 +69,9 @@ CudaBackend::~CudaBackend() {
   // Destructors must not abort a job that is already unwinding: report, do not VG_FAIL.
   cudaSetDevice(device_);
   if (stream_) cudaStreamSynchronize(stream_);
+  cudnn_attention_.reset();  // cuDNN graphs and handle, while their stream still exists
+  for (cudaEvent_t e : marks_) cudaEventDestroy(e);
+  release_upload_slots();
   for (auto& kv : plans_) {
     MatmulPlan& p = kv.second;
     if (p.a) cublasLtMatrixLayoutDestroy(p.a);
@@ -72,13 +79,10 @@ CudaBackend::~CudaBackend() {
     if (p.c) cublasLtMatrixLayoutDestroy(p.c);
     if (p.desc) cublasLtMatmulDescDestroy(p.desc);
   }
-  for (auto& t : slice_tables_) {
-    cudaFree(t.chunks);
-    cudaFree(t.first_chunk);
-    cudaFree(t.ratio);
-  }
+  for (auto& t : slice_tables_) cudaFree(t.own);  // null for tables in the arena
+  for (char* a : old_arenas_) cudaFree(a);
+  cudaFree(slice_arena_);
   cudaFree(scratch_);
-  cudaFree(gemm_tmp_);
   cudaFree(reduce_buf_);
   cudaFree(flag_);
   cudaFree(lt_workspace_);
@@ -102,16 +106,19 @@ void* CudaBackend::internal_alloc(size_t bytes) {
                               << " bytes; device free " << free_b << " of " << total_b << ")");
   }
   std::lock_guard<std::mutex> lock(mem_mutex_);
+  ++allocations_;
   current_bytes_ += sz;
   peak_bytes_ = std::max(peak_bytes_, current_bytes_);
   return p;
 }
 
-void CudaBackend::internal_free(void* p) {
+void CudaBackend::internal_free(void* p, size_t bytes) {
   if (!p) return;
   // The only callers free buffers that queued kernels may still use: wait for them first.
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   CUDA_CHECK(cudaFree(p));
+  std::lock_guard<std::mutex> lock(mem_mutex_);
+  current_bytes_ -= std::max<size_t>(bytes, 256);  // what internal_alloc counted
 }
 
 void* CudaBackend::alloc(size_t bytes) {
@@ -130,6 +137,7 @@ void* CudaBackend::alloc(size_t bytes) {
                     "): reduce data.global_batch or raise data.grad_accum");
   }
   std::lock_guard<std::mutex> lock(mem_mutex_);
+  ++allocations_;
   live_[p] = sz;
   current_bytes_ += sz;
   peak_bytes_ = std::max(peak_bytes_, current_bytes_);
@@ -159,6 +167,43 @@ size_t CudaBackend::current_memory_bytes() const {
   std::lock_guard<std::mutex> lock(mem_mutex_);
   return current_bytes_;
 }
+int64_t CudaBackend::device_allocations() const {
+  std::lock_guard<std::mutex> lock(mem_mutex_);
+  return allocations_;
+}
+
+void CudaBackend::plan_workspace(const WorkspacePlan& p) {
+  const int64_t rows = std::max<int64_t>(p.max_rows, 0), cols = std::max<int64_t>(p.max_cols, 0);
+  const int64_t lists = std::max<int64_t>(p.slice_lists, 0);
+  const int64_t slices = std::max<int64_t>(p.slices, 0);
+  const int64_t elems = std::max<int64_t>(p.slice_elems, 0);
+  // One scratch serves every user in stream order: its size is the largest single need.
+  const size_t need = std::max({
+      column_sums_scratch_bytes(rows, cols),            // linear_backward's bias gradient
+      layernorm_scratch_bytes(rows, cols),              // dgamma / dbeta partials
+      layernorm_split_scratch_bytes(rows, cols),        // the same, rows split over ranks
+      sum_squares_scratch_bytes(lists, slices, elems),  // per-chunk partial sums
+      static_cast<size_t>(std::max<int64_t>(p.max_weight_elems, 0)) * act_size(),  // dW temp
+      std::min(p.max_copy_bytes, kCopyPieceBytes)});    // overlapping copies, in pieces
+  if (need > scratch_bytes_) {
+    internal_free(scratch_, scratch_bytes_);
+    scratch_ = nullptr;
+    scratch_bytes_ = need;
+    scratch_ = internal_alloc(scratch_bytes_);
+  }
+  const size_t arena = slice_arena_bytes(lists, slices, elems);
+  if (arena > slice_arena_bytes_ - slice_arena_used_) {
+    if (slice_arena_used_ == 0) {
+      internal_free(slice_arena_, slice_arena_bytes_);
+    } else if (slice_arena_) {
+      old_arenas_.push_back(slice_arena_);  // tables point into it: kept until destruction
+    }
+    slice_arena_ = nullptr;
+    slice_arena_bytes_ = arena;
+    slice_arena_used_ = 0;
+    slice_arena_ = static_cast<char*>(internal_alloc(slice_arena_bytes_));
+  }
+}
 
 void CudaBackend::copy_to_device(void* dst, const void* src_host, size_t bytes) {
   if (!bytes) return;
@@ -180,9 +225,19 @@ void CudaBackend::copy(void* dst, const void* src, size_t bytes) {
   char* d = static_cast<char*>(dst);
   const bool overlap = (d < s + bytes) && (s < d + bytes);
   if (overlap) {
-    void* tmp = scratch(bytes);
-    CUDA_CHECK(cudaMemcpyAsync(tmp, src, bytes, cudaMemcpyDeviceToDevice, stream_));
-    CUDA_CHECK(cudaMemcpyAsync(dst, tmp, bytes, cudaMemcpyDeviceToDevice, stream_));
+    // memmove through the scratch, in pieces no larger than it (or kCopyPieceBytes when it is
+    // smaller), so the copy never needs a scratch of its own size. Each piece is read whole
+    // before it is written; pieces go forward when dst < src (a piece's write covers source
+    // bytes of this or earlier pieces only) and backward otherwise.
+    const size_t piece = std::min(bytes, std::max(scratch_bytes_, kCopyPieceBytes));
+    char* tmp = static_cast<char*>(scratch(piece));
+    const size_t n = (bytes + piece - 1) / piece;
+    for (size_t i = 0; i < n; ++i) {
+      const size_t off = (d < s ? i : n - 1 - i) * piece;
+      const size_t len = std::min(piece, bytes - off);
+      CUDA_CHECK(cudaMemcpyAsync(tmp, s + off, len, cudaMemcpyDeviceToDevice, stream_));
+      CUDA_CHECK(cudaMemcpyAsync(d + off, tmp, len, cudaMemcpyDeviceToDevice, stream_));
+    }
   } else {
     CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
   }
@@ -194,17 +249,25 @@ void CudaBackend::synchronize() { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 
 void* CudaBackend::scratch(size_t bytes) {
   if (bytes > scratch_bytes_) {
-    // Grows to the largest request seen (the first training step sees them all), so the
-    // steady state never allocates.
-    if (scratch_) {
-      internal_free(scratch_);
-      std::lock_guard<std::mutex> lock(mem_mutex_);
-      current_bytes_ -= std::max<size_t>(scratch_bytes_, 256);
-    }
+    // Only when the request is beyond plan_workspace's bound (or nothing was planned): grows
+    // to the largest request seen, so at least the steady state never allocates.
+    internal_free(scratch_, scratch_bytes_);
+    scratch_ = nullptr;
     scratch_bytes_ = std::max(bytes, scratch_bytes_ * 2);
     scratch_ = internal_alloc(scratch_bytes_);
   }
   return scratch_;
+}
+
+// One table: chunks [max(1, nchunks)], first_chunk [nslices + 1], ratio [max(1, nslices)], each
+// 256-byte aligned. Over several lists: sum(ceil(n_i / kChunkElems)) <= elems / kChunkElems +
+// slices chunks, max(1, x) <= x + 1 and each alignment adds < 256 bytes.
+size_t CudaBackend::slice_arena_bytes(int64_t lists, int64_t slices, int64_t elems) {
+  if (lists <= 0) return 0;
+  const size_t L = static_cast<size_t>(lists), S = static_cast<size_t>(std::max<int64_t>(slices, 0));
+  const size_t chunks = static_cast<size_t>(std::max<int64_t>(elems, 0)) / kChunkElems + S;
+  return sizeof(SliceChunk) * (chunks + L) + sizeof(uint32_t) * (S + L) +
+         sizeof(float) * (S + L) + 3 * 256 * L;
 }
 
 const SliceTable& CudaBackend::slice_table(const std::vector<ParamSlice>& slices) {
@@ -238,11 +301,22 @@ const SliceTable& CudaBackend::slice_table(const std::vector<ParamSlice>& slices
   first[slices.size()] = static_cast<uint32_t>(chunks.size());
   VG_CHECK(chunks.size() < (1u << 31), "slice list too large");
   t.nchunks = static_cast<int>(chunks.size());
-  t.chunks = static_cast<SliceChunk*>(internal_alloc(std::max<size_t>(1, chunks.size()) *
-                                                     sizeof(SliceChunk)));
-  t.first_chunk = static_cast<uint32_t*>(internal_alloc(first.size() * sizeof(uint32_t)));
-  t.ratio = static_cast<float*>(internal_alloc(std::max<size_t>(1, slices.size()) *
-                                               sizeof(float)));
+  // one block for the three arrays: from the planned arena, or (beyond the plan) its own
+  const size_t b_chunks = align256(std::max<size_t>(1, chunks.size()) * sizeof(SliceChunk));
+  const size_t b_first = align256(first.size() * sizeof(uint32_t));
+  const size_t b_ratio = align256(std::max<size_t>(1, slices.size()) * sizeof(float));
+  const size_t bytes = b_chunks + b_first + b_ratio;
+  char* mem = nullptr;
+  if (slice_arena_ && bytes <= slice_arena_bytes_ - slice_arena_used_) {
+    mem = slice_arena_ + slice_arena_used_;
+    slice_arena_used_ += bytes;
+  } else {
+    t.own = internal_alloc(bytes);
+    mem = static_cast<char*>(t.own);
+  }
+  t.chunks = reinterpret_cast<SliceChunk*>(mem);
+  t.first_chunk = reinterpret_cast<uint32_t*>(mem + b_chunks);
+  t.ratio = reinterpret_cast<float*>(mem + b_chunks + b_first);
   if (!chunks.empty()) {
     CUDA_CHECK(cudaMemcpyAsync(t.chunks, chunks.data(), chunks.size() * sizeof(SliceChunk),
                                cudaMemcpyHostToDevice, stream_));
@@ -449,22 +523,15 @@ void CudaBackend::linear_backward(void* dx, float* dW, float* db, const void* dy
     if (!matmul(s, /*allow_unsupported=*/true)) {
       // No fp32-output kernel for this combination: GEMM into an act-dtype buffer kept for
       // reuse, then add it into dW in fp32 (loses the fp32 rounding of the product only).
-      const size_t bytes = static_cast<size_t>(out) * in * act_size();
-      if (bytes > gemm_tmp_bytes_) {
-        if (gemm_tmp_) {
-          internal_free(gemm_tmp_);
-          std::lock_guard<std::mutex> lock(mem_mutex_);
-          current_bytes_ -= std::max<size_t>(gemm_tmp_bytes_, 256);
-        }
-        gemm_tmp_ = internal_alloc(bytes);
-        gemm_tmp_bytes_ = bytes;
-      }
-      s.C = gemm_tmp_;
+      // The temporary is the scratch (planned for the largest weight): the bias-gradient
+      // reduction below reuses it only after add_act_to_f32, in stream order.
+      void* tmp = scratch(static_cast<size_t>(out) * in * act_size());
+      s.C = tmp;
       s.c_type = t;
       s.beta = 0.0f;
       matmul(s);
       // dW += tmp: an fp32 accumulate of an act buffer (cast + add fused in the kernel).
-      add_act_to_f32(dW, gemm_tmp_, static_cast<size_t>(out) * in);
+      add_act_to_f32(dW, tmp, static_cast<size_t>(out) * in);
     }
   }
   if (db && N > 0 && out > 0) column_sums_add(db, dy, N, out);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "vitgrid/backend/backend.h"
+#include "vitgrid/backend/cuda/cuda_backend.h"
 #include "vitgrid/backend/cuda/cuda_check.h"
 
 namespace vitgrid {
@@ -35,6 +36,7 @@ struct SliceTable {
   int nchunks = 0;
   int nslices = 0;
   float* ratio = nullptr;          // device [nslices]: LAMB trust ratios staged per call
+  void* own = nullptr;             // the table's own allocation; null: carved from the arena
 };
 
 // Row-major GEMM description handed to the cuBLASLt layer; see matmul() in cuda_backend.cpp.
@@ -57,6 +59,13 @@ struct GemmSpec {
   int64_t aux_ld = 0;
 };
 
+namespace cuda {
+class CudnnAttention;  // cudnn_attention.h: the cuDNN SDPA path, kept out of this header
+struct CudnnAttentionDelete {
+  void operator()(CudnnAttention* p) const;  // cudnn_attention.cpp
+};
+}  // namespace cuda
+
 class CudaBackend final : public Backend {
  public:
   CudaBackend(int device, DType act, bool allow_tf32);
@@ -77,8 +86,20 @@ class CudaBackend final : public Backend {
   void copy(void* dst, const void* src, size_t bytes) override;
   void zero(void* p, size_t bytes) override;
   void synchronize() override;
+  int mark() override;                           // marks.cpp
+  double seconds_between(int a, int b) override;
+  void clear_marks() override { marks_used_ = 0; }
+  void* staging(int slot, size_t bytes) override;  // upload.cpp
+  void upload_async(int slot, void* dst, size_t bytes) override;
+  void wait_uploads() override;
+  void release_slot(int slot) override;
   size_t peak_memory_bytes() const override;
   size_t current_memory_bytes() const;
+  // Allocates the reduction scratch (which also holds linear_backward's act-dtype dW fallback
+  // and overlapping copies) and the slice-table arena at the plan's bounds, each the largest
+  // need of its users (the *_scratch_bytes bounds below, next to each user's heuristics).
+  void plan_workspace(const WorkspacePlan& p) override;
+  int64_t device_allocations() const override;
 
   void cast_to_act(void* dst_act, const float* src, size_t n) override;
   void cast_to_f32(float* dst, const void* src_act, size_t n) override;
@@ -109,11 +130,27 @@ class CudaBackend final : public Backend {
   void softmax_backward(void* dx, const void* y, const void* dy, int rows, int cols,
                         float scale) override;
 
-  // Attention (attention.cu): the fused flash kernels (flash_attention.cu) for bf16/fp16 and
-  // head dims 32/64/80/128, saving the fp32 log-sum-exp [B,H,T]; otherwise (fp32, other head
-  // dims, or VITGRID_ATTENTION=fallback in the environment when the backend was made) the
-  // cuBLASLt + softmax fallback, saving the probabilities [B,H,T,T].
-  bool attention_fused(int hd) const;
+  // Attention (attention.cu), three paths, chosen per shape by VITGRID_ATTENTION (read once,
+  // when the backend is made): auto (unset) and cudnn take cuDNN's fused SDPA
+  // (cudnn_attention.cpp; bf16/fp16, head dims 64/80/128, when the build has cudnn_frontend
+  // and cuDNN supports the shape), else the own flash kernels (flash_attention.cu; bf16/fp16,
+  // head dims 32/64/80/128), else the cuBLASLt + softmax fallback; flash skips cuDNN, fallback
+  // forces the last. cuDNN and flash save the fp32 log-sum-exp [B,H,T] (the same quantity: a
+  // shape may switch between them), the fallback the probabilities [B,H,T,T] in the act dtype.
+  // Another value throws UserError; so does cudnn in a build without cudnn_frontend.
+  enum class AttentionPath { Cudnn, Flash, Fallback };
+  static const char* attention_path_name(AttentionPath p);
+  // The path of the shape; B <= 0 or T <= 0: by dtype and head dim alone (what shapes normally
+  // get; cuDNN may still reject one). Builds and caches the cuDNN graphs of the shape.
+  AttentionPath attention_route(int B, int T, int H, int hd) const;
+  // "cudnn", "flash" or "fallback": attention_route's answer, for logs.
+  const char* attention_path(int hd) const {
+    return attention_path_name(attention_route(0, 0, 0, hd));
+  }
+  const char* attention_path(int B, int T, int H, int hd) const {
+    return attention_path_name(attention_route(B, T, H, hd));
+  }
+  bool attention_fused(int hd) const;  // not the fallback: the saved state is the LSE
   size_t attention_saved_bytes(int B, int T, int H, int hd) const override;
   size_t attention_workspace_bytes(int B, int T, int H, int hd) const override;
   void attention_forward(void* out, void* saved, const void* qkv, int B, int T, int H, int hd,
@@ -182,12 +219,25 @@ class CudaBackend final : public Backend {
     cublasLtMatmulAlgo_t algo{};
     bool supported = false;
   };
-  // Internal device memory, counted in the tracked totals.
+  // Internal device memory, counted in the tracked totals and in device_allocations().
+  // internal_free waits for queued work first and takes the size given to internal_alloc.
   void* internal_alloc(size_t bytes);
-  void internal_free(void* p);
-  // Scratch for multi-stage reductions; grows (synchronising first) and is reused.
+  void internal_free(void* p, size_t bytes);
+  // Scratch for multi-stage reductions, linear_backward's act-dtype dW fallback and
+  // overlapping copies; one buffer, reused in stream order. Allocated by plan_workspace; a
+  // request beyond it grows it (synchronising first): the safety net of an unplanned run.
   void* scratch(size_t bytes);
+  // Scratch bytes each user needs for its largest call, from the same heuristics that size
+  // its grids (defined beside them): column_sums_add (elementwise.cu), layernorm_backward
+  // (layernorm.cu), layernorm_split_backward_sums (tp_ops.cu), sum_squares (optim_reduce.cu).
+  static size_t column_sums_scratch_bytes(int64_t rows, int64_t cols);
+  static size_t layernorm_scratch_bytes(int64_t rows, int64_t cols);
+  static size_t layernorm_split_scratch_bytes(int64_t rows, int64_t cols);
+  static size_t sum_squares_scratch_bytes(int64_t lists, int64_t slices, int64_t elems);
+  // Device tables of the multi-tensor ops, one per distinct slice list, carved from an arena
+  // that plan_workspace sizes (slice_arena_bytes); past the arena, a table allocates its own.
   const SliceTable& slice_table(const std::vector<ParamSlice>& slices);
+  static size_t slice_arena_bytes(int64_t lists, int64_t slices, int64_t elems);
   // Column sums of a row-major act matrix x[N,C], added into out[C] (fp32), deterministic.
   void column_sums_add(float* out, const void* x, int N, int C);
   // out[i] += x[i] (x act dtype, out fp32)
@@ -206,19 +256,41 @@ class CudaBackend final : public Backend {
   std::unordered_map<void*, size_t> live_;
   size_t current_bytes_ = 0;
   size_t peak_bytes_ = 0;
+  int64_t allocations_ = 0;        // cudaMalloc calls: alloc() and internal_alloc()
 
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
+  char* slice_arena_ = nullptr;    // planned device memory of the slice tables
+  size_t slice_arena_bytes_ = 0;
+  size_t slice_arena_used_ = 0;
+  std::vector<char*> old_arenas_;  // arenas a larger plan replaced while tables used them
   double* reduce_buf_ = nullptr;   // device doubles for sum / sum_squares results
   int* flag_ = nullptr;            // device flag for all_finite
   void* host_pinned_ = nullptr;    // pinned host landing area for small results
   size_t host_pinned_bytes_ = 0;
   std::vector<SliceTable> slice_tables_;
-  void* gemm_tmp_ = nullptr;       // act-dtype dW fallback when fp32 output is unsupported
-  size_t gemm_tmp_bytes_ = 0;
-  // VITGRID_ATTENTION=fallback: read once, when the backend is constructed (attention.cu).
-  static bool attention_fallback_from_env();
-  const bool attention_force_fallback_ = attention_fallback_from_env();
+  std::vector<cudaEvent_t> marks_;  // timing events of mark(), reused after clear_marks()
+  size_t marks_used_ = 0;
+  // input upload slots (upload.cpp): pinned host area, its last upload, its last reader
+  struct UploadSlot {
+    void* host = nullptr;
+    size_t bytes = 0;
+    cudaEvent_t copied = nullptr;    // on copy_stream_: the slot's last upload finished
+    cudaEvent_t released = nullptr;  // on stream_: the last work reading the device buffer
+    bool released_once = false;
+  };
+  std::vector<UploadSlot> upload_slots_;
+  cudaStream_t copy_stream_ = nullptr;
+  cudaEvent_t uploaded_ = nullptr;  // on copy_stream_: every upload started so far
+  bool uploads_pending_ = false;
+  void release_upload_slots();
+  // VITGRID_ATTENTION: read once, when the backend is constructed (attention.cu).
+  enum class AttentionMode { Auto, Cudnn, Flash, Fallback };
+  static AttentionMode attention_mode_from_env();
+  const AttentionMode attention_mode_ = attention_mode_from_env();
+  // The cuDNN path (graph cache and handle), made on first use by attention_route().
+  cuda::CudnnAttention* cudnn_attention() const;
+  mutable std::unique_ptr<cuda::CudnnAttention, cuda::CudnnAttentionDelete> cudnn_attention_;
 };
 
 }  // namespace vitgrid

@@ -332,6 +332,13 @@ void CudaBackend::softmax_backward(void* dx, const void* y, const void* dy, int 
   });
 }
 
+// column_sums_add's partials: one row of C per chunk of kRowsPerChunk rows.
+size_t CudaBackend::column_sums_scratch_bytes(int64_t rows, int64_t cols) {
+  if (rows <= 0 || cols <= 0) return 0;
+  const int64_t chunks = (rows + kRowsPerChunk - 1) / kRowsPerChunk;
+  return static_cast<size_t>(chunks) * static_cast<size_t>(cols) * sizeof(float);
+}
+
 void CudaBackend::column_sums_add(float* out, const void* x, int N, int C) {
   if (N <= 0 || C <= 0) return;
   const int chunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;

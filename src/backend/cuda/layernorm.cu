@@ -178,6 +178,25 @@ __global__ void __launch_bounds__(128) layernorm_bwd_fused_kernel(
 
 using namespace cuda;
 
+namespace {
+// The fused backward's grid: a few blocks per SM (132 on an H100 / H200) keep every row's loads
+// in flight; each block writes one partial row of dgamma and one of dbeta.
+constexpr int kLnBwdMaxBlocks = 132 * 4;
+int ln_bwd_fused_blocks(int64_t N) {
+  return static_cast<int>(std::min<int64_t>((N + 3) / 4, kLnBwdMaxBlocks));
+}
+}  // namespace
+
+// layernorm_backward's partials: 2 x [blocks, C] on the fused path (blocks capped), 2 x
+// [chunks, C] on the general one (a chunk per kLnRowsPerChunk rows); the larger of the two,
+// whichever path the width and alignments pick.
+size_t CudaBackend::layernorm_scratch_bytes(int64_t rows, int64_t cols) {
+  if (rows <= 0 || cols <= 0) return 0;
+  const int64_t chunks = (rows + kLnRowsPerChunk - 1) / kLnRowsPerChunk;
+  const int64_t parts = std::max<int64_t>(ln_bwd_fused_blocks(rows), chunks);
+  return 2 * static_cast<size_t>(parts) * static_cast<size_t>(cols) * sizeof(float);
+}
+
 void CudaBackend::add_layernorm_forward(void* res, void* y, float* mean, float* rstd,
                                         const void* a, const void* b, const void* gamma,
                                         const void* beta, int N, int C, float eps) {
@@ -206,7 +225,7 @@ void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, cons
                      aligned16(gamma) && packs <= 32 * 4;
     if (!vec) return;
     // one partial row per block: a few blocks per SM keep every row's loads in flight
-    const int blocks = std::min<int>((N + 3) / 4, 132 * 4);
+    const int blocks = ln_bwd_fused_blocks(N);
     float* pg = static_cast<float*>(scratch(2 * static_cast<size_t>(blocks) * C * sizeof(float)));
     float* pb = pg + static_cast<size_t>(blocks) * C;
     const size_t smem = 4 * 2 * static_cast<size_t>(C) * sizeof(float);

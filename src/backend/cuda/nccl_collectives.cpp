@@ -1,21 +1,32 @@
 // Collectives over NCCL: one communicator per non-trivial axis of the process grid, each
 // created from a unique id broadcast over that axis' MPI communicator, all enqueued on the
-// CUDA backend's stream. Every call waits for completion under a watchdog (nccl-tests style):
-// it polls cudaStreamQuery and ncclCommGetAsyncError, and on an error or after timeout_s it
-// names the axis, aborts every communicator and the MPI job, so no rank hangs silently.
+// CUDA backend's stream, so they are ordered after the kernels that produced their inputs and
+// before the kernels that consume their outputs without the host waiting for them (the host
+// keeps launching while the GPU communicates; nothing in the step loop blocks on NCCL).
+// A watchdog thread follows them instead: every collective records an event behind it, and
+// the thread polls the oldest pending event and ncclCommGetAsyncError of its axis; on an error,
+// or when that collective has been the oldest incomplete one for more than timeout_s, it names
+// the collective and the axis, aborts every communicator and the MPI job (no rank hangs).
+// VITGRID_NCCL_BLOCKING=1 makes every call wait for completion instead (debugging; the old
+// behaviour, like CUDA_LAUNCH_BLOCKING for kernels).
 // The asynchronous reductions (gradient buckets overlapped with the backward) run on a
 // dedicated communication stream: each waits on an event recorded on the compute stream when
-// it is started; wait_all() waits for the communication stream under the same watchdog and
-// makes the compute stream wait on it.
+// it is started; wait_all() makes the compute stream wait on the communication stream.
 #include <mpi.h>
 #include <nccl.h>
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
+#include <mutex>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "cuda_backend_impl.h"
 #include "vitgrid/backend/cuda/cuda_backend.h"
@@ -57,11 +68,34 @@ class NcclCollectives final : public Collectives {
     CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&ready_ev_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&done_ev_, cudaEventDisableTiming));
+    const char* b = std::getenv("VITGRID_NCCL_BLOCKING");
+    blocking_ = b && *b && std::string(b) != "0";
+    // Fault injection for the tests (VITGRID_TEST_NCCL_SKIP=rank:n): that world rank silently
+    // skips its n-th collective (1-based), as a rank taking a different code path would.
+    if (const char* f = std::getenv("VITGRID_TEST_NCCL_SKIP")) {
+      const std::string v(f);
+      const size_t colon = v.find(':');
+      int world_rank = 0;
+      MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+      if (colon != std::string::npos && std::atoi(v.substr(0, colon).c_str()) == world_rank)
+        skip_call_ = std::atoll(v.substr(colon + 1).c_str());
+    }
+    if (!blocking_) watchdog_ = std::thread([this] { watch(); });
   }
 
   ~NcclCollectives() override {
     cudaStreamSynchronize(comm_stream_);
     cudaStreamSynchronize(stream_);
+    if (watchdog_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        stop_ = true;
+      }
+      cv_.notify_all();
+      watchdog_.join();
+    }
+    for (const Pending& p : pending_q_) cudaEventDestroy(p.ev);
+    for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
     for (ncclComm_t c : comms_)
       if (c) ncclCommDestroy(c);
     cudaEventDestroy(done_ev_);
@@ -72,13 +106,13 @@ class NcclCollectives final : public Collectives {
 
   // ---- asynchronous reductions on the communication stream
   void start_allreduce_sum(float* buf, size_t n, Axis a) override {
-    if (ncclComm_t c = comm(a)) {
+    if (ncclComm_t c = comm(a); c && !skipped()) {
       order_after_compute(a);
       NCCL_CHECK(ncclAllReduce(buf, buf, n, ncclFloat, ncclSum, c, comm_stream_));
     }
   }
   void start_reduce_scatter_sum(float* out, const float* in, size_t n, Axis a) override {
-    if (ncclComm_t c = comm(a)) {
+    if (ncclComm_t c = comm(a); c && !skipped()) {
       // out == in + rank * n is NCCL's in-place form
       order_after_compute(a);
       NCCL_CHECK(ncclReduceScatter(in, out, n, ncclFloat, ncclSum, c, comm_stream_));
@@ -88,51 +122,51 @@ class NcclCollectives final : public Collectives {
   }
   void wait_all() override {
     if (!pending_) return;
+    // the compute stream continues after the reductions; the watchdog follows them
+    track(comm_stream_, pending_axes_, "asynchronous reduction");
     CUDA_CHECK(cudaEventRecord(done_ev_, comm_stream_));
-    // the watchdog polls the async errors of every axis that has reductions in flight
-    poll([&] { return cudaEventQuery(done_ev_); }, pending_axes_, "asynchronous reduction");
     CUDA_CHECK(cudaStreamWaitEvent(stream_, done_ev_, 0));
     pending_ = false;
     pending_axes_ = 0;
   }
 
   void allreduce_sum(float* buf, size_t n, Axis a) override {
-    if (ncclComm_t c = comm(a)) {
+    if (ncclComm_t c = comm(a); c && !skipped()) {
       NCCL_CHECK(ncclAllReduce(buf, buf, n, ncclFloat, ncclSum, c, stream_));
-      wait(a, "allreduce_sum");
+      track(stream_, bit(a), "allreduce_sum");
     }
   }
   void allreduce_max(float* buf, size_t n, Axis a) override {
-    if (ncclComm_t c = comm(a)) {
+    if (ncclComm_t c = comm(a); c && !skipped()) {
       NCCL_CHECK(ncclAllReduce(buf, buf, n, ncclFloat, ncclMax, c, stream_));
-      wait(a, "allreduce_max");
+      track(stream_, bit(a), "allreduce_max");
     }
   }
   void allreduce_sum_act(void* buf, size_t n, size_t elem_size, Axis a) override {
     const ncclDataType_t t = act_type(elem_size, "allreduce_sum_act");
-    if (ncclComm_t c = comm(a)) {
+    if (ncclComm_t c = comm(a); c && !skipped()) {
       NCCL_CHECK(ncclAllReduce(buf, buf, n, t, ncclSum, c, stream_));
-      wait(a, "allreduce_sum_act");
+      track(stream_, bit(a), "allreduce_sum_act");
     }
   }
   void broadcast(void* buf, size_t bytes, int root, Axis a) override {
-    if (ncclComm_t c = comm(a)) {
+    if (ncclComm_t c = comm(a); c && !skipped()) {
       NCCL_CHECK(ncclBroadcast(buf, buf, bytes, ncclUint8, root, c, stream_));
-      wait(a, "broadcast");
+      track(stream_, bit(a), "broadcast");
     }
   }
   void allgather(void* out, const void* in, size_t n, size_t elem_size, Axis a) override {
-    if (ncclComm_t c = comm(a)) {
+    if (ncclComm_t c = comm(a); c && !skipped()) {
       NCCL_CHECK(ncclAllGather(in, out, n * elem_size, ncclUint8, c, stream_));
-      wait(a, "allgather");
+      track(stream_, bit(a), "allgather");
     } else if (out != in) {
       CUDA_CHECK(cudaMemcpyAsync(out, in, n * elem_size, cudaMemcpyDeviceToDevice, stream_));
     }
   }
   void reduce_scatter_sum(float* out, const float* in, size_t n, Axis a) override {
-    if (ncclComm_t c = comm(a)) {
+    if (ncclComm_t c = comm(a); c && !skipped()) {
       NCCL_CHECK(ncclReduceScatter(in, out, n, ncclFloat, ncclSum, c, stream_));
-      wait(a, "reduce_scatter_sum");
+      track(stream_, bit(a), "reduce_scatter_sum");
     } else if (out != in) {
       CUDA_CHECK(cudaMemcpyAsync(out, in, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
     }
@@ -140,9 +174,9 @@ class NcclCollectives final : public Collectives {
   void reduce_scatter_sum_act(void* out, const void* in, size_t n, size_t elem_size,
                               Axis a) override {
     const ncclDataType_t t = act_type(elem_size, "reduce_scatter_sum_act");
-    if (ncclComm_t c = comm(a)) {
+    if (ncclComm_t c = comm(a); c && !skipped()) {
       NCCL_CHECK(ncclReduceScatter(in, out, n, t, ncclSum, c, stream_));
-      wait(a, "reduce_scatter_sum_act");
+      track(stream_, bit(a), "reduce_scatter_sum_act");
     } else if (out != in) {
       CUDA_CHECK(cudaMemcpyAsync(out, in, n * elem_size, cudaMemcpyDeviceToDevice, stream_));
     }
@@ -153,7 +187,7 @@ class NcclCollectives final : public Collectives {
     NCCL_CHECK(ncclGroupStart());
     NCCL_CHECK(ncclSend(buf, bytes, ncclUint8, peer, c, stream_));
     NCCL_CHECK(ncclGroupEnd());
-    wait(a, "send");
+    track(stream_, bit(a), "send");
   }
   void recv(void* buf, size_t bytes, int peer, Axis a) override {
     ncclComm_t c = comm(a);
@@ -161,12 +195,12 @@ class NcclCollectives final : public Collectives {
     NCCL_CHECK(ncclGroupStart());
     NCCL_CHECK(ncclRecv(buf, bytes, ncclUint8, peer, c, stream_));
     NCCL_CHECK(ncclGroupEnd());
-    wait(a, "recv");
+    track(stream_, bit(a), "recv");
   }
   void barrier(Axis a) override {
     if (ncclComm_t c = comm(a)) {
       NCCL_CHECK(ncclAllReduce(barrier_buf_, barrier_buf_, 1, ncclFloat, ncclSum, c, stream_));
-      wait(a, "barrier");
+      wait(stream_, bit(a), "barrier");
     }
   }
 
@@ -191,9 +225,97 @@ class NcclCollectives final : public Collectives {
     pending_axes_ |= 1u << static_cast<int>(a);
   }
 
-  // The watchdog: waits for the stream (hence the collective just enqueued) to drain.
-  void wait(Axis a, const char* what) {
-    poll([&] { return cudaStreamQuery(stream_); }, 1u << static_cast<int>(a), what);
+  static unsigned bit(Axis a) { return 1u << static_cast<int>(a); }
+
+  // Test fault injection: true for the call that VITGRID_TEST_NCCL_SKIP names on this rank.
+  bool skipped() { return skip_call_ > 0 && ++calls_ == skip_call_; }
+
+  // Waits on the host for the stream (hence the collective just enqueued) to drain, under the
+  // same checks as the watchdog thread (barrier, and every call with VITGRID_NCCL_BLOCKING).
+  void wait(cudaStream_t st, unsigned axes, const char* what) {
+    poll([&] { return cudaStreamQuery(st); }, axes, what);
+  }
+
+  // Hands the collective just enqueued on `st` to the watchdog: an event recorded behind it.
+  void track(cudaStream_t st, unsigned axes, const char* what) {
+    if (blocking_) return wait(st, axes, what);
+    cudaEvent_t ev = nullptr;
+    bool full = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!free_events_.empty()) {
+        ev = free_events_.back();
+        free_events_.pop_back();
+      }
+      full = pending_q_.size() >= kMaxPending;
+    }
+    if (full) wait(st, axes, what);  // bound the queue: the host is far ahead of the GPU
+    if (!ev) CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventRecord(ev, st));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_q_.push_back({ev, axes, what, std::chrono::steady_clock::now()});
+    }
+    cv_.notify_one();
+  }
+
+  // The watchdog thread: follows the oldest pending collective until it completes; the clock
+  // of a collective starts when it becomes the oldest (or when it was enqueued, if later), so
+  // time spent queued behind compute never counts against the timeout.
+  void watch() {
+    using clock = std::chrono::steady_clock;
+    cudaSetDevice(be_.device());
+    std::unique_lock<std::mutex> lock(mu_);
+    clock::time_point last_done = clock::now();
+    while (!stop_) {
+      if (pending_q_.empty()) {
+        cv_.wait(lock, [&] { return stop_ || !pending_q_.empty(); });
+        continue;
+      }
+      const Pending p = pending_q_.front();
+      lock.unlock();
+      const cudaError_t q = cudaEventQuery(p.ev);
+      if (q == cudaSuccess) {
+        last_done = clock::now();
+        lock.lock();
+        pending_q_.pop_front();
+        free_events_.push_back(p.ev);
+        continue;
+      }
+      if (q != cudaErrorNotReady)
+        abort_all(first_axis(p.axes), p.what,
+                  std::string("CUDA error while waiting: ") + cudaGetErrorString(q));
+      check_async_errors(p.axes, p.what);
+      const clock::time_point start = std::max(p.enqueued, last_done);
+      const double waited = std::chrono::duration<double>(clock::now() - start).count();
+      if (waited > timeout_s_)
+        abort_all(first_axis(p.axes), p.what,
+                  "timed out after " + std::to_string(waited) +
+                      " s (a peer is stuck, dead, or calls a different collective; "
+                      "device.comm_timeout sets the limit)");
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+      lock.lock();
+    }
+  }
+
+  static Axis first_axis(unsigned axes) {
+    int first = 0;
+    while (first < static_cast<int>(Axis::Count) && !(axes & (1u << first))) ++first;
+    return static_cast<Axis>(first);
+  }
+
+  void check_async_errors(unsigned axes, const char* what) {
+    for (int i = 0; i < static_cast<int>(Axis::Count); ++i) {
+      const Axis a = static_cast<Axis>(i);
+      if (!(axes & (1u << i)) || !comm(a)) continue;
+      ncclResult_t ae = ncclSuccess;
+      const ncclResult_t r = ncclCommGetAsyncError(comm(a), &ae);
+      if (r != ncclSuccess) ae = r;
+      if (ae != ncclSuccess && ae != ncclInProgress) {
+        abort_all(a, what, std::string("NCCL async error: ") + ncclGetErrorString(ae) + " (" +
+                               ncclGetLastError(comm(a)) + ")");
+      }
+    }
   }
 
   // Polls `query` (cudaSuccess: done) while checking the NCCL async errors of the axes in
@@ -202,9 +324,7 @@ class NcclCollectives final : public Collectives {
   void poll(Query&& query, unsigned axes, const char* what) {
     using clock = std::chrono::steady_clock;
     const auto start = clock::now();
-    int first = 0;
-    while (first < static_cast<int>(Axis::Count) && !(axes & (1u << first))) ++first;
-    const Axis a0 = static_cast<Axis>(first);
+    const Axis a0 = first_axis(axes);
     int spins = 0;
     for (;;) {
       const cudaError_t q = query();
@@ -212,17 +332,7 @@ class NcclCollectives final : public Collectives {
       if (q != cudaErrorNotReady) {
         abort_all(a0, what, std::string("CUDA error while waiting: ") + cudaGetErrorString(q));
       }
-      for (int i = 0; i < static_cast<int>(Axis::Count); ++i) {
-        const Axis a = static_cast<Axis>(i);
-        if (!(axes & (1u << i)) || !comm(a)) continue;
-        ncclResult_t ae = ncclSuccess;
-        const ncclResult_t r = ncclCommGetAsyncError(comm(a), &ae);
-        if (r != ncclSuccess) ae = r;
-        if (ae != ncclSuccess && ae != ncclInProgress) {
-          abort_all(a, what, std::string("NCCL async error: ") + ncclGetErrorString(ae) + " (" +
-                                 ncclGetLastError(comm(a)) + ")");
-        }
-      }
+      check_async_errors(axes, what);
       const double waited = std::chrono::duration<double>(clock::now() - start).count();
       if (waited > timeout_s_) {
         abort_all(a0, what, "timed out after " + std::to_string(waited) +
@@ -233,7 +343,11 @@ class NcclCollectives final : public Collectives {
     }
   }
 
+  // From the host thread or the watchdog thread: the first caller aborts the communicators
+  // (which also unblocks kernels stuck in them) and the MPI job.
   [[noreturn]] void abort_all(Axis a, const char* what, const std::string& why) {
+    static std::mutex abort_mu;
+    std::lock_guard<std::mutex> lock(abort_mu);
     for (ncclComm_t& c : comms_) {
       if (c) ncclCommAbort(c);
       c = nullptr;
@@ -253,6 +367,22 @@ class NcclCollectives final : public Collectives {
   cudaEvent_t done_ev_ = nullptr;       // communication stream -> compute stream
   bool pending_ = false;
   unsigned pending_axes_ = 0;
+  // the watchdog
+  struct Pending {
+    cudaEvent_t ev;
+    unsigned axes;
+    const char* what;
+    std::chrono::steady_clock::time_point enqueued;
+  };
+  static constexpr size_t kMaxPending = 4096;
+  bool blocking_ = false;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Pending> pending_q_;
+  std::vector<cudaEvent_t> free_events_;
+  bool stop_ = false;
+  std::thread watchdog_;
+  int64_t skip_call_ = 0, calls_ = 0;
 };
 
 }  // namespace

@@ -3,6 +3,7 @@
 // over the chunk table of its slice list (uploaded once, cached by CudaBackend::slice_table);
 // block i updates chunk i. Reductions are two-stage with a fixed order (deterministic) and
 // accumulate in double.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -140,6 +141,15 @@ AdamDev adam_dev(const AdamParams& a) {
 }  // namespace cuda
 
 using namespace cuda;
+
+// sum_squares' partials: (nchunks + nslices) doubles for its list. Any one list of the planned
+// ones has at most `slices` slices and elems / kChunkElems + slices chunks.
+size_t CudaBackend::sum_squares_scratch_bytes(int64_t lists, int64_t slices, int64_t elems) {
+  if (lists <= 0 || slices <= 0) return 0;
+  const size_t S = static_cast<size_t>(slices);
+  const size_t chunks = static_cast<size_t>(std::max<int64_t>(elems, 0)) / kChunkElems + S;
+  return (chunks + S) * sizeof(double);
+}
 
 void CudaBackend::sum_squares(double* out_host, const float* buf,
                               const std::vector<ParamSlice>& slices) {

@@ -172,6 +172,13 @@ void CudaBackend::layernorm_split_apply(void* y, float* rstd, const void* x, con
   });
 }
 
+// layernorm_split_backward_sums' partials: 2 x [chunks, C], a chunk per kLnRowsPerChunk rows.
+size_t CudaBackend::layernorm_split_scratch_bytes(int64_t rows, int64_t cols) {
+  if (rows <= 0 || cols <= 0) return 0;
+  const int64_t chunks = (rows + kLnRowsPerChunk - 1) / kLnRowsPerChunk;
+  return 2 * static_cast<size_t>(chunks) * static_cast<size_t>(cols) * sizeof(float);
+}
+
 void CudaBackend::layernorm_split_backward_sums(float* sums, float* dgamma, float* dbeta,
                                                 const void* dy, const void* x, const void* gamma,
                                                 const float* mean, const float* rstd, int N,

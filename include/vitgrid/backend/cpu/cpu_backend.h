@@ -50,6 +50,13 @@ class CpuBackend final : public Backend {
   void copy(void* dst, const void* src, size_t bytes) override;
   void zero(void* p, size_t bytes) override;
   void synchronize() override {}
+  int mark() override;
+  double seconds_between(int a, int b) override;
+  void clear_marks() override { marks_.clear(); }
+  void* staging(int slot, size_t bytes) override;
+  void upload_async(int slot, void* dst, size_t bytes) override;
+  void wait_uploads() override {}
+  void release_slot(int) override {}
   size_t peak_memory_bytes() const override;
   size_t current_memory_bytes() const;
 
@@ -146,6 +153,8 @@ class CpuBackend final : public Backend {
   std::unordered_map<void*, size_t> live_;
   size_t current_bytes_ = 0;
   size_t peak_bytes_ = 0;
+  std::vector<double> marks_;  // host clock at each mark()
+  std::vector<std::vector<unsigned char>> staging_;  // host areas of the upload slots
 };
 
 }  // namespace vitgrid

@@ -26,23 +26,34 @@ namespace vitgrid {
 // TF32 tensor cores (CUBLAS_COMPUTE_32F_FAST_TF32); ignored for bf16/fp16.
 std::unique_ptr<Backend> make_cuda_backend(int device, DType act, bool allow_tf32 = false);
 
+// The attention path a CUDA backend takes for a shape: "cudnn" (cuDNN's fused SDPA), "flash"
+// (vitgrid's own kernels) or "fallback" (cuBLASLt + softmax); VITGRID_ATTENTION=auto|cudnn|
+// flash|fallback, read when the backend is made, chooses (auto: cudnn when built with
+// cudnn_frontend and cuDNN takes the shape, else flash, else fallback). "none" for a backend
+// that is not a CUDA one.
+const char* cuda_attention_path(const Backend& be, int B, int T, int H, int hd);
+
 // Number of visible CUDA devices; 0 when there is no driver or no device (never aborts).
 int cuda_device_count();
 
 // NCCL collectives mirroring every non-trivial axis of `grid` (one communicator per axis
 // communicator of size > 1), enqueued on `backend`'s stream (which must be a CUDA backend)
-// so they are ordered after the ops that produced their inputs. Each call returns when the
-// collective has completed; a watchdog polls for NCCL async errors and a timeout of
-// `timeout_s` seconds, and on either aborts every communicator and the MPI job (never hangs).
+// so they are ordered after the ops that produced their inputs and before the ops enqueued
+// after them. Calls return once enqueued (the host does not wait for the GPU); a watchdog
+// thread follows every collective (an event behind it), polls for NCCL async errors and for a
+// collective that stays the oldest incomplete one longer than `timeout_s` seconds, and on
+// either aborts every communicator and the MPI job (never hangs). barrier() waits on the host;
+// VITGRID_NCCL_BLOCKING=1 makes every call wait (debugging).
 // Sets NCCL_NVLS_ENABLE=0 unless the environment sets it (NVLink multicast stays off).
 // Called by all ranks of the grid's world communicator (communicator creation is collective).
 // allreduce_sum_act maps elem_size 4 to ncclFloat and 2 to the backend's act dtype
-// (ncclBfloat16 or ncclFloat16). send/recv complete before returning: pair them like
-// blocking MPI_Send/MPI_Recv. Operations on an axis of size 1 are local (copies or no-ops).
+// (ncclBfloat16 or ncclFloat16). send/recv are stream-ordered: issue them in an order that
+// would be deadlock-free with blocking MPI_Send/MPI_Recv. Operations on an axis of size 1 are
+// local (copies or no-ops).
 // start_allreduce_sum / start_reduce_scatter_sum run on a dedicated communication stream
 // that first waits on an event recorded on the backend's stream (so they follow the kernels
 // that produced their inputs, and the compute stream is never blocked by them); wait_all()
-// waits for that stream under the same watchdog and makes the backend's stream wait on it.
+// makes the backend's stream wait on that stream (the watchdog follows it too).
 std::unique_ptr<Collectives> make_nccl_collectives(const ProcessGrid& grid, Backend& backend,
                                                    double timeout_s);
 

@@ -77,6 +77,10 @@ class SyntheticDataset final : public Dataset {
     const uint64_t stream = mix64(seed_ ^ mix64(noise_key_));
     if (mix64(stream + 12345 * kCounterStep) != rng_u64(seed_, noise_key_, 12345))
       throw std::logic_error("synthetic dataset: inlined rng_u64 disagrees with rng.h");
+    // render() reads the noise words as bytes, least significant first
+    const uint16_t one = 1;
+    if (*reinterpret_cast<const unsigned char*>(&one) != 1)
+      throw std::logic_error("synthetic dataset: the noise byte order assumes a little-endian host");
     build_classes();
     // (background, foreground) pairs far enough apart that the pattern stays visible
     for (int a = 0; a < kPaletteSize; ++a)
@@ -185,11 +189,9 @@ class SyntheticDataset final : public Dataset {
     if (words.size() < nwords + 1) words.resize(nwords + 1);
     if (mrow.size() < (size_t)S_) mrow.resize(S_);
     for (size_t w = 0; w < nwords; ++w) words[w] = mix64(noise_stream + (noise_base + w) * kCounterStep);
-    static_assert(sizeof(uint64_t) == 8, "noise words");
     // byte k of the stream is byte k % 8 of word k / 8, counted from the least significant
+    // (a little-endian host: checked in the constructor)
     const unsigned char* nb = reinterpret_cast<const unsigned char*>(words.data());
-    const bool little = [] { const uint16_t one = 1; return *reinterpret_cast<const unsigned char*>(&one) == 1; }();
-    if (!little) throw std::logic_error("synthetic dataset: the noise byte order assumes a little-endian host");
     for (int y = 0; y < S_; ++y) {
       const float s0 = row[2 * y], c0 = row[2 * y + 1];
       const float gyy = gy[y];

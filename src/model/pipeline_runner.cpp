@@ -71,8 +71,7 @@ void PipelineRunner::run(const PipelinePlan& plan, const DeviceBatch& b, bool tr
       if (plan.ops[i].kind == PipeOpKind::Backward && mb[plan.ops[i].micro].count > 0)
         last_backward[plan.ops[i].chunk] = i;
   // device-time marks around the step and each compute op (the bubble, harvested later)
-  const bool timed = train;
-  if (timed) step_marks_.push_back(be_.mark());
+  if (train) step_marks_.push_back(be_.mark());
   try {
     for (size_t oi = 0; oi < plan.ops.size(); ++oi) {
       const PipeOp& op = plan.ops[oi];
@@ -80,7 +79,7 @@ void PipelineRunner::run(const PipelinePlan& plan, const DeviceBatch& b, bool tr
       if (d.count == 0) continue;
       const size_t bytes = model_.boundary_bytes(d.count);
       const bool compute = op.kind == PipeOpKind::Forward || op.kind == PipeOpKind::Backward;
-      if (timed && compute) busy_marks_.push_back(be_.mark());
+      if (train && compute) busy_marks_.push_back(be_.mark());
       switch (op.kind) {
         case PipeOpKind::Forward: {
           double v[3] = {0.0, 0.0, 0.0};
@@ -119,13 +118,13 @@ void PipelineRunner::run(const PipelinePlan& plan, const DeviceBatch& b, bool tr
           be_.copy(model_.grad_input(), model_.stage_input(op.src_slot), bytes);
           break;
       }
-      if (timed && compute) busy_marks_.push_back(be_.mark());
+      if (train && compute) busy_marks_.push_back(be_.mark());
     }
   } catch (const std::exception& e) {
     // Only this rank saw it; its neighbours wait in send / recv: end the job.
     VG_FAIL("pipeline stage " << stage_ << ", step " << step << ": " << e.what());
   }
-  if (timed) step_marks_.push_back(be_.mark());
+  if (train) step_marks_.push_back(be_.mark());
 }
 
 // Device time of the marked steps: stage time (first to last mark of a step) and the time in

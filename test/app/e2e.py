@@ -26,9 +26,12 @@ ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIR
 FAILURES = []
 
 
-def run(np_, args, timeout=240, expect_rc=0):
-    cmd = ["mpirun", "-np", str(np_), "--oversubscribe", VITGRID] + args
-    p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+def run(np_, args, timeout=240, expect_rc=0, env=None):
+    """mpirun of vitgrid; `env`: extra environment variables, exported to every rank."""
+    env = env or {}
+    exports = [a for k in env for a in ("-x", k)]
+    cmd = ["mpirun", "-np", str(np_), "--oversubscribe"] + exports + [VITGRID] + args
+    p = subprocess.run(cmd, env=dict(ENV, **env), capture_output=True, text=True, timeout=timeout)
     if expect_rc is not None and p.returncode != expect_rc:
         print(p.stdout[-4000:], p.stderr[-4000:])
         raise AssertionError(f"{' '.join(cmd)}: exit {p.returncode}, expected {expect_rc}")
@@ -469,11 +472,10 @@ def t_pipeline_refusals(tmp):
         n = out.count("vitgrid: error:")
         check(p.returncode != 0 and n == 1 and key in out,
               f"{' '.join(extra)}: exit {p.returncode}, {n} message(s), names {key}")
-    env = dict(ENV, VITGRID_TEST_FAIL_AT="1:3")
     d = os.path.join(tmp, "fail")
-    cmd = ["mpirun", "-np", "4", "--oversubscribe", "-x", "VITGRID_TEST_FAIL_AT", VITGRID, "train", DECK,
-           f"--run.out_dir={d}", "--parallel.pipeline=4", "--model.depth=4", "--parallel.micro_batches=4"]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    p = run(4, ["train", DECK, f"--run.out_dir={d}", "--parallel.pipeline=4", "--model.depth=4",
+                "--parallel.micro_batches=4"], timeout=120, expect_rc=None,
+            env={"VITGRID_TEST_FAIL_AT": "1:3"})
     out = p.stdout + p.stderr
     check(p.returncode != 0 and "injected failure" in out,
           f"a stage failing at step 3 ends the job (exit {p.returncode}) with its message")
@@ -517,13 +519,7 @@ def t_any_layout(tmp):
 
 def run_buckets(np_, args, bucket_mb, timeout=240):
     """run() with VITGRID_BUCKET_MB set (gradient bucket size; 0: no overlap)."""
-    env = dict(ENV, VITGRID_BUCKET_MB=str(bucket_mb))
-    cmd = ["mpirun", "-np", str(np_), "--oversubscribe", "-x", "VITGRID_BUCKET_MB", VITGRID] + args
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        print(p.stdout[-4000:], p.stderr[-4000:])
-        raise AssertionError(f"{' '.join(cmd)}: exit {p.returncode}")
-    return p
+    return run(np_, args, timeout=timeout, env={"VITGRID_BUCKET_MB": str(bucket_mb)})
 
 
 OPTIMIZERS = [("adamw", "3e-3"), ("lamb", "1e-2"), ("sgd", "5e-2")]
@@ -664,12 +660,20 @@ def t_zero(tmp):
                   f"resume {what}: final parameters within {wm:.2e} <= 1e-4, optimizer state "
                   f"within {wo:.2e} <= 1e-3")
 
+def gpus_or_skip():
+    """Visible GPUs (nvidia-smi -L); exits 77 (ctest: skipped) when there are none."""
+    p = subprocess.run(["sh", "-c", "nvidia-smi -L"], capture_output=True, text=True)
+    ngpu = len(p.stdout.strip().splitlines()) if p.returncode == 0 else 0
+    if ngpu == 0:
+        print("no GPU: skipped")
+        sys.exit(77)
+    return ngpu
+
+
 def t_gpu_matches_cpu(tmp):
     """The CUDA backend trains the tiny deck (dropout, Mixup on) for 30 steps in fp32 along the
     CPU backend's loss curve, and bf16 / fp16 follow it loosely. Skipped (77) without a GPU."""
-    if subprocess.run(["sh", "-c", "nvidia-smi -L"], capture_output=True).returncode != 0:
-        print("no GPU: skipped")
-        sys.exit(77)
+    gpus_or_skip()
     curves = {}
     for be, mode in [("cpu", "fp32"), ("cuda", "fp32"), ("cuda", "bf16"), ("cuda", "fp16")]:
         d = os.path.join(tmp, f"{be}_{mode}")
@@ -689,11 +693,7 @@ def t_gpu_resume(tmp):
     resumed run to 20, on one GPU (fp32 and bf16) and on 2 GPUs (data parallel, ZeRO-1): steps
     11-20 within fp32 rounding (1e-6 relative; the kernels are deterministic, so in practice
     identical), the final parameters likewise. 77 without a GPU."""
-    p = subprocess.run(["sh", "-c", "nvidia-smi -L"], capture_output=True, text=True)
-    ngpu = len(p.stdout.strip().splitlines()) if p.returncode == 0 else 0
-    if ngpu == 0:
-        print("no GPU: skipped")
-        sys.exit(77)
+    ngpu = gpus_or_skip()
     model = ["--model.hidden=32", "--model.heads=4", "--model.depth=4", "--device.backend=cuda"]
     cases = [("1gpu_fp32", 1, ["--precision.mode=fp32"]), ("1gpu_bf16", 1, ["--precision.mode=bf16"]),
              ("2gpu_zero1_bf16", 2, ["--precision.mode=bf16", "--parallel.zero=1"])]
@@ -725,11 +725,7 @@ def t_gpu_parallel(tmp):
     data and tensor (1d, 2d) parallelism in bf16 the 1-GPU bf16 curve within 2e-2 (activations
     reduced in bf16 over NCCL). Layouts needing more GPUs than the node has are skipped; 77
     without a GPU."""
-    p = subprocess.run(["sh", "-c", "nvidia-smi -L"], capture_output=True, text=True)
-    ngpu = len(p.stdout.strip().splitlines()) if p.returncode == 0 else 0
-    if ngpu == 0:
-        print("no GPU: skipped")
-        sys.exit(77)
+    ngpu = gpus_or_skip()
     model = ["--model.hidden=32", "--model.heads=4", "--model.depth=4", "--device.backend=cuda",
              "--checkpoint.every_steps=0"]
     ref = {}
@@ -765,22 +761,18 @@ def t_gpu_parallel(tmp):
         return
     # NCCL calls return once enqueued: the same layout with every call waiting on the host
     # (VITGRID_NCCL_BLOCKING=1) computes the same bits
-    env = dict(ENV, VITGRID_NCCL_BLOCKING="1")
     d = os.path.join(tmp, "1d_t2_blocking")
-    cmd = ["mpirun", "-np", "2", "-x", "VITGRID_NCCL_BLOCKING", VITGRID, "train", DECK,
-           f"--run.out_dir={d}", "--precision.mode=fp32", "--parallel.tensor=2",
-           "--parallel.tensor_mode=1d"] + model
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    p = run(2, ["train", DECK, f"--run.out_dir={d}", "--precision.mode=fp32", "--parallel.tensor=2",
+                "--parallel.tensor_mode=1d"] + model, expect_rc=None,
+            env={"VITGRID_NCCL_BLOCKING": "1"})
     same = p.returncode == 0 and np.array_equal(losses(d)[1], losses(os.path.join(tmp, "1d_t2"))[1])
     check(same, f"1d_t2 with blocking NCCL calls: identical losses (exit {p.returncode})")
     # the watchdog: rank 1 skips its 5th collective, rank 0 waits in it; both ranks end with a
     # message naming the collective and the axis within the timeout instead of hanging
-    env = dict(ENV, VITGRID_TEST_NCCL_SKIP="1:5")
     d = os.path.join(tmp, "watchdog")
-    cmd = ["mpirun", "-np", "2", "-x", "VITGRID_TEST_NCCL_SKIP", VITGRID, "train", DECK,
-           f"--run.out_dir={d}", "--device.comm_timeout=5"] + model
     t0 = time.time()
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    p = run(2, ["train", DECK, f"--run.out_dir={d}", "--device.comm_timeout=5"] + model,
+            timeout=180, expect_rc=None, env={"VITGRID_TEST_NCCL_SKIP": "1:5"})
     out = p.stdout + p.stderr
     check(p.returncode != 0 and "NCCL" in out and "timed out" in out and "axis" in out,
           f"a rank skipping a collective: watchdog ends the job in {time.time() - t0:.0f} s "

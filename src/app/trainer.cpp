@@ -168,7 +168,7 @@ struct Trainer::Impl {
     kind = all_cuda ? "cuda" : "cpu";
     agreed([&] {
       be = make_backend(kind, grid->local_rank(), act_dtype_of(deck.precision.mode),
-                        deck.precision.mode == "tf32");
+                        deck.precision.mode == "tf32", deck.device.gemm_tune);
       compute_be = be.get();
       if (profile) {
         auto p = make_profiled(std::move(be));

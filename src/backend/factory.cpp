@@ -13,17 +13,18 @@
 namespace vitgrid {
 
 std::unique_ptr<Backend> make_backend(const std::string& kind, int device, DType act,
-                                      bool allow_tf32) {
+                                      bool allow_tf32, int gemm_tune) {
   if (kind == "cpu") {
     // One core per rank, nothing to select; TF32 does not exist on the CPU (fp32 GEMMs are
     // always full fp32 there).
     (void)device;
     (void)allow_tf32;
+    (void)gemm_tune;
     return std::make_unique<CpuBackend>(act);
   }
   if (kind == "cuda") {
 #ifdef VITGRID_HAVE_CUDA
-    return make_cuda_backend(device, act, allow_tf32);
+    return make_cuda_backend(device, act, allow_tf32, gemm_tune);
 #else
     throw UserError("device.backend = cuda but this vitgrid was built without CUDA");
 #endif

@@ -178,6 +178,8 @@ const std::vector<Field>& schema() {
                "compute backend (auto: cuda when a GPU is present)"),
       VG_FIELD(device, comm_timeout, "",
                "seconds a GPU collective may stay incomplete before the watchdog aborts the job (NCCL)"),
+      VG_FIELD(device, gemm_tune, "0..16",
+               "time this many cuBLASLt algorithms per GEMM shape at its first use and keep the fastest (0: the heuristic's choice, bit-reproducible runs)"),
   };
   return fields;
 }
@@ -629,6 +631,9 @@ class Parser {
 
     // [device]
     positive("device.comm_timeout", d.device.comm_timeout);
+    if (d.device.gemm_tune < 0 || d.device.gemm_tune > 16) {
+      fail("device.gemm_tune", "must be between 0 and 16 (GEMM algorithms timed per shape)");
+    }
 
     // [parallel]: the grid
     ParallelSection& p = d.parallel;

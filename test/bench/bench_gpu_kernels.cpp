@@ -199,6 +199,26 @@ void BM_LayerNormBackward(benchmark::State& st) {
                                            benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// Elementwise passes over the fc1 activation [N, 4C]: op 0 add (2 reads, 1 write: the memory
+// roofline of a map), 1 exact GELU forward (1 read, 1 write), 2 its backward (2 reads, 1 write),
+// 3 tanh GELU forward.
+void BM_Elementwise(benchmark::State& st) {
+  if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
+  const int op = static_cast<int>(st.range(0));
+  const size_t a = gpu().act_size(), n = size_t(kN) * 4 * kC;
+  Bufs b;
+  void *x = b.get(n * a), *y = b.get(n * a), *z = b.get(n * a);
+  timed(st, [&] {
+    if (op == 0) gpu().add(z, x, y, n);
+    if (op == 1) gpu().gelu_forward(z, x, n, Gelu::Exact);
+    if (op == 2) gpu().gelu_backward(z, x, y, n, Gelu::Exact);
+    if (op == 3) gpu().gelu_forward(z, x, n, Gelu::Tanh);
+  });
+  const double passes = (op == 1 || op == 3) ? 2.0 : 3.0;
+  st.counters["GB"] = benchmark::Counter(passes * n * a * 1e-9,
+                                           benchmark::Counter::kIsIterationInvariantRate);
+}
+
 void BM_AdamW(benchmark::State& st) {
   if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
   const size_t n = 86'000'000;
@@ -257,6 +277,14 @@ BENCHMARK(BM_AttentionFwdBwd)
     ->Arg(0)
     ->Arg(1)
     ->Arg(2)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Elementwise)
+    ->ArgName("op")
+    ->Arg(0)
+    ->Arg(1)
+    ->Arg(2)
+    ->Arg(3)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LayerNormForward)->UseManualTime()->Unit(benchmark::kMillisecond);

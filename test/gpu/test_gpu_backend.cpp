@@ -80,7 +80,13 @@ TEST_P(GpuBackend, LinearForwardTf32) {
 }
 
 TEST_P(GpuBackend, LinearBackward) {
-  const int N = 41, in = 35, out = 27;
+  // odd shapes (plain dW GEMM + column sums) and aligned ViT-like ones (bias gradient from the
+  // dW GEMM's BGRADB epilogue where cuBLASLt has it)
+  for (auto [N, in, out] : {std::tuple<int, int, int>{41, 35, 27},
+                            std::tuple<int, int, int>{394, 64, 192},
+                            std::tuple<int, int, int>{1000, 128, 256}}) {
+  SCOPED_TRACE("N=" + std::to_string(N) + " in=" + std::to_string(in) +
+               " out=" + std::to_string(out));
   Vec dy = rnd(size_t(N) * out), x = rnd(size_t(N) * in), W = rnd(size_t(out) * in, 0.2f);
   Vec dW0 = rnd(size_t(out) * in), db0 = rnd(out);  // += semantics: start from non-zero
   Vec r[2][3];
@@ -103,6 +109,7 @@ TEST_P(GpuBackend, LinearBackward) {
   gpu->be->linear_backward(nullptr, dW, nullptr, gpu->act(dy), gpu->act(x), gpu->act(W), N, in,
                            out);
   EXPECT_CLOSE(gpu->get_f32(dW, size_t(out) * in), r[0][1], 1e-5);
+  }
 }
 
 TEST_P(GpuBackend, GemmBatched) {
@@ -124,8 +131,10 @@ TEST_P(GpuBackend, GemmBatched) {
 }
 
 TEST_P(GpuBackend, Elementwise) {
-  const size_t n = 10007;  // odd: exercises the scalar tail after the 16-byte vector path
-  Vec x = rnd(n, 2.0f), y = rnd(n), dy = rnd(n);
+  // odd: exercises the scalar tail after the 16-byte vector path (two packs per iteration);
+  // inputs out to |x| = 8 reach GELU's tails, where 16-bit types use the fast normal CDF
+  const size_t n = 100007;
+  Vec x = rnd(n, 8.0f), y = rnd(n), dy = rnd(n);
   for (float& v : x)
     if (v == 0.0f) v = 0.5f;  // no zeros: a zero output then means a dropped element
   for (Gelu g : {Gelu::Exact, Gelu::Tanh}) {
@@ -199,9 +208,11 @@ TEST_P(GpuBackend, Elementwise) {
 }
 
 TEST_P(GpuBackend, LayerNorm) {
-  // odd width (generic kernels) and a 16-byte-divisible width (fused vector backward)
+  // odd width (generic kernels) and 16-byte-divisible widths (register-resident vector
+  // forward with 1..16 packs per lane, fused vector backward up to 1024 16-bit columns)
   for (auto [N, C] : {std::pair<int, int>{45, 77}, std::pair<int, int>{301, 256},
-                      std::pair<int, int>{67, 1024}}) {
+                      std::pair<int, int>{67, 1024}, std::pair<int, int>{197, 768},
+                      std::pair<int, int>{33, 384}, std::pair<int, int>{19, 4096}}) {
   SCOPED_TRACE("N=" + std::to_string(N) + " C=" + std::to_string(C));
   const float eps = 1e-6f;
   Vec a = rnd(size_t(N) * C, 1.0f, 0.3f), b = rnd(size_t(N) * C), g = rnd(C, 0.2f, 1.0f),

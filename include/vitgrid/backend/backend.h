@@ -275,9 +275,10 @@ class Backend {
 // `device` is the local GPU index; `act` the activation dtype (on the CPU a 16-bit act dtype is
 // emulated: fp32 storage, every act result rounded to the 16-bit format's precision and
 // range, so the mixed-precision logic is exercised without a GPU); `allow_tf32` lets fp32
-// GEMMs use TF32 tensor cores (CUDA only).
+// GEMMs use TF32 tensor cores (CUDA only); `gemm_tune` is device.gemm_tune (CUDA only, see
+// make_cuda_backend).
 std::unique_ptr<Backend> make_backend(const std::string& kind, int device, DType act,
-                                      bool allow_tf32 = false);
+                                      bool allow_tf32 = false, int gemm_tune = 0);
 bool cuda_available();  // built with CUDA and at least one device visible
 
 }  // namespace vitgrid

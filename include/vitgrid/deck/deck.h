@@ -101,6 +101,7 @@ struct CheckpointSection {
 struct DeviceSection {
   std::string backend = "auto";  // auto | cuda | cpu
   double comm_timeout = 600.0;   // seconds a collective may stay incomplete (NCCL watchdog)
+  int gemm_tune = 0;             // cuBLASLt candidates timed per GEMM shape (0/1: heuristic)
 };
 
 struct Deck {

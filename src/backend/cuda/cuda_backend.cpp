@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 
@@ -40,18 +41,22 @@ int cuda_device_count() {
   return n;
 }
 
-std::unique_ptr<Backend> make_cuda_backend(int device, DType act, bool allow_tf32) {
+std::unique_ptr<Backend> make_cuda_backend(int device, DType act, bool allow_tf32,
+                                           int gemm_tune) {
   const int n = cuda_device_count();
   if (n == 0) throw UserError("device.backend = cuda but no CUDA device is visible");
   if (device < 0 || device >= n) {
     throw UserError("CUDA device " + std::to_string(device) + " requested but only " +
                     std::to_string(n) + " visible (one rank per GPU: check the launch)");
   }
-  return std::make_unique<CudaBackend>(device, act, allow_tf32);
+  return std::make_unique<CudaBackend>(device, act, allow_tf32, gemm_tune);
 }
 
-CudaBackend::CudaBackend(int device, DType act, bool allow_tf32)
-    : device_(device), act_(act), tf32_(allow_tf32 && act == DType::F32) {
+CudaBackend::CudaBackend(int device, DType act, bool allow_tf32, int gemm_tune)
+    : device_(device),
+      act_(act),
+      tf32_(allow_tf32 && act == DType::F32),
+      gemm_tune_(std::max(1, std::min(gemm_tune, kMaxGemmTune))) {
   CUDA_CHECK(cudaSetDevice(device_));
   // A non-blocking stream: no implicit serialisation with the legacy default stream, which
   // NCCL and other libraries might use.
@@ -83,6 +88,7 @@ CudaBackend::~CudaBackend() {
   for (char* a : old_arenas_) cudaFree(a);
   cudaFree(slice_arena_);
   cudaFree(scratch_);
+  cudaFree(bgrad_);
   cudaFree(reduce_buf_);
   cudaFree(flag_);
   cudaFree(lt_workspace_);
@@ -190,6 +196,11 @@ void CudaBackend::plan_workspace(const WorkspacePlan& p) {
     scratch_ = nullptr;
     scratch_bytes_ = need;
     scratch_ = internal_alloc(scratch_bytes_);
+  }
+  if (static_cast<size_t>(cols) > bgrad_elems_) {
+    internal_free(bgrad_, bgrad_elems_ * sizeof(float));
+    bgrad_elems_ = static_cast<size_t>(cols);
+    bgrad_ = static_cast<float*>(internal_alloc(bgrad_elems_ * sizeof(float)));
   }
   const size_t arena = slice_arena_bytes(lists, slices, elems);
   if (arena > slice_arena_bytes_ - slice_arena_used_) {
@@ -334,6 +345,49 @@ cudaDataType_t CudaBackend::act_cuda_type() const {
   return act_ == DType::F32 ? CUDA_R_32F : (act_ == DType::BF16 ? CUDA_R_16BF : CUDA_R_16F);
 }
 
+// Times each candidate (one warm-up, then kReps runs between events) on the plan's operands.
+cublasLtMatmulAlgo_t CudaBackend::fastest_algo(const MatmulPlan& p, const GemmSpec& s,
+                                               const cublasLtMatmulHeuristicResult_t* cand,
+                                               int n) {
+  constexpr int kReps = 3;
+  if (s.bias) {
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                &s.bias, sizeof s.bias));
+  }
+  if (s.aux) {
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                                &s.aux, sizeof s.aux));
+  }
+  cudaEvent_t e0, e1;
+  CUDA_CHECK(cudaEventCreate(&e0));
+  CUDA_CHECK(cudaEventCreate(&e1));
+  const float alpha = s.alpha, beta = s.beta;
+  int best = -1;
+  float best_ms = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    if (cand[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    if (cand[i].workspaceSize > lt_workspace_bytes_) continue;
+    auto run = [&] {
+      return cublasLtMatmul(lt_, p.desc, &alpha, s.B, p.a, s.A, p.b, &beta, s.C, p.c, s.C, p.c,
+                            &cand[i].algo, lt_workspace_, lt_workspace_bytes_, stream_);
+    };
+    if (run() != CUBLAS_STATUS_SUCCESS) continue;
+    CUDA_CHECK(cudaEventRecord(e0, stream_));
+    for (int r = 0; r < kReps; ++r) CUBLAS_CHECK(run());
+    CUDA_CHECK(cudaEventRecord(e1, stream_));
+    CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0.0f;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (best < 0 || ms < best_ms) {
+      best = i;
+      best_ms = ms;
+    }
+  }
+  CUDA_CHECK(cudaEventDestroy(e0));
+  CUDA_CHECK(cudaEventDestroy(e1));
+  return cand[best < 0 ? 0 : best].algo;
+}
+
 bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
   // cuBLASLt is column-major. A row-major matrix is the column-major view of its transpose,
   // so the row-major C[M,N] = op(A) op(B) is computed as the column-major
@@ -416,14 +470,19 @@ bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
         pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof al_c));
     CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
         pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c));
-    cublasLtMatmulHeuristicResult_t res{};
+    // device.gemm_tune = n: time the heuristic's first n candidates on the real operands and
+    // keep the fastest. Only for GEMMs that overwrite C (beta 0: every forward and dx GEMM),
+    // whose outputs the real call below writes again; accumulating GEMMs keep the first.
+    const int tune = s.beta == 0.0f ? gemm_tune_ : 1;
+    cublasLtMatmulHeuristicResult_t res[kMaxGemmTune]{};
     int returned = 0;
     const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt_, p.desc, p.a, p.b, p.c, p.c,
-                                                             pref, 1, &res, &returned);
+                                                             pref, tune, res, &returned);
     CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
     if (st == CUBLAS_STATUS_SUCCESS && returned > 0) {
-      p.algo = res.algo;
+      p.algo = res[0].algo;
       p.supported = true;
+      if (returned > 1) p.algo = fastest_algo(p, s, res, returned);
     } else if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) {
       CUBLAS_CHECK(st);  // a real error, not "no algorithm"
     }
@@ -520,6 +579,25 @@ void CudaBackend::linear_backward(void* dx, float* dW, float* db, const void* dy
     s.ab_type = t;
     s.c_type = CUDA_R_32F;
     s.beta = 1.0f;
+    if (db) {
+      // The bias gradient (column sums of dy) from the same GEMM's epilogue: dy is the
+      // column-major B' of the swapped product and its reduction runs over the GEMM's k = N,
+      // so BGRADB writes the fp32 sums (Ctype) of dy's N rows into bgrad_, saving the separate
+      // pass over dy. Where cuBLASLt has no such kernel, the plain GEMM and column_sums_add.
+      if (static_cast<size_t>(out) > bgrad_elems_) {  // beyond the plan (or none): grow
+        internal_free(bgrad_, bgrad_elems_ * sizeof(float));
+        bgrad_elems_ = static_cast<size_t>(out);
+        bgrad_ = static_cast<float*>(internal_alloc(bgrad_elems_ * sizeof(float)));
+      }
+      s.epilogue = CUBLASLT_EPILOGUE_BGRADB;
+      s.bias = bgrad_;
+      if (matmul(s, /*allow_unsupported=*/true)) {
+        accumulate_f32(db, bgrad_, static_cast<size_t>(out));
+        return;
+      }
+      s.epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+      s.bias = nullptr;
+    }
     if (!matmul(s, /*allow_unsupported=*/true)) {
       // No fp32-output kernel for this combination: GEMM into an act-dtype buffer kept for
       // reuse, then add it into dW in fp32 (loses the fp32 rounding of the product only).

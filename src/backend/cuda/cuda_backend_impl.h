@@ -68,7 +68,7 @@ struct CudnnAttentionDelete {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(int device, DType act, bool allow_tf32);
+  CudaBackend(int device, DType act, bool allow_tf32, int gemm_tune);
   ~CudaBackend() override;
   CudaBackend(const CudaBackend&) = delete;
   CudaBackend& operator=(const CudaBackend&) = delete;
@@ -219,6 +219,9 @@ class CudaBackend final : public Backend {
     cublasLtMatmulAlgo_t algo{};
     bool supported = false;
   };
+  static constexpr int kMaxGemmTune = 16;
+  cublasLtMatmulAlgo_t fastest_algo(const MatmulPlan& p, const GemmSpec& s,
+                                    const cublasLtMatmulHeuristicResult_t* cand, int n);
   // Internal device memory, counted in the tracked totals and in device_allocations().
   // internal_free waits for queued work first and takes the size given to internal_alloc.
   void* internal_alloc(size_t bytes);
@@ -246,6 +249,7 @@ class CudaBackend final : public Backend {
   int device_;
   DType act_;
   bool tf32_;
+  int gemm_tune_;  // GEMM candidates timed per new shape (1: the heuristic's first, untimed)
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
   void* lt_workspace_ = nullptr;
@@ -260,6 +264,8 @@ class CudaBackend final : public Backend {
 
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
+  float* bgrad_ = nullptr;         // bias gradient of one Linear from the dW GEMM's epilogue
+  size_t bgrad_elems_ = 0;
   char* slice_arena_ = nullptr;    // planned device memory of the slice tables
   size_t slice_arena_bytes_ = 0;
   size_t slice_arena_used_ = 0;

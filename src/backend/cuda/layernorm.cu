@@ -55,6 +55,73 @@ __global__ void add_layernorm_fwd_kernel(T* res, T* y, float* mean, float* rstd,
   }
 }
 
+// The same for rows of up to 32*K packs of V elements (16-byte vectors): each lane keeps its
+// packs of the row in registers, so a and b are read once and res and y written once (the
+// generic kernel above re-reads the row from memory for the variance and the output).
+template <class T, int K>
+__global__ void __launch_bounds__(256) add_layernorm_fwd_vec_kernel(
+    T* res, T* y, float* mean, float* rstd, const T* a, const T* b, const T* gamma,
+    const T* beta, int N, int C, float eps) {
+  constexpr int V = 16 / sizeof(T);
+  using P = Pack<T, V>;
+  const int warps = blockDim.x >> 5;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= N) return;
+  const int packs = C / V;
+  const P* ar = reinterpret_cast<const P*>(a + row * C);
+  const P* br = b ? reinterpret_cast<const P*>(b + row * C) : nullptr;
+  P* rr = reinterpret_cast<P*>(res + row * C);
+  P* yr = reinterpret_cast<P*>(y + row * C);
+  float r[K][V];
+  float s = 0.0f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int p = lane + 32 * k;
+    if (p >= packs) continue;
+    const P ap = ar[p];
+    P bp;
+    if (br) bp = br[p];
+    P o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      // rounded to T as stored: the statistics see what the backward will read as x
+      o.v[j] = br ? from_f<T>(to_f(ap.v[j]) + to_f(bp.v[j])) : ap.v[j];
+      r[k][j] = to_f(o.v[j]);
+      s += r[k][j];
+    }
+    if (br || rr != ar) rr[p] = o;
+  }
+  const float m = warp_sum(s) / C;
+  float v = 0.0f;  // two-pass variance from registers
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    if (lane + 32 * k >= packs) continue;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float d = r[k][j] - m;
+      v += d * d;
+    }
+  }
+  const float rs = 1.0f / sqrtf(warp_sum(v) / C + eps);
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int p = lane + 32 * k;
+    if (p >= packs) continue;
+    const P gp = reinterpret_cast<const P*>(gamma)[p];
+    const P bp = reinterpret_cast<const P*>(beta)[p];
+    P o;
+#pragma unroll
+    for (int j = 0; j < V; ++j)
+      o.v[j] = from_f<T>((r[k][j] - m) * rs * to_f(gp.v[j]) + to_f(bp.v[j]));
+    yr[p] = o;
+  }
+  if (lane == 0) {
+    mean[row] = m;
+    rstd[row] = rs;
+  }
+}
+
 // dx += rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma.
 template <class T>
 __global__ void layernorm_bwd_dx_kernel(T* dx, const T* dy, const T* x, const T* gamma,
@@ -204,11 +271,26 @@ void CudaBackend::add_layernorm_forward(void* res, void* y, float* mean, float* 
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
     const int threads = 256, warps = threads / 32;
-    add_layernorm_fwd_kernel<<<(N + warps - 1) / warps, threads, 0, stream_>>>(
-        static_cast<T*>(res), static_cast<T*>(y), mean, rstd, static_cast<const T*>(a),
-        static_cast<const T*>(b), static_cast<const T*>(gamma), static_cast<const T*>(beta), N,
-        C, eps);
-    CUDA_CHECK_LAUNCH();
+    const unsigned blocks = (N + warps - 1) / warps;
+    constexpr int V = 16 / sizeof(T);
+    const int K = (C / V + 31) / 32;
+    const bool vec = C % V == 0 && K <= 16 && aligned16(res) && aligned16(y) && aligned16(a) &&
+                     (!b || aligned16(b)) && aligned16(gamma) && aligned16(beta);
+    auto launch = [&](auto kernel) {
+      kernel<<<blocks, threads, 0, stream_>>>(
+          static_cast<T*>(res), static_cast<T*>(y), mean, rstd, static_cast<const T*>(a),
+          static_cast<const T*>(b), static_cast<const T*>(gamma), static_cast<const T*>(beta),
+          N, C, eps);
+      CUDA_CHECK_LAUNCH();
+    };
+    if (!vec) launch(add_layernorm_fwd_kernel<T>);
+    else if (K <= 1) launch(add_layernorm_fwd_vec_kernel<T, 1>);
+    else if (K == 2) launch(add_layernorm_fwd_vec_kernel<T, 2>);
+    else if (K == 3) launch(add_layernorm_fwd_vec_kernel<T, 3>);
+    else if (K == 4) launch(add_layernorm_fwd_vec_kernel<T, 4>);
+    else if (K <= 6) launch(add_layernorm_fwd_vec_kernel<T, 6>);
+    else if (K <= 8) launch(add_layernorm_fwd_vec_kernel<T, 8>);
+    else launch(add_layernorm_fwd_vec_kernel<T, 16>);
   });
 }
 
@@ -242,8 +324,7 @@ void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, cons
     else if (K == 2) launch(layernorm_bwd_fused_kernel<T, 2>);
     else if (K == 3) launch(layernorm_bwd_fused_kernel<T, 3>);
     else launch(layernorm_bwd_fused_kernel<T, 4>);
-    layernorm_bwd_param_final<<<(C + 255) / 256, 256, 0, stream_>>>(dgamma, dbeta, pg, pb,
-                                                                     blocks, C);
+    launch_layernorm_bwd_param_final(stream_, dgamma, dbeta, pg, pb, blocks, C);
     CUDA_CHECK_LAUNCH();
     done = true;
   });
@@ -263,8 +344,7 @@ void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, cons
         pg, pb, static_cast<const T*>(dy), static_cast<const T*>(x), mean, rstd, N, C);
     CUDA_CHECK_LAUNCH();
   });
-  layernorm_bwd_param_final<<<(C + 255) / 256, 256, 0, stream_>>>(dgamma, dbeta, pg, pb,
-                                                                   chunks, C);
+  launch_layernorm_bwd_param_final(stream_, dgamma, dbeta, pg, pb, chunks, C);
   CUDA_CHECK_LAUNCH();
 }
 

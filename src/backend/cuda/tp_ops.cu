@@ -198,7 +198,7 @@ void CudaBackend::layernorm_split_backward_sums(float* sums, float* dgamma, floa
                                                         static_cast<const T*>(x), mean, rstd, N, C);
     CUDA_CHECK_LAUNCH();
   });
-  layernorm_bwd_param_final<<<(C + 255) / 256, 256, 0, stream_>>>(dgamma, dbeta, pg, pb, chunks, C);
+  launch_layernorm_bwd_param_final(stream_, dgamma, dbeta, pg, pb, chunks, C);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -50,11 +50,15 @@ for s in "${steps[@]}"; do
     grep -E "tests passed|Failed" "$OUT/test_cpu.log" | tail -10
     ;;
   bench)
-    # vitgrid and PyTorch side by side: ViT-B/16, 224 px, batch 256 per GPU
-    for p in bf16 fp16 tf32 fp32; do
-      mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --precision.mode=$p --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
-    done | tee "$OUT/bench_vitgrid.log"
-    for p in bf16 fp16 tf32 fp32; do
+    # vitgrid and PyTorch side by side: ViT-B/16, 224 px, batch 256 per GPU (the deck times
+    # cuBLASLt's candidates per GEMM shape: device.gemm_tune = 8; the first line is without)
+    {
+      mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --device.gemm_tune=0 --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
+      for p in ${PRECISIONS:-bf16 fp16}; do
+        mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --precision.mode=$p --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
+      done
+    } | tee "$OUT/bench_vitgrid.log"
+    for p in ${PRECISIONS:-bf16 fp16}; do
       "$PY" tools/bench_pytorch.py --precision $p 2>&1 | grep -E "^pytorch|Error"
     done | tee "$OUT/bench_pytorch.log"
     "$PY" tools/bench_pytorch.py --precision bf16 --compile 2>&1 | grep -E "^pytorch|Error" | tee -a "$OUT/bench_pytorch.log"
@@ -66,7 +70,7 @@ for s in "${steps[@]}"; do
       mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --model.preset=vit-small/16 \
         --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
       mpirun -np 1 "$B/bin/vitgrid" bench inputs/cifar10_vit_lite_7_4.ini --data.dataset=synthetic \
-        --data.global_batch=512 --warmup=10 --steps=50 2>&1 | grep -E "^bench|error"
+        --data.global_batch=512 --device.gemm_tune=8 --warmup=10 --steps=50 2>&1 | grep -E "^bench|error"
       for c in "" --compile; do
         "$PY" tools/bench_pytorch.py --model vit_small_patch16_224 --precision bf16 $c 2>&1 | grep -E "^pytorch|Error"
         "$PY" tools/bench_pytorch.py --model vit_lite_7_4 --img 32 --classes 10 --batch 512 \
@@ -172,6 +176,11 @@ PYEOF
     (cd "$B" && ctest -R "e2e_gpu_parallel|e2e_gpu_resume|gpu_mpi_tp|gpu_nccl|gpu_zero_nccl" --output-on-failure --timeout 600) >"$OUT/test_par.log" 2>&1
     grep -E "tests passed|Failed" "$OUT/test_par.log" | tail -4
     grep -hE "^(ok|FAIL|skip) " "$B/Testing/Temporary/LastTest.log"
+    ;;
+  kernels)
+    # the CUDA backend's kernels at ViT-B/16 shapes (Google Benchmark)
+    "$B/bin/bench_gpu_kernels" --benchmark_min_time=0.1s --benchmark_filter="${KERNELS:-.}" 2>&1 \
+      | grep -E "^BM_|^-|Benchmark" | tee "$OUT/kernels.log"
     ;;
   profile)
     mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --precision.mode=bf16 --profile 2>&1 \

@@ -106,14 +106,14 @@ PYEOF
     ;;
   scale)
     # data-parallel efficiency: 256 images per GPU at 1..NGPU GPUs, vitgrid and DDP
-    for n in 1 2 4 8; do
+    for n in ${SCALE_N:-1 2 4 8}; do
       [ "$n" -le "$NGPU" ] || continue
       mpirun -np $n --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini \
         --data.global_batch=$((256 * n)) --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
       "$PY" -m torch.distributed.run --nproc_per_node $n tools/bench_pytorch.py --ddp --precision bf16 2>&1 | grep -E "^pytorch|Error"
     done | tee "$OUT/scale.log"
     # ZeRO-1 and overlap on the node's GPUs: memory and step time
-    if [ "$NGPU" -ge 2 ]; then
+    if [ "$NGPU" -ge 2 ] && [ "${SCALE_EXTRA:-1}" = 1 ]; then
       for z in 1; do
         mpirun -np "$NGPU" --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini \
           --data.global_batch=$((256 * NGPU)) --parallel.zero=$z --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
@@ -137,6 +137,21 @@ PYEOF
         echo "layout: $lay"
         mpirun -np 4 --bind-to none "$B/bin/vitgrid" bench "${L[@]}" $lay 2>&1 | grep -E "^bench|bubble|error"
       done | tee "$OUT/large.log"
+    fi
+    ;;
+  pipeline)
+    # the large ViT under pipeline parallelism on 4 GPUs: per schedule, images/s, MFU, the
+    # bubble measured from device events beside the schedule's theory, memory per GPU
+    L=(inputs/bench_vit_b16.ini --model.preset=vit-huge-4096 --model.checkpoint_activations=true
+       --data.global_batch=32 --precision.mode=bf16 --warmup=1 --steps=3)
+    if [ "$NGPU" -ge 4 ]; then
+      for lay in "--parallel.pipeline=2 --parallel.micro_batches=4 --parallel.tensor=2 --parallel.tensor_mode=1d" \
+                 "--parallel.pipeline=4 --parallel.micro_batches=8" \
+                 "--parallel.pipeline=4 --parallel.micro_batches=8 --parallel.schedule=gpipe" \
+                 "--parallel.pipeline=4 --parallel.micro_batches=8 --parallel.schedule=interleaved --parallel.chunks=2"; do
+        echo "layout: $lay"
+        mpirun -np 4 --bind-to none "$B/bin/vitgrid" bench "${L[@]}" $lay 2>&1 | grep -E "^bench|bubble|error"
+      done | tee "$OUT/pipeline.log"
     fi
     ;;
   tpvitb)

@@ -2,9 +2,11 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 namespace vitgrid {
@@ -22,7 +24,8 @@ void fail_all(MPI_Comm comm, const std::string& msg, int code) {
   std::exit(code);
 }
 
-void fail_one(const char* file, int line, const std::string& msg) {
+namespace {
+bool report_fatal(const char* file, int line, const std::string& msg) {
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
   int rank = -1, inited = 0;
@@ -31,6 +34,25 @@ void fail_one(const char* file, int line, const std::string& msg) {
   std::fprintf(stderr, "vitgrid: fatal on %s rank %d (%s:%d): %s\n", host, rank, file, line,
                msg.c_str());
   std::fflush(stderr);
+  return inited != 0;
+}
+}  // namespace
+
+void fail_one(const char* file, int line, const std::string& msg) {
+  if (report_fatal(file, line, msg)) MPI_Abort(MPI_COMM_WORLD, 1);
+  std::abort();
+}
+
+void fail_one_with_cleanup(const char* file, int line, const std::string& msg,
+                           const std::function<void()>& cleanup, double grace_s) {
+  const bool inited = report_fatal(file, line, msg);
+  std::thread([grace_s] {
+    std::this_thread::sleep_for(std::chrono::duration<double>(grace_s));
+    std::fprintf(stderr, "vitgrid: the abort did not complete within %.0f s: exiting\n", grace_s);
+    std::fflush(stderr);
+    std::_Exit(1);
+  }).detach();
+  if (cleanup) cleanup();
   if (inited) MPI_Abort(MPI_COMM_WORLD, 1);
   std::abort();
 }

@@ -8,6 +8,7 @@
 #pragma once
 #include <mpi.h>
 
+#include <functional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -28,6 +29,13 @@ class UserError : public std::runtime_error {
 
 [[noreturn]] void fail_all(MPI_Comm comm, const std::string& msg, int code = kExitUserError);
 [[noreturn]] void fail_one(const char* file, int line, const std::string& msg);
+// fail_one for a rank that must first release something that can block (NCCL communicators
+// whose kernels wait on a dead or diverged peer: ncclCommAbort, and MPI_Abort after it, may not
+// return). Prints the message, starts a reaper thread that exits the process with status 1
+// after grace_s seconds (the launcher then brings the other ranks down), runs `cleanup`, then
+// MPI_Abort. The job ends within grace_s whatever blocks.
+[[noreturn]] void fail_one_with_cleanup(const char* file, int line, const std::string& msg,
+                                        const std::function<void()>& cleanup, double grace_s);
 
 // Called by all ranks of comm: returns true if any rank passed ok=false. The message of the
 // lowest failing rank is returned in *msg on every rank. Never hangs when only some ranks fail,

@@ -24,6 +24,7 @@
 #include <cstdlib>
 #include <deque>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -343,18 +344,27 @@ class NcclCollectives final : public Collectives {
     }
   }
 
-  // From the host thread or the watchdog thread: the first caller aborts the communicators
-  // (which also unblocks kernels stuck in them) and the MPI job.
+  // From the host thread or the watchdog thread: the first caller names the collective,
+  // aborts the communicators (which unblocks kernels stuck in them) and the MPI job. Either
+  // abort can itself block behind a stuck kernel or peer: a reaper ends the process after
+  // kAbortGraceSeconds regardless, and the launcher then takes the other ranks down.
   [[noreturn]] void abort_all(Axis a, const char* what, const std::string& why) {
     static std::mutex abort_mu;
     std::lock_guard<std::mutex> lock(abort_mu);
-    for (ncclComm_t& c : comms_) {
-      if (c) ncclCommAbort(c);
-      c = nullptr;
-    }
-    VG_FAIL("NCCL " << what << " over axis " << axis_name(a) << " (size "
-                    << sizes_[static_cast<int>(a)] << "): " << why);
+    std::ostringstream msg;
+    msg << "NCCL " << what << " over axis " << axis_name(a) << " (size "
+        << sizes_[static_cast<int>(a)] << "): " << why;
+    fail_one_with_cleanup(
+        __FILE__, __LINE__, msg.str(),
+        [this] {
+          for (ncclComm_t& c : comms_) {
+            if (c) ncclCommAbort(c);
+            c = nullptr;
+          }
+        },
+        kAbortGraceSeconds);
   }
+  static constexpr double kAbortGraceSeconds = 10.0;
 
   CudaBackend& be_;
   cudaStream_t stream_;

@@ -28,6 +28,18 @@ if [ ! -f build/_deps/cudnn_frontend/include/cudnn_frontend.h ]; then
     CMAKE_EXTRA+=(-DVITGRID_CUDNN_FRONTEND_DIR=/opt/deps/cudnn_frontend/include)
 fi
 PY=$(command -v python3)
+# The large ViT (bf16, activation checkpointing, global batch 32) under each layout given, on
+# 4 GPUs: large_layouts LOGNAME LAYOUT...
+large_layouts() {
+  local log=$1; shift
+  [ "$NGPU" -ge 4 ] || return 0
+  local L=(inputs/bench_vit_b16.ini --model.preset=vit-huge-4096 --model.checkpoint_activations=true
+           --data.global_batch=32 --precision.mode=bf16 --warmup=1 --steps=3)
+  for lay in "$@"; do
+    echo "layout: $lay"
+    mpirun -np 4 --bind-to none "$B/bin/vitgrid" bench "${L[@]}" $lay 2>&1 | grep -E "^bench|bubble|error"
+  done | tee "$OUT/$log.log"
+}
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(build test bench)
 NGPU=$(nvidia-smi -L | wc -l)
@@ -125,34 +137,22 @@ PYEOF
   large)
     # the hybrid-parallel guide's large ViT (hidden 4096, depth 32, heads 64, 224/16) with
     # activation checkpointing, bf16, global batch 32, per layout on 4 GPUs
-    L=(inputs/bench_vit_b16.ini --model.preset=vit-huge-4096 --model.checkpoint_activations=true
-       --data.global_batch=32 --precision.mode=bf16 --warmup=1 --steps=3)
-    if [ "$NGPU" -ge 4 ]; then
-      for lay in "--parallel.tensor=4 --parallel.tensor_mode=1d" \
-                 "--parallel.tensor=4 --parallel.tensor_mode=2d" \
-                 "--parallel.tensor=4 --parallel.tensor_mode=2.5d --parallel.tensor_depth=1" \
-                 "--parallel.pipeline=2 --parallel.micro_batches=4 --parallel.tensor=2 --parallel.tensor_mode=1d" \
-                 "--parallel.pipeline=2 --parallel.micro_batches=8 --parallel.tensor=2 --parallel.tensor_mode=1d" \
-                 "--parallel.pipeline=4 --parallel.micro_batches=8"; do
-        echo "layout: $lay"
-        mpirun -np 4 --bind-to none "$B/bin/vitgrid" bench "${L[@]}" $lay 2>&1 | grep -E "^bench|bubble|error"
-      done | tee "$OUT/large.log"
-    fi
+    large_layouts large \
+      "--parallel.tensor=4 --parallel.tensor_mode=1d" \
+      "--parallel.tensor=4 --parallel.tensor_mode=2d" \
+      "--parallel.tensor=4 --parallel.tensor_mode=2.5d --parallel.tensor_depth=1" \
+      "--parallel.pipeline=2 --parallel.micro_batches=4 --parallel.tensor=2 --parallel.tensor_mode=1d" \
+      "--parallel.pipeline=2 --parallel.micro_batches=8 --parallel.tensor=2 --parallel.tensor_mode=1d" \
+      "--parallel.pipeline=4 --parallel.micro_batches=8"
     ;;
   pipeline)
     # the large ViT under pipeline parallelism on 4 GPUs: per schedule, images/s, MFU, the
     # bubble measured from device events beside the schedule's theory, memory per GPU
-    L=(inputs/bench_vit_b16.ini --model.preset=vit-huge-4096 --model.checkpoint_activations=true
-       --data.global_batch=32 --precision.mode=bf16 --warmup=1 --steps=3)
-    if [ "$NGPU" -ge 4 ]; then
-      for lay in "--parallel.pipeline=2 --parallel.micro_batches=4 --parallel.tensor=2 --parallel.tensor_mode=1d" \
-                 "--parallel.pipeline=4 --parallel.micro_batches=8" \
-                 "--parallel.pipeline=4 --parallel.micro_batches=8 --parallel.schedule=gpipe" \
-                 "--parallel.pipeline=4 --parallel.micro_batches=8 --parallel.schedule=interleaved --parallel.chunks=2"; do
-        echo "layout: $lay"
-        mpirun -np 4 --bind-to none "$B/bin/vitgrid" bench "${L[@]}" $lay 2>&1 | grep -E "^bench|bubble|error"
-      done | tee "$OUT/pipeline.log"
-    fi
+    large_layouts pipeline \
+      "--parallel.pipeline=2 --parallel.micro_batches=4 --parallel.tensor=2 --parallel.tensor_mode=1d" \
+      "--parallel.pipeline=4 --parallel.micro_batches=8" \
+      "--parallel.pipeline=4 --parallel.micro_batches=8 --parallel.schedule=gpipe" \
+      "--parallel.pipeline=4 --parallel.micro_batches=8 --parallel.schedule=interleaved --parallel.chunks=2"
     ;;
   tpvitb)
     # ViT-B/16 in 1d tensor parallelism against data parallelism at the same global batch

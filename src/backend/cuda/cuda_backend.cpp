@@ -196,11 +196,7 @@ void CudaBackend::plan_workspace(const WorkspacePlan& p) {
     scratch_bytes_ = need;
     scratch_ = internal_alloc(scratch_bytes_);
   }
-  if (static_cast<size_t>(cols) > bgrad_elems_) {
-    internal_free(bgrad_, bgrad_elems_ * sizeof(float));
-    bgrad_elems_ = static_cast<size_t>(cols);
-    bgrad_ = static_cast<float*>(internal_alloc(bgrad_elems_ * sizeof(float)));
-  }
+  bgrad_buffer(static_cast<size_t>(cols));
   const size_t arena = slice_arena_bytes(lists, slices, elems);
   if (arena > slice_arena_bytes_ - slice_arena_used_) {
     if (slice_arena_used_ == 0) {
@@ -256,6 +252,15 @@ void CudaBackend::zero(void* p, size_t bytes) {
   if (bytes) CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
 }
 void CudaBackend::synchronize() { CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+float* CudaBackend::bgrad_buffer(size_t n) {
+  if (n > bgrad_elems_) {  // planned by plan_workspace; beyond the plan (or none): grow
+    internal_free(bgrad_, bgrad_elems_ * sizeof(float));
+    bgrad_elems_ = n;
+    bgrad_ = static_cast<float*>(internal_alloc(bgrad_elems_ * sizeof(float)));
+  }
+  return bgrad_;
+}
 
 void* CudaBackend::scratch(size_t bytes) {
   if (bytes > scratch_bytes_) {
@@ -344,11 +349,8 @@ cudaDataType_t CudaBackend::act_cuda_type() const {
   return act_ == DType::F32 ? CUDA_R_32F : (act_ == DType::BF16 ? CUDA_R_16BF : CUDA_R_16F);
 }
 
-// Times each candidate (one warm-up, then kReps runs between events) on the plan's operands.
-cublasLtMatmulAlgo_t CudaBackend::fastest_algo(const MatmulPlan& p, const GemmSpec& s,
-                                               const cublasLtMatmulHeuristicResult_t* cand,
-                                               int n) {
-  constexpr int kReps = 3;
+// The call's bias / bias-gradient and aux pointers into the plan's descriptor.
+void CudaBackend::bind_epilogue_pointers(const MatmulPlan& p, const GemmSpec& s) {
   if (s.bias) {
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                 &s.bias, sizeof s.bias));
@@ -357,6 +359,14 @@ cublasLtMatmulAlgo_t CudaBackend::fastest_algo(const MatmulPlan& p, const GemmSp
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
                                                 &s.aux, sizeof s.aux));
   }
+}
+
+// Times each candidate (one warm-up, then kReps runs between events) on the plan's operands
+// (its epilogue pointers already bound by matmul).
+cublasLtMatmulAlgo_t CudaBackend::fastest_algo(const MatmulPlan& p, const GemmSpec& s,
+                                               const cublasLtMatmulHeuristicResult_t* cand,
+                                               int n) {
+  constexpr int kReps = 3;
   cudaEvent_t e0, e1;
   CUDA_CHECK(cudaEventCreate(&e0));
   CUDA_CHECK(cudaEventCreate(&e1));
@@ -420,13 +430,8 @@ bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
                                                 sizeof epi));
     // The heuristic reads the epilogue pointers for their alignment: set them now.
-    if (s.bias) {
-      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                                  &s.bias, sizeof s.bias));
-    }
+    bind_epilogue_pointers(p, s);
     if (s.aux) {
-      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
-          p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &s.aux, sizeof s.aux));
       const int64_t ld = s.aux_ld;
       CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
                                                   &ld, sizeof ld));
@@ -495,14 +500,7 @@ bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
                                                      "ldc|strides|batch|types|epilogue|tf32|"
                                                      "alignments)");
   }
-  if (s.bias) {
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                                &s.bias, sizeof s.bias));
-  }
-  if (s.aux) {
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
-                                                &s.aux, sizeof s.aux));
-  }
+  bind_epilogue_pointers(p, s);
   const float alpha = s.alpha, beta = s.beta;
   CUBLAS_CHECK(cublasLtMatmul(lt_, p.desc, &alpha, s.B, p.a, s.A, p.b, &beta, s.C, p.c, s.C,
                               p.c, &p.algo, lt_workspace_, lt_workspace_bytes_, stream_));
@@ -583,15 +581,11 @@ void CudaBackend::linear_backward(void* dx, float* dW, float* db, const void* dy
       // column-major B' of the swapped product and its reduction runs over the GEMM's k = N,
       // so BGRADB writes the fp32 sums (Ctype) of dy's N rows into bgrad_, saving the separate
       // pass over dy. Where cuBLASLt has no such kernel, the plain GEMM and column_sums_add.
-      if (static_cast<size_t>(out) > bgrad_elems_) {  // beyond the plan (or none): grow
-        internal_free(bgrad_, bgrad_elems_ * sizeof(float));
-        bgrad_elems_ = static_cast<size_t>(out);
-        bgrad_ = static_cast<float*>(internal_alloc(bgrad_elems_ * sizeof(float)));
-      }
+      float* bgrad = bgrad_buffer(static_cast<size_t>(out));
       s.epilogue = CUBLASLT_EPILOGUE_BGRADB;
-      s.bias = bgrad_;
+      s.bias = bgrad;
       if (matmul(s, /*allow_unsupported=*/true)) {
-        accumulate_f32(db, bgrad_, static_cast<size_t>(out));
+        accumulate_f32(db, bgrad, static_cast<size_t>(out));
         return;
       }
       s.epilogue = CUBLASLT_EPILOGUE_DEFAULT;

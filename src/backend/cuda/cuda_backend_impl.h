@@ -220,6 +220,7 @@ class CudaBackend final : public Backend {
     bool supported = false;
   };
   static constexpr int kMaxGemmTune = 16;
+  void bind_epilogue_pointers(const MatmulPlan& p, const GemmSpec& s);
   cublasLtMatmulAlgo_t fastest_algo(const MatmulPlan& p, const GemmSpec& s,
                                     const cublasLtMatmulHeuristicResult_t* cand, int n);
   // Internal device memory, counted in the tracked totals and in device_allocations().
@@ -230,6 +231,7 @@ class CudaBackend final : public Backend {
   // overlapping copies; one buffer, reused in stream order. Allocated by plan_workspace; a
   // request beyond it grows it (synchronising first): the safety net of an unplanned run.
   void* scratch(size_t bytes);
+  float* bgrad_buffer(size_t n);  // bgrad_, grown to n floats if the plan did not cover them
   // Scratch bytes each user needs for its largest call, from the same heuristics that size
   // its grids (defined beside them): column_sums_add (elementwise.cu), layernorm_backward
   // (layernorm.cu), layernorm_split_backward_sums (tp_ops.cu), sum_squares (optim_reduce.cu).

@@ -27,6 +27,12 @@ if [ ! -f build/_deps/cudnn_frontend/include/cudnn_frontend.h ]; then
   [ -f /opt/deps/cudnn_frontend/include/cudnn_frontend.h ] &&
     CMAKE_EXTRA+=(-DVITGRID_CUDNN_FRONTEND_DIR=/opt/deps/cudnn_frontend/include)
 fi
+# the fused GELU GEMMs need the header-only CUTLASS: the same way (tools/fetch_cutlass.sh)
+if [ ! -f build/_deps/cutlass/include/cutlass/cutlass.h ]; then
+  VITGRID_WHEEL_DIR=$PWD/.gpu-deps tools/fetch_cutlass.sh /opt/deps/cutlass
+  [ -f /opt/deps/cutlass/include/cutlass/cutlass.h ] &&
+    CMAKE_EXTRA+=(-DVITGRID_CUTLASS_DIR=/opt/deps/cutlass/include)
+fi
 PY=$(command -v python3)
 # The large ViT (bf16, activation checkpointing, global batch 32) under each layout given, on
 # 4 GPUs: large_layouts LOGNAME LAYOUT...
@@ -112,6 +118,19 @@ PYEOF
       echo "cifar10 32 px (crop, flip, mixup):"; "$B/bin/bench_loader" inputs/cifar10_vit_lite_7_4.ini \
         --data.path="$D/cifar" --batches=100 2>&1 | tail -2
     } | tee "$OUT/loader.log"
+    ;;
+  variants)
+    # A/B: the bench deck once per ';'-separated argument list in VARIANTS on NP ranks, global
+    # batch GB (default 256 per rank), e.g.
+    #   VARIANTS="--device.deterministic=true; --device.deterministic=false" gpu_check.sh variants
+    n=${NP:-1}
+    IFS=';' read -ra VS <<<"${VARIANTS:-}"
+    for v in "${VS[@]}"; do
+      echo "variant:$v"
+      mpirun -np "$n" --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini \
+        --data.global_batch=${GB:-$((256 * n))} $v --warmup=5 --steps=20 2>&1 | grep -E "^bench|error" |
+        sed -E 's/ \| (world|zero|grad buckets|allocs)[^|]*//g'
+    done | tee -a "$OUT/variants.log"
     ;;
   compile)
     "$PY" tools/bench_pytorch.py --precision fp16 --compile 2>&1 | grep -E "^pytorch|Error" | tee -a "$OUT/bench_pytorch.log"

@@ -167,8 +167,11 @@ struct Trainer::Impl {
     MPI_Allreduce(&is_cuda, &all_cuda, 1, MPI_INT, MPI_MIN, world);
     kind = all_cuda ? "cuda" : "cpu";
     agreed([&] {
-      be = make_backend(kind, grid->local_rank(), act_dtype_of(deck.precision.mode),
-                        deck.precision.mode == "tf32", deck.device.gemm_tune);
+      BackendOptions bo;
+      bo.allow_tf32 = deck.precision.mode == "tf32";
+      bo.gemm_tune = deck.device.gemm_tune;
+      bo.deterministic = deck.device.deterministic;
+      be = make_backend(kind, grid->local_rank(), act_dtype_of(deck.precision.mode), bo);
       compute_be = be.get();
       if (profile) {
         auto p = make_profiled(std::move(be));

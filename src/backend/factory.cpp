@@ -13,18 +13,17 @@
 namespace vitgrid {
 
 std::unique_ptr<Backend> make_backend(const std::string& kind, int device, DType act,
-                                      bool allow_tf32, int gemm_tune) {
+                                      const BackendOptions& opts) {
   if (kind == "cpu") {
     // One core per rank, nothing to select; TF32 does not exist on the CPU (fp32 GEMMs are
-    // always full fp32 there).
+    // always full fp32 there), and every CPU op is deterministic.
     (void)device;
-    (void)allow_tf32;
-    (void)gemm_tune;
+    (void)opts;
     return std::make_unique<CpuBackend>(act);
   }
   if (kind == "cuda") {
 #ifdef VITGRID_HAVE_CUDA
-    return make_cuda_backend(device, act, allow_tf32, gemm_tune);
+    return make_cuda_backend(device, act, opts);
 #else
     throw UserError("device.backend = cuda but this vitgrid was built without CUDA");
 #endif

@@ -112,6 +112,8 @@ const std::vector<Field>& schema() {
       VG_FIELD(model, gelu, "exact|tanh", "GELU form: exact (erf, timm default) or tanh"),
       VG_FIELD(model, checkpoint_activations, "",
                "recompute each block in the backward pass to save activation memory"),
+      VG_FIELD(model, keep_gelu_output, "",
+               "keep each block's GELU output for the backward instead of recomputing it (batch x tokens x mlp more activations per block, one elementwise pass less; ignored with checkpoint_activations)"),
       // [parallel]
       VG_FIELD(parallel, pipeline, "", "pipeline stages"),
       VG_FIELD(parallel, tensor, "", "ranks in the tensor-parallel group"),
@@ -180,6 +182,8 @@ const std::vector<Field>& schema() {
                "seconds a GPU collective may stay incomplete before the watchdog aborts the job (NCCL)"),
       VG_FIELD(device, gemm_tune, "0..16",
                "time this many cuBLASLt algorithms per GEMM shape at its first use and keep the fastest (0: the heuristic's choice, bit-reproducible runs)"),
+      VG_FIELD(device, deterministic, "",
+               "bit-identical reruns; false lets cuDNN's attention backward accumulate with atomics (faster, last-bit differences run to run)"),
   };
   return fields;
 }

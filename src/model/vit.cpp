@@ -25,6 +25,7 @@ ViTConfig ViTConfig::from(const ModelSection& m) {
   c.dropout = static_cast<float>(m.dropout);
   c.gelu = m.gelu == "tanh" ? Gelu::Tanh : Gelu::Exact;
   c.checkpoint_activations = m.checkpoint_activations;
+  c.keep_gelu_output = m.keep_gelu_output;
   return c;
 }
 
@@ -60,7 +61,8 @@ struct ViT::Acts {
   // projection output p (consumed by the fused residual add at once), the MLP output f (read by
   // the next block's fused add, by the chunk output and by the head: two buffers alternate by
   // block parity) and the GELU output g (recomputed from h in the backward: one elementwise
-  // pass instead of N x mlp elements of memory per block).
+  // pass instead of N x mlp elements of memory per block; model.keep_gelu_output gives each
+  // block its own g instead).
   void *p_scr = nullptr, *g_scr = nullptr, *f_scr[2] = {nullptr, nullptr};
   void* ptok;
   void *cls_a, *cls_b, *logits;
@@ -257,6 +259,7 @@ void ViT::plan_activations() {
   // a chunk that is not the model's last sends its output on
   const bool has_out = layout_.chunks.size() > 1 || !layout_.head;
   const bool ckpt = cfg_.checkpoint_activations;
+  const bool keep_g = kept_gelu_output();
   auto block_set = [&](Acts::BlockActs& b) {
     b.y1 = take(N * C * as);
     b.qkv = take(N * 3 * Cl * as);
@@ -265,6 +268,7 @@ void ViT::plan_activations() {
     b.r_mid = take(N * C * as);
     b.y2 = take(N * C * as);
     b.h = take(N * Ml * as);
+    b.g = keep_g ? take(N * Ml * as) : nullptr;
     b.m1 = static_cast<float*>(take(N * 4));
     b.s1 = static_cast<float*>(take(N * 4));
     b.m2 = static_cast<float*>(take(N * 4));
@@ -291,13 +295,13 @@ void ViT::plan_activations() {
     }
     if (ckpt) block_set(a.shared);
     a.p_scr = take(N * C * as);
-    a.g_scr = take(N * Ml * as);
+    a.g_scr = keep_g ? nullptr : take(N * Ml * as);
     a.f_scr[0] = take(N * C * as);
     a.f_scr[1] = take(N * C * as);
     for (auto& st : a.sets)
       for (size_t j = 0; j < st.blocks.size(); ++j) {
         st.blocks[j].p = a.p_scr;
-        st.blocks[j].g = a.g_scr;
+        if (!keep_g) st.blocks[j].g = a.g_scr;
         st.blocks[j].f = a.f_scr[j & 1];
       }
     a.shared.p = a.p_scr;
@@ -560,7 +564,7 @@ void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set) {
                          dkey(step, l, kSiteMlpOut, fp, ActLayout::Stream, B, C));
     df = a.ddrop;
   }
-  if (!cfg_.checkpoint_activations) {
+  if (!cfg_.checkpoint_activations && !kept_gelu_output()) {
     // g = dropout(gelu(h)) again: the same kernels on the same input give the same bits
     be_.gelu_forward(b.g, b.h, NM, cfg_.gelu);
     if (drop)

@@ -31,7 +31,7 @@ constexpr int kN = kB * kT;
 constexpr int kReps = 10;
 
 Backend& gpu() {
-  static std::unique_ptr<Backend> be = make_cuda_backend(0, DType::BF16, false);
+  static std::unique_ptr<Backend> be = make_cuda_backend(0, DType::BF16);
   return *be;
 }
 
@@ -110,7 +110,7 @@ Backend* attention_backend(int path, std::string* why) {
   if (!be[path] && error[path].empty()) {
     setenv("VITGRID_ATTENTION", kAttentionModes[path], 1);
     try {
-      be[path] = make_cuda_backend(0, DType::BF16, false);
+      be[path] = make_cuda_backend(0, DType::BF16);
     } catch (const UserError& e) {
       error[path] = e.what();
     }

@@ -199,7 +199,7 @@ int run(const char* out_path, const char* backend) {
     return 1;
   }
   // fp32 without TF32: the golden tolerances are fp32 tolerances on either backend
-  auto be = make_backend(backend, 0, DType::F32, false);
+  auto be = make_backend(backend, 0, DType::F32);
   auto coll = make_mpi_collectives(grid);
   auto tp = make_tensor_parallel(grid, *be, *coll);
 

@@ -92,7 +92,7 @@ class GpuVsCpu : public ::testing::TestWithParam<DType> {
     if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
     dt = GetParam();
     cpu = std::make_unique<Dev>(make_backend("cpu", 0, DType::F32));
-    gpu = std::make_unique<Dev>(make_cuda_backend(0, dt, false));
+    gpu = std::make_unique<Dev>(make_cuda_backend(0, dt));
   }
   double tol() const { return dt == DType::F32 ? 1e-5 : (dt == DType::BF16 ? 1e-2 : 2e-3); }
   // Random values representable in the act dtype.

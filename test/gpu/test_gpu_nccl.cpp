@@ -132,7 +132,7 @@ TEST(GpuNccl, CollectivesOnEveryAxis) {
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   for (const GridShape& s : shapes_for(world)) {
     ProcessGrid grid(MPI_COMM_WORLD, s);
-    auto be = make_cuda_backend(grid.local_rank(), DType::BF16, false);
+    auto be = make_cuda_backend(grid.local_rank(), DType::BF16);
     auto coll = make_nccl_collectives(grid, *be, 120.0);
     SCOPED_TRACE("grid p" + std::to_string(s.pipeline) + " d" + std::to_string(s.data) + " t" +
                  std::to_string(s.tensor));

@@ -94,6 +94,26 @@ TEST(Model, ActivationCheckpointingLeavesGradientsUnchanged) {
   EXPECT_LT(b.model->activation_bytes(), a.model->activation_bytes());
 }
 
+TEST(Model, KeptGeluOutputLeavesGradientsUnchanged) {
+  // with dropout after the GELU: the kept g must be the dropped one the recompute gives
+  ViTConfig kc = tiny(false, 0.2f);
+  kc.keep_gelu_output = true;
+  Rig a(tiny(false, 0.2f), DType::F32, 6), b(kc, DType::F32, 6);
+  // two steps: a kept g from the first must not leak into the second
+  for (int64_t s : {3, 4}) {
+    const double la = a.step(1.0f / 6, s), lb = b.step(1.0f / 6, s);
+    EXPECT_EQ(la, lb);
+    auto ga = a.grads(), gb = b.grads();
+    ASSERT_EQ(ga.size(), gb.size());
+    for (size_t i = 0; i < ga.size(); ++i) ASSERT_EQ(ga[i], gb[i]) << "step " << s << " element " << i;
+  }
+  // one [N, mlp] buffer per block instead of one shared: (depth - 1) x N x mlp more, each
+  // buffer rounded up to the pool's 256-byte alignment
+  const size_t g = 6 * kc.tokens() * kc.mlp * sizeof(float);
+  EXPECT_EQ(b.model->activation_bytes() - a.model->activation_bytes(),
+            (kc.depth - 1) * ((g + 255) / 256 * 256));
+}
+
 TEST(Model, DropoutDependsOnStepAndChangesLoss) {
   Rig a(tiny(false, 0.3f), DType::F32, 4);
   const double l1 = a.step(0.25f, 1), l1b = a.step(0.25f, 1), l2 = a.step(0.25f, 2);

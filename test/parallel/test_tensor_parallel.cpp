@@ -187,7 +187,7 @@ struct Rig {
     (void)tensor_parallel;  // without CUDA every rig is a CPU one
 #ifdef VITGRID_HAVE_CUDA
     if (tensor_parallel && tp_on_cuda()) {
-      be = make_backend("cuda", grid->local_rank(), act, /*allow_tf32=*/false);
+      be = make_backend("cuda", grid->local_rank(), act);
       coll = make_nccl_collectives(*grid, *be, 120.0);
     }
 #endif

@@ -271,14 +271,21 @@ class Backend {
   virtual void release_slot(int slot) = 0;
 };
 
+// How a backend may trade reproducibility or precision for speed (the CPU backend has nothing
+// to trade and ignores them all).
+struct BackendOptions {
+  bool allow_tf32 = false;    // fp32 GEMMs on TF32 tensor cores (precision.mode = tf32)
+  int gemm_tune = 0;          // device.gemm_tune: see make_cuda_backend
+  bool deterministic = true;  // device.deterministic: false lets attention's backward use
+                              // atomics (faster; gradients differ in the last bits run to run)
+};
+
 // Factory: "cpu" always; "cuda" when built with CUDA (throws UserError otherwise).
 // `device` is the local GPU index; `act` the activation dtype (on the CPU a 16-bit act dtype is
 // emulated: fp32 storage, every act result rounded to the 16-bit format's precision and
-// range, so the mixed-precision logic is exercised without a GPU); `allow_tf32` lets fp32
-// GEMMs use TF32 tensor cores (CUDA only); `gemm_tune` is device.gemm_tune (CUDA only, see
-// make_cuda_backend).
+// range, so the mixed-precision logic is exercised without a GPU).
 std::unique_ptr<Backend> make_backend(const std::string& kind, int device, DType act,
-                                      bool allow_tf32 = false, int gemm_tune = 0);
+                                      const BackendOptions& opts = {});
 bool cuda_available();  // built with CUDA and at least one device visible
 
 }  // namespace vitgrid

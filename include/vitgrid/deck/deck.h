@@ -33,6 +33,7 @@ struct ModelSection {
   double dropout = 0.0;  // pos / proj / mlp dropout (timm drop_rate and proj_drop)
   std::string gelu = "exact";  // exact | tanh
   bool checkpoint_activations = false;
+  bool keep_gelu_output = false;  // keep each block's GELU output instead of recomputing it
   int mlp_hidden() const { return static_cast<int>(hidden * mlp_ratio + 0.5); }
   int tokens() const { return (image_size / patch_size) * (image_size / patch_size) + 1; }
 };
@@ -102,6 +103,7 @@ struct DeviceSection {
   std::string backend = "auto";  // auto | cuda | cpu
   double comm_timeout = 600.0;   // seconds a collective may stay incomplete (NCCL watchdog)
   int gemm_tune = 0;             // cuBLASLt candidates timed per GEMM shape (0/1: heuristic)
+  bool deterministic = true;     // false: attention backward with atomics (cuDNN)
 };
 
 struct Deck {

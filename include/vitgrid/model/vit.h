@@ -26,6 +26,7 @@ struct ViTConfig {
   float dropout = 0.0f;
   Gelu gelu = Gelu::Exact;
   bool checkpoint_activations = false;
+  bool keep_gelu_output = false;  // per-block GELU output kept, not recomputed in the backward
   float ln_eps = 1e-6f;
   int patches() const { return (image / patch) * (image / patch); }
   int tokens() const { return patches() + 1; }
@@ -186,6 +187,9 @@ class ViT {
   struct Set;
   void build_params();
   void plan_activations();
+  // Each block keeps its GELU output between forward and backward (not with checkpointing,
+  // which recomputes the whole block anyway).
+  bool kept_gelu_output() const { return cfg_.keep_gelu_output && !cfg_.checkpoint_activations; }
   int chunk_of_block(int l) const;
   void block_forward(int l, int B, int64_t step, int64_t first_pos, bool train, int set,
                      bool recompute);

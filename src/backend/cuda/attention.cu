@@ -111,7 +111,8 @@ const char* CudaBackend::attention_path_name(AttentionPath p) {
 cuda::CudnnAttention* CudaBackend::cudnn_attention() const {
   if (!cudnn_attention_) {
     cudnn_attention_.reset(
-        new cuda::CudnnAttention(device_, stream_, attention_mode_ == AttentionMode::Cudnn));
+        new cuda::CudnnAttention(device_, stream_, attention_mode_ == AttentionMode::Cudnn,
+                                 deterministic_));
   }
   return cudnn_attention_.get();
 }

@@ -40,22 +40,22 @@ int cuda_device_count() {
   return n;
 }
 
-std::unique_ptr<Backend> make_cuda_backend(int device, DType act, bool allow_tf32,
-                                           int gemm_tune) {
+std::unique_ptr<Backend> make_cuda_backend(int device, DType act, const BackendOptions& opts) {
   const int n = cuda_device_count();
   if (n == 0) throw UserError("device.backend = cuda but no CUDA device is visible");
   if (device < 0 || device >= n) {
     throw UserError("CUDA device " + std::to_string(device) + " requested but only " +
                     std::to_string(n) + " visible (one rank per GPU: check the launch)");
   }
-  return std::make_unique<CudaBackend>(device, act, allow_tf32, gemm_tune);
+  return std::make_unique<CudaBackend>(device, act, opts);
 }
 
-CudaBackend::CudaBackend(int device, DType act, bool allow_tf32, int gemm_tune)
+CudaBackend::CudaBackend(int device, DType act, const BackendOptions& opts)
     : device_(device),
       act_(act),
-      tf32_(allow_tf32 && act == DType::F32),
-      gemm_tune_(std::max(1, std::min(gemm_tune, kMaxGemmTune))) {
+      tf32_(opts.allow_tf32 && act == DType::F32),
+      gemm_tune_(std::max(1, std::min(opts.gemm_tune, kMaxGemmTune))),
+      deterministic_(opts.deterministic) {
   CUDA_CHECK(cudaSetDevice(device_));
   // A non-blocking stream: no implicit serialisation with the legacy default stream, which
   // NCCL and other libraries might use.

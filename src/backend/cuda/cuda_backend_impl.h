@@ -68,7 +68,7 @@ struct CudnnAttentionDelete {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(int device, DType act, bool allow_tf32, int gemm_tune);
+  CudaBackend(int device, DType act, const BackendOptions& opts);
   ~CudaBackend() override;
   CudaBackend(const CudaBackend&) = delete;
   CudaBackend& operator=(const CudaBackend&) = delete;
@@ -252,6 +252,7 @@ class CudaBackend final : public Backend {
   DType act_;
   bool tf32_;
   int gemm_tune_;  // GEMM candidates timed per new shape (1: the heuristic's first, untimed)
+  bool deterministic_;  // false: attention's backward may use atomics (cuDNN)
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
   void* lt_workspace_ = nullptr;

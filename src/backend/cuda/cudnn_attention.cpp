@@ -4,7 +4,8 @@
 //
 // Per shape (act dtype, B, T, H, hd) two graphs are built once and cached: the forward
 // (sdpa node, generate_stats: O and the fp32 log-sum-exp) and the backward (sdpa_backward
-// node, deterministic algorithm requested: dQ, dK, dV). Each goes validate ->
+// node, cuDNN's deterministic algorithm unless the backend allows atomics: dQ, dK, dV). Each
+// goes validate ->
 // build_operation_graph -> execution plans from heuristics mode A, then the fallback list ->
 // check_support -> build_plans (heuristics' first working plan). Any failure, including a
 // thrown exception, marks the shape unsupported with the reason, and the backend takes the
@@ -123,7 +124,8 @@ std::shared_ptr<fe::graph::Graph> forward_graph(DType act, const Views& v, int h
   return g;
 }
 
-std::shared_ptr<fe::graph::Graph> backward_graph(DType act, const Views& v, int hd) {
+std::shared_ptr<fe::graph::Graph> backward_graph(DType act, const Views& v, int hd,
+                                                bool deterministic) {
   auto g = new_graph(act);
   auto Q = input(*g, "Q", kQ, v.dim, v.qkv_stride);
   auto K = input(*g, "K", kK, v.dim, v.qkv_stride);
@@ -135,7 +137,7 @@ std::shared_ptr<fe::graph::Graph> backward_graph(DType act, const Views& v, int 
   auto opts = fe::graph::SDPA_backward_attributes()
                   .set_name("vitgrid_sdpa_bwd")
                   .set_attn_scale(attn_scale(hd))
-                  .set_deterministic_algorithm(true);
+                  .set_deterministic_algorithm(deterministic);
   auto grads = g->sdpa_backward(Q, K, V, O, dO, St, opts);
   grads[0]->set_output(true).set_uid(kdQ).set_dim(v.dim).set_stride(v.qkv_stride);
   grads[1]->set_output(true).set_uid(kdK).set_dim(v.dim).set_stride(v.qkv_stride);
@@ -176,6 +178,7 @@ struct CudnnAttention::Impl {
   int device;
   cudaStream_t stream;
   bool verbose;
+  bool deterministic;
   std::mutex mu;
   cudnnHandle_t handle = nullptr;
   std::string handle_error;  // set when cudnnCreate failed: every shape is unsupported
@@ -184,7 +187,8 @@ struct CudnnAttention::Impl {
   // Workspace sizes handed out by workspace_bytes(), per (act, T, H, hd) (B = 0) and batch.
   std::map<Shape, std::map<int, size_t>> granted;
 
-  Impl(int d, cudaStream_t s, bool v) : device(d), stream(s), verbose(v) {}
+  Impl(int d, cudaStream_t s, bool v, bool det)
+      : device(d), stream(s), verbose(v), deterministic(det) {}
   ~Impl() {
     cache.clear();
     if (handle) cudnnDestroy(handle);
@@ -223,7 +227,7 @@ struct CudnnAttention::Impl {
         if (!e.why.empty()) {
           e.why = "forward " + e.why;
         } else {
-          e.bwd = backward_graph(act, v, s.hd);
+          e.bwd = backward_graph(act, v, s.hd, deterministic);
           e.why = build(*e.bwd, handle, &wb);
           if (!e.why.empty()) e.why = "backward " + e.why;
         }
@@ -270,8 +274,8 @@ struct CudnnAttention::Impl {
 
 bool CudnnAttention::available() { return true; }
 
-CudnnAttention::CudnnAttention(int device, cudaStream_t stream, bool verbose)
-    : impl_(std::make_unique<Impl>(device, stream, verbose)) {}
+CudnnAttention::CudnnAttention(int device, cudaStream_t stream, bool verbose, bool deterministic)
+    : impl_(std::make_unique<Impl>(device, stream, verbose, deterministic)) {}
 
 CudnnAttention::~CudnnAttention() = default;
 
@@ -340,7 +344,7 @@ void CudnnAttention::backward(DType act, void* dqkv, const void* dout, const voi
 struct CudnnAttention::Impl {};
 
 bool CudnnAttention::available() { return false; }
-CudnnAttention::CudnnAttention(int, cudaStream_t, bool) {}
+CudnnAttention::CudnnAttention(int, cudaStream_t, bool, bool) {}
 CudnnAttention::~CudnnAttention() = default;
 bool CudnnAttention::supported(DType, int, int, int, int) { return false; }
 size_t CudnnAttention::workspace_bytes(DType, int, int, int, int, size_t floor) { return floor; }

@@ -11,7 +11,7 @@
 // scaled scores, natural log: the same quantity and layout as the flash kernels' saved state,
 // so the two paths may take each other's); dqkv is written with the strides of qkv.
 // Non-causal, no mask, no dropout, scale 1/sqrt(hd); the backward asks cuDNN for its
-// deterministic algorithm.
+// deterministic algorithm unless made with deterministic = false (device.deterministic).
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -33,7 +33,7 @@ class CudnnAttention {
 
   // Holds no cuDNN state yet: the handle (on `stream`, device `device`) is made on the
   // first shape that needs it. `verbose`: one stderr line per shape cuDNN rejects.
-  CudnnAttention(int device, cudaStream_t stream, bool verbose);
+  CudnnAttention(int device, cudaStream_t stream, bool verbose, bool deterministic);
   ~CudnnAttention();
   CudnnAttention(const CudnnAttention&) = delete;
   CudnnAttention& operator=(const CudnnAttention&) = delete;

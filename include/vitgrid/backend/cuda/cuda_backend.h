@@ -22,13 +22,14 @@
 
 namespace vitgrid {
 
-// A backend on local GPU `device` with activations in `act`. allow_tf32 lets fp32 GEMMs use
-// TF32 tensor cores (CUBLAS_COMPUTE_32F_FAST_TF32); ignored for bf16/fp16. gemm_tune > 1
-// (deck device.gemm_tune, at most 16): the first time a GEMM shape runs, time cuBLASLt's
-// first gemm_tune candidates for it and keep the fastest (the choice depends on timing, so
-// runs are no longer bit-identical); 0 or 1: the heuristic's first choice.
-std::unique_ptr<Backend> make_cuda_backend(int device, DType act, bool allow_tf32 = false,
-                                           int gemm_tune = 0);
+// A backend on local GPU `device` with activations in `act`. opts.allow_tf32 lets fp32 GEMMs
+// use TF32 tensor cores (CUBLAS_COMPUTE_32F_FAST_TF32); ignored for bf16/fp16.
+// opts.gemm_tune > 1 (deck device.gemm_tune, at most 16): the first time a GEMM shape runs,
+// time cuBLASLt's first gemm_tune candidates for it and keep the fastest (the choice depends
+// on timing, so runs are no longer bit-identical); 0 or 1: the heuristic's first choice.
+// opts.deterministic = false: cuDNN's attention backward may take its non-deterministic
+// (atomic dQ accumulation) algorithm.
+std::unique_ptr<Backend> make_cuda_backend(int device, DType act, const BackendOptions& opts = {});
 
 // The attention path a CUDA backend takes for a shape: "cudnn" (cuDNN's fused SDPA), "flash"
 // (vitgrid's own kernels) or "fallback" (cuBLASLt + softmax); VITGRID_ATTENTION=auto|cudnn|

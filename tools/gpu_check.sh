@@ -88,7 +88,8 @@ for s in "${steps[@]}"; do
       mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --model.preset=vit-small/16 \
         --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
       mpirun -np 1 "$B/bin/vitgrid" bench inputs/cifar10_vit_lite_7_4.ini --data.dataset=synthetic \
-        --data.global_batch=512 --device.gemm_tune=8 --warmup=10 --steps=50 2>&1 | grep -E "^bench|error"
+        --data.global_batch=512 --device.gemm_tune=8 --device.deterministic=false \
+        --model.keep_gelu_output=true --warmup=10 --steps=50 2>&1 | grep -E "^bench|error"
       for c in "" --compile; do
         "$PY" tools/bench_pytorch.py --model vit_small_patch16_224 --precision bf16 $c 2>&1 | grep -E "^pytorch|Error"
         "$PY" tools/bench_pytorch.py --model vit_lite_7_4 --img 32 --classes 10 --batch 512 \
@@ -123,13 +124,15 @@ PYEOF
     # A/B: the bench deck once per ';'-separated argument list in VARIANTS on NP ranks, global
     # batch GB (default 256 per rank), e.g.
     #   VARIANTS="--device.deterministic=true; --device.deterministic=false" gpu_check.sh variants
+    # (NCCL_* and VITGRID_* variables set for the call reach every rank).
     n=${NP:-1}
     IFS=';' read -ra VS <<<"${VARIANTS:-}"
+    mapfile -t XS < <(env | grep -oE '^(NCCL|VITGRID)_[A-Z_]+' | sed 's/^/-x\n/')
     for v in "${VS[@]}"; do
-      echo "variant:$v"
-      mpirun -np "$n" --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini \
+      echo "variant:$v $(env | grep -E '^(NCCL|VITGRID)_' | grep -v NVLS | tr '\n' ' ')"
+      mpirun -np "$n" --bind-to none "${XS[@]}" "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini \
         --data.global_batch=${GB:-$((256 * n))} $v --warmup=5 --steps=20 2>&1 | grep -E "^bench|error" |
-        sed -E 's/ \| (world|zero|grad buckets|allocs)[^|]*//g'
+        sed -E 's/ \| (world|zero|allocs)[^|]*//g'
     done | tee -a "$OUT/variants.log"
     ;;
   compile)

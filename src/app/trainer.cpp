@@ -181,7 +181,8 @@ struct Trainer::Impl {
     });
 #ifdef VITGRID_HAVE_CUDA
     if (kind == "cuda")
-      coll = make_nccl_collectives(*grid, *compute_be, deck.device.comm_timeout);
+      coll = make_nccl_collectives(*grid, *compute_be, deck.device.comm_timeout,
+                                   deck.device.data_comm_ctas);
     else
 #endif
       coll = make_mpi_collectives(*grid);

@@ -182,6 +182,8 @@ const std::vector<Field>& schema() {
                "seconds a GPU collective may stay incomplete before the watchdog aborts the job (NCCL)"),
       VG_FIELD(device, gemm_tune, "0..16",
                "time this many cuBLASLt algorithms per GEMM shape at its first use and keep the fastest (0: the heuristic's choice, bit-reproducible runs)"),
+      VG_FIELD(device, data_comm_ctas, "0..64",
+               "thread blocks (SMs) the data-parallel gradient reduction's NCCL kernels may take from the backward they overlap (0: NCCL's choice)"),
       VG_FIELD(device, deterministic, "",
                "bit-identical reruns; false lets cuDNN's attention backward accumulate with atomics (faster, last-bit differences run to run)"),
   };
@@ -635,6 +637,9 @@ class Parser {
 
     // [device]
     positive("device.comm_timeout", d.device.comm_timeout);
+    if (d.device.data_comm_ctas < 0 || d.device.data_comm_ctas > 64) {
+      fail("device.data_comm_ctas", "must be between 0 and 64 (0: NCCL's choice)");
+    }
     if (d.device.gemm_tune < 0 || d.device.gemm_tune > 16) {
       fail("device.gemm_tune", "must be between 0 and 16 (GEMM algorithms timed per shape)");
     }

@@ -383,6 +383,16 @@ TEST(DeckRefusal, NegativeSizes) {
   EXPECT_HAS(refusal(kMinimal, {"--model.channels=1"}), "command line: model.channels: must be 3");
 }
 
+TEST(DeckRefusal, DeviceRanges) {
+  EXPECT_EQ(refusal("[run]\nsteps = 1\n[device]\ndata_comm_ctas = 65\n"),
+            "deck.ini:4: device.data_comm_ctas: must be between 0 and 64 (0: NCCL's choice)");
+  EXPECT_HAS(refusal(kMinimal, {"--device.data_comm_ctas=-1"}),
+             "command line: device.data_comm_ctas: must be between 0 and 64");
+  EXPECT_HAS(refusal(kMinimal, {"--device.gemm_tune=17"}),
+             "command line: device.gemm_tune: must be between 0 and 16");
+  EXPECT_HAS(refusal(kMinimal, {"--device.deterministic=maybe"}), "device.deterministic");
+}
+
 struct EnumCase {
   const char* section;
   const char* key;

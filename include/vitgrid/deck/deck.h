@@ -104,6 +104,7 @@ struct DeviceSection {
   double comm_timeout = 600.0;   // seconds a collective may stay incomplete (NCCL watchdog)
   int gemm_tune = 0;             // cuBLASLt candidates timed per GEMM shape (0/1: heuristic)
   bool deterministic = true;     // false: attention backward with atomics (cuDNN)
+  int data_comm_ctas = 0;        // NCCL thread blocks of the data axis (0: NCCL's choice)
 };
 
 struct Deck {

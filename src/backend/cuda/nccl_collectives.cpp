@@ -48,7 +48,7 @@ class NcclCollectives final : public Collectives {
  public:
   // Called by all ranks of the grid's world: communicator creation is collective per axis,
   // and every rank visits the axes in the same order, so creation cannot deadlock.
-  NcclCollectives(const ProcessGrid& grid, CudaBackend& be, double timeout_s)
+  NcclCollectives(const ProcessGrid& grid, CudaBackend& be, double timeout_s, int data_ctas)
       : be_(be), stream_(be.stream()), timeout_s_(timeout_s) {
     // NVLink multicast (NVLS) must stay off on the target machines; the user may still
     // override it explicitly in the environment.
@@ -62,7 +62,14 @@ class NcclCollectives final : public Collectives {
       ncclUniqueId id;
       if (c.rank() == 0) NCCL_CHECK(ncclGetUniqueId(&id));
       MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, c.get()));
-      NCCL_CHECK(ncclCommInitRank(&comms_[a], c.size(), id, c.rank()));
+      // The data axis's reductions overlap the backward: data_ctas > 0 caps the thread blocks
+      // (SMs) their kernels take from it.
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      if (static_cast<Axis>(a) == Axis::Data && data_ctas > 0) {
+        config.minCTAs = 1;
+        config.maxCTAs = data_ctas;
+      }
+      NCCL_CHECK(ncclCommInitRankConfig(&comms_[a], c.size(), id, c.rank(), &config));
     }
     CUDA_CHECK(cudaMalloc(&barrier_buf_, sizeof(float)));
     CUDA_CHECK(cudaMemsetAsync(barrier_buf_, 0, sizeof(float), stream_));
@@ -398,10 +405,10 @@ class NcclCollectives final : public Collectives {
 }  // namespace
 
 std::unique_ptr<Collectives> make_nccl_collectives(const ProcessGrid& grid, Backend& backend,
-                                                   double timeout_s) {
+                                                   double timeout_s, int data_ctas) {
   auto* be = dynamic_cast<CudaBackend*>(&backend);
   if (!be) throw UserError("NCCL collectives need the cuda backend (device.backend = cuda)");
-  return std::make_unique<NcclCollectives>(grid, *be, timeout_s);
+  return std::make_unique<NcclCollectives>(grid, *be, timeout_s, data_ctas);
 }
 
 }  // namespace vitgrid

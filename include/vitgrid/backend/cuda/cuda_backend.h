@@ -59,7 +59,9 @@ int cuda_device_count();
 // that first waits on an event recorded on the backend's stream (so they follow the kernels
 // that produced their inputs, and the compute stream is never blocked by them); wait_all()
 // makes the backend's stream wait on that stream (the watchdog follows it too).
+// data_ctas > 0 (deck device.data_comm_ctas): the data axis's NCCL kernels use at most that
+// many thread blocks (SMs), leaving the rest to the backward they overlap.
 std::unique_ptr<Collectives> make_nccl_collectives(const ProcessGrid& grid, Backend& backend,
-                                                   double timeout_s);
+                                                   double timeout_s, int data_ctas = 0);
 
 }  // namespace vitgrid

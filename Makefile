@@ -41,9 +41,11 @@ deps:
 	  echo "installing:$$missing"; \
 	  $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $$missing; \
 	else echo "deps: all present"; fi
-	@# cuDNN fused attention: the header-only cudnn_frontend, only where CUDA is (never fails)
+	@# cuDNN fused attention and the fused GELU GEMMs: the header-only cudnn_frontend and
+	@# CUTLASS, only where CUDA is (never fails)
 	@if [ -x /usr/local/cuda/bin/nvcc ] || command -v nvcc >/dev/null 2>&1; then \
-	  bash tools/fetch_cudnn_frontend.sh $(BUILD)/_deps/cudnn_frontend || true; fi
+	  bash tools/fetch_cudnn_frontend.sh $(BUILD)/_deps/cudnn_frontend || true; \
+	  bash tools/fetch_cutlass.sh $(BUILD)/_deps/cutlass || true; fi
 
 $(BUILD)/CMakeCache.txt:
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)

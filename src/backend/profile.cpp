@@ -98,12 +98,14 @@ class Profiled final : public ProfiledBackend {
     }
   }
   void linear_backward(void* dx, float* dW, float* db, const void* dy, const void* x, const void* W,
-                       int N, int in, int out) override {
+                       int N, int in, int out, const void* gelu_pre, Gelu gelu) override {
     const double t0 = now_s();
-    b_->linear_backward(dx, dW, db, dy, x, W, N, in, out);
+    b_->linear_backward(dx, dW, db, dy, x, W, N, in, out, gelu_pre, gelu);
     if (on_) {
       b_->synchronize();
-      add("linear_backward " + std::to_string(in) + "->" + std::to_string(out), t0);
+      add("linear_backward " + std::to_string(in) + "->" + std::to_string(out) +
+              (gelu_pre ? " +dgelu" : ""),
+          t0);
     }
   }
   void gemm_batched(bool transA, bool transB, int M, int N, int K, float alpha, const void* A,

@@ -1,13 +1,15 @@
 // Kernel benchmarks of the CUDA backend at ViT-B/16 shapes (batch 256, T = 197, C = 768,
 // H = 12, hd = 64) in bf16: linear forward/backward, attention forward and forward+backward
 // (own flash kernels, the fallback, cuDNN's fused SDPA), fused
-// add+LayerNorm forward/backward, AdamW over 86M parameters. Manual time: each iteration
-// runs the op `reps` times between two stream synchronisations (so launch gaps are included,
-// as in training) and reports the mean per op; counters TFLOP and GB are rates per second of
-// that time (printed as TFLOP=.../s, GB=.../s). Use --benchmark_min_time=0.1 (seconds): the
-// wall time is about kReps times the reported time.
+// add+LayerNorm forward/backward, AdamW over 86M parameters, the MLP's GEMMs with the exact
+// GELU fused (CUTLASS sm_90a, src/backend/cuda/gemm_gelu.h) beside the unfused path.
+// Manual time: each iteration runs the op `reps` times between two stream synchronisations
+// (so launch gaps are included, as in training) and reports the mean per op; counters TFLOP
+// and GB are rates per second of that time (printed as TFLOP=.../s, GB=.../s). Use
+// --benchmark_min_time=0.1 (seconds): the wall time is about kReps times the reported time.
 // Single process: run it directly (mpirun -np 1 works too). Only built with the CUDA backend.
 #include <benchmark/benchmark.h>
+#include <cuda_runtime_api.h>
 #include <mpi.h>
 
 #include <algorithm>
@@ -18,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "gemm_gelu.h"
 #include "vitgrid/backend/backend.h"
 #include "vitgrid/backend/cuda/cuda_backend.h"
 #include "vitgrid/core/error.h"
@@ -50,17 +53,22 @@ struct Bufs {
   }
 };
 
-template <class F>
-void timed(benchmark::State& st, F&& op) {
+// sync: waits for the stream the op runs on (the backend's, unless given).
+template <class F, class S>
+void timed(benchmark::State& st, F&& op, S&& sync) {
   op();  // warm-up: plans, scratch and slice tables are created here, never in the loop
-  gpu().synchronize();
+  sync();
   for (auto _ : st) {
     const auto t0 = std::chrono::steady_clock::now();
     for (int r = 0; r < kReps; ++r) op();
-    gpu().synchronize();
+    sync();
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     st.SetIterationTime(s / kReps);
   }
+}
+template <class F>
+void timed(benchmark::State& st, F&& op) {
+  timed(st, op, [] { gpu().synchronize(); });
 }
 
 void BM_LinearForward(benchmark::State& st) {
@@ -219,6 +227,68 @@ void BM_Elementwise(benchmark::State& st) {
                                            benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// The MLP's exact GELU with its GEMMs, ViT-B/16, bf16. Forward (fc1): h = x W1^T + b1 and
+// g = gelu(h), [N, 4C] from x [N, C] (gemm_gelu.h: in = C, out = 4C). Backward (fc2's data
+// gradient): dg = dy W2 [N, 4C] from dy [N, C] and W2 [C, 4C], then dh = dg * gelu'(h)
+// (gemm_gelu.h: in = 4C, out = C). Arg mode: 0 forward fused (one CUTLASS kernel writes h and
+// g), 1 forward unfused (cuBLASLt GEMM with bias epilogue, then gelu_forward), 2 backward
+// fused, 3 backward unfused (cuBLASLt GEMM, then gelu_backward). TFLOP counts the GEMM only.
+// The fused kernels run on a stream of their own (the backend does not expose its stream);
+// skipped where they are unavailable (no CUTLASS at build time, not sm_90).
+void BM_GemmGelu(benchmark::State& st) {
+  if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
+  const int mode = static_cast<int>(st.range(0));
+  const bool fused = mode == 0 || mode == 2, fwd = mode < 2;
+  if (fused &&
+      !(cuda::gemm_gelu_available() && cuda::gemm_gelu_supported(DType::BF16, kN, kC, 4 * kC)))
+    return st.SkipWithError("fused GELU GEMMs unavailable (no CUTLASS, or not sm_90)");
+  const size_t a = gpu().act_size(), nc = size_t(kN) * kC, nh = size_t(kN) * 4 * kC;
+  Bufs b;
+  void* x = b.get(nc * a);                   // x (forward) or dy (backward)
+  void* W = b.get(size_t(4) * kC * kC * a);  // W1 [4C, C] or W2 [C, 4C]
+  void* bias = b.get(size_t(4) * kC * a);
+  void* h = b.get(nh * a);
+  void* g = b.get(nh * a);   // g (forward) or dh (backward)
+  void* dg = b.get(nh * a);  // unfused backward: dy W2
+  const int in = fwd ? kC : 4 * kC, out = fwd ? 4 * kC : kC;
+  const size_t wsb = fused ? cuda::gemm_gelu_workspace_bytes(DType::BF16, kN, in, out) : 0;
+  void* ws = wsb ? b.get(wsb) : nullptr;
+  static cudaStream_t s = [] {
+    cudaStream_t t = nullptr;
+    VG_CHECK(cudaStreamCreateWithFlags(&t, cudaStreamNonBlocking) == cudaSuccess, "stream");
+    return t;
+  }();
+  gpu().synchronize();  // the zero fills
+  auto sync = [&] {
+    if (fused) {
+      VG_CHECK(cudaStreamSynchronize(s) == cudaSuccess, "cudaStreamSynchronize");
+    } else {
+      gpu().synchronize();
+    }
+  };
+  timed(
+      st,
+      [&] {
+        if (mode == 0)
+          cuda::gemm_bias_gelu_forward(DType::BF16, s, h, g, x, W, bias, kN, in, out, ws, wsb);
+        if (mode == 1) {
+          gpu().linear_forward(h, x, W, bias, kN, in, out);
+          gpu().gelu_forward(g, h, nh, Gelu::Exact);
+        }
+        if (mode == 2) cuda::gemm_dgelu_backward(DType::BF16, s, g, x, W, h, kN, in, out, ws, wsb);
+        if (mode == 3) {
+          gpu().gemm_batched(false, false, kN, in, out, 1.0f, x, 0, W, 0, 0.0f, dg, 0, 1);
+          gpu().gelu_backward(g, h, dg, nh, Gelu::Exact);
+        }
+      },
+      sync);
+  st.counters["TFLOP"] = benchmark::Counter(2.0 * kN * in * out * 1e-12,
+                                              benchmark::Counter::kIsIterationInvariantRate);
+  static const char* const kModes[4] = {"forward fused", "forward unfused", "backward fused",
+                                        "backward unfused"};
+  st.SetLabel(kModes[mode]);
+}
+
 void BM_AdamW(benchmark::State& st) {
   if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
   const size_t n = 86'000'000;
@@ -281,6 +351,14 @@ BENCHMARK(BM_AttentionFwdBwd)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Elementwise)
     ->ArgName("op")
+    ->Arg(0)
+    ->Arg(1)
+    ->Arg(2)
+    ->Arg(3)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_GemmGelu)
+    ->ArgName("mode")
     ->Arg(0)
     ->Arg(1)
     ->Arg(2)

@@ -100,9 +100,11 @@ class Backend {
                               int in, int out, void* gelu_out = nullptr,
                               Gelu gelu = Gelu::Exact) = 0;
   // dx[N,in] = dy W (overwritten; skipped when dx is null), dW[out,in] += dy^T x,
-  // db[out] += sum_rows dy (skipped when null).
+  // db[out] += sum_rows dy (skipped when null). With gelu_pre (x was gelu(gelu_pre)): dx is
+  // the gradient of gelu_pre instead, (dy W) * gelu'(gelu_pre), as gelu_backward would give.
   virtual void linear_backward(void* dx, float* dW, float* db, const void* dy, const void* x,
-                               const void* W, int N, int in, int out) = 0;
+                               const void* W, int N, int in, int out,
+                               const void* gelu_pre = nullptr, Gelu gelu = Gelu::Exact) = 0;
   // Plain batched strided GEMM on act dtype, fp32 accumulate:
   // C_i = alpha op(A_i) op(B_i) + beta C_i, i < batch; row-major; op = transpose when flag set.
   virtual void gemm_batched(bool transA, bool transB, int M, int N, int K, float alpha,

@@ -123,9 +123,13 @@ class TensorParallel {
                               const void* b, int rows, int in, int out, void* gelu_out,
                               Gelu g, int groups = 1) = 0;
   // dx = dy W (overwritten; skipped when null), dW += dy^T x, db += sum dy (local shards).
+  // With gelu_pre (x was gelu(gelu_pre), same layout as dx): dx is the gradient of gelu_pre,
+  // fused into the GEMM where the mode's dx needs no reduction (none, 1d Row), else a GELU
+  // backward pass after it.
   virtual void linear_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
                                const void* x, const void* W, int rows, int in, int out,
-                               int groups = 1) = 0;
+                               int groups = 1, const void* gelu_pre = nullptr,
+                               Gelu g = Gelu::Exact) = 0;
   // Fused residual add + LayerNorm over the (global) width C of Stream rows, same contract as
   // Backend::add_layernorm_forward / layernorm_backward; statistics over the whole width.
   virtual void layernorm_forward(void* res, void* y, float* mean, float* rstd, const void* a,

@@ -40,7 +40,8 @@ void CpuBackend::linear_forward(void* y_, const void* x_, const void* W_, const 
 }
 
 void CpuBackend::linear_backward(void* dx_, float* dW, float* db, const void* dy_, const void* x_,
-                                 const void* W_, int N, int in, int out) {
+                                 const void* W_, int N, int in, int out, const void* gelu_pre,
+                                 Gelu gelu) {
   const float* dy = cf(dy_);
   if (N <= 0) return;  // no rows: dx is empty and the weight gradients gain nothing
   if (dx_) {
@@ -53,6 +54,7 @@ void CpuBackend::linear_backward(void* dx_, float* dW, float* db, const void* dy
       std::memset(dx, 0, (size_t)N * in * sizeof(float));
     }
     round_act(dx, (size_t)N * in);
+    if (gelu_pre) gelu_backward(dx, gelu_pre, dx, (size_t)N * in, gelu);
   }
   if (dW && out > 0 && in > 0) {
     // dW[out,in] += dy^T[out,N] x[N,in]

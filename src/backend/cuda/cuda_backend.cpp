@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "cuda_backend_impl.h"
+#include "gemm_gelu.h"
 #include "vitgrid/backend/cuda/cuda_backend.h"
 
 namespace vitgrid {
@@ -57,6 +59,10 @@ CudaBackend::CudaBackend(int device, DType act, const BackendOptions& opts)
       gemm_tune_(std::max(1, std::min(opts.gemm_tune, kMaxGemmTune))),
       deterministic_(opts.deterministic) {
   CUDA_CHECK(cudaSetDevice(device_));
+  // the CUTLASS GEMMs with exact-GELU epilogues (sm_90, bf16/fp16); VITGRID_FUSED_GELU=0 keeps
+  // cuBLASLt + the elementwise GELU passes
+  const char* fg = std::getenv("VITGRID_FUSED_GELU");
+  fused_gelu_ = act != DType::F32 && !(fg && std::string(fg) == "0") && cuda::gemm_gelu_available();
   // A non-blocking stream: no implicit serialisation with the legacy default stream, which
   // NCCL and other libraries might use.
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -534,17 +540,33 @@ void CudaBackend::linear_forward(void* y, const void* x, const void* W, const vo
     s.aux = nullptr;
     s.aux_ld = 0;
   }
+  if (gelu_out && gelu == Gelu::Exact && fused_gelu(N, in, out)) {
+    // one CUTLASS GEMM writes both the pre-activation y and gelu_out (gemm_gelu.h)
+    cuda::gemm_bias_gelu_forward(act_, stream_, y, gelu_out, x, W, b, N, in, out, lt_workspace_,
+                                 lt_workspace_bytes_);
+    return;
+  }
   s.C = y;
   s.epilogue = b ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
   matmul(s);
   if (gelu_out) gelu_forward(gelu_out, y, static_cast<size_t>(N) * out, gelu);
 }
 
+bool CudaBackend::fused_gelu(int N, int in, int out) const {
+  return fused_gelu_ && N > 0 && cuda::gemm_gelu_supported(act_, N, in, out) &&
+         cuda::gemm_gelu_workspace_bytes(act_, N, in, out) <= lt_workspace_bytes_;
+}
+
 void CudaBackend::linear_backward(void* dx, float* dW, float* db, const void* dy, const void* x,
-                                  const void* W, int N, int in, int out) {
+                                  const void* W, int N, int in, int out, const void* gelu_pre,
+                                  Gelu gelu) {
   const cudaDataType_t t = act_cuda_type();
   if (dx) {
-    if (N > 0 && in > 0 && out > 0) {
+    if (gelu_pre && gelu == Gelu::Exact && fused_gelu(N, in, out)) {
+      // dx = (dy W) * gelu'(gelu_pre) in the GEMM's epilogue (gemm_gelu.h)
+      cuda::gemm_dgelu_backward(act_, stream_, dx, dy, W, gelu_pre, N, in, out, lt_workspace_,
+                                lt_workspace_bytes_);
+    } else if (N > 0 && in > 0 && out > 0) {
       GemmSpec s;  // dx[N,in] = dy[N,out] W[out,in]
       s.M = N;
       s.N = in;
@@ -557,6 +579,7 @@ void CudaBackend::linear_backward(void* dx, float* dW, float* db, const void* dy
       s.ldc = in;
       s.ab_type = s.c_type = t;
       matmul(s);
+      if (gelu_pre) gelu_backward(dx, gelu_pre, dx, static_cast<size_t>(N) * in, gelu);
     } else if (N > 0 && in > 0) {
       zero(dx, static_cast<size_t>(N) * in * act_size());
     }

@@ -107,7 +107,8 @@ class CudaBackend final : public Backend {
   void linear_forward(void* y, const void* x, const void* W, const void* b, int N, int in,
                       int out, void* gelu_out = nullptr, Gelu gelu = Gelu::Exact) override;
   void linear_backward(void* dx, float* dW, float* db, const void* dy, const void* x,
-                       const void* W, int N, int in, int out) override;
+                       const void* W, int N, int in, int out, const void* gelu_pre = nullptr,
+                       Gelu gelu = Gelu::Exact) override;
   void gemm_batched(bool transA, bool transB, int M, int N, int K, float alpha, const void* A,
                     int64_t strideA, const void* B, int64_t strideB, float beta, void* C,
                     int64_t strideC, int batch) override;
@@ -231,7 +232,9 @@ class CudaBackend final : public Backend {
   // overlapping copies; one buffer, reused in stream order. Allocated by plan_workspace; a
   // request beyond it grows it (synchronising first): the safety net of an unplanned run.
   void* scratch(size_t bytes);
-  float* bgrad_buffer(size_t n);  // bgrad_, grown to n floats if the plan did not cover them
+  float* bgrad_buffer(size_t n);
+  // The CUTLASS GEMM + exact-GELU kernels take this linear (fused_gelu_, shape, workspace).
+  bool fused_gelu(int N, int in, int out) const;  // bgrad_, grown to n floats if the plan did not cover them
   // Scratch bytes each user needs for its largest call, from the same heuristics that size
   // its grids (defined beside them): column_sums_add (elementwise.cu), layernorm_backward
   // (layernorm.cu), layernorm_split_backward_sums (tp_ops.cu), sum_squares (optim_reduce.cu).
@@ -253,6 +256,7 @@ class CudaBackend final : public Backend {
   bool tf32_;
   int gemm_tune_;  // GEMM candidates timed per new shape (1: the heuristic's first, untimed)
   bool deterministic_;  // false: attention's backward may use atomics (cuDNN)
+  bool fused_gelu_ = false;  // CUTLASS GELU GEMMs: available, 16-bit acts, not VITGRID_FUSED_GELU=0
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
   void* lt_workspace_ = nullptr;

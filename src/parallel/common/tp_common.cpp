@@ -191,11 +191,15 @@ void TensorParallelBase::linear_forward(LinearRole role, void* y, const void* x,
 
 void TensorParallelBase::linear_backward(LinearRole role, void* dx, float* dW, float* db,
                                          const void* dy, const void* x, const void* W, int rows,
-                                         int in, int out, int groups) {
+                                         int in, int out, int groups, const void* gelu_pre,
+                                         Gelu g) {
+  VG_CHECK(gelu_pre == nullptr || role == LinearRole::Column || role == LinearRole::Row,
+           "a GELU backward fused into an embedding, head or replicated Linear");
   switch (role) {
     case LinearRole::Column:
     case LinearRole::Row:
-      parallel_backward(role, dx, dW, db, dy, x, W, rows, in, out, groups);
+      parallel_backward(role, dx, dW, db, dy, x, W, rows, in, out, groups,
+                        dx ? gelu_pre : nullptr, g);
       return;
     case LinearRole::Embed:
       // dx (not needed by the model: the input is pixels) sums over the output columns

@@ -22,8 +22,8 @@ class TensorParallelBase : public TensorParallel {
   void linear_forward(LinearRole role, void* y, const void* x, const void* W, const void* b,
                       int rows, int in, int out, void* gelu_out, Gelu g, int groups) final;
   void linear_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
-                       const void* x, const void* W, int rows, int in, int out,
-                       int groups) final;
+                       const void* x, const void* W, int rows, int in, int out, int groups,
+                       const void* gelu_pre, Gelu g) final;
   void layernorm_forward(void* res, void* y, float* mean, float* rstd, const void* a,
                          const void* b, const void* gamma, const void* beta, int rows, int C,
                          float eps) override;
@@ -50,9 +50,10 @@ class TensorParallelBase : public TensorParallel {
   virtual void parallel_forward(LinearRole role, void* y, const void* x, const void* W,
                                 const void* b, int rows, int in, int out, void* gelu_out, Gelu g,
                                 int groups) = 0;
+  // gelu_pre: see TensorParallel::linear_backward (dx's local block holds rows x in-local).
   virtual void parallel_backward(LinearRole role, void* dx, float* dW, float* db,
                                  const void* dy, const void* x, const void* W, int rows, int in,
-                                 int out, int groups) = 0;
+                                 int out, int groups, const void* gelu_pre, Gelu g) = 0;
 
   int size(Axis a) const { return grid_.size(a); }
   int rank(Axis a) const { return grid_.rank(a); }

@@ -27,9 +27,9 @@ class TensorParallelNone final : public TensorParallelBase {
     be_.linear_forward(y, x, W, b, rows, in, out, gelu_out, g);
   }
   void parallel_backward(LinearRole, void* dx, float* dW, float* db, const void* dy,
-                         const void* x, const void* W, int rows, int in, int out,
-                         int) override {
-    be_.linear_backward(dx, dW, db, dy, x, W, rows, in, out);
+                         const void* x, const void* W, int rows, int in, int out, int,
+                         const void* gelu_pre, Gelu g) override {
+    be_.linear_backward(dx, dW, db, dy, x, W, rows, in, out, gelu_pre, g);
   }
 };
 

@@ -92,16 +92,19 @@ class TensorParallel1D final : public TensorParallelBase {
     if (gelu_out) be_.gelu_forward(gelu_out, y, static_cast<size_t>(rows) * out, g);
   }
   void parallel_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
-                         const void* x, const void* W, int rows, int in, int out,
-                         int) override {
+                         const void* x, const void* W, int rows, int in, int out, int,
+                         const void* gelu_pre, Gelu g) override {
     if (role == LinearRole::Column) {
       be_.linear_backward(dx, dW, db, dy, x, W, rows, in, out / t_);
-      if (dx)
-        coll_.allreduce_sum_act(dx, static_cast<size_t>(rows) * in, be_.act_size(),
-                                Axis::Tensor);
+      if (dx) {
+        const size_t n = static_cast<size_t>(rows) * in;
+        coll_.allreduce_sum_act(dx, n, be_.act_size(), Axis::Tensor);
+        if (gelu_pre) be_.gelu_backward(dx, gelu_pre, dx, n, g);
+      }
       return;
     }
-    be_.linear_backward(dx, dW, db, dy, x, W, rows, in / t_, out);
+    // Row: this rank's input columns are its own, dx needs no reduction: fused
+    be_.linear_backward(dx, dW, db, dy, x, W, rows, in / t_, out, gelu_pre, g);
   }
 
   int t_, r_;

@@ -120,8 +120,8 @@ class TensorParallelSumma final : public TensorParallelBase {
   }
 
   void parallel_backward(LinearRole, void* dx, float* dW, float* db, const void* dy,
-                         const void* x, const void* W, int rows, int in, int out,
-                         int) override {
+                         const void* x, const void* W, int rows, int in, int out, int,
+                         const void* gelu_pre, Gelu g) override {
     const int inl = in / q_, outl = out / q_;
     const size_t es = be_.act_size(), xn = size_t(rows) * inl, wn = size_t(outl) * inl;
     char* P = dx ? static_cast<char*>(scratch(6, q_ * xn * es)) : nullptr;
@@ -134,7 +134,10 @@ class TensorParallelSumma final : public TensorParallelBase {
                           xs, ws, rows, inl, outl);
     }
     // dx[i,j] = sum over the row of the partials for column block j (act dtype); dW in fp32
-    if (dx) coll_.reduce_scatter_sum_act(dx, P, xn, es, Axis::TensorRow);
+    if (dx) {
+      coll_.reduce_scatter_sum_act(dx, P, xn, es, Axis::TensorRow);
+      if (gelu_pre) be_.gelu_backward(dx, gelu_pre, dx, xn, g);
+    }
     float* mine = static_cast<float*>(scratch(8, wn * sizeof(float)));
     coll_.reduce_scatter_sum(mine, Q, wn, Axis::TensorCol);
     be_.accumulate_f32(dW, mine, wn);

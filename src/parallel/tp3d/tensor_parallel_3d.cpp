@@ -131,8 +131,8 @@ class TensorParallel3D final : public TensorParallelBase {
   }
 
   void parallel_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
-                         const void* x, const void* W, int rows, int in, int out,
-                         int groups) override {
+                         const void* x, const void* W, int rows, int in, int out, int groups,
+                         const void* gelu_pre, Gelu g) override {
     const Axis G = gather_axis(role), S = scatter_axis(role);
     const int inl = in / q_, outl = out / q_;
     const size_t es = be_.act_size();
@@ -146,7 +146,10 @@ class TensorParallel3D final : public TensorParallelBase {
     float* dWg = static_cast<float*>(scratch(8, wn * sizeof(float)));
     be_.zero(dWg, wn * sizeof(float));
     be_.linear_backward(dX, dWg, db, dY, X, Wg, q_ * rows, inl, outl);
-    if (dx) coll_.reduce_scatter_sum_act(dx, dX, size_t(rows) * inl, es, G);
+    if (dx) {
+      coll_.reduce_scatter_sum_act(dx, dX, size_t(rows) * inl, es, G);
+      if (gelu_pre) be_.gelu_backward(dx, gelu_pre, dx, size_t(rows) * inl, g);
+    }
     float* src = dWg;
     if (groups > 1) {  // back to [a][group][rows] so that piece a is contiguous
       src = static_cast<float*>(scratch(10, wn * sizeof(float)));

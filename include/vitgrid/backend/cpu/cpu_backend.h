@@ -66,7 +66,8 @@ class CpuBackend final : public Backend {
   void linear_forward(void* y, const void* x, const void* W, const void* b, int N, int in,
                       int out, void* gelu_out = nullptr, Gelu gelu = Gelu::Exact) override;
   void linear_backward(void* dx, float* dW, float* db, const void* dy, const void* x,
-                       const void* W, int N, int in, int out) override;
+                       const void* W, int N, int in, int out, const void* gelu_pre = nullptr,
+                       Gelu gelu = Gelu::Exact) override;
   void gemm_batched(bool transA, bool transB, int M, int N, int K, float alpha, const void* A,
                     int64_t strideA, const void* B, int64_t strideB, float beta, void* C,
                     int64_t strideC, int batch) override;

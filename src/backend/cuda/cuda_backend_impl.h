@@ -256,7 +256,7 @@ class CudaBackend final : public Backend {
   bool tf32_;
   int gemm_tune_;  // GEMM candidates timed per new shape (1: the heuristic's first, untimed)
   bool deterministic_;  // false: attention's backward may use atomics (cuDNN)
-  bool fused_gelu_ = false;  // CUTLASS GELU GEMMs: available, 16-bit acts, not VITGRID_FUSED_GELU=0
+  bool fused_gelu_ = false;  // CUTLASS GELU GEMMs: VITGRID_FUSED_GELU=1, available, 16-bit acts
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
   void* lt_workspace_ = nullptr;

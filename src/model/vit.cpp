@@ -332,6 +332,12 @@ void ViT::plan_activations() {
       base += (256 - reinterpret_cast<uintptr_t>(base) % 256) % 256;
     }
   }
+  // the tensor-parallel strategy's own buffers for a block's Linears at the largest micro-batch
+  const int Cg = cfg_.hidden, Mg = cfg_.mlp;
+  tp_.reserve(static_cast<int>(N), {{LinearRole::Column, Cg, 3 * Cg, 3},
+                                    {LinearRole::Row, Cg, Cg, 1},
+                                    {LinearRole::Column, Cg, Mg, 1},
+                                    {LinearRole::Row, Mg, Cg, 1}});
 }
 
 void ViT::zero_grads() { be_.zero(grads_, n_params_ * sizeof(float)); }

@@ -85,8 +85,8 @@ class Backend {
     int64_t slice_elems = 0;
   };
   virtual void plan_workspace(const WorkspacePlan& p) { (void)p; }
-  // Device allocations the backend made so far (alloc() and internal ones); the bench and the
-  // tests use it to show that the step loop allocates nothing. 0 where not counted (CPU).
+  // Device allocations the backend made so far (alloc() and internal ones; on the CPU, alloc()
+  // calls); the bench and the tests use it to show that the step loop allocates nothing.
   virtual int64_t device_allocations() const { return 0; }
 
   // ---- conversions between fp32 and act dtype (identity copies when act dtype is fp32)

@@ -107,6 +107,14 @@ class TensorParallel {
   // Called once by the model after it built its parameter list (the order of the slices that
   // reduce_param_norms receives and of reduce_replicated_grads' params).
   virtual void register_params(const std::vector<ParamInfo>& params) = 0;
+  // Sizes the strategy's own buffers (gathered inputs and weights, partial products, LayerNorm
+  // sums) for Linears of these shapes (global features) over at most max_rows local rows, so
+  // that the step loop allocates nothing; a larger call later still runs (the buffers grow).
+  struct LinearShape {
+    LinearRole role;
+    int in, out, groups;
+  };
+  virtual void reserve(int max_rows, const std::vector<LinearShape>& linears) = 0;
 
   // ---- activation layouts
   // This rank's block of a global [batch, *, width] activation of layout `l`. Throws

@@ -34,6 +34,7 @@ void* CpuBackend::alloc(size_t bytes) {
   }
   std::lock_guard<std::mutex> lock(mem_mutex_);
   live_[p] = sz;
+  ++allocations_;
   current_bytes_ += sz;
   if (current_bytes_ > peak_bytes_) peak_bytes_ = current_bytes_;
   return p;

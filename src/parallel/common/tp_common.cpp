@@ -160,6 +160,23 @@ void TensorParallelBase::register_params(const std::vector<ParamInfo>& params) {
     sharded_.push_back(p.shard.sharded_over);
     partial_.push_back(p.shard.partial_over);
   }
+  // reduce_replicated_grads' pack buffer: the partial gradients of one axis at a time
+  size_t most = 0;
+  for (Axis a : mode_axes_) {
+    size_t n = 0;
+    for (const auto& p : params)
+      if (contains(p.shard.partial_over, a)) n += p.numel;
+    most = std::max(most, n);
+  }
+  if (most > 0) scratch(3, most * sizeof(float));
+}
+
+void TensorParallelBase::reserve(int max_rows, const std::vector<LinearShape>& linears) {
+  if (max_rows <= 0) return;
+  if (hq_ > 1) scratch(0, sizeof(float) * 2 * static_cast<size_t>(max_rows));  // LayerNorm sums
+  for (const LinearShape& l : linears)
+    if (l.role == LinearRole::Column || l.role == LinearRole::Row)
+      reserve_parallel(l.role, max_rows, l.in, l.out, l.groups);
 }
 
 // ---- Linears

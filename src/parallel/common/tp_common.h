@@ -18,6 +18,7 @@ class TensorParallelBase : public TensorParallel {
   Shard shard_linear_bias(int64_t out, LinearRole role, int groups) const final;
   Shard shard_hidden_vector(const std::vector<int64_t>& shape) const override;
   void register_params(const std::vector<ParamInfo>& params) override;
+  void reserve(int max_rows, const std::vector<LinearShape>& linears) final;
 
   void linear_forward(LinearRole role, void* y, const void* x, const void* W, const void* b,
                       int rows, int in, int out, void* gelu_out, Gelu g, int groups) final;
@@ -50,6 +51,11 @@ class TensorParallelBase : public TensorParallel {
   virtual void parallel_forward(LinearRole role, void* y, const void* x, const void* W,
                                 const void* b, int rows, int in, int out, void* gelu_out, Gelu g,
                                 int groups) = 0;
+  // The scratch slots parallel_forward / parallel_backward take for this shape, sized now
+  // (reserve()); nothing for modes without buffers of their own.
+  virtual void reserve_parallel(LinearRole role, int rows, int in, int out, int groups) {
+    (void)role, (void)rows, (void)in, (void)out, (void)groups;
+  }
   // gelu_pre: see TensorParallel::linear_backward (dx's local block holds rows x in-local).
   virtual void parallel_backward(LinearRole role, void* dx, float* dW, float* db,
                                  const void* dy, const void* x, const void* W, int rows, int in,

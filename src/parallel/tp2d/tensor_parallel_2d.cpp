@@ -91,6 +91,20 @@ class TensorParallelSumma final : public TensorParallelBase {
     return s;
   }
 
+  // Slots: 4 and 5 the broadcast blocks of x and W (forward and backward), 6 the backward's
+  // dx partials, 7 its dW partials, 8 this rank's dW piece.
+  void reserve_parallel(LinearRole, int rows, int in, int out, int) override {
+    const int inl = in / q_, outl = out / q_;
+    const size_t es = be_.act_size(), xn = size_t(rows) * inl, wn = size_t(outl) * inl;
+    if (q_ > 1) {
+      scratch(4, xn * es);
+      scratch(5, wn * es);
+    }
+    scratch(6, q_ * xn * es);
+    scratch(7, q_ * wn * sizeof(float));
+    scratch(8, wn * sizeof(float));
+  }
+
   // Block s of the row's x (Row axis, root s) and of the column's W (Col axis, root s).
   void broadcast_blocks(int s, const void* x, const void* W, size_t xn, size_t wn,
                         const void** xs, const void** ws) {

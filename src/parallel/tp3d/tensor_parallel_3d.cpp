@@ -18,6 +18,8 @@
 // embedding, cls/pos, LayerNorm weights and head split their hidden dim over Z and are
 // replicated over (A, X), where their gradients are summed. The loss is per sample on the
 // Stream's sample block, summed over (X, A).
+#include <algorithm>
+
 #include "../common/tp_common.h"
 #include "vitgrid/core/error.h"
 
@@ -95,6 +97,23 @@ class TensorParallel3D final : public TensorParallelBase {
     // the bias gradient comes from dY gathered over S: whole over S, partial over A
     sh.partial_over = axes_except({gather_axis(role), scatter_axis(role)});
     return sh;
+  }
+
+  // Slots: 4 the gathered x, 5 the gathered W (9 permuted for grouped weights), 6 the
+  // forward's partial y and the backward's partial dx, 7 the gathered dy, 8 the dW partials
+  // (10 permuted back), 11 this rank's dW piece.
+  void reserve_parallel(LinearRole, int rows, int in, int out, int groups) override {
+    const int inl = in / q_, outl = out / q_;
+    const size_t es = be_.act_size(), wn = size_t(outl) * inl;
+    const size_t piece = size_t(out) / (size_t(q_) * q_) * inl;
+    scratch(4, size_t(q_) * rows * inl * es);
+    scratch(5, piece * q_ * es);
+    if (groups > 1) scratch(9, piece * q_ * es);
+    scratch(6, size_t(q_) * rows * std::max(inl, outl) * es);
+    scratch(7, size_t(q_) * rows * outl * es);
+    scratch(8, wn * sizeof(float));
+    if (groups > 1) scratch(10, wn * sizeof(float));
+    scratch(11, wn / q_ * sizeof(float));
   }
 
   // W_g [out/q, in/q]: the weight pieces of the A axis, rows in global order (q/k/v groups

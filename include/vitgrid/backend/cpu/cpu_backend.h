@@ -58,6 +58,10 @@ class CpuBackend final : public Backend {
   void wait_uploads() override {}
   void release_slot(int) override {}
   size_t peak_memory_bytes() const override;
+  int64_t device_allocations() const override {
+    std::lock_guard<std::mutex> lock(mem_mutex_);
+    return allocations_;
+  }
   size_t current_memory_bytes() const;
 
   void cast_to_act(void* dst_act, const float* src, size_t n) override;
@@ -153,6 +157,7 @@ class CpuBackend final : public Backend {
   mutable std::mutex mem_mutex_;  // alloc/release may come from the loader thread too
   std::unordered_map<void*, size_t> live_;
   size_t current_bytes_ = 0;
+  int64_t allocations_ = 0;  // alloc() calls
   size_t peak_bytes_ = 0;
   std::vector<double> marks_;  // host clock at each mark()
   std::vector<std::vector<unsigned char>> staging_;  // host areas of the upload slots

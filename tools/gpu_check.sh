@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Build, test and measure vitgrid on a GPU node in one go, beside PyTorch + timm.
-#   tools/gpu_check.sh [build|test|bench|scale|all]...      (default: all of build test bench)
+#   tools/gpu_check.sh STEP...      (default: build test bench)
+# Steps: build test cputest bench models loader kernels compile scale large pipeline tpvitb ckpt
+# e2epar profile variants (each described where it is handled below).
 # Writes logs under $OUT (default /tmp/vitgrid-gpu). On a node without parallel HDF5 or
 # Boost.ProgramOptions, put their Debian packages in .gpu-deps/ (see README): they are unpacked
 # into /opt/deps and used from there.

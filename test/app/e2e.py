@@ -3,7 +3,8 @@
 
     e2e.py NAME      NAME in: dp_equivalence, resume_exact, refusals, predict, optimizers,
                      tensor_parallel, pipeline, pipeline_hybrid, pipeline_refusals,
-                     overlap, zero; on GPUs: gpu_matches_cpu, gpu_resume, gpu_parallel
+                     overlap, zero, no_allocations; on GPUs: gpu_matches_cpu, gpu_resume,
+                     gpu_parallel
 
 They launch build/bin/vitgrid on 1-4 oversubscribed CPU ranks with the tiny deck beside this
 file and read metrics.h5 / checkpoints / predictions.h5 with h5py."""
@@ -659,6 +660,30 @@ def t_zero(tmp):
             check(wm <= 1e-4 and wo <= 1e-3,
                   f"resume {what}: final parameters within {wm:.2e} <= 1e-4, optimizer state "
                   f"within {wo:.2e} <= 1e-3")
+
+def t_no_allocations(tmp):
+    """After setup no layout allocates: `vitgrid bench` (loader, forward, backward, gradient
+    reduction, optimizer) reports 0 backend allocations from step 1 on, on CPU ranks (the CPU
+    backend counts its alloc() calls) for data parallelism with bucketed overlap and ZeRO-1,
+    every tensor mode and pipelines (the 2d / 2.5d / 3d layers' buffers are reserved when the
+    model is built)."""
+    common = ["bench", DECK, f"--run.out_dir={tmp}", "--model.hidden=32", "--model.heads=4",
+              "--warmup=2", "--steps=2"]
+    for np_, what, extra in [
+            (1, "1 rank", []),
+            (2, "dp2, ZeRO-1", ["--parallel.zero=1"]),
+            (2, "1d t2", ["--parallel.tensor=2", "--parallel.tensor_mode=1d"]),
+            (4, "2d q2", ["--parallel.tensor=4", "--parallel.tensor_mode=2d"]),
+            (8, "2.5d q2 d2", ["--parallel.tensor=8", "--parallel.tensor_mode=2.5d",
+                               "--parallel.tensor_depth=2"]),
+            (8, "3d q2", ["--parallel.tensor=8", "--parallel.tensor_mode=3d"]),
+            (4, "P2 1F1B x 1d t2", ["--parallel.pipeline=2", "--parallel.micro_batches=2",
+                                   "--parallel.tensor=2", "--parallel.tensor_mode=1d"])]:
+        p = run(np_, common + extra, env={"VITGRID_BUCKET_MB": "0.001"})
+        line = next((l for l in p.stdout.splitlines() if l.startswith("bench |")), "")
+        check("allocs from step 1 0 | allocs in timed steps 0" in line,
+              f"{what} on {np_} ranks: no allocation after setup ({line[line.find('allocs'):]})")
+
 
 def gpus_or_skip():
     """Visible GPUs (nvidia-smi -L); exits 77 (ctest: skipped) when there are none."""

@@ -577,14 +577,14 @@ void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set) {
       be_.dropout_forward(b.g, b.g, NM, cfg_.dropout,
                           dkey(step, l, kSiteMlpAct, fp, ActLayout::Inner, B, M));
   }
+  // Without dropout between them, the GELU backward goes into fc2's (dh = (df W2) * gelu'(h),
+  // in the GEMM's epilogue where the strategy and backend can); with it, after the dropout's.
+  tp_.linear_backward(LinearRole::Row, a.dh, G(kFc2W), G(kFc2B), df, b.g, W(kFc2W), N, M, C, 1,
+                      drop ? nullptr : b.h, cfg_.gelu);
   if (drop) {
-    tp_.linear_backward(LinearRole::Row, a.dh, G(kFc2W), G(kFc2B), df, b.g, W(kFc2W), N, M, C);
     be_.dropout_backward(a.dh, a.dh, NM, cfg_.dropout,
                          dkey(step, l, kSiteMlpAct, fp, ActLayout::Inner, B, M));
     be_.gelu_backward(a.dh, b.h, a.dh, NM, cfg_.gelu);
-  } else {  // dh = (df W2) * gelu'(h), the GELU backward in the GEMM's epilogue where it can be
-    tp_.linear_backward(LinearRole::Row, a.dh, G(kFc2W), G(kFc2B), df, b.g, W(kFc2W), N, M, C, 1,
-                        b.h, cfg_.gelu);
   }
   tp_.linear_backward(LinearRole::Column, a.dtmp, G(kFc1W), G(kFc1B), a.dh, b.y2, W(kFc1W), N,
                       C, M);

@@ -351,18 +351,12 @@ BENCHMARK(BM_AttentionFwdBwd)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Elementwise)
     ->ArgName("op")
-    ->Arg(0)
-    ->Arg(1)
-    ->Arg(2)
-    ->Arg(3)
+    ->DenseRange(0, 3)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_GemmGelu)
     ->ArgName("mode")
-    ->Arg(0)
-    ->Arg(1)
-    ->Arg(2)
-    ->Arg(3)
+    ->DenseRange(0, 3)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LayerNormForward)->UseManualTime()->Unit(benchmark::kMillisecond);

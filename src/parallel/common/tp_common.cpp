@@ -13,6 +13,14 @@ namespace {
 bool contains(const std::vector<Axis>& v, Axis a) {
   return std::find(v.begin(), v.end(), a) != v.end();
 }
+
+// Elements of the parameters whose gradients are partial sums over axis a.
+size_t partial_elems(const std::vector<ParamInfo>& params, Axis a) {
+  size_t n = 0;
+  for (const auto& p : params)
+    if (contains(p.shard.partial_over, a)) n += p.numel;
+  return n;
+}
 }  // namespace
 
 TensorParallelBase::TensorParallelBase(const ProcessGrid& grid, Backend& be, Collectives& coll,
@@ -162,12 +170,7 @@ void TensorParallelBase::register_params(const std::vector<ParamInfo>& params) {
   }
   // reduce_replicated_grads' pack buffer: the partial gradients of one axis at a time
   size_t most = 0;
-  for (Axis a : mode_axes_) {
-    size_t n = 0;
-    for (const auto& p : params)
-      if (contains(p.shard.partial_over, a)) n += p.numel;
-    most = std::max(most, n);
-  }
+  for (Axis a : mode_axes_) most = std::max(most, partial_elems(params, a));
   if (most > 0) scratch(3, most * sizeof(float));
 }
 
@@ -331,9 +334,7 @@ void TensorParallelBase::reduce_param_norms(std::vector<double>& sq) {
 void TensorParallelBase::reduce_replicated_grads(float* grads,
                                                  const std::vector<ParamInfo>& params) {
   for (Axis a : mode_axes_) {
-    size_t n = 0;
-    for (const auto& p : params)
-      if (contains(p.shard.partial_over, a)) n += p.numel;
+    const size_t n = partial_elems(params, a);
     if (n == 0) continue;
     // pack the partial gradients, one allreduce, unpack
     float* buf = static_cast<float*>(scratch(3, n * sizeof(float)));

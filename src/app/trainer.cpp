@@ -9,9 +9,12 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <map>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include "vitgrid/backend/backend.h"
 #include "vitgrid/backend/profile.h"
@@ -111,6 +114,47 @@ struct Trainer::Impl {
   void* d_raw[kUploadSlots] = {nullptr, nullptr, nullptr};
   size_t off_partner = 0, off_labels = 0, off_soft = 0, off_aug = 0, raw_bytes = 0;
   void* d_images = nullptr;
+  // The training step's device scalars (one allocation), read back a step late: the loss sum
+  // over the step's samples, the squared gradient norm (loss-scaled) and the factor the
+  // optimizer multiplies the gradients by (clipping and 1/loss scale, Backend::clip_factor).
+  struct StepScalars {
+    double loss_sum = 0.0;
+    double grad_sq = 0.0;
+    float factor = 0.0f;
+    float pad = 0.0f;
+  };
+  StepScalars* d_step = nullptr;
+  // What the host remembers of an enqueued step until its scalars come back (finish_step).
+  struct PendingStep {
+    int64_t step = 0;  // 0-based index of the step
+    double lr = 0.0;
+    float scale = 1.0f;
+    bool applied = true;  // false: fp16 overflow, update skipped
+    int readback = 0;     // readback slot of its scalars
+  };
+  // Upload state of the training batches: the next micro-batch (already uploading into
+  // `slot`) and where later ones come from (the loader; bench: the same batch again).
+  std::shared_ptr<const HostBatch> next_hb;
+  int slot = 0;
+  std::function<std::shared_ptr<const HostBatch>()> next_batch;
+  // CUDA graphs of the micro-batch bodies (use_graphs): one per combination of what a body
+  // bakes in (its upload slot, first / last micro-batch of the step, the gradient scale, and
+  // Mixup's soft targets), captured on the second run of its key (the first runs eagerly:
+  // lazy setup, algorithm timing) and replayed after that.
+  bool use_graphs = false;
+  struct GraphKey {
+    int slot;
+    bool first, last, soft;
+    float grad_scale;
+    bool operator<(const GraphKey& o) const {
+      return std::tie(slot, first, last, soft, grad_scale) <
+             std::tie(o.slot, o.first, o.last, o.soft, o.grad_scale);
+    }
+  };
+  std::map<GraphKey, int> graph_of;  // -1: ran once eagerly; else the backend's graph id
+  int64_t graph_allocs = 0;          // device allocations when the graphs were captured
+  float graph_scale = 0.0f;          // the gradient scale the graphs bake in
+  int64_t graph_captures = 0;
   // state carried in checkpoints
   int64_t step = 0;     // completed optimizer steps (including skipped fp16 steps)
   int64_t applied = 0;  // applied updates (Adam bias correction)
@@ -245,6 +289,9 @@ struct Trainer::Impl {
     for (void*& p : d_raw) p = be->alloc(raw_bytes);
     for (int k = 0; k < kUploadSlots; ++k) be->staging(k, raw_bytes);
     d_images = be->alloc(static_cast<size_t>(b) * 3 * cfg.image * cfg.image * be->act_size());
+    d_step = static_cast<StepScalars*>(be->alloc(sizeof(StepScalars)));
+    be->zero(d_step, sizeof(StepScalars));
+    setup_graphs(training);
 
     // Parameters, gradients, optimizer state and activations are allocated; now the backend's
     // own workspace (reduction scratch, GEMM temporaries, optimizer tables) at the largest
@@ -370,12 +417,128 @@ struct Trainer::Impl {
     if (P > 1) MPI_Bcast(v, n, MPI_DOUBLE, P - 1, grid->comm(Axis::Pipeline).get());
   }
 
-  // Called by all ranks: sum of squares of the whole gradient, every stage's parameters.
-  double grad_norm_sq() {
-    double sq = opt->grad_norm_sq(model->grads());
-    if (grid->size(Axis::Pipeline) > 1)
-      MPI_Allreduce(MPI_IN_PLACE, &sq, 1, MPI_DOUBLE, MPI_SUM, grid->comm(Axis::Pipeline).get());
-    return sq;
+  // Called by all ranks from setup(): whether the step's micro-batches run as CUDA graphs.
+  // Everything a graph replays must be the same every step: with one pipeline stage (a
+  // pipeline's bubble marks and point-to-point schedule stay eager), without dropout (its
+  // masks are keyed by the step), and not under --profile (which times every op).
+  void setup_graphs(bool training) {
+    if (!training || !deck.device.cuda_graph || !be->graphs_supported()) return;
+    std::string why;
+    if (grid->size(Axis::Pipeline) > 1) why = "pipeline stages";
+    else if (cfg.dropout > 0.0f) why = "dropout (masks keyed by the step)";
+    else if (profile) why = "--profile";
+    if (!why.empty()) {
+      log("CUDA graphs off (%s): the step runs eagerly\n", why.c_str());
+      return;
+    }
+    use_graphs = true;
+  }
+
+  // Called by all ranks, inside the last micro-batch's body (so captured with it): the
+  // step's gradients reduced, the loss summed over every rank's samples, the squared norm of
+  // the whole gradient and the optimizer's gradient factor, all on the device.
+  void finish_gradients(float scale) {
+    reduce_grads();
+    double* loss = &d_step->loss_sum;
+    tp->sum_over_batch_device(loss, 1);          // the tensor group's sample blocks
+    coll->allreduce_sum_f64(loss, 1, Axis::Data);
+    coll->allreduce_sum_f64(loss, 1, Axis::Pipeline);  // known on the last stage only
+    opt->grad_norm_sq_device(model->grads(), &d_step->grad_sq);
+    coll->allreduce_sum_f64(&d_step->grad_sq, 1, Axis::Pipeline);  // every stage's parameters
+    be->clip_factor(&d_step->factor, &d_step->grad_sq, deck.optim.clip_grad_norm, 1.0f / scale);
+  }
+
+  // Runs `body` (the work of one micro-batch) eagerly, or as the CUDA graph of its key.
+  template <class F>
+  void run_body(const GraphKey& key, F&& body) {
+    if (!use_graphs) return body();
+    if (!graph_of.empty() &&
+        (be->device_allocations() != graph_allocs || key.grad_scale != graph_scale)) {
+      // a buffer a graph points into may have moved, or the fp16 loss scale changed (the
+      // graphs of the old one will not run again): capture anew
+      be->drop_graphs();
+      graph_of.clear();
+    }
+    graph_scale = key.grad_scale;
+    auto it = graph_of.find(key);
+    if (it == graph_of.end()) {  // first run of this key: eager
+      graph_of[key] = -1;
+      graph_allocs = be->device_allocations();
+      return body();
+    }
+    if (it->second < 0) {
+      coll->capture(true);
+      be->capture_begin();
+      body();
+      it->second = be->capture_end();
+      coll->capture(false);
+      ++graph_captures;
+      graph_allocs = be->device_allocations();
+    }
+    be->launch_graph(it->second);
+  }
+
+  // Called by all ranks: enqueues optimizer step s (0-based) with learning rate lr: the
+  // step's micro-batches through the pipeline, the gradient reduction, norm and clipping
+  // factor (run_body), then the update. Nothing waits for the device (except the fp16
+  // overflow verdict, which decides on the host whether the update runs); the step's
+  // scalars come back through finish_step. `more`: another step follows (its first
+  // micro-batch is uploaded during this one).
+  PendingStep enqueue_step(int64_t s, double lr, bool more) {
+    const int64_t G = deck.data.global_batch;
+    const int A = deck.data.grad_accum;
+    pipe->begin_step(s);
+    reducer->begin(model->grads());
+    const float scale = scaler->scale();
+    const float grad_scale = scale / static_cast<float>(G);
+    const float smoothing = static_cast<float>(deck.data.label_smoothing);
+    for (int m = 0; m < A; ++m) {
+      const auto hb = std::move(next_hb);
+      const int cur = slot;
+      const bool first = m == 0, last = m == A - 1;
+      be->wait_uploads();  // outside the graph: the copy stream is not captured
+      run_body({cur, first, last, !hb->soft.empty(), grad_scale}, [&] {
+        if (first) {
+          model->zero_grads();
+          be->zero(&d_step->loss_sum, sizeof(double));
+        }
+        DeviceBatch db = prepare_batch(*hb, cur);
+        pipe->train(db, smoothing, grad_scale, s, overlap && last, &d_step->loss_sum);
+        if (last) finish_gradients(scale);
+      });
+      be->release_slot(cur);
+      if (!last || more) {  // the next micro-batch, during this one
+        next_hb = next_batch();
+        slot ^= 1;
+        start_upload(*next_hb, slot);
+      }
+    }
+    PendingStep p;
+    p.step = s;
+    p.lr = lr;
+    p.scale = scale;
+    if (scaler->enabled()) {  // fp16: the host decides on the overflow verdict
+      int f = opt->grads_finite(model->grads()) ? 1 : 0;
+      MPI_Allreduce(MPI_IN_PLACE, &f, 1, MPI_INT, MPI_MIN, world);  // agreed over every axis
+      p.applied = scaler->update(f != 0);
+    }
+    if (p.applied) {
+      ++applied;
+      opt->step(model->master(), model->grads(), lr, applied, 1.0f, &d_step->factor);
+      model->sync_compute_params();
+    }
+    p.readback = static_cast<int>(s & 1);
+    be->readback_start(p.readback, d_step, sizeof(StepScalars));
+    if (use_graphs) coll->follow("training step (CUDA graph)");
+    return p;
+  }
+
+  // The loss (mean over the global batch) and the gradient norm (unscaled; NaN for a skipped
+  // fp16 step) of an enqueued step: waits for its scalars only.
+  void finish_step(const PendingStep& p, double* loss, double* gnorm) {
+    const auto* r = static_cast<const StepScalars*>(be->readback_wait(p.readback));
+    *loss = r->loss_sum / static_cast<double>(deck.data.global_batch);
+    *gnorm = p.applied ? std::sqrt(r->grad_sq) / p.scale : NAN;
   }
 
   // Called by all ranks: the measured bubble of each stage (device time outside its forward /
@@ -413,6 +576,7 @@ struct Trainer::Impl {
       for (void* p : d_raw)
         if (p) be->release(p);
       if (d_images) be->release(d_images);
+      if (d_step) be->release(d_step);
     }
   }
 
@@ -459,14 +623,14 @@ struct Trainer::Impl {
     be->upload_async(slot, d_raw[slot], end);
   }
 
-  // The device batch of an upload started with start_upload(hb, slot): waits for it on the
-  // device (not the host) and prepares the images (crop, flip, normalise, Mixup) there.
-  DeviceBatch finish_upload(const HostBatch& hb, int slot) {
+  // The device batch of an upload started with start_upload(hb, slot), once the caller made
+  // the device wait for it (Backend::wait_uploads): the images prepared (crop, flip,
+  // normalise, Mixup) on the device.
+  DeviceBatch prepare_batch(const HostBatch& hb, int slot) {
     DeviceBatch db;
     db.count = hb.count;
     db.first_position = hb.first_position;
     if (hb.count == 0) return db;
-    be->wait_uploads();
     uint8_t* d = static_cast<uint8_t*>(d_raw[slot]);
     db.labels = reinterpret_cast<const int32_t*>(d + off_labels);
     db.soft = hb.soft.empty() ? nullptr : reinterpret_cast<const float*>(d + off_soft);
@@ -485,7 +649,8 @@ struct Trainer::Impl {
   DeviceBatch upload(const HostBatch& hb) {
     be->release_slot(kEvalSlot);
     start_upload(hb, kEvalSlot);
-    return finish_upload(hb, kEvalSlot);
+    be->wait_uploads();
+    return prepare_batch(hb, kEvalSlot);
   }
 
   // ---- checkpoints
@@ -662,94 +827,71 @@ struct Trainer::Impl {
         static_cast<long long>(total_steps), double(total_steps) * G / train_ds->size(),
         static_cast<long long>(step), static_cast<long long>(G), grid->size(Axis::Data), A, b,
         deck.optim.name.c_str(), deck.optim.lr, static_cast<long long>(warmup_steps));
-    const MPI_Comm data_comm = grid->comm(Axis::Data).get();
     const double t_start = now_s();
-    double t_log = t_start;
+    double t_log = t_start, t_prev = t_start;
     int64_t steps_since_log = 0;
     double last_loss = 0.0;
     const int64_t first_step = step;
     const int64_t allocs_before = be->device_allocations();
     // The first micro-batch is uploaded here; every later one while its predecessor computes
     // (upload slots 0 and 1 alternate).
-    int slot = 0;
-    std::shared_ptr<const HostBatch> next_hb;
+    next_batch = [&loader] { return loader.next(); };
     if (step < total_steps) {
-      next_hb = loader.next();
+      next_hb = next_batch();
       start_upload(*next_hb, slot);
     }
-    while (step < total_steps) {
-      const double t0 = now_s();
-      model->zero_grads();
-      reducer->begin(model->grads());
-      const float scale = scaler->scale();
-      const float grad_scale = scale / static_cast<float>(G);
-      double loss_sum = 0.0;
-      for (int m = 0; m < A; ++m) {
-        const auto hb = std::move(next_hb);
-        const int cur = slot;
-        DeviceBatch db = finish_upload(*hb, cur);
-        loss_sum += pipe->train(db, static_cast<float>(deck.data.label_smoothing), grad_scale,
-                                step, overlap && m == A - 1);
-        be->release_slot(cur);
-        if (m < A - 1 || step + 1 < total_steps) {  // the next micro-batch, during this one
-          next_hb = loader.next();
-          slot ^= 1;
-          start_upload(*next_hb, slot);
-        }
-      }
-      // data-parallel gradient reduction (sum: each rank's gradient is already / G)
-      reduce_grads();
-      MPI_Allreduce(MPI_IN_PLACE, &loss_sum, 1, MPI_DOUBLE, MPI_SUM, data_comm);
-      from_last_stage(&loss_sum, 1);
-      const double loss = loss_sum / double(G);
-      bool finite = true;
-      if (scaler->enabled()) {
-        int f = opt->grads_finite(model->grads()) ? 1 : 0;
-        MPI_Allreduce(MPI_IN_PLACE, &f, 1, MPI_INT, MPI_MIN, world);  // agreed over every axis
-        finite = f != 0;
-      }
-      double gnorm = finite ? std::sqrt(grad_norm_sq()) / scale : NAN;
-      const double lr = sched.at(step + 1);
-      const bool apply = scaler->update(finite);
-      if (apply) {
-        float coef = 1.0f;
-        if (deck.optim.clip_grad_norm > 0.0 && gnorm > deck.optim.clip_grad_norm)
-          coef = static_cast<float>(deck.optim.clip_grad_norm / (gnorm + 1e-6));
-        ++applied;
-        opt->step(model->master(), model->grads(), lr, applied, coef / scale);
-        model->sync_compute_params();
-      }
-      be->synchronize();
-      ++step;
+    // Steps are enqueued one ahead of the host's bookkeeping: step k's loss and norm are read
+    // back (finish) while step k+1 computes, so the host never stalls the device.
+    std::deque<PendingStep> inflight;
+    auto finish = [&] {
+      const PendingStep p = inflight.front();
+      inflight.pop_front();
+      double loss = 0.0, gnorm = 0.0;
+      finish_step(p, &loss, &gnorm);
+      const int64_t k = p.step + 1;  // completed steps
+      const double now = now_s();
+      const double dt = now - t_prev;
+      t_prev = now;
+      double dt_max = dt;
+      MPI_Allreduce(MPI_IN_PLACE, &dt_max, 1, MPI_DOUBLE, MPI_MAX, world);
       ++steps_since_log;
-      if (step == first_step + 1) {
+      if (k == first_step + 1) {
         // the workspace was planned in setup(): a first step that allocates is worth a line
         long long n = static_cast<long long>(be->device_allocations() - allocs_before);
         MPI_Allreduce(MPI_IN_PLACE, &n, 1, MPI_LONG_LONG, MPI_MAX, world);
         if (n > 0)
-          log("warning: %lld device allocations during step 1: workspace plan too small\n", n);
+          log("warning: %lld device allocations during the first steps: workspace plan too "
+              "small\n", n);
       }
-      double dt = now_s() - t0, dt_max = dt;
-      MPI_Allreduce(MPI_IN_PLACE, &dt_max, 1, MPI_DOUBLE, MPI_MAX, world);
       last_loss = loss;
-      metrics.add_train({step, loss, lr, gnorm, double(G) / dt_max, double(scale), dt,
+      metrics.add_train({k, loss, p.lr, gnorm, double(G) / dt_max, double(p.scale), dt,
                          double(be->peak_memory_bytes())});
-      const bool last = step == total_steps;
-      if (step % deck.run.log_every == 0 || last) {
-        const double now = now_s();
+      if (k % deck.run.log_every == 0 || k == total_steps) {
         const double ips = double(G) * steps_since_log / std::max(now - t_log, 1e-9);
-        const double eta = (total_steps - step) * (now - t_start) / double(step - first_step);
+        const double eta = (total_steps - k) * (now - t_start) / double(k - first_step);
         log("step %6lld/%lld | epoch %6.2f | loss %.4f | lr %.3e | %8.1f img/s | %s | ETA "
             "%s%s\n",
-            static_cast<long long>(step), static_cast<long long>(total_steps),
-            double(step) * G / train_ds->size(), loss, lr, ips,
-            fmt_flops(ips * flops_sample).c_str(),
-            fmt_duration(eta).c_str(), apply ? "" : " | overflow: step skipped");
+            static_cast<long long>(k), static_cast<long long>(total_steps),
+            double(k) * G / train_ds->size(), loss, p.lr, ips,
+            fmt_flops(ips * flops_sample).c_str(), fmt_duration(eta).c_str(),
+            p.applied ? "" : " | overflow: step skipped");
         t_log = now;
         steps_since_log = 0;
         metrics.flush();
       }
-      if ((deck.run.eval_every > 0 && step % deck.run.eval_every == 0) || last) {
+    };
+    while (step < total_steps) {
+      inflight.push_back(enqueue_step(step, sched.at(step + 1), step + 1 < total_steps));
+      ++step;
+      const bool last = step == total_steps;
+      const bool eval_due = (deck.run.eval_every > 0 && step % deck.run.eval_every == 0) || last;
+      const bool stop = !last && preempt.requested(world);  // agreed: every rank stops here
+      const bool ckpt_due =
+          (deck.checkpoint.every_steps > 0 && step % deck.checkpoint.every_steps == 0) || last ||
+          stop;
+      // one step stays in flight; what reads the model after this step waits for all
+      while (inflight.size() > 1 || (!inflight.empty() && (eval_due || ckpt_due))) finish();
+      if (eval_due) {
         double el, e1, e5;
         evaluate(&el, &e1, &e5);
         metrics.add_eval({step, el, e1, e5});
@@ -757,10 +899,7 @@ struct Trainer::Impl {
         log("eval  %6lld | loss %.4f | top-1 %.2f%% | top-5 %.2f%%\n",
             static_cast<long long>(step), el, 100 * e1, 100 * e5);
       }
-      const bool stop = !last && preempt.requested(world);  // agreed: every rank stops here
-      if ((deck.checkpoint.every_steps > 0 && step % deck.checkpoint.every_steps == 0) || last ||
-          stop)
-        save_checkpoint();
+      if (ckpt_due) save_checkpoint();
       if (stop) {
         metrics.flush();
         log("preempted (signal %d) after step %lld: checkpoint written; exiting with %d so the "
@@ -769,6 +908,9 @@ struct Trainer::Impl {
         return kExitRequeue;
       }
     }
+    if (use_graphs)
+      log("CUDA graphs: %lld captured, replayed for the steps after the first two\n",
+          static_cast<long long>(graph_captures));
     report_bubble(&metrics);
     metrics.set_attribute("peak_device_memory_bytes", double(be->peak_memory_bytes()));
     metrics.set_attribute("checkpoint_write_GBps", ckpt_write_gbs);
@@ -784,29 +926,20 @@ struct Trainer::Impl {
     setup(true);
     model->init_params(deck.run.seed);
     const int64_t G = deck.data.global_batch;
-    const int A = deck.data.grad_accum;
     // one real batch from the loader, reused: times the model, not the input pipeline
     DataLoader loader(train_ds, loader_config(true), 0);
     auto hb = loader.next();
     LrSchedule sched(deck.optim, warmup + steps, 0);
-    int slot = 0;  // as in train(): the next micro-batch's upload overlaps this one
-    start_upload(*hb, slot);
-    auto one_step = [&](int64_t s) {
-      model->zero_grads();
-      reducer->begin(model->grads());
-      const float scale = scaler->scale();
-      for (int m = 0; m < A; ++m) {
-        DeviceBatch db = finish_upload(*hb, slot);
-        pipe->train(db, 0.1f, scale / float(G), s, overlap && m == A - 1);
-        be->release_slot(slot);
-        slot ^= 1;
-        start_upload(*hb, slot);
-      }
-      reduce_grads();
-      grad_norm_sq();  // computed every training step (clipping, logging): timed here too
-      opt->step(model->master(), model->grads(), sched.at(s + 1), s + 1, 1.0f / scale);
-      model->sync_compute_params();
-    };
+    next_batch = [&hb] { return hb; };
+    next_hb = hb;
+    start_upload(*next_hb, slot);  // as in train(): the next micro-batch's upload overlaps
+    // exactly the training step (clipping, readback and CUDA graphs included)
+    auto one_step = [&](int64_t s) { enqueue_step(s, sched.at(s + 1), true); };
+    // the two upload slots' graphs are captured in the third and fourth step
+    if (use_graphs && warmup < 4) {
+      log("bench: --warmup=%d raised to 4 (CUDA graphs are captured in steps 3 and 4)\n", warmup);
+      warmup = 4;
+    }
     const int64_t allocs0 = be->device_allocations();  // setup() planned the workspace
     for (int s = 0; s < warmup; ++s) one_step(s);
     be->synchronize();
@@ -851,12 +984,13 @@ struct Trainer::Impl {
     log("bench | %s | %s | %s | world %d | global batch %lld | step %.2f ms | %.1f img/s | "
         "%.1f img/s/device | %s/device | MFU %.2f%% (peak %.0f TFLOP/s) | peak mem %.2f GiB "
         "(%.3f MiB) | zero %d | grad buckets %zu%s | allocs from step 1 %lld | allocs in timed "
-        "steps %lld | attention %s\n",
+        "steps %lld | attention %s | cuda graphs %lld\n",
         deck.model.preset.c_str(), deck.precision.mode.c_str(), be->name().c_str(),
         grid->world_size(), static_cast<long long>(G), dt * 1e3, ips, ips / grid->world_size(),
         fmt_flops(per_dev * 1e12).c_str(), 100.0 * per_dev / peak_tflops, peak_tflops,
         mem_max / 1073741824.0, mem_max / 1048576.0, zero ? 1 : 0, reducer->buckets().size(),
-        overlap ? " overlapped" : "", allocs[0], allocs[1], attention.c_str());
+        overlap ? " overlapped" : "", allocs[0], allocs[1], attention.c_str(),
+        static_cast<long long>(graph_captures));
     return 0;
   }
 

@@ -369,6 +369,23 @@ class Profiled final : public ProfiledBackend {
   }
   double sum(const float* x, size_t n) override { return b_->sum(x, n); }
   bool all_finite(const float* x, size_t n) override { return b_->all_finite(x, n); }
+  void sum_into(double* acc, const float* x, size_t n) override { b_->sum_into(acc, x, n); }
+  void sum_squares_total(double* out, const float* buf,
+                         const std::vector<ParamSlice>& slices) override {
+    const double t0 = now_s();
+    b_->sum_squares_total(out, buf, slices);
+    if (on_) {
+      b_->synchronize();
+      add("grad_norm", t0);
+    }
+  }
+  void clip_factor(float* out, const double* sq, double max_norm, float inv_scale) override {
+    b_->clip_factor(out, sq, max_norm, inv_scale);
+  }
+  void readback_start(int slot, const void* src, size_t bytes) override {
+    b_->readback_start(slot, src, bytes);
+  }
+  const void* readback_wait(int slot) override { return b_->readback_wait(slot); }
   void adamw_update(float* p, const float* g, float* m, float* v,
                     const std::vector<ParamSlice>& slices, const AdamParams& a) override {
     const double t0 = now_s();
@@ -397,9 +414,10 @@ class Profiled final : public ProfiledBackend {
     }
   }
   void sgd_update(float* p, const float* g, float* mom, const std::vector<ParamSlice>& slices,
-                  float lr, float momentum, bool nesterov, float grad_scale) override {
+                  float lr, float momentum, bool nesterov, float grad_scale,
+                  const float* grad_scale_dev) override {
     const double t0 = now_s();
-    b_->sgd_update(p, g, mom, slices, lr, momentum, nesterov, grad_scale);
+    b_->sgd_update(p, g, mom, slices, lr, momentum, nesterov, grad_scale, grad_scale_dev);
     if (on_) {
       b_->synchronize();
       add("sgd_update", t0);

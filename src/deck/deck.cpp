@@ -186,6 +186,8 @@ const std::vector<Field>& schema() {
                "thread blocks (SMs) the data-parallel gradient reduction's NCCL kernels may take from the backward they overlap (0: NCCL's choice)"),
       VG_FIELD(device, deterministic, "",
                "bit-identical reruns; false lets cuDNN's attention backward accumulate with atomics (faster, last-bit differences run to run)"),
+      VG_FIELD(device, cuda_graph, "",
+               "capture each micro-batch's forward, backward, reductions and gradient norm as a CUDA graph and replay it (single pipeline stage, no dropout; same results as eager)"),
   };
   return fields;
 }

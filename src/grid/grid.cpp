@@ -363,6 +363,10 @@ class MpiCollectives final : public Collectives {
 
   void allreduce_sum(float* buf, size_t n, Axis a) override { allreduce(buf, n, MPI_SUM, a); }
   void allreduce_max(float* buf, size_t n, Axis a) override { allreduce(buf, n, MPI_MAX, a); }
+  void allreduce_sum_f64(double* buf, size_t n, Axis a) override {
+    if (comm(a) == MPI_COMM_NULL) return;
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf, static_cast<int>(n), MPI_DOUBLE, MPI_SUM, comm(a)));
+  }
 
   void allreduce_sum_act(void* buf, size_t n, size_t elem_size, Axis a) override {
     // The CPU backend keeps activations in fp32 even in the 16-bit modes, so a 2-byte buffer

@@ -55,7 +55,7 @@ DeviceBatch PipelineRunner::micro_batch(const DeviceBatch& b, int m) const {
 // Called by every rank of the pipeline and tensor groups.
 void PipelineRunner::run(const PipelinePlan& plan, const DeviceBatch& b, bool train,
                          float smoothing, float grad_scale, int64_t step, double* sums,
-                         std::vector<float>* logits, bool grads_final) {
+                         std::vector<float>* logits, bool grads_final, double* loss_dev) {
   const int M = train_.M;
   // micro-batches of this batch (eval's last batch may leave some short or empty: both sides
   // of every message know it from the batch count and skip empty ones alike)
@@ -71,7 +71,8 @@ void PipelineRunner::run(const PipelinePlan& plan, const DeviceBatch& b, bool tr
       if (plan.ops[i].kind == PipeOpKind::Backward && mb[plan.ops[i].micro].count > 0)
         last_backward[plan.ops[i].chunk] = i;
   // device-time marks around the step and each compute op (the bubble, harvested later)
-  if (train) step_marks_.push_back(be_.mark());
+  const bool marks = train && P_ > 1;
+  if (marks) step_marks_.push_back(be_.mark());
   try {
     for (size_t oi = 0; oi < plan.ops.size(); ++oi) {
       const PipeOp& op = plan.ops[oi];
@@ -79,13 +80,17 @@ void PipelineRunner::run(const PipelinePlan& plan, const DeviceBatch& b, bool tr
       if (d.count == 0) continue;
       const size_t bytes = model_.boundary_bytes(d.count);
       const bool compute = op.kind == PipeOpKind::Forward || op.kind == PipeOpKind::Backward;
-      if (train && compute) busy_marks_.push_back(be_.mark());
+      if (marks && compute) busy_marks_.push_back(be_.mark());
       switch (op.kind) {
         case PipeOpKind::Forward: {
           double v[3] = {0.0, 0.0, 0.0};
-          model_.chunk_forward(op.chunk, op.slot, d, step, train, smoothing, grad_scale, &v[0],
-                               &v[1], &v[2]);
-          if (holds_head && op.chunk == last_chunk) {
+          if (train)  // the loss into the device sum
+            model_.chunk_forward(op.chunk, op.slot, d, step, true, smoothing, grad_scale,
+                                 loss_dev, nullptr, nullptr);
+          else
+            model_.chunk_forward(op.chunk, op.slot, d, step, false, smoothing, grad_scale,
+                                 &v[0], &v[1], &v[2]);
+          if (!train && holds_head && op.chunk == last_chunk) {
             for (int i = 0; i < 3; ++i) sums[i] += v[i];
             if (logits) {
               // rows arrive in micro-batch order: the plan runs a stage's forwards in order
@@ -118,13 +123,13 @@ void PipelineRunner::run(const PipelinePlan& plan, const DeviceBatch& b, bool tr
           be_.copy(model_.grad_input(), model_.stage_input(op.src_slot), bytes);
           break;
       }
-      if (train && compute) busy_marks_.push_back(be_.mark());
+      if (marks && compute) busy_marks_.push_back(be_.mark());
     }
   } catch (const std::exception& e) {
     // Only this rank saw it; its neighbours wait in send / recv: end the job.
     VG_FAIL("pipeline stage " << stage_ << ", step " << step << ": " << e.what());
   }
-  if (train) step_marks_.push_back(be_.mark());
+  if (marks) step_marks_.push_back(be_.mark());
 }
 
 // Device time of the marked steps: stage time (first to last mark of a step) and the time in
@@ -149,16 +154,19 @@ void PipelineRunner::reset_timers() {
   busy_s_ = total_s_ = 0.0;
 }
 
-double PipelineRunner::train(const DeviceBatch& b, float smoothing, float grad_scale,
-                             int64_t step, bool grads_final) {
-  VG_CHECK(b.count == train_.M * micro_, "a training batch of " << b.count << " samples for "
-                                             << train_.M << " micro-batches of " << micro_);
+void PipelineRunner::begin_step(int64_t step) {
   if (fail_rank_ && step == fail_step_)
     VG_FAIL("injected failure (VITGRID_TEST_FAIL_AT) on pipeline stage " << stage_ << " at step " << step);
   harvest();  // the previous step's marks
-  double sums[3] = {0.0, 0.0, 0.0};
-  run(train_.stages[stage_], b, true, smoothing, grad_scale, step, sums, nullptr, grads_final);
-  return sums[0];
+}
+
+void PipelineRunner::train(const DeviceBatch& b, float smoothing, float grad_scale,
+                           int64_t step, bool grads_final, double* loss_sum) {
+  VG_CHECK(b.count == train_.M * micro_, "a training batch of " << b.count << " samples for "
+                                             << train_.M << " micro-batches of " << micro_);
+  double unused[3] = {0.0, 0.0, 0.0};
+  run(train_.stages[stage_], b, true, smoothing, grad_scale, step, unused, nullptr, grads_final,
+      loss_sum);
 }
 
 void PipelineRunner::eval(const DeviceBatch& b, double* loss, double* top1, double* top5,

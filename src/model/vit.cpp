@@ -69,6 +69,7 @@ struct ViT::Acts {
   void* logits_all;   // [max_batch, K]: every rank's logits rows gathered (predictions)
   float* logits_f32;  // the same in fp32 for the host copy
   float *losses, *c1, *c5;
+  double* loss_sum;  // forward_backward's device total
   // gradients of activations
   void *dres, *dtmp, *ddrop, *dqkv, *dh, *dcls_rows, *dcls_norm, *dptok;
   void* attn_ws;
@@ -316,6 +317,7 @@ void ViT::plan_activations() {
     a.losses = static_cast<float*>(take(Bm * 4));
     a.c1 = static_cast<float*>(take(Bm * 4));
     a.c5 = static_cast<float*>(take(Bm * 4));
+    a.loss_sum = static_cast<double*>(take(sizeof(double)));
     a.dres = take(N * C * as);
     a.dtmp = take(N * C * as);
     a.ddrop = take(N * C * as);
@@ -530,9 +532,7 @@ void ViT::chunk_forward(int chunk, int set, const DeviceBatch& in, int64_t step,
     be_.cross_entropy(a.losses, st.dlogits, a.logits, labels,
                       in.soft ? in.soft + static_cast<size_t>(sb.sample_offset) * K : nullptr,
                       Bl, K, smoothing, grad_scale);
-    double v = be_.sum(a.losses, Bl);
-    tp_.sum_over_batch(&v, 1);
-    if (loss) *loss = v;
+    if (loss) be_.sum_into(loss, a.losses, Bl);  // on the device: nothing waits
     return;
   }
   be_.cross_entropy(a.losses, nullptr, a.logits, labels, nullptr, Bl, K, 0.0f, 0.0f);
@@ -671,9 +671,12 @@ double ViT::forward_backward(const DeviceBatch& in, float smoothing, float grad_
   VG_CHECK(layout_.chunks.size() == 1 && layout_.embed && layout_.head,
            "forward_backward needs the whole model on this rank");
   if (in.count == 0) return 0.0;
-  double loss = 0.0;
-  chunk_forward(0, 0, in, step, true, smoothing, grad_scale, &loss, nullptr, nullptr);
+  be_.zero(a_->loss_sum, sizeof(double));
+  chunk_forward(0, 0, in, step, true, smoothing, grad_scale, a_->loss_sum, nullptr, nullptr);
   chunk_backward(0, 0, in, step);
+  tp_.sum_over_batch_device(a_->loss_sum, 1);
+  double loss = 0.0;
+  be_.copy_to_host(&loss, a_->loss_sum, sizeof loss);
   return loss;
 }
 

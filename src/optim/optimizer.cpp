@@ -85,6 +85,14 @@ Optimizer::Optimizer(const OptimSection& o, Backend& be, TensorParallel& tp, con
     VG_CHECK(end == n_, "buckets cover " << end << " of " << n_ << " gradient elements");
     shard_n_ = at;
   }
+  // the slices this rank counts in the global gradient norm (grad_norm_sq_device)
+  if (zero_) {
+    for (size_t k = 0; k < zslices_.size(); ++k)
+      if (tp_.counts_in_norm(static_cast<size_t>(zparam_[k]))) norm_slices_.push_back(zslices_[k]);
+  } else {
+    for (size_t i = 0; i < plain_.size(); ++i)
+      if (tp_.counts_in_norm(i)) norm_slices_.push_back(plain_[i]);
+  }
   const size_t bytes = state_elems() * sizeof(float);
   m_ = static_cast<float*>(be_.alloc(bytes));
   be_.zero(m_, bytes);
@@ -123,6 +131,15 @@ double Optimizer::grad_norm_sq(const float* grads) {
   return total;
 }
 
+void Optimizer::grad_norm_sq_device(const float* grads, double* out) {
+  if (norm_slices_.empty())
+    be_.zero(out, sizeof(double));
+  else
+    be_.sum_squares_total(out, grads, norm_slices_);
+  tp_.reduce_norm_total(out);
+  if (zero_) coll_->allreduce_sum_f64(out, 1, Axis::Data);
+}
+
 bool Optimizer::grads_finite(const float* grads) {
   if (!zero_) return be_.all_finite(grads, n_);
   bool ok = true;
@@ -131,9 +148,10 @@ bool Optimizer::grads_finite(const float* grads) {
   return ok;
 }
 
-void Optimizer::step(float* params, float* grads, double lr, int64_t step, float grad_scale) {
+void Optimizer::step(float* params, float* grads, double lr, int64_t step, float grad_scale,
+                     const float* grad_scale_dev) {
   AdamParams a{static_cast<float>(lr), static_cast<float>(o_.beta1), static_cast<float>(o_.beta2),
-               static_cast<float>(o_.eps), static_cast<int>(step), grad_scale};
+               static_cast<float>(o_.eps), static_cast<int>(step), grad_scale, grad_scale_dev};
   if (zero_) {
     // this rank's pieces: one multi-tensor call per bucket (state offsets differ from flat ones)
     if (o_.name == "adamw") {
@@ -165,7 +183,7 @@ void Optimizer::step(float* params, float* grads, double lr, int64_t step, float
         if (!pc.slices.empty())
           be_.sgd_update(params + pc.flat, grads + pc.flat, m_ + pc.shard, pc.slices,
                          static_cast<float>(lr), static_cast<float>(o_.momentum), o_.nesterov,
-                         grad_scale);
+                         grad_scale, grad_scale_dev);
     }
     // every rank's updated pieces to every rank (in place, fp32 master; the caller casts)
     for (size_t k = 0; k < shards_.buckets.size(); ++k)
@@ -194,7 +212,7 @@ void Optimizer::step(float* params, float* grads, double lr, int64_t step, float
   } else {
     // SGD: PyTorch adds weight decay to the gradient; slices_ carry it.
     be_.sgd_update(params, grads, m_, slices_, static_cast<float>(lr),
-                   static_cast<float>(o_.momentum), o_.nesterov, grad_scale);
+                   static_cast<float>(o_.momentum), o_.nesterov, grad_scale, grad_scale_dev);
   }
 }
 

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -160,6 +161,56 @@ TEST(CpuReduce, SumSquaresPerSliceSumAndAllFinite) {
   // Large finite values are finite (x - x is 0 for them).
   std::vector<float> big(9, std::numeric_limits<float>::max());
   EXPECT_TRUE(be.all_finite(big.data(), big.size()));
+}
+
+// The device-scalar forms (host memory on the CPU): totals, accumulation, the clipping
+// factor as torch.nn.utils.clip_grad_norm_ computes it, readback copies, and the optimizers
+// with that factor passed by pointer giving the bits of the factor passed by value.
+TEST(CpuReduce, DeviceScalarsClipFactorAndReadback) {
+  CpuBackend be;
+  auto x = randn(1001, 4, 10.0f);
+  const std::vector<ParamSlice> slices = {{0, 1}, {3, 997}, {500, 501}};
+  double total = 0.0, ref = 0.0;
+  be.sum_squares_total(&total, x.data(), slices);
+  for (const auto& s : slices)
+    for (size_t i = s.offset; i < s.offset + s.n; ++i) ref += (double)x[i] * x[i];
+  EXPECT_NEAR(total, ref, 1e-12 * ref);
+  double acc = 1.5, sum = 0.0;
+  be.sum_into(&acc, x.data(), 10);
+  for (int i = 0; i < 10; ++i) sum += x[i];
+  EXPECT_NEAR(acc, 1.5 + sum, 1e-12);
+  // clipping: max_norm 2 against |g| = sqrt(total) / 4 (the loss scale undone)
+  float f = 0.0f;
+  be.clip_factor(&f, &total, 2.0, 0.25f);
+  const double g = std::sqrt(total) * 0.25;
+  ASSERT_GT(g, 2.0);
+  EXPECT_EQ(f, static_cast<float>(2.0 / (g + 1e-6)) * 0.25f);
+  be.clip_factor(&f, &total, 1e9, 0.25f);  // under the limit: only the unscale
+  EXPECT_EQ(f, 0.25f);
+  be.clip_factor(&f, &total, 0.0, 1.0f);  // 0 = no clipping
+  EXPECT_EQ(f, 1.0f);
+  const double vals[2] = {3.25, -1.0};
+  be.readback_start(1, vals, sizeof vals);
+  EXPECT_EQ(std::memcmp(be.readback_wait(1), vals, sizeof vals), 0);
+
+  const float factor = 0.37f;
+  AdamParams by_value{1e-2f, 0.9f, 0.999f, 1e-8f, 2, factor};
+  AdamParams by_ptr = by_value;
+  by_ptr.grad_scale = 1.0f;
+  by_ptr.grad_scale_dev = &factor;
+  std::vector<float> out[2];
+  for (int k = 0; k < 2; ++k) {
+    auto p = randn(kTotal, 1), gr = randn(kTotal, 2);
+    std::vector<float> m(kTotal, 0.0f), v(kTotal, 0.0f), mom(kTotal, 0.0f), u(kTotal, 0.0f);
+    be.adamw_update(p.data(), gr.data(), m.data(), v.data(), kSlices, k ? by_ptr : by_value);
+    be.lamb_direction(u.data(), p.data(), gr.data(), m.data(), v.data(), kSlices,
+                      k ? by_ptr : by_value);
+    be.sgd_update(p.data(), gr.data(), mom.data(), kSlices, 0.1f, 0.9f, false,
+                  k ? 1.0f : factor, k ? &factor : nullptr);
+    out[k] = p;
+    out[k].insert(out[k].end(), u.begin(), u.end());
+  }
+  EXPECT_EQ(out[1], out[0]);
 }
 
 }  // namespace

@@ -14,12 +14,16 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "cuda_backend_impl.h"
 #include "gemm_gelu.h"
 #include "vitgrid/backend/backend.h"
 #include "vitgrid/backend/cuda/cuda_backend.h"
@@ -207,6 +211,51 @@ void BM_LayerNormBackward(benchmark::State& st) {
                                            benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// LayerNorm backward per fused kernel (VITGRID_LN_BWD, read when a backend is made: 0 the
+// first fused kernel, 1 the second, the default), bf16, N = 256 x 197 rows, at the ViT-B
+// (768), ViT-S (384) and ViT-L (1024) widths; each call includes the final dgamma / dbeta
+// reduction. GB counts what a fused kernel must move: dy, x and dx read, dx written.
+Backend& ln_bwd_backend(int v) {
+  static std::unique_ptr<Backend> be[2];
+  if (!be[v]) {
+    const char* prev = std::getenv("VITGRID_LN_BWD");
+    const std::string saved = prev ? prev : "";
+    setenv("VITGRID_LN_BWD", v ? "1" : "0", 1);
+    be[v] = make_cuda_backend(0, DType::BF16);
+    if (prev) setenv("VITGRID_LN_BWD", saved.c_str(), 1);
+    else unsetenv("VITGRID_LN_BWD");
+  }
+  return *be[v];
+}
+
+void BM_LayerNormBackwardKernel(benchmark::State& st) {
+  if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
+  const int C = static_cast<int>(st.range(0)), v = static_cast<int>(st.range(1));
+  Backend& be = ln_bwd_backend(v);
+  const size_t a = be.act_size(), nc = size_t(kN) * C;
+  std::vector<void*> bufs;
+  auto get = [&](size_t bytes) {
+    void* q = be.alloc(bytes);
+    be.zero(q, bytes);
+    bufs.push_back(q);
+    return q;
+  };
+  void *dx = get(nc * a), *dy = get(nc * a), *x = get(nc * a), *g = get(C * a);
+  float* mean = static_cast<float*>(get(kN * 4));
+  float* rstd = static_cast<float*>(get(kN * 4));
+  float* dg = static_cast<float*>(get(C * 4));
+  float* dbt = static_cast<float*>(get(C * 4));
+  timed(
+      st, [&] { be.layernorm_backward(dx, dg, dbt, dy, x, g, mean, rstd, kN, C); },
+      [&] { be.synchronize(); });
+  st.counters["GB"] = benchmark::Counter(4.0 * nc * a * 1e-9,
+                                           benchmark::Counter::kIsIterationInvariantRate);
+  st.SetLabel(v ? "VITGRID_LN_BWD=1 (second fused kernel)"
+                : "VITGRID_LN_BWD=0 (first fused kernel)");
+  be.synchronize();
+  for (void* q : bufs) be.release(q);
+}
+
 // Elementwise passes over the fc1 activation [N, 4C]: op 0 add (2 reads, 1 write: the memory
 // roofline of a map), 1 exact GELU forward (1 read, 1 write), 2 its backward (2 reads, 1 write),
 // 3 tanh GELU forward.
@@ -227,66 +276,227 @@ void BM_Elementwise(benchmark::State& st) {
                                            benchmark::Counter::kIsIterationInvariantRate);
 }
 
-// The MLP's exact GELU with its GEMMs, ViT-B/16, bf16. Forward (fc1): h = x W1^T + b1 and
-// g = gelu(h), [N, 4C] from x [N, C] (gemm_gelu.h: in = C, out = 4C). Backward (fc2's data
-// gradient): dg = dy W2 [N, 4C] from dy [N, C] and W2 [C, 4C], then dh = dg * gelu'(h)
-// (gemm_gelu.h: in = 4C, out = C). Arg mode: 0 forward fused (one CUTLASS kernel writes h and
-// g), 1 forward unfused (cuBLASLt GEMM with bias epilogue, then gelu_forward), 2 backward
-// fused, 3 backward unfused (cuBLASLt GEMM, then gelu_backward). TFLOP counts the GEMM only.
-// The fused kernels run on a stream of their own (the backend does not expose its stream);
-// skipped where they are unavailable (no CUTLASS at build time, not sm_90).
-void BM_GemmGelu(benchmark::State& st) {
+// The MLP's exact GELU with its GEMMs, bf16, batch 256 x 197 rows, at ViT-B (C = 768) and
+// ViT-S (C = 384). Forward (fc1): h = x W1^T + b1 and g = gelu(h), [N, 4C] from x [N, C]
+// (gemm_gelu.h: in = C, out = 4C). Backward (fc2's data gradient): dg = dy W2 [N, 4C] from
+// dy [N, C] and W2 [C, 4C], then dh = dg * gelu'(h) (gemm_gelu.h: in = 4C, out = C).
+// Candidates, registered at run time (main) from gemm_gelu.h's configuration list:
+//  * unfused: cuBLASLt GEMM (bias epilogue forward), then gelu_forward / gelu_backward, on a
+//    backend with device.gemm_tune = 8 (the cuBLASLt algorithm timed, as the bench deck);
+//  * config:K: the CUTLASS kernel K with the default tile scheduling (one kernel writes h and
+//    g, or dh), on a stream of its own;
+//  * tuned: what that backend chooses (VITGRID_FUSED_GELU as in the environment, unset = auto:
+//    the fastest of all the above and the scheduler settings of the fastest kernel, timed on
+//    the first call), run as the backend runs it (forward: linear_forward; backward: the
+//    chosen data-gradient path alone, without linear_backward's dW / db GEMM);
+// and, ViT-B only, BM_GemmGeluSchedules: every other configuration id (each kernel with each
+// raster order / swizzle). Operands random (fill_random_bf16). TFLOP counts the GEMM only.
+// After the run a ranking per model and direction is printed, and the backend's choices with
+// their timings. Fused rows are skipped where the kernels are unavailable (no CUTLASS at build
+// time, not sm_90).
+constexpr int kUnfused = -1, kTuned = -2;
+
+// n bf16 values uniform in [-scale, scale] into device memory p: a host pattern of 2^20 values
+// (from seed) repeated.
+void fill_random_bf16(void* p, size_t n, float scale, unsigned seed) {
+  static constexpr size_t kPattern = size_t(1) << 20;
+  std::vector<uint16_t> pat(std::min(n, kPattern));
+  uint32_t r = 0x9E3779B9u * (seed + 1);
+  for (uint16_t& v : pat) {
+    r = r * 1664525u + 1013904223u;  // LCG: plenty for operand values
+    const float f = scale * (float(r >> 8) * (2.0f / 16777216.0f) - 1.0f);
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    v = static_cast<uint16_t>(bits >> 16);  // truncated to bf16
+  }
+  gpu().synchronize();  // the zero fill of p is on the backend's stream
+  for (size_t off = 0; off < n; off += pat.size()) {
+    const size_t k = std::min(pat.size(), n - off);
+    VG_CHECK(cudaMemcpy(static_cast<uint16_t*>(p) + off, pat.data(), k * 2,
+                        cudaMemcpyHostToDevice) == cudaSuccess,
+             "cudaMemcpy");
+  }
+}
+
+Backend& tuned_gpu() {
+  static std::unique_ptr<Backend> be = [] {
+    BackendOptions o;
+    o.gemm_tune = 8;
+    return make_cuda_backend(0, DType::BF16, o);
+  }();
+  return *be;
+}
+
+struct GemmGeluResult {
+  std::string group, name;
+  double ms;
+  double tflops;
+};
+std::vector<GemmGeluResult>& gemm_gelu_results() {
+  static std::vector<GemmGeluResult> r;
+  return r;
+}
+
+void gemm_gelu_bench(benchmark::State& st, int C, bool fwd, int cand, const std::string& group) {
   if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
-  const int mode = static_cast<int>(st.range(0));
-  const bool fused = mode == 0 || mode == 2, fwd = mode < 2;
-  if (fused &&
-      !(cuda::gemm_gelu_available() && cuda::gemm_gelu_supported(DType::BF16, kN, kC, 4 * kC)))
+  const bool fused_rows = cand >= 0;
+  if (fused_rows &&
+      !(cuda::gemm_gelu_available() && cuda::gemm_gelu_supported(DType::BF16, kN, C, 4 * C)))
     return st.SkipWithError("fused GELU GEMMs unavailable (no CUTLASS, or not sm_90)");
-  const size_t a = gpu().act_size(), nc = size_t(kN) * kC, nh = size_t(kN) * 4 * kC;
+  Backend& be = tuned_gpu();
+  const size_t a = be.act_size(), nc = size_t(kN) * C, nh = size_t(kN) * 4 * C;
   Bufs b;
-  void* x = b.get(nc * a);                   // x (forward) or dy (backward)
-  void* W = b.get(size_t(4) * kC * kC * a);  // W1 [4C, C] or W2 [C, 4C]
-  void* bias = b.get(size_t(4) * kC * a);
+  void* x = b.get(nc * a);                 // x (forward) or dy (backward)
+  void* W = b.get(size_t(4) * C * C * a);  // W1 [4C, C] or W2 [C, 4C]
+  void* bias = b.get(size_t(4) * C * a);
   void* h = b.get(nh * a);
   void* g = b.get(nh * a);   // g (forward) or dh (backward)
   void* dg = b.get(nh * a);  // unfused backward: dy W2
-  const int in = fwd ? kC : 4 * kC, out = fwd ? 4 * kC : kC;
-  const size_t wsb = fused ? cuda::gemm_gelu_workspace_bytes(DType::BF16, kN, in, out) : 0;
+  const int in = fwd ? C : 4 * C, out = fwd ? 4 * C : C;
+  const size_t wsb = cuda::gemm_gelu_workspace_bytes(DType::BF16, kN, in, out);
   void* ws = wsb ? b.get(wsb) : nullptr;
   static cudaStream_t s = [] {
     cudaStream_t t = nullptr;
     VG_CHECK(cudaStreamCreateWithFlags(&t, cudaStreamNonBlocking) == cudaSuccess, "stream");
     return t;
   }();
+  // Random operands (zeros would let the tensor cores run cooler and faster than in training):
+  // x / dy uniform in [-1, 1], W in [-1, 1] / sqrt(K), b in [-0.5, 0.5], h in [-2, 2].
+  fill_random_bf16(x, nc, 1.0f, 1);
+  fill_random_bf16(W, size_t(4) * C * C, 1.0f / std::sqrt(float(C)), 2);  // K = C both ways
+  fill_random_bf16(bias, size_t(4) * C, 0.5f, 3);
+  fill_random_bf16(h, nh, 2.0f, 4);
   gpu().synchronize();  // the zero fills
+  int run = cand;       // what the loop runs: kUnfused, a configuration, or (forward) kTuned
+  std::string label;
+  if (cand == kTuned) {
+    auto* cb = dynamic_cast<CudaBackend*>(&be);
+    if (fwd) {
+      be.linear_forward(h, x, W, bias, kN, in, out, g, Gelu::Exact);  // the choice, if new
+      run = kTuned;
+    } else {
+      Bufs grads;
+      float* dW = static_cast<float*>(grads.get(size_t(out) * in * 4));
+      float* db = static_cast<float*>(grads.get(size_t(out) * 4));
+      be.linear_backward(g, dW, db, x, h, W, kN, in, out, h, Gelu::Exact);
+      run = cb ? cb->fused_gelu_choice(false, kN, in, out) : kUnfused;
+      if (run < kUnfused) run = kUnfused;  // no decision (VITGRID_FUSED_GELU=0)
+      be.synchronize();                    // before grads are freed
+    }
+    be.synchronize();
+    const int c = cb ? cb->fused_gelu_choice(fwd, kN, in, out) : -2;
+    label = "tuned: " +
+            (c >= 0 ? std::to_string(c) + " " + cuda::gemm_gelu_config_name(DType::BF16, fwd, c)
+                    : std::string(c == -1 ? "unfused" : "unfused (fused path off or unavailable)"));
+  } else if (cand == kUnfused) {
+    label = "unfused (cuBLASLt + GELU pass)";
+  } else {
+    label = std::to_string(cand) + " " + cuda::gemm_gelu_config_name(DType::BF16, fwd, cand);
+  }
   auto sync = [&] {
-    if (fused) {
+    if (run >= 0) {
       VG_CHECK(cudaStreamSynchronize(s) == cudaSuccess, "cudaStreamSynchronize");
     } else {
-      gpu().synchronize();
+      be.synchronize();
     }
   };
-  timed(
-      st,
-      [&] {
-        if (mode == 0)
-          cuda::gemm_bias_gelu_forward(DType::BF16, s, h, g, x, W, bias, kN, in, out, ws, wsb);
-        if (mode == 1) {
-          gpu().linear_forward(h, x, W, bias, kN, in, out);
-          gpu().gelu_forward(g, h, nh, Gelu::Exact);
-        }
-        if (mode == 2) cuda::gemm_dgelu_backward(DType::BF16, s, g, x, W, h, kN, in, out, ws, wsb);
-        if (mode == 3) {
-          gpu().gemm_batched(false, false, kN, in, out, 1.0f, x, 0, W, 0, 0.0f, dg, 0, 1);
-          gpu().gelu_backward(g, h, dg, nh, Gelu::Exact);
-        }
-      },
-      sync);
-  st.counters["TFLOP"] = benchmark::Counter(2.0 * kN * in * out * 1e-12,
-                                              benchmark::Counter::kIsIterationInvariantRate);
-  static const char* const kModes[4] = {"forward fused", "forward unfused", "backward fused",
-                                        "backward unfused"};
-  st.SetLabel(kModes[mode]);
+  double total = 0;
+  int64_t n = 0;
+  auto op = [&] {
+    if (run >= 0) {
+      if (fwd) {
+        cuda::gemm_bias_gelu_forward(DType::BF16, s, h, g, x, W, bias, kN, in, out, ws, wsb, run);
+      } else {
+        cuda::gemm_dgelu_backward(DType::BF16, s, g, x, W, h, kN, in, out, ws, wsb, run);
+      }
+    } else if (run == kTuned) {
+      be.linear_forward(h, x, W, bias, kN, in, out, g, Gelu::Exact);
+    } else if (fwd) {
+      be.linear_forward(h, x, W, bias, kN, in, out);
+      be.gelu_forward(g, h, nh, Gelu::Exact);
+    } else {
+      be.gemm_batched(false, false, kN, in, out, 1.0f, x, 0, W, 0, 0.0f, dg, 0, 1);
+      be.gelu_backward(g, h, dg, nh, Gelu::Exact);
+    }
+  };
+  op();  // warm-up: plans and module loading here, never in the loop
+  sync();
+  for (auto _ : st) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int r = 0; r < kReps; ++r) op();
+    sync();
+    const double sec =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / kReps;
+    st.SetIterationTime(sec);
+    total += sec;
+    ++n;
+  }
+  const double flop = 2.0 * kN * in * out;
+  st.counters["TFLOP"] =
+      benchmark::Counter(flop * 1e-12, benchmark::Counter::kIsIterationInvariantRate);
+  st.SetLabel(label);
+  if (n > 0)
+    gemm_gelu_results().push_back({group, label, 1e3 * total / n, flop * n / total * 1e-12});
+}
+
+void register_gemm_gelu_benchmarks() {
+  // Every compiled kernel is listed; on a device without them its rows are skipped.
+  const bool have = cuda::gemm_gelu_kernel_count(DType::BF16, true) > 0;
+  for (int C : {kC, 384}) {
+    for (bool fwd : {true, false}) {
+      const std::string base =
+          "BM_GemmGelu/C:" + std::to_string(C) + (fwd ? "/forward" : "/backward");
+      const std::string group =
+          (C == kC ? "ViT-B " : "ViT-S ") +
+          std::string(fwd ? "forward (fc1 + GELU)" : "backward (fc2 dgrad * GELU')");
+      std::vector<std::pair<std::string, int>> cands = {{"unfused", kUnfused}, {"tuned", kTuned}};
+      const int nk = have ? cuda::gemm_gelu_kernel_count(DType::BF16, fwd) : 0;
+      for (int k = 0; k < nk; ++k)
+        cands.push_back(
+            {"config:" + std::to_string(k), cuda::gemm_gelu_config_id(DType::BF16, fwd, k, 0)});
+      for (const auto& [name, cand] : cands) {
+        benchmark::RegisterBenchmark(
+            (base + "/" + name).c_str(),
+            [=](benchmark::State& st) { gemm_gelu_bench(st, C, fwd, cand, group); })
+            ->UseManualTime()
+            ->Unit(benchmark::kMillisecond);
+      }
+      if (C != kC || !have) continue;
+      const std::string sgroup = group + ", every scheduler setting";
+      for (int c = nk; c < cuda::gemm_gelu_config_count(DType::BF16, fwd); ++c) {
+        benchmark::RegisterBenchmark(
+            ("BM_GemmGeluSchedules/C:" + std::to_string(C) + (fwd ? "/forward" : "/backward") +
+             "/config:" + std::to_string(c))
+                .c_str(),
+            [=](benchmark::State& st) { gemm_gelu_bench(st, C, fwd, c, sgroup); })
+            ->UseManualTime()
+            ->Unit(benchmark::kMillisecond);
+      }
+    }
+  }
+}
+
+// The GemmGelu rows of this run, fastest first per group, then the tuned backend's choices.
+void print_gemm_gelu_ranking() {
+  std::vector<GemmGeluResult> r = gemm_gelu_results();
+  if (r.empty()) return;
+  std::stable_sort(r.begin(), r.end(), [](const GemmGeluResult& a, const GemmGeluResult& b) {
+    return a.group != b.group ? a.group < b.group : a.ms < b.ms;
+  });
+  std::printf("\nGemmGelu ranking (bf16, N = %d rows; TFLOP/s of the GEMM):\n", kN);
+  std::string group;
+  for (const GemmGeluResult& x : r) {
+    if (x.group != group) {
+      group = x.group;
+      std::printf("  %s\n", group.c_str());
+    }
+    std::printf("    %8.4f ms  %6.1f TFLOP/s  %s\n", x.ms, x.tflops, x.name.c_str());
+  }
+  if (auto* cb = dynamic_cast<CudaBackend*>(&tuned_gpu())) {
+    const std::string rep = cb->fused_gelu_report();
+    if (!rep.empty()) std::printf("\nThe tuned backend's choices:\n%s", rep.c_str());
+  }
+  std::fflush(stdout);
 }
 
 void BM_AdamW(benchmark::State& st) {
@@ -354,13 +564,13 @@ BENCHMARK(BM_Elementwise)
     ->DenseRange(0, 3)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_GemmGelu)
-    ->ArgName("mode")
-    ->DenseRange(0, 3)
-    ->UseManualTime()
-    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LayerNormForward)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LayerNormBackward)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_LayerNormBackwardKernel)
+    ->ArgNames({"C", "kernel"})
+    ->ArgsProduct({{kC, 384, 1024}, {0, 1}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AdamW)->UseManualTime()->Unit(benchmark::kMillisecond);
 
 }  // namespace
@@ -373,7 +583,11 @@ int main(int argc, char** argv) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   benchmark::Initialize(&argc, argv);
-  if (rank == 0) benchmark::RunSpecifiedBenchmarks();
+  vitgrid::register_gemm_gelu_benchmarks();
+  if (rank == 0) {
+    benchmark::RunSpecifiedBenchmarks();
+    vitgrid::print_gemm_gelu_ranking();
+  }
   benchmark::Shutdown();
   MPI_Finalize();
   return 0;

@@ -209,21 +209,59 @@ TEST_P(GpuBackend, Elementwise) {
   EXPECT_CLOSE(cast[1], cast[0], 1e-7);  // y is representable: the cast is exact
 }
 
+// LayerNorm forward and backward against the CPU reference, the backward with each fused
+// kernel: VITGRID_LN_BWD (read when a backend is made) 0 = layernorm_bwd_fused_kernel, 1 (the
+// default) = layernorm_bwd_fused2_kernel; widths past their reach take the general path. The
+// two backends must agree: the forward bit for bit (the same kernels); dx bit for bit where
+// both run a fused kernel (the same per-row arithmetic in the same order) or both the general
+// path; dgamma / dbeta bit for bit on the general path, else to 1e-5 (rel. L2: fp32 sums of
+// the same products over the rows in another order). An unknown value is a user error.
 TEST_P(GpuBackend, LayerNorm) {
+  std::unique_ptr<Dev> lnb[2];  // [v]: VITGRID_LN_BWD=v
+  {
+    const char* prev = std::getenv("VITGRID_LN_BWD");
+    const std::string saved = prev ? prev : "";
+    for (int v = 0; v < 2; ++v) {
+      setenv("VITGRID_LN_BWD", v ? "1" : "0", 1);
+      lnb[v] = std::make_unique<Dev>(make_cuda_backend(0, dt));
+    }
+    setenv("VITGRID_LN_BWD", "2", 1);
+    try {
+      make_cuda_backend(0, dt);
+      ADD_FAILURE() << "VITGRID_LN_BWD=2 accepted";
+    } catch (const UserError& e) {
+      EXPECT_NE(std::string(e.what()).find("VITGRID_LN_BWD"), std::string::npos) << e.what();
+    }
+    if (prev) setenv("VITGRID_LN_BWD", saved.c_str(), 1);
+    else unsetenv("VITGRID_LN_BWD");
+  }
+  // The backward's path per kernel choice (layernorm.cu): 0 fused for rows of <= 32 * 4
+  // 16-byte packs, 1 fused for <= 32 * 6; else (and for widths not a multiple of a pack) the
+  // general path. Buffers from alloc() are aligned.
+  auto fused = [&](int v, int C) {
+    const int V = 16 / static_cast<int>(dtype_size(dt));
+    return C % V == 0 && C / V <= 32 * (v ? 6 : 4);
+  };
   // odd width (generic kernels) and 16-byte-divisible widths (register-resident vector
-  // forward with 1..16 packs per lane, fused vector backward up to 1024 16-bit columns)
+  // forward with 1..16 packs per lane, fused vector backwards: ViT-Lite 256, ViT-S 384, ViT-B
+  // 768, ViT-L 1024, ViT-H 1280 and 4096); odd row counts (not a multiple of the warps per
+  // block), three of them past one sweep of the second fused kernel's grid (a row per warp:
+  // 4224, 3168, 2640 rows at C = 256, 384, 768 in 16-bit types), so that warps take several
+  // rows and the last sweep is partial
   for (auto [N, C] : {std::pair<int, int>{45, 77}, std::pair<int, int>{301, 256},
                       std::pair<int, int>{67, 1024}, std::pair<int, int>{197, 768},
-                      std::pair<int, int>{33, 384}, std::pair<int, int>{19, 4096}}) {
+                      std::pair<int, int>{33, 384}, std::pair<int, int>{91, 1280},
+                      std::pair<int, int>{19, 4096}, std::pair<int, int>{4391, 256},
+                      std::pair<int, int>{3301, 384}, std::pair<int, int>{4999, 768}}) {
   SCOPED_TRACE("N=" + std::to_string(N) + " C=" + std::to_string(C));
   const float eps = 1e-6f;
   Vec a = rnd(size_t(N) * C, 1.0f, 0.3f), b = rnd(size_t(N) * C), g = rnd(C, 0.2f, 1.0f),
       be = rnd(C, 0.1f), dy = rnd(size_t(N) * C), dx0 = rnd(size_t(N) * C),
       dg0 = rnd(C), db0 = rnd(C);
   for (int with_b = 0; with_b < 2; ++with_b) {
-    Vec r[2][7];
-    for (int k = 0; k < 2; ++k) {
-      Dev* d = k ? gpu.get() : cpu.get();
+    Vec r[3][7];  // [0] CPU, [1 + v] CUDA with VITGRID_LN_BWD=v
+    for (int k = 0; k < 3; ++k) {
+      Dev* d = k ? lnb[k - 1].get() : cpu.get();
       void* res = d->nan_act(size_t(N) * C);
       void* y = d->nan_act(size_t(N) * C);
       float* mean = d->nan_f32(N);
@@ -244,11 +282,29 @@ TEST_P(GpuBackend, LayerNorm) {
       r[k][6] = d->get_f32(dbet, C);
     }
     SCOPED_TRACE(with_b ? "with residual" : "without residual");
+    for (int v = 0; v < 2; ++v) {
+      SCOPED_TRACE("VITGRID_LN_BWD=" + std::to_string(v));
+      for (int j = 0; j < 7; ++j) {
+        // mean/rstd/dgamma/dbeta are fp32 but depend on res, which is rounded identically
+        // only when a + b is exact; use the act tolerance for all but rstd-free fp32 sums.
+        SCOPED_TRACE("output " + std::to_string(j));
+        EXPECT_CLOSE(r[1 + v][j], r[0][j], tol());
+      }
+    }
+    // the two kernel choices against each other
+    const bool f0 = fused(0, C), f1 = fused(1, C);
     for (int j = 0; j < 7; ++j) {
-      // mean/rstd/dgamma/dbeta are fp32 but depend on res, which is rounded identically
-      // only when a + b is exact; use the act tolerance for all but rstd-free fp32 sums.
-      SCOPED_TRACE("output " + std::to_string(j));
-      EXPECT_CLOSE(r[1][j], r[0][j], tol());
+      SCOPED_TRACE("kernels 0 vs 1, output " + std::to_string(j));
+      const bool exact = j < 4 || (j == 4 && f0 == f1) || (!f0 && !f1);
+      if (exact) {
+        ASSERT_EQ(r[1][j].size(), r[2][j].size());
+        size_t diff = 0;
+        for (size_t i = 0; i < r[1][j].size(); ++i)
+          diff += std::memcmp(&r[1][j][i], &r[2][j][i], sizeof(float)) != 0;
+        EXPECT_EQ(diff, 0u) << "elements differing in their bits";
+      } else {
+        EXPECT_CLOSE(r[2][j], r[1][j], j == 4 ? tol() : 1e-5);
+      }
     }
   }
   // In place: res aliases a.
@@ -579,6 +635,89 @@ TEST_P(GpuBackend, ReductionsAndOptimizers) {
   }
   // Elements outside every slice are untouched.
   for (size_t i = 40006; i < 40100; ++i) ASSERT_EQ(res[1][0][i], p0[i]);
+}
+
+// The device-scalar reductions of the training step (sum_into, sum_squares_total,
+// clip_factor, readback) against the CPU backend, the optimizer's device gradient factor
+// against the same factor by value (identical bits), and a CUDA graph of that tail replayed
+// twice against the same ops run eagerly twice (identical bits).
+TEST_P(GpuBackend, DeviceScalarsAndGraphs) {
+  const size_t n = 50001;
+  const std::vector<ParamSlice> slices = {{0, 7, 0.0f}, {7, 30000, 0.05f}, {30100, 19901, 0.0f}};
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  Vec p0(n), g0(n), l0(300);
+  for (auto& x : p0) x = nd(rng);
+  for (auto& x : g0) x = 0.3f * nd(rng);
+  for (auto& x : l0) x = std::fabs(nd(rng));
+  struct Scalars {
+    double loss, sq;
+    float factor, pad;
+  };
+  Scalars got[2];
+  for (int k = 0; k < 2; ++k) {
+    Dev* d = k ? gpu.get() : cpu.get();
+    auto* sc = static_cast<Scalars*>(d->be->alloc(sizeof(Scalars)));
+    d->be->zero(sc, sizeof(Scalars));
+    float* l = d->f32(l0);
+    d->be->sum_into(&sc->loss, l, 300);
+    d->be->sum_into(&sc->loss, l, 100);  // accumulates
+    d->be->sum_squares_total(&sc->sq, d->f32(g0), slices);
+    d->be->clip_factor(&sc->factor, &sc->sq, 1.0, 0.25f);  // |g| * 0.25 > 1: clipped
+    d->be->readback_start(1, sc, sizeof(Scalars));
+    std::memcpy(&got[k], d->be->readback_wait(1), sizeof(Scalars));
+  }
+  EXPECT_NEAR(got[1].loss, got[0].loss, 1e-9 * got[0].loss);
+  EXPECT_NEAR(got[1].sq, got[0].sq, 1e-9 * got[0].sq);
+  EXPECT_NEAR(got[1].factor, got[0].factor, 1e-6 * got[0].factor);
+  const double g = std::sqrt(got[0].sq) * 0.25;
+  ASSERT_GT(g, 1.0);
+  EXPECT_FLOAT_EQ(got[0].factor, static_cast<float>(1.0 / (g + 1e-6)) * 0.25f);
+
+  // AdamW / SGD with the factor on the device give the bits of the factor by value
+  Dev& G = *gpu;
+  float* factor = G.f32(Vec{got[1].factor});
+  AdamParams by_value{1e-3f, 0.9f, 0.999f, 1e-8f, 2, got[1].factor};
+  AdamParams on_device = by_value;
+  on_device.grad_scale = 1.0f;
+  on_device.grad_scale_dev = factor;
+  Vec z(n, 0.0f);
+  Vec out[2];
+  for (int k = 0; k < 2; ++k) {
+    float *p = G.f32(p0), *gg = G.f32(g0), *m = G.f32(z), *v = G.f32(z), *mom = G.f32(z);
+    G.be->adamw_update(p, gg, m, v, slices, k ? on_device : by_value);
+    G.be->sgd_update(p, gg, mom, slices, 0.1f, 0.9f, true, k ? 1.0f : got[1].factor,
+                     k ? factor : nullptr);
+    out[k] = G.get_f32(p, n);
+  }
+  EXPECT_EQ(out[1], out[0]);
+
+  // a graph of norm -> factor -> update, replayed twice, against two eager runs
+  ASSERT_TRUE(G.be->graphs_supported());
+  auto* sc = static_cast<Scalars*>(G.be->alloc(sizeof(Scalars)));
+  Vec res[2];
+  for (int k = 0; k < 2; ++k) {
+    float *p = G.f32(p0), *gg = G.f32(g0), *m = G.f32(z), *v = G.f32(z);
+    auto tail = [&] {
+      G.be->sum_squares_total(&sc->sq, gg, slices);
+      G.be->clip_factor(&sc->factor, &sc->sq, 1.0, 0.25f);
+      AdamParams a{1e-3f, 0.9f, 0.999f, 1e-8f, 1, 1.0f, &sc->factor};
+      G.be->adamw_update(p, gg, m, v, slices, a);
+    };
+    if (k == 0) {
+      tail();
+      tail();
+    } else {
+      tail();  // first run eager (lazy setup), as the trainer does
+      G.be->capture_begin();
+      tail();
+      const int id = G.be->capture_end();
+      // the capture ran nothing: p holds one update; replaying once gives the second
+      G.be->launch_graph(id);
+    }
+    res[k] = G.get_f32(p, n);
+  }
+  EXPECT_EQ(res[1], res[0]);
+  G.be->drop_graphs();
 }
 
 TEST_P(GpuBackend, MemoryAccounting) {

@@ -616,6 +616,21 @@ void check_model(const Case& c, bool ckpt, bool mix, const Prec& prec = kF32) {
     EXPECT_LE(max_over_world(std::abs(sq[i] - sq_ref[i]) / std::max(sq_ref[i], 1e-6 * total * total)),
               prec.tol)
         << P[i].name << " norm";
+  // The trainer's device total (clipping without a host read): each rank sums the squares of
+  // the parameters it counts, then the tensor group sums; equals the 1-rank model's |g|^2.
+  {
+    std::vector<ParamSlice> counted;
+    for (size_t i = 0; i < P.size(); ++i)
+      if (tp.rig.tp->counts_in_norm(i)) counted.push_back({P[i].offset, P[i].numel, 0.0f});
+    auto* d = static_cast<double*>(tp.rig.be->alloc(sizeof(double)));
+    tp.rig.be->sum_squares_total(d, tp.vit->grads(), counted);
+    tp.rig.tp->reduce_norm_total(d);
+    double got = 0.0;
+    tp.rig.be->copy_to_host(&got, d, sizeof got);
+    tp.rig.be->release(d);
+    EXPECT_LE(max_over_world(std::abs(got - total * total) / (total * total)), prec.tol)
+        << "device gradient norm " << got << " vs " << total * total;
+  }
   // logits of an eval forward, gathered in sample order
   double l1, a1, b1, l2, a2, b2;
   DeviceBatch br{ref.images, ref.labels, nullptr, B, 0}, bt{tp.images, tp.labels, nullptr, B, 0};

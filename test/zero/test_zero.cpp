@@ -247,6 +247,15 @@ void sharded_matches_replicated(const std::string& name) {
     red.finish();
     const double gz = zopt.grad_norm_sq(zm.grads()), gr = ropt.grad_norm_sq(rm.grads());
     EXPECT_NEAR(gz, gr, 1e-6 * gr) << name << " step " << s;
+    // the device totals the trainer clips with: ZeRO's pieces summed over the data ranks
+    for (Optimizer* o : {&zopt, &ropt}) {
+      auto* d = static_cast<double*>(be->alloc(sizeof(double)));
+      o->grad_norm_sq_device(o == &zopt ? zm.grads() : rm.grads(), d);
+      double got = 0.0;
+      be->copy_to_host(&got, d, sizeof got);
+      be->release(d);
+      EXPECT_NEAR(got, gr, 1e-6 * gr) << name << " step " << s << (o == &zopt ? " ZeRO" : "");
+    }
     EXPECT_TRUE(zopt.grads_finite(zm.grads()));
     zopt.step(zm.master(), zm.grads(), 1e-2, s, 0.5f);
     ropt.step(rm.master(), rm.grads(), 1e-2, s, 0.5f);

@@ -44,6 +44,10 @@ struct AdamParams {
   float lr, beta1, beta2, eps;
   int step;          // 1-based optimizer step, for bias correction
   float grad_scale;  // gradients are multiplied by this before use (1/loss_scale, clipping)
+  // When set, gradients are multiplied by *grad_scale_dev (fp32 on the device) as well: the
+  // clipping factor and 1/loss_scale computed on the device (clip_factor) without the host
+  // reading the gradient norm.
+  const float* grad_scale_dev = nullptr;
 };
 
 class Backend {
@@ -236,6 +240,20 @@ class Backend {
   // true if every element of the fp32 buffer is finite
   virtual bool all_finite(const float* x, size_t n) = 0;
 
+  // ---- reductions into device scalars (asynchronous: nothing returns to the host, so the
+  // training step never waits for the device; the trainer reads its scalars back a step late)
+  // *acc += sum of x[n] (fp32 buffer, double accumulator on the device).
+  virtual void sum_into(double* acc, const float* x, size_t n) = 0;
+  // *out = sum over every slice of the squares of buf[slice] (double, on the device): the same
+  // partial sums as sum_squares, totalled on the device.
+  virtual void sum_squares_total(double* out, const float* buf,
+                                 const std::vector<ParamSlice>& slices) = 0;
+  // The factor an optimizer multiplies the summed gradients by (AdamParams::grad_scale_dev),
+  // from the squared norm *sq of the loss-scaled gradients: with g = sqrt(*sq) * inv_scale,
+  // *out = (max_norm > 0 && g > max_norm ? float(max_norm / (g + 1e-6)) : 1) * inv_scale
+  // (global-norm clipping as torch.nn.utils.clip_grad_norm_, and the loss scale undone).
+  virtual void clip_factor(float* out, const double* sq, double max_norm, float inv_scale) = 0;
+
   // ---- optimizers: one call updates every slice of the flat buffers (multi-tensor)
   // AdamW (decoupled weight decay, PyTorch semantics): p -= lr * (mhat/(sqrt(vhat)+eps) + wd*p)
   virtual void adamw_update(float* p, const float* g, float* m, float* v,
@@ -249,7 +267,28 @@ class Backend {
   // SGD with momentum (PyTorch semantics): b = mu*b + (g*gs + wd*p); p -= lr*b (nesterov: g+mu*b)
   virtual void sgd_update(float* p, const float* g, float* mom,
                           const std::vector<ParamSlice>& slices, float lr, float momentum,
-                          bool nesterov, float grad_scale) = 0;
+                          bool nesterov, float grad_scale,
+                          const float* grad_scale_dev = nullptr) = 0;
+
+  // ---- reading results back without stalling the device: readback_start(slot, src, bytes)
+  // enqueues a copy of src into the slot's host buffer and returns; readback_wait(slot) waits
+  // for that copy (only) and returns the host buffer. CPU: a plain copy.
+  virtual void readback_start(int slot, const void* src, size_t bytes) = 0;
+  virtual const void* readback_wait(int slot) = 0;
+
+  // ---- CUDA graphs: work enqueued between capture_begin() and capture_end() (on the
+  // backend's streams, and by NCCL on them) is recorded instead of run; capture_end() returns
+  // an id that launch_graph() enqueues as a whole, replaying the same kernels with the same
+  // arguments and pointers. graphs_supported() is false on the CPU backend (the others then
+  // must not be called). A capture must not contain host synchronisation or allocation, and
+  // must start after the first eager run of the same work (lazy setup, algorithm timing).
+  virtual bool graphs_supported() const { return false; }
+  virtual void capture_begin() {}
+  virtual int capture_end() { return -1; }
+  virtual void launch_graph(int id) { (void)id; }
+  // Destroys every graph (their ids become invalid), once work they enqueued has completed
+  // in stream order: e.g. after a buffer they point into was reallocated.
+  virtual void drop_graphs() {}
 
   // ---- device-time marks (the pipeline bubble): mark() records a point in the order of the
   // work enqueued so far and returns its id; seconds_between(a, b) is the time from mark a to

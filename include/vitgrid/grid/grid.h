@@ -97,6 +97,8 @@ class Collectives {
   virtual ~Collectives() = default;
   virtual void allreduce_sum(float* buf, size_t n, Axis a) = 0;
   virtual void allreduce_max(float* buf, size_t n, Axis a) = 0;
+  // fp64 sums of a few scalars (losses, squared norms) kept on the device
+  virtual void allreduce_sum_f64(double* buf, size_t n, Axis a) = 0;
   // act-dtype buffers (elem_size bytes per element); sum
   virtual void allreduce_sum_act(void* buf, size_t n, size_t elem_size, Axis a) = 0;
   virtual void broadcast(void* buf, size_t bytes, int root, Axis a) = 0;
@@ -129,6 +131,13 @@ class Collectives {
   }
   virtual void progress() {}
   virtual void wait_all() {}
+
+  // ---- CUDA graphs. capture(true) tells the collectives that the backend's stream is being
+  // captured: calls enqueue as usual (into the graph) but nothing is handed to the watchdog
+  // or waited for. follow(what) hands the work enqueued so far (a launched graph with
+  // collectives in it) to the watchdog as one item on every axis.
+  virtual void capture(bool on) { (void)on; }
+  virtual void follow(const char* what) { (void)what; }
 };
 
 std::unique_ptr<Collectives> make_mpi_collectives(const ProcessGrid& grid);

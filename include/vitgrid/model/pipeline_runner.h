@@ -27,14 +27,19 @@ class PipelineRunner {
   PipelineRunner(ViT& model, Backend& be, Collectives& coll, const ProcessGrid& grid,
                  PipelinePlans train_plans, PipelinePlans eval_plans, int micro);
 
+  // Called on the host before each training step's batches, outside any CUDA-graph capture
+  // (a captured step replays without running the host code of train()): the test fault
+  // injection, and the bubble marks of the previous step.
+  void begin_step(int64_t step);
   // Called by every rank of the pipeline and tensor groups (same batch on the stages of one
   // pipeline). One forward + backward of the rank's batch `b` (b.count = M * micro): weight
-  // gradients accumulate. Returns the loss sum over b on the last stage, 0 elsewhere.
+  // gradients accumulate; on the last stage the loss sum over this rank's samples of b is
+  // added to the device double *loss_sum (ViT::chunk_forward), which nothing waits for.
   // With `grads_final` (the optimizer step's last batch), each chunk's last backward in the
   // plan passes `final` to the model, whose gradient-ready hook then reports the gradient
   // groups as they complete (ViT::set_grad_ready_hook).
-  double train(const DeviceBatch& b, float smoothing, float grad_scale, int64_t step,
-               bool grads_final = false);
+  void train(const DeviceBatch& b, float smoothing, float grad_scale, int64_t step,
+             bool grads_final, double* loss_sum);
   // Called likewise. Forward only of an eval batch (b.count <= M * micro: the last batches of
   // a pass may be short or empty). Sums on the last stage (0 elsewhere); with `logits`, the
   // last stage appends b's logits rows (fp32, [count, K], sample order).
@@ -47,7 +52,8 @@ class PipelineRunner {
   // Device seconds of this stage's training steps since the last reset, in total (first to
   // last op of each step) and outside its forward / backward ops (waiting on neighbours): the
   // measured bubble is wait / total. Measured with backend marks (CUDA events), so it counts
-  // the GPU's idle time, not the host's.
+  // the GPU's idle time, not the host's. Only with P > 1 (a single stage has no bubble, and
+  // its step may be a CUDA graph, which marks cannot enter).
   double wait_seconds() { harvest(); return total_s_ - busy_s_; }
   double total_seconds() { harvest(); return total_s_; }
   void reset_timers();
@@ -56,7 +62,7 @@ class PipelineRunner {
  private:
   void run(const PipelinePlan& plan, const DeviceBatch& b, bool train, float smoothing,
            float grad_scale, int64_t step, double* sums, std::vector<float>* logits,
-           bool grads_final = false);
+           bool grads_final = false, double* loss_dev = nullptr);
   DeviceBatch micro_batch(const DeviceBatch& b, int m) const;
   void harvest();
 

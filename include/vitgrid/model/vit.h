@@ -162,9 +162,11 @@ class ViT {
   // Forward of local chunk `chunk` on micro-batch b in activation set `set`. The first chunk of
   // the first stage reads b.images; any other chunk reads its input from stage_input(set). The
   // last chunk of the model computes the loss at once: training (train = true) stores
-  // dlogits (scaled by grad_scale, with label smoothing) for the backward and returns the loss
-  // sum in *loss; eval also returns the top-1 / top-5 counts (top1 / top5 may be null in
-  // training). Other chunks leave their output in stage_output(set).
+  // dlogits (scaled by grad_scale, with label smoothing) for the backward and adds this rank's
+  // loss sum to the DEVICE double *loss (may be null; nothing waits: the caller sums it over
+  // the tensor group's batch split, TensorParallel::sum_over_batch_device, and reads it back
+  // when it likes); eval returns the loss sum and the top-1 / top-5 counts in the HOST doubles
+  // *loss, *top1, *top5. Other chunks leave their output in stage_output(set).
   void chunk_forward(int chunk, int set, const DeviceBatch& b, int64_t step, bool train,
                      float smoothing, float grad_scale, double* loss, double* top1,
                      double* top5);

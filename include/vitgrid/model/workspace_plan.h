@@ -51,9 +51,11 @@ inline Backend::WorkspacePlan workspace_plan_for(const ViTConfig& cfg, const Wor
   if (s.optimizer) {
     const int64_t P = static_cast<int64_t>(s.param_tensors);
     const int64_t Bk = static_cast<int64_t>(s.grad_buckets);
-    p.slice_lists = 2 + Bk;
-    p.slices = 2 * (P + Bk);
-    p.slice_elems = 2 * static_cast<int64_t>(s.local_params);
+    // the update's and the norm's lists, the norm's list of this rank's counted slices
+    // (Optimizer::grad_norm_sq_device), and with ZeRO-1 one per bucket
+    p.slice_lists = 3 + Bk;
+    p.slices = 3 * (P + Bk);
+    p.slice_elems = 3 * static_cast<int64_t>(s.local_params);
   }
   return p;
 }

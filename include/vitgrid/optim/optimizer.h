@@ -73,13 +73,19 @@ class Optimizer {
   // Sum of squares of the whole gradient (true norms across tensor shards, and across data
   // ranks with ZeRO), before unscaling. Collective over the tensor (and, with ZeRO, data) axes.
   double grad_norm_sq(const float* grads);
+  // The same into the device double *out, enqueued only (no host wait): each rank sums the
+  // slices it counts (TensorParallel::counts_in_norm), then over the tensor group (and the
+  // data axis with ZeRO). The caller adds the pipeline stages.
+  void grad_norm_sq_device(const float* grads, double* out);
   // Whether this rank's reduced gradients are finite (with ZeRO: its pieces only; the caller
   // agrees the verdict over every rank).
   bool grads_finite(const float* grads);
   // One update with this step's lr; grads are multiplied by grad_scale first (unscale and
   // clip). step is the 1-based count of applied updates (bias correction). With ZeRO, called by
   // every data rank: the master weights are whole on every rank afterwards.
-  void step(float* params, float* grads, double lr, int64_t step, float grad_scale);
+  // grad_scale_dev, when set, multiplies grad_scale on the device (Backend::clip_factor).
+  void step(float* params, float* grads, double lr, int64_t step, float grad_scale,
+            const float* grad_scale_dev = nullptr);
 
   // Named state buffers for checkpoints: ("exp_avg", m), ("exp_avg_sq", v) for Adam-type,
   // ("momentum_buffer", mom) for SGD (PyTorch's names). With ZeRO they hold the pieces only
@@ -121,6 +127,7 @@ class Optimizer {
   std::vector<Piece> pieces_;
   std::vector<ParamSlice> zslices_;  // every piece's slices, flat offsets, decay 0 (norms)
   std::vector<int> zparam_;          // parameter of each zslice
+  std::vector<ParamSlice> norm_slices_;  // the slices this rank counts in the global norm
 };
 
 }  // namespace vitgrid

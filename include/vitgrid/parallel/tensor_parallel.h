@@ -151,6 +151,8 @@ class TensorParallel {
   // Sums host values over the ranks holding other samples of the Stream layout, so each
   // tensor rank returns the whole micro-batch's sum (losses, top-k counts).
   virtual void sum_over_batch(double* v, int n) = 0;
+  // The same for device doubles (the training loss, summed without the host reading it).
+  virtual void sum_over_batch_device(double* v, int n) = 0;
   // out[batch, row_elems] (act dtype) = the Stream blocks in[samples, row_elems] of every
   // rank, in global sample order (logits for predictions). out may alias in.
   virtual void gather_batch(void* out, const void* in, int batch, int64_t row_elems) = 0;
@@ -159,6 +161,12 @@ class TensorParallel {
   // Sum of squares of the whole (unsharded) parameters: per-slice local sums reduced over the
   // axes each parameter is sharded on (Shard::sharded_over), replicated ones counted once.
   virtual void reduce_param_norms(std::vector<double>& sq) = 0;
+  // The same on the device, for a total: a rank adds the squares of registered parameter i
+  // into its total only when counts_in_norm(i) (it holds the copy counted for that parameter:
+  // rank 0 of every tensor axis the parameter is replicated over); reduce_norm_total then sums
+  // a device double over the tensor group, giving the whole parameters' squared norm.
+  virtual bool counts_in_norm(size_t i) const = 0;
+  virtual void reduce_norm_total(double* total) = 0;
   // Sums the partial gradients of parameters whose Shard::partial_over is not empty (weights
   // shared by ranks that see different samples), so every copy holds the whole gradient.
   virtual void reduce_replicated_grads(float* grads, const std::vector<ParamInfo>& params) = 0;

@@ -62,6 +62,36 @@ double CpuBackend::sum(const float* x, size_t n) {
   return s;
 }
 
+void CpuBackend::sum_into(double* acc, const float* x, size_t n) { *acc += sum(x, n); }
+
+void CpuBackend::sum_squares_total(double* out, const float* buf,
+                                   const std::vector<ParamSlice>& slices) {
+  std::vector<double> per(slices.size());
+  sum_squares(per.data(), buf, slices);
+  double t = 0.0;
+  for (double v : per) t += v;
+  *out = t;
+}
+
+void CpuBackend::clip_factor(float* out, const double* sq, double max_norm, float inv_scale) {
+  const double g = std::sqrt(*sq) * static_cast<double>(inv_scale);
+  float coef = 1.0f;
+  if (max_norm > 0.0 && g > max_norm) coef = static_cast<float>(max_norm / (g + 1e-6));
+  *out = coef * inv_scale;
+}
+
+void CpuBackend::readback_start(int slot, const void* src, size_t bytes) {
+  VG_CHECK(slot >= 0, "cpu backend: readback slot " << slot);
+  if (static_cast<size_t>(slot) >= readback_.size()) readback_.resize(slot + 1);
+  readback_[slot].assign(static_cast<const char*>(src), static_cast<const char*>(src) + bytes);
+}
+
+const void* CpuBackend::readback_wait(int slot) {
+  VG_CHECK(slot >= 0 && static_cast<size_t>(slot) < readback_.size(),
+           "cpu backend: readback slot " << slot << " was never started");
+  return readback_[slot].data();
+}
+
 bool CpuBackend::all_finite(const float* x, size_t n) {
   // Branch-free scan (x - x is 0 for finite x, NaN for inf and NaN) so the loop vectorises;
   // only the final verdict is tested.
@@ -74,7 +104,7 @@ void CpuBackend::adamw_update(float* p, const float* g, float* m, float* v,
                               const std::vector<ParamSlice>& slices, const AdamParams& a) {
   const AdamFactors k = adam_factors(a);
   const float step_size = a.lr / k.bc1;
-  const float gs = a.grad_scale;
+  const float gs = a.grad_scale * (a.grad_scale_dev ? *a.grad_scale_dev : 1.0f);
   for (const ParamSlice& s : slices) {
     float* __restrict ps = p + s.offset;
     const float* __restrict gp = g + s.offset;
@@ -98,7 +128,7 @@ void CpuBackend::lamb_direction(float* u, const float* p, const float* g, float*
                                 const std::vector<ParamSlice>& slices, const AdamParams& a) {
   const AdamFactors k = adam_factors(a);
   const float inv_bc1 = 1.0f / k.bc1;
-  const float gs = a.grad_scale;
+  const float gs = a.grad_scale * (a.grad_scale_dev ? *a.grad_scale_dev : 1.0f);
   for (const ParamSlice& s : slices) {
     float* __restrict us = u + s.offset;
     const float* __restrict ps = p + s.offset;
@@ -132,7 +162,8 @@ void CpuBackend::lamb_apply(float* p, const float* u, const std::vector<ParamSli
 
 void CpuBackend::sgd_update(float* p, const float* g, float* mom,
                             const std::vector<ParamSlice>& slices, float lr, float momentum,
-                            bool nesterov, float grad_scale) {
+                            bool nesterov, float grad_scale, const float* grad_scale_dev) {
+  if (grad_scale_dev) grad_scale *= *grad_scale_dev;
   // PyTorch SGD (dampening 0): d = g*gs + wd*p; b = mu*b + d; d = nesterov ? d + mu*b : b;
   // p -= lr*d. The zero-initialised buffer makes step 1 give b = d, PyTorch's clone.
   for (const ParamSlice& s : slices) {

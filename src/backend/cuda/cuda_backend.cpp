@@ -29,6 +29,9 @@ uint32_t alignment_of(const void* p) {
   const uintptr_t low = a & (~a + 1);
   return static_cast<uint32_t>(std::min<uintptr_t>(low, 256));
 }
+
+// 16-byte aligned (or null): what the fused GELU GEMMs' TMA descriptors need.
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 }  // namespace
 
 int cuda_device_count() {
@@ -59,11 +62,7 @@ CudaBackend::CudaBackend(int device, DType act, const BackendOptions& opts)
       gemm_tune_(std::max(1, std::min(opts.gemm_tune, kMaxGemmTune))),
       deterministic_(opts.deterministic) {
   CUDA_CHECK(cudaSetDevice(device_));
-  // VITGRID_FUSED_GELU=1: the CUTLASS GEMMs with exact-GELU epilogues (sm_90, bf16/fp16) for
-  // the MLP. Off by default: on ViT-B they measured +0.8% (128x256 cooperative tiles, within
-  // run-to-run noise) and -1.4% (128x128 ping-pong) against cuBLASLt + the GELU passes.
-  const char* fg = std::getenv("VITGRID_FUSED_GELU");
-  fused_gelu_ = act != DType::F32 && fg && std::string(fg) == "1" && cuda::gemm_gelu_available();
+  read_fused_gelu_env(opts);
   // A non-blocking stream: no implicit serialisation with the legacy default stream, which
   // NCCL and other libraries might use.
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -83,6 +82,7 @@ CudaBackend::~CudaBackend() {
   cudnn_attention_.reset();  // cuDNN graphs and handle, while their stream still exists
   for (cudaEvent_t e : marks_) cudaEventDestroy(e);
   release_upload_slots();
+  release_graphs();
   for (auto& kv : plans_) {
     MatmulPlan& p = kv.second;
     if (p.a) cublasLtMatrixLayoutDestroy(p.a);
@@ -482,9 +482,13 @@ bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
     CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
         pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c));
     // device.gemm_tune = n: time the heuristic's first n candidates on the real operands and
-    // keep the fastest. Only for GEMMs that overwrite C (beta 0: every forward and dx GEMM),
-    // whose outputs the real call below writes again; accumulating GEMMs keep the first.
-    const int tune = s.beta == 0.0f ? gemm_tune_ : 1;
+    // keep the fastest. GEMMs that overwrite C (beta 0: every forward and dx GEMM) are timed
+    // on their own output, which the real call below writes again; accumulating ones (the
+    // weight gradients, beta 1) on the scratch buffer instead, so dW is accumulated once.
+    const size_t c_bytes = static_cast<size_t>(m) * n * (s.c_type == CUDA_R_32F ? 4 : 2);
+    const bool accumulates = s.beta != 0.0f;
+    const bool timeable = !accumulates || (s.batch == 1 && c_bytes <= scratch_bytes_);
+    const int tune = timeable ? gemm_tune_ : 1;
     cublasLtMatmulHeuristicResult_t res[kMaxGemmTune]{};
     int returned = 0;
     const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt_, p.desc, p.a, p.b, p.c, p.c,
@@ -493,7 +497,11 @@ bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
     if (st == CUBLAS_STATUS_SUCCESS && returned > 0) {
       p.algo = res[0].algo;
       p.supported = true;
-      if (returned > 1) p.algo = fastest_algo(p, s, res, returned);
+      if (returned > 1) {
+        GemmSpec t = s;
+        if (accumulates) t.C = scratch_;  // planned: at least the largest weight in fp32
+        p.algo = fastest_algo(p, t, res, returned);
+      }
     } else if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) {
       CUBLAS_CHECK(st);  // a real error, not "no algorithm"
     }
@@ -512,6 +520,180 @@ bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
   CUBLAS_CHECK(cublasLtMatmul(lt_, p.desc, &alpha, s.B, p.a, s.A, p.b, &beta, s.C, p.c, s.C,
                               p.c, &p.algo, lt_workspace_, lt_workspace_bytes_, stream_));
   return true;
+}
+
+// ---------------------------------------------------------------- fused GEMM + exact GELU
+
+// VITGRID_FUSED_GELU: unset (or "auto"): per shape the faster of the unfused path and the
+// CUTLASS configurations, timed when device.gemm_tune > 1, else the unfused path (the
+// reproducible default); 0: never fused; 1: always fused, the configuration timed when
+// device.gemm_tune > 1, else configuration 0. VITGRID_FUSED_GELU_CONFIG=F or F,B forces the
+// configuration ids of the forward (F) and backward (B, default F) unless VITGRID_FUSED_GELU=0.
+// VITGRID_FUSED_GELU_LOG=1 prints each choice to stderr.
+void CudaBackend::read_fused_gelu_env(const BackendOptions& opts) {
+  const char* fg = std::getenv("VITGRID_FUSED_GELU");
+  FusedGeluMode mode = FusedGeluMode::Auto;
+  if (fg && std::strcmp(fg, "0") == 0) {
+    mode = FusedGeluMode::Off;
+  } else if (fg && std::strcmp(fg, "1") == 0) {
+    mode = FusedGeluMode::On;
+  } else if (fg && *fg && std::strcmp(fg, "auto") != 0) {
+    throw UserError(std::string("VITGRID_FUSED_GELU=") + fg +
+                    " is not known; allowed: auto (the default: timed per shape when "
+                    "device.gemm_tune > 1, else unfused), 0 (never fused), 1 (always fused)");
+  }
+  const bool usable = act_ != DType::F32 && cuda::gemm_gelu_available();
+  fused_gelu_mode_ = usable ? mode : FusedGeluMode::Off;
+  fused_gelu_tune_ = opts.gemm_tune > 1;
+  const char* lg = std::getenv("VITGRID_FUSED_GELU_LOG");
+  fused_gelu_log_ = lg && std::strcmp(lg, "1") == 0;
+  const char* fc = std::getenv("VITGRID_FUSED_GELU_CONFIG");
+  if (!fc || !*fc || fused_gelu_mode_ == FusedGeluMode::Off) return;
+  int ids[2] = {-1, -1};
+  int n = 0;
+  const char* p = fc;
+  while (n < 2) {
+    char* end = nullptr;
+    const long v = std::strtol(p, &end, 10);
+    if (end == p || v < 0 || v > 1000000) break;
+    ids[n++] = static_cast<int>(v);
+    p = end;
+    if (*p != ',') break;
+    ++p;
+  }
+  if (n == 0 || *p != '\0') {
+    throw UserError(std::string("VITGRID_FUSED_GELU_CONFIG=") + fc +
+                    " is not F or F,B (configuration ids of the forward and backward)");
+  }
+  if (n == 1) ids[1] = ids[0];
+  for (int f = 0; f < 2; ++f) {
+    const bool forward = f == 0;
+    const int count = cuda::gemm_gelu_config_count(act_, forward);
+    if (ids[f] >= count) {
+      throw UserError(std::string("VITGRID_FUSED_GELU_CONFIG=") + fc + ": " +
+                      (forward ? "forward" : "backward") + " configuration " +
+                      std::to_string(ids[f]) + " out of range (" + dtype_name(act_) + " has " +
+                      std::to_string(count) + ", 0.." + std::to_string(count - 1) + ")");
+    }
+    fused_gelu_forced_[forward ? 1 : 0] = ids[f];
+  }
+}
+
+namespace {
+std::string fused_gelu_candidate(DType act, bool forward, int c) {
+  return c < 0 ? std::string("unfused")
+               : std::to_string(c) + " " + cuda::gemm_gelu_config_name(act, forward, c);
+}
+
+std::string describe(DType act, const CudaBackend::FusedGeluChoice& ch) {
+  char head[160];
+  std::snprintf(head, sizeof head, "%s %s N=%d in=%d out=%d: ",
+                ch.forward ? "forward (GEMM + bias + GELU)" : "backward (GEMM * GELU')",
+                dtype_name(act), ch.N, ch.in, ch.out);
+  std::string s = head + fused_gelu_candidate(act, ch.forward, ch.config) + " (" + ch.why;
+  if (!ch.timings.empty()) {
+    s += ":";
+    for (const auto& t : ch.timings) {
+      char ms[32];
+      std::snprintf(ms, sizeof ms, " %.4f ms", double(t.second));
+      s += (&t == &ch.timings.front() ? " " : "; ") +
+           fused_gelu_candidate(act, ch.forward, t.first) + ms;
+    }
+  }
+  return s + ")";
+}
+}  // namespace
+
+// The decision is made on the shape's first call, which must run eagerly (the trainer's first
+// step, before any CUDA graph of the step is captured): timing synchronises with the host. A
+// first call inside a capture gets the untimed choice, not cached, so a later eager call still
+// times the shape.
+template <class Run>
+int CudaBackend::fused_gelu(bool forward, int N, int in, int out, bool ok, Run&& run) {
+  if (fused_gelu_mode_ == FusedGeluMode::Off || !ok ||
+      !cuda::gemm_gelu_supported(act_, N, in, out)) {
+    return -1;
+  }
+  for (const FusedGeluChoice& ch : fused_gelu_choices_) {
+    if (ch.forward == forward && ch.N == N && ch.in == in && ch.out == out) return ch.config;
+  }
+  FusedGeluChoice ch;
+  ch.forward = forward;
+  ch.N = N;
+  ch.in = in;
+  ch.out = out;
+  const bool on = fused_gelu_mode_ == FusedGeluMode::On;
+  const int forced = fused_gelu_forced_[forward ? 1 : 0];
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(stream_, &capture));
+  if (cuda::gemm_gelu_workspace_bytes(act_, N, in, out) > lt_workspace_bytes_) {
+    ch.why = "the kernels need more workspace than the cuBLASLt workspace";
+  } else if (forced >= 0) {
+    ch.config = forced;
+    ch.why = "VITGRID_FUSED_GELU_CONFIG";
+  } else if (!fused_gelu_tune_ || capture != cudaStreamCaptureStatusNone) {
+    ch.config = on ? 0 : -1;
+    ch.why = !fused_gelu_tune_ ? (on ? "VITGRID_FUSED_GELU=1, untimed (device.gemm_tune <= 1)"
+                                     : "untimed (device.gemm_tune <= 1)")
+                               : "untimed: first call inside a CUDA graph capture";
+    if (fused_gelu_tune_) return ch.config;  // not cached: time it at the next eager call
+  } else {
+    // Each candidate: one warm-up call (plans, module loading), then kReps calls between two
+    // events. First the unfused path (auto only) and every kernel with the default scheduling,
+    // then the tile-scheduler settings of the fastest kernel, if a kernel won.
+    constexpr int kReps = 5;
+    cudaEvent_t e0, e1;
+    CUDA_CHECK(cudaEventCreate(&e0));
+    CUDA_CHECK(cudaEventCreate(&e1));
+    auto time_it = [&](int c) {
+      run(c);
+      CUDA_CHECK(cudaEventRecord(e0, stream_));
+      for (int r = 0; r < kReps; ++r) run(c);
+      CUDA_CHECK(cudaEventRecord(e1, stream_));
+      CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0.0f;
+      CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      ch.timings.emplace_back(c, ms / kReps);
+    };
+    if (!on) time_it(-1);
+    const int kernels = cuda::gemm_gelu_kernel_count(act_, forward);
+    for (int k = 0; k < kernels; ++k) time_it(cuda::gemm_gelu_config_id(act_, forward, k, 0));
+    auto fastest = [&] {
+      return std::min_element(ch.timings.begin(), ch.timings.end(),
+                              [](const auto& a, const auto& b) { return a.second < b.second; })
+          ->first;
+    };
+    const int best = fastest();
+    if (best >= 0) {
+      const int k = cuda::gemm_gelu_config_kernel(act_, forward, best);
+      for (int sched = 1; sched < cuda::kGemmGeluSchedules; ++sched)
+        time_it(cuda::gemm_gelu_config_id(act_, forward, k, sched));
+    }
+    ch.config = fastest();
+    CUDA_CHECK(cudaEventDestroy(e0));
+    CUDA_CHECK(cudaEventDestroy(e1));
+    std::stable_sort(ch.timings.begin(), ch.timings.end(),
+                     [](const auto& a, const auto& b) { return a.second < b.second; });
+    ch.why = std::to_string(ch.timings.size()) + " timed";
+  }
+  if (fused_gelu_log_) {
+    std::fprintf(stderr, "vitgrid: device %d fused GELU %s\n", device_, describe(act_, ch).c_str());
+  }
+  fused_gelu_choices_.push_back(std::move(ch));
+  return fused_gelu_choices_.back().config;
+}
+
+std::string CudaBackend::fused_gelu_report() const {
+  std::string s;
+  for (const FusedGeluChoice& ch : fused_gelu_choices_) s += describe(act_, ch) + "\n";
+  return s;
+}
+
+int CudaBackend::fused_gelu_choice(bool forward, int N, int in, int out) const {
+  for (const FusedGeluChoice& ch : fused_gelu_choices_) {
+    if (ch.forward == forward && ch.N == N && ch.in == in && ch.out == out) return ch.config;
+  }
+  return -2;
 }
 
 void CudaBackend::linear_forward(void* y, const void* x, const void* W, const void* b, int N,
@@ -541,21 +723,27 @@ void CudaBackend::linear_forward(void* y, const void* x, const void* W, const vo
     s.aux = nullptr;
     s.aux_ld = 0;
   }
-  if (gelu_out && gelu == Gelu::Exact && fused_gelu(N, in, out)) {
-    // one CUTLASS GEMM writes both the pre-activation y and gelu_out (gemm_gelu.h)
-    cuda::gemm_bias_gelu_forward(act_, stream_, y, gelu_out, x, W, b, N, in, out, lt_workspace_,
-                                 lt_workspace_bytes_);
-    return;
-  }
   s.C = y;
   s.epilogue = b ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+  if (gelu_out && gelu == Gelu::Exact && fused_gelu_mode_ != FusedGeluMode::Off) {
+    // The shape's choice: one CUTLASS GEMM writing both the pre-activation y and gelu_out
+    // (gemm_gelu.h), or the unfused pair below. Both only write y and gelu_out.
+    auto run = [&](int c) {
+      if (c >= 0) {
+        cuda::gemm_bias_gelu_forward(act_, stream_, y, gelu_out, x, W, b, N, in, out, lt_workspace_,
+                                     lt_workspace_bytes_, c);
+      } else {
+        matmul(s);
+        gelu_forward(gelu_out, y, static_cast<size_t>(N) * out, gelu);
+      }
+    };
+    const bool ok = gelu_out != y && aligned16(y) && aligned16(gelu_out) && aligned16(x) &&
+                    aligned16(W) && aligned16(b);  // (in place: the unfused pair only)
+    run(fused_gelu(/*forward=*/true, N, in, out, ok, run));
+    return;
+  }
   matmul(s);
   if (gelu_out) gelu_forward(gelu_out, y, static_cast<size_t>(N) * out, gelu);
-}
-
-bool CudaBackend::fused_gelu(int N, int in, int out) const {
-  return fused_gelu_ && N > 0 && cuda::gemm_gelu_supported(act_, N, in, out) &&
-         cuda::gemm_gelu_workspace_bytes(act_, N, in, out) <= lt_workspace_bytes_;
 }
 
 void CudaBackend::linear_backward(void* dx, float* dW, float* db, const void* dy, const void* x,
@@ -563,11 +751,7 @@ void CudaBackend::linear_backward(void* dx, float* dW, float* db, const void* dy
                                   Gelu gelu) {
   const cudaDataType_t t = act_cuda_type();
   if (dx) {
-    if (gelu_pre && gelu == Gelu::Exact && fused_gelu(N, in, out)) {
-      // dx = (dy W) * gelu'(gelu_pre) in the GEMM's epilogue (gemm_gelu.h)
-      cuda::gemm_dgelu_backward(act_, stream_, dx, dy, W, gelu_pre, N, in, out, lt_workspace_,
-                                lt_workspace_bytes_);
-    } else if (N > 0 && in > 0 && out > 0) {
+    if (N > 0 && in > 0 && out > 0) {
       GemmSpec s;  // dx[N,in] = dy[N,out] W[out,in]
       s.M = N;
       s.N = in;
@@ -579,8 +763,25 @@ void CudaBackend::linear_backward(void* dx, float* dW, float* db, const void* dy
       s.C = dx;
       s.ldc = in;
       s.ab_type = s.c_type = t;
-      matmul(s);
-      if (gelu_pre) gelu_backward(dx, gelu_pre, dx, static_cast<size_t>(N) * in, gelu);
+      // dx = (dy W) * gelu'(gelu_pre): the GEMM and the GELU backward pass, or one CUTLASS GEMM
+      // with the derivative in its epilogue (gemm_gelu.h), as the shape's choice says. Either
+      // only writes dx, so timing them (on the shape's first call) repeats nothing below: the
+      // dW / db accumulation runs once, after the choice.
+      auto run = [&](int c) {
+        if (c >= 0) {
+          cuda::gemm_dgelu_backward(act_, stream_, dx, dy, W, gelu_pre, N, in, out, lt_workspace_,
+                                    lt_workspace_bytes_, c);
+        } else {
+          matmul(s);
+          if (gelu_pre) gelu_backward(dx, gelu_pre, dx, static_cast<size_t>(N) * in, gelu);
+        }
+      };
+      int c = -1;
+      if (gelu_pre && gelu == Gelu::Exact && fused_gelu_mode_ != FusedGeluMode::Off) {
+        const bool ok = aligned16(dx) && aligned16(dy) && aligned16(W) && aligned16(gelu_pre);
+        c = fused_gelu(/*forward=*/false, N, in, out, ok, run);
+      }
+      run(c);
     } else if (N > 0 && in > 0) {
       zero(dx, static_cast<size_t>(N) * in * act_size());
     }

@@ -181,6 +181,17 @@ class CudaBackend final : public Backend {
                    const std::vector<ParamSlice>& slices) override;
   double sum(const float* x, size_t n) override;
   bool all_finite(const float* x, size_t n) override;
+  void sum_into(double* acc, const float* x, size_t n) override;
+  void sum_squares_total(double* out, const float* buf,
+                         const std::vector<ParamSlice>& slices) override;
+  void clip_factor(float* out, const double* sq, double max_norm, float inv_scale) override;
+  void readback_start(int slot, const void* src, size_t bytes) override;  // graphs.cpp
+  const void* readback_wait(int slot) override;
+  bool graphs_supported() const override { return true; }
+  void capture_begin() override;
+  int capture_end() override;
+  void launch_graph(int id) override;
+  void drop_graphs() override;
 
   void adamw_update(float* p, const float* g, float* m, float* v,
                     const std::vector<ParamSlice>& slices, const AdamParams& a) override;
@@ -189,13 +200,29 @@ class CudaBackend final : public Backend {
   void lamb_apply(float* p, const float* u, const std::vector<ParamSlice>& slices,
                   const std::vector<float>& ratio_host, float lr) override;
   void sgd_update(float* p, const float* g, float* mom, const std::vector<ParamSlice>& slices,
-                  float lr, float momentum, bool nesterov, float grad_scale) override;
+                  float lr, float momentum, bool nesterov, float grad_scale,
+                  const float* grad_scale_dev = nullptr) override;
 
   // The cuBLASLt layer: runs a row-major GEMM; returns false (and does nothing) only when
   // cuBLASLt offers no algorithm for the combination and allow_unsupported is set, so the
   // caller can take another route. Plans are cached per shape/type/epilogue/alignment key.
   bool matmul(const GemmSpec& s, bool allow_unsupported = false);
   cudaDataType_t act_cuda_type() const;
+
+  // The fused GEMM + exact-GELU choices made so far (linear_forward with an exact-GELU output,
+  // linear_backward with gelu_pre): per direction and shape the configuration (gemm_gelu.h)
+  // or the unfused path, and what decided it (the candidates' timings when timed). One line
+  // per choice; "" before any.
+  std::string fused_gelu_report() const;
+  // The choice of one shape: a configuration id, -1 unfused, -2 not decided yet.
+  int fused_gelu_choice(bool forward, int N, int in, int out) const;
+  struct FusedGeluChoice {
+    bool forward = true;
+    int N = 0, in = 0, out = 0;
+    int config = -1;                             // -1: unfused
+    std::string why;                             // what decided it
+    std::vector<std::pair<int, float>> timings;  // (candidate, ms per call), fastest first
+  };
 
   // Tensor-parallel ops (tp_ops.cu): fp32 accumulation of reduced weight
   // gradients and the LayerNorm of rows split over ranks.
@@ -232,9 +259,17 @@ class CudaBackend final : public Backend {
   // overlapping copies; one buffer, reused in stream order. Allocated by plan_workspace; a
   // request beyond it grows it (synchronising first): the safety net of an unplanned run.
   void* scratch(size_t bytes);
-  float* bgrad_buffer(size_t n);
-  // The CUTLASS GEMM + exact-GELU kernels take this linear (fused_gelu_, shape, workspace).
-  bool fused_gelu(int N, int in, int out) const;  // bgrad_, grown to n floats if the plan did not cover them
+  float* bgrad_buffer(size_t n);  // bgrad_, grown to n floats if the plan did not cover them
+  // The fused GEMM + exact-GELU path (gemm_gelu.h) of one linear: the configuration id that
+  // runs fc1's forward (forward) or fc2's data gradient (backward) of this shape, or -1 for
+  // the unfused path (cuBLASLt GEMM, then the GELU pass); -1 without caching where the call
+  // cannot fuse (ok false: unaligned or aliased pointers). Decided on the shape's first call
+  // and cached; when that decision is timed, run(c) (c: -1 or an id) is called a few times per
+  // candidate and must overwrite only the outputs the real call writes afterwards.
+  // cuda_backend.cpp.
+  template <class Run>
+  int fused_gelu(bool forward, int N, int in, int out, bool ok, Run&& run);
+  void read_fused_gelu_env(const BackendOptions& opts);  // the constructor's part
   // Scratch bytes each user needs for its largest call, from the same heuristics that size
   // its grids (defined beside them): column_sums_add (elementwise.cu), layernorm_backward
   // (layernorm.cu), layernorm_split_backward_sums (tp_ops.cu), sum_squares (optim_reduce.cu).
@@ -242,6 +277,10 @@ class CudaBackend final : public Backend {
   static size_t layernorm_scratch_bytes(int64_t rows, int64_t cols);
   static size_t layernorm_split_scratch_bytes(int64_t rows, int64_t cols);
   static size_t sum_squares_scratch_bytes(int64_t lists, int64_t slices, int64_t elems);
+  // VITGRID_LN_BWD: layernorm_backward's fused kernel, read once when the backend is made
+  // (layernorm.cu): 1 (unset: the default) the second, register-lean one; 0 the first.
+  static bool ln_bwd_v2_from_env();
+  const bool ln_bwd_v2_ = ln_bwd_v2_from_env();
   // Device tables of the multi-tensor ops, one per distinct slice list, carved from an arena
   // that plan_workspace sizes (slice_arena_bytes); past the arena, a table allocates its own.
   const SliceTable& slice_table(const std::vector<ParamSlice>& slices);
@@ -256,7 +295,15 @@ class CudaBackend final : public Backend {
   bool tf32_;
   int gemm_tune_;  // GEMM candidates timed per new shape (1: the heuristic's first, untimed)
   bool deterministic_;  // false: attention's backward may use atomics (cuDNN)
-  bool fused_gelu_ = false;  // CUTLASS GELU GEMMs: VITGRID_FUSED_GELU=1, available, 16-bit acts
+  // Fused GEMM + exact GELU: VITGRID_FUSED_GELU (unset/auto, 0, 1) and
+  // VITGRID_FUSED_GELU_CONFIG, read at construction; Off as well without the kernels (no
+  // CUTLASS, not sm_90, fp32 activations).
+  enum class FusedGeluMode { Auto, Off, On };
+  FusedGeluMode fused_gelu_mode_ = FusedGeluMode::Off;
+  bool fused_gelu_tune_ = false;         // time the candidates per shape (device.gemm_tune > 1)
+  bool fused_gelu_log_ = false;          // VITGRID_FUSED_GELU_LOG=1: each choice to stderr
+  int fused_gelu_forced_[2] = {-1, -1};  // VITGRID_FUSED_GELU_CONFIG ids [backward, forward]
+  std::vector<FusedGeluChoice> fused_gelu_choices_;  // one per (direction, shape) seen
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
   void* lt_workspace_ = nullptr;
@@ -297,6 +344,16 @@ class CudaBackend final : public Backend {
   cudaEvent_t uploaded_ = nullptr;  // on copy_stream_: every upload started so far
   bool uploads_pending_ = false;
   void release_upload_slots();
+  // readback slots (graphs.cpp): pinned host buffer and the event behind its copy
+  struct Readback {
+    void* host = nullptr;
+    size_t bytes = 0;
+    cudaEvent_t done = nullptr;
+  };
+  std::vector<Readback> readbacks_;
+  std::vector<cudaGraphExec_t> graphs_;  // capture_end() ids index this
+  bool capturing_ = false;
+  void release_graphs();  // destructor helper (graphs.cpp)
   // VITGRID_ATTENTION: read once, when the backend is constructed (attention.cu).
   enum class AttentionMode { Auto, Cudnn, Flash, Fallback };
   static AttentionMode attention_mode_from_env();

@@ -3,10 +3,16 @@
 // needs no shared memory); statistics in fp32; parameter gradients through a deterministic
 // two-stage column reduction (no atomics, same bits every run).
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <type_traits>
 
 #include "cuda_backend_impl.h"
 #include "kernel_util.cuh"
 #include "layernorm_reduce.cuh"
+#include "vitgrid/core/error.h"
 
 namespace vitgrid {
 namespace cuda {
@@ -241,6 +247,231 @@ __global__ void __launch_bounds__(128) layernorm_bwd_fused_kernel(
   }
 }
 
+// The second fused backward (VITGRID_LN_BWD=1, the default; =0 runs the one above, kept for
+// A/B runs). Same math, and per row the same arithmetic in the same order as
+// layernorm_bwd_fused_kernel: each lane owns packs lane + 32 k of the row, sums its g and
+// g * xhat over (k, j) in that order, the warp sums are the same butterflies, and the rounded
+// operations are written out (__fmul_rn / __fadd_rn / __fmaf_rn: never contracted) exactly as
+// the compiler emits them for the first kernel (FMUL g = d * gamma; FADD s1; FFMA s2;
+// dx: FADD g - s1, FFMA -xhat * s2, FFMA rstd * t + dx), so dx is bit-identical between the
+// two kernels. dgamma / dbeta are summed over the rows in another (fixed) order: equal up to
+// fp32 rounding, not bit for bit.
+//
+// Why: the first kernel measured 0.154 ms at ViT-B/16 (bf16, N = 50432, C = 768: ~2 TB/s,
+// the forward 3.7) and is latency-bound. Each warp holds its row in registers (155..200
+// registers: gamma, the two column sums and the row's d and xhat as fp32 arrays), so only 3
+// blocks of 4 warps fit per SM; a warp has one row's dy and x in flight (3 KB at C = 768),
+// then after the warp sums a second memory round trip for dx, and nothing in flight while it
+// computes; and its 528 blocks do not fit at once (396 resident), so the last quarter of the
+// rows runs as a second wave of one 4-warp block per SM. Here:
+//  * the rows travel through shared memory by asynchronous copies (cp.async, 16 bytes per
+//    lane and pack, L2 only): dy, x and dx of a row in one group, no registers held while in
+//    flight, and ptxas cannot sink them (with the row in registers it delays loads to stay
+//    under the register cap: a second round trip again);
+//  * per warp two stages: the next row's group is issued before the current row is
+//    computed, so every warp always has a row (3 x 2 x C bytes: 4.6 KB at C = 768) in
+//    flight, also while it computes and reduces; mean / rstd of the next row likewise
+//    (registers);
+//  * registers: the lane's 2 x V x K column sums and the working set of one pack (96 at
+//    C = 768 in 16-bit types: 5 blocks of 4 warps per SM, where the first kernel fits 3 of
+//    4 warps), so 20 warps x 4.6 KB = 92 KB are always in flight per SM at C = 768, more
+//    while a warp waits (8, 6, 5, 4, 3, 2 blocks for K = 1..6, ln_bwd2_blocks_per_sm);
+//  * a grid of exactly the blocks resident at once on an H100 / H200: one wave, no tail.
+// Expected: near the forward's bandwidth on the 4 x N x C x 2 bytes, ~0.09 ms at ViT-B
+// instead of 0.154 (bench_gpu_kernels --benchmark_filter=LayerNormBackward).
+constexpr int kLnBwd2Warps = 4;     // warps per block
+constexpr int kLnBwd2MaxPacks = 6;  // K <= 6: C <= 1536 in 16-bit types, <= 768 in fp32
+// Dynamic shared memory, in 16-byte slots: gamma [32 K], then per warp 2 stages x {dy, x, dx}
+// x [32 K] (lane-consecutive: conflict-free); at the end reused for the warps' column sums.
+__host__ __device__ constexpr size_t ln_bwd2_smem(int K) {
+  return static_cast<size_t>(16) * 32 * K * (1 + 2 * 3 * kLnBwd2Warps);
+}
+// Blocks of 4 warps per SM, the grid's width and __launch_bounds__' minimum: what fits in
+// registers (sm_90, 64 K per SM: <= 64, 80, 96, 128, 168, 255 per thread; measured 56, 80,
+// 96, 128, 168, 229 with CUDA 13) and in shared memory (ln_bwd2_smem + 1 KB each, <= 228 KB).
+// Narrow rows get more warps: the bytes in flight per warp shrink with the row.
+__host__ __device__ constexpr int ln_bwd2_blocks_per_sm(int K) {
+  return K == 1 ? 8 : K == 2 ? 6 : K == 3 ? 5 : K == 4 ? 4 : K == 5 ? 3 : 2;
+}
+
+// The rows are handled as raw 16-byte words (uint4), not as Pack<T, V>: a struct of 8 16-bit
+// elements gets split into 8 registers, one per element.
+// Element j of a pack of T, as float (exactly to_f: bf16 / fp16 / fp32 widen exactly).
+template <class T>
+__device__ __forceinline__ float pack_elem(const uint4& u, int j) {
+  constexpr int per = 4 / sizeof(T);  // elements per 32-bit word
+  const int wi = j / per;             // compile-time after unrolling
+  const uint32_t w = wi == 0 ? u.x : wi == 1 ? u.y : wi == 2 ? u.z : u.w;
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(w);
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(j % 2 == 0 ? w : w >> 16)));
+  } else {  // bf16 is the upper half of its fp32 value
+    return __uint_as_float(j % 2 == 0 ? w << 16 : w & 0xffff0000u);
+  }
+}
+// The bits of from_f<T>(v), in the low bits of a word.
+template <class T>
+__device__ __forceinline__ uint32_t elem_bits(float v) {
+  if constexpr (sizeof(T) == 4) return __float_as_uint(v);
+  else if constexpr (std::is_same_v<T, __half>) return __half_as_ushort(from_f<T>(v));
+  else return __bfloat16_as_ushort(from_f<T>(v));
+}
+// 16 bytes global -> shared, asynchronous, through L2 only; zero-filled when !full (nothing
+// read). Completion: cp_async_commit() groups them, cp_async_wait<n>() waits for all but the
+// last n groups of this thread, whose writes it then sees.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool full) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
+               "r"(full ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int n>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory");
+}
+
+template <class T, int K>
+__global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K))
+    layernorm_bwd_fused2_kernel(T* dx, float* pg, float* pb, const T* __restrict__ dy,
+                                const T* __restrict__ x, const T* __restrict__ gamma,
+                                const float* __restrict__ mean,
+                                const float* __restrict__ rstd, int N, int C) {
+  constexpr int V = 16 / sizeof(T);  // elements per pack
+  constexpr int W = kLnBwd2Warps;
+  constexpr int KS = 32 * K;         // 16-byte slots of one array of one row
+  extern __shared__ uint4 ln_bwd2_sh[];
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int packs = C / V;
+  uint4* gs = ln_bwd2_sh;                          // gamma, pack p at gs[p], zero past the row
+  uint4* stage = ln_bwd2_sh + KS + w * 2 * 3 * KS;  // this warp's stages: [2][dy, x, dx][KS]
+  for (int p = threadIdx.x; p < KS; p += 32 * W)
+    gs[p] = p < packs ? __ldg(reinterpret_cast<const uint4*>(gamma + p * V))
+                      : make_uint4(0u, 0u, 0u, 0u);
+
+  // the lane's packs of dy, x and dx of row r into stage s; zeros past the row
+  auto issue = [&](int64_t r, int s) {
+    uint4* b = stage + s * 3 * KS;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int p = lane + 32 * k;
+      const bool in = p < packs;
+      const int64_t at = r * C + static_cast<int64_t>(in ? p : 0) * V;
+      cp_async16(b + k * 32 + lane, dy + at, in);
+      cp_async16(b + KS + k * 32 + lane, x + at, in);
+      cp_async16(b + 2 * KS + k * 32 + lane, dx + at, in);
+    }
+  };
+  const int64_t step = static_cast<int64_t>(gridDim.x) * W;
+  int64_t row = static_cast<int64_t>(blockIdx.x) * W + w;
+  float m_next = 0.0f, rs_next = 0.0f;
+  if (row < N) {
+    issue(row, 0);
+    m_next = __ldg(mean + row);
+    rs_next = __ldg(rstd + row);
+  }
+  cp_async_commit();
+  __syncthreads();  // gamma
+
+  float accg[K][V], accb[K][V];  // this lane's column sums of dy * xhat and dy
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) accg[k][j] = accb[k][j] = 0.0f;
+  }
+  int s = 0;
+#pragma unroll 1
+  for (; row < N; row += step, s ^= 1) {
+    const float m = m_next, rs = rs_next;
+    const int64_t next = row + step;
+    __syncwarp();  // the last row's reads of stage s ^ 1 are done before it is refilled
+    if (next < N) {
+      issue(next, s ^ 1);
+      m_next = __ldg(mean + next);
+      rs_next = __ldg(rstd + next);
+    }
+    cp_async_commit();  // (empty past the end: the group count stays uniform)
+    cp_async_wait<1>();  // this row's group has landed
+    const uint4* b = stage + s * 3 * KS;
+    // the row sums of g and g * xhat in the first kernel's lane order, the column sums.
+    // Packs past the row are zeros (gamma too): g = +0 leaves the row sums as they are, as
+    // the first kernel's +0 does; their column sums are never read.
+    float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const uint4 dk = b[k * 32 + lane], xk = b[KS + k * 32 + lane], gk = gs[k * 32 + lane];
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const float d = pack_elem<T>(dk, j);
+        const float xh = __fmul_rn(__fsub_rn(pack_elem<T>(xk, j), m), rs);
+        const float g = __fmul_rn(d, pack_elem<T>(gk, j));
+        s1 = __fadd_rn(s1, g);
+        s2 = __fmaf_rn(g, xh, s2);
+        accg[k][j] = __fmaf_rn(d, xh, accg[k][j]);
+        accb[k][j] = __fadd_rn(accb[k][j], d);
+      }
+    }
+    // warp_sum's butterflies (the same additions, the same bits), the two interleaved
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+      s2 += __shfl_xor_sync(0xffffffffu, s2, o);
+    }
+    s1 = s1 / C;
+    s2 = s2 / C;
+    // dx += rstd * (g - mean(g) - xhat * mean(g * xhat))
+    T* dxr = dx + row * C;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int p = lane + 32 * k;
+      if (p >= packs) continue;
+      const uint4 dk = b[k * 32 + lane], xk = b[KS + k * 32 + lane],
+                  ok = b[2 * KS + k * 32 + lane], gk = gs[k * 32 + lane];
+      uint32_t o[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const float d = pack_elem<T>(dk, j);
+        const float xh = __fmul_rn(__fsub_rn(pack_elem<T>(xk, j), m), rs);
+        const float g = __fmul_rn(d, pack_elem<T>(gk, j));
+        const float t = __fmaf_rn(-xh, s2, __fsub_rn(g, s1));
+        const float v = __fmaf_rn(rs, t, pack_elem<T>(ok, j));
+        o[j * sizeof(T) / 4] |= elem_bits<T>(v) << (8 * sizeof(T) * (j % (4 / sizeof(T))));
+      }
+      *reinterpret_cast<uint4*>(dxr + static_cast<int64_t>(p) * V) =
+          make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
+  cp_async_wait<0>();
+  // one partial row per block: the warps' column sums added in warp order, through the
+  // (now idle) stages as [W][2][C] floats
+  __syncthreads();
+  float* red = reinterpret_cast<float*>(ln_bwd2_sh + KS);
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int p = lane + 32 * k;
+    if (p >= packs) continue;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      red[(w * 2 + 0) * C + p * V + j] = accg[k][j];
+      red[(w * 2 + 1) * C + p * V + j] = accb[k][j];
+    }
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < C; c += 32 * W) {
+    float tg = 0.0f, tb = 0.0f;
+#pragma unroll
+    for (int ww = 0; ww < W; ++ww) {
+      tg += red[(ww * 2 + 0) * C + c];
+      tb += red[(ww * 2 + 1) * C + c];
+    }
+    pg[static_cast<int64_t>(blockIdx.x) * C + c] = tg;
+    pb[static_cast<int64_t>(blockIdx.x) * C + c] = tb;
+  }
+}
+
 }  // namespace cuda
 
 using namespace cuda;
@@ -252,16 +483,38 @@ constexpr int kLnBwdMaxBlocks = 132 * 4;
 int ln_bwd_fused_blocks(int64_t N) {
   return static_cast<int>(std::min<int64_t>((N + 3) / 4, kLnBwdMaxBlocks));
 }
+// The second fused kernel's grid (VITGRID_LN_BWD=1): the blocks resident at once on an H100 /
+// H200 (132 SMs x ln_bwd2_blocks_per_sm(K): 264..1056): one wave; fewer when the rows run out
+// (a row per warp). A constant, not the device's SM count: the partial rows, hence the dgamma /
+// dbeta bits, are the same on every GPU.
+int ln_bwd2_blocks(int64_t N, int K) {
+  return static_cast<int>(std::min<int64_t>((N + kLnBwd2Warps - 1) / kLnBwd2Warps,
+                                            132 * ln_bwd2_blocks_per_sm(K)));
+}
 }  // namespace
 
-// layernorm_backward's partials: 2 x [blocks, C] on the fused path (blocks capped), 2 x
-// [chunks, C] on the general one (a chunk per kLnRowsPerChunk rows); the larger of the two,
-// whichever path the width and alignments pick.
+// layernorm_backward's partials: 2 x [blocks, C] on the fused paths (blocks capped), 2 x
+// [chunks, C] on the general one (a chunk per kLnRowsPerChunk rows); the largest, whichever
+// path VITGRID_LN_BWD, the width and the alignments pick.
 size_t CudaBackend::layernorm_scratch_bytes(int64_t rows, int64_t cols) {
   if (rows <= 0 || cols <= 0) return 0;
   const int64_t chunks = (rows + kLnRowsPerChunk - 1) / kLnRowsPerChunk;
-  const int64_t parts = std::max<int64_t>(ln_bwd_fused_blocks(rows), chunks);
-  return 2 * static_cast<size_t>(parts) * static_cast<size_t>(cols) * sizeof(float);
+  int64_t floats = std::max<int64_t>(ln_bwd_fused_blocks(rows), chunks) * cols;
+  // the second fused kernel: its grid depends on K, the packs per lane (C <= 256 K)
+  for (int K = 1; K <= kLnBwd2MaxPacks; ++K)
+    floats = std::max<int64_t>(floats, static_cast<int64_t>(ln_bwd2_blocks(rows, K)) *
+                                           std::min<int64_t>(cols, 256 * K));
+  return 2 * static_cast<size_t>(floats) * sizeof(float);
+}
+
+// VITGRID_LN_BWD: 1 (or unset) the second fused backward kernel, 0 the first.
+bool CudaBackend::ln_bwd_v2_from_env() {
+  const char* v = std::getenv("VITGRID_LN_BWD");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "1") == 0) return true;
+  if (std::strcmp(v, "0") == 0) return false;
+  throw UserError(std::string("VITGRID_LN_BWD=") + v +
+                  " is not a known LayerNorm backward kernel; allowed: 1 (the default: the "
+                  "register-lean fused kernel), 0 (the first fused kernel)");
 }
 
 void CudaBackend::add_layernorm_forward(void* res, void* y, float* mean, float* rstd,
@@ -303,6 +556,62 @@ void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, cons
     using T = typename decltype(tag)::type;
     constexpr int V = 16 / sizeof(T);
     const int packs = C / V;
+    if (ln_bwd_v2_ && C % V == 0 && aligned16(dx) && aligned16(dy) && aligned16(x) &&
+        aligned16(gamma) && packs <= 32 * kLnBwd2MaxPacks) {
+      // the second fused kernel (VITGRID_LN_BWD=1): one partial row per block
+      auto launch2 = [&](auto k_tag) {
+        constexpr int K = decltype(k_tag)::value;
+        auto kernel = layernorm_bwd_fused2_kernel<T, K>;
+        const int blocks = ln_bwd2_blocks(N, K);
+        float* pg =
+            static_cast<float*>(scratch(2 * static_cast<size_t>(blocks) * C * sizeof(float)));
+        float* pb = pg + static_cast<size_t>(blocks) * C;
+        const size_t smem = ln_bwd2_smem(K);
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+        // all of L1 as shared memory: the grid assumes ln_bwd2_blocks_per_sm(K) blocks fit
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        cudaSharedmemCarveoutMaxShared));
+        // once per kernel: say so when the grid does not fit in one wave on this GPU (other
+        // SM count or register use): the rows of the blocks left over then run in a second
+        // wave at low occupancy (same results, slower)
+        static const bool fits = [&] {
+          int per_sm = 0, sms = 0;
+          if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * kLnBwd2Warps,
+                                                            smem) != cudaSuccess ||
+              cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_) !=
+                  cudaSuccess) {
+            (void)cudaGetLastError();
+            return true;  // unknown: nothing to report
+          }
+          const int want = 132 * ln_bwd2_blocks_per_sm(K);
+          if (per_sm * sms >= want) return true;
+          std::fprintf(stderr,
+                       "vitgrid: LayerNorm backward (VITGRID_LN_BWD=1, %d packs per lane): %d "
+                       "blocks fit at once (%d SMs x %d), the grid has up to %d; expect it "
+                       "slower than on an H100 / H200\n",
+                       K, per_sm * sms, sms, per_sm, want);
+          return false;
+        }();
+        (void)fits;
+        kernel<<<blocks, 32 * kLnBwd2Warps, smem, stream_>>>(
+            static_cast<T*>(dx), pg, pb, static_cast<const T*>(dy), static_cast<const T*>(x),
+            static_cast<const T*>(gamma), mean, rstd, N, C);
+        CUDA_CHECK_LAUNCH();
+        launch_layernorm_bwd_param_final(stream_, dgamma, dbeta, pg, pb, blocks, C);
+        CUDA_CHECK_LAUNCH();
+      };
+      switch ((packs + 31) / 32) {  // K: packs per lane
+        case 1: launch2(std::integral_constant<int, 1>{}); break;
+        case 2: launch2(std::integral_constant<int, 2>{}); break;
+        case 3: launch2(std::integral_constant<int, 3>{}); break;
+        case 4: launch2(std::integral_constant<int, 4>{}); break;
+        case 5: launch2(std::integral_constant<int, 5>{}); break;
+        default: launch2(std::integral_constant<int, 6>{}); break;
+      }
+      done = true;
+      return;
+    }
     const bool vec = C % V == 0 && aligned16(dx) && aligned16(dy) && aligned16(x) &&
                      aligned16(gamma) && packs <= 32 * 4;
     if (!vec) return;

@@ -150,6 +150,12 @@ class NcclCollectives final : public Collectives {
       track(stream_, bit(a), "allreduce_max");
     }
   }
+  void allreduce_sum_f64(double* buf, size_t n, Axis a) override {
+    if (ncclComm_t c = comm(a); c && !skipped()) {
+      NCCL_CHECK(ncclAllReduce(buf, buf, n, ncclFloat64, ncclSum, c, stream_));
+      track(stream_, bit(a), "allreduce_sum_f64");
+    }
+  }
   void allreduce_sum_act(void* buf, size_t n, size_t elem_size, Axis a) override {
     const ncclDataType_t t = act_type(elem_size, "allreduce_sum_act");
     if (ncclComm_t c = comm(a); c && !skipped()) {
@@ -205,6 +211,15 @@ class NcclCollectives final : public Collectives {
     NCCL_CHECK(ncclGroupEnd());
     track(stream_, bit(a), "recv");
   }
+  // While the stream is captured, the calls go into the graph; the graph's launch is followed
+  // as a whole (follow), after it.
+  void capture(bool on) override { capturing_ = on; }
+  void follow(const char* what) override {
+    unsigned axes = 0;
+    for (int i = 0; i < static_cast<int>(Axis::Count); ++i)
+      if (comms_[i]) axes |= 1u << i;
+    if (axes) track(stream_, axes, what);
+  }
   void barrier(Axis a) override {
     if (ncclComm_t c = comm(a)) {
       NCCL_CHECK(ncclAllReduce(barrier_buf_, barrier_buf_, 1, ncclFloat, ncclSum, c, stream_));
@@ -246,6 +261,7 @@ class NcclCollectives final : public Collectives {
 
   // Hands the collective just enqueued on `st` to the watchdog: an event recorded behind it.
   void track(cudaStream_t st, unsigned axes, const char* what) {
+    if (capturing_) return;  // follow() hands over the graph's launch instead
     if (blocking_) return wait(st, axes, what);
     cudaEvent_t ev = nullptr;
     bool full = false;
@@ -393,6 +409,7 @@ class NcclCollectives final : public Collectives {
   };
   static constexpr size_t kMaxPending = 4096;
   bool blocking_ = false;
+  bool capturing_ = false;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Pending> pending_q_;

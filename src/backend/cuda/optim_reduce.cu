@@ -1,4 +1,5 @@
-// Reductions that return to the host (sum of squares per slice, sum, all-finite) and the
+// Reductions that return to the host (sum of squares per slice, sum, all-finite), the same
+// into device scalars (sum_into, sum_squares_total, clip_factor: nothing waits), and the
 // multi-tensor optimizer updates (AdamW, LAMB, SGD). Every multi-tensor launch is one grid
 // over the chunk table of its slice list (uploaded once, cached by CudaBackend::slice_table);
 // block i updates chunk i. Reductions are two-stage with a fixed order (deterministic) and
@@ -54,6 +55,24 @@ __global__ void sum_final_kernel(double* out, const double* partial, int np) {
   if (threadIdx.x == 0) *out = s;
 }
 
+// *acc += the partials' sum (one block, fixed order)
+__global__ void sum_accumulate_kernel(double* acc, const double* partial, int np) {
+  __shared__ double sh[32];
+  double s = 0.0;
+  for (int i = threadIdx.x; i < np; i += blockDim.x) s += partial[i];
+  s = block_sum(s, sh);
+  if (threadIdx.x == 0) *acc += s;
+}
+
+// backend.h's clip_factor, in the host code's arithmetic (double norm, float factor)
+__global__ void clip_factor_kernel(float* out, const double* sq, double max_norm,
+                                   float inv_scale) {
+  const double g = sqrt(*sq) * static_cast<double>(inv_scale);
+  float coef = 1.0f;
+  if (max_norm > 0.0 && g > max_norm) coef = static_cast<float>(max_norm / (g + 1e-6));
+  *out = coef * inv_scale;
+}
+
 __global__ void all_finite_kernel(int* flag, const float* x, size_t n) {
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   bool bad = false;
@@ -65,16 +84,21 @@ __global__ void all_finite_kernel(int* flag, const float* x, size_t n) {
 struct AdamDev {
   float lr, beta1, beta2, eps, grad_scale;
   float bc1, bc2;  // bias corrections 1 - beta^step
+  const float* grad_scale_dev;  // null, or a device factor applied on top of grad_scale
 };
+__device__ __forceinline__ float total_scale(float s, const float* dev) {
+  return dev ? s * *dev : s;
+}
 
 // PyTorch AdamW (decoupled weight decay), written as backend.h states it:
 // p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p).
 __global__ void adamw_kernel(float* p, const float* g, float* m, float* v,
                              const SliceChunk* chunks, AdamDev a) {
   const SliceChunk ck = chunks[blockIdx.x];
+  const float gs = total_scale(a.grad_scale, a.grad_scale_dev);
   for (uint32_t j = threadIdx.x; j < ck.n; j += blockDim.x) {
     const size_t i = ck.offset + j;
-    const float gg = g[i] * a.grad_scale;
+    const float gg = g[i] * gs;
     const float mi = a.beta1 * m[i] + (1.0f - a.beta1) * gg;
     const float vi = a.beta2 * v[i] + (1.0f - a.beta2) * gg * gg;
     m[i] = mi;
@@ -89,9 +113,10 @@ __global__ void adamw_kernel(float* p, const float* g, float* m, float* v,
 __global__ void lamb_direction_kernel(float* u, const float* p, const float* g, float* m,
                                       float* v, const SliceChunk* chunks, AdamDev a) {
   const SliceChunk ck = chunks[blockIdx.x];
+  const float gs = total_scale(a.grad_scale, a.grad_scale_dev);
   for (uint32_t j = threadIdx.x; j < ck.n; j += blockDim.x) {
     const size_t i = ck.offset + j;
-    const float gg = g[i] * a.grad_scale;
+    const float gg = g[i] * gs;
     const float mi = a.beta1 * m[i] + (1.0f - a.beta1) * gg;
     const float vi = a.beta2 * v[i] + (1.0f - a.beta2) * gg * gg;
     m[i] = mi;
@@ -114,8 +139,9 @@ __global__ void lamb_apply_kernel(float* p, const float* u, const SliceChunk* ch
 // PyTorch SGD with momentum, dampening 0: d = g*gs + wd*p; b = mu*b + d;
 // p -= lr * (nesterov ? d + mu*b : b).
 __global__ void sgd_kernel(float* p, const float* g, float* mom, const SliceChunk* chunks,
-                           float lr, float mu, bool nesterov, float gs) {
+                           float lr, float mu, bool nesterov, float gs0, const float* gs_dev) {
   const SliceChunk ck = chunks[blockIdx.x];
+  const float gs = total_scale(gs0, gs_dev);
   for (uint32_t j = threadIdx.x; j < ck.n; j += blockDim.x) {
     const size_t i = ck.offset + j;
     const float pi = p[i];
@@ -135,6 +161,7 @@ AdamDev adam_dev(const AdamParams& a) {
   d.grad_scale = a.grad_scale;
   d.bc1 = static_cast<float>(1.0 - std::pow(static_cast<double>(a.beta1), a.step));
   d.bc2 = static_cast<float>(1.0 - std::pow(static_cast<double>(a.beta2), a.step));
+  d.grad_scale_dev = a.grad_scale_dev;
   return d;
 }
 
@@ -182,6 +209,36 @@ double CudaBackend::sum(const float* x, size_t n) {
   return r;
 }
 
+void CudaBackend::sum_into(double* acc, const float* x, size_t n) {
+  if (n == 0) return;
+  // per-sample losses: a few hundred values, a few blocks (the order depends on n only)
+  const int blocks = static_cast<int>(std::min<size_t>(kSumBlocks, (n + 255) / 256));
+  sum_partial_kernel<<<blocks, 256, 0, stream_>>>(reduce_buf_ + 1, x, n);
+  CUDA_CHECK_LAUNCH();
+  sum_accumulate_kernel<<<1, 1024, 0, stream_>>>(acc, reduce_buf_ + 1, blocks);
+  CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::sum_squares_total(double* out, const float* buf,
+                                    const std::vector<ParamSlice>& slices) {
+  const SliceTable& t = slice_table(slices);
+  if (t.nchunks == 0) {
+    CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(double), stream_));
+    return;
+  }
+  // the per-chunk partials of sum_squares, then one fixed-order sum over them
+  double* partial = static_cast<double*>(scratch(static_cast<size_t>(t.nchunks) * sizeof(double)));
+  chunk_sumsq_kernel<<<t.nchunks, kOptThreads, 0, stream_>>>(partial, buf, t.chunks);
+  CUDA_CHECK_LAUNCH();
+  sum_final_kernel<<<1, 1024, 0, stream_>>>(out, partial, t.nchunks);
+  CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::clip_factor(float* out, const double* sq, double max_norm, float inv_scale) {
+  clip_factor_kernel<<<1, 1, 0, stream_>>>(out, sq, max_norm, inv_scale);
+  CUDA_CHECK_LAUNCH();
+}
+
 bool CudaBackend::all_finite(const float* x, size_t n) {
   if (n == 0) return true;
   CUDA_CHECK(cudaMemsetAsync(flag_, 0, sizeof(int), stream_));
@@ -227,11 +284,11 @@ void CudaBackend::lamb_apply(float* p, const float* u, const std::vector<ParamSl
 
 void CudaBackend::sgd_update(float* p, const float* g, float* mom,
                              const std::vector<ParamSlice>& slices, float lr, float momentum,
-                             bool nesterov, float grad_scale) {
+                             bool nesterov, float grad_scale, const float* grad_scale_dev) {
   const SliceTable& t = slice_table(slices);
   if (t.nchunks == 0) return;
   sgd_kernel<<<t.nchunks, kOptThreads, 0, stream_>>>(p, g, mom, t.chunks, lr, momentum,
-                                                     nesterov, grad_scale);
+                                                     nesterov, grad_scale, grad_scale_dev);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -287,6 +287,10 @@ void TensorParallelBase::sum_over_batch(double* v, int n) {
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, MPI_SUM, grid_.comm(a).get()));
 }
 
+void TensorParallelBase::sum_over_batch_device(double* v, int n) {
+  for (Axis a : batch_axes_split()) coll_.allreduce_sum_f64(v, n, a);
+}
+
 void TensorParallelBase::gather_batch(void* out, const void* in, int batch, int64_t row_elems) {
   const size_t es = be_.act_size();
   const size_t local = static_cast<size_t>(batch / bsplit_) * row_elems;
@@ -329,6 +333,17 @@ void TensorParallelBase::reduce_param_norms(std::vector<double>& sq) {
     for (size_t i = 0; i < sq.size(); ++i)
       if (contains(sharded_[i], a)) sq[i] = v[i];
   }
+}
+
+bool TensorParallelBase::counts_in_norm(size_t i) const {
+  VG_CHECK(i < sharded_.size(), "parameter " << i << " of " << sharded_.size() << " registered");
+  for (Axis a : mode_axes_)
+    if (!contains(sharded_[i], a) && rank(a) != 0) return false;
+  return true;
+}
+
+void TensorParallelBase::reduce_norm_total(double* total) {
+  for (Axis a : mode_axes_) coll_.allreduce_sum_f64(total, 1, a);
 }
 
 void TensorParallelBase::reduce_replicated_grads(float* grads,

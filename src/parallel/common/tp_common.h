@@ -32,8 +32,11 @@ class TensorParallelBase : public TensorParallel {
                           const void* gamma, const float* mean, const float* rstd, int rows,
                           int C) override;
   void sum_over_batch(double* v, int n) override;
+  void sum_over_batch_device(double* v, int n) override;
   void gather_batch(void* out, const void* in, int batch, int64_t row_elems) override;
   void reduce_param_norms(std::vector<double>& sq) override;
+  bool counts_in_norm(size_t i) const override;
+  void reduce_norm_total(double* total) override;
   void reduce_replicated_grads(float* grads, const std::vector<ParamInfo>& params) override;
 
  protected:

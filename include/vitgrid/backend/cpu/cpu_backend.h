@@ -123,6 +123,12 @@ class CpuBackend final : public Backend {
                    const std::vector<ParamSlice>& slices) override;
   double sum(const float* x, size_t n) override;
   bool all_finite(const float* x, size_t n) override;
+  void sum_into(double* acc, const float* x, size_t n) override;
+  void sum_squares_total(double* out, const float* buf,
+                         const std::vector<ParamSlice>& slices) override;
+  void clip_factor(float* out, const double* sq, double max_norm, float inv_scale) override;
+  void readback_start(int slot, const void* src, size_t bytes) override;
+  const void* readback_wait(int slot) override;
 
   void adamw_update(float* p, const float* g, float* m, float* v,
                     const std::vector<ParamSlice>& slices, const AdamParams& a) override;
@@ -131,7 +137,8 @@ class CpuBackend final : public Backend {
   void lamb_apply(float* p, const float* u, const std::vector<ParamSlice>& slices,
                   const std::vector<float>& ratio_host, float lr) override;
   void sgd_update(float* p, const float* g, float* mom, const std::vector<ParamSlice>& slices,
-                  float lr, float momentum, bool nesterov, float grad_scale) override;
+                  float lr, float momentum, bool nesterov, float grad_scale,
+                  const float* grad_scale_dev = nullptr) override;
 
   // Tensor-parallel ops (cpu_tp_ops.cpp): fp32 accumulation of reduced weight
   // gradients and the LayerNorm of rows split over ranks.
@@ -161,6 +168,7 @@ class CpuBackend final : public Backend {
   size_t peak_bytes_ = 0;
   std::vector<double> marks_;  // host clock at each mark()
   std::vector<std::vector<unsigned char>> staging_;  // host areas of the upload slots
+  std::vector<std::vector<char>> readback_;           // readback_start copies
 };
 
 }  // namespace vitgrid

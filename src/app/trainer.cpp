@@ -572,6 +572,9 @@ struct Trainer::Impl {
 
   ~Impl() {
     if (be) {
+      // graphs first: NCCL keeps a communicator used by a captured graph alive (and its
+      // destruction waiting) until the graph is gone, and the collectives go before the backend
+      be->drop_graphs();
       be->synchronize();
       for (void* p : d_raw)
         if (p) be->release(p);

@@ -816,8 +816,11 @@ def t_gpu_graphs(tmp):
     norms on one GPU (fp32, bf16, fp16 with its loss scale re-captured, gradient accumulation),
     and agree within 1e-6 (fp32) on 2 and 4 GPUs (data parallel with the overlapped bucket
     reduction, ZeRO-1, tensor 1d / 2d); the log says graphs were captured and, after the
-    first steps, nothing was allocated. A rank skipping a collective inside the graph is still
-    caught by the watchdog. 77 without a GPU."""
+    first steps, nothing was allocated. 77 without a GPU. (The watchdog's test stays in
+    gpu_parallel, whose deck has dropout and so runs eagerly: NCCL pairs calls by their order
+    only, so a collective skipped inside a replayed graph shifts the pairing of the small
+    reductions that follow without necessarily blocking any of them - the bug the watchdog
+    exists for, a call that never completes, is not what that injection produces there.)"""
     ngpu = gpus_or_skip()
     model = ["--model.hidden=32", "--model.heads=4", "--model.depth=4", "--device.backend=cuda",
              "--checkpoint.every_steps=0", "--model.dropout=0"]
@@ -849,16 +852,6 @@ def t_gpu_graphs(tmp):
             check(captured and r <= 1e-6, f"{name} on {n} GPUs: graphs captured, loss and norm "
                   f"within {r:.2e} <= 1e-6 of the eager step")
         check("device allocations" not in out, f"{name}: no allocation warning")
-    if ngpu < 2:
-        return
-    d = os.path.join(tmp, "watchdog")
-    t0 = time.time()
-    p = run(2, ["train", DECK, f"--run.out_dir={d}", "--device.comm_timeout=5"] + model,
-            timeout=180, expect_rc=None, env={"VITGRID_TEST_NCCL_SKIP": "1:12"})
-    out = p.stdout + p.stderr
-    check(p.returncode != 0 and "NCCL" in out and "timed out" in out,
-          f"graphs: a rank skipping a collective ends the job in {time.time() - t0:.0f} s "
-          f"(exit {p.returncode})")
 
 
 def main():

@@ -72,6 +72,8 @@ class Optimizer {
 
   // Sum of squares of the whole gradient (true norms across tensor shards, and across data
   // ranks with ZeRO), before unscaling. Collective over the tensor (and, with ZeRO, data) axes.
+  // Blocking (per-parameter sums on the host): the tests' reference for grad_norm_sq_device,
+  // which the trainer uses.
   double grad_norm_sq(const float* grads);
   // The same into the device double *out, enqueued only (no host wait): each rank sums the
   // slices it counts (TensorParallel::counts_in_norm), then over the tensor group (and the

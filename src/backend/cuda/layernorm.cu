@@ -157,6 +157,38 @@ __global__ void layernorm_bwd_dx_kernel(T* dx, const T* dy, const T* x, const T*
 
 
 
+// The fused backwards' last step: one partial row of dgamma / dbeta per block. Each warp's
+// per-lane column sums (accg / accb: K packs of V per lane) go to sh as [W][2][C] floats, then
+// the block adds them in warp order (fixed: deterministic) and writes row blockIdx.x of pg / pb.
+// The block is W warps; sh holds 2 W C floats that nothing else reads any more.
+template <int K, int V, int W>
+__device__ __forceinline__ void write_block_partials(float* sh, const float (&accg)[K][V],
+                                                     const float (&accb)[K][V], int packs,
+                                                     int C, float* pg, float* pb) {
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int p = lane + 32 * k;
+    if (p >= packs) continue;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      sh[(w * 2 + 0) * C + p * V + j] = accg[k][j];
+      sh[(w * 2 + 1) * C + p * V + j] = accb[k][j];
+    }
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < C; c += 32 * W) {
+    float tg = 0.0f, tb = 0.0f;
+#pragma unroll
+    for (int ww = 0; ww < W; ++ww) {
+      tg += sh[(ww * 2 + 0) * C + c];
+      tb += sh[(ww * 2 + 1) * C + c];
+    }
+    pg[static_cast<int64_t>(blockIdx.x) * C + c] = tg;
+    pb[static_cast<int64_t>(blockIdx.x) * C + c] = tb;
+  }
+}
+
 // Fused backward for rows of up to 32*K packs of V elements (C <= 1024 in 16-bit types): one
 // warp per row, each lane owning the same K packs (16-byte vectors) of every row it visits, so
 // dy and x are read once for dx, dgamma and dbeta; per-lane column sums stay in registers,
@@ -224,27 +256,7 @@ __global__ void __launch_bounds__(128) layernorm_bwd_fused_kernel(
     }
   }
   // combine the warps' column sums in a fixed order
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int p = lane + 32 * k;
-    if (p >= packs) continue;
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      sh[(w * 2 + 0) * C + p * V + j] = accg[k][j];
-      sh[(w * 2 + 1) * C + p * V + j] = accb[k][j];
-    }
-  }
-  __syncthreads();
-  for (int c = threadIdx.x; c < C; c += blockDim.x) {
-    float tg = 0.0f, tb = 0.0f;
-#pragma unroll
-    for (int ww = 0; ww < W; ++ww) {
-      tg += sh[(ww * 2 + 0) * C + c];
-      tb += sh[(ww * 2 + 1) * C + c];
-    }
-    pg[static_cast<int64_t>(blockIdx.x) * C + c] = tg;
-    pb[static_cast<int64_t>(blockIdx.x) * C + c] = tb;
-  }
+  write_block_partials<K, V, W>(sh, accg, accb, packs, C, pg, pb);
 }
 
 // The second fused backward (VITGRID_LN_BWD=1, the default; =0 runs the one above, kept for
@@ -445,31 +457,10 @@ __global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K))
     }
   }
   cp_async_wait<0>();
-  // one partial row per block: the warps' column sums added in warp order, through the
-  // (now idle) stages as [W][2][C] floats
+  // one partial row per block, through the (now idle) stages
   __syncthreads();
-  float* red = reinterpret_cast<float*>(ln_bwd2_sh + KS);
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int p = lane + 32 * k;
-    if (p >= packs) continue;
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      red[(w * 2 + 0) * C + p * V + j] = accg[k][j];
-      red[(w * 2 + 1) * C + p * V + j] = accb[k][j];
-    }
-  }
-  __syncthreads();
-  for (int c = threadIdx.x; c < C; c += 32 * W) {
-    float tg = 0.0f, tb = 0.0f;
-#pragma unroll
-    for (int ww = 0; ww < W; ++ww) {
-      tg += red[(ww * 2 + 0) * C + c];
-      tb += red[(ww * 2 + 1) * C + c];
-    }
-    pg[static_cast<int64_t>(blockIdx.x) * C + c] = tg;
-    pb[static_cast<int64_t>(blockIdx.x) * C + c] = tb;
-  }
+  write_block_partials<K, V, W>(reinterpret_cast<float*>(ln_bwd2_sh + KS), accg, accb, packs, C,
+                                pg, pb);
 }
 
 }  // namespace cuda

@@ -380,18 +380,27 @@ struct Trainer::Impl {
     std::vector<GradRange> groups;
     for (const auto& g : model->grad_groups()) groups.push_back({g.offset, g.n});
     const size_t n = model->num_local_params();
-    auto buckets = plan_grad_buckets(groups, n, overlap ? static_cast<size_t>(mb * 262144.0) : 0,
-                                     zero ? static_cast<size_t>(D) * 16 : 1);
+    // the last bucket's worth of the backward (the patch embedding, then block 0's halves) is
+    // reduced group by group: what is left to reduce after the backward is one small group
+    const size_t elems = overlap ? static_cast<size_t>(mb * 262144.0) : 0;
+    auto buckets =
+        plan_grad_buckets(groups, n, elems, zero ? static_cast<size_t>(D) * 16 : 1, elems);
     zero_shards.size = D;
     zero_shards.rank = grid->rank(Axis::Data);
     zero_shards.buckets = buckets;
     reducer = std::make_unique<GradReducer>(*coll, D, grid->rank(Axis::Data), buckets, zero);
     if (overlap) model->set_grad_ready_hook([this](size_t o, size_t c) { reducer->ready(o, c); });
+    const int margin = deck.device.gemm_sm_margin;
+    if (overlap && margin > 0)
+      reducer->set_overlap_hook([this, margin](bool on) { be->set_gemm_sm_margin(on ? margin : 0); });
     if (D > 1)
-      log("data-parallel gradients (fp32): %zu bucket(s) of %.2f MiB on average (stage 0), %s; "
+      log("data-parallel gradients (fp32): %zu bucket(s) of %.2f MiB on average (stage 0), %s%s; "
           "%s\n",
           buckets.size(), n * 4.0 / 1048576.0 / std::max<size_t>(buckets.size(), 1),
           overlap ? "reduced during the backward" : "reduced after the backward",
+          overlap && margin > 0 ? (", the GEMMs leave " + std::to_string(margin) +
+                                   " SMs to it meanwhile").c_str()
+                                : "",
           zero ? "ZeRO-1: reduce-scatter, sharded update, all-gather of the master weights"
                : "all-reduce");
   }

@@ -184,6 +184,8 @@ const std::vector<Field>& schema() {
                "time this many cuBLASLt algorithms per GEMM shape at its first use and keep the fastest (0: the heuristic's choice, bit-reproducible runs)"),
       VG_FIELD(device, data_comm_ctas, "0..64",
                "thread blocks (SMs) the data-parallel gradient reduction's NCCL kernels may take from the backward they overlap (0: NCCL's choice)"),
+      VG_FIELD(device, gemm_sm_margin, "0..64",
+               "SMs the GEMMs leave free while gradient buckets are reduced during the backward, for the reduction's kernels (0: none; cuBLASLt's SM count target)"),
       VG_FIELD(device, deterministic, "",
                "bit-identical reruns; false lets cuDNN's attention backward accumulate with atomics (faster, last-bit differences run to run)"),
       VG_FIELD(device, cuda_graph, "",
@@ -641,6 +643,9 @@ class Parser {
     positive("device.comm_timeout", d.device.comm_timeout);
     if (d.device.data_comm_ctas < 0 || d.device.data_comm_ctas > 64) {
       fail("device.data_comm_ctas", "must be between 0 and 64 (0: NCCL's choice)");
+    }
+    if (d.device.gemm_sm_margin < 0 || d.device.gemm_sm_margin > 64) {
+      fail("device.gemm_sm_margin", "must be between 0 and 64 (SMs left to the reduction)");
     }
     if (d.device.gemm_tune < 0 || d.device.gemm_tune > 16) {
       fail("device.gemm_tune", "must be between 0 and 16 (GEMM algorithms timed per shape)");

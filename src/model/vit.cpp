@@ -200,10 +200,15 @@ void ViT::build_params() {
     groups_.push_back(g);
     return static_cast<int>(groups_.size()) - 1;
   };
+  // A block is two groups: attention (norm1, qkv, proj) and MLP (norm2, fc1, fc2); the
+  // backward finishes the MLP's first, so its reduction can start half a block earlier.
   block_group_.assign(cfg_.depth, -1);
   if (embed_param_ >= 0) embed_group_ = group_at(embed_param_, 4);
   for (int l = 0; l < cfg_.depth; ++l)
-    if (block_param_[l] >= 0) block_group_[l] = group_at(block_param_[l], kParamsPerBlock);
+    if (block_param_[l] >= 0) {
+      block_group_[l] = group_at(block_param_[l], kNorm2W);
+      group_at(block_param_[l] + kNorm2W, kParamsPerBlock - kNorm2W);
+    }
   if (head_param_ >= 0) head_group_ = group_at(head_param_, 4);
   for (size_t g = 0; g < groups_.size(); ++g)
     VG_CHECK(groups_[g].offset == (g == 0 ? 0 : groups_[g - 1].offset + groups_[g - 1].n),
@@ -544,7 +549,7 @@ void ViT::chunk_forward(int chunk, int set, const DeviceBatch& in, int64_t step,
   if (top5) *top5 = v[2];
 }
 
-void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set) {
+void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set, bool final) {
   Acts& a = *a_;
   if (cfg_.checkpoint_activations) block_forward(l, B, step, fp, true, set, true);
   Acts::Set& st = a.sets[set];
@@ -591,6 +596,7 @@ void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set) {
   // dres += LN2 backward: now dres = d r_mid
   tp_.layernorm_backward(a.dres, G(kNorm2W), G(kNorm2B), a.dtmp, b.r_mid, W(kNorm2W), b.m2,
                          b.s2, N, C);
+  if (final) report(block_group_[l] + 1);  // the MLP half
   const void* dp = a.dres;
   if (drop) {
     be_.dropout_backward(a.ddrop, a.dres, NC, cfg_.dropout,
@@ -605,6 +611,7 @@ void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set) {
   // dres += LN1 backward: now dres = d r_in[l]
   tp_.layernorm_backward(a.dres, G(kNorm1W), G(kNorm1B), a.dtmp, st.r_in[j], W(kNorm1W), b.m1,
                          b.s1, N, C);
+  if (final) report(block_group_[l]);  // the attention half
 }
 
 void ViT::chunk_backward(int chunk, int set, const DeviceBatch& in, int64_t step, bool final) {
@@ -634,10 +641,8 @@ void ViT::chunk_backward(int chunk, int set, const DeviceBatch& in, int64_t step
     if (final) report(head_group_);
   }
   // (otherwise dres holds d(chunk output), put there by the pipeline)
-  for (int l = ch.first_block + ch.blocks - 1; l >= ch.first_block; --l) {
-    block_backward(l, B, step, in.first_position, set);
-    if (final) report(block_group_[l]);
-  }
+  for (int l = ch.first_block + ch.blocks - 1; l >= ch.first_block; --l)
+    block_backward(l, B, step, in.first_position, set, final);
   if (!first) {
     // d(chunk input) goes back to the previous stage from the set (r_in[0] is spent)
     be_.copy(st.r_in[0], a.dres, static_cast<size_t>(Bl) * T * Cs * as);

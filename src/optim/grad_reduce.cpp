@@ -8,7 +8,8 @@
 namespace vitgrid {
 
 std::vector<GradBucket> plan_grad_buckets(const std::vector<GradRange>& groups, size_t total,
-                                          size_t bucket_elems, size_t quantum) {
+                                          size_t bucket_elems, size_t quantum,
+                                          size_t tail_elems) {
   quantum = std::max<size_t>(quantum, 1);
   VG_CHECK(total % quantum == 0, "gradient buffer of " << total << " elements for buckets of "
                                                        << quantum << "-element quanta");
@@ -18,8 +19,12 @@ std::vector<GradBucket> plan_grad_buckets(const std::vector<GradRange>& groups, 
   // bucket ends, from the end of the buffer down to 0
   std::vector<size_t> cuts = {total};
   if (bucket_elems > 0) {
-    for (const GradRange& r : g) {
-      if (cuts.back() - std::min(cuts.back(), r.offset) < bucket_elems) continue;
+    for (size_t i = 0; i < g.size(); ++i) {
+      const GradRange& r = g[i];
+      // the groups starting below tail_elems are reduced last: a bucket each (so the group
+      // above them ends one too)
+      const bool tail = r.offset < tail_elems || (i + 1 < g.size() && g[i + 1].offset < tail_elems);
+      if (!tail && cuts.back() - std::min(cuts.back(), r.offset) < bucket_elems) continue;
       const size_t cut = (r.offset + quantum - 1) / quantum * quantum;
       if (cut > 0 && cut < cuts.back()) cuts.push_back(cut);
     }
@@ -84,12 +89,17 @@ void GradReducer::ready(size_t offset, size_t n) {
     if (lo >= hi || started_[k]) continue;
     VG_CHECK(remaining_[k] >= hi - lo, "gradient range reported twice");
     remaining_[k] -= hi - lo;
-    if (remaining_[k] == 0) start(k);
+    if (remaining_[k] != 0) continue;
+    if (!overlapping_ && overlap_hook_) overlap_hook_(true);
+    overlapping_ = true;
+    start(k);
   }
   coll_.progress();
 }
 
 void GradReducer::finish() {
+  if (overlapping_ && overlap_hook_) overlap_hook_(false);
+  overlapping_ = false;
   for (size_t k = buckets_.size(); k-- > 0;)
     if (!started_[k]) start(k);
   coll_.wait_all();

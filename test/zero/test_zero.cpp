@@ -72,6 +72,34 @@ TEST(GradBuckets, TileTheBufferAtRoundedGroupStarts) {
   }
 }
 
+TEST(GradBuckets, TailGroupsGetABucketEach) {
+  // groups of 40, 40, 100, 300, 300, 300: buckets of >= 500 from the end, and below
+  // offset 150 (the first three groups, finished last by the backward) one per group
+  std::vector<GradRange> g;
+  size_t off = 0;
+  for (size_t n : {40, 40, 100, 300, 300, 300}) {
+    g.push_back({off, n});
+    off += n;
+  }
+  const auto plain = plan_grad_buckets(g, off, 500, 1);
+  ASSERT_EQ(plain.size(), 2u);  // [0, 480) and [480, 1080)
+  EXPECT_EQ(plain[1].offset, 480u);
+  const auto b = plan_grad_buckets(g, off, 500, 1, 150);
+  ASSERT_EQ(b.size(), 5u);
+  const size_t starts[] = {0, 40, 80, 180, 480};
+  for (size_t k = 0; k < b.size(); ++k) EXPECT_EQ(b[k].offset, starts[k]) << "bucket " << k;
+  // quantum 16: the cuts round up, the buckets still tile the buffer
+  const auto bq = plan_grad_buckets(g, 1088, 500, 16, 150);
+  size_t at = 0;
+  for (const auto& k : bq) {
+    EXPECT_EQ(k.offset, at);
+    EXPECT_EQ(k.offset % 16, 0u);
+    at += k.n;
+  }
+  EXPECT_EQ(at, 1088u);
+  EXPECT_EQ(bq.size(), 5u);  // 0, 48, 80, 192, 480
+}
+
 TEST(AsyncCollectives, MatchTheBlockingOnes) {
   ProcessGrid grid(MPI_COMM_WORLD, data_grid());
   auto coll = make_mpi_collectives(grid);
@@ -114,9 +142,13 @@ TEST(GradReducer, BucketsReduceAsTheirGroupsComplete) {
   }
   const size_t q = 16 * D, total = (off + q - 1) / q * q;
   g.back().n += total - off;
-  for (bool zero : {false, true}) {
-    const auto buckets = plan_grad_buckets(g, total, 150, zero ? q : 1);
+  for (int variant = 0; variant < 4; ++variant) {
+    const bool zero = variant & 1;
+    const size_t tail = variant & 2 ? 150 : 0;  // the first groups: a bucket each
+    const auto buckets = plan_grad_buckets(g, total, 150, zero ? q : 1, tail);
     GradReducer red(*coll, D, r, buckets, zero);
+    std::vector<int> overlap;  // the overlap hook's calls
+    red.set_overlap_hook([&](bool on) { overlap.push_back(on ? 1 : 0); });
     std::vector<float> grads(total), sum(total, 0.0f);
     for (size_t i = 0; i < total; ++i) grads[i] = float((i * 3 + r) % 11) * 0.25f;
     for (int k = 0; k < D; ++k)
@@ -131,7 +163,9 @@ TEST(GradReducer, BucketsReduceAsTheirGroupsComplete) {
         red.ready(g[k].offset, g[k].n);
       }
     }
+    EXPECT_EQ(overlap, std::vector<int>({1}));  // once, at the first bucket started
     red.finish();
+    EXPECT_EQ(overlap, std::vector<int>({1, 0}));
     ZeroShards zs{D, r, buckets};
     for (size_t k = 0; k < buckets.size(); ++k) {
       const size_t a = zero ? zs.piece_offset(k) : buckets[k].offset;
@@ -142,6 +176,7 @@ TEST(GradReducer, BucketsReduceAsTheirGroupsComplete) {
     for (size_t i = 0; i < total; ++i) grads[i] = float((i * 3 + r) % 11) * 0.25f;
     red.begin(grads.data());
     red.finish();
+    EXPECT_EQ(overlap.size(), 2u);  // nothing overlapped the backward
     for (size_t k = 0; k < buckets.size(); ++k) {
       const size_t a = zero ? zs.piece_offset(k) : buckets[k].offset;
       const size_t n = zero ? zs.piece_n(k) : buckets[k].n;
@@ -172,7 +207,7 @@ TEST(ViTHook, ReportsEveryGroupOnceInBackwardOrder) {
   ViT model(tiny(), *be, *tp, 2, layout);
   EXPECT_EQ(model.num_local_params() % 48, 0u);
   const auto& groups = model.grad_groups();
-  ASSERT_EQ(groups.size(), size_t(tiny().depth + 2));
+  ASSERT_EQ(groups.size(), size_t(2 * tiny().depth + 2));  // blocks in two halves
   size_t at = 0;
   for (const auto& gr : groups) {
     EXPECT_EQ(gr.offset, at);

@@ -109,6 +109,11 @@ class Backend {
   virtual void linear_backward(void* dx, float* dW, float* db, const void* dy, const void* x,
                                const void* W, int N, int in, int out,
                                const void* gelu_pre = nullptr, Gelu gelu = Gelu::Exact) = 0;
+  // The GEMMs enqueued from now on leave `sms` multiprocessors free (0: none) to kernels
+  // running beside them: the data axis's NCCL reductions during the backward
+  // (device.gemm_sm_margin). CUDA: cuBLASLt's SM count target and the fused GELU GEMMs'
+  // persistent grids; the CPU ignores it.
+  virtual void set_gemm_sm_margin(int sms) { (void)sms; }
   // Plain batched strided GEMM on act dtype, fp32 accumulate:
   // C_i = alpha op(A_i) op(B_i) + beta C_i, i < batch; row-major; op = transpose when flag set.
   virtual void gemm_batched(bool transA, bool transB, int M, int N, int K, float alpha,

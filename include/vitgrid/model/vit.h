@@ -124,9 +124,10 @@ class ViT {
   // chunk_backward called with `final` (this step's last backward of that chunk), once the
   // kernels producing a gradient group are enqueued, hook(offset, n) says that elements
   // [offset, offset + n) of grads() are final for this step. The groups are listed by
-  // grad_groups(): the patch embedding with cls_token and pos_embed, each block, the final
-  // norm with the head; they tile [0, num_local_params()) (padding included), and each is
-  // reported once per final pass, in backward order.
+  // grad_groups(): the patch embedding with cls_token and pos_embed, each block's attention
+  // half (norm1, qkv, proj) and MLP half (norm2, fc1, fc2), the final norm with the head; they
+  // tile [0, num_local_params()) (padding included), and each is reported once per final
+  // pass, in backward order.
   using GradReadyHook = std::function<void(size_t offset, size_t n)>;
   void set_grad_ready_hook(GradReadyHook hook) { hook_ = std::move(hook); }
   struct GradGroup {
@@ -195,7 +196,7 @@ class ViT {
   int chunk_of_block(int l) const;
   void block_forward(int l, int B, int64_t step, int64_t first_pos, bool train, int set,
                      bool recompute);
-  void block_backward(int l, int B, int64_t step, int64_t first_pos, int set);
+  void block_backward(int l, int B, int64_t step, int64_t first_pos, int set, bool final);
   // The mask key of a dropout site on this rank's block of the global [B, T, width]
   // activation of `layout` (counters are global element indices).
   DropoutKey dkey(int64_t step, int layer, int site, int64_t first_pos, ActLayout layout, int B,

@@ -13,6 +13,7 @@
 // unspecified values. Buckets are then multiples of D * 16 elements (the buffer is padded so).
 #pragma once
 #include <cstddef>
+#include <functional>
 #include <vector>
 
 #include "vitgrid/grid/grid.h"
@@ -32,9 +33,12 @@ struct GradRange {
 // Buckets tiling [0, total): walking the groups from the end of the buffer, a bucket closes
 // once it holds at least bucket_elems elements, at the start of the group it reached rounded
 // up to a multiple of `quantum` (so it never waits for an earlier group). total must be a
-// multiple of quantum. bucket_elems == 0: one bucket.
+// multiple of quantum. bucket_elems == 0: one bucket. Groups starting below tail_elems (the
+// last the backward finishes) get a bucket each whatever their size: the reduction nothing
+// overlaps any more, after the backward, is then the last group's only.
 std::vector<GradBucket> plan_grad_buckets(const std::vector<GradRange>& groups, size_t total,
-                                          size_t bucket_elems, size_t quantum);
+                                          size_t bucket_elems, size_t quantum,
+                                          size_t tail_elems = 0);
 
 // Bucket size from the environment: VITGRID_BUCKET_MB (MiB of fp32 gradients per bucket,
 // default 25; 0 turns the overlap off: the whole buffer is reduced after the backward).
@@ -69,6 +73,10 @@ class GradReducer {
   // reported), waits for every reduction. Called by every data rank.
   void finish();
   const std::vector<GradBucket>& buckets() const { return buckets_; }
+  // hook(true) when a step's first bucket starts while the backward still runs, hook(false)
+  // when finish() is called: the span in which the reductions share the device with the
+  // backward's kernels (the trainer narrows the GEMMs meanwhile: device.gemm_sm_margin).
+  void set_overlap_hook(std::function<void(bool)> hook) { overlap_hook_ = std::move(hook); }
 
  private:
   void start(size_t k);
@@ -80,6 +88,8 @@ class GradReducer {
   float* grads_ = nullptr;
   std::vector<size_t> remaining_;
   std::vector<bool> started_;
+  std::function<void(bool)> overlap_hook_;
+  bool overlapping_ = false;
 };
 
 }  // namespace vitgrid

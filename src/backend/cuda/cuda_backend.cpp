@@ -62,6 +62,7 @@ CudaBackend::CudaBackend(int device, DType act, const BackendOptions& opts)
       gemm_tune_(std::max(1, std::min(opts.gemm_tune, kMaxGemmTune))),
       deterministic_(opts.deterministic) {
   CUDA_CHECK(cudaSetDevice(device_));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
   read_fused_gelu_env(opts);
   // A non-blocking stream: no implicit serialisation with the legacy default stream, which
   // NCCL and other libraries might use.
@@ -404,6 +405,11 @@ cublasLtMatmulAlgo_t CudaBackend::fastest_algo(const MatmulPlan& p, const GemmSp
   return cand[best < 0 ? 0 : best].algo;
 }
 
+void CudaBackend::set_gemm_sm_margin(int sms) {
+  gemm_sm_margin_ = std::max(0, std::min(sms, sm_count_ - 1));
+  cuda::gemm_gelu_set_sm_margin(gemm_sm_margin_);
+}
+
 bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
   // cuBLASLt is column-major. A row-major matrix is the column-major view of its transpose,
   // so the row-major C[M,N] = op(A) op(B) is computed as the column-major
@@ -413,13 +419,13 @@ bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
   const bool fast_tf32 = tf32_ && s.ab_type == CUDA_R_32F;
   char keybuf[512];
   std::snprintf(keybuf, sizeof keybuf,
-                "%d%d|%d,%d,%d|%lld,%lld,%lld|%lld,%lld,%lld|%d|%d,%d|%d|%d|%u,%u,%u,%u,%u|%lld",
+                "%d%d|%d,%d,%d|%lld,%lld,%lld|%lld,%lld,%lld|%d|%d,%d|%d|%d|%u,%u,%u,%u,%u|%lld|%d",
                 int(s.transA), int(s.transB), s.M, s.N, s.K, (long long)s.lda,
                 (long long)s.ldb, (long long)s.ldc, (long long)s.strideA,
                 (long long)s.strideB, (long long)s.strideC, s.batch, int(s.ab_type),
                 int(s.c_type), int(s.epilogue), int(fast_tf32), alignment_of(s.A),
                 alignment_of(s.B), alignment_of(s.C), alignment_of(s.bias),
-                alignment_of(s.aux), (long long)s.aux_ld);
+                alignment_of(s.aux), (long long)s.aux_ld, gemm_sm_margin_);
   const std::string key(keybuf);
   auto it = plans_.find(key);
   if (it == plans_.end()) {
@@ -436,6 +442,11 @@ bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
     const cublasLtEpilogue_t epi = s.epilogue;
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
                                                 sizeof epi));
+    if (gemm_sm_margin_ > 0) {  // the heuristic and the persistent grids size to the rest
+      const int32_t target = sm_count_ - gemm_sm_margin_;
+      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET,
+                                                  &target, sizeof target));
+    }
     // The heuristic reads the epilogue pointers for their alignment: set them now.
     bind_epilogue_pointers(p, s);
     if (s.aux) {

@@ -100,6 +100,7 @@ class CudaBackend final : public Backend {
   // need of its users (the *_scratch_bytes bounds below, next to each user's heuristics).
   void plan_workspace(const WorkspacePlan& p) override;
   int64_t device_allocations() const override;
+  void set_gemm_sm_margin(int sms) override;
 
   void cast_to_act(void* dst_act, const float* src, size_t n) override;
   void cast_to_f32(float* dst, const void* src_act, size_t n) override;
@@ -295,6 +296,8 @@ class CudaBackend final : public Backend {
   bool tf32_;
   int gemm_tune_;  // GEMM candidates timed per new shape (1: the heuristic's first, untimed)
   bool deterministic_;  // false: attention's backward may use atomics (cuDNN)
+  int sm_count_ = 0;
+  int gemm_sm_margin_ = 0;  // set_gemm_sm_margin: part of the GEMM plans' key
   // Fused GEMM + exact GELU: VITGRID_FUSED_GELU (unset/auto, 0, 1) and
   // VITGRID_FUSED_GELU_CONFIG, read at construction; Off as well without the kernels (no
   // CUTLASS, not sm_90, fp32 activations).

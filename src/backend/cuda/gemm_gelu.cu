@@ -26,6 +26,7 @@
 //
 // Built for sm_90a only (an object library, see src/backend/CMakeLists.txt). Without CUTLASS
 // (VITGRID_HAVE_CUTLASS unset) only the stubs at the end are compiled.
+#include <algorithm>
 #include <atomic>
 #include <cassert>
 #include <cstdint>
@@ -46,6 +47,7 @@ namespace cuda {
 namespace gemm_gelu_detail {
 
 constexpr int kMaxDevices = 64;
+std::atomic<int> sm_margin{0};
 
 int current_device_sm_count(int* sms) {
   static std::atomic<int> cache[kMaxDevices];
@@ -56,7 +58,7 @@ int current_device_sm_count(int* sms) {
     CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
     if (dev < kMaxDevices) cache[dev].store(n, std::memory_order_relaxed);
   }
-  *sms = n;
+  *sms = std::max(1, n - sm_margin.load(std::memory_order_relaxed));
   return dev;
 }
 
@@ -143,6 +145,10 @@ void dispatch(gemm_gelu_detail::Call& c, int config) {
 }
 
 }  // namespace
+
+void gemm_gelu_set_sm_margin(int sms) {
+  gemm_gelu_detail::sm_margin.store(std::max(0, sms), std::memory_order_relaxed);
+}
 
 bool gemm_gelu_available() {
   static std::atomic<int> state[gemm_gelu_detail::kMaxDevices];  // 0 unknown, 1 yes, 2 no
@@ -246,6 +252,7 @@ namespace vitgrid {
 namespace cuda {
 
 bool gemm_gelu_available() { return false; }
+void gemm_gelu_set_sm_margin(int) {}
 bool gemm_gelu_supported(DType, int, int, int) { return false; }
 size_t gemm_gelu_workspace_bytes(DType, int, int, int) { return 0; }
 int gemm_gelu_kernel_count(DType, bool) { return 0; }

@@ -39,6 +39,9 @@ namespace cuda {
 
 // Built with CUTLASS and the current device is sm_90 (compute capability 9.0 exactly).
 bool gemm_gelu_available();
+// Multiprocessors the kernels launched from now on leave free (Backend::set_gemm_sm_margin):
+// their persistent grids size to the device's count minus this (at least 1). Per process.
+void gemm_gelu_set_sm_margin(int sms);
 // The shapes the fused kernels take: act bf16 or fp16, in % 8 == 0, out % 8 == 0, N >= 1
 // (and in, out >= 8).
 bool gemm_gelu_supported(DType act, int N, int in, int out);

@@ -5,6 +5,7 @@ side by side with `vitgrid bench` (same model, batch, precision, AdamW step incl
     python3 tools/bench_pytorch.py --model vit_base_patch16_224 --batch 256 --precision bf16 [--compile]
     python3 tools/bench_pytorch.py --model vit_lite_7_4 --img 32 --classes 10 --batch 512   # ViT-Lite-7/4
     torchrun --nproc_per_node 4 tools/bench_pytorch.py ... --ddp      # DistributedDataParallel
+    torchrun ... --ddp --ddp-bf16-hook   # gradients all-reduced in bf16 (DDP's bf16_compress_hook)
 
 Prints one line: model, precision, mode, world, img/s (global), img/s per GPU, step ms, peak
 memory (GiB, torch.cuda.max_memory_allocated)."""
@@ -25,6 +26,8 @@ def main():
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32", "tf32"])
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--ddp", action="store_true")
+    ap.add_argument("--ddp-bf16-hook", action="store_true",
+                    help="DDP reduces the gradients in bf16 (vitgrid's parallel.grad_reduce = act)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=30)
     a = ap.parse_args()
@@ -46,6 +49,9 @@ def main():
         model = timm.create_model(a.model, num_classes=a.classes, img_size=a.img).cuda()
     if a.ddp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local])
+        if a.ddp_bf16_hook:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05, fused=True)
     fwd = torch.compile(model) if a.compile else model
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.precision)
@@ -75,7 +81,7 @@ def main():
     dt = (time.perf_counter() - t0) / a.steps
     mem = torch.cuda.max_memory_allocated() / 2**30
     if rank == 0:
-        mode = ("ddp " if a.ddp else "") + ("torch.compile" if a.compile else "eager")
+        mode = ("ddp " if a.ddp else "") + ("bf16-hook " if a.ddp_bf16_hook else "") + ("torch.compile" if a.compile else "eager")
         print(f"pytorch | {a.model} | {a.precision} | {mode} | world {world} | batch/GPU {a.batch} | "
               f"step {dt * 1e3:.2f} ms | {world * a.batch / dt:.1f} img/s | {a.batch / dt:.1f} img/s/device | "
               f"peak mem {mem:.2f} GiB | torch {torch.__version__} timm {timm.__version__}", flush=True)

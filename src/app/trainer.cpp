@@ -124,6 +124,7 @@ struct Trainer::Impl {
     float pad = 0.0f;
   };
   StepScalars* d_step = nullptr;
+  void* d_grad_stage = nullptr;  // parallel.grad_reduce = act: the gradients in act dtype
   // What the host remembers of an enqueued step until its scalars come back (finish_step).
   struct PendingStep {
     int64_t step = 0;  // 0-based index of the step
@@ -390,12 +391,19 @@ struct Trainer::Impl {
     zero_shards.buckets = buckets;
     reducer = std::make_unique<GradReducer>(*coll, D, grid->rank(Axis::Data), buckets, zero);
     if (overlap) model->set_grad_ready_hook([this](size_t o, size_t c) { reducer->ready(o, c); });
+    const bool act_reduce = D > 1 && deck.parallel.grad_reduce == "act";
+    if (act_reduce) {
+      agreed([&] { d_grad_stage = be->alloc(n * be->act_size()); });
+      reducer->reduce_in_act(*be, d_grad_stage);
+    }
     const int margin = deck.device.gemm_sm_margin;
     if (overlap && margin > 0)
       reducer->set_overlap_hook([this, margin](bool on) { be->set_gemm_sm_margin(on ? margin : 0); });
     if (D > 1)
-      log("data-parallel gradients (fp32): %zu bucket(s) of %.2f MiB on average (stage 0), %s%s; "
+      log("data-parallel gradients (%s): %zu bucket(s) of %.2f MiB on average (stage 0), %s%s; "
           "%s\n",
+          act_reduce ? (deck.precision.mode == "bf16" ? "summed in bf16" : "summed in fp16")
+                     : "fp32",
           buckets.size(), n * 4.0 / 1048576.0 / std::max<size_t>(buckets.size(), 1),
           overlap ? "reduced during the backward" : "reduced after the backward",
           overlap && margin > 0 ? (", the GEMMs leave " + std::to_string(margin) +
@@ -412,7 +420,7 @@ struct Trainer::Impl {
   void reduce_grads() {
     if (!overlap) model->reduce_gradients();
     if (grid->size(Axis::Data) > 1) {
-      if (zero || overlap)
+      if (zero || overlap || d_grad_stage)
         reducer->finish();
       else
         coll->allreduce_sum(model->grads(), model->num_local_params(), Axis::Data);
@@ -589,6 +597,7 @@ struct Trainer::Impl {
         if (p) be->release(p);
       if (d_images) be->release(d_images);
       if (d_step) be->release(d_step);
+      if (d_grad_stage) be->release(d_grad_stage);
     }
   }
 

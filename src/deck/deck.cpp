@@ -126,6 +126,8 @@ const std::vector<Field>& schema() {
       VG_FIELD(parallel, partition, "uniform|balanced|list:",
                "blocks per stage: uniform | balanced | list:n0,n1,... (pipeline*chunks entries)"),
       VG_FIELD(parallel, zero, "", "ZeRO stage: 0 = off, 1 = optimizer state sharded over data"),
+      VG_FIELD(parallel, grad_reduce, "fp32|act",
+               "data-parallel gradient sums in fp32, or in the 16-bit act dtype of bf16/fp16 (half the bytes, as DDP's bf16_compress_hook; gradients stay fp32 around it)"),
       VG_FIELD(parallel, data, "",
                "data-parallel replicas; derived as world / (pipeline * tensor), 0 = derive"),
       // [data]
@@ -660,6 +662,14 @@ class Parser {
     positive("parallel.chunks", p.chunks);
     require(p.zero == 0 || p.zero == 1, "parallel.zero",
             "must be 0 or 1, got " + std::to_string(p.zero));
+    if (p.grad_reduce == "act") {
+      const std::string& m = d.precision.mode;
+      require(m == "bf16" || m == "fp16" || m == "fp16-naive", "parallel.grad_reduce",
+              "act needs a 16-bit precision.mode (bf16, fp16, fp16-naive), got " + m);
+      require(p.zero == 0, "parallel.grad_reduce",
+              "act is for all-reduced gradients; ZeRO-1 (parallel.zero = 1) reduce-scatters "
+              "them in fp32");
+    }
     non_negative("parallel.data", p.data);
     if (world_ < 1) throw UserError("world size must be >= 1, got " + std::to_string(world_));
     require(world_ % p.tensor == 0, "parallel.tensor",

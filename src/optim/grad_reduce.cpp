@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 
+#include "vitgrid/backend/backend.h"
 #include "vitgrid/core/error.h"
 
 namespace vitgrid {
@@ -61,6 +62,12 @@ GradReducer::GradReducer(Collectives& coll, int data_size, int data_rank,
   started_.resize(buckets_.size());
 }
 
+void GradReducer::reduce_in_act(Backend& be, void* stage) {
+  VG_CHECK(!zero_, "gradient reduction in the act dtype with ZeRO-1");
+  act_be_ = &be;
+  stage_ = static_cast<char*>(stage);
+}
+
 void GradReducer::begin(float* grads) {
   grads_ = grads;
   for (size_t k = 0; k < buckets_.size(); ++k) {
@@ -76,6 +83,10 @@ void GradReducer::start(size_t k) {
     const size_t c = b.n / static_cast<size_t>(size_);
     coll_.start_reduce_scatter_sum(grads_ + b.offset + static_cast<size_t>(rank_) * c,
                                    grads_ + b.offset, c, Axis::Data);
+  } else if (act_be_) {
+    void* st = stage_ + b.offset * act_be_->act_size();
+    act_be_->cast_to_act(st, grads_ + b.offset, b.n);
+    coll_.start_allreduce_sum_act(st, b.n, act_be_->act_size(), Axis::Data);
   } else {
     coll_.start_allreduce_sum(grads_ + b.offset, b.n, Axis::Data);
   }
@@ -103,6 +114,8 @@ void GradReducer::finish() {
   for (size_t k = buckets_.size(); k-- > 0;)
     if (!started_[k]) start(k);
   coll_.wait_all();
+  if (act_be_ && !buckets_.empty())
+    act_be_->cast_to_f32(grads_, stage_, buckets_.back().offset + buckets_.back().n);
 }
 
 }  // namespace vitgrid

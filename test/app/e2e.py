@@ -563,6 +563,20 @@ def t_overlap(tmp):
         run_buckets(np_, ["train", DECK, f"--run.out_dir={d}"] + f16, 0.001)
         r = rel(losses(d)[1], ref)
         check(r <= 1e-4, f"fp16: overlap on {np_} ranks vs 1 rank {r:.2e} <= 1e-4")
+    # sums in the act dtype (parallel.grad_reduce = act; bf16 emulated on the CPU), overlapped
+    # and not: the 1-rank bf16 losses within bf16's tolerance
+    b16 = ["--precision.mode=bf16"] + base
+    d = os.path.join(tmp, "b16_1")
+    run(1, ["train", DECK, f"--run.out_dir={d}"] + b16)
+    ref = losses(d)[1]
+    for np_, mb in ((2, 0.001), (4, 0.001), (4, 0)):
+        d = os.path.join(tmp, f"b16act_{np_}_{mb}")
+        p = run_buckets(np_, ["train", DECK, f"--run.out_dir={d}", "--parallel.grad_reduce=act"]
+                        + b16, mb)
+        check("data-parallel gradients (summed in bf16)" in p.stdout,
+              f"grad_reduce=act on {np_} ranks: the log says the sums are bf16")
+        r = rel(losses(d)[1], ref)
+        check(r <= 2e-2, f"bf16 sums, buckets {mb} MiB, on {np_} ranks vs 1 rank {r:.2e} <= 2e-2")
     # gradient accumulation and a pipeline
     d1 = os.path.join(tmp, "pref")
     pm = ["--model.depth=4", "--parallel.micro_batches=4"] + base

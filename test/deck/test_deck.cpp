@@ -391,6 +391,18 @@ TEST(DeckRefusal, DeviceRanges) {
   EXPECT_HAS(refusal(kMinimal, {"--device.gemm_tune=17"}),
              "command line: device.gemm_tune: must be between 0 and 16");
   EXPECT_HAS(refusal(kMinimal, {"--device.deterministic=maybe"}), "device.deterministic");
+  EXPECT_HAS(refusal(kMinimal, {"--device.gemm_sm_margin=65"}),
+             "command line: device.gemm_sm_margin: must be between 0 and 64");
+}
+
+TEST(DeckRefusal, GradReduceInActNeeds16BitAndNoZero) {
+  EXPECT_HAS(refusal(kMinimal, {"--parallel.grad_reduce=act"}),
+             "parallel.grad_reduce: act needs a 16-bit precision.mode (bf16, fp16, fp16-naive), "
+             "got fp32");
+  EXPECT_HAS(refusal(kMinimal, {"--parallel.grad_reduce=act", "--precision.mode=bf16",
+                                "--parallel.zero=1"}),
+             "parallel.grad_reduce: act is for all-reduced gradients");
+  EXPECT_HAS(refusal(kMinimal, {"--parallel.grad_reduce=bf16"}), "parallel.grad_reduce");
 }
 
 struct EnumCase {

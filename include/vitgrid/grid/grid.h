@@ -124,6 +124,10 @@ class Collectives {
   // wait_all() returns once every started reduction has completed (under the watchdog on
   // CUDA), and orders later backend work after them. The defaults run the blocking calls.
   virtual void start_allreduce_sum(float* buf, size_t n, Axis a) { allreduce_sum(buf, n, a); }
+  // The same on an act-dtype buffer (as allreduce_sum_act).
+  virtual void start_allreduce_sum_act(void* buf, size_t n, size_t elem_size, Axis a) {
+    allreduce_sum_act(buf, n, elem_size, a);
+  }
   // out[n] = rank's block of the sum of in[size*n] (fp32). out may be in + rank*n (in place:
   // the rest of in then holds unspecified values afterwards).
   virtual void start_reduce_scatter_sum(float* out, const float* in, size_t n, Axis a) {

@@ -5,7 +5,8 @@
 // backward produces the head first and the patch embedding last. The model's gradient-ready
 // hook reports groups as the step's last backward finishes them; a bucket whose every element
 // is reported is reduced at once (Collectives::start_*), while the backward continues. The
-// reduction stays fp32 whatever the precision mode.
+// reduction is fp32 whatever the precision mode, unless reduce_in_act() asks for the act dtype
+// (parallel.grad_reduce = act).
 //
 // zero = 0: each bucket is all-reduced in place. zero = 1 (ZeRO-1): each bucket is
 // reduce-scattered in place: data rank r owns the r-th 1/D of every bucket (its "piece"), and
@@ -19,6 +20,8 @@
 #include "vitgrid/grid/grid.h"
 
 namespace vitgrid {
+
+class Backend;
 
 struct GradBucket {
   size_t offset = 0;  // first element in the flat buffer
@@ -77,6 +80,11 @@ class GradReducer {
   // when finish() is called: the span in which the reductions share the device with the
   // backward's kernels (the trainer narrows the GEMMs meanwhile: device.gemm_sm_margin).
   void set_overlap_hook(std::function<void(bool)> hook) { overlap_hook_ = std::move(hook); }
+  // All-reduce in the backend's act dtype instead of fp32 (half the bytes with bf16/fp16): a
+  // bucket is cast into `stage` (act dtype, as many elements as the gradient buffer, at the
+  // same offsets) on the backend's stream and reduced there; finish() casts the reduced
+  // buffer back into the fp32 gradients. Not with zero.
+  void reduce_in_act(Backend& be, void* stage);
 
  private:
   void start(size_t k);
@@ -90,6 +98,8 @@ class GradReducer {
   std::vector<bool> started_;
   std::function<void(bool)> overlap_hook_;
   bool overlapping_ = false;
+  Backend* act_be_ = nullptr;  // reduce_in_act
+  char* stage_ = nullptr;
 };
 
 }  // namespace vitgrid

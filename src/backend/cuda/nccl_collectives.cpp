@@ -119,6 +119,13 @@ class NcclCollectives final : public Collectives {
       NCCL_CHECK(ncclAllReduce(buf, buf, n, ncclFloat, ncclSum, c, comm_stream_));
     }
   }
+  void start_allreduce_sum_act(void* buf, size_t n, size_t elem_size, Axis a) override {
+    const ncclDataType_t t = act_type(elem_size, "start_allreduce_sum_act");
+    if (ncclComm_t c = comm(a); c && !skipped()) {
+      order_after_compute(a);
+      NCCL_CHECK(ncclAllReduce(buf, buf, n, t, ncclSum, c, comm_stream_));
+    }
+  }
   void start_reduce_scatter_sum(float* out, const float* in, size_t n, Axis a) override {
     if (ncclComm_t c = comm(a); c && !skipped()) {
       // out == in + rank * n is NCCL's in-place form

@@ -19,16 +19,7 @@ constexpr GemmGeluKernel kF16[] = {
 }  // namespace
 
 const GemmGeluKernel* kernels_coop_fwd(DType act, int* n) {
-  if (act == DType::BF16) {
-    *n = static_cast<int>(sizeof kBf16 / sizeof kBf16[0]);
-    return kBf16;
-  }
-  if (act == DType::F16) {
-    *n = static_cast<int>(sizeof kF16 / sizeof kF16[0]);
-    return kF16;
-  }
-  *n = 0;
-  return nullptr;
+  return table_for(act, n, kBf16, kF16);
 }
 
 }  // namespace gemm_gelu_detail

@@ -17,12 +17,7 @@ constexpr GemmGeluKernel kBf16[] = {
 }  // namespace
 
 const GemmGeluKernel* kernels_pingpong_bwd(DType act, int* n) {
-  if (act == DType::BF16) {
-    *n = static_cast<int>(sizeof kBf16 / sizeof kBf16[0]);
-    return kBf16;
-  }
-  *n = 0;
-  return nullptr;
+  return table_for(act, n, kBf16);
 }
 
 }  // namespace gemm_gelu_detail

@@ -48,6 +48,20 @@ const GemmGeluKernel* kernels_coop_bwd(DType act, int* n);
 const GemmGeluKernel* kernels_pingpong_fwd(DType act, int* n);
 const GemmGeluKernel* kernels_pingpong_bwd(DType act, int* n);
 
+// The body of those functions: a file's bf16 table, and its fp16 table where it has one.
+template <size_t NB>
+const GemmGeluKernel* table_for(DType act, int* n, const GemmGeluKernel (&bf16)[NB]) {
+  *n = act == DType::BF16 ? static_cast<int>(NB) : 0;
+  return act == DType::BF16 ? bf16 : nullptr;
+}
+template <size_t NB, size_t NF>
+const GemmGeluKernel* table_for(DType act, int* n, const GemmGeluKernel (&bf16)[NB],
+                                const GemmGeluKernel (&f16)[NF]) {
+  if (act != DType::F16) return table_for(act, n, bf16);
+  *n = static_cast<int>(NF);
+  return f16;
+}
+
 // The current device (returned) and its multiprocessor count (*sms), for the persistent grid;
 // cached per device (gemm_gelu.cu).
 int current_device_sm_count(int* sms);

@@ -56,8 +56,9 @@ for s in "${steps[@]}"; do
   build)
     cmake -S . -B "$B" -DCMAKE_BUILD_TYPE=Release -DVITGRID_CUDA=ON -DVG_PYTHON3="$PY" \
       "${CMAKE_EXTRA[@]}" >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
-    # BUILD_TARGET=vitgrid builds the application only (no tests, no kernel benchmarks)
-    cmake --build "$B" -j "$(nproc)" --target "${BUILD_TARGET:-all}" >"$OUT/build.log" 2>&1 ||
+    # BUILD_TARGET=vitgrid builds the application only (no tests, no kernel benchmarks; several
+    # targets: BUILD_TARGET="vitgrid bench_gpu_kernels")
+    cmake --build "$B" -j "$(nproc)" --target ${BUILD_TARGET:-all} >"$OUT/build.log" 2>&1 ||
       { grep -E "error" "$OUT/build.log" | head -30; exit 1; }
     echo "build ok"
     ;;
@@ -126,16 +127,21 @@ PYEOF
     ;;
   variants)
     # A/B: the bench deck once per ';'-separated argument list in VARIANTS on NP ranks, global
-    # batch GB (default 256 per rank), e.g.
+    # batch GB (default 256 per rank), 20 steps unless a variant says otherwise, e.g.
     #   VARIANTS="--device.deterministic=true; --device.deterministic=false" gpu_check.sh variants
-    # (NCCL_* and VITGRID_* variables set for the call reach every rank).
+    # (NCCL_* and VITGRID_* variables set for the call reach every rank; a NAME=value word of
+    # such a variable inside a variant sets it for that variant only).
     n=${NP:-1}
     IFS=';' read -ra VS <<<"${VARIANTS:-}"
     mapfile -t XS < <(env | grep -oE '^(NCCL|VITGRID)_[A-Z_]+' | sed 's/^/-x\n/')
     for v in "${VS[@]}"; do
+      VX=() VA=()
+      for w in $v; do
+        if [[ $w =~ ^(NCCL|VITGRID)_[A-Z_]+= ]]; then VX+=(-x "$w"); else VA+=("$w"); fi
+      done
       echo "variant:$v $(env | grep -E '^(NCCL|VITGRID)_' | grep -v NVLS | tr '\n' ' ')"
-      mpirun -np "$n" --bind-to none "${XS[@]}" "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini \
-        --data.global_batch=${GB:-$((256 * n))} $v --warmup=5 --steps=20 2>&1 | grep -E "^bench|error" |
+      mpirun -np "$n" --bind-to none "${XS[@]}" "${VX[@]}" "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini \
+        --data.global_batch=${GB:-$((256 * n))} --warmup=5 --steps=20 "${VA[@]}" 2>&1 | grep -E "^bench|error" |
         sed -E 's/ \| (world|zero|allocs)[^|]*//g'
     done | tee -a "$OUT/variants.log"
     ;;

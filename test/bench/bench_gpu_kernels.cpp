@@ -107,6 +107,53 @@ void BM_LinearBackward(benchmark::State& st) {
                                               benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// The weight gradient alone (linear_backward without dx: dW += dy^T x with the bias gradient
+// from its epilogue), K = batch x tokens, by how its cuBLASLt algorithm is chosen. Arg tune:
+// 0 the heuristic's first; 1 the fastest of its first 8 (device.gemm_tune = 8) with
+// VITGRID_GEMM_SPLIT_K=0; 2 the same and each one's split-K variants (the default with
+// gemm_tune > 1). VITGRID_GEMM_TUNE_LOG=1 prints what tuning chose.
+Backend& tuned_gpu(int tune) {
+  static std::unique_ptr<Backend> be[3];
+  if (!be[tune]) {
+    BackendOptions o;
+    o.gemm_tune = tune == 0 ? 1 : 8;
+    setenv("VITGRID_GEMM_SPLIT_K", tune == 2 ? "1" : "0", 1);
+    be[tune] = make_cuda_backend(0, DType::BF16, o);
+    unsetenv("VITGRID_GEMM_SPLIT_K");
+    Backend::WorkspacePlan w;  // tuning times the accumulating GEMMs on the scratch
+    w.max_rows = kN;
+    w.max_cols = 4 * kC;
+    w.max_weight_elems = 2 * 4 * kC * kC;  // its fp32 dW in bf16 elements
+    be[tune]->plan_workspace(w);
+  }
+  return *be[tune];
+}
+
+void BM_LinearWgrad(benchmark::State& st) {
+  if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
+  const int in = static_cast<int>(st.range(0)), out = static_cast<int>(st.range(1));
+  Backend& be = tuned_gpu(static_cast<int>(st.range(2)));
+  const size_t a = be.act_size();
+  std::vector<void*> bufs;
+  auto get = [&](size_t bytes) {
+    void* q = be.alloc(bytes);
+    be.zero(q, bytes);
+    bufs.push_back(q);
+    return q;
+  };
+  void* x = get(size_t(kN) * in * a);
+  void* dy = get(size_t(kN) * out * a);
+  float* dW = static_cast<float*>(get(size_t(out) * in * 4));
+  float* db = static_cast<float*>(get(size_t(out) * 4));
+  timed(
+      st, [&] { be.linear_backward(nullptr, dW, db, dy, x, nullptr, kN, in, out); },
+      [&] { be.synchronize(); });
+  be.synchronize();
+  for (void* q : bufs) be.release(q);
+  st.counters["TFLOP"] = benchmark::Counter(2.0 * kN * in * out * 1e-12,
+                                              benchmark::Counter::kIsIterationInvariantRate);
+}
+
 // Attention at ViT-B/16 shape, one backend per path (VITGRID_ATTENTION is read when a backend
 // is made). Arg path: 0 = the own flash kernels (VITGRID_ATTENTION=flash), 1 = the cuBLASLt +
 // softmax fallback (=fallback), 2 = cuDNN's fused SDPA (=cudnn; skipped in builds without
@@ -543,6 +590,12 @@ BENCHMARK(BM_LinearBackward)
     ->Args({kC, kC})
     ->Args({kC, 4 * kC})
     ->Args({4 * kC, kC})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_LinearWgrad)
+    ->ArgNames({"in", "out", "tune"})
+    ->ArgsProduct({{kC}, {3 * kC, kC, 4 * kC}, {0, 1, 2}})
+    ->ArgsProduct({{4 * kC}, {kC}, {0, 1, 2}})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AttentionForward)

@@ -64,6 +64,10 @@ CudaBackend::CudaBackend(int device, DType act, const BackendOptions& opts)
   CUDA_CHECK(cudaSetDevice(device_));
   CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
   read_fused_gelu_env(opts);
+  const char* sk = std::getenv("VITGRID_GEMM_SPLIT_K");
+  gemm_split_k_ = !(sk && std::strcmp(sk, "0") == 0);
+  const char* tl = std::getenv("VITGRID_GEMM_TUNE_LOG");
+  gemm_tune_log_ = tl && std::strcmp(tl, "1") == 0;
   // A non-blocking stream: no implicit serialisation with the legacy default stream, which
   // NCCL and other libraries might use.
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -369,24 +373,67 @@ void CudaBackend::bind_epilogue_pointers(const MatmulPlan& p, const GemmSpec& s)
   }
 }
 
+// The candidates timed for a plan: the heuristic's first n that fit the workspace and, for the
+// weight gradients (split_k: accumulating GEMMs), each one's split-K variants. There K is the
+// batch x tokens (50432 at ViT-B, batch 256) while dW has only 18-72 output tiles of 128 x 256
+// for 132 SMs: splitting K is what fills the GPU, and the heuristic proposes few splits.
+std::vector<cublasLtMatmulAlgo_t> CudaBackend::tune_candidates(
+    const MatmulPlan& p, const cublasLtMatmulHeuristicResult_t* res, int n, bool split_k) const {
+  std::vector<cublasLtMatmulAlgo_t> out;
+  for (int i = 0; i < n; ++i) {
+    if (res[i].state != CUBLAS_STATUS_SUCCESS || res[i].workspaceSize > lt_workspace_bytes_)
+      continue;
+    out.push_back(res[i].algo);
+    if (!split_k) continue;
+    const cublasLtMatmulAlgo_t& a = res[i].algo;
+    int32_t supported = 0, current = 1;
+    uint32_t schemes = 0;
+    size_t w = 0;
+    if (cublasLtMatmulAlgoCapGetAttribute(&a, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &supported,
+                                          sizeof supported, &w) != CUBLAS_STATUS_SUCCESS ||
+        !supported ||
+        cublasLtMatmulAlgoCapGetAttribute(&a, CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK, &schemes,
+                                          sizeof schemes, &w) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &current,
+                                             sizeof current, &w) != CUBLAS_STATUS_SUCCESS)
+      continue;
+    for (int32_t k : {2, 3, 4, 6, 8, 12, 16}) {
+      if (k == current) continue;
+      for (uint32_t scheme : {CUBLASLT_REDUCTION_SCHEME_INPLACE, CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE,
+                              CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE}) {
+        if (!(schemes & scheme)) continue;
+        cublasLtMatmulAlgo_t v = a;
+        cublasLtMatmulHeuristicResult_t r{};
+        if (cublasLtMatmulAlgoConfigSetAttribute(&v, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &k,
+                                                 sizeof k) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmulAlgoConfigSetAttribute(&v, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+                                                 &scheme, sizeof scheme) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmulAlgoCheck(lt_, p.desc, p.a, p.b, p.c, p.c, &v, &r) ==
+                CUBLAS_STATUS_SUCCESS &&
+            r.workspaceSize <= lt_workspace_bytes_)
+          out.push_back(v);
+      }
+    }
+  }
+  return out;
+}
+
 // Times each candidate (one warm-up, then kReps runs between events) on the plan's operands
-// (its epilogue pointers already bound by matmul).
+// (its epilogue pointers already bound by matmul); VITGRID_GEMM_TUNE_LOG=1 prints the choice.
 cublasLtMatmulAlgo_t CudaBackend::fastest_algo(const MatmulPlan& p, const GemmSpec& s,
-                                               const cublasLtMatmulHeuristicResult_t* cand,
-                                               int n) {
+                                               const std::vector<cublasLtMatmulAlgo_t>& cand,
+                                               const std::string& key) {
   constexpr int kReps = 3;
   cudaEvent_t e0, e1;
   CUDA_CHECK(cudaEventCreate(&e0));
   CUDA_CHECK(cudaEventCreate(&e1));
   const float alpha = s.alpha, beta = s.beta;
   int best = -1;
-  float best_ms = 0.0f;
-  for (int i = 0; i < n; ++i) {
-    if (cand[i].state != CUBLAS_STATUS_SUCCESS) continue;
-    if (cand[i].workspaceSize > lt_workspace_bytes_) continue;
+  float best_ms = 0.0f, first_ms = 0.0f;
+  for (size_t i = 0; i < cand.size(); ++i) {
     auto run = [&] {
       return cublasLtMatmul(lt_, p.desc, &alpha, s.B, p.a, s.A, p.b, &beta, s.C, p.c, s.C, p.c,
-                            &cand[i].algo, lt_workspace_, lt_workspace_bytes_, stream_);
+                            &cand[i], lt_workspace_, lt_workspace_bytes_, stream_);
     };
     if (run() != CUBLAS_STATUS_SUCCESS) continue;
     CUDA_CHECK(cudaEventRecord(e0, stream_));
@@ -395,19 +442,43 @@ cublasLtMatmulAlgo_t CudaBackend::fastest_algo(const MatmulPlan& p, const GemmSp
     CUDA_CHECK(cudaEventSynchronize(e1));
     float ms = 0.0f;
     CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (i == 0) first_ms = ms;
     if (best < 0 || ms < best_ms) {
-      best = i;
+      best = static_cast<int>(i);
       best_ms = ms;
     }
   }
   CUDA_CHECK(cudaEventDestroy(e0));
   CUDA_CHECK(cudaEventDestroy(e1));
-  return cand[best < 0 ? 0 : best].algo;
+  const cublasLtMatmulAlgo_t& chosen = cand[best < 0 ? 0 : best];
+  if (gemm_tune_log_ && best >= 0) {
+    int32_t id = 0, tile = 0, splits = 1;
+    size_t w = 0;
+    cublasLtMatmulAlgoConfigGetAttribute(&chosen, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof id, &w);
+    cublasLtMatmulAlgoConfigGetAttribute(&chosen, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile,
+                                         sizeof tile, &w);
+    cublasLtMatmulAlgoConfigGetAttribute(&chosen, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits,
+                                         sizeof splits, &w);
+    std::fprintf(stderr,
+                 "gemm_tune %s: candidate %d of %zu (algo %d, tile %d, split-K %d) %.4f ms, "
+                 "heuristic's first %.4f ms\n",
+                 key.c_str(), best, cand.size(), id, tile, splits, best_ms / kReps,
+                 first_ms / kReps);
+  }
+  return chosen;
 }
 
-void CudaBackend::set_gemm_sm_margin(int sms) {
+void CudaBackend::set_gemm_sm_margin(int sms, int gemms) {
   gemm_sm_margin_ = std::max(0, std::min(sms, sm_count_ - 1));
+  gemm_margin_left_ = gemms;
   cuda::gemm_gelu_set_sm_margin(gemm_sm_margin_);
+  if (gemms == 0) set_gemm_sm_margin(0, -1);
+}
+
+void CudaBackend::gemm_enqueued(int n) {
+  if (gemm_margin_left_ <= 0) return;
+  gemm_margin_left_ = std::max(0, gemm_margin_left_ - n);
+  if (gemm_margin_left_ == 0) set_gemm_sm_margin(0, -1);
 }
 
 bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
@@ -508,10 +579,13 @@ bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
     if (st == CUBLAS_STATUS_SUCCESS && returned > 0) {
       p.algo = res[0].algo;
       p.supported = true;
-      if (returned > 1) {
+      const std::vector<cublasLtMatmulAlgo_t> cand =
+          tune > 1 ? tune_candidates(p, res, returned, accumulates && gemm_split_k_)
+                   : std::vector<cublasLtMatmulAlgo_t>{};
+      if (cand.size() > 1) {
         GemmSpec t = s;
         if (accumulates) t.C = scratch_;  // planned: at least the largest weight in fp32
-        p.algo = fastest_algo(p, t, res, returned);
+        p.algo = fastest_algo(p, t, cand, key);
       }
     } else if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) {
       CUBLAS_CHECK(st);  // a real error, not "no algorithm"
@@ -710,6 +784,7 @@ int CudaBackend::fused_gelu_choice(bool forward, int N, int in, int out) const {
 void CudaBackend::linear_forward(void* y, const void* x, const void* W, const void* b, int N,
                                  int in, int out, void* gelu_out, Gelu gelu) {
   if (N == 0 || out == 0) return;
+  const GemmsEnqueued counted(this, 1);
   GemmSpec s;
   s.transA = false;
   s.transB = true;  // y = x W^T with W [out, in]
@@ -760,6 +835,7 @@ void CudaBackend::linear_forward(void* y, const void* x, const void* W, const vo
 void CudaBackend::linear_backward(void* dx, float* dW, float* db, const void* dy, const void* x,
                                   const void* W, int N, int in, int out, const void* gelu_pre,
                                   Gelu gelu) {
+  const GemmsEnqueued counted(this, dx ? 2 : 1);  // the data and the weight products
   const cudaDataType_t t = act_cuda_type();
   if (dx) {
     if (N > 0 && in > 0 && out > 0) {
@@ -848,6 +924,7 @@ void CudaBackend::gemm_batched(bool transA, bool transB, int M, int N, int K, fl
                                const void* A, int64_t strideA, const void* B, int64_t strideB,
                                float beta, void* C, int64_t strideC, int batch) {
   if (M == 0 || N == 0 || batch == 0) return;
+  const GemmsEnqueued counted(this, 1);
   GemmSpec s;
   s.transA = transA;
   s.transB = transB;

@@ -100,7 +100,7 @@ class CudaBackend final : public Backend {
   // need of its users (the *_scratch_bytes bounds below, next to each user's heuristics).
   void plan_workspace(const WorkspacePlan& p) override;
   int64_t device_allocations() const override;
-  void set_gemm_sm_margin(int sms) override;
+  void set_gemm_sm_margin(int sms, int gemms) override;
 
   void cast_to_act(void* dst_act, const float* src, size_t n) override;
   void cast_to_f32(float* dst, const void* src_act, size_t n) override;
@@ -250,8 +250,12 @@ class CudaBackend final : public Backend {
   };
   static constexpr int kMaxGemmTune = 16;
   void bind_epilogue_pointers(const MatmulPlan& p, const GemmSpec& s);
+  std::vector<cublasLtMatmulAlgo_t> tune_candidates(const MatmulPlan& p,
+                                                    const cublasLtMatmulHeuristicResult_t* res,
+                                                    int n, bool split_k) const;
   cublasLtMatmulAlgo_t fastest_algo(const MatmulPlan& p, const GemmSpec& s,
-                                    const cublasLtMatmulHeuristicResult_t* cand, int n);
+                                    const std::vector<cublasLtMatmulAlgo_t>& cand,
+                                    const std::string& key);
   // Internal device memory, counted in the tracked totals and in device_allocations().
   // internal_free waits for queued work first and takes the size given to internal_alloc.
   void* internal_alloc(size_t bytes);
@@ -295,9 +299,21 @@ class CudaBackend final : public Backend {
   DType act_;
   bool tf32_;
   int gemm_tune_;  // GEMM candidates timed per new shape (1: the heuristic's first, untimed)
+  // With gemm_tune > 1, also time the weight gradients' split-K variants (VITGRID_GEMM_SPLIT_K,
+  // default 1); VITGRID_GEMM_TUNE_LOG=1 prints every tuned choice.
+  bool gemm_split_k_ = true;
+  bool gemm_tune_log_ = false;
   bool deterministic_;  // false: attention's backward may use atomics (cuDNN)
   int sm_count_ = 0;
   int gemm_sm_margin_ = 0;  // set_gemm_sm_margin: part of the GEMM plans' key
+  int gemm_margin_left_ = -1;  // GEMMs the margin still applies to (-1: until changed)
+  void gemm_enqueued(int n);   // counts n GEMMs down (the margin's end)
+  struct GemmsEnqueued {       // ... when the op enqueueing them returns
+    CudaBackend* be;
+    int n;
+    GemmsEnqueued(CudaBackend* b, int k) : be(b), n(k) {}
+    ~GemmsEnqueued() { be->gemm_enqueued(n); }
+  };
   // Fused GEMM + exact GELU: VITGRID_FUSED_GELU (unset/auto, 0, 1) and
   // VITGRID_FUSED_GELU_CONFIG, read at construction; Off as well without the kernels (no
   // CUTLASS, not sm_90, fp32 activations).

@@ -2,7 +2,7 @@
 # Build, test and measure vitgrid on a GPU node in one go, beside PyTorch + timm.
 #   tools/gpu_check.sh STEP...      (default: build test bench)
 # Steps: build test cputest bench models loader kernels compile scale large pipeline tpvitb ckpt
-# e2epar profile variants (each described where it is handled below).
+# e2epar profile variants trace (each described where it is handled below).
 # Writes logs under $OUT (default /tmp/vitgrid-gpu). On a node without parallel HDF5 or
 # Boost.ProgramOptions, put their Debian packages in .gpu-deps/ (see README): they are unpacked
 # into /opt/deps and used from there.
@@ -228,6 +228,20 @@ PYEOF
     # the CUDA backend's kernels at ViT-B/16 shapes (Google Benchmark)
     "$B/bin/bench_gpu_kernels" --benchmark_min_time=0.1s --benchmark_filter="${KERNELS:-.}" 2>&1 \
       | grep -E "^BM_|^-|Benchmark" | tee "$OUT/kernels.log"
+    ;;
+  trace)
+    # kernel timelines (tools/ktrace, CUPTI; build it: BUILD_TARGET="vitgrid vitgrid_ktrace"):
+    # the bench deck on 1 GPU and on the node's GPUs (data parallel), then tools/ktrace_report.py
+    # compares them: busy and idle time, NCCL kernels alone or overlapped, kernel classes
+    K=$B/lib/libvitgrid_ktrace.so
+    [ -f "$K" ] || { echo "trace: $K not built (no CUPTI in the CUDA toolkit?)"; continue; }
+    for n in 1 "$NGPU"; do
+      rm -rf "$OUT/trace$n" && mkdir -p "$OUT/trace$n"
+      VITGRID_KTRACE=$OUT/trace$n mpirun -np "$n" --bind-to none -x LD_PRELOAD="$K" -x VITGRID_KTRACE \
+        "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --data.global_batch=$((256 * n)) \
+        --warmup=5 --steps=${TRACE_STEPS:-20} ${TRACE_ARGS:-} 2>&1 | grep -E "^bench|error|ktrace"
+    done
+    "$PY" tools/ktrace_report.py "$OUT/trace$NGPU" --compare "$OUT/trace1" | tee "$OUT/trace_report.log"
     ;;
   profile)
     mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --precision.mode=bf16 --profile 2>&1 \

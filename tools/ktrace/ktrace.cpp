@@ -1,0 +1,88 @@
+// vitgrid_ktrace: a kernel timeline for nodes without Nsight Systems. Preload it into any CUDA
+// process (each MPI rank writes its own file):
+//   VITGRID_KTRACE=DIR mpirun -np 4 -x LD_PRELOAD=build/lib/libvitgrid_ktrace.so -x VITGRID_KTRACE
+//     build/bin/vitgrid bench inputs/bench_vit_b16.ini
+// It records every kernel the GPU runs, CUDA graph replays included, through CUPTI's activity
+// API (CONCURRENT_KERNEL: kernels are not serialised) and at exit writes DIR/ktrace.<pid>.tsv,
+// one line per kernel: start and end (ns, the device's timestamps, one clock per node),
+// device, stream, graph id (0: not from a graph) and the kernel's (mangled) name. Unset
+// VITGRID_KTRACE: records nothing. tools/ktrace_report.py reads the files.
+#include <cupti.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+namespace {
+
+struct Kernel {
+  uint64_t start, end;
+  uint32_t device, stream, graph;
+  std::string name;
+};
+
+std::mutex g_mutex;
+std::vector<Kernel>* g_kernels = nullptr;  // leaked on purpose: written at exit
+bool g_on = false;
+constexpr size_t kBufferBytes = 16u << 20;
+
+void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_records) {
+  *buffer = static_cast<uint8_t*>(std::aligned_alloc(8, kBufferBytes));
+  *size = *buffer ? kBufferBytes : 0;
+  *max_records = 0;
+}
+
+void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
+  CUpti_Activity* r = nullptr;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  while (cuptiActivityGetNextRecord(buffer, valid, &r) == CUPTI_SUCCESS) {
+    if (r->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) continue;
+    const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(r);
+    g_kernels->push_back(
+        {k->start, k->end, k->deviceId, k->streamId, k->graphId, k->name ? k->name : "?"});
+  }
+  size_t dropped = 0;
+  if (cuptiActivityGetNumDroppedRecords(nullptr, 0, &dropped) == CUPTI_SUCCESS && dropped)
+    std::fprintf(stderr, "vitgrid_ktrace: %zu records dropped\n", dropped);
+  std::free(buffer);
+}
+
+void write_trace() {
+  if (!g_on) return;
+  cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);
+  const char* dir = std::getenv("VITGRID_KTRACE");
+  const std::string path = std::string(dir) + "/ktrace." + std::to_string(getpid()) + ".tsv";
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  if (!f) {
+    std::fprintf(stderr, "vitgrid_ktrace: cannot write %s\n", path.c_str());
+    return;
+  }
+  std::lock_guard<std::mutex> lock(g_mutex);
+  std::fprintf(f, "start\tend\tdevice\tstream\tgraph\tname\n");
+  for (const Kernel& k : *g_kernels)
+    std::fprintf(f, "%llu\t%llu\t%u\t%u\t%u\t%s\n", static_cast<unsigned long long>(k.start),
+                 static_cast<unsigned long long>(k.end), k.device, k.stream, k.graph,
+                 k.name.c_str());
+  std::fclose(f);
+  std::fprintf(stderr, "vitgrid_ktrace: %zu kernels -> %s\n", g_kernels->size(), path.c_str());
+}
+
+__attribute__((constructor)) void start_trace() {
+  const char* dir = std::getenv("VITGRID_KTRACE");
+  if (!dir || !*dir) return;
+  g_kernels = new std::vector<Kernel>();
+  g_kernels->reserve(1u << 20);
+  if (cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed) != CUPTI_SUCCESS ||
+      cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) != CUPTI_SUCCESS) {
+    std::fprintf(stderr, "vitgrid_ktrace: CUPTI refused the kernel activity; no trace\n");
+    return;
+  }
+  g_on = true;
+  std::atexit(write_trace);
+}
+
+}  // namespace

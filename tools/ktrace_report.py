@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""Reads the kernel timelines of tools/ktrace (one ktrace.<pid>.tsv per process) and prints,
+per process (GPU), the steady-state step: its wall time, the time some kernel ran (busy), the
+idle gaps, the NCCL kernels' time and how much of it overlapped other kernels, and the time
+per kernel class; then, over the processes of a data-parallel run, how far apart their steps
+end. With --compare DIR2 (e.g. a 1-GPU trace), the kernel classes and the kernels whose time
+per step changed most between the two.
+
+  python3 tools/ktrace_report.py TRACE_DIR [--compare OTHER_DIR] [--step-kernel REGEX]
+
+Steps are delimited by the optimizer's kernels (--step-kernel, default: adamw|adam|lamb|sgd,
+case-insensitive): a step ends where such a run of kernels ends. The first --skip steps
+(warm-up, tuning, graph capture) are left out; the rest are summarised by their median."""
+import argparse
+import glob
+import os
+import re
+import statistics
+import sys
+from collections import defaultdict
+
+CLASSES = [
+    ("nccl", re.compile(r"nccl", re.I)),
+    ("attention", re.compile(r"fmha|flash|sdpa|cudnn|attention|softmax", re.I)),
+    ("gemm", re.compile(r"gemm|xmma|cutlass|nvjet|cublas|sm90_|matmul|wgmma", re.I)),
+    ("layernorm", re.compile(r"layer_?norm|\bln_|LayerNorm", re.I)),
+    ("optimizer", re.compile(r"adam|lamb|sgd|multi_tensor", re.I)),
+    ("elementwise/other", re.compile(r".")),
+]
+
+
+def kclass(name):
+    for c, rx in CLASSES:
+        if rx.search(name):
+            return c
+    return "elementwise/other"
+
+
+def short(name, n=90):
+    return name if len(name) <= n else name[: n - 3] + "..."
+
+
+def load(path):
+    ks = []
+    with open(path) as f:
+        head = f.readline()
+        if not head.startswith("start\t"):
+            sys.exit(f"{path}: not a vitgrid_ktrace file (header {head.strip()!r})")
+        for line in f:
+            p = line.rstrip("\n").split("\t", 5)
+            if len(p) == 6:
+                ks.append((int(p[0]), int(p[1]), int(p[2]), int(p[3]), int(p[4]), p[5]))
+    ks.sort()
+    return ks
+
+
+def union(intervals):
+    """Total length covered by [s, e) intervals (sorted by start)."""
+    tot, cs, ce = 0, None, None
+    for s, e in intervals:
+        if ce is None or s > ce:
+            if ce is not None:
+                tot += ce - cs
+            cs, ce = s, e
+        else:
+            ce = max(ce, e)
+    if ce is not None:
+        tot += ce - cs
+    return tot
+
+
+def step_ends(ks, rx, min_gap_ns=2_000_000):
+    """End times of the optimizer-kernel runs (runs separated by > min_gap_ns)."""
+    ends, last = [], None
+    for s, e, *_rest, name in ks:
+        if not rx.search(name):
+            continue
+        if last is not None and s - last > min_gap_ns:
+            ends.append(last)
+        last = e if last is None else max(last, e)
+    if last is not None:
+        ends.append(last)
+    return ends
+
+
+def analyse(path, rx, skip):
+    ks = load(path)
+    ends = step_ends(ks, rx)
+    if len(ends) < skip + 3:
+        sys.exit(f"{path}: {len(ends)} steps found by --step-kernel, need more than {skip + 2}")
+    steps = []
+    i = 0
+    for a, b in zip(ends[skip:], ends[skip + 1:]):
+        while i < len(ks) and ks[i][0] < a:
+            i += 1
+        j = i
+        sk = []
+        while j < len(ks) and ks[j][0] < b:
+            s, e = ks[j][0], min(ks[j][1], b)
+            sk.append((s, e, ks[j][5]))
+            j += 1
+        wall = b - a
+        busy = union([(s, e) for s, e, _ in sk])
+        nccl = union([(s, e) for s, e, n in sk if kclass(n) == "nccl"])
+        comp = union([(s, e) for s, e, n in sk if kclass(n) != "nccl"])
+        per_class, per_name = defaultdict(int), defaultdict(int)
+        for s, e, n in sk:
+            per_class[kclass(n)] += e - s
+            per_name[n] += e - s
+        gaps = []
+        last = a
+        for s, e, n in sorted(sk):
+            if s > last:
+                gaps.append((s - last, last, n))
+            last = max(last, e)
+        if b > last:
+            gaps.append((b - last, last, "(step end)"))
+        steps.append(dict(wall=wall, busy=busy, nccl=nccl, comp=comp, per_class=per_class,
+                          per_name=per_name, gaps=gaps, end=b, kernels=len(sk)))
+    return steps
+
+
+def med(xs):
+    return statistics.median(xs) if xs else 0.0
+
+
+def summarise(steps):
+    keys = set()
+    for st in steps:
+        keys |= set(st["per_name"])
+    classes = set()
+    for st in steps:
+        classes |= set(st["per_class"])
+    return dict(
+        wall=med([s["wall"] for s in steps]) / 1e6,
+        busy=med([s["busy"] for s in steps]) / 1e6,
+        comp=med([s["comp"] for s in steps]) / 1e6,
+        nccl=med([s["nccl"] for s in steps]) / 1e6,
+        nccl_alone=med([s["busy"] - s["comp"] for s in steps]) / 1e6,
+        kernels=med([s["kernels"] for s in steps]),
+        per_class={c: med([s["per_class"].get(c, 0) for s in steps]) / 1e6 for c in classes},
+        per_name={k: med([s["per_name"].get(k, 0) for s in steps]) / 1e6 for k in keys},
+        big_gaps=med([sum(g for g, _, _ in s["gaps"] if g > 20_000) for s in steps]) / 1e6,
+        all_gaps=med([sum(g for g, _, _ in s["gaps"]) for s in steps]) / 1e6,
+        worst_gaps=sorted((g for s in steps[-1:] for g in s["gaps"]), reverse=True)[:6],
+    )
+
+
+def report(d, rx, skip):
+    files = sorted(glob.glob(os.path.join(d, "ktrace.*.tsv")))
+    if not files:
+        sys.exit(f"{d}: no ktrace.*.tsv files")
+    out = []
+    for f in files:
+        steps = analyse(f, rx, skip)
+        s = summarise(steps)
+        out.append((f, steps, s))
+        print(f"{os.path.basename(f)}: {len(steps)} steps, median per step: wall {s['wall']:.2f} ms"
+              f" | kernels busy {s['busy']:.2f} ({s['kernels']:.0f} kernels) | idle"
+              f" {s['wall'] - s['busy']:.2f} (gaps > 20 us: {s['big_gaps']:.2f})"
+              f" | non-NCCL kernels {s['comp']:.2f} | NCCL {s['nccl']:.2f}, of it alone"
+              f" {s['nccl_alone']:.2f}")
+        print("   per class (kernel time, ms/step): " + ", ".join(
+            f"{c} {v:.2f}" for c, v in sorted(s["per_class"].items(), key=lambda x: -x[1])))
+        print("   largest gaps of the last step (us, after -> before kernel): " + "; ".join(
+            f"{g / 1e3:.0f} -> {short(n, 50)}" for g, _, n in s["worst_gaps"]))
+    if len(out) > 1:  # the processes of one run: how far apart their steps end
+        n = min(len(st) for _, st, _ in out)
+        spread = [max(st[i]["end"] for _, st, _ in out) - min(st[i]["end"] for _, st, _ in out)
+                  for i in range(n)]
+        print(f"step ends across {len(out)} processes: median spread {med(spread) / 1e3:.0f} us, "
+              f"max {max(spread) / 1e3:.0f} us")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dir")
+    ap.add_argument("--compare", help="a second trace directory (e.g. the 1-GPU run)")
+    ap.add_argument("--step-kernel", default=r"adamw|adam|lamb|sgd")
+    ap.add_argument("--skip", type=int, default=6, help="steps left out at the start")
+    ap.add_argument("--top", type=int, default=12)
+    a = ap.parse_args()
+    rx = re.compile(a.step_kernel, re.I)
+    print(f"== {a.dir}")
+    A = report(a.dir, rx, a.skip)
+    if not a.compare:
+        return
+    print(f"== {a.compare}")
+    B = report(a.compare, rx, a.skip)
+    sa, sb = A[0][2], B[0][2]
+    print(f"== {a.dir} (first process) against {a.compare} (first process), ms per step")
+    print(f"   wall {sa['wall']:.2f} vs {sb['wall']:.2f} ({sa['wall'] - sb['wall']:+.2f}); "
+          f"non-NCCL kernels busy {sa['comp']:.2f} vs {sb['comp']:.2f} ({sa['comp'] - sb['comp']:+.2f}); "
+          f"idle {sa['wall'] - sa['busy']:.2f} vs {sb['wall'] - sb['busy']:.2f}")
+    for c in sorted(set(sa["per_class"]) | set(sb["per_class"])):
+        x, y = sa["per_class"].get(c, 0.0), sb["per_class"].get(c, 0.0)
+        print(f"   {c:18s} {x:8.2f} vs {y:8.2f} ({x - y:+.2f})")
+    diffs = []
+    for k in set(sa["per_name"]) | set(sb["per_name"]):
+        x, y = sa["per_name"].get(k, 0.0), sb["per_name"].get(k, 0.0)
+        diffs.append((x - y, x, y, k))
+    diffs.sort(key=lambda t: -abs(t[0]))
+    print(f"   kernels whose time per step changed most:")
+    for d, x, y, k in diffs[: a.top]:
+        print(f"   {d:+7.3f} ({x:7.3f} vs {y:7.3f}) {short(k)}")
+
+
+if __name__ == "__main__":
+    main()

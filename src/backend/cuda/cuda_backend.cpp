@@ -66,6 +66,8 @@ CudaBackend::CudaBackend(int device, DType act, const BackendOptions& opts)
   read_fused_gelu_env(opts);
   const char* sk = std::getenv("VITGRID_GEMM_SPLIT_K");
   gemm_split_k_ = !(sk && std::strcmp(sk, "0") == 0);
+  const char* bg = std::getenv("VITGRID_BGRAD");
+  bgrad_epilogue_ = bg && std::strcmp(bg, "epilogue") == 0;
   const char* tl = std::getenv("VITGRID_GEMM_TUNE_LOG");
   gemm_tune_log_ = tl && std::strcmp(tl, "1") == 0;
   // A non-blocking stream: no implicit serialisation with the legacy default stream, which
@@ -888,7 +890,7 @@ void CudaBackend::linear_backward(void* dx, float* dW, float* db, const void* dy
     s.ab_type = t;
     s.c_type = CUDA_R_32F;
     s.beta = 1.0f;
-    if (db) {
+    if (db && bgrad_epilogue_) {
       // The bias gradient (column sums of dy) from the same GEMM's epilogue: dy is the
       // column-major B' of the swapped product and its reduction runs over the GEMM's k = N,
       // so BGRADB writes the fp32 sums (Ctype) of dy's N rows into bgrad_, saving the separate

@@ -302,6 +302,9 @@ class CudaBackend final : public Backend {
   // With gemm_tune > 1, also time the weight gradients' split-K variants (VITGRID_GEMM_SPLIT_K,
   // default 1); VITGRID_GEMM_TUNE_LOG=1 prints every tuned choice.
   bool gemm_split_k_ = true;
+  // VITGRID_BGRAD=epilogue: linear_backward's bias gradient from cuBLASLt's BGRADB epilogue
+  // (which runs it as a second kernel over dy); default: column_sums_add
+  bool bgrad_epilogue_ = false;
   bool gemm_tune_log_ = false;
   bool deterministic_;  // false: attention's backward may use atomics (cuDNN)
   int sm_count_ = 0;

@@ -188,25 +188,47 @@ __global__ void softmax_bwd_kernel(Tdx* dx, const Ty* y, const Tdy* dy, int rows
     dxr[c] = from_f<Tdx>(to_f(yr[c]) * (to_f(dyr[c]) - dot) * scale);
 }
 
-// Column sums, stage 1: block (32 columns x 8 row lanes) sums kRowsPerChunk rows of its 32
-// columns into partial[chunk, col]. Reads are 32 consecutive elements per row: coalesced.
-constexpr int kRowsPerChunk = 1024;  // few enough chunks for a short stage 2
-template <class T>
+// Column sums, stage 1: block (32 column lanes x 8 row lanes) sums kRowsPerChunk rows of its
+// columns into partial[chunk, col]. Where C is a multiple of V = 16 / sizeof(T) and x is
+// 16-byte aligned, each lane reads V consecutive columns with one 16-byte load (a warp: 512
+// contiguous bytes of a row at 16-bit types), else one element (32 consecutive per warp).
+constexpr int kRowsPerChunk = 256;  // chunks enough to fill the GPU at N = 50432
+template <class T, int V>
 __global__ void colsum_partial_kernel(float* partial, const T* x, int N, int C) {
-  __shared__ float sh[8][33];
-  const int col = blockIdx.x * 32 + threadIdx.x;
+  __shared__ float sh[8][32 * V + 1];
+  const int col = (blockIdx.x * 32 + threadIdx.x) * V;
   const int r0 = blockIdx.y * kRowsPerChunk;
   const int r1 = min(N, r0 + kRowsPerChunk);
-  float s = 0.0f;
-  if (col < C)
-    for (int r = r0 + threadIdx.y; r < r1; r += 8) s += to_f(x[static_cast<int64_t>(r) * C + col]);
-  sh[threadIdx.y][threadIdx.x] = s;
+  float s[V];
+#pragma unroll
+  for (int v = 0; v < V; ++v) s[v] = 0.0f;
+  if (col < C) {
+#pragma unroll 4
+    for (int r = r0 + threadIdx.y; r < r1; r += 8) {
+      const T* row = x + static_cast<int64_t>(r) * C + col;
+      if constexpr (V == 1) {
+        s[0] += to_f(row[0]);
+      } else {
+        union {
+          uint4 u;
+          T e[V];
+        } in;
+        in.u = *reinterpret_cast<const uint4*>(row);
+#pragma unroll
+        for (int v = 0; v < V; ++v) s[v] += to_f(in.e[v]);
+      }
+    }
+  }
+#pragma unroll
+  for (int v = 0; v < V; ++v) sh[threadIdx.y][threadIdx.x * V + v] = s[v];
   __syncthreads();
-  if (threadIdx.y == 0 && col < C) {
+  for (int c = threadIdx.y * 32 + threadIdx.x; c < 32 * V; c += 256) {
+    const int cc = blockIdx.x * 32 * V + c;
+    if (cc >= C) continue;
     float t = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) t += sh[j][threadIdx.x];
-    partial[static_cast<int64_t>(blockIdx.y) * C + col] = t;
+    for (int j = 0; j < 8; ++j) t += sh[j][c];
+    partial[static_cast<int64_t>(blockIdx.y) * C + cc] = t;
   }
 }
 // Stage 2: out[col] += sum over chunks in chunk order (deterministic).
@@ -364,8 +386,15 @@ void CudaBackend::column_sums_add(float* out, const void* x, int N, int C) {
   float* partial = static_cast<float*>(scratch(static_cast<size_t>(chunks) * C * sizeof(float)));
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    dim3 grid((C + 31) / 32, chunks), block(32, 8);
-    colsum_partial_kernel<<<grid, block, 0, stream_>>>(partial, static_cast<const T*>(x), N, C);
+    constexpr int V = 16 / sizeof(T);
+    const dim3 block(32, 8);
+    if (C % V == 0 && aligned16(x)) {
+      const dim3 grid((C / V + 31) / 32, chunks);
+      colsum_partial_kernel<T, V><<<grid, block, 0, stream_>>>(partial, static_cast<const T*>(x), N, C);
+    } else {
+      const dim3 grid((C + 31) / 32, chunks);
+      colsum_partial_kernel<T, 1><<<grid, block, 0, stream_>>>(partial, static_cast<const T*>(x), N, C);
+    }
     CUDA_CHECK_LAUNCH();
   });
   colsum_final_kernel<<<(C + 255) / 256, 256, 0, stream_>>>(out, partial, chunks, C);

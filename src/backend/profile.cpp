@@ -99,13 +99,14 @@ class Profiled final : public ProfiledBackend {
     }
   }
   void linear_backward(void* dx, float* dW, float* db, const void* dy, const void* x, const void* W,
-                       int N, int in, int out, const void* gelu_pre, Gelu gelu) override {
+                       int N, int in, int out, const void* gelu_pre, Gelu gelu,
+                       float* gelu_db) override {
     const double t0 = now_s();
-    b_->linear_backward(dx, dW, db, dy, x, W, N, in, out, gelu_pre, gelu);
+    b_->linear_backward(dx, dW, db, dy, x, W, N, in, out, gelu_pre, gelu, gelu_db);
     if (on_) {
       b_->synchronize();
       add("linear_backward " + std::to_string(in) + "->" + std::to_string(out) +
-              (gelu_pre ? " +dgelu" : ""),
+              (gelu_pre ? (gelu_db ? " +dgelu +dgelu bias" : " +dgelu") : ""),
           t0);
     }
   }
@@ -134,6 +135,15 @@ class Profiled final : public ProfiledBackend {
     if (on_) {
       b_->synchronize();
       add("gelu_backward", t0);
+    }
+  }
+  void gelu_backward_bias(void* dx, const void* x, const void* dy, int rows, int cols, float* db,
+                          Gelu g) override {
+    const double t0 = now_s();
+    b_->gelu_backward_bias(dx, x, dy, rows, cols, db, g);
+    if (on_) {
+      b_->synchronize();
+      add(db ? "gelu_backward + bias gradient" : "gelu_backward", t0);
     }
   }
   void dropout_forward(void* y, const void* x, size_t n, float p, DropoutKey k) override {

@@ -582,17 +582,19 @@ void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set, bool f
       be_.dropout_forward(b.g, b.g, NM, cfg_.dropout,
                           dkey(step, l, kSiteMlpAct, fp, ActLayout::Inner, B, M));
   }
-  // Without dropout between them, the GELU backward goes into fc2's (dh = (df W2) * gelu'(h),
-  // in the GEMM's epilogue where the strategy and backend can); with it, after the dropout's.
+  // Without dropout between them, the GELU backward goes into fc2's (dh = (df W2) * gelu'(h)),
+  // and where the strategy can, fc1's bias gradient (the column sums of dh) into that pass;
+  // with dropout, after the dropout's.
+  float* fc1_db = drop || !tp_.gelu_bias_in_row_backward() ? nullptr : G(kFc1B);
   tp_.linear_backward(LinearRole::Row, a.dh, G(kFc2W), G(kFc2B), df, b.g, W(kFc2W), N, M, C, 1,
-                      drop ? nullptr : b.h, cfg_.gelu);
+                      drop ? nullptr : b.h, cfg_.gelu, fc1_db);
   if (drop) {
     be_.dropout_backward(a.dh, a.dh, NM, cfg_.dropout,
                          dkey(step, l, kSiteMlpAct, fp, ActLayout::Inner, B, M));
     be_.gelu_backward(a.dh, b.h, a.dh, NM, cfg_.gelu);
   }
-  tp_.linear_backward(LinearRole::Column, a.dtmp, G(kFc1W), G(kFc1B), a.dh, b.y2, W(kFc1W), N,
-                      C, M);
+  tp_.linear_backward(LinearRole::Column, a.dtmp, G(kFc1W), fc1_db ? nullptr : G(kFc1B), a.dh,
+                      b.y2, W(kFc1W), N, C, M);
   // dres += LN2 backward: now dres = d r_mid
   tp_.layernorm_backward(a.dres, G(kNorm2W), G(kNorm2B), a.dtmp, b.r_mid, W(kNorm2W), b.m2,
                          b.s2, N, C);

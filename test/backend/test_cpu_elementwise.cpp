@@ -56,6 +56,40 @@ TEST(CpuElementwise, GeluForwardBackwardBothForms) {
   }
 }
 
+// gelu_backward_bias: the GELU backward of a [rows, cols] matrix, and the column sums of the
+// result added into db; linear_backward's gelu_db is the same pass.
+TEST(CpuElementwise, GeluBackwardBiasSumsTheColumnsOfDx) {
+  CpuBackend be;
+  const int rows = 9, cols = 7, in = 5;
+  const auto x = randn(size_t(rows) * cols, 3), dy = randn(size_t(rows) * cols, 4);
+  const auto db0 = randn(cols, 5);
+  std::vector<float> dx(x.size()), ref(x.size()), db = db0;
+  be.gelu_backward(ref.data(), x.data(), dy.data(), x.size(), Gelu::Exact);
+  be.gelu_backward_bias(dx.data(), x.data(), dy.data(), rows, cols, db.data(), Gelu::Exact);
+  EXPECT_EQ(dx, ref);
+  for (int j = 0; j < cols; ++j) {
+    double t = db0[j];
+    for (int r = 0; r < rows; ++r) t += ref[size_t(r) * cols + j];
+    EXPECT_NEAR(db[j], t, 1e-5) << j;
+  }
+  std::vector<float> none = dy;  // db null: the plain GELU backward, in place
+  be.gelu_backward_bias(none.data(), x.data(), none.data(), rows, cols, nullptr, Gelu::Exact);
+  EXPECT_EQ(none, ref);
+  // linear_backward with gelu_pre = x: dx = (g W) * gelu'(x), gelu_db += its column sums
+  const auto g = randn(size_t(rows) * in, 6), W = randn(size_t(in) * cols, 7);
+  std::vector<float> ldx(x.size()), ldx2(x.size()), dW(W.size(), 0.0f), ldb = db0;
+  be.linear_backward(ldx.data(), dW.data(), nullptr, g.data(), dy.data(), W.data(), rows, cols,
+                     in, x.data(), Gelu::Exact, ldb.data());
+  be.linear_backward(ldx2.data(), dW.data(), nullptr, g.data(), dy.data(), W.data(), rows, cols,
+                     in, x.data(), Gelu::Exact);
+  EXPECT_EQ(ldx, ldx2);
+  for (int j = 0; j < cols; ++j) {
+    double t = db0[j];
+    for (int r = 0; r < rows; ++r) t += ldx[size_t(r) * cols + j];
+    EXPECT_NEAR(ldb[j], t, 1e-5) << j;
+  }
+}
+
 TEST(CpuElementwise, DropoutMaskStatisticsDeterminismAndLayoutIndependence) {
   CpuBackend be;
   const size_t n = 100003;

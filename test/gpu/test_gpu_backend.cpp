@@ -114,6 +114,55 @@ TEST_P(GpuBackend, LinearBackward) {
   }
 }
 
+// The GELU backward that also forms the bias gradient of the Linear before it (one kernel,
+// the column sums finished by the last block of each column group), through
+// gelu_backward_bias and through linear_backward's gelu_db: dx bit-identical to the plain GELU
+// backward, db the column sums of that dx. Odd shapes take the scalar path, aligned ones the
+// 16-byte one; N > 256 rows gives several chunks per column; the second call checks that the
+// completion counters were reset.
+TEST_P(GpuBackend, GeluBackwardBias) {
+  for (auto [N, C] : {std::pair<int, int>{41, 35}, std::pair<int, int>{1000, 256},
+                      std::pair<int, int>{777, 3072}}) {
+    SCOPED_TRACE("N=" + std::to_string(N) + " C=" + std::to_string(C));
+    const size_t n = size_t(N) * C;
+    Vec h = rnd(n, 4.0f), dy = rnd(n), db0 = rnd(C);
+    void* dx = gpu->act(dy);  // dx aliases dy, as the interface allows
+    float* db = gpu->f32(db0);
+    gpu->be->gelu_backward_bias(dx, gpu->act(h), dx, N, C, db, Gelu::Exact);
+    const Vec got = gpu->get_act(dx, n);
+    void* ref = gpu->act(dy);
+    gpu->be->gelu_backward(ref, gpu->act(h), ref, n, Gelu::Exact);
+    EXPECT_EQ(got, gpu->get_act(ref, n));
+    Vec want(C);
+    for (int j = 0; j < C; ++j) {
+      double t = db0[j];
+      for (int r = 0; r < N; ++r) t += got[size_t(r) * C + j];
+      want[j] = static_cast<float>(t);
+    }
+    EXPECT_CLOSE(gpu->get_f32(db, C), want, 1e-5);
+    void* dx2 = gpu->act(dy);
+    gpu->be->gelu_backward_bias(dx2, gpu->act(h), dx2, N, C, db, Gelu::Exact);
+    for (int j = 0; j < C; ++j) want[j] += want[j] - db0[j];
+    EXPECT_CLOSE(gpu->get_f32(db, C), want, 1e-5);
+    // linear_backward(gelu_pre, gelu_db) against the CPU backend's
+    const int out = 64;
+    Vec g = rnd(size_t(N) * out), a = rnd(size_t(N) * C), W = rnd(size_t(out) * C, 0.2f);
+    Vec r[2][2];
+    for (int k = 0; k < 2; ++k) {
+      Dev* d = k ? gpu.get() : cpu.get();
+      void* ldx = d->nan_act(n);
+      float* ldb = d->f32(db0);
+      float* ldW = d->f32(Vec(size_t(out) * C, 0.0f));
+      d->be->linear_backward(ldx, ldW, nullptr, d->act(g), d->act(a), d->act(W), N, C, out,
+                             d->act(h), Gelu::Exact, ldb);
+      r[k][0] = d->get_act(ldx, n);
+      r[k][1] = d->get_f32(ldb, C);
+    }
+    EXPECT_CLOSE(r[1][0], r[0][0], tol());
+    EXPECT_CLOSE(r[1][1], r[0][1], 50 * tol());
+  }
+}
+
 TEST_P(GpuBackend, GemmBatched) {
   const int M = 13, N = 21, K = 17, batch = 3;
   for (int t = 0; t < 4; ++t) {

@@ -106,9 +106,13 @@ class Backend {
   // dx[N,in] = dy W (overwritten; skipped when dx is null), dW[out,in] += dy^T x,
   // db[out] += sum_rows dy (skipped when null). With gelu_pre (x was gelu(gelu_pre)): dx is
   // the gradient of gelu_pre instead, (dy W) * gelu'(gelu_pre), as gelu_backward would give.
+  // With gelu_db as well: db of the Linear that produced gelu_pre (the column sums of the final
+  // dx) is added into gelu_db in the same pass (the GELU backward's) instead of another pass
+  // over dx in that Linear's backward.
   virtual void linear_backward(void* dx, float* dW, float* db, const void* dy, const void* x,
                                const void* W, int N, int in, int out,
-                               const void* gelu_pre = nullptr, Gelu gelu = Gelu::Exact) = 0;
+                               const void* gelu_pre = nullptr, Gelu gelu = Gelu::Exact,
+                               float* gelu_db = nullptr) = 0;
   // The next `gemms` GEMMs enqueued (-1: all of them, until the next call) leave `sms`
   // multiprocessors free (0: none) to kernels running beside them: the data axis's NCCL
   // reductions during the backward (device.gemm_sm_margin). A linear_forward, each product of
@@ -128,6 +132,10 @@ class Backend {
   virtual void gelu_forward(void* y, const void* x, size_t n, Gelu g) = 0;
   // dx = dy * gelu'(x); dx may alias dy.
   virtual void gelu_backward(void* dx, const void* x, const void* dy, size_t n, Gelu g) = 0;
+  // The same over a row-major [rows, cols] matrix, and db[cols] += the column sums of dx (the
+  // bias gradient of the Linear that produced x) in the same pass; db null: gelu_backward.
+  virtual void gelu_backward_bias(void* dx, const void* x, const void* dy, int rows, int cols,
+                                  float* db, Gelu g) = 0;
   // y = x with dropout applied (y may alias x). p == 0 copies.
   virtual void dropout_forward(void* y, const void* x, size_t n, float p, DropoutKey k) = 0;
   // dx = dy masked and scaled with the same mask as the forward (dx may alias dy).

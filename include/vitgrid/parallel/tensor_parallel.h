@@ -133,11 +133,17 @@ class TensorParallel {
   // dx = dy W (overwritten; skipped when null), dW += dy^T x, db += sum dy (local shards).
   // With gelu_pre (x was gelu(gelu_pre), same layout as dx): dx is the gradient of gelu_pre,
   // fused into the GEMM where the mode's dx needs no reduction (none, 1d Row), else a GELU
-  // backward pass after it.
+  // backward pass after it. With gelu_db too (Row only, where gelu_bias_in_row_backward()):
+  // the GELU backward also adds this rank's share of the bias gradient of the Column Linear
+  // that produced gelu_pre into gelu_db (the column sums of its local dx, which is what that
+  // Linear's backward would sum), so that Linear's backward is then given no db.
   virtual void linear_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
                                const void* x, const void* W, int rows, int in, int out,
                                int groups = 1, const void* gelu_pre = nullptr,
-                               Gelu g = Gelu::Exact) = 0;
+                               Gelu g = Gelu::Exact, float* gelu_db = nullptr) = 0;
+  // Whether a Row Linear's backward takes gelu_db (the modes whose Column backward sums its
+  // bias gradient over the rank's own dy block: none, 1d, 2d, 2.5d).
+  virtual bool gelu_bias_in_row_backward() const = 0;
   // Fused residual add + LayerNorm over the (global) width C of Stream rows, same contract as
   // Backend::add_layernorm_forward / layernorm_backward; statistics over the whole width.
   virtual void layernorm_forward(void* res, void* y, float* mean, float* rstd, const void* a,

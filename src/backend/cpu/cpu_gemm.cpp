@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "vitgrid/backend/cpu/cpu_backend.h"
+#include "vitgrid/core/error.h"
 
 namespace vitgrid {
 
@@ -41,7 +42,8 @@ void CpuBackend::linear_forward(void* y_, const void* x_, const void* W_, const 
 
 void CpuBackend::linear_backward(void* dx_, float* dW, float* db, const void* dy_, const void* x_,
                                  const void* W_, int N, int in, int out, const void* gelu_pre,
-                                 Gelu gelu) {
+                                 Gelu gelu, float* gelu_db) {
+  VG_CHECK(!gelu_db || (dx_ && gelu_pre), "linear_backward: gelu_db without dx and gelu_pre");
   const float* dy = cf(dy_);
   if (N <= 0) return;  // no rows: dx is empty and the weight gradients gain nothing
   if (dx_) {
@@ -54,7 +56,7 @@ void CpuBackend::linear_backward(void* dx_, float* dW, float* db, const void* dy
       std::memset(dx, 0, (size_t)N * in * sizeof(float));
     }
     round_act(dx, (size_t)N * in);
-    if (gelu_pre) gelu_backward(dx, gelu_pre, dx, (size_t)N * in, gelu);
+    if (gelu_pre) gelu_backward_bias(dx, gelu_pre, dx, N, in, gelu_db, gelu);
   }
   if (dW && out > 0 && in > 0) {
     // dW[out,in] += dy^T[out,N] x[N,in]

@@ -109,13 +109,15 @@ class CudaBackend final : public Backend {
                       int out, void* gelu_out = nullptr, Gelu gelu = Gelu::Exact) override;
   void linear_backward(void* dx, float* dW, float* db, const void* dy, const void* x,
                        const void* W, int N, int in, int out, const void* gelu_pre = nullptr,
-                       Gelu gelu = Gelu::Exact) override;
+                       Gelu gelu = Gelu::Exact, float* gelu_db = nullptr) override;
   void gemm_batched(bool transA, bool transB, int M, int N, int K, float alpha, const void* A,
                     int64_t strideA, const void* B, int64_t strideB, float beta, void* C,
                     int64_t strideC, int batch) override;
 
   void gelu_forward(void* y, const void* x, size_t n, Gelu g) override;
   void gelu_backward(void* dx, const void* x, const void* dy, size_t n, Gelu g) override;
+  void gelu_backward_bias(void* dx, const void* x, const void* dy, int rows, int cols, float* db,
+                          Gelu g) override;
   void dropout_forward(void* y, const void* x, size_t n, float p, DropoutKey k) override;
   void dropout_backward(void* dx, const void* dy, size_t n, float p, DropoutKey k) override;
   void add(void* y, const void* a, const void* b, size_t n) override;
@@ -292,6 +294,15 @@ class CudaBackend final : public Backend {
   static size_t slice_arena_bytes(int64_t lists, int64_t slices, int64_t elems);
   // Column sums of a row-major act matrix x[N,C], added into out[C] (fp32), deterministic.
   void column_sums_add(float* out, const void* x, int N, int C);
+  // The one-kernel column sums behind column_sums_add and gelu_backward_bias (elementwise.cu):
+  // src / src_vec produce the values one element / one 16-byte vector at a time.
+  template <class T, class Src, class SrcV>
+  void column_sums(float* out, int N, int C, bool vec, Src src, SrcV src_vec);
+  // Per column group, the blocks of a column sum that finished (the last one adds the
+  // partials); zero between calls. Grown to `groups` (planned by plan_workspace).
+  unsigned* colsum_counters(int groups);
+  unsigned* colsum_done_ = nullptr;
+  size_t colsum_done_n_ = 0;
   // out[i] += x[i] (x act dtype, out fp32)
   void add_act_to_f32(float* out, const void* x, size_t n);
 
@@ -305,6 +316,9 @@ class CudaBackend final : public Backend {
   // VITGRID_BGRAD=epilogue: linear_backward's bias gradient from cuBLASLt's BGRADB epilogue
   // (which runs it as a second kernel over dy); default: column_sums_add
   bool bgrad_epilogue_ = false;
+  // VITGRID_GELU_BIAS=0: linear_backward's gelu_db by a separate column-sum pass over dx
+  // (default: in the GELU backward's pass)
+  bool gelu_bias_fused_ = true;
   bool gemm_tune_log_ = false;
   bool deterministic_;  // false: attention's backward may use atomics (cuDNN)
   int sm_count_ = 0;

@@ -188,56 +188,123 @@ __global__ void softmax_bwd_kernel(Tdx* dx, const Ty* y, const Tdy* dy, int rows
     dxr[c] = from_f<Tdx>(to_f(yr[c]) * (to_f(dyr[c]) - dot) * scale);
 }
 
-// Column sums, stage 1: block (32 column lanes x 8 row lanes) sums kRowsPerChunk rows of its
-// columns into partial[chunk, col]. Where C is a multiple of V = 16 / sizeof(T) and x is
-// 16-byte aligned, each lane reads V consecutive columns with one 16-byte load (a warp: 512
-// contiguous bytes of a row at 16-bit types), else one element (32 consecutive per warp).
+// Column sums of a row-major [N, C] matrix, added into out[C] (fp32), deterministic: block
+// (32 column lanes x 8 row lanes) sums kRowsPerChunk rows of its columns into
+// partial[chunk, col]; the last block of a column group to finish (a counter per group) adds
+// the chunks' partials into out in chunk order, so no second kernel runs. Where C is a
+// multiple of V = 16 / sizeof(T) and the rows are 16-byte aligned, each lane reads V
+// consecutive columns with one 16-byte load (a warp: 512 contiguous bytes of a row at 16-bit
+// types), else one element. The values come from Src: the matrix itself (ColsumRead), or the
+// GELU backward that writes it in the same pass (ColsumGeluBwd).
 constexpr int kRowsPerChunk = 256;  // chunks enough to fill the GPU at N = 50432
+
 template <class T, int V>
-__global__ void colsum_partial_kernel(float* partial, const T* x, int N, int C) {
+struct ColsumRead {
+  const T* x;
+  __device__ void operator()(int64_t i, float* v) const {
+    if constexpr (V == 1) {
+      v[0] = to_f(x[i]);
+    } else {
+      union {
+        uint4 u;
+        T e[V];
+      } in;
+      in.u = *reinterpret_cast<const uint4*>(x + i);
+#pragma unroll
+      for (int k = 0; k < V; ++k) v[k] = to_f(in.e[k]);
+    }
+  }
+};
+
+// dx = dy * gelu'(h) (GeluBwdOp's math), written, and its stored (rounded) values summed.
+template <class T, int V>
+struct ColsumGeluBwd {
+  T* dx;
+  const T* h;
+  const T* dy;
+  GeluBwdOp op;
+  __device__ void operator()(int64_t i, float* v) const {
+    union Vec {
+      uint4 u;
+      T e[V];
+    };
+    Vec hv, gv, ov;
+    if constexpr (V == 1) {
+      hv.e[0] = h[i];
+      gv.e[0] = dy[i];
+    } else {
+      hv.u = *reinterpret_cast<const uint4*>(h + i);
+      gv.u = *reinterpret_cast<const uint4*>(dy + i);
+    }
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float in[2] = {to_f(hv.e[k]), to_f(gv.e[k])};
+      ov.e[k] = from_f<T>(op(in, 0));
+      v[k] = to_f(ov.e[k]);
+    }
+    if constexpr (V == 1) {
+      dx[i] = ov.e[0];
+    } else {
+      *reinterpret_cast<uint4*>(dx + i) = ov.u;
+    }
+  }
+};
+
+template <int V, class Src>
+__global__ void colsum_kernel(float* out, float* partial, unsigned* done, Src src, int N, int C) {
   __shared__ float sh[8][32 * V + 1];
+  __shared__ bool last;
   const int col = (blockIdx.x * 32 + threadIdx.x) * V;
   const int r0 = blockIdx.y * kRowsPerChunk;
   const int r1 = min(N, r0 + kRowsPerChunk);
   float s[V];
 #pragma unroll
-  for (int v = 0; v < V; ++v) s[v] = 0.0f;
+  for (int k = 0; k < V; ++k) s[k] = 0.0f;
   if (col < C) {
 #pragma unroll 4
     for (int r = r0 + threadIdx.y; r < r1; r += 8) {
-      const T* row = x + static_cast<int64_t>(r) * C + col;
-      if constexpr (V == 1) {
-        s[0] += to_f(row[0]);
-      } else {
-        union {
-          uint4 u;
-          T e[V];
-        } in;
-        in.u = *reinterpret_cast<const uint4*>(row);
+      float v[V];
+      src(static_cast<int64_t>(r) * C + col, v);
 #pragma unroll
-        for (int v = 0; v < V; ++v) s[v] += to_f(in.e[v]);
-      }
+      for (int k = 0; k < V; ++k) s[k] += v[k];
     }
   }
 #pragma unroll
-  for (int v = 0; v < V; ++v) sh[threadIdx.y][threadIdx.x * V + v] = s[v];
+  for (int k = 0; k < V; ++k) sh[threadIdx.y][threadIdx.x * V + k] = s[k];
   __syncthreads();
+  const int c0 = blockIdx.x * 32 * V;
   for (int c = threadIdx.y * 32 + threadIdx.x; c < 32 * V; c += 256) {
-    const int cc = blockIdx.x * 32 * V + c;
-    if (cc >= C) continue;
+    if (c0 + c >= C) continue;
     float t = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) t += sh[j][c];
-    partial[static_cast<int64_t>(blockIdx.y) * C + cc] = t;
+    partial[static_cast<int64_t>(blockIdx.y) * C + c0 + c] = t;
   }
-}
-// Stage 2: out[col] += sum over chunks in chunk order (deterministic).
-__global__ void colsum_final_kernel(float* out, const float* partial, int chunks, int C) {
-  const int col = blockIdx.x * blockDim.x + threadIdx.x;
-  if (col >= C) return;
-  float t = 0.0f;
-  for (int k = 0; k < chunks; ++k) t += partial[static_cast<int64_t>(k) * C + col];
-  out[col] += t;
+  // the last block of this column group to get here adds the partials of every chunk
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0 && threadIdx.y == 0)
+    last = atomicAdd(&done[blockIdx.x], 1u) == gridDim.y - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int chunks = gridDim.y;
+  for (int c = threadIdx.x; c < 32 * V; c += 32) {  // lane y sums chunks y, y + 8, ...
+    float t = 0.0f;
+    if (c0 + c < C)
+      for (int k = threadIdx.y; k < chunks; k += 8)
+        t += __ldcg(&partial[static_cast<int64_t>(k) * C + c0 + c]);
+    sh[threadIdx.y][c] = t;
+  }
+  __syncthreads();
+  for (int c = threadIdx.y * 32 + threadIdx.x; c < 32 * V; c += 256) {
+    if (c0 + c >= C) continue;
+    float t = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) t += sh[j][c];
+    out[c0 + c] += t;
+  }
+  if (threadIdx.x == 0 && threadIdx.y == 0) done[blockIdx.x] = 0;  // ready for the next call
 }
 
 template <class Tin, class Tout>
@@ -380,25 +447,47 @@ size_t CudaBackend::column_sums_scratch_bytes(int64_t rows, int64_t cols) {
   return static_cast<size_t>(chunks) * static_cast<size_t>(cols) * sizeof(float);
 }
 
-void CudaBackend::column_sums_add(float* out, const void* x, int N, int C) {
+// The column sums of a [N, C] matrix whose values src produces (column_sums_add,
+// gelu_backward_bias), into out: one kernel.
+template <class T, class Src, class SrcV>
+void CudaBackend::column_sums(float* out, int N, int C, bool vec, Src src, SrcV src_vec) {
   if (N <= 0 || C <= 0) return;
   const int chunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
   float* partial = static_cast<float*>(scratch(static_cast<size_t>(chunks) * C * sizeof(float)));
+  constexpr int V = 16 / sizeof(T);
+  const int groups = vec ? (C / V + 31) / 32 : (C + 31) / 32;
+  unsigned* done = colsum_counters(groups);
+  const dim3 block(32, 8), grid(groups, chunks);
+  if (vec) {
+    colsum_kernel<V><<<grid, block, 0, stream_>>>(out, partial, done, src_vec, N, C);
+  } else {
+    colsum_kernel<1><<<grid, block, 0, stream_>>>(out, partial, done, src, N, C);
+  }
+  CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::column_sums_add(float* out, const void* x, int N, int C) {
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
     constexpr int V = 16 / sizeof(T);
-    const dim3 block(32, 8);
-    if (C % V == 0 && aligned16(x)) {
-      const dim3 grid((C / V + 31) / 32, chunks);
-      colsum_partial_kernel<T, V><<<grid, block, 0, stream_>>>(partial, static_cast<const T*>(x), N, C);
-    } else {
-      const dim3 grid((C + 31) / 32, chunks);
-      colsum_partial_kernel<T, 1><<<grid, block, 0, stream_>>>(partial, static_cast<const T*>(x), N, C);
-    }
-    CUDA_CHECK_LAUNCH();
+    const T* p = static_cast<const T*>(x);
+    column_sums<T>(out, N, C, C % V == 0 && aligned16(x), ColsumRead<T, 1>{p}, ColsumRead<T, V>{p});
   });
-  colsum_final_kernel<<<(C + 255) / 256, 256, 0, stream_>>>(out, partial, chunks, C);
-  CUDA_CHECK_LAUNCH();
+}
+
+void CudaBackend::gelu_backward_bias(void* dx, const void* x, const void* dy, int rows, int cols,
+                                     float* db, Gelu g) {
+  if (!db) return gelu_backward(dx, x, dy, static_cast<size_t>(rows) * cols, g);
+  dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    constexpr int V = 16 / sizeof(T);
+    const GeluBwdOp op{g == Gelu::Tanh, sizeof(T) == 2};
+    T* d = static_cast<T*>(dx);
+    const T *h = static_cast<const T*>(x), *gy = static_cast<const T*>(dy);
+    const bool vec = cols % V == 0 && aligned16(dx) && aligned16(x) && aligned16(dy);
+    column_sums<T>(db, rows, cols, vec, ColsumGeluBwd<T, 1>{d, h, gy, op},
+                   ColsumGeluBwd<T, V>{d, h, gy, op});
+  });
 }
 
 }  // namespace vitgrid

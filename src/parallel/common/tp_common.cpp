@@ -212,14 +212,17 @@ void TensorParallelBase::linear_forward(LinearRole role, void* y, const void* x,
 void TensorParallelBase::linear_backward(LinearRole role, void* dx, float* dW, float* db,
                                          const void* dy, const void* x, const void* W, int rows,
                                          int in, int out, int groups, const void* gelu_pre,
-                                         Gelu g) {
+                                         Gelu g, float* gelu_db) {
   VG_CHECK(gelu_pre == nullptr || role == LinearRole::Column || role == LinearRole::Row,
            "a GELU backward fused into an embedding, head or replicated Linear");
+  VG_CHECK(gelu_db == nullptr || (role == LinearRole::Row && dx && gelu_pre &&
+                                  gelu_bias_in_row_backward()),
+           "a GELU bias gradient without a Row Linear's dx and GELU backward in this mode");
   switch (role) {
     case LinearRole::Column:
     case LinearRole::Row:
       parallel_backward(role, dx, dW, db, dy, x, W, rows, in, out, groups,
-                        dx ? gelu_pre : nullptr, g);
+                        dx ? gelu_pre : nullptr, g, gelu_db);
       return;
     case LinearRole::Embed:
       // dx (not needed by the model: the input is pixels) sums over the output columns

@@ -24,7 +24,7 @@ class TensorParallelBase : public TensorParallel {
                       int rows, int in, int out, void* gelu_out, Gelu g, int groups) final;
   void linear_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
                        const void* x, const void* W, int rows, int in, int out, int groups,
-                       const void* gelu_pre, Gelu g) final;
+                       const void* gelu_pre, Gelu g, float* gelu_db) final;
   void layernorm_forward(void* res, void* y, float* mean, float* rstd, const void* a,
                          const void* b, const void* gamma, const void* beta, int rows, int C,
                          float eps) override;
@@ -59,10 +59,12 @@ class TensorParallelBase : public TensorParallel {
   virtual void reserve_parallel(LinearRole role, int rows, int in, int out, int groups) {
     (void)role, (void)rows, (void)in, (void)out, (void)groups;
   }
-  // gelu_pre: see TensorParallel::linear_backward (dx's local block holds rows x in-local).
+  // gelu_pre, gelu_db: see TensorParallel::linear_backward (dx's local block holds rows x
+  // in-local).
   virtual void parallel_backward(LinearRole role, void* dx, float* dW, float* db,
                                  const void* dy, const void* x, const void* W, int rows, int in,
-                                 int out, int groups, const void* gelu_pre, Gelu g) = 0;
+                                 int out, int groups, const void* gelu_pre, Gelu g,
+                                 float* gelu_db) = 0;
 
   int size(Axis a) const { return grid_.size(a); }
   int rank(Axis a) const { return grid_.rank(a); }

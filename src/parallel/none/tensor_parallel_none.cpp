@@ -14,6 +14,7 @@ class TensorParallelNone final : public TensorParallelBase {
     return stream_block(batch, width);
   }
   int local_heads(int heads) const override { return heads; }
+  bool gelu_bias_in_row_backward() const override { return true; }
 
  private:
   Shard parallel_weight(int64_t out, int64_t in, LinearRole, int) const override {
@@ -28,8 +29,8 @@ class TensorParallelNone final : public TensorParallelBase {
   }
   void parallel_backward(LinearRole, void* dx, float* dW, float* db, const void* dy,
                          const void* x, const void* W, int rows, int in, int out, int,
-                         const void* gelu_pre, Gelu g) override {
-    be_.linear_backward(dx, dW, db, dy, x, W, rows, in, out, gelu_pre, g);
+                         const void* gelu_pre, Gelu g, float* gelu_db) override {
+    be_.linear_backward(dx, dW, db, dy, x, W, rows, in, out, gelu_pre, g, gelu_db);
   }
 };
 

@@ -28,6 +28,7 @@ class TensorParallel1D final : public TensorParallelBase {
     if (l == ActLayout::Inner) split_cols(width, t_, r_, &b);
     return b;
   }
+  bool gelu_bias_in_row_backward() const override { return true; }
   int local_heads(int heads) const override {
     if (heads % t_ != 0)
       throw UserError("model.heads: " + std::to_string(heads) +
@@ -93,7 +94,7 @@ class TensorParallel1D final : public TensorParallelBase {
   }
   void parallel_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
                          const void* x, const void* W, int rows, int in, int out, int,
-                         const void* gelu_pre, Gelu g) override {
+                         const void* gelu_pre, Gelu g, float* gelu_db) override {
     if (role == LinearRole::Column) {
       be_.linear_backward(dx, dW, db, dy, x, W, rows, in, out / t_);
       if (dx) {
@@ -104,7 +105,7 @@ class TensorParallel1D final : public TensorParallelBase {
       return;
     }
     // Row: this rank's input columns are its own, dx needs no reduction: fused
-    be_.linear_backward(dx, dW, db, dy, x, W, rows, in / t_, out, gelu_pre, g);
+    be_.linear_backward(dx, dW, db, dy, x, W, rows, in / t_, out, gelu_pre, g, gelu_db);
   }
 
   int t_, r_;

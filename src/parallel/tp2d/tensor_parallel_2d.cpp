@@ -41,6 +41,7 @@ class TensorParallelSumma final : public TensorParallelBase {
   ActBlock act_block(ActLayout, int batch, int64_t width) const override {
     return stream_block(batch, width);
   }
+  bool gelu_bias_in_row_backward() const override { return true; }
   int local_heads(int heads) const override {
     if (heads % q_ != 0)
       throw UserError("model.heads: " + std::to_string(heads) + " is not divisible by q = " +
@@ -135,7 +136,7 @@ class TensorParallelSumma final : public TensorParallelBase {
 
   void parallel_backward(LinearRole, void* dx, float* dW, float* db, const void* dy,
                          const void* x, const void* W, int rows, int in, int out, int,
-                         const void* gelu_pre, Gelu g) override {
+                         const void* gelu_pre, Gelu g, float* gelu_db) override {
     const int inl = in / q_, outl = out / q_;
     const size_t es = be_.act_size(), xn = size_t(rows) * inl, wn = size_t(outl) * inl;
     char* P = dx ? static_cast<char*>(scratch(6, q_ * xn * es)) : nullptr;
@@ -150,7 +151,7 @@ class TensorParallelSumma final : public TensorParallelBase {
     // dx[i,j] = sum over the row of the partials for column block j (act dtype); dW in fp32
     if (dx) {
       coll_.reduce_scatter_sum_act(dx, P, xn, es, Axis::TensorRow);
-      if (gelu_pre) be_.gelu_backward(dx, gelu_pre, dx, xn, g);
+      if (gelu_pre) be_.gelu_backward_bias(dx, gelu_pre, dx, rows, inl, gelu_db, g);
     }
     float* mine = static_cast<float*>(scratch(8, wn * sizeof(float)));
     coll_.reduce_scatter_sum(mine, Q, wn, Axis::TensorCol);

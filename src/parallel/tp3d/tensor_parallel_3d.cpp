@@ -41,6 +41,8 @@ class TensorParallel3D final : public TensorParallelBase {
     split_cols(width, q_, rank(Axis::TensorX), &b);
     return b;
   }
+  // its Column backward sums the bias gradient over the gathered dy, not the rank's own block
+  bool gelu_bias_in_row_backward() const override { return false; }
   int local_heads(int heads) const override {
     if (heads % q_ != 0)
       throw UserError("model.heads: " + std::to_string(heads) + " is not divisible by q = " +
@@ -151,7 +153,7 @@ class TensorParallel3D final : public TensorParallelBase {
 
   void parallel_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
                          const void* x, const void* W, int rows, int in, int out, int groups,
-                         const void* gelu_pre, Gelu g) override {
+                         const void* gelu_pre, Gelu g, float*) override {
     const Axis G = gather_axis(role), S = scatter_axis(role);
     const int inl = in / q_, outl = out / q_;
     const size_t es = be_.act_size();

@@ -71,13 +71,15 @@ class CpuBackend final : public Backend {
                       int out, void* gelu_out = nullptr, Gelu gelu = Gelu::Exact) override;
   void linear_backward(void* dx, float* dW, float* db, const void* dy, const void* x,
                        const void* W, int N, int in, int out, const void* gelu_pre = nullptr,
-                       Gelu gelu = Gelu::Exact) override;
+                       Gelu gelu = Gelu::Exact, float* gelu_db = nullptr) override;
   void gemm_batched(bool transA, bool transB, int M, int N, int K, float alpha, const void* A,
                     int64_t strideA, const void* B, int64_t strideB, float beta, void* C,
                     int64_t strideC, int batch) override;
 
   void gelu_forward(void* y, const void* x, size_t n, Gelu g) override;
   void gelu_backward(void* dx, const void* x, const void* dy, size_t n, Gelu g) override;
+  void gelu_backward_bias(void* dx, const void* x, const void* dy, int rows, int cols, float* db,
+                          Gelu g) override;
   void dropout_forward(void* y, const void* x, size_t n, float p, DropoutKey k) override;
   void dropout_backward(void* dx, const void* dy, size_t n, float p, DropoutKey k) override;
   void add(void* y, const void* a, const void* b, size_t n) override;

@@ -288,21 +288,25 @@ __global__ void colsum_kernel(float* out, float* partial, unsigned* done, Src sr
   __syncthreads();
   if (!last) return;
   __threadfence();
-  const int chunks = gridDim.y;
-  for (int c = threadIdx.x; c < 32 * V; c += 32) {  // lane y sums chunks y, y + 8, ...
-    float t = 0.0f;
-    if (c0 + c < C)
-      for (int k = threadIdx.y; k < chunks; k += 8)
-        t += __ldcg(&partial[static_cast<int64_t>(k) * C + c0 + c]);
-    sh[threadIdx.y][c] = t;
+  // lane y sums chunks y, y + 8, ... of columns x, x + 32, ...: V independent loads per chunk
+  float t[V];
+#pragma unroll
+  for (int k = 0; k < V; ++k) t[k] = 0.0f;
+  for (int ch = threadIdx.y; ch < static_cast<int>(gridDim.y); ch += 8) {
+    const float* p = partial + static_cast<int64_t>(ch) * C + c0 + threadIdx.x;
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+      if (c0 + threadIdx.x + 32 * k < C) t[k] += __ldcg(p + 32 * k);
   }
+#pragma unroll
+  for (int k = 0; k < V; ++k) sh[threadIdx.y][threadIdx.x + 32 * k] = t[k];
   __syncthreads();
   for (int c = threadIdx.y * 32 + threadIdx.x; c < 32 * V; c += 256) {
     if (c0 + c >= C) continue;
-    float t = 0.0f;
+    float u = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) t += sh[j][c];
-    out[c0 + c] += t;
+    for (int j = 0; j < 8; ++j) u += sh[j][c];
+    out[c0 + c] += u;
   }
   if (threadIdx.x == 0 && threadIdx.y == 0) done[blockIdx.x] = 0;  // ready for the next call
 }

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -398,16 +397,8 @@ struct Trainer::Impl {
       reducer->reduce_in_act(*be, d_grad_stage);
     }
     const int margin = deck.device.gemm_sm_margin;
-    const char* ev = std::getenv("VITGRID_MARGIN_SPAN");
-    const int span = ev ? std::atoi(ev) : -1;
     if (overlap && margin > 0)
-      reducer->set_overlap_hook(
-          [this, margin, span](bool on) { be->set_gemm_sm_margin(on ? margin : 0, on ? span : -1); });
-    const char* ew = std::getenv("VITGRID_COMM_WINDOWS");
-    if (overlap && ew && std::strcmp(ew, "1") == 0) {
-      reducer->set_windowed(true);
-      model->set_comm_window_hook([this] { reducer->window(); });
-    }
+      reducer->set_overlap_hook([this, margin](bool on) { be->set_gemm_sm_margin(on ? margin : 0); });
     if (D > 1)
       log("data-parallel gradients (%s): %zu bucket(s) of %.2f MiB on average (stage 0), %s%s; "
           "%s\n",

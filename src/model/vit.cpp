@@ -607,7 +607,6 @@ void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set, bool f
   }
   tp_.linear_backward(LinearRole::Row, a.dtmp, G(kProjW), G(kProjB), dp, b.att, W(kProjW), N, C,
                       C);
-  if (final && window_hook_) window_hook_();
   be_.attention_backward(a.dqkv, a.dtmp, b.qkv, b.att, b.asaved, Bl, T, H, hd, a.attn_ws);
   tp_.linear_backward(LinearRole::Column, a.dtmp, G(kQkvW), G(kQkvB), a.dqkv, b.y1, W(kQkvW), N,
                       C, 3 * C, 3);

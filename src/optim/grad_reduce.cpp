@@ -60,7 +60,6 @@ GradReducer::GradReducer(Collectives& coll, int data_size, int data_rank,
              "bucket of " << b.n << " elements over " << size_ << " data ranks");
   remaining_.resize(buckets_.size());
   started_.resize(buckets_.size());
-  due_.resize(buckets_.size());
 }
 
 void GradReducer::reduce_in_act(Backend& be, void* stage) {
@@ -74,7 +73,6 @@ void GradReducer::begin(float* grads) {
   for (size_t k = 0; k < buckets_.size(); ++k) {
     remaining_[k] = buckets_[k].n;
     started_[k] = false;
-    due_[k] = false;
   }
 }
 
@@ -103,22 +101,11 @@ void GradReducer::ready(size_t offset, size_t n) {
     VG_CHECK(remaining_[k] >= hi - lo, "gradient range reported twice");
     remaining_[k] -= hi - lo;
     if (remaining_[k] != 0) continue;
-    due_[k] = true;
-  }
-  if (!windowed_) window();
-  coll_.progress();
-}
-
-void GradReducer::window() {
-  bool any = false;
-  for (size_t k = buckets_.size(); k-- > 0;) {  // in backward order: the end of the buffer first
-    if (!due_[k] || started_[k]) continue;
+    if (!overlapping_ && overlap_hook_) overlap_hook_(true);
+    overlapping_ = true;
     start(k);
-    any = true;
   }
-  if (!any) return;
-  overlapping_ = true;
-  if (overlap_hook_) overlap_hook_(true);
+  coll_.progress();
 }
 
 void GradReducer::finish() {

@@ -142,13 +142,11 @@ TEST(GradReducer, BucketsReduceAsTheirGroupsComplete) {
   }
   const size_t q = 16 * D, total = (off + q - 1) / q * q;
   g.back().n += total - off;
-  for (int variant = 0; variant < 8; ++variant) {
+  for (int variant = 0; variant < 4; ++variant) {
     const bool zero = variant & 1;
     const size_t tail = variant & 2 ? 150 : 0;  // the first groups: a bucket each
-    const bool windowed = variant & 4;          // buckets start at window() calls
     const auto buckets = plan_grad_buckets(g, total, 150, zero ? q : 1, tail);
     GradReducer red(*coll, D, r, buckets, zero);
-    red.set_windowed(windowed);
     std::vector<int> overlap;  // the overlap hook's calls
     red.set_overlap_hook([&](bool on) { overlap.push_back(on ? 1 : 0); });
     std::vector<float> grads(total), sum(total, 0.0f);
@@ -156,9 +154,7 @@ TEST(GradReducer, BucketsReduceAsTheirGroupsComplete) {
     for (int k = 0; k < D; ++k)
       for (size_t i = 0; i < total; ++i) sum[i] += float((i * 3 + k) % 11) * 0.25f;
     red.begin(grads.data());
-    // backward order, the third group in two halves; windowed: a window after every second
-    // group, none after the last two (finish() starts those)
-    size_t windows_starting = 0;
+    // backward order, the third group in two halves
     for (size_t k = g.size(); k-- > 0;) {
       if (k == 2) {
         red.ready(g[k].offset, g[k].n / 2);
@@ -166,25 +162,10 @@ TEST(GradReducer, BucketsReduceAsTheirGroupsComplete) {
       } else {
         red.ready(g[k].offset, g[k].n);
       }
-      if (windowed) {
-        EXPECT_EQ(overlap.size(), windows_starting) << "a bucket started outside a window";
-        if (k % 2 == 0 && k >= 2) {
-          red.window();
-          red.window();  // nothing left to start: no hook call
-          windows_starting = overlap.size();
-        }
-      }
     }
-    // the hook: once per start of buckets during the backward, then off at finish()
-    const std::vector<int> ones(windowed ? windows_starting : buckets.size(), 1);
-    EXPECT_EQ(overlap, ones);
-    if (windowed) {
-      EXPECT_GT(windows_starting, 0u);
-    }
+    EXPECT_EQ(overlap, std::vector<int>({1}));  // once, at the first bucket started
     red.finish();
-    std::vector<int> then_off = ones;
-    then_off.push_back(0);
-    EXPECT_EQ(overlap, then_off);
+    EXPECT_EQ(overlap, std::vector<int>({1, 0}));
     ZeroShards zs{D, r, buckets};
     for (size_t k = 0; k < buckets.size(); ++k) {
       const size_t a = zero ? zs.piece_offset(k) : buckets[k].offset;
@@ -195,7 +176,7 @@ TEST(GradReducer, BucketsReduceAsTheirGroupsComplete) {
     for (size_t i = 0; i < total; ++i) grads[i] = float((i * 3 + r) % 11) * 0.25f;
     red.begin(grads.data());
     red.finish();
-    EXPECT_EQ(overlap, then_off);  // nothing overlapped the backward
+    EXPECT_EQ(overlap.size(), 2u);  // nothing overlapped the backward
     for (size_t k = 0; k < buckets.size(); ++k) {
       const size_t a = zero ? zs.piece_offset(k) : buckets[k].offset;
       const size_t n = zero ? zs.piece_n(k) : buckets[k].n;
@@ -244,30 +225,20 @@ TEST(ViTHook, ReportsEveryGroupOnceInBackwardOrder) {
   b.images = dimg;
   b.labels = dlab;
   b.count = 2;
-  std::vector<std::pair<size_t, size_t>> seen;  // (offset, n) reports; (0, 0) a window
+  std::vector<std::pair<size_t, size_t>> seen;
   model.set_grad_ready_hook([&](size_t o, size_t n) { seen.push_back({o, n}); });
-  model.set_comm_window_hook([&] { seen.push_back({0, 0}); });
   double loss = 0;
   model.chunk_forward(0, 0, b, 0, true, 0.f, 1.f, &loss, nullptr, nullptr);
   model.chunk_backward(0, 0, b, 0, /*final=*/false);
   EXPECT_TRUE(seen.empty());
   model.chunk_forward(0, 0, b, 0, true, 0.f, 1.f, &loss, nullptr, nullptr);
   model.chunk_backward(0, 0, b, 0, /*final=*/true);
-  // head, then per block (last first) its MLP half, a window (its attention backward), its
-  // attention half; the embedding last
-  ASSERT_EQ(seen.size(), groups.size() + size_t(tiny().depth));
-  size_t gi = groups.size();
+  ASSERT_EQ(seen.size(), groups.size());
   for (size_t i = 0; i < seen.size(); ++i) {
-    const bool window = i >= 2 && (i - 2) % 3 == 0 && i < seen.size() - 1;
-    if (window) {
-      EXPECT_EQ(seen[i], std::make_pair(size_t(0), size_t(0))) << i;
-      continue;
-    }
-    const auto& gr = groups[--gi];  // head first, embedding last
-    EXPECT_EQ(seen[i].first, gr.offset) << i;
-    EXPECT_EQ(seen[i].second, gr.n) << i;
+    const auto& gr = groups[groups.size() - 1 - i];  // head first, embedding last
+    EXPECT_EQ(seen[i].first, gr.offset);
+    EXPECT_EQ(seen[i].second, gr.n);
   }
-  EXPECT_EQ(gi, 0u);
   be->release(dimg);
   be->release(dlab);
 }

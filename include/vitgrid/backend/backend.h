@@ -113,15 +113,11 @@ class Backend {
                                const void* W, int N, int in, int out,
                                const void* gelu_pre = nullptr, Gelu gelu = Gelu::Exact,
                                float* gelu_db = nullptr) = 0;
-  // The next `gemms` GEMMs enqueued (-1: all of them, until the next call) leave `sms`
-  // multiprocessors free (0: none) to kernels running beside them: the data axis's NCCL
-  // reductions during the backward (device.gemm_sm_margin). A linear_forward, each product of
-  // a linear_backward (data, weight) and a gemm_batched count one GEMM each. CUDA: cuBLASLt's
-  // SM count target and the fused GELU GEMMs' persistent grids; the CPU ignores it.
-  virtual void set_gemm_sm_margin(int sms, int gemms) {
-    (void)sms;
-    (void)gemms;
-  }
+  // The GEMMs enqueued from now on leave `sms` multiprocessors free (0: none) to kernels
+  // running beside them: the data axis's NCCL reductions during the backward
+  // (device.gemm_sm_margin). CUDA: cuBLASLt's SM count target and the fused GELU GEMMs'
+  // persistent grids; the CPU ignores it.
+  virtual void set_gemm_sm_margin(int sms) { (void)sms; }
   // Plain batched strided GEMM on act dtype, fp32 accumulate:
   // C_i = alpha op(A_i) op(B_i) + beta C_i, i < batch; row-major; op = transpose when flag set.
   virtual void gemm_batched(bool transA, bool transB, int M, int N, int K, float alpha,

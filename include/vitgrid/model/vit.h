@@ -130,10 +130,6 @@ class ViT {
   // pass, in backward order.
   using GradReadyHook = std::function<void(size_t offset, size_t n)>;
   void set_grad_ready_hook(GradReadyHook hook) { hook_ = std::move(hook); }
-  // Communication-window hook: in the same final passes, called once per block just before
-  // its attention backward is enqueued, the longest stretch of the backward without a GEMM
-  // (cuDNN's attention kernels are not persistent: kernels beside them slow them least).
-  void set_comm_window_hook(std::function<void()> hook) { window_hook_ = std::move(hook); }
   struct GradGroup {
     size_t offset = 0, n = 0;
   };
@@ -222,7 +218,6 @@ class ViT {
   std::vector<int> block_group_;
   int embed_group_ = -1, head_group_ = -1;
   GradReadyHook hook_;
-  std::function<void()> window_hook_;
   void report(int group) const;
   size_t n_params_ = 0;
   float* master_ = nullptr;

@@ -76,15 +76,10 @@ class GradReducer {
   // reported), waits for every reduction. Called by every data rank.
   void finish();
   const std::vector<GradBucket>& buckets() const { return buckets_; }
-  // hook(true) whenever buckets start while the backward still runs (after they are
-  // enqueued), hook(false) when finish() is called: when the reductions share the device with
-  // the backward's kernels (the trainer narrows the next GEMMs: device.gemm_sm_margin).
+  // hook(true) when a step's first bucket starts while the backward still runs, hook(false)
+  // when finish() is called: the span in which the reductions share the device with the
+  // backward's kernels (the trainer narrows the GEMMs meanwhile: device.gemm_sm_margin).
   void set_overlap_hook(std::function<void(bool)> hook) { overlap_hook_ = std::move(hook); }
-  // Windowed: a bucket that became complete starts at the next window() (the model's
-  // communication windows, ViT::set_comm_window_hook) instead of at once; finish() starts
-  // what is left.
-  void set_windowed(bool windowed) { windowed_ = windowed; }
-  void window();
   // All-reduce in the backend's act dtype instead of fp32 (half the bytes with bf16/fp16): a
   // bucket is cast into `stage` (act dtype, as many elements as the gradient buffer, at the
   // same offsets) on the backend's stream and reduced there; finish() casts the reduced
@@ -103,8 +98,6 @@ class GradReducer {
   std::vector<bool> started_;
   std::function<void(bool)> overlap_hook_;
   bool overlapping_ = false;
-  bool windowed_ = false;
-  std::vector<bool> due_;  // complete, waiting for a window
   Backend* act_be_ = nullptr;  // reduce_in_act
   char* stage_ = nullptr;
 };

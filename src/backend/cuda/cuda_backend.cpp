@@ -64,12 +64,6 @@ CudaBackend::CudaBackend(int device, DType act, const BackendOptions& opts)
   CUDA_CHECK(cudaSetDevice(device_));
   CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
   read_fused_gelu_env(opts);
-  const char* sk = std::getenv("VITGRID_GEMM_SPLIT_K");
-  gemm_split_k_ = !(sk && std::strcmp(sk, "0") == 0);
-  const char* gb = std::getenv("VITGRID_GELU_BIAS");
-  gelu_bias_fused_ = !(gb && std::strcmp(gb, "0") == 0);
-  const char* bg = std::getenv("VITGRID_BGRAD");
-  bgrad_epilogue_ = bg && std::strcmp(bg, "epilogue") == 0;
   const char* tl = std::getenv("VITGRID_GEMM_TUNE_LOG");
   gemm_tune_log_ = tl && std::strcmp(tl, "1") == 0;
   // A non-blocking stream: no implicit serialisation with the legacy default stream, which
@@ -103,7 +97,6 @@ CudaBackend::~CudaBackend() {
   for (char* a : old_arenas_) cudaFree(a);
   cudaFree(slice_arena_);
   cudaFree(scratch_);
-  cudaFree(bgrad_);
   cudaFree(colsum_done_);
   cudaFree(reduce_buf_);
   cudaFree(flag_);
@@ -213,7 +206,6 @@ void CudaBackend::plan_workspace(const WorkspacePlan& p) {
     scratch_bytes_ = need;
     scratch_ = internal_alloc(scratch_bytes_);
   }
-  bgrad_buffer(static_cast<size_t>(cols));
   colsum_counters(static_cast<int>((cols + 31) / 32));
   const size_t arena = slice_arena_bytes(lists, slices, elems);
   if (arena > slice_arena_bytes_ - slice_arena_used_) {
@@ -280,15 +272,6 @@ unsigned* CudaBackend::colsum_counters(int groups) {
     CUDA_CHECK(cudaMemsetAsync(colsum_done_, 0, n * sizeof(unsigned), stream_));
   }
   return colsum_done_;
-}
-
-float* CudaBackend::bgrad_buffer(size_t n) {
-  if (n > bgrad_elems_) {  // planned by plan_workspace; beyond the plan (or none): grow
-    internal_free(bgrad_, bgrad_elems_ * sizeof(float));
-    bgrad_elems_ = n;
-    bgrad_ = static_cast<float*>(internal_alloc(bgrad_elems_ * sizeof(float)));
-  }
-  return bgrad_;
 }
 
 void* CudaBackend::scratch(size_t bytes) {
@@ -391,9 +374,11 @@ void CudaBackend::bind_epilogue_pointers(const MatmulPlan& p, const GemmSpec& s)
 }
 
 // The candidates timed for a plan: the heuristic's first n that fit the workspace and, for the
-// weight gradients (split_k: accumulating GEMMs), each one's split-K variants. There K is the
-// batch x tokens (50432 at ViT-B, batch 256) while dW has only 18-72 output tiles of 128 x 256
-// for 132 SMs: splitting K is what fills the GPU, and the heuristic proposes few splits.
+// weight gradients (split_k: the accumulating GEMMs), each one's split-K variants. There K is
+// the batch x tokens (50432 at ViT-B, batch 256) while dW has only 18-72 output tiles of
+// 128 x 256 for 132 SMs, and the heuristic proposes few splits. (At the ViT-B/16 shapes the
+// variants changed nothing measurable: BM_LinearWgrad; the 2026-11-22 step measurements ran
+// with them.)
 std::vector<cublasLtMatmulAlgo_t> CudaBackend::tune_candidates(
     const MatmulPlan& p, const cublasLtMatmulHeuristicResult_t* res, int n, bool split_k) const {
   std::vector<cublasLtMatmulAlgo_t> out;
@@ -485,17 +470,9 @@ cublasLtMatmulAlgo_t CudaBackend::fastest_algo(const MatmulPlan& p, const GemmSp
   return chosen;
 }
 
-void CudaBackend::set_gemm_sm_margin(int sms, int gemms) {
+void CudaBackend::set_gemm_sm_margin(int sms) {
   gemm_sm_margin_ = std::max(0, std::min(sms, sm_count_ - 1));
-  gemm_margin_left_ = gemms;
   cuda::gemm_gelu_set_sm_margin(gemm_sm_margin_);
-  if (gemms == 0) set_gemm_sm_margin(0, -1);
-}
-
-void CudaBackend::gemm_enqueued(int n) {
-  if (gemm_margin_left_ <= 0) return;
-  gemm_margin_left_ = std::max(0, gemm_margin_left_ - n);
-  if (gemm_margin_left_ == 0) set_gemm_sm_margin(0, -1);
 }
 
 bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
@@ -597,7 +574,7 @@ bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
       p.algo = res[0].algo;
       p.supported = true;
       const std::vector<cublasLtMatmulAlgo_t> cand =
-          tune > 1 ? tune_candidates(p, res, returned, accumulates && gemm_split_k_)
+          tune > 1 ? tune_candidates(p, res, returned, accumulates)
                    : std::vector<cublasLtMatmulAlgo_t>{};
       if (cand.size() > 1) {
         GemmSpec t = s;
@@ -801,7 +778,6 @@ int CudaBackend::fused_gelu_choice(bool forward, int N, int in, int out) const {
 void CudaBackend::linear_forward(void* y, const void* x, const void* W, const void* b, int N,
                                  int in, int out, void* gelu_out, Gelu gelu) {
   if (N == 0 || out == 0) return;
-  const GemmsEnqueued counted(this, 1);
   GemmSpec s;
   s.transA = false;
   s.transB = true;  // y = x W^T with W [out, in]
@@ -853,12 +829,6 @@ void CudaBackend::linear_backward(void* dx, float* dW, float* db, const void* dy
                                   const void* W, int N, int in, int out, const void* gelu_pre,
                                   Gelu gelu, float* gelu_db) {
   VG_CHECK(!gelu_db || (dx && gelu_pre), "linear_backward: gelu_db without dx and gelu_pre");
-  if (gelu_db && !gelu_bias_fused_) {  // VITGRID_GELU_BIAS=0: the bias gradient in its own pass
-    linear_backward(dx, dW, db, dy, x, W, N, in, out, gelu_pre, gelu);
-    column_sums_add(gelu_db, dx, N, in);
-    return;
-  }
-  const GemmsEnqueued counted(this, dx ? 2 : 1);  // the data and the weight products
   const cudaDataType_t t = act_cuda_type();
   if (dx) {
     if (N > 0 && in > 0 && out > 0) {
@@ -913,21 +883,6 @@ void CudaBackend::linear_backward(void* dx, float* dW, float* db, const void* dy
     s.ab_type = t;
     s.c_type = CUDA_R_32F;
     s.beta = 1.0f;
-    if (db && bgrad_epilogue_) {
-      // The bias gradient (column sums of dy) from the same GEMM's epilogue: dy is the
-      // column-major B' of the swapped product and its reduction runs over the GEMM's k = N,
-      // so BGRADB writes the fp32 sums (Ctype) of dy's N rows into bgrad_, saving the separate
-      // pass over dy. Where cuBLASLt has no such kernel, the plain GEMM and column_sums_add.
-      float* bgrad = bgrad_buffer(static_cast<size_t>(out));
-      s.epilogue = CUBLASLT_EPILOGUE_BGRADB;
-      s.bias = bgrad;
-      if (matmul(s, /*allow_unsupported=*/true)) {
-        accumulate_f32(db, bgrad, static_cast<size_t>(out));
-        return;
-      }
-      s.epilogue = CUBLASLT_EPILOGUE_DEFAULT;
-      s.bias = nullptr;
-    }
     if (!matmul(s, /*allow_unsupported=*/true)) {
       // No fp32-output kernel for this combination: GEMM into an act-dtype buffer kept for
       // reuse, then add it into dW in fp32 (loses the fp32 rounding of the product only).
@@ -942,6 +897,8 @@ void CudaBackend::linear_backward(void* dx, float* dW, float* db, const void* dy
       add_act_to_f32(dW, tmp, static_cast<size_t>(out) * in);
     }
   }
+  // The bias gradient: one column-sum pass over dy (cuBLASLt's BGRADB epilogue ran it as a second
+  // kernel of its own, 3.7 ms per ViT-B/16 step against 2.7 ms for this one).
   if (db && N > 0 && out > 0) column_sums_add(db, dy, N, out);
 }
 
@@ -949,7 +906,6 @@ void CudaBackend::gemm_batched(bool transA, bool transB, int M, int N, int K, fl
                                const void* A, int64_t strideA, const void* B, int64_t strideB,
                                float beta, void* C, int64_t strideC, int batch) {
   if (M == 0 || N == 0 || batch == 0) return;
-  const GemmsEnqueued counted(this, 1);
   GemmSpec s;
   s.transA = transA;
   s.transB = transB;

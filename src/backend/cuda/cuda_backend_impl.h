@@ -100,7 +100,7 @@ class CudaBackend final : public Backend {
   // need of its users (the *_scratch_bytes bounds below, next to each user's heuristics).
   void plan_workspace(const WorkspacePlan& p) override;
   int64_t device_allocations() const override;
-  void set_gemm_sm_margin(int sms, int gemms) override;
+  void set_gemm_sm_margin(int sms) override;
 
   void cast_to_act(void* dst_act, const float* src, size_t n) override;
   void cast_to_f32(float* dst, const void* src_act, size_t n) override;
@@ -266,7 +266,6 @@ class CudaBackend final : public Backend {
   // overlapping copies; one buffer, reused in stream order. Allocated by plan_workspace; a
   // request beyond it grows it (synchronising first): the safety net of an unplanned run.
   void* scratch(size_t bytes);
-  float* bgrad_buffer(size_t n);  // bgrad_, grown to n floats if the plan did not cover them
   // The fused GEMM + exact-GELU path (gemm_gelu.h) of one linear: the configuration id that
   // runs fc1's forward (forward) or fc2's data gradient (backward) of this shape, or -1 for
   // the unfused path (cuBLASLt GEMM, then the GELU pass); -1 without caching where the call
@@ -310,27 +309,10 @@ class CudaBackend final : public Backend {
   DType act_;
   bool tf32_;
   int gemm_tune_;  // GEMM candidates timed per new shape (1: the heuristic's first, untimed)
-  // With gemm_tune > 1, also time the weight gradients' split-K variants (VITGRID_GEMM_SPLIT_K,
-  // default 1); VITGRID_GEMM_TUNE_LOG=1 prints every tuned choice.
-  bool gemm_split_k_ = true;
-  // VITGRID_BGRAD=epilogue: linear_backward's bias gradient from cuBLASLt's BGRADB epilogue
-  // (which runs it as a second kernel over dy); default: column_sums_add
-  bool bgrad_epilogue_ = false;
-  // VITGRID_GELU_BIAS=0: linear_backward's gelu_db by a separate column-sum pass over dx
-  // (default: in the GELU backward's pass)
-  bool gelu_bias_fused_ = true;
-  bool gemm_tune_log_ = false;
+  bool gemm_tune_log_ = false;  // VITGRID_GEMM_TUNE_LOG=1: every tuned choice to stderr
   bool deterministic_;  // false: attention's backward may use atomics (cuDNN)
   int sm_count_ = 0;
   int gemm_sm_margin_ = 0;  // set_gemm_sm_margin: part of the GEMM plans' key
-  int gemm_margin_left_ = -1;  // GEMMs the margin still applies to (-1: until changed)
-  void gemm_enqueued(int n);   // counts n GEMMs down (the margin's end)
-  struct GemmsEnqueued {       // ... when the op enqueueing them returns
-    CudaBackend* be;
-    int n;
-    GemmsEnqueued(CudaBackend* b, int k) : be(b), n(k) {}
-    ~GemmsEnqueued() { be->gemm_enqueued(n); }
-  };
   // Fused GEMM + exact GELU: VITGRID_FUSED_GELU (unset/auto, 0, 1) and
   // VITGRID_FUSED_GELU_CONFIG, read at construction; Off as well without the kernels (no
   // CUTLASS, not sm_90, fp32 activations).
@@ -354,8 +336,6 @@ class CudaBackend final : public Backend {
 
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
-  float* bgrad_ = nullptr;         // bias gradient of one Linear from the dW GEMM's epilogue
-  size_t bgrad_elems_ = 0;
   char* slice_arena_ = nullptr;    // planned device memory of the slice tables
   size_t slice_arena_bytes_ = 0;
   size_t slice_arena_used_ = 0;

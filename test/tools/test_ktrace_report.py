@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""tools/ktrace_report.py on synthetic kernel timelines whose answers follow from how they are
+built: steps delimited by the optimizer kernel, busy time as the union of overlapping kernels,
+idle gaps, NCCL time alone and overlapped, per-class time, the spread of step ends across
+processes, the comparison of two runs, and one clear error for a file that is not a trace."""
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOOL = os.path.join(HERE, "..", "..", "tools", "ktrace_report.py")
+spec = importlib.util.spec_from_file_location("ktrace_report", TOOL)
+kr = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(kr)
+
+failed = 0
+
+
+def check(ok, what):
+    global failed
+    print(("ok   " if ok else "FAIL ") + what)
+    failed += 0 if ok else 1
+
+
+MS = 1_000_000  # ns
+
+
+def write_trace(path, steps, offset_ns, gemm_ms, nccl=True):
+    """One process: per 10 ms step a GEMM [0, gemm_ms), (optionally) an NCCL kernel
+    [gemm_ms - 1, gemm_ms + 2) on another stream, then the optimizer [gemm_ms + 2.5, + 3.5)."""
+    with open(path, "w") as f:
+        f.write("start\tend\tdevice\tstream\tgraph\tname\n")
+        for s in range(steps):
+            b = s * 10 * MS + offset_ns
+            g = int(gemm_ms * MS)
+            f.write(f"{b}\t{b + g}\t0\t7\t1\tnvjet_sm90_tst_128x128_gemm\n")
+            if nccl:
+                f.write(f"{b + g - MS}\t{b + g + 2 * MS}\t0\t9\t1\tncclDevKernel_AllReduce_Sum_f32\n")
+            f.write(f"{b + g + 5 * MS // 2}\t{b + g + 7 * MS // 2}\t0\t7\t1\t_ZN7vitgrid4cuda12adamw_kernelEv\n")
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    dp, one = os.path.join(tmp, "dp"), os.path.join(tmp, "one")
+    os.makedirs(dp)
+    os.makedirs(one)
+    write_trace(os.path.join(dp, "ktrace.1.tsv"), 12, 0, 5.0)
+    write_trace(os.path.join(dp, "ktrace.2.tsv"), 12, 250_000, 5.0)
+    write_trace(os.path.join(one, "ktrace.3.tsv"), 12, 0, 4.0, nccl=False)
+
+    rx = kr.re.compile("adamw", kr.re.I)
+    s = kr.summarise(kr.analyse(os.path.join(dp, "ktrace.1.tsv"), rx, 2))
+    # per step: GEMM 5 ms, NCCL 3 ms of which 1 overlaps the GEMM, optimizer 1 ms; busy is
+    # [0, 7) + [7.5, 8.5) = 8 ms of the 10 ms step
+    check(abs(s["wall"] - 10.0) < 1e-9, f"step wall time 10 ms ({s['wall']})")
+    check(abs(s["busy"] - 8.0) < 1e-9, f"busy time is the union of the kernels: 8 ms ({s['busy']})")
+    check(abs(s["nccl"] - 3.0) < 1e-9 and abs(s["nccl_alone"] - 2.0) < 1e-9,
+          f"NCCL 3 ms, 2 ms of it alone ({s['nccl']}, {s['nccl_alone']})")
+    check(abs(s["comp"] - 6.0) < 1e-9, f"non-NCCL kernels busy 6 ms ({s['comp']})")
+    check(abs(s["per_class"]["gemm"] - 5.0) < 1e-9 and abs(s["per_class"]["optimizer"] - 1.0) < 1e-9,
+          f"per-class times ({s['per_class']})")
+    check(abs(s["all_gaps"] - 2.0) < 1e-9, f"idle gaps 2 ms per step ({s['all_gaps']})")
+
+    p = subprocess.run([sys.executable, TOOL, dp, "--compare", one, "--skip", "2"],
+                       capture_output=True, text=True)
+    out = p.stdout
+    check(p.returncode == 0, f"the report runs (exit {p.returncode}) {p.stderr[-300:]}")
+    check("median spread 250 us" in out, "step ends across the 2 processes: 250 us apart")
+    check("gemm                   5.00 vs     4.00 (+1.00)" in out,
+          "the comparison shows the GEMM class 1 ms slower per step")
+
+    bad = os.path.join(tmp, "bad")
+    os.makedirs(bad)
+    with open(os.path.join(bad, "ktrace.9.tsv"), "w") as f:
+        f.write("time,kernel\n1,2\n")
+    p = subprocess.run([sys.executable, TOOL, bad], capture_output=True, text=True)
+    msg = p.stdout + p.stderr
+    check(p.returncode != 0 and "ktrace.9.tsv" in msg and "not a vitgrid_ktrace file" in msg
+          and "Traceback" not in msg, f"a file that is not a trace: one message, exit {p.returncode}")
+
+sys.exit(1 if failed else 0)

@@ -191,7 +191,8 @@ __global__ void softmax_bwd_kernel(Tdx* dx, const Ty* y, const Tdy* dy, int rows
 // Column sums of a row-major [N, C] matrix, added into out[C] (fp32), deterministic: block
 // (32 column lanes x 8 row lanes) sums kRowsPerChunk rows of its columns into
 // partial[chunk, col]; the last block of a column group to finish (a counter per group) adds
-// the chunks' partials into out in chunk order, so no second kernel runs. Where C is a
+// the chunks' partials into out in a fixed order (so the sums do not depend on timing), and no
+// second kernel runs. Where C is a
 // multiple of V = 16 / sizeof(T) and the rows are 16-byte aligned, each lane reads V
 // consecutive columns with one 16-byte load (a warp: 512 contiguous bytes of a row at 16-bit
 // types), else one element. The values come from Src: the matrix itself (ColsumRead), or the

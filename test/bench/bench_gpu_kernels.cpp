@@ -42,18 +42,22 @@ Backend& gpu() {
   return *be;
 }
 
-// Buffers for one benchmark, zero-filled (finite values: no NaN/Inf slow paths).
+// Buffers for one benchmark on a backend (gpu() unless given), zero-filled (finite values: no
+// NaN/Inf slow paths), released when it goes.
 struct Bufs {
+  Backend& be;
   std::vector<void*> p;
+  Bufs() : be(gpu()) {}
+  explicit Bufs(Backend& b) : be(b) {}
   void* get(size_t bytes) {
-    void* q = gpu().alloc(bytes);
-    gpu().zero(q, bytes);
+    void* q = be.alloc(bytes);
+    be.zero(q, bytes);
     p.push_back(q);
     return q;
   }
   ~Bufs() {
-    gpu().synchronize();
-    for (void* q : p) gpu().release(q);
+    be.synchronize();
+    for (void* q : p) be.release(q);
   }
 };
 
@@ -131,22 +135,14 @@ void BM_LinearWgrad(benchmark::State& st) {
   const int in = static_cast<int>(st.range(0)), out = static_cast<int>(st.range(1));
   Backend& be = tuned_gpu(static_cast<int>(st.range(2)));
   const size_t a = be.act_size();
-  std::vector<void*> bufs;
-  auto get = [&](size_t bytes) {
-    void* q = be.alloc(bytes);
-    be.zero(q, bytes);
-    bufs.push_back(q);
-    return q;
-  };
-  void* x = get(size_t(kN) * in * a);
-  void* dy = get(size_t(kN) * out * a);
-  float* dW = static_cast<float*>(get(size_t(out) * in * 4));
-  float* db = static_cast<float*>(get(size_t(out) * 4));
+  Bufs b(be);
+  void* x = b.get(size_t(kN) * in * a);
+  void* dy = b.get(size_t(kN) * out * a);
+  float* dW = static_cast<float*>(b.get(size_t(out) * in * 4));
+  float* db = static_cast<float*>(b.get(size_t(out) * 4));
   timed(
       st, [&] { be.linear_backward(nullptr, dW, db, dy, x, nullptr, kN, in, out); },
       [&] { be.synchronize(); });
-  be.synchronize();
-  for (void* q : bufs) be.release(q);
   st.counters["TFLOP"] = benchmark::Counter(2.0 * kN * in * out * 1e-12,
                                               benchmark::Counter::kIsIterationInvariantRate);
 }
@@ -184,21 +180,15 @@ void attention_bench(benchmark::State& st, bool backward) {
   if (bp == nullptr) return st.SkipWithError(why.c_str());
   Backend& be = *bp;
   const size_t a = be.act_size();
-  std::vector<void*> bufs;
-  auto get = [&](size_t bytes) {
-    void* q = be.alloc(bytes);
-    be.zero(q, bytes);
-    bufs.push_back(q);
-    return q;
-  };
-  void* qkv = get(size_t(kN) * 3 * kC * a);
-  void* out = get(size_t(kN) * kC * a);
-  void* dout = get(size_t(kN) * kC * a);
-  void* dqkv = get(size_t(kN) * 3 * kC * a);
+  Bufs b(be);
+  void* qkv = b.get(size_t(kN) * 3 * kC * a);
+  void* out = b.get(size_t(kN) * kC * a);
+  void* dout = b.get(size_t(kN) * kC * a);
+  void* dqkv = b.get(size_t(kN) * 3 * kC * a);
   const size_t sb = be.attention_saved_bytes(kB, kT, kH, kHd);
   const size_t wb = be.attention_workspace_bytes(kB, kT, kH, kHd);
-  void* saved = get(sb);
-  void* ws = get(wb);
+  void* saved = b.get(sb);
+  void* ws = b.get(wb);
   auto op = [&] {
     be.attention_forward(out, saved, qkv, kB, kT, kH, kHd, ws);
     if (backward) be.attention_backward(dqkv, dout, qkv, out, saved, kB, kT, kH, kHd, ws);
@@ -220,8 +210,6 @@ void attention_bench(benchmark::State& st, bool backward) {
       label, sizeof label, "VITGRID_ATTENTION=%s ran %s, saved %.1f MB, workspace %.1f MB",
       kAttentionModes[path], cuda_attention_path(be, kB, kT, kH, kHd), sb / 1e6, wb / 1e6);
   st.SetLabel(label);
-  be.synchronize();
-  for (void* q : bufs) be.release(q);
 }
 
 void BM_AttentionForward(benchmark::State& st) { attention_bench(st, false); }
@@ -277,18 +265,12 @@ void BM_LayerNormBackwardKernel(benchmark::State& st) {
   const int C = static_cast<int>(st.range(0)), v = static_cast<int>(st.range(1));
   Backend& be = ln_bwd_backend(v);
   const size_t a = be.act_size(), nc = size_t(kN) * C;
-  std::vector<void*> bufs;
-  auto get = [&](size_t bytes) {
-    void* q = be.alloc(bytes);
-    be.zero(q, bytes);
-    bufs.push_back(q);
-    return q;
-  };
-  void *dx = get(nc * a), *dy = get(nc * a), *x = get(nc * a), *g = get(C * a);
-  float* mean = static_cast<float*>(get(kN * 4));
-  float* rstd = static_cast<float*>(get(kN * 4));
-  float* dg = static_cast<float*>(get(C * 4));
-  float* dbt = static_cast<float*>(get(C * 4));
+  Bufs b(be);
+  void *dx = b.get(nc * a), *dy = b.get(nc * a), *x = b.get(nc * a), *g = b.get(C * a);
+  float* mean = static_cast<float*>(b.get(kN * 4));
+  float* rstd = static_cast<float*>(b.get(kN * 4));
+  float* dg = static_cast<float*>(b.get(C * 4));
+  float* dbt = static_cast<float*>(b.get(C * 4));
   timed(
       st, [&] { be.layernorm_backward(dx, dg, dbt, dy, x, g, mean, rstd, kN, C); },
       [&] { be.synchronize(); });
@@ -296,8 +278,6 @@ void BM_LayerNormBackwardKernel(benchmark::State& st) {
                                            benchmark::Counter::kIsIterationInvariantRate);
   st.SetLabel(v ? "VITGRID_LN_BWD=1 (second fused kernel)"
                 : "VITGRID_LN_BWD=0 (first fused kernel)");
-  be.synchronize();
-  for (void* q : bufs) be.release(q);
 }
 
 // Elementwise passes over the fc1 activation [N, 4C]: op 0 add (2 reads, 1 write: the memory

@@ -1,7 +1,7 @@
 // Kernel benchmarks of the CUDA backend at ViT-B/16 shapes (batch 256, T = 197, C = 768,
 // H = 12, hd = 64) in bf16: linear forward/backward, attention forward and forward+backward
 // (own flash kernels, the fallback, cuDNN's fused SDPA), fused
-// add+LayerNorm forward/backward, AdamW over 86M parameters, the MLP's GEMMs with the exact
+// add+LayerNorm forward/backward, the bias gradients' column sums, AdamW over 86M parameters, the MLP's GEMMs with the exact
 // GELU fused (CUTLASS sm_90a, src/backend/cuda/gemm_gelu.h) beside the unfused path.
 // Manual time: each iteration runs the op `reps` times between two stream synchronisations
 // (so launch gaps are included, as in training) and reports the mean per op; counters TFLOP
@@ -341,6 +341,34 @@ void fill_random_bf16(void* p, size_t n, float scale, unsigned seed) {
              "cudaMemcpy");
   }
 }
+
+// The bias gradients' column sums (CudaBackend::column_sums_add) of a [N, C] matrix at ViT-B:
+// kind 0 C = 768 (proj, fc2), 1 C = 3 x 768 (qkv); 2 the GELU backward with fc1's bias
+// gradient (gelu_backward_bias, [N, 4C]: reads h and dy, writes dx, sums dx's columns).
+void BM_ColumnSums(benchmark::State& st) {
+  if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
+  const int kind = static_cast<int>(st.range(0));
+  const int C = kind == 0 ? kC : kind == 1 ? 3 * kC : 4 * kC;
+  const size_t n = size_t(kN) * C;
+  Bufs b;
+  void *x = b.get(n * 2), *y = b.get(n * 2), *z = b.get(n * 2);
+  float* db = static_cast<float*>(b.get(C * sizeof(float)));
+  fill_random_bf16(x, n, 3.0f, 1);
+  fill_random_bf16(y, n, 1.0f, 2);
+  auto& cb = static_cast<CudaBackend&>(gpu());
+  timed(st, [&] {
+    if (kind <= 1) cb.column_sums_add(db, x, kN, C);
+    if (kind == 2) cb.gelu_backward_bias(z, x, y, kN, C, db, Gelu::Exact);
+  });
+  const double passes = kind <= 1 ? 1.0 : 3.0;
+  st.counters["GB"] = benchmark::Counter(passes * n * 2 * 1e-9,
+                                           benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_ColumnSums)
+    ->ArgName("kind")
+    ->DenseRange(0, 2)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 
 Backend& tuned_gpu() {
   static std::unique_ptr<Backend> be = [] {

@@ -243,6 +243,10 @@ class CudaBackend final : public Backend {
                                    const float* mean, const float* rstd, const float* sums,
                                    int N, int C, int C_total) override;
 
+  // Column sums of a row-major act matrix x[N,C], added into out[C] (fp32), deterministic
+  // (linear_backward's bias gradients; public for bench_gpu_kernels).
+  void column_sums_add(float* out, const void* x, int N, int C);
+
  private:
   struct MatmulPlan {
     cublasLtMatmulDesc_t desc = nullptr;
@@ -291,12 +295,11 @@ class CudaBackend final : public Backend {
   // that plan_workspace sizes (slice_arena_bytes); past the arena, a table allocates its own.
   const SliceTable& slice_table(const std::vector<ParamSlice>& slices);
   static size_t slice_arena_bytes(int64_t lists, int64_t slices, int64_t elems);
-  // Column sums of a row-major act matrix x[N,C], added into out[C] (fp32), deterministic.
-  void column_sums_add(float* out, const void* x, int N, int C);
   // The one-kernel column sums behind column_sums_add and gelu_backward_bias (elementwise.cu):
-  // src / src_vec produce the values one element / one 16-byte vector at a time.
-  template <class T, class Src, class SrcV>
-  void column_sums(float* out, int N, int C, bool vec, Src src, SrcV src_vec);
+  // src / src_vec produce the values one element / one 16-byte vector at a time, U rows of
+  // them per lane in flight; about `blocks` blocks (chunks of rows of each column group).
+  template <class T, int U, class Src, class SrcV>
+  void column_sums(float* out, int N, int C, bool vec, Src src, SrcV src_vec, int blocks);
   // Per column group, the blocks of a column sum that finished (the last one adds the
   // partials); zero between calls. Grown to `groups` (planned by plan_workspace).
   unsigned* colsum_counters(int groups);

@@ -1,6 +1,7 @@
 // Elementwise ops (casts, GELU, dropout, add/accumulate/scale), row softmax and the
 // deterministic column-sum reduction, with their backward passes side by side.
 #include <cmath>
+#include <type_traits>
 
 #include "cuda_backend_impl.h"
 #include "gelu_math.cuh"
@@ -91,32 +92,52 @@ struct ScaleOp {
 constexpr float kSqrt2OverPi = 0.79788456080286535588f;
 constexpr float kGeluC = 0.044715f;
 
-// GELU in fp32 math. For fp32 activations exact GELU uses erff (no fast-math: the build keeps
-// full-precision erff/expf/tanhf). For 16-bit activations (fast = true) the normal CDF comes
-// from the A&S erfc formula in gelu_math.cuh (shared with the fused GEMM epilogues).
+// GELU in fp32 math, in one of three forms fixed at compile time (a run-time choice would be
+// if-converted: every form computed for every element, then one selected): the tanh
+// approximation; exact with erff (fp32 activations: the build keeps full-precision
+// erff/expf/tanhf); exact with the A&S erfc formula of gelu_math.cuh (16-bit activations,
+// shared with the fused GEMM epilogues).
+enum class GeluForm { Tanh, Erf, ErfFast };
+template <GeluForm F>
+using GeluFormTag = std::integral_constant<GeluForm, F>;
+
+// f(GeluFormTag<...>{}) for activation type T and the deck's GELU.
+template <class T, class Fn>
+void with_gelu_form(Gelu g, Fn&& f) {
+  if (g == Gelu::Tanh) {
+    f(GeluFormTag<GeluForm::Tanh>{});
+  } else if (sizeof(T) == 2) {
+    f(GeluFormTag<GeluForm::ErfFast>{});
+  } else {
+    f(GeluFormTag<GeluForm::Erf>{});
+  }
+}
+
+template <GeluForm F>
 struct GeluFwdOp {
-  bool tanh_form, fast;
   __device__ float operator()(const float* v, size_t) const {
     const float x = v[0];
-    if (tanh_form) {
+    if constexpr (F == GeluForm::Tanh) {
       const float u = kSqrt2OverPi * (x + kGeluC * x * x * x);
       return 0.5f * x * (1.0f + tanhf(u));
+    } else if constexpr (F == GeluForm::ErfFast) {
+      return gelu_exact_fast(x);
+    } else {
+      return 0.5f * x * (1.0f + erff(x * kSqrt1_2));
     }
-    if (fast) return gelu_exact_fast(x);
-    return 0.5f * x * (1.0f + erff(x * kSqrt1_2));
   }
 };
+template <GeluForm F>
 struct GeluBwdOp {  // v = {x, dy}
-  bool tanh_form, fast;
   __device__ float operator()(const float* v, size_t) const {
     const float x = v[0], dy = v[1];
     float d;
-    if (tanh_form) {
+    if constexpr (F == GeluForm::Tanh) {
       const float u = kSqrt2OverPi * (x + kGeluC * x * x * x);
       const float t = tanhf(u);
       d = 0.5f * (1.0f + t) +
           0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluC * x * x);
-    } else if (fast) {
+    } else if constexpr (F == GeluForm::ErfFast) {
       d = gelu_exact_fast_grad(x);
     } else {
       d = 0.5f * (1.0f + erff(x * kSqrt1_2)) + x * kInvSqrt2Pi * expf(-0.5f * x * x);
@@ -189,85 +210,81 @@ __global__ void softmax_bwd_kernel(Tdx* dx, const Ty* y, const Tdy* dy, int rows
 }
 
 // Column sums of a row-major [N, C] matrix, added into out[C] (fp32), deterministic: block
-// (32 column lanes x 8 row lanes) sums kRowsPerChunk rows of its columns into
-// partial[chunk, col]; the last block of a column group to finish (a counter per group) adds
-// the chunks' partials into out in a fixed order (so the sums do not depend on timing), and no
-// second kernel runs. Where C is a
+// (32 column lanes x 8 row lanes) sums a chunk of rows of its columns into
+// partial[chunk, col], U rows' loads per lane in flight before any is summed; the last block
+// of a column group to finish (a counter per group) adds the chunks' partials into out in a
+// fixed order (so the sums do not depend on timing), and no second kernel runs. Where C is a
 // multiple of V = 16 / sizeof(T) and the rows are 16-byte aligned, each lane reads V
 // consecutive columns with one 16-byte load (a warp: 512 contiguous bytes of a row at 16-bit
-// types), else one element. The values come from Src: the matrix itself (ColsumRead), or the
-// GELU backward that writes it in the same pass (ColsumGeluBwd).
-constexpr int kRowsPerChunk = 256;  // chunks enough to fill the GPU at N = 50432
+// types), else one element. The values come from Src (load: the loads of one row's V
+// elements; finish: their values): the matrix itself (ColsumRead), or the GELU backward that
+// writes it in the same pass (ColsumGeluBwd).
+constexpr int kColsumMinRows = 256;  // rows per chunk at least: bounds the partials (scratch)
 
 template <class T, int V>
 struct ColsumRead {
   const T* x;
-  __device__ void operator()(int64_t i, float* v) const {
-    if constexpr (V == 1) {
-      v[0] = to_f(x[i]);
-    } else {
-      union {
-        uint4 u;
-        T e[V];
-      } in;
-      in.u = *reinterpret_cast<const uint4*>(x + i);
+  using Regs = Pack<T, V>;
+  __device__ Regs load(int64_t i) const { return *reinterpret_cast<const Regs*>(x + i); }
+  __device__ void finish(int64_t, const Regs& r, float* v) const {
 #pragma unroll
-      for (int k = 0; k < V; ++k) v[k] = to_f(in.e[k]);
-    }
+    for (int k = 0; k < V; ++k) v[k] = to_f(r.v[k]);
   }
 };
 
 // dx = dy * gelu'(h) (GeluBwdOp's math), written, and its stored (rounded) values summed.
-template <class T, int V>
+template <class T, int V, class Op>
 struct ColsumGeluBwd {
   T* dx;
   const T* h;
   const T* dy;
-  GeluBwdOp op;
-  __device__ void operator()(int64_t i, float* v) const {
-    union Vec {
-      uint4 u;
-      T e[V];
-    };
-    Vec hv, gv, ov;
-    if constexpr (V == 1) {
-      hv.e[0] = h[i];
-      gv.e[0] = dy[i];
-    } else {
-      hv.u = *reinterpret_cast<const uint4*>(h + i);
-      gv.u = *reinterpret_cast<const uint4*>(dy + i);
-    }
+  struct Regs {
+    Pack<T, V> h, g;
+  };
+  __device__ Regs load(int64_t i) const {
+    return Regs{*reinterpret_cast<const Pack<T, V>*>(h + i),
+                *reinterpret_cast<const Pack<T, V>*>(dy + i)};
+  }
+  __device__ void finish(int64_t i, const Regs& r, float* v) const {
+    Pack<T, V> o;
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      const float in[2] = {to_f(hv.e[k]), to_f(gv.e[k])};
-      ov.e[k] = from_f<T>(op(in, 0));
-      v[k] = to_f(ov.e[k]);
+      const float in[2] = {to_f(r.h.v[k]), to_f(r.g.v[k])};
+      o.v[k] = from_f<T>(Op{}(in, 0));
+      v[k] = to_f(o.v[k]);
     }
-    if constexpr (V == 1) {
-      dx[i] = ov.e[0];
-    } else {
-      *reinterpret_cast<uint4*>(dx + i) = ov.u;
-    }
+    *reinterpret_cast<Pack<T, V>*>(dx + i) = o;
   }
 };
 
-template <int V, class Src>
-__global__ void colsum_kernel(float* out, float* partial, unsigned* done, Src src, int N, int C) {
+template <int V, int U, class Src>
+__global__ void __launch_bounds__(256)
+    colsum_kernel(float* out, float* partial, unsigned* done, Src src, int N, int C,
+                  int rows_per_chunk) {
   __shared__ float sh[8][32 * V + 1];
   __shared__ bool last;
   const int col = (blockIdx.x * 32 + threadIdx.x) * V;
-  const int r0 = blockIdx.y * kRowsPerChunk;
-  const int r1 = min(N, r0 + kRowsPerChunk);
+  const int r0 = blockIdx.y * rows_per_chunk;
+  const int r1 = min(N, r0 + rows_per_chunk);
   float s[V];
 #pragma unroll
   for (int k = 0; k < V; ++k) s[k] = 0.0f;
   if (col < C) {
-#pragma unroll 4
-    for (int r = r0 + threadIdx.y; r < r1; r += 8) {
-      float v[V];
-      src(static_cast<int64_t>(r) * C + col, v);
+    // U rows' loads issued before any of them is used, then summed in row order
+    for (int r = r0 + threadIdx.y; r < r1; r += 8 * U) {
+      typename Src::Regs q[U];
 #pragma unroll
-      for (int k = 0; k < V; ++k) s[k] += v[k];
+      for (int u = 0; u < U; ++u)
+        if (r + 8 * u < r1) q[u] = src.load(static_cast<int64_t>(r + 8 * u) * C + col);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (r + 8 * u < r1) {
+          float v[V];
+          src.finish(static_cast<int64_t>(r + 8 * u) * C + col, q[u], v);
+#pragma unroll
+          for (int k = 0; k < V; ++k) s[k] += v[k];
+        }
+      }
     }
   }
 #pragma unroll
@@ -368,17 +385,21 @@ void CudaBackend::cast_to_f32(float* dst, const void* src_act, size_t n) {
 void CudaBackend::gelu_forward(void* y, const void* x, size_t n, Gelu g) {
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    launch_map(stream_, static_cast<T*>(y), InPtrs<T, 1>{{static_cast<const T*>(x)}}, n,
-               GeluFwdOp{g == Gelu::Tanh, sizeof(T) == 2});
+    with_gelu_form<T>(g, [&](auto form) {
+      launch_map(stream_, static_cast<T*>(y), InPtrs<T, 1>{{static_cast<const T*>(x)}}, n,
+                 GeluFwdOp<decltype(form)::value>{});
+    });
   });
 }
 
 void CudaBackend::gelu_backward(void* dx, const void* x, const void* dy, size_t n, Gelu g) {
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    launch_map(stream_, static_cast<T*>(dx),
-               InPtrs<T, 2>{{static_cast<const T*>(x), static_cast<const T*>(dy)}}, n,
-               GeluBwdOp{g == Gelu::Tanh, sizeof(T) == 2});
+    with_gelu_form<T>(g, [&](auto form) {
+      launch_map(stream_, static_cast<T*>(dx),
+                 InPtrs<T, 2>{{static_cast<const T*>(x), static_cast<const T*>(dy)}}, n,
+                 GeluBwdOp<decltype(form)::value>{});
+    });
   });
 }
 
@@ -445,30 +466,41 @@ void CudaBackend::softmax_backward(void* dx, const void* y, const void* dy, int 
   });
 }
 
-// column_sums_add's partials: one row of C per chunk of kRowsPerChunk rows.
+// column_sums_add's partials: one row of C per chunk, chunks of kColsumMinRows rows at most.
 size_t CudaBackend::column_sums_scratch_bytes(int64_t rows, int64_t cols) {
   if (rows <= 0 || cols <= 0) return 0;
-  const int64_t chunks = (rows + kRowsPerChunk - 1) / kRowsPerChunk;
+  const int64_t chunks = (rows + kColsumMinRows - 1) / kColsumMinRows;
   return static_cast<size_t>(chunks) * static_cast<size_t>(cols) * sizeof(float);
 }
 
 // The column sums of a [N, C] matrix whose values src produces (column_sums_add,
-// gelu_backward_bias), into out: one kernel.
-template <class T, class Src, class SrcV>
-void CudaBackend::column_sums(float* out, int N, int C, bool vec, Src src, SrcV src_vec) {
+// gelu_backward_bias), into out: one kernel, U rows in flight per lane, chunks of rows such
+// that about `blocks` blocks run (at least kColsumMinRows rows each; blocks = 0: chunks of
+// kColsumMinRows rows).
+template <class T, int U, class Src, class SrcV>
+void CudaBackend::column_sums(float* out, int N, int C, bool vec, Src src, SrcV src_vec,
+                              int blocks) {
   if (N <= 0 || C <= 0) return;
-  const int chunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
-  float* partial = static_cast<float*>(scratch(static_cast<size_t>(chunks) * C * sizeof(float)));
   constexpr int V = 16 / sizeof(T);
   const int groups = vec ? (C / V + 31) / 32 : (C + 31) / 32;
-  unsigned* done = colsum_counters(groups);
-  const dim3 block(32, 8), grid(groups, chunks);
-  if (vec) {
-    colsum_kernel<V><<<grid, block, 0, stream_>>>(out, partial, done, src_vec, N, C);
-  } else {
-    colsum_kernel<1><<<grid, block, 0, stream_>>>(out, partial, done, src, N, C);
+  int rows = kColsumMinRows;
+  if (blocks > 0) {
+    const int want = std::max(1, blocks / groups);
+    rows = std::max(kColsumMinRows, ((N + want - 1) / want + 63) / 64 * 64);
   }
-  CUDA_CHECK_LAUNCH();
+  const int chunks = (N + rows - 1) / rows;
+  float* partial = static_cast<float*>(scratch(static_cast<size_t>(chunks) * C * sizeof(float)));
+  unsigned* done = colsum_counters(groups);
+  auto launch = [&](auto kernel, auto source) {
+    kernel<<<dim3(groups, chunks), dim3(32, 8), 0, stream_>>>(out, partial, done, source, N, C,
+                                                              rows);
+    CUDA_CHECK_LAUNCH();
+  };
+  if (vec) {
+    launch(colsum_kernel<V, U, SrcV>, src_vec);
+  } else {
+    launch(colsum_kernel<1, U, Src>, src);
+  }
 }
 
 void CudaBackend::column_sums_add(float* out, const void* x, int N, int C) {
@@ -476,7 +508,10 @@ void CudaBackend::column_sums_add(float* out, const void* x, int N, int C) {
     using T = typename decltype(tag)::type;
     constexpr int V = 16 / sizeof(T);
     const T* p = static_cast<const T*>(x);
-    column_sums<T>(out, N, C, C % V == 0 && aligned16(x), ColsumRead<T, 1>{p}, ColsumRead<T, V>{p});
+    // 8 rows in flight, about 1.5 blocks per SM (bench_gpu_kernels BM_ColumnSums, H200, ViT-B:
+    // 0.037 -> 0.030 ms at C = 768, 0.081 -> 0.065 at 2304 against one row, 256-row chunks)
+    column_sums<T, 8>(out, N, C, C % V == 0 && aligned16(x), ColsumRead<T, 1>{p},
+                      ColsumRead<T, V>{p}, sm_count_ * 3 / 2);
   });
 }
 
@@ -486,12 +521,16 @@ void CudaBackend::gelu_backward_bias(void* dx, const void* x, const void* dy, in
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
     constexpr int V = 16 / sizeof(T);
-    const GeluBwdOp op{g == Gelu::Tanh, sizeof(T) == 2};
     T* d = static_cast<T*>(dx);
     const T *h = static_cast<const T*>(x), *gy = static_cast<const T*>(dy);
     const bool vec = cols % V == 0 && aligned16(dx) && aligned16(x) && aligned16(dy);
-    column_sums<T>(db, rows, cols, vec, ColsumGeluBwd<T, 1>{d, h, gy, op},
-                   ColsumGeluBwd<T, V>{d, h, gy, op});
+    with_gelu_form<T>(g, [&](auto form) {
+      using Op = GeluBwdOp<decltype(form)::value>;
+      // 2 rows in flight (more: registers, fewer blocks per SM), 256-row chunks: 0.281 ->
+      // 0.262 ms at ViT-B's [50432, 3072] against one row (one wave of longer chunks: the same)
+      column_sums<T, 2>(db, rows, cols, vec, ColsumGeluBwd<T, 1, Op>{d, h, gy},
+                        ColsumGeluBwd<T, V, Op>{d, h, gy}, 0);
+    });
   });
 }
 

@@ -86,6 +86,47 @@ __global__ void embed_tokens_kernel(T* x, const T* patch, const T* cls, const T*
   for (int c = threadIdx.x; c < C; c += blockDim.x) dst[c] = from_f<T>(to_f(src[c]) + to_f(p[c]));
 }
 
+// The same two with 16-byte packs of V elements (P, S, C multiples of V, aligned rows), a
+// grid-stride loop over all packs with 32-bit index arithmetic: the one-block-per-row kernels
+// above moved 2 bytes per thread and ran at a quarter of the memory bandwidth (H200, ViT-B:
+// patchify 0.185 ms, embed_tokens 0.101 ms for 154 MB each).
+template <class T>
+__global__ void patchify_vec_kernel(T* patches, const T* images, int S, int P, unsigned packs) {
+  constexpr int V = 16 / sizeof(T);
+  using Pk = Pack<T, V>;
+  const unsigned np = static_cast<unsigned>(S / P), PP = static_cast<unsigned>(P * P);
+  const unsigned per_row = 3 * PP / V;
+  const unsigned stride = gridDim.x * blockDim.x;
+  for (unsigned g = blockIdx.x * blockDim.x + threadIdx.x; g < packs; g += stride) {
+    const unsigned r = g / per_row, k = (g - r * per_row) * V;
+    const unsigned b = r / (np * np), rp = r - b * np * np;
+    const unsigned py = rp / np, px = rp - py * np;
+    const unsigned c = k / PP, ij = k - c * PP, i = ij / P, j = ij - i * P;
+    const int64_t src = ((static_cast<int64_t>(b) * 3 + c) * S + py * P + i) * S + px * P + j;
+    reinterpret_cast<Pk*>(patches)[g] = *reinterpret_cast<const Pk*>(images + src);
+  }
+}
+template <class T>
+__global__ void embed_tokens_vec_kernel(T* x, const T* patch, const T* cls, const T* pos,
+                                        int T_, int C, unsigned packs) {
+  constexpr int V = 16 / sizeof(T);
+  using Pk = Pack<T, V>;
+  const unsigned per_row = static_cast<unsigned>(C / V);
+  const unsigned stride = gridDim.x * blockDim.x;
+  for (unsigned g = blockIdx.x * blockDim.x + threadIdx.x; g < packs; g += stride) {
+    const unsigned row = g / per_row, q = g - row * per_row;
+    const unsigned b = row / static_cast<unsigned>(T_), t = row - b * static_cast<unsigned>(T_);
+    const Pk a = t == 0 ? reinterpret_cast<const Pk*>(cls)[q]
+                        : reinterpret_cast<const Pk*>(
+                              patch)[(static_cast<int64_t>(b) * (T_ - 1) + t - 1) * per_row + q];
+    const Pk e = reinterpret_cast<const Pk*>(pos)[static_cast<int64_t>(t) * per_row + q];
+    Pk o;
+#pragma unroll
+    for (int v = 0; v < V; ++v) o.v[v] = from_f<T>(to_f(a.v[v]) + to_f(e.v[v]));
+    reinterpret_cast<Pk*>(x)[g] = o;
+  }
+}
+
 // One thread per (t, c): sums over the batch in order (deterministic), writes the patch-token
 // gradient as it goes.
 template <class T>
@@ -103,6 +144,43 @@ __global__ void embed_tokens_bwd_kernel(T* dpatch, float* dcls, float* dpos, con
   }
   dpos[tc] += s;
   if (t == 0) dcls[c] += s;
+}
+
+// The same with 16-byte packs (C a multiple of V, aligned rows): one thread per (t, pack of V
+// columns), U batch rows' loads in flight before they are summed (in batch order, as above:
+// the same bits).
+template <class T>
+__global__ void embed_tokens_bwd_vec_kernel(T* dpatch, float* dcls, float* dpos, const T* dx,
+                                            int B, int T_, int C) {
+  constexpr int V = 16 / sizeof(T), U = 8;
+  using Pk = Pack<T, V>;
+  const int per_row = C / V;
+  const int tq = blockIdx.x * blockDim.x + threadIdx.x;
+  if (tq >= T_ * per_row) return;
+  const int t = tq / per_row, q = tq - t * per_row;
+  float s[V];
+#pragma unroll
+  for (int v = 0; v < V; ++v) s[v] = 0.0f;
+  const Pk* src = reinterpret_cast<const Pk*>(dx);
+  Pk* dst = reinterpret_cast<Pk*>(dpatch);
+  for (int b0 = 0; b0 < B; b0 += U) {
+    Pk in[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (b0 + u < B) in[u] = src[(static_cast<int64_t>(b0 + u) * T_ + t) * per_row + q];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (b0 + u >= B) continue;
+#pragma unroll
+      for (int v = 0; v < V; ++v) s[v] += to_f(in[u].v[v]);
+      if (t > 0) dst[(static_cast<int64_t>(b0 + u) * (T_ - 1) + t - 1) * per_row + q] = in[u];
+    }
+  }
+#pragma unroll
+  for (int v = 0; v < V; ++v) {
+    dpos[static_cast<int64_t>(t) * C + q * V + v] += s[v];
+    if (t == 0) dcls[q * V + v] += s[v];
+  }
 }
 
 template <class T>
@@ -210,6 +288,15 @@ void CudaBackend::patchify(void* patches, const void* images, int B, int S, int 
   if (total == 0) return;
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
+    constexpr int V = 16 / sizeof(T);
+    if (P % V == 0 && S % V == 0 && aligned16(patches) && aligned16(images) &&
+        total / V < (size_t(1) << 31)) {
+      const unsigned packs = static_cast<unsigned>(total / V);
+      patchify_vec_kernel<<<grid_for(packs, 256), 256, 0, stream_>>>(
+          static_cast<T*>(patches), static_cast<const T*>(images), S, P, packs);
+      CUDA_CHECK_LAUNCH();
+      return;
+    }
     const unsigned rows = static_cast<unsigned>(B) * (S / P) * (S / P);
     patchify_kernel<<<rows, std::min(256, (3 * P * P + 31) / 32 * 32), 0, stream_>>>(
         static_cast<T*>(patches), static_cast<const T*>(images), S, P);
@@ -223,6 +310,16 @@ void CudaBackend::embed_tokens(void* x, const void* patch_tokens, const void* cl
   if (total == 0) return;
   dispatch_act(act_, [&](auto tag) {
     using E = typename decltype(tag)::type;
+    constexpr int V = 16 / sizeof(E);
+    if (C % V == 0 && aligned16(x) && aligned16(patch_tokens) && aligned16(cls) &&
+        aligned16(pos) && total / V < (size_t(1) << 31)) {
+      const unsigned packs = static_cast<unsigned>(total / V);
+      embed_tokens_vec_kernel<<<grid_for(packs, 256), 256, 0, stream_>>>(
+          static_cast<E*>(x), static_cast<const E*>(patch_tokens), static_cast<const E*>(cls),
+          static_cast<const E*>(pos), T, C, packs);
+      CUDA_CHECK_LAUNCH();
+      return;
+    }
     embed_tokens_kernel<<<static_cast<unsigned>(B) * T, std::min(256, (C + 31) / 32 * 32), 0,
                           stream_>>>(static_cast<E*>(x), static_cast<const E*>(patch_tokens),
                                      static_cast<const E*>(cls), static_cast<const E*>(pos), T, C);
@@ -236,6 +333,15 @@ void CudaBackend::embed_tokens_backward(void* dpatch_tokens, float* dcls, float*
   if (tc == 0 || B == 0) return;
   dispatch_act(act_, [&](auto tag) {
     using E = typename decltype(tag)::type;
+    constexpr int V = 16 / sizeof(E);
+    if (C % V == 0 && aligned16(dpatch_tokens) && aligned16(dx)) {
+      const int64_t threads = tc / V;
+      embed_tokens_bwd_vec_kernel<<<static_cast<unsigned>((threads + 127) / 128), 128, 0,
+                                    stream_>>>(static_cast<E*>(dpatch_tokens), dcls, dpos,
+                                               static_cast<const E*>(dx), B, T, C);
+      CUDA_CHECK_LAUNCH();
+      return;
+    }
     embed_tokens_bwd_kernel<<<static_cast<unsigned>((tc + 255) / 256), 256, 0, stream_>>>(
         static_cast<E*>(dpatch_tokens), dcls, dpos, static_cast<const E*>(dx), B, T, C);
     CUDA_CHECK_LAUNCH();

@@ -29,7 +29,8 @@ __global__ void map_kernel(Tout* y, InPtrs<Tin, NIN> in, size_t n, Op op, bool v
     // U packs per thread per iteration, all loads in flight before any is used: 64 bytes of
     // loads per thread (four packs of a single input, two of each of two). On the H200
     // (bench_gpu_kernels, [N, 4C] of ViT-B): tanh GELU forward 3.46 -> 3.76 TB/s, its backward
-    // 3.86 -> 3.98; add stays at 4.19, exact GELU forward at 3.0 (bound by its math)
+    // 3.86 -> 3.98; add stays at 4.19. (Exact GELU forward now 3.6-3.8 TB/s, backward 4.1; U = 8
+    // or the next packs' loads issued before the current ones are computed: slower.)
     constexpr int U = NIN == 1 ? 4 : 2;
     const size_t npk = n / V;
     for (size_t pk0 = tid; pk0 < npk; pk0 += U * stride) {

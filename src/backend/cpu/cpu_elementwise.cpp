@@ -99,12 +99,7 @@ void CpuBackend::gelu_backward(void* dx_, const void* x_, const void* dy_, size_
 void CpuBackend::gelu_backward_bias(void* dx_, const void* x, const void* dy, int rows, int cols,
                                     float* db, Gelu g) {
   gelu_backward(dx_, x, dy, static_cast<size_t>(rows) * cols, g);
-  if (!db) return;
-  const float* dx = static_cast<const float*>(dx_);
-  for (int r = 0; r < rows; ++r) {  // row by row: the inner loop is contiguous
-    const float* __restrict row = dx + static_cast<size_t>(r) * cols;
-    for (int j = 0; j < cols; ++j) db[j] += row[j];
-  }
+  if (db) add_column_sums(db, static_cast<const float*>(dx_), rows, cols);
 }
 
 void CpuBackend::dropout_forward(void* y, const void* x, size_t n, float p, DropoutKey k) {

@@ -63,13 +63,15 @@ void CpuBackend::linear_backward(void* dx_, float* dW, float* db, const void* dy
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, out, in, N, 1.0f, dy, out, cf(x_), in,
                 1.0f, dW, in);
   }
-  if (db) {
-    // Column sums, row by row so the inner loop is contiguous and vectorises.
-    for (int r = 0; r < N; ++r) {
-      const float* __restrict row = dy + (size_t)r * out;
-      float* __restrict acc = db;
-      for (int j = 0; j < out; ++j) acc[j] += row[j];
-    }
+  if (db) add_column_sums(db, dy, N, out);
+}
+
+void CpuBackend::add_column_sums(float* out, const float* x, int rows, int cols) {
+  // row by row, so the inner loop is contiguous and vectorises
+  for (int r = 0; r < rows; ++r) {
+    const float* __restrict row = x + (size_t)r * cols;
+    float* __restrict acc = out;
+    for (int j = 0; j < cols; ++j) acc[j] += row[j];
   }
 }
 

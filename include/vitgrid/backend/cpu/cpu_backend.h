@@ -161,6 +161,8 @@ class CpuBackend final : public Backend {
  private:
   // Rounds an act-dtype result in place (no-op in fp32 mode).
   void round_act(float* p, size_t n) const;
+  // out[cols] += the column sums of the row-major x[rows, cols] (the bias gradients).
+  static void add_column_sums(float* out, const float* x, int rows, int cols);
 
   DType act_;
   mutable std::mutex mem_mutex_;  // alloc/release may come from the loader thread too

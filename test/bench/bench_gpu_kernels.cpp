@@ -1,7 +1,7 @@
 // Kernel benchmarks of the CUDA backend at ViT-B/16 shapes (batch 256, T = 197, C = 768,
 // H = 12, hd = 64) in bf16: linear forward/backward, attention forward and forward+backward
-// (own flash kernels, the fallback, cuDNN's fused SDPA), fused
-// add+LayerNorm forward/backward, the bias gradients' column sums, AdamW over 86M parameters, the MLP's GEMMs with the exact
+// (own flash kernels, the fallback, cuDNN's fused SDPA), fused add+LayerNorm forward/backward,
+// the bias gradients' column sums, AdamW over 86M parameters, the MLP's GEMMs with the exact
 // GELU fused (CUTLASS sm_90a, src/backend/cuda/gemm_gelu.h) beside the unfused path.
 // Manual time: each iteration runs the op `reps` times between two stream synchronisations
 // (so launch gaps are included, as in training) and reports the mean per op; counters TFLOP

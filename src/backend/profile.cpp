@@ -252,10 +252,10 @@ class Profiled final : public ProfiledBackend {
     }
   }
   void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy, const void* x,
-                          const void* gamma, const float* mean, const float* rstd, int N,
-                          int C) override {
+                          const void* gamma, const float* mean, const float* rstd, int N, int C,
+                          float* dsum) override {
     const double t0 = now_s();
-    b_->layernorm_backward(dx, dgamma, dbeta, dy, x, gamma, mean, rstd, N, C);
+    b_->layernorm_backward(dx, dgamma, dbeta, dy, x, gamma, mean, rstd, N, C, dsum);
     if (on_) {
       b_->synchronize();
       add("layernorm_backward", t0);

@@ -553,7 +553,8 @@ void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set, bool f
   Acts& a = *a_;
   if (cfg_.checkpoint_activations) block_forward(l, B, step, fp, true, set, true);
   Acts::Set& st = a.sets[set];
-  const int j = l - layout_.chunks[chunk_of_block(l)].first_block;
+  const auto& chunk = layout_.chunks[chunk_of_block(l)];
+  const int j = l - chunk.first_block;
   Acts::BlockActs& b = cfg_.checkpoint_activations ? a.shared : st.blocks[j];
   const int T = cfg_.tokens(), C = cfg_.hidden, M = cfg_.mlp;
   const int Bl = tp_.local_batch(B), N = Bl * T;
@@ -568,6 +569,18 @@ void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set, bool f
   auto G = [&](int i) -> float* { return grads_ + params_[base + i].offset; };
   const bool drop = cfg_.dropout > 0.0f;
   const size_t NC = N * Cs, NM = N * Ml;
+  // Without dropout, proj's and fc2's output gradients are the residual-stream gradient as a
+  // LayerNorm backward leaves it: where the strategy can, their bias gradients (its column
+  // sums) are added by that pass: proj's by LN2's here, fc2's by the LN1 backward of the block
+  // after it (block l + 1, already run, if in this chunk), and the previous block's fc2's by
+  // LN1's here.
+  const bool ln_bias = !drop && tp_.row_bias_in_layernorm_backward();
+  float* fc2_db = ln_bias && l + 1 < chunk.first_block + chunk.blocks ? nullptr : G(kFc2B);
+  float* proj_db_ln = ln_bias ? G(kProjB) : nullptr;
+  float* prev_fc2_db =
+      ln_bias && l > chunk.first_block
+          ? grads_ + params_[block_param_[l - 1] + kFc2B].offset
+          : nullptr;
   // dres holds d(block output) = d(r_mid + f)
   const void* df = a.dres;
   if (drop) {
@@ -586,7 +599,7 @@ void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set, bool f
   // and where the strategy can, fc1's bias gradient (the column sums of dh) into that pass;
   // with dropout, after the dropout's.
   float* fc1_db = drop || !tp_.gelu_bias_in_row_backward() ? nullptr : G(kFc1B);
-  tp_.linear_backward(LinearRole::Row, a.dh, G(kFc2W), G(kFc2B), df, b.g, W(kFc2W), N, M, C, 1,
+  tp_.linear_backward(LinearRole::Row, a.dh, G(kFc2W), fc2_db, df, b.g, W(kFc2W), N, M, C, 1,
                       drop ? nullptr : b.h, cfg_.gelu, fc1_db);
   if (drop) {
     be_.dropout_backward(a.dh, a.dh, NM, cfg_.dropout,
@@ -597,7 +610,7 @@ void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set, bool f
                       b.y2, W(kFc1W), N, C, M);
   // dres += LN2 backward: now dres = d r_mid
   tp_.layernorm_backward(a.dres, G(kNorm2W), G(kNorm2B), a.dtmp, b.r_mid, W(kNorm2W), b.m2,
-                         b.s2, N, C);
+                         b.s2, N, C, proj_db_ln);
   if (final) report(block_group_[l] + 1);  // the MLP half
   const void* dp = a.dres;
   if (drop) {
@@ -605,14 +618,14 @@ void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set, bool f
                          dkey(step, l, kSiteProj, fp, ActLayout::Stream, B, C));
     dp = a.ddrop;
   }
-  tp_.linear_backward(LinearRole::Row, a.dtmp, G(kProjW), G(kProjB), dp, b.att, W(kProjW), N, C,
-                      C);
+  tp_.linear_backward(LinearRole::Row, a.dtmp, G(kProjW), proj_db_ln ? nullptr : G(kProjB), dp,
+                      b.att, W(kProjW), N, C, C);
   be_.attention_backward(a.dqkv, a.dtmp, b.qkv, b.att, b.asaved, Bl, T, H, hd, a.attn_ws);
   tp_.linear_backward(LinearRole::Column, a.dtmp, G(kQkvW), G(kQkvB), a.dqkv, b.y1, W(kQkvW), N,
                       C, 3 * C, 3);
   // dres += LN1 backward: now dres = d r_in[l]
   tp_.layernorm_backward(a.dres, G(kNorm1W), G(kNorm1B), a.dtmp, st.r_in[j], W(kNorm1W), b.m1,
-                         b.s1, N, C);
+                         b.s1, N, C, prev_fc2_db);
   if (final) report(block_group_[l]);  // the attention half
 }
 

@@ -242,6 +242,20 @@ TEST(CpuNorm, LayernormBackwardFiniteDifferencesAndAccumulation) {
   EXPECT_TRUE(all_close(dx, vgtest::add(gx, dx0), 1e-4, 1e-4));
   EXPECT_TRUE(all_close(dg, vgtest::add(gg, dg0), 1e-4, 1e-4));
   EXPECT_TRUE(all_close(db, vgtest::add(gb, db0), 1e-4, 1e-4));
+
+  // With dsum: the same dx, and dsum += its column sums (a Row Linear's bias gradient), here
+  // against the finite-difference dx
+  std::vector<float> dx2 = dx0, dg2 = dg0, db2 = db0, ds = randn(C, 18), ds0 = ds;
+  be.layernorm_backward(dx2.data(), dg2.data(), db2.data(), dy.data(), res.data(), gamma.data(),
+                        mean.data(), rstd.data(), N, C, ds.data());
+  EXPECT_EQ(dx2, dx);
+  EXPECT_EQ(dg2, dg);
+  EXPECT_EQ(db2, db);
+  const auto dx_ref = vgtest::add(gx, dx0);
+  std::vector<double> ds_ref(ds0.begin(), ds0.end());
+  for (int r = 0; r < N; ++r)
+    for (int c = 0; c < C; ++c) ds_ref[c] += dx_ref[(size_t)r * C + c];
+  EXPECT_TRUE(all_close(ds, ds_ref, 1e-4, 1e-4));
 }
 
 // ---- softmax

@@ -246,7 +246,10 @@ void BM_LayerNormBackward(benchmark::State& st) {
 // LayerNorm backward per fused kernel (VITGRID_LN_BWD, read when a backend is made: 0 the
 // first fused kernel, 1 the second, the default), bf16, N = 256 x 197 rows, at the ViT-B
 // (768), ViT-S (384) and ViT-L (1024) widths; each call includes the final dgamma / dbeta
-// reduction. GB counts what a fused kernel must move: dy, x and dx read, dx written.
+// reduction. GB counts what a fused kernel must move: dy, x and dx read, dx written. With
+// dsum = 1 also dx's column sums (a Row Linear's bias gradient): inside the second kernel, a
+// pass of its own after the first (the old cost of the second: dsum = 0 plus BM_ColumnSums
+// kind 0).
 Backend& ln_bwd_backend(int v) {
   static std::unique_ptr<Backend> be[2];
   if (!be[v]) {
@@ -263,6 +266,7 @@ Backend& ln_bwd_backend(int v) {
 void BM_LayerNormBackwardKernel(benchmark::State& st) {
   if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
   const int C = static_cast<int>(st.range(0)), v = static_cast<int>(st.range(1));
+  const bool ds = st.range(2) != 0;
   Backend& be = ln_bwd_backend(v);
   const size_t a = be.act_size(), nc = size_t(kN) * C;
   Bufs b(be);
@@ -271,13 +275,15 @@ void BM_LayerNormBackwardKernel(benchmark::State& st) {
   float* rstd = static_cast<float*>(b.get(kN * 4));
   float* dg = static_cast<float*>(b.get(C * 4));
   float* dbt = static_cast<float*>(b.get(C * 4));
+  float* dsum = ds ? static_cast<float*>(b.get(C * 4)) : nullptr;
   timed(
-      st, [&] { be.layernorm_backward(dx, dg, dbt, dy, x, g, mean, rstd, kN, C); },
+      st, [&] { be.layernorm_backward(dx, dg, dbt, dy, x, g, mean, rstd, kN, C, dsum); },
       [&] { be.synchronize(); });
   st.counters["GB"] = benchmark::Counter(4.0 * nc * a * 1e-9,
                                            benchmark::Counter::kIsIterationInvariantRate);
-  st.SetLabel(v ? "VITGRID_LN_BWD=1 (second fused kernel)"
-                : "VITGRID_LN_BWD=0 (first fused kernel)");
+  st.SetLabel(std::string(v ? "VITGRID_LN_BWD=1 (second fused kernel)"
+                            : "VITGRID_LN_BWD=0 (first fused kernel)") +
+              (ds ? (v ? ", dx column sums inside" : ", dx column sums after") : ""));
 }
 
 // Elementwise passes over the fc1 activation [N, 4C]: op 0 add (2 reads, 1 write: the memory
@@ -625,8 +631,8 @@ BENCHMARK(BM_Elementwise)
 BENCHMARK(BM_LayerNormForward)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LayerNormBackward)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LayerNormBackwardKernel)
-    ->ArgNames({"C", "kernel"})
-    ->ArgsProduct({{kC, 384, 1024}, {0, 1}})
+    ->ArgNames({"C", "kernel", "dsum"})
+    ->ArgsProduct({{kC, 384, 1024}, {0, 1}, {0, 1}})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AdamW)->UseManualTime()->Unit(benchmark::kMillisecond);

@@ -287,28 +287,33 @@ TEST_P(GpuBackend, LayerNorm) {
   // The backward's path per kernel choice (layernorm.cu): 0 fused for rows of <= 32 * 4
   // 16-byte packs, 1 fused for <= 32 * 6; else (and for widths not a multiple of a pack) the
   // general path. Buffers from alloc() are aligned.
-  auto fused = [&](int v, int C) {
+  // whether kernel v fuses the backward (with ds: also dx's column sums, for the second)
+  auto fused = [&](int v, int C, bool ds) {
     const int V = 16 / static_cast<int>(dtype_size(dt));
-    return C % V == 0 && C / V <= 32 * (v ? 6 : 4);
+    return C % V == 0 && C / V <= 32 * (v ? (ds ? 5 : 6) : 4);
   };
   // odd width (generic kernels) and 16-byte-divisible widths (register-resident vector
   // forward with 1..16 packs per lane, fused vector backwards: ViT-Lite 256, ViT-S 384, ViT-B
   // 768, ViT-L 1024, ViT-H 1280 and 4096); odd row counts (not a multiple of the warps per
   // block), three of them past one sweep of the second fused kernel's grid (a row per warp:
   // 4224, 3168, 2640 rows at C = 256, 384, 768 in 16-bit types), so that warps take several
-  // rows and the last sweep is partial
+  // rows and the last sweep is partial; 1536 (6 packs per lane: the second kernel without
+  // dx's column sums, which then take a pass of their own)
   for (auto [N, C] : {std::pair<int, int>{45, 77}, std::pair<int, int>{301, 256},
                       std::pair<int, int>{67, 1024}, std::pair<int, int>{197, 768},
                       std::pair<int, int>{33, 384}, std::pair<int, int>{91, 1280},
                       std::pair<int, int>{19, 4096}, std::pair<int, int>{4391, 256},
-                      std::pair<int, int>{3301, 384}, std::pair<int, int>{4999, 768}}) {
+                      std::pair<int, int>{3301, 384}, std::pair<int, int>{4999, 768},
+                      std::pair<int, int>{53, 1536}}) {
   SCOPED_TRACE("N=" + std::to_string(N) + " C=" + std::to_string(C));
   const float eps = 1e-6f;
   Vec a = rnd(size_t(N) * C, 1.0f, 0.3f), b = rnd(size_t(N) * C), g = rnd(C, 0.2f, 1.0f),
       be = rnd(C, 0.1f), dy = rnd(size_t(N) * C), dx0 = rnd(size_t(N) * C),
-      dg0 = rnd(C), db0 = rnd(C);
+      dg0 = rnd(C), db0 = rnd(C), ds0 = rnd(C);
+  // with the residual, the backward also sums dx's columns into dsum (output 7)
   for (int with_b = 0; with_b < 2; ++with_b) {
-    Vec r[3][7];  // [0] CPU, [1 + v] CUDA with VITGRID_LN_BWD=v
+    const bool ds = with_b;
+    Vec r[3][8];  // [0] CPU, [1 + v] CUDA with VITGRID_LN_BWD=v
     for (int k = 0; k < 3; ++k) {
       Dev* d = k ? lnb[k - 1].get() : cpu.get();
       void* res = d->nan_act(size_t(N) * C);
@@ -325,15 +330,30 @@ TEST_P(GpuBackend, LayerNorm) {
       void* dx = d->act(dx0);
       float* dgam = d->f32(dg0);
       float* dbet = d->f32(db0);
-      d->be->layernorm_backward(dx, dgam, dbet, d->act(dy), res, gam, mean, rstd, N, C);
+      float* dsum = ds ? d->f32(ds0) : nullptr;
+      d->be->layernorm_backward(dx, dgam, dbet, d->act(dy), res, gam, mean, rstd, N, C, dsum);
       r[k][4] = d->get_act(dx, size_t(N) * C);
       r[k][5] = d->get_f32(dgam, C);
       r[k][6] = d->get_f32(dbet, C);
+      if (ds) r[k][7] = d->get_f32(dsum, C);
+    }
+    if (ds) {  // the reference: the CPU's dx, rounded as stored, summed by columns in fp64
+      // (bound: fp32 rounding of the CPU's running sum, relative to the sum of magnitudes,
+      // as the column sums cancel; one row missing or twice would be ~1 / N of it, 20x more)
+      ASSERT_EQ(r[0][7].size(), size_t(C));
+      for (int c = 0; c < C; ++c) {
+        double s = ds0[c], mag = std::fabs(ds0[c]);
+        for (int i = 0; i < N; ++i) {
+          s += r[0][4][size_t(i) * C + c];
+          mag += std::fabs(r[0][4][size_t(i) * C + c]);
+        }
+        EXPECT_NEAR(r[0][7][c], s, 1e-5 * mag) << "CPU dsum, column " << c;
+      }
     }
     SCOPED_TRACE(with_b ? "with residual" : "without residual");
     for (int v = 0; v < 2; ++v) {
       SCOPED_TRACE("VITGRID_LN_BWD=" + std::to_string(v));
-      for (int j = 0; j < 7; ++j) {
+      for (int j = 0; j < (ds ? 8 : 7); ++j) {
         // mean/rstd/dgamma/dbeta are fp32 but depend on res, which is rounded identically
         // only when a + b is exact; use the act tolerance for all but rstd-free fp32 sums.
         SCOPED_TRACE("output " + std::to_string(j));
@@ -341,8 +361,8 @@ TEST_P(GpuBackend, LayerNorm) {
       }
     }
     // the two kernel choices against each other
-    const bool f0 = fused(0, C), f1 = fused(1, C);
-    for (int j = 0; j < 7; ++j) {
+    const bool f0 = fused(0, C, ds), f1 = fused(1, C, ds);
+    for (int j = 0; j < (ds ? 8 : 7); ++j) {
       SCOPED_TRACE("kernels 0 vs 1, output " + std::to_string(j));
       const bool exact = j < 4 || (j == 4 && f0 == f1) || (!f0 && !f1);
       if (exact) {

@@ -153,10 +153,12 @@ class Backend {
                                      const void* a, const void* b, const void* gamma,
                                      const void* beta, int N, int C, float eps) = 0;
   // dx[N,C] += LayerNorm backward of dy (dx is the residual-stream gradient, accumulated);
-  // dgamma[C] += ..., dbeta[C] += ... (fp32).
+  // dgamma[C] += ..., dbeta[C] += ... (fp32). With dsum: dsum[C] += the column sums of the
+  // updated dx as stored (act dtype), i.e. the bias gradient of a Linear whose output gradient
+  // dx is, summed while dx is at hand instead of in a pass of its own.
   virtual void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy,
                                   const void* x, const void* gamma, const float* mean,
-                                  const float* rstd, int N, int C) = 0;
+                                  const float* rstd, int N, int C, float* dsum = nullptr) = 0;
   // ---- LayerNorm of rows split over ranks (tensor parallelism: 2d/2.5d/3d Stream rows).
   // A rank holds C of the C_total columns of N rows (x[N,C], gamma/beta[C] its slices). The
   // ops produce fp32 per-row partial sums; between two ops the caller sums them over the

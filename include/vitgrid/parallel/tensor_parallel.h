@@ -149,9 +149,15 @@ class TensorParallel {
   virtual void layernorm_forward(void* res, void* y, float* mean, float* rstd, const void* a,
                                  const void* b, const void* gamma, const void* beta, int rows,
                                  int C, float eps) = 0;
+  // With dsum (where row_bias_in_layernorm_backward()): dsum += the column sums of the
+  // updated dx, which is then the whole bias gradient of a Row Linear whose output gradient dx
+  // is; that Linear's backward is then given no db.
   virtual void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy,
                                   const void* x, const void* gamma, const float* mean,
-                                  const float* rstd, int rows, int C) = 0;
+                                  const float* rstd, int rows, int C, float* dsum = nullptr) = 0;
+  // Whether layernorm_backward takes dsum: the modes whose Stream is whole on every rank and
+  // whose Row Linear sums its (whole) bias gradient over that dy: none, 1d.
+  virtual bool row_bias_in_layernorm_backward() const = 0;
 
   // ---- per-sample results. Collective over the tensor group.
   // Sums host values over the ranks holding other samples of the Stream layout, so each

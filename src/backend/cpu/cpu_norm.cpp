@@ -55,7 +55,7 @@ void CpuBackend::add_layernorm_forward(void* res_, void* y_, float* mean, float*
 
 void CpuBackend::layernorm_backward(void* dx_, float* dgamma, float* dbeta, const void* dy_,
                                     const void* x_, const void* gamma_, const float* mean,
-                                    const float* rstd, int N, int C) {
+                                    const float* rstd, int N, int C, float* dsum) {
   const float* dy = cf(dy_);
   const float* x = cf(x_);
   const float* gamma = cf(gamma_);
@@ -84,6 +84,7 @@ void CpuBackend::layernorm_backward(void* dx_, float* dgamma, float* dbeta, cons
     }
     round_act(dxr, C);
   }
+  if (dsum) add_column_sums(dsum, dx, N, C);
 }
 
 void CpuBackend::softmax_forward(void* y_, const void* x_, int rows, int cols, float scale) {

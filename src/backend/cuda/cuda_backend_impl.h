@@ -128,8 +128,8 @@ class CudaBackend final : public Backend {
                              const void* b, const void* gamma, const void* beta, int N, int C,
                              float eps) override;
   void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy, const void* x,
-                          const void* gamma, const float* mean, const float* rstd, int N,
-                          int C) override;
+                          const void* gamma, const float* mean, const float* rstd, int N, int C,
+                          float* dsum = nullptr) override;
   void softmax_forward(void* y, const void* x, int rows, int cols, float scale) override;
   void softmax_backward(void* dx, const void* y, const void* dy, int rows, int cols,
                         float scale) override;
@@ -287,6 +287,10 @@ class CudaBackend final : public Backend {
   static size_t layernorm_scratch_bytes(int64_t rows, int64_t cols);
   static size_t layernorm_split_scratch_bytes(int64_t rows, int64_t cols);
   static size_t sum_squares_scratch_bytes(int64_t lists, int64_t slices, int64_t elems);
+  // layernorm_backward for any width and alignment (unfused: a dx pass, a parameter pass)
+  void layernorm_backward_general(void* dx, float* dgamma, float* dbeta, const void* dy,
+                                  const void* x, const void* gamma, const float* mean,
+                                  const float* rstd, int N, int C);
   // VITGRID_LN_BWD: layernorm_backward's fused kernel, read once when the backend is made
   // (layernorm.cu): 1 (unset: the default) the second, register-lean one; 0 the first.
   static bool ln_bwd_v2_from_env();

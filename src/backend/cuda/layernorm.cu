@@ -157,14 +157,18 @@ __global__ void layernorm_bwd_dx_kernel(T* dx, const T* dy, const T* x, const T*
 
 
 
-// The fused backwards' last step: one partial row of dgamma / dbeta per block. Each warp's
-// per-lane column sums (accg / accb: K packs of V per lane) go to sh as [W][2][C] floats, then
-// the block adds them in warp order (fixed: deterministic) and writes row blockIdx.x of pg / pb.
-// The block is W warps; sh holds 2 W C floats that nothing else reads any more.
-template <int K, int V, int W>
+// The fused backwards' last step: one partial row of dgamma / dbeta (and with DS of dx's
+// column sums) per block. Each warp's per-lane column sums (accg / accb / accd: K packs of V
+// per lane) go to sh as [W][A][C] floats (A = 2, or 3 with DS), then the block adds them in
+// warp order (fixed: deterministic) and writes row blockIdx.x of pg / pb / pd. The block is W
+// warps; sh holds A W C floats that nothing else reads any more. Without DS, accd and pd are
+// not touched (a [1][V] placeholder and null).
+template <int K, int V, int W, bool DS, int KD>
 __device__ __forceinline__ void write_block_partials(float* sh, const float (&accg)[K][V],
-                                                     const float (&accb)[K][V], int packs,
-                                                     int C, float* pg, float* pb) {
+                                                     const float (&accb)[K][V],
+                                                     const float (&accd)[KD][V], int packs,
+                                                     int C, float* pg, float* pb, float* pd) {
+  constexpr int A = DS ? 3 : 2;
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
@@ -172,20 +176,23 @@ __device__ __forceinline__ void write_block_partials(float* sh, const float (&ac
     if (p >= packs) continue;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      sh[(w * 2 + 0) * C + p * V + j] = accg[k][j];
-      sh[(w * 2 + 1) * C + p * V + j] = accb[k][j];
+      sh[(w * A + 0) * C + p * V + j] = accg[k][j];
+      sh[(w * A + 1) * C + p * V + j] = accb[k][j];
+      if constexpr (DS) sh[(w * A + 2) * C + p * V + j] = accd[k][j];
     }
   }
   __syncthreads();
   for (int c = threadIdx.x; c < C; c += 32 * W) {
-    float tg = 0.0f, tb = 0.0f;
+    float tg = 0.0f, tb = 0.0f, td = 0.0f;
 #pragma unroll
     for (int ww = 0; ww < W; ++ww) {
-      tg += sh[(ww * 2 + 0) * C + c];
-      tb += sh[(ww * 2 + 1) * C + c];
+      tg += sh[(ww * A + 0) * C + c];
+      tb += sh[(ww * A + 1) * C + c];
+      if constexpr (DS) td += sh[(ww * A + 2) * C + c];
     }
     pg[static_cast<int64_t>(blockIdx.x) * C + c] = tg;
     pb[static_cast<int64_t>(blockIdx.x) * C + c] = tb;
+    if constexpr (DS) pd[static_cast<int64_t>(blockIdx.x) * C + c] = td;
   }
 }
 
@@ -256,7 +263,8 @@ __global__ void __launch_bounds__(128) layernorm_bwd_fused_kernel(
     }
   }
   // combine the warps' column sums in a fixed order
-  write_block_partials<K, V, W>(sh, accg, accb, packs, C, pg, pb);
+  const float none[1][V] = {};
+  write_block_partials<K, V, W, false>(sh, accg, accb, none, packs, C, pg, pb, nullptr);
 }
 
 // The second fused backward (VITGRID_LN_BWD=1, the default; =0 runs the one above, kept for
@@ -301,9 +309,14 @@ __host__ __device__ constexpr size_t ln_bwd2_smem(int K) {
 // Blocks of 4 warps per SM, the grid's width and __launch_bounds__' minimum: what fits in
 // registers (sm_90, 64 K per SM: <= 64, 80, 96, 128, 168, 255 per thread; measured 56, 80,
 // 96, 128, 168, 229 with CUDA 13) and in shared memory (ln_bwd2_smem + 1 KB each, <= 228 KB).
-// Narrow rows get more warps: the bytes in flight per warp shrink with the row.
-__host__ __device__ constexpr int ln_bwd2_blocks_per_sm(int K) {
-  return K == 1 ? 8 : K == 2 ? 6 : K == 3 ? 5 : K == 4 ? 4 : K == 5 ? 3 : 2;
+// Narrow rows get more warps: the bytes in flight per warp shrink with the row. With DS (dx's
+// column sums too: V K more registers; measured 64, 96, 128, 168, 234 for K = 1..5, no
+// spills) one block fewer from K = 2 on; K = 6 with DS would not fit in 255 registers, so it
+// is not built (layernorm_backward then sums dx in a pass of its own).
+constexpr int kLnBwd2MaxPacksDs = 5;
+__host__ __device__ constexpr int ln_bwd2_blocks_per_sm(int K, bool DS) {
+  return DS ? (K == 1 ? 8 : K == 2 ? 5 : K == 3 ? 4 : K == 4 ? 3 : 2)
+            : (K == 1 ? 8 : K == 2 ? 6 : K == 3 ? 5 : K == 4 ? 4 : K == 5 ? 3 : 2);
 }
 
 // The rows are handled as raw 16-byte words (uint4), not as Pack<T, V>: a struct of 8 16-bit
@@ -346,9 +359,10 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory");
 }
 
-template <class T, int K>
-__global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K))
-    layernorm_bwd_fused2_kernel(T* dx, float* pg, float* pb, const T* __restrict__ dy,
+// With DS, also the column sums of the stored (rounded) dx, one partial row per block in pd.
+template <class T, int K, bool DS>
+__global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K, DS))
+    layernorm_bwd_fused2_kernel(T* dx, float* pg, float* pb, float* pd, const T* __restrict__ dy,
                                 const T* __restrict__ x, const T* __restrict__ gamma,
                                 const float* __restrict__ mean,
                                 const float* __restrict__ rstd, int N, int C) {
@@ -388,11 +402,18 @@ __global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K))
   cp_async_commit();
   __syncthreads();  // gamma
 
+  constexpr int KD = DS ? K : 1;
   float accg[K][V], accb[K][V];  // this lane's column sums of dy * xhat and dy
+  float accd[KD][V];             // with DS: of dx as stored
 #pragma unroll
   for (int k = 0; k < K; ++k) {
 #pragma unroll
     for (int j = 0; j < V; ++j) accg[k][j] = accb[k][j] = 0.0f;
+  }
+#pragma unroll
+  for (int k = 0; k < KD; ++k) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) accd[k][j] = 0.0f;
   }
   int s = 0;
 #pragma unroll 1
@@ -451,6 +472,7 @@ __global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K))
         const float t = __fmaf_rn(-xh, s2, __fsub_rn(g, s1));
         const float v = __fmaf_rn(rs, t, pack_elem<T>(ok, j));
         o[j * sizeof(T) / 4] |= elem_bits<T>(v) << (8 * sizeof(T) * (j % (4 / sizeof(T))));
+        if constexpr (DS) accd[k][j] = __fadd_rn(accd[k][j], to_f(from_f<T>(v)));
       }
       *reinterpret_cast<uint4*>(dxr + static_cast<int64_t>(p) * V) =
           make_uint4(o[0], o[1], o[2], o[3]);
@@ -459,8 +481,9 @@ __global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K))
   cp_async_wait<0>();
   // one partial row per block, through the (now idle) stages
   __syncthreads();
-  write_block_partials<K, V, W>(reinterpret_cast<float*>(ln_bwd2_sh + KS), accg, accb, packs, C,
-                                pg, pb);
+  // (3 W C floats with DS fit: the stages hold W 2 3 KS 16-byte slots, C <= KS V, V <= 8)
+  write_block_partials<K, V, W, DS>(reinterpret_cast<float*>(ln_bwd2_sh + KS), accg, accb,
+                                    accd, packs, C, pg, pb, pd);
 }
 
 }  // namespace cuda
@@ -478,24 +501,27 @@ int ln_bwd_fused_blocks(int64_t N) {
 // H200 (132 SMs x ln_bwd2_blocks_per_sm(K): 264..1056): one wave; fewer when the rows run out
 // (a row per warp). A constant, not the device's SM count: the partial rows, hence the dgamma /
 // dbeta bits, are the same on every GPU.
-int ln_bwd2_blocks(int64_t N, int K) {
+int ln_bwd2_blocks(int64_t N, int K, bool DS) {
   return static_cast<int>(std::min<int64_t>((N + kLnBwd2Warps - 1) / kLnBwd2Warps,
-                                            132 * ln_bwd2_blocks_per_sm(K)));
+                                            132 * ln_bwd2_blocks_per_sm(K, DS)));
 }
 }  // namespace
 
 // layernorm_backward's partials: 2 x [blocks, C] on the fused paths (blocks capped), 2 x
-// [chunks, C] on the general one (a chunk per kLnRowsPerChunk rows); the largest, whichever
-// path VITGRID_LN_BWD, the width and the alignments pick.
+// [chunks, C] on the general one (a chunk per kLnRowsPerChunk rows), 3 x [blocks, C] on the
+// second fused one with dx's column sums; the largest, whichever path VITGRID_LN_BWD, the
+// width, the alignments and dsum pick.
 size_t CudaBackend::layernorm_scratch_bytes(int64_t rows, int64_t cols) {
   if (rows <= 0 || cols <= 0) return 0;
   const int64_t chunks = (rows + kLnRowsPerChunk - 1) / kLnRowsPerChunk;
-  int64_t floats = std::max<int64_t>(ln_bwd_fused_blocks(rows), chunks) * cols;
-  // the second fused kernel: its grid depends on K, the packs per lane (C <= 256 K)
+  int64_t floats = 2 * std::max<int64_t>(ln_bwd_fused_blocks(rows), chunks) * cols;
+  // the second fused kernel: its grid depends on K, the packs per lane (C <= 256 K), and DS
   for (int K = 1; K <= kLnBwd2MaxPacks; ++K)
-    floats = std::max<int64_t>(floats, static_cast<int64_t>(ln_bwd2_blocks(rows, K)) *
-                                           std::min<int64_t>(cols, 256 * K));
-  return 2 * static_cast<size_t>(floats) * sizeof(float);
+    for (int ds = 0; ds < (K <= kLnBwd2MaxPacksDs ? 2 : 1); ++ds)
+      floats = std::max<int64_t>(floats, (2 + ds) *
+                                             static_cast<int64_t>(ln_bwd2_blocks(rows, K, ds)) *
+                                             std::min<int64_t>(cols, 256 * K));
+  return static_cast<size_t>(floats) * sizeof(float);
 }
 
 // VITGRID_LN_BWD: 1 (or unset) the second fused backward kernel, 0 the first.
@@ -540,27 +566,30 @@ void CudaBackend::add_layernorm_forward(void* res, void* y, float* mean, float* 
 
 void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy,
                                      const void* x, const void* gamma, const float* mean,
-                                     const float* rstd, int N, int C) {
+                                     const float* rstd, int N, int C, float* dsum) {
   if (N <= 0 || C <= 0) return;
-  bool done = false;
+  bool done = false, summed = false;  // dx's column sums into dsum too
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
     constexpr int V = 16 / sizeof(T);
     const int packs = C / V;
+    const int K = (packs + 31) / 32;  // packs per lane
     if (ln_bwd_v2_ && C % V == 0 && aligned16(dx) && aligned16(dy) && aligned16(x) &&
-        aligned16(gamma) && packs <= 32 * kLnBwd2MaxPacks) {
+        aligned16(gamma) && K <= (dsum ? kLnBwd2MaxPacksDs : kLnBwd2MaxPacks)) {
       // the second fused kernel (VITGRID_LN_BWD=1): one partial row per block
-      auto launch2 = [&](auto k_tag) {
+      auto launch2 = [&](auto k_tag, auto ds_tag) {
         constexpr int K = decltype(k_tag)::value;
-        auto kernel = layernorm_bwd_fused2_kernel<T, K>;
-        const int blocks = ln_bwd2_blocks(N, K);
-        float* pg =
-            static_cast<float*>(scratch(2 * static_cast<size_t>(blocks) * C * sizeof(float)));
-        float* pb = pg + static_cast<size_t>(blocks) * C;
+        constexpr bool DS = decltype(ds_tag)::value;
+        auto kernel = layernorm_bwd_fused2_kernel<T, K, DS>;
+        const int blocks = ln_bwd2_blocks(N, K, DS);
+        const size_t part = static_cast<size_t>(blocks) * C;
+        float* pg = static_cast<float*>(scratch((DS ? 3 : 2) * part * sizeof(float)));
+        float* pb = pg + part;
+        float* pd = DS ? pb + part : nullptr;
         const size_t smem = ln_bwd2_smem(K);
         CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
-        // all of L1 as shared memory: the grid assumes ln_bwd2_blocks_per_sm(K) blocks fit
+        // all of L1 as shared memory: the grid assumes ln_bwd2_blocks_per_sm(K, DS) blocks fit
         CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                         cudaSharedmemCarveoutMaxShared));
         // once per kernel: say so when the grid does not fit in one wave on this GPU (other
@@ -575,32 +604,40 @@ void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, cons
             (void)cudaGetLastError();
             return true;  // unknown: nothing to report
           }
-          const int want = 132 * ln_bwd2_blocks_per_sm(K);
+          const int want = 132 * ln_bwd2_blocks_per_sm(K, DS);
           if (per_sm * sms >= want) return true;
           std::fprintf(stderr,
-                       "vitgrid: LayerNorm backward (VITGRID_LN_BWD=1, %d packs per lane): %d "
+                       "vitgrid: LayerNorm backward (VITGRID_LN_BWD=1, %d packs per lane%s): %d "
                        "blocks fit at once (%d SMs x %d), the grid has up to %d; expect it "
                        "slower than on an H100 / H200\n",
-                       K, per_sm * sms, sms, per_sm, want);
+                       K, DS ? ", dx column sums" : "", per_sm * sms, sms, per_sm, want);
           return false;
         }();
         (void)fits;
         kernel<<<blocks, 32 * kLnBwd2Warps, smem, stream_>>>(
-            static_cast<T*>(dx), pg, pb, static_cast<const T*>(dy), static_cast<const T*>(x),
-            static_cast<const T*>(gamma), mean, rstd, N, C);
+            static_cast<T*>(dx), pg, pb, pd, static_cast<const T*>(dy),
+            static_cast<const T*>(x), static_cast<const T*>(gamma), mean, rstd, N, C);
         CUDA_CHECK_LAUNCH();
-        launch_layernorm_bwd_param_final(stream_, dgamma, dbeta, pg, pb, blocks, C);
+        launch_layernorm_bwd_param_final(stream_, dgamma, dbeta, pg, pb, blocks, C,
+                                         DS ? dsum : nullptr, pd);
         CUDA_CHECK_LAUNCH();
       };
-      switch ((packs + 31) / 32) {  // K: packs per lane
-        case 1: launch2(std::integral_constant<int, 1>{}); break;
-        case 2: launch2(std::integral_constant<int, 2>{}); break;
-        case 3: launch2(std::integral_constant<int, 3>{}); break;
-        case 4: launch2(std::integral_constant<int, 4>{}); break;
-        case 5: launch2(std::integral_constant<int, 5>{}); break;
-        default: launch2(std::integral_constant<int, 6>{}); break;
-      }
-      done = true;
+      auto with_k = [&](auto ds_tag) {
+        switch (K) {
+          case 1: launch2(std::integral_constant<int, 1>{}, ds_tag); break;
+          case 2: launch2(std::integral_constant<int, 2>{}, ds_tag); break;
+          case 3: launch2(std::integral_constant<int, 3>{}, ds_tag); break;
+          case 4: launch2(std::integral_constant<int, 4>{}, ds_tag); break;
+          case 5: launch2(std::integral_constant<int, 5>{}, ds_tag); break;
+          default:
+            if constexpr (!decltype(ds_tag)::value)
+              launch2(std::integral_constant<int, 6>{}, ds_tag);
+            break;
+        }
+      };
+      if (dsum) with_k(std::true_type{});
+      else with_k(std::false_type{});
+      done = summed = true;
       return;
     }
     const bool vec = C % V == 0 && aligned16(dx) && aligned16(dy) && aligned16(x) &&
@@ -619,7 +656,6 @@ void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, cons
                                              static_cast<const T*>(gamma), mean, rstd, N, C);
       CUDA_CHECK_LAUNCH();
     };
-    const int K = (packs + 31) / 32;
     if (K <= 1) launch(layernorm_bwd_fused_kernel<T, 1>);
     else if (K == 2) launch(layernorm_bwd_fused_kernel<T, 2>);
     else if (K == 3) launch(layernorm_bwd_fused_kernel<T, 3>);
@@ -628,7 +664,16 @@ void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, cons
     CUDA_CHECK_LAUNCH();
     done = true;
   });
-  if (done) return;
+  if (!done) layernorm_backward_general(dx, dgamma, dbeta, dy, x, gamma, mean, rstd, N, C);
+  // the paths without the sums: a pass of their own over the updated dx
+  if (dsum && !summed) column_sums_add(dsum, dx, N, C);
+}
+
+// The unfused LayerNorm backward: any width and alignment.
+void CudaBackend::layernorm_backward_general(void* dx, float* dgamma, float* dbeta,
+                                             const void* dy, const void* x, const void* gamma,
+                                             const float* mean, const float* rstd, int N,
+                                             int C) {
   const int chunks = (N + kLnRowsPerChunk - 1) / kLnRowsPerChunk;
   float* pg = static_cast<float*>(scratch(2 * static_cast<size_t>(chunks) * C * sizeof(float)));
   float* pb = pg + static_cast<size_t>(chunks) * C;

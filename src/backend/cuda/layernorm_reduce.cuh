@@ -39,40 +39,52 @@ __global__ void layernorm_bwd_param_partial(float* pg, float* pb, const T* dy, c
     pb[static_cast<int64_t>(blockIdx.y) * C + col] = tb;
   }
 }
-// Stage 2: dgamma[col] += the sum of the chunks' partials; dbeta likewise. A block covers 32
-// columns with 32 row lanes: lane y sums chunks y, y + 32, ... in order, then lane 0 adds the
-// 32 lane sums in order (fixed tree: the same bits every run). A thread per column summing
-// hundreds of partials serially was latency-bound: ~0.2 ms per ViT-B LayerNorm.
-static __global__ void __launch_bounds__(1024) layernorm_bwd_param_final(
-    float* dgamma, float* dbeta, const float* pg, const float* pb, int chunks, int C) {
-  __shared__ float shg[32][33], shb[32][33];
+// Stage 2: dgamma[col] += the sum of the chunks' partials; dbeta likewise, and dsum from pd
+// where given (the fused backward's column sums of dx). A block covers 32 columns with 32 row
+// lanes: lane y sums chunks y, y + 32, ... in order, then lane 0 adds the 32 lane sums in
+// order (fixed tree: the same bits every run). A thread per column summing hundreds of
+// partials serially was latency-bound: ~0.2 ms per ViT-B LayerNorm.
+template <bool DS>
+__global__ void __launch_bounds__(1024) layernorm_bwd_param_final(
+    float* dgamma, float* dbeta, float* dsum, const float* pg, const float* pb, const float* pd,
+    int chunks, int C) {
+  constexpr int A = DS ? 3 : 2;
+  __shared__ float sh[A][32][33];
   const int col = blockIdx.x * 32 + threadIdx.x;
-  float tg = 0.0f, tb = 0.0f;
+  float t[A] = {};
   if (col < C) {
     for (int k = threadIdx.y; k < chunks; k += 32) {
-      tg += pg[static_cast<int64_t>(k) * C + col];
-      tb += pb[static_cast<int64_t>(k) * C + col];
+      const int64_t i = static_cast<int64_t>(k) * C + col;
+      t[0] += pg[i];
+      t[1] += pb[i];
+      if constexpr (DS) t[2] += pd[i];
     }
   }
-  shg[threadIdx.y][threadIdx.x] = tg;
-  shb[threadIdx.y][threadIdx.x] = tb;
+#pragma unroll
+  for (int a = 0; a < A; ++a) sh[a][threadIdx.y][threadIdx.x] = t[a];
   __syncthreads();
   if (threadIdx.y == 0 && col < C) {
-    float g = 0.0f, b = 0.0f;
+    float s[A] = {};
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
-      g += shg[j][threadIdx.x];
-      b += shb[j][threadIdx.x];
+#pragma unroll
+      for (int a = 0; a < A; ++a) s[a] += sh[a][j][threadIdx.x];
     }
-    dgamma[col] += g;
-    dbeta[col] += b;
+    dgamma[col] += s[0];
+    dbeta[col] += s[1];
+    if constexpr (DS) dsum[col] += s[2];
   }
 }
 inline void launch_layernorm_bwd_param_final(cudaStream_t st, float* dgamma, float* dbeta,
-                                             const float* pg, const float* pb, int chunks,
-                                             int C) {
-  layernorm_bwd_param_final<<<(C + 31) / 32, dim3(32, 32), 0, st>>>(dgamma, dbeta, pg, pb,
-                                                                     chunks, C);
+                                             const float* pg, const float* pb, int chunks, int C,
+                                             float* dsum = nullptr, const float* pd = nullptr) {
+  const dim3 grid((C + 31) / 32), block(32, 32);
+  if (dsum)
+    layernorm_bwd_param_final<true><<<grid, block, 0, st>>>(dgamma, dbeta, dsum, pg, pb, pd,
+                                                            chunks, C);
+  else
+    layernorm_bwd_param_final<false><<<grid, block, 0, st>>>(dgamma, dbeta, nullptr, pg, pb,
+                                                             nullptr, chunks, C);
 }
 
 }  // namespace cuda

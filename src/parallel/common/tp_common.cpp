@@ -268,9 +268,11 @@ void TensorParallelBase::layernorm_forward(void* res, void* y, float* mean, floa
 void TensorParallelBase::layernorm_backward(void* dx, float* dgamma, float* dbeta,
                                             const void* dy, const void* x, const void* gamma,
                                             const float* mean, const float* rstd, int rows,
-                                            int C) {
+                                            int C, float* dsum) {
+  VG_CHECK(dsum == nullptr || (hq_ == 1 && row_bias_in_layernorm_backward()),
+           "a Row bias gradient from the LayerNorm backward in a mode that splits the Stream");
   if (hq_ == 1) {
-    be_.layernorm_backward(dx, dgamma, dbeta, dy, x, gamma, mean, rstd, rows, C);
+    be_.layernorm_backward(dx, dgamma, dbeta, dy, x, gamma, mean, rstd, rows, C, dsum);
     return;
   }
   // per row: sum(g) and sum(g xhat) over the whole width (g = dy gamma), reduced over the

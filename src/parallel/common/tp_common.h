@@ -30,7 +30,7 @@ class TensorParallelBase : public TensorParallel {
                          float eps) override;
   void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy, const void* x,
                           const void* gamma, const float* mean, const float* rstd, int rows,
-                          int C) override;
+                          int C, float* dsum) override;
   void sum_over_batch(double* v, int n) override;
   void sum_over_batch_device(double* v, int n) override;
   void gather_batch(void* out, const void* in, int batch, int64_t row_elems) override;

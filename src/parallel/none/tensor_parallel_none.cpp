@@ -15,6 +15,7 @@ class TensorParallelNone final : public TensorParallelBase {
   }
   int local_heads(int heads) const override { return heads; }
   bool gelu_bias_in_row_backward() const override { return true; }
+  bool row_bias_in_layernorm_backward() const override { return true; }
 
  private:
   Shard parallel_weight(int64_t out, int64_t in, LinearRole, int) const override {

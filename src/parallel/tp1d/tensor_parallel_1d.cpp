@@ -29,6 +29,8 @@ class TensorParallel1D final : public TensorParallelBase {
     return b;
   }
   bool gelu_bias_in_row_backward() const override { return true; }
+  // the Stream is whole on every rank, and so is a Row Linear's bias gradient
+  bool row_bias_in_layernorm_backward() const override { return true; }
   int local_heads(int heads) const override {
     if (heads % t_ != 0)
       throw UserError("model.heads: " + std::to_string(heads) +

@@ -42,6 +42,8 @@ class TensorParallelSumma final : public TensorParallelBase {
     return stream_block(batch, width);
   }
   bool gelu_bias_in_row_backward() const override { return true; }
+  // the Stream's columns are split: its LayerNorm backward is the split one
+  bool row_bias_in_layernorm_backward() const override { return false; }
   int local_heads(int heads) const override {
     if (heads % q_ != 0)
       throw UserError("model.heads: " + std::to_string(heads) + " is not divisible by q = " +

@@ -90,8 +90,8 @@ class CpuBackend final : public Backend {
                              const void* b, const void* gamma, const void* beta, int N, int C,
                              float eps) override;
   void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy, const void* x,
-                          const void* gamma, const float* mean, const float* rstd, int N,
-                          int C) override;
+                          const void* gamma, const float* mean, const float* rstd, int N, int C,
+                          float* dsum = nullptr) override;
   void softmax_forward(void* y, const void* x, int rows, int cols, float scale) override;
   void softmax_backward(void* dx, const void* y, const void* dy, int rows, int cols,
                         float scale) override;

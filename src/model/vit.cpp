@@ -569,11 +569,11 @@ void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set, bool f
   auto G = [&](int i) -> float* { return grads_ + params_[base + i].offset; };
   const bool drop = cfg_.dropout > 0.0f;
   const size_t NC = N * Cs, NM = N * Ml;
-  // Without dropout, proj's and fc2's output gradients are the residual-stream gradient as a
-  // LayerNorm backward leaves it: where the strategy can, their bias gradients (its column
-  // sums) are added by that pass: proj's by LN2's here, fc2's by the LN1 backward of the block
-  // after it (block l + 1, already run, if in this chunk), and the previous block's fc2's by
-  // LN1's here.
+  // Without dropout, proj's output gradient is dres as LN2's backward leaves it, and fc2's is
+  // dres as the next block's LN1 backward leaves it. Where the strategy can, those passes add
+  // the bias gradients (dres's column sums): LN2's here proj's, LN1's here the previous
+  // block's fc2's (in this chunk); this block's fc2 sums its own only as the chunk's last
+  // block (its dres came from the head or the next stage).
   const bool ln_bias = !drop && tp_.row_bias_in_layernorm_backward();
   float* fc2_db = ln_bias && l + 1 < chunk.first_block + chunk.blocks ? nullptr : G(kFc2B);
   float* proj_db_ln = ln_bias ? G(kProjB) : nullptr;

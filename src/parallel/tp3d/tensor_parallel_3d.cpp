@@ -43,6 +43,7 @@ class TensorParallel3D final : public TensorParallelBase {
   }
   // its Column backward sums the bias gradient over the gathered dy, not the rank's own block
   bool gelu_bias_in_row_backward() const override { return false; }
+  // the Stream's columns are split: its LayerNorm backward is the split one
   bool row_bias_in_layernorm_backward() const override { return false; }
   int local_heads(int heads) const override {
     if (heads % q_ != 0)

@@ -566,7 +566,9 @@ void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set, bool f
   auto W = [&](int i) -> const void* {
     return static_cast<const char*>(compute_) + params_[base + i].offset * as;
   };
-  auto G = [&](int i) -> float* { return grads_ + params_[base + i].offset; };
+  // gradient of parameter i of block k (G: of this block)
+  auto Gk = [&](int k, int i) -> float* { return grads_ + params_[block_param_[k] + i].offset; };
+  auto G = [&](int i) { return Gk(l, i); };
   const bool drop = cfg_.dropout > 0.0f;
   const size_t NC = N * Cs, NM = N * Ml;
   // Without dropout, proj's output gradient is dres as LN2's backward leaves it, and fc2's is
@@ -577,10 +579,7 @@ void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set, bool f
   const bool ln_bias = !drop && tp_.row_bias_in_layernorm_backward();
   float* fc2_db = ln_bias && l + 1 < chunk.first_block + chunk.blocks ? nullptr : G(kFc2B);
   float* proj_db_ln = ln_bias ? G(kProjB) : nullptr;
-  float* prev_fc2_db =
-      ln_bias && l > chunk.first_block
-          ? grads_ + params_[block_param_[l - 1] + kFc2B].offset
-          : nullptr;
+  float* prev_fc2_db = ln_bias && l > chunk.first_block ? Gk(l - 1, kFc2B) : nullptr;
   // dres holds d(block output) = d(r_mid + f)
   const void* df = a.dres;
   if (drop) {

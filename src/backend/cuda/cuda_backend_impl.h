@@ -244,7 +244,8 @@ class CudaBackend final : public Backend {
                                    int N, int C, int C_total) override;
 
   // Column sums of a row-major act matrix x[N,C], added into out[C] (fp32), deterministic
-  // (linear_backward's bias gradients; public for bench_gpu_kernels).
+  // (linear_backward's bias gradients, layernorm_backward's dsum where its kernel does not sum
+  // dx itself; public for bench_gpu_kernels).
   void column_sums_add(float* out, const void* x, int N, int C);
 
  private:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build, test and measure vitgrid on a GPU node in one go, beside PyTorch + timm.
 #   tools/gpu_check.sh STEP...      (default: build test bench)
-# Steps: build test cputest bench models loader kernels compile scale large pipeline tpvitb ckpt
-# e2epar profile variants trace (each described where it is handled below).
+# Steps: build test cputest bench models loader kernels compile scale study large pipeline tpvitb
+# ckpt e2epar profile variants trace (each described where it is handled below).
 # Writes logs under $OUT (default /tmp/vitgrid-gpu). On a node without parallel HDF5 or
 # Boost.ProgramOptions, put their Debian packages in .gpu-deps/ (see README): they are unpacked
 # into /opt/deps and used from there.
@@ -165,6 +165,12 @@ PYEOF
       VITGRID_BUCKET_MB=0 mpirun -np "$NGPU" --bind-to none -x VITGRID_BUCKET_MB "$B/bin/vitgrid" bench \
         inputs/bench_vit_b16.ini --data.global_batch=$((256 * NGPU)) --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
     fi | tee -a "$OUT/scale.log"
+    ;;
+  study)
+    # data-parallel scaling with the user's tool: each GPU alone first (the slowest sets the
+    # data-parallel pace), then 1 and all GPUs, with SM clocks and board power (nvidia-smi)
+    "$PY" tools/scaling_study.py inputs/bench_vit_b16.ini --bin "$B/bin/vitgrid" --ranks 1 "$NGPU" \
+      --each-device --clocks --steps ${STUDY_STEPS:-60} -o "$OUT/study.md" 2>&1 | tail -20
     ;;
   large)
     # the hybrid-parallel guide's large ViT (hidden 4096, depth 32, heads 64, 224/16) with

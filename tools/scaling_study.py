@@ -4,22 +4,98 @@ images/s, per-device throughput, efficiency against the first row, MFU and memor
 
     tools/scaling_study.py DECK --ranks 1 2 4 8 [--per-rank-batch 256] [--layout dp|tp1d|pipe]
                            [--launcher "mpirun --bind-to none"] [--extra "--precision.mode=bf16"]
-                           [-o study.md]
+                           [--each-device] [--clocks] [-o study.md]
 
 Weak scaling by default: the global batch grows with the data-parallel size so every rank keeps
 --per-rank-batch samples. Each row is one `mpirun -np N vitgrid bench` (or the --launcher you
-give, e.g. "srun --ntasks"), so the same script serves a laptop, a node and a cluster."""
+give, e.g. "srun --ntasks"), so the same script serves a laptop, a node and a cluster.
+
+On one GPU node, --each-device first runs the one-rank bench alone on each GPU (GPU i of
+`nvidia-smi -L`, through CUDA_VISIBLE_DEVICES) and adds an efficiency against N x the slowest
+of them: GPUs of one model running at their power limit differ by a few % in clock, and a
+synchronous data-parallel step goes at the slowest one's pace, so that column is what the
+communication costs. --clocks samples nvidia-smi every 100 ms during each run and adds the
+SM clock and board power of the GPUs it used (per GPU, the median over the samples at >= 80% of
+its highest power: the steps, not the start-up; a range when several GPUs ran)."""
 import argparse
+import contextlib
 import os
 import re
 import shlex
+import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def bench(args, n, layout):
+def count_gpus(smi):
+    p = subprocess.run([smi, "-L"], capture_output=True, text=True)
+    n = sum(1 for l in p.stdout.splitlines() if l.startswith("GPU "))
+    if p.returncode != 0 or n == 0:
+        sys.exit(f"scaling_study: --each-device: `{smi} -L` lists no GPU")
+    return n
+
+
+def summarize_clocks(text, gpus):
+    """nvidia-smi CSV samples (index, SM MHz, W) -> {gpu: (median MHz, median W)} over each
+    listed GPU's samples at >= 80% of its highest power."""
+    by = {}
+    for line in text.splitlines():
+        f = [x.strip() for x in line.split(",")]
+        try:
+            by.setdefault(int(f[0]), []).append((float(f[1]), float(f[2])))
+        except (ValueError, IndexError):
+            continue  # "[N/A]" fields, a line cut short when sampling stopped
+    out = {}
+    for g in gpus:
+        v = by.get(g, [])
+        if not v:
+            continue
+        top = max(w for _, w in v)
+        busy = [(c, w) for c, w in v if w >= 0.8 * top]
+        out[g] = (statistics.median(c for c, _ in busy), statistics.median(w for _, w in busy))
+    return out
+
+
+class Clocks:
+    """nvidia-smi sampling while a run lasts; .summary as summarize_clocks."""
+
+    def __init__(self, smi, gpus):
+        self.smi, self.gpus, self.summary = smi, gpus, {}
+
+    def __enter__(self):
+        self.f = tempfile.TemporaryFile("w+")
+        self.p = subprocess.Popen([self.smi, "--query-gpu=index,clocks.sm,power.draw",
+                                   "--format=csv,noheader,nounits", "-lms", "100"],
+                                  stdout=self.f, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc):
+        self.p.terminate()
+        self.p.wait()
+        self.f.seek(0)
+        self.summary = summarize_clocks(self.f.read(), self.gpus)
+        self.f.close()
+        return False
+
+    def columns(self):
+        def span(vals, fmt):
+            lo, hi = min(vals), max(vals)
+            return fmt.format(lo) if lo == hi else (fmt + "-" + fmt).format(lo, hi)
+        if not self.summary:
+            return ["", ""]
+        v = list(self.summary.values())
+        return [span([c for c, _ in v], "{:.0f}"), span([w for _, w in v], "{:.0f}")]
+
+
+def table_head(cols):
+    return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+
+def bench(args, n, layout, env_extra=None):
     extra = []
     data = n
     if layout == "tp1d" and n > 1:
@@ -33,7 +109,7 @@ def bench(args, n, layout):
     cmd += [args.bin, "bench", args.deck, f"--data.global_batch={args.per_rank_batch * data}",
             f"--warmup={args.warmup}", f"--steps={args.steps}"] + extra + shlex.split(args.extra)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               NCCL_NVLS_ENABLE="0")
+               NCCL_NVLS_ENABLE="0", **(env_extra or {}))
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     line = next((l for l in p.stdout.splitlines() if l.startswith("bench |")), None)
     if p.returncode != 0 or line is None:
@@ -56,19 +132,52 @@ def main():
     ap.add_argument("--extra", default="")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--each-device", action="store_true",
+                    help="first the one-rank bench alone on each GPU of this node")
+    ap.add_argument("--clocks", action="store_true",
+                    help="SM clock and power of the GPUs each run used (nvidia-smi)")
+    ap.add_argument("--nvidia-smi", default="nvidia-smi", help=argparse.SUPPRESS)
     ap.add_argument("-o", "--output", default="")
     a = ap.parse_args()
-    rows = ["| ranks | layout | global batch | step ms | img/s | img/s per rank | efficiency | MFU | peak mem GiB |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    smi = shutil.which(a.nvidia_smi)
+    if (a.each_device or a.clocks) and not smi:
+        sys.exit("scaling_study: --each-device and --clocks need nvidia-smi (a GPU node)")
+
+    def sampled(gpus):
+        return Clocks(smi, gpus) if a.clocks else contextlib.nullcontext()
+
+    def clock_cols(c):
+        return c.columns() if c else []
+
+    hc = ["SM MHz", "W"] if a.clocks else []
+    text = ""
+    slowest = None
+    if a.each_device:
+        rows = table_head(["GPU", "step ms", "img/s"] + hc)
+        for g in range(count_gpus(smi)):
+            with sampled([g]) as c:
+                ips, step, _, _ = bench(a, 1, "dp", {"CUDA_VISIBLE_DEVICES": str(g)})
+            slowest = ips if slowest is None else min(slowest, ips)
+            rows.append("| " + " | ".join([str(g), f"{step:.2f}", f"{ips:.1f}"] + clock_cols(c)) + " |")
+            print(rows[-1], flush=True)
+        text += "\n".join(rows) + "\n\n"
+    hs = ["vs slowest GPU"] if slowest else []
+    rows = table_head(["ranks", "layout", "global batch", "step ms", "img/s", "img/s per rank",
+                       "efficiency"] + hs + ["MFU", "peak mem GiB"] + hc)
     base = None
     for n in a.ranks:
-        ips, step, mfu, mem = bench(a, n, a.layout)
+        with sampled(list(range(n))) as c:
+            ips, step, mfu, mem = bench(a, n, a.layout)
         per = ips / n
         base = base or per
         gb = a.per_rank_batch * (n if a.layout == "dp" else 1)
-        rows.append(f"| {n} | {a.layout} | {gb} | {step:.1f} | {ips:.1f} | {per:.1f} | {100 * per / base:.1f}% | {mfu:.1f}% | {mem:.2f} |")
+        cols = [str(n), a.layout, str(gb), f"{step:.1f}", f"{ips:.1f}", f"{per:.1f}", f"{100 * per / base:.1f}%"]
+        if slowest:
+            cols.append(f"{100 * per / slowest:.1f}%" if a.layout == "dp" else "")
+        cols += [f"{mfu:.1f}%", f"{mem:.2f}"] + clock_cols(c)
+        rows.append("| " + " | ".join(cols) + " |")
         print(rows[-1], flush=True)
-    text = "\n".join(rows) + "\n"
+    text += "\n".join(rows) + "\n"
     if a.output:
         with open(a.output, "w") as f:
             f.write(text)

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""tools/scaling_study.py against the CPU executable and a stand-in nvidia-smi whose samples
+are known: the per-GPU table of --each-device, the efficiency against the slowest GPU, the
+clocks and power of --clocks taken from the steps' samples only (the stand-in alternates idle
+and busy samples), and one clear error where nvidia-smi is missing.
+Run by ctest with VITGRID_BIN and VITGRID_SOURCE_DIR set."""
+import importlib.util
+import os
+import re
+import stat
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.environ.get("VITGRID_SOURCE_DIR", os.path.join(HERE, "..", ".."))
+TOOL = os.path.join(ROOT, "tools", "scaling_study.py")
+VITGRID = os.environ.get("VITGRID_BIN", os.path.join(ROOT, "build", "bin", "vitgrid"))
+DECK = os.path.join(ROOT, "inputs", "quickstart.ini")
+spec = importlib.util.spec_from_file_location("scaling_study", TOOL)
+ss = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ss)
+
+failed = 0
+
+
+def check(ok, what):
+    global failed
+    print(("ok   " if ok else "FAIL ") + what)
+    failed += 0 if ok else 1
+
+
+# the busy filter: samples at >= 80% of each GPU's highest power; "[N/A]" lines skipped
+s = ss.summarize_clocks("0, 1980, 80\n0, 1650, 690\n0, 1600, 600\n1, [N/A], [N/A]\n"
+                        "1, 1500, 700\n2, 1900, 500\n0, 1700, 650\n", [0, 1])
+check(s == {0: (1650.0, 650.0), 1: (1500.0, 700.0)},
+      f"summarize_clocks keeps the listed GPUs' busy samples: {s}")
+
+FAKE_SMI = """#!/bin/sh
+if [ "$1" = "-L" ]; then
+  echo "GPU 0: Stand-in (UUID: GPU-0)"; echo "GPU 1: Stand-in (UUID: GPU-1)"; exit 0
+fi
+while true; do
+  echo "0, 1980, 80.5"; echo "1, 1980, 75.0"
+  echo "0, 1650, 690.0"; echo "1, 1620, 688.0"
+  sleep 0.05
+done
+"""
+
+COMMON = [DECK, "--bin", VITGRID, "--per-rank-batch", "16", "--warmup", "1", "--steps", "2",
+          "--extra=--model.depth=1"]
+
+with tempfile.TemporaryDirectory() as d:
+    smi = os.path.join(d, "nvidia-smi")
+    with open(smi, "w") as f:
+        f.write(FAKE_SMI)
+    os.chmod(smi, os.stat(smi).st_mode | stat.S_IEXEC)
+
+    p = subprocess.run([sys.executable, TOOL] + COMMON + ["--ranks", "1", "--clocks",
+                                                          "--nvidia-smi", os.path.join(d, "none")],
+                       capture_output=True, text=True)
+    check(p.returncode != 0 and "need nvidia-smi" in p.stderr,
+          f"--clocks without nvidia-smi: one clear error (rc {p.returncode}: {p.stderr.strip()})")
+
+    out = os.path.join(d, "study.md")
+    p = subprocess.run([sys.executable, TOOL] + COMMON + ["--ranks", "1", "2", "--each-device",
+                                                          "--clocks", "--nvidia-smi", smi, "-o", out],
+                       capture_output=True, text=True)
+    check(p.returncode == 0, f"study with --each-device --clocks runs (rc {p.returncode}) {p.stderr[-500:]}")
+    text = open(out).read() if os.path.exists(out) else ""
+    print(text)
+    rows = [[c.strip() for c in l.strip().strip("|").split("|")] for l in text.splitlines()
+            if re.match(r"\| \d", l)]
+    gpus = [r for r in rows if len(r) == 5]
+    ranks = [r for r in rows if len(r) == 12]
+    check(len(gpus) == 2 and [r[0] for r in gpus] == ["0", "1"], f"a row per GPU: {gpus}")
+    check(len(gpus) == 2 and gpus[0][3:] == ["1650", "690"] and gpus[1][3:] == ["1620", "688"],
+          "each GPU's clock and power from its busy samples only")
+    check(len(ranks) == 2 and ranks[0][10:] == ["1650", "690"] and ranks[1][10:] == ["1620-1650", "688-690"],
+          "the ranks rows: the clocks of the GPUs they used (a range for two)")
+    if len(gpus) == 2 and len(ranks) == 2:
+        slowest = min(float(r[2]) for r in gpus)
+        for r in ranks:
+            per, vs = float(r[5]), float(r[7].rstrip("%"))
+            check(abs(vs - 100 * per / slowest) < 0.06,
+                  f"{r[0]} rank(s): {vs}% = per-rank {per} / slowest GPU alone {slowest}")
+        check(ranks[0][6] == "100.0%", "efficiency against the first row: 100% there")
+
+print("FAILED" if failed else "all passed")
+sys.exit(1 if failed else 0)

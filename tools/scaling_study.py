@@ -13,8 +13,9 @@ give, e.g. "srun --ntasks"), so the same script serves a laptop, a node and a cl
 On one GPU node, --each-device first runs the one-rank bench alone on each GPU (GPU i of
 `nvidia-smi -L`, through CUDA_VISIBLE_DEVICES) and adds an efficiency against N x the slowest
 of them: GPUs of one model running at their power limit differ by a few % in clock, and a
-synchronous data-parallel step goes at the slowest one's pace, so that column is what the
-communication costs. --clocks samples nvidia-smi every 100 ms during each run and adds the
+synchronous data-parallel step goes at the slowest one's pace. That column leaves the chips'
+differences out; what it still shows is the communication and the GPUs slowing each other down
+(with all of them busy they run hotter, and their clocks drop at the same power). --clocks samples nvidia-smi every 100 ms during each run and adds the
 SM clock and board power of the GPUs it used (per GPU, the median over the samples at >= 80% of
 its highest power: the steps, not the start-up; a range when several GPUs ran)."""
 import argparse

@@ -3,25 +3,15 @@
 built: steps delimited by the optimizer kernel, busy time as the union of overlapping kernels,
 idle gaps, NCCL time alone and overlapped, per-class time, the spread of step ends across
 processes, the comparison of two runs, and one clear error for a file that is not a trace."""
-import importlib.util
 import os
 import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-TOOL = os.path.join(HERE, "..", "..", "tools", "ktrace_report.py")
-spec = importlib.util.spec_from_file_location("ktrace_report", TOOL)
-kr = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(kr)
+from tool_check import ROOT, check, finish, load_tool
 
-failed = 0
-
-
-def check(ok, what):
-    global failed
-    print(("ok   " if ok else "FAIL ") + what)
-    failed += 0 if ok else 1
+TOOL = os.path.join(ROOT, "tools", "ktrace_report.py")
+kr = load_tool("ktrace_report")
 
 
 MS = 1_000_000  # ns
@@ -79,4 +69,4 @@ with tempfile.TemporaryDirectory() as tmp:
     check(p.returncode != 0 and "ktrace.9.tsv" in msg and "not a vitgrid_ktrace file" in msg
           and "Traceback" not in msg, f"a file that is not a trace: one message, exit {p.returncode}")
 
-sys.exit(1 if failed else 0)
+finish()

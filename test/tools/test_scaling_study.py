@@ -4,7 +4,6 @@ are known: the per-GPU table of --each-device, the efficiency against the slowes
 clocks and power of --clocks taken from the steps' samples only (the stand-in alternates idle
 and busy samples), and one clear error where nvidia-smi is missing.
 Run by ctest with VITGRID_BIN and VITGRID_SOURCE_DIR set."""
-import importlib.util
 import os
 import re
 import stat
@@ -12,22 +11,12 @@ import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.environ.get("VITGRID_SOURCE_DIR", os.path.join(HERE, "..", ".."))
+from tool_check import ROOT, check, finish, load_tool
+
 TOOL = os.path.join(ROOT, "tools", "scaling_study.py")
 VITGRID = os.environ.get("VITGRID_BIN", os.path.join(ROOT, "build", "bin", "vitgrid"))
 DECK = os.path.join(ROOT, "inputs", "quickstart.ini")
-spec = importlib.util.spec_from_file_location("scaling_study", TOOL)
-ss = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ss)
-
-failed = 0
-
-
-def check(ok, what):
-    global failed
-    print(("ok   " if ok else "FAIL ") + what)
-    failed += 0 if ok else 1
+ss = load_tool("scaling_study")
 
 
 # the busy filter: samples at >= 80% of each GPU's highest power; "[N/A]" lines skipped
@@ -86,5 +75,4 @@ with tempfile.TemporaryDirectory() as d:
                   f"{r[0]} rank(s): {vs}% = per-rank {per} / slowest GPU alone {slowest}")
         check(ranks[0][6] == "100.0%", "efficiency against the first row: 100% there")
 
-print("FAILED" if failed else "all passed")
-sys.exit(1 if failed else 0)
+finish()

@@ -160,6 +160,7 @@ struct Trainer::Impl {
   int64_t step = 0;     // completed optimizer steps (including skipped fp16 steps)
   int64_t applied = 0;  // applied updates (Adam bias correction)
   double ckpt_write_gbs = 0.0, ckpt_read_gbs = 0.0;
+  Backend::ReplicaMax tune_agreement;  // the training steps' (set when data > 1)
 
   Impl(MPI_Comm w, const Deck& d) : world(w), deck(d), log(w) {}
 
@@ -262,6 +263,16 @@ struct Trainer::Impl {
       log("data: train %s; eval %s\n", train_ds->describe().c_str(),
           eval_ds->describe().c_str());
       setup_grad_reduction();
+      if (grid->size(Axis::Data) > 1) {
+        // the data axis's replicas run the same operations in the same order: their timed
+        // kernel choices (device.gemm_tune) are made together, on the worst replica's
+        // timings, so none of them runs a slower kernel than the others; evaluate() lifts it
+        const MPI_Comm dc = grid->comm(Axis::Data).get();
+        tune_agreement = [dc](double* v, int n) {
+          MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, MPI_MAX, dc);
+        };
+        be->set_tune_agreement(tune_agreement);
+      }
       agreed([&] {
         opt = std::make_unique<Optimizer>(deck.optim, *be, *tp, *model,
                                           zero ? &zero_shards : nullptr, coll.get(),
@@ -781,6 +792,9 @@ struct Trainer::Impl {
   // ---- evaluation over the eval split; returns loss, top1, top5 (fractions)
   void evaluate(double* loss, double* top1, double* top5,
                 std::vector<std::pair<int64_t, std::vector<float>>>* rows = nullptr) {
+    // eval's kernels are timed by each rank alone: the last eval batch has a different number
+    // of samples (so different GEMM shapes) on each data rank
+    be->set_tune_agreement(nullptr);
     DataLoader loader(eval_ds, loader_config(false));
     double s[4] = {0, 0, 0, 0};
     int64_t t = 0;
@@ -812,6 +826,7 @@ struct Trainer::Impl {
     *loss = s[0] / n;
     *top1 = s[1] / n;
     *top5 = s[2] / n;
+    be->set_tune_agreement(tune_agreement);
   }
 
   int train() {

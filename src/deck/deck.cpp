@@ -183,7 +183,7 @@ const std::vector<Field>& schema() {
       VG_FIELD(device, comm_timeout, "",
                "seconds a GPU collective may stay incomplete before the watchdog aborts the job (NCCL)"),
       VG_FIELD(device, gemm_tune, "0..16",
-               "time this many cuBLASLt algorithms per GEMM shape at its first use and keep the fastest (0: the heuristic's choice, bit-reproducible runs)"),
+               "time this many cuBLASLt algorithms per GEMM shape at its first use and keep the fastest; the data axis's ranks choose together, on the slowest rank's timings (0: the heuristic's choice, bit-reproducible runs)"),
       VG_FIELD(device, data_comm_ctas, "0..64",
                "thread blocks (SMs) the data-parallel gradient reduction's NCCL kernels may take from the backward they overlap (0: NCCL's choice)"),
       VG_FIELD(device, gemm_sm_margin, "0..64",

@@ -4,11 +4,12 @@
     e2e.py NAME      NAME in: dp_equivalence, resume_exact, refusals, predict, optimizers,
                      tensor_parallel, pipeline, pipeline_hybrid, pipeline_refusals,
                      overlap, zero, no_allocations; on GPUs: gpu_matches_cpu, gpu_resume,
-                     gpu_parallel, gpu_graphs
+                     gpu_parallel, gpu_graphs, gpu_tune_agreement
 
 They launch build/bin/vitgrid on 1-4 oversubscribed CPU ranks with the tiny deck beside this
 file and read metrics.h5 / checkpoints / predictions.h5 with h5py."""
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -866,6 +867,42 @@ def t_gpu_graphs(tmp):
             check(captured and r <= 1e-6, f"{name} on {n} GPUs: graphs captured, loss and norm "
                   f"within {r:.2e} <= 1e-6 of the eager step")
         check("device allocations" not in out, f"{name}: no allocation warning")
+
+
+def t_gpu_tune_agreement(tmp):
+    """device.gemm_tune on the data axis of 2 and 4 GPUs: during training every rank times the
+    same cuBLASLt GEMMs and fused GELU kernels and keeps the same choice for each, made on the
+    worst replica's timings (Backend::set_tune_agreement), and the run trains on. Eval's shapes
+    (the last batch differs per rank) are timed per rank, unagreed. 77 with fewer than 2 GPUs."""
+    ngpu = gpus_or_skip()
+    if ngpu < 2:
+        print("needs 2 GPUs: skipped")
+        sys.exit(77)
+    line = re.compile(r"^vitgrid: device (\d+) (gemm_tune|fused GELU) (.+?): (candidate \d+ of \d+|"
+                      r"[^(\n]+?) \(.*worst over the replicas", re.M)
+    for n in (2, 4):
+        if n > ngpu:
+            print(f"skip {n} GPUs")
+            continue
+        d = os.path.join(tmp, f"dp{n}")
+        p = run(n, ["train", DECK, f"--run.out_dir={d}", "--device.backend=cuda",
+                    "--precision.mode=bf16", "--device.gemm_tune=8", "--model.hidden=64",
+                    "--model.heads=4", "--model.depth=2", "--run.steps=6",
+                    "--checkpoint.every_steps=0"],
+                env={"VITGRID_GEMM_TUNE_LOG": "1", "VITGRID_FUSED_GELU_LOG": "1"})
+        picks = {}  # device -> {(what, key): choice}
+        for m in line.finditer(p.stdout + p.stderr):
+            picks.setdefault(int(m.group(1)), {})[(m.group(2), m.group(3))] = m.group(4)
+        keys = {dev: set(v) for dev, v in picks.items()}
+        same_keys = len(picks) == n and all(k == keys[0] for k in keys.values())
+        check(same_keys and len(keys[0]) >= 6,
+              f"{n} GPUs: every rank made the same agreed timed choices "
+              f"({ {dev: len(k) for dev, k in keys.items()} } per device)")
+        differ = [k for k in keys.get(0, ()) if len({picks[dev].get(k) for dev in picks}) > 1]
+        check(same_keys and not differ, f"{n} GPUs: the same pick on every rank for each "
+              f"(different: {differ[:3]})")
+        _, l = losses(d)
+        check(len(l) == 6 and np.all(np.isfinite(l)), f"{n} GPUs: 6 finite training losses")
 
 
 def main():

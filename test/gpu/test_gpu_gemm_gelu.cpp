@@ -269,13 +269,16 @@ class GpuGemmGeluBackend : public GpuGemmGelu {
   // Runs fc1's forward and fc2's backward of an MLP shape on a backend made with `gemm_tune`
   // under the current environment, checks them against the unfused reference on `gpu`, and
   // returns the backend's (forward, backward) choices.
-  std::pair<int, int> run_mlp(int gemm_tune, int N = 197 * 3, int C = 384) {
+  // `agree`: the backend's tune agreement (Backend::set_tune_agreement), if any.
+  std::pair<int, int> run_mlp(int gemm_tune, int N = 197 * 3, int C = 384,
+                              Backend::ReplicaMax agree = {}) {
     BackendOptions o;
     o.gemm_tune = gemm_tune;
     auto d = std::make_unique<Dev>(make_cuda_backend(0, dt, o));
     auto* be = dynamic_cast<CudaBackend*>(d->be.get());
     EXPECT_NE(be, nullptr);
     if (!be) return {-2, -2};
+    be->set_tune_agreement(std::move(agree));
     const int H = 4 * C;
     // forward: y = x W1^T + b1, g = gelu(y)
     Vec x = rnd(size_t(N) * C), W1 = rnd(size_t(H) * C, 1.5f / std::sqrt(float(C)));
@@ -365,6 +368,58 @@ TEST_P(GpuGemmGeluBackend, ForcedConfig) {
   const auto [fw, bw] = run_mlp(0);
   EXPECT_EQ(fw, f);
   EXPECT_EQ(bw, b);
+}
+
+// A stand-in for the replicas' maximum: their headers (key hash, -hash, count, -count) pass
+// unchanged, as from replicas that agree; every timing becomes smaller than all before it,
+// as if the other replicas found each later candidate faster. The choice must follow these
+// timings: the last candidate timed, i.e. the last scheduler setting of the last kernel.
+Backend::ReplicaMax later_is_faster(int* headers, int* rounds) {
+  auto next = std::make_shared<double>(1e6);
+  return [next, headers, rounds](double* v, int n) {
+    if (n == 4 && v[0] >= 0 && v[1] == -v[0] && v[3] == -v[2]) {
+      ++*headers;
+      return;
+    }
+    ++*rounds;
+    for (int i = 0; i < n; ++i) v[i] = (*next)--;
+  };
+}
+
+TEST_P(GpuGemmGeluBackend, AgreedTimingsDecide) {
+  ScopedEnv e("VITGRID_FUSED_GELU", nullptr), f("VITGRID_FUSED_GELU_CONFIG", nullptr);
+  int headers = 0, rounds = 0;
+  const auto [fw, bw] = run_mlp(8, 197 * 3, 384, later_is_faster(&headers, &rounds));
+  EXPECT_EQ(fw, cuda::gemm_gelu_config_count(dt, true) - 1);
+  EXPECT_EQ(bw, cuda::gemm_gelu_config_count(dt, false) - 1);
+  // each timed choice (two fused GELU rounds per direction, and the cuBLASLt GEMMs) sent
+  // its header before its timings
+  EXPECT_GE(rounds, 4);
+  EXPECT_EQ(headers, rounds);
+}
+
+TEST_P(GpuGemmGeluBackend, ReplicasTimingDifferentChoicesFail) {
+  // a replica timing another GEMM (a different hash in the maximum) or another candidate
+  // count: the choice cannot be agreed, and the error says so instead of mixing timings
+  for (int field : {0, 2}) {
+    BackendOptions o;
+    o.gemm_tune = 8;
+    Dev d(make_cuda_backend(0, dt, o));
+    d.be->set_tune_agreement([field](double* v, int n) {
+      if (n == 4) v[field] += 1.0;  // the maximum over a replica with a larger value
+    });
+    const int N = 64, C = 128;
+    void* y = d.nan_act(size_t(N) * C);
+    try {
+      d.be->linear_forward(y, d.act(rnd(size_t(N) * C)), d.act(rnd(size_t(C) * C)), nullptr, N,
+                           C, C);
+      d.be->synchronize();
+      ADD_FAILURE() << "no error for disagreeing replicas (field " << field << ")";
+    } catch (const UserError& err) {
+      EXPECT_NE(std::string(err.what()).find("cannot be agreed"), std::string::npos)
+          << err.what();
+    }
+  }
 }
 
 TEST_P(GpuGemmGeluBackend, BadEnvironment) {

@@ -15,6 +15,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -118,6 +119,17 @@ class Backend {
   // (device.gemm_sm_margin). CUDA: cuBLASLt's SM count target and the fused GELU GEMMs'
   // persistent grids; the CPU ignores it.
   virtual void set_gemm_sm_margin(int sms) { (void)sms; }
+  // Timed choices made alike on every replica: while `max_over_replicas` is set, it replaces
+  // v[0..n) by the element-wise maximum of v over the ranks that run the same operations in
+  // the same order (the trainer passes the data axis, during training steps), and each timed
+  // choice (device.gemm_tune: cuBLASLt algorithms, the fused GELU kernels) is made on those
+  // worst-rank timings, so every replica runs the same kernels and none waits at the gradient
+  // reduction for one that picked a slower kernel on noise. Every rank of the group must then
+  // make the same sequence of new choices; a rank that does not fails with an error naming the
+  // operation (never a hang). Empty (the default): each rank chooses on its own timings. The
+  // CPU backend times nothing and ignores it.
+  using ReplicaMax = std::function<void(double* v, int n)>;
+  virtual void set_tune_agreement(ReplicaMax max_over_replicas) { (void)max_over_replicas; }
   // Plain batched strided GEMM on act dtype, fp32 accumulate:
   // C_i = alpha op(A_i) op(B_i) + beta C_i, i < batch; row-major; op = transpose when flag set.
   virtual void gemm_batched(bool transA, bool transB, int M, int N, int K, float alpha,

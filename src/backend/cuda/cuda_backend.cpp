@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 
 #include "cuda_backend_impl.h"
 #include "gemm_gelu.h"
@@ -421,17 +422,18 @@ std::vector<cublasLtMatmulAlgo_t> CudaBackend::tune_candidates(
 }
 
 // Times each candidate (one warm-up, then kReps runs between events) on the plan's operands
-// (its epilogue pointers already bound by matmul); VITGRID_GEMM_TUNE_LOG=1 prints the choice.
+// (its epilogue pointers already bound by matmul) and keeps the fastest, on the worst
+// replica's timings under set_tune_agreement; VITGRID_GEMM_TUNE_LOG=1 prints the choice.
 cublasLtMatmulAlgo_t CudaBackend::fastest_algo(const MatmulPlan& p, const GemmSpec& s,
                                                const std::vector<cublasLtMatmulAlgo_t>& cand,
                                                const std::string& key) {
   constexpr int kReps = 3;
+  constexpr double kFailed = 1e30;  // a candidate that does not run here
   cudaEvent_t e0, e1;
   CUDA_CHECK(cudaEventCreate(&e0));
   CUDA_CHECK(cudaEventCreate(&e1));
   const float alpha = s.alpha, beta = s.beta;
-  int best = -1;
-  float best_ms = 0.0f, first_ms = 0.0f;
+  std::vector<double> ms(cand.size(), kFailed);
   for (size_t i = 0; i < cand.size(); ++i) {
     auto run = [&] {
       return cublasLtMatmul(lt_, p.desc, &alpha, s.B, p.a, s.A, p.b, &beta, s.C, p.c, s.C, p.c,
@@ -442,18 +444,17 @@ cublasLtMatmulAlgo_t CudaBackend::fastest_algo(const MatmulPlan& p, const GemmSp
     for (int r = 0; r < kReps; ++r) CUBLAS_CHECK(run());
     CUDA_CHECK(cudaEventRecord(e1, stream_));
     CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0.0f;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    if (i == 0) first_ms = ms;
-    if (best < 0 || ms < best_ms) {
-      best = static_cast<int>(i);
-      best_ms = ms;
-    }
+    float t = 0.0f;
+    CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+    ms[i] = t / kReps;
   }
   CUDA_CHECK(cudaEventDestroy(e0));
   CUDA_CHECK(cudaEventDestroy(e1));
-  const cublasLtMatmulAlgo_t& chosen = cand[best < 0 ? 0 : best];
-  if (gemm_tune_log_ && best >= 0) {
+  const std::vector<double> local = ms;
+  agree_timings("GEMM " + key, ms);
+  const size_t best = std::min_element(ms.begin(), ms.end()) - ms.begin();
+  const cublasLtMatmulAlgo_t& chosen = cand[ms[best] < kFailed ? best : 0];
+  if (gemm_tune_log_ && ms[best] < kFailed) {
     int32_t id = 0, tile = 0, splits = 1;
     size_t w = 0;
     cublasLtMatmulAlgoConfigGetAttribute(&chosen, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof id, &w);
@@ -461,13 +462,39 @@ cublasLtMatmulAlgo_t CudaBackend::fastest_algo(const MatmulPlan& p, const GemmSp
                                          sizeof tile, &w);
     cublasLtMatmulAlgoConfigGetAttribute(&chosen, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits,
                                          sizeof splits, &w);
+    const size_t local_best = std::min_element(local.begin(), local.end()) - local.begin();
     std::fprintf(stderr,
-                 "gemm_tune %s: candidate %d of %zu (algo %d, tile %d, split-K %d) %.4f ms, "
-                 "heuristic's first %.4f ms\n",
-                 key.c_str(), best, cand.size(), id, tile, splits, best_ms / kReps,
-                 first_ms / kReps);
+                 "vitgrid: device %d gemm_tune %s: candidate %zu of %zu (algo %d, tile %d, "
+                 "split-K %d) %.4f ms, heuristic's first %.4f ms%s\n",
+                 device_, key.c_str(), best, cand.size(), id, tile, splits, ms[best], ms[0],
+                 !tune_agree_ ? ""
+                 : local_best == best
+                     ? " (worst over the replicas; this rank's own pick too)"
+                     : (" (worst over the replicas; this rank alone: candidate " +
+                        std::to_string(local_best) + ")").c_str());
   }
   return chosen;
+}
+
+void CudaBackend::set_tune_agreement(ReplicaMax max_over_replicas) {
+  tune_agree_ = std::move(max_over_replicas);
+}
+
+void CudaBackend::agree_timings(const std::string& what, std::vector<double>& ms) {
+  if (!tune_agree_) return;
+  // One maximum of (hash, -hash, count, -count) gives each one's maximum and minimum over the
+  // replicas: equal when they all time the same choice with as many candidates. The hash is
+  // cut to 52 bits so that a double holds it exactly.
+  const double h = double(std::hash<std::string>{}(what) & ((uint64_t(1) << 52) - 1));
+  const double n = double(ms.size());
+  double head[4] = {h, -h, n, -n};
+  tune_agree_(head, 4);
+  if (head[0] != -head[1] || head[2] != -head[3]) {
+    throw UserError("device.gemm_tune: the replicas do not time the same choice at the same "
+                    "point (this rank: " + what + ", " + std::to_string(ms.size()) +
+                    " candidates); their choices cannot be agreed");
+  }
+  if (!ms.empty()) tune_agree_(ms.data(), static_cast<int>(ms.size()));
 }
 
 void CudaBackend::set_gemm_sm_margin(int sms) {
@@ -734,9 +761,22 @@ int CudaBackend::fused_gelu(bool forward, int N, int in, int out, bool ok, Run&&
       CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
       ch.timings.emplace_back(c, ms / kReps);
     };
+    // under set_tune_agreement, each round's timings become the worst replica's before
+    // anything is decided on them
+    const std::string what = std::string("fused GELU ") + (forward ? "forward" : "backward") +
+                             " N=" + std::to_string(N) + " in=" + std::to_string(in) +
+                             " out=" + std::to_string(out);
+    auto agree_from = [&](size_t first, const char* round) {
+      std::vector<double> ms;
+      for (size_t i = first; i < ch.timings.size(); ++i) ms.push_back(ch.timings[i].second);
+      agree_timings(what + round, ms);
+      for (size_t i = first; i < ch.timings.size(); ++i)
+        ch.timings[i].second = float(ms[i - first]);
+    };
     if (!on) time_it(-1);
     const int kernels = cuda::gemm_gelu_kernel_count(act_, forward);
     for (int k = 0; k < kernels; ++k) time_it(cuda::gemm_gelu_config_id(act_, forward, k, 0));
+    agree_from(0, ", kernels");
     auto fastest = [&] {
       return std::min_element(ch.timings.begin(), ch.timings.end(),
                               [](const auto& a, const auto& b) { return a.second < b.second; })
@@ -745,15 +785,18 @@ int CudaBackend::fused_gelu(bool forward, int N, int in, int out, bool ok, Run&&
     const int best = fastest();
     if (best >= 0) {
       const int k = cuda::gemm_gelu_config_kernel(act_, forward, best);
+      const size_t first = ch.timings.size();
       for (int sched = 1; sched < cuda::kGemmGeluSchedules; ++sched)
         time_it(cuda::gemm_gelu_config_id(act_, forward, k, sched));
+      agree_from(first, ", schedules");
     }
     ch.config = fastest();
     CUDA_CHECK(cudaEventDestroy(e0));
     CUDA_CHECK(cudaEventDestroy(e1));
     std::stable_sort(ch.timings.begin(), ch.timings.end(),
                      [](const auto& a, const auto& b) { return a.second < b.second; });
-    ch.why = std::to_string(ch.timings.size()) + " timed";
+    ch.why = std::to_string(ch.timings.size()) + " timed" +
+             (tune_agree_ ? ", worst over the replicas" : "");
   }
   if (fused_gelu_log_) {
     std::fprintf(stderr, "vitgrid: device %d fused GELU %s\n", device_, describe(act_, ch).c_str());

@@ -101,6 +101,7 @@ class CudaBackend final : public Backend {
   void plan_workspace(const WorkspacePlan& p) override;
   int64_t device_allocations() const override;
   void set_gemm_sm_margin(int sms) override;
+  void set_tune_agreement(ReplicaMax max_over_replicas) override;
 
   void cast_to_act(void* dst_act, const float* src, size_t n) override;
   void cast_to_f32(float* dst, const void* src_act, size_t n) override;
@@ -263,6 +264,10 @@ class CudaBackend final : public Backend {
   cublasLtMatmulAlgo_t fastest_algo(const MatmulPlan& p, const GemmSpec& s,
                                     const std::vector<cublasLtMatmulAlgo_t>& cand,
                                     const std::string& key);
+  // With set_tune_agreement's function: replaces ms (one timing per candidate of the choice
+  // `what`) by the worst over the replicas, after checking that they all make this choice
+  // with as many candidates (else a UserError naming `what`). Without it, nothing.
+  void agree_timings(const std::string& what, std::vector<double>& ms);
   // Internal device memory, counted in the tracked totals and in device_allocations().
   // internal_free waits for queued work first and takes the size given to internal_alloc.
   void* internal_alloc(size_t bytes);
@@ -318,6 +323,7 @@ class CudaBackend final : public Backend {
   bool tf32_;
   int gemm_tune_;  // GEMM candidates timed per new shape (1: the heuristic's first, untimed)
   bool gemm_tune_log_ = false;  // VITGRID_GEMM_TUNE_LOG=1: every tuned choice to stderr
+  ReplicaMax tune_agree_;       // set_tune_agreement: timed choices on the worst replica's times
   bool deterministic_;  // false: attention's backward may use atomics (cuDNN)
   int sm_count_ = 0;
   int gemm_sm_margin_ = 0;  // set_gemm_sm_margin: part of the GEMM plans' key

@@ -168,9 +168,10 @@ PYEOF
     ;;
   study)
     # data-parallel scaling with the user's tool: each GPU alone first (the slowest sets the
-    # data-parallel pace), then 1 and all GPUs, with SM clocks and board power (nvidia-smi)
+    # data-parallel pace), then every GPU at once without communication (what being all busy
+    # costs), then 1 and all GPUs, with SM clocks and board power (nvidia-smi)
     "$PY" tools/scaling_study.py inputs/bench_vit_b16.ini --bin "$B/bin/vitgrid" --ranks 1 "$NGPU" \
-      --each-device --clocks --steps ${STUDY_STEPS:-60} -o "$OUT/study.md" 2>&1 | tail -20
+      --each-device --together --clocks --steps ${STUDY_STEPS:-60} -o "$OUT/study.md" 2>&1 | tail -20
     ;;
   large)
     # the hybrid-parallel guide's large ViT (hidden 4096, depth 32, heads 64, 224/16) with

@@ -4,7 +4,7 @@ images/s, per-device throughput, efficiency against the first row, MFU and memor
 
     tools/scaling_study.py DECK --ranks 1 2 4 8 [--per-rank-batch 256] [--layout dp|tp1d|pipe]
                            [--launcher "mpirun --bind-to none"] [--extra "--precision.mode=bf16"]
-                           [--each-device] [--clocks] [-o study.md]
+                           [--each-device] [--together] [--clocks] [-o study.md]
 
 Weak scaling by default: the global batch grows with the data-parallel size so every rank keeps
 --per-rank-batch samples. Each row is one `mpirun -np N vitgrid bench` (or the --launcher you
@@ -15,9 +15,14 @@ On one GPU node, --each-device first runs the one-rank bench alone on each GPU (
 of them: GPUs of one model running at their power limit differ by a few % in clock, and a
 synchronous data-parallel step goes at the slowest one's pace. That column leaves the chips'
 differences out; what it still shows is the communication and the GPUs slowing each other down
-(with all of them busy they run hotter, and their clocks drop at the same power). --clocks samples nvidia-smi every 100 ms during each run and adds the
-SM clock and board power of the GPUs it used (per GPU, the median over the samples at >= 80% of
-its highest power: the steps, not the start-up; a range when several GPUs ran)."""
+(with all of them busy they run hotter, and their clocks drop at the same power).
+--together separates those two: it runs the one-rank bench on every GPU at the same time, as
+independent jobs that never communicate, and adds an efficiency against N x the slowest GPU
+while all were busy. What that column still shows is the data-parallel communication (and
+what it costs the kernels beside it), nothing else. --clocks samples nvidia-smi every 100 ms
+during each run and adds the SM clock and board power of the GPUs it used (per GPU, the median
+over the samples at >= 80% of its highest power: the steps, not the start-up; a range when
+several GPUs ran)."""
 import argparse
 import contextlib
 import os
@@ -96,7 +101,8 @@ def table_head(cols):
     return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
 
-def bench(args, n, layout, env_extra=None):
+def launch(args, n, layout, env_extra=None):
+    """Starts one `vitgrid bench` of n ranks; result() waits for it."""
     extra = []
     data = n
     if layout == "tp1d" and n > 1:
@@ -111,15 +117,32 @@ def bench(args, n, layout, env_extra=None):
             f"--warmup={args.warmup}", f"--steps={args.steps}"] + extra + shlex.split(args.extra)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                NCCL_NVLS_ENABLE="0", **(env_extra or {}))
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    line = next((l for l in p.stdout.splitlines() if l.startswith("bench |")), None)
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    return cmd, subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env), out, err
+
+
+def result(run):
+    """(img/s, step ms, MFU %, peak memory GiB) of a launch(); exits with its output if it
+    failed."""
+    cmd, p, out, err = run
+    p.wait()
+    out.seek(0)
+    err.seek(0)
+    stdout, stderr = out.read(), err.read()
+    out.close()
+    err.close()
+    line = next((l for l in stdout.splitlines() if l.startswith("bench |")), None)
     if p.returncode != 0 or line is None:
-        sys.exit(f"scaling_study: {' '.join(cmd)} failed:\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
+        sys.exit(f"scaling_study: {' '.join(cmd)} failed:\n{stdout[-2000:]}{stderr[-2000:]}")
     ips = float(re.search(r"\| ([\d.]+) img/s \|", line).group(1))
     mfu = float(re.search(r"MFU ([\d.]+)%", line).group(1))
     mem = float(re.search(r"peak mem ([\d.]+) GiB", line).group(1))
     step = float(re.search(r"step ([\d.]+) ms", line).group(1))
     return ips, step, mfu, mem
+
+
+def bench(args, n, layout, env_extra=None):
+    return result(launch(args, n, layout, env_extra))
 
 
 def main():
@@ -135,14 +158,16 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--each-device", action="store_true",
                     help="first the one-rank bench alone on each GPU of this node")
+    ap.add_argument("--together", action="store_true",
+                    help="the one-rank bench on every GPU of this node at once, no communication")
     ap.add_argument("--clocks", action="store_true",
                     help="SM clock and power of the GPUs each run used (nvidia-smi)")
     ap.add_argument("--nvidia-smi", default="nvidia-smi", help=argparse.SUPPRESS)
     ap.add_argument("-o", "--output", default="")
     a = ap.parse_args()
     smi = shutil.which(a.nvidia_smi)
-    if (a.each_device or a.clocks) and not smi:
-        sys.exit("scaling_study: --each-device and --clocks need nvidia-smi (a GPU node)")
+    if (a.each_device or a.together or a.clocks) and not smi:
+        sys.exit("scaling_study: --each-device, --together and --clocks need nvidia-smi (a GPU node)")
 
     def sampled(gpus):
         return Clocks(smi, gpus) if a.clocks else contextlib.nullcontext()
@@ -152,17 +177,41 @@ def main():
 
     hc = ["SM MHz", "W"] if a.clocks else []
     text = ""
-    slowest = None
-    if a.each_device:
-        rows = table_head(["GPU", "step ms", "img/s"] + hc)
-        for g in range(count_gpus(smi)):
-            with sampled([g]) as c:
-                ips, step, _, _ = bench(a, 1, "dp", {"CUDA_VISIBLE_DEVICES": str(g)})
-            slowest = ips if slowest is None else min(slowest, ips)
-            rows.append("| " + " | ".join([str(g), f"{step:.2f}", f"{ips:.1f}"] + clock_cols(c)) + " |")
+    slowest = busy = None
+    if a.each_device or a.together:
+        ngpu = count_gpus(smi)
+        alone, together, busy_clocks = {}, {}, {}
+        if a.each_device:
+            for g in range(ngpu):
+                with sampled([g]) as c:
+                    r = bench(a, 1, "dp", {"CUDA_VISIBLE_DEVICES": str(g)})
+                alone[g] = r, clock_cols(c)  # the clocks are summarised as the sampling stops
+            slowest = min(r[0][0] for r in alone.values())
+        if a.together:
+            with sampled(list(range(ngpu))) as c:
+                runs = {g: launch(a, 1, "dp", {"CUDA_VISIBLE_DEVICES": str(g)}) for g in range(ngpu)}
+                together = {g: result(r) for g, r in runs.items()}
+            if c:
+                busy_clocks = {g: [f"{m:.0f}", f"{w:.0f}"] for g, (m, w) in c.summary.items()}
+            busy = min(r[0] for r in together.values())
+        cols = ["GPU"]
+        if a.each_device:
+            cols += ["alone: step ms", "img/s"] + hc
+        if a.together:
+            cols += ["all at once: step ms", "img/s"] + hc
+        rows = table_head(cols)
+        for g in range(ngpu):
+            cols = [str(g)]
+            if a.each_device:
+                (ips, step, _, _), cc = alone[g]
+                cols += [f"{step:.2f}", f"{ips:.1f}"] + cc
+            if a.together:
+                ips, step, _, _ = together[g]
+                cols += [f"{step:.2f}", f"{ips:.1f}"] + (busy_clocks.get(g, ["", ""]) if a.clocks else [])
+            rows.append("| " + " | ".join(cols) + " |")
             print(rows[-1], flush=True)
         text += "\n".join(rows) + "\n\n"
-    hs = ["vs slowest GPU"] if slowest else []
+    hs = (["vs slowest GPU"] if slowest else []) + (["vs all busy"] if busy else [])
     rows = table_head(["ranks", "layout", "global batch", "step ms", "img/s", "img/s per rank",
                        "efficiency"] + hs + ["MFU", "peak mem GiB"] + hc)
     base = None
@@ -173,8 +222,9 @@ def main():
         base = base or per
         gb = a.per_rank_batch * (n if a.layout == "dp" else 1)
         cols = [str(n), a.layout, str(gb), f"{step:.1f}", f"{ips:.1f}", f"{per:.1f}", f"{100 * per / base:.1f}%"]
-        if slowest:
-            cols.append(f"{100 * per / slowest:.1f}%" if a.layout == "dp" else "")
+        for ref in (slowest, busy):
+            if ref:
+                cols.append(f"{100 * per / ref:.1f}%" if a.layout == "dp" else "")
         cols += [f"{mfu:.1f}%", f"{mem:.2f}"] + clock_cols(c)
         rows.append("| " + " | ".join(cols) + " |")
         print(rows[-1], flush=True)

@@ -400,8 +400,10 @@ TEST_P(GpuGemmGeluBackend, AgreedTimingsDecide) {
 
 TEST_P(GpuGemmGeluBackend, ReplicasTimingDifferentChoicesFail) {
   // a replica timing another GEMM (a different hash in the maximum) or another candidate
-  // count: the choice cannot be agreed, and the error says so instead of mixing timings
-  for (int field : {0, 2}) {
+  // count: the choice cannot be agreed, and the job ends with a message instead of mixing
+  // timings (in a fresh process: the "threadsafe" death tests re-run the binary)
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto tune_disagreeing = [this](int field) {
     BackendOptions o;
     o.gemm_tune = 8;
     Dev d(make_cuda_backend(0, dt, o));
@@ -410,15 +412,13 @@ TEST_P(GpuGemmGeluBackend, ReplicasTimingDifferentChoicesFail) {
     });
     const int N = 64, C = 128;
     void* y = d.nan_act(size_t(N) * C);
-    try {
-      d.be->linear_forward(y, d.act(rnd(size_t(N) * C)), d.act(rnd(size_t(C) * C)), nullptr, N,
-                           C, C);
-      d.be->synchronize();
-      ADD_FAILURE() << "no error for disagreeing replicas (field " << field << ")";
-    } catch (const UserError& err) {
-      EXPECT_NE(std::string(err.what()).find("cannot be agreed"), std::string::npos)
-          << err.what();
-    }
+    d.be->linear_forward(y, d.act(rnd(size_t(N) * C)), d.act(rnd(size_t(C) * C)), nullptr, N,
+                         C, C);
+    d.be->synchronize();
+  };
+  for (int field : {0, 2}) {
+    EXPECT_DEATH(tune_disagreeing(field), "replicas do not time the same choice.*cannot be agreed")
+        << "field " << field;
   }
 }
 

@@ -125,8 +125,8 @@ class Backend {
   // choice (device.gemm_tune: cuBLASLt algorithms, the fused GELU kernels) is made on those
   // worst-rank timings, so every replica runs the same kernels and none waits at the gradient
   // reduction for one that picked a slower kernel on noise. Every rank of the group must then
-  // make the same sequence of new choices; a rank that does not fails with an error naming the
-  // operation (never a hang). Empty (the default): each rank chooses on its own timings. The
+  // make the same sequence of new choices; where they do not, the job ends with a message
+  // naming the operation (never a hang). Empty (the default): each rank chooses on its own timings. The
   // CPU backend times nothing and ignores it.
   using ReplicaMax = std::function<void(double* v, int n)>;
   virtual void set_tune_agreement(ReplicaMax max_over_replicas) { (void)max_over_replicas; }

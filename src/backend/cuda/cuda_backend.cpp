@@ -489,10 +489,12 @@ void CudaBackend::agree_timings(const std::string& what, std::vector<double>& ms
   const double n = double(ms.size());
   double head[4] = {h, -h, n, -n};
   tune_agree_(head, 4);
+  // A mismatch is a bug (the replicas run different operations), found in the middle of a
+  // step: the job ends here with the message (MPI_Abort), every rank at the same point.
   if (head[0] != -head[1] || head[2] != -head[3]) {
-    throw UserError("device.gemm_tune: the replicas do not time the same choice at the same "
-                    "point (this rank: " + what + ", " + std::to_string(ms.size()) +
-                    " candidates); their choices cannot be agreed");
+    VG_FAIL("device.gemm_tune: the replicas do not time the same choice at the same point "
+            "(this rank: " << what << ", " << ms.size() << " candidates); their choices "
+            "cannot be agreed");
   }
   if (!ms.empty()) tune_agree_(ms.data(), static_cast<int>(ms.size()));
 }

@@ -266,7 +266,8 @@ class CudaBackend final : public Backend {
                                     const std::string& key);
   // With set_tune_agreement's function: replaces ms (one timing per candidate of the choice
   // `what`) by the worst over the replicas, after checking that they all make this choice
-  // with as many candidates (else a UserError naming `what`). Without it, nothing.
+  // with as many candidates (else the job ends with a message naming `what`). Without it,
+  // nothing.
   void agree_timings(const std::string& what, std::vector<double>& ms);
   // Internal device memory, counted in the tracked totals and in device_allocations().
   // internal_free waits for queued work first and takes the size given to internal_alloc.

@@ -126,8 +126,8 @@ class Backend {
   // worst-rank timings, so every replica runs the same kernels and none waits at the gradient
   // reduction for one that picked a slower kernel on noise. Every rank of the group must then
   // make the same sequence of new choices; where they do not, the job ends with a message
-  // naming the operation (never a hang). Empty (the default): each rank chooses on its own timings. The
-  // CPU backend times nothing and ignores it.
+  // naming the operation (never a hang). Empty (the default): each rank chooses on its own
+  // timings. The CPU backend times nothing and ignores it.
   using ReplicaMax = std::function<void(double* v, int n)>;
   virtual void set_tune_agreement(ReplicaMax max_over_replicas) { (void)max_over_replicas; }
   // Plain batched strided GEMM on act dtype, fp32 accumulate:

@@ -552,8 +552,9 @@ struct Trainer::Impl {
     }
     if (p.applied) {
       ++applied;
-      opt->step(model->master(), model->grads(), lr, applied, 1.0f, &d_step->factor);
-      model->sync_compute_params();
+      if (!opt->step(model->master(), model->grads(), lr, applied, 1.0f, &d_step->factor,
+                     model->compute_copy()))
+        model->sync_compute_params();
     }
     p.readback = static_cast<int>(s & 1);
     be->readback_start(p.readback, d_step, sizeof(StepScalars));
@@ -732,9 +733,10 @@ struct Trainer::Impl {
     std::vector<float> host;
     auto sh = shards(host, true);
     const size_t n = model->num_local_params();
-    be->copy_to_host(host.data(), model->master(), n * sizeof(float));
+    // global form whatever the layout (ZeRO: the pieces gathered over the data axis; the
+    // masters too, whose other pieces are stale on this rank with 16-bit activations)
+    opt->master_to_host(model->master(), host.data());
     auto st = opt->state();
-    // global form whatever the layout (ZeRO: the pieces gathered over the data axis)
     for (size_t k = 0; k < st.size(); ++k) opt->state_to_host(k, host.data() + (k + 1) * n);
     CheckpointMeta meta;
     meta.deck = deck.resolved_text();

@@ -148,8 +148,8 @@ bool Optimizer::grads_finite(const float* grads) {
   return ok;
 }
 
-void Optimizer::step(float* params, float* grads, double lr, int64_t step, float grad_scale,
-                     const float* grad_scale_dev) {
+bool Optimizer::step(float* params, float* grads, double lr, int64_t step, float grad_scale,
+                     const float* grad_scale_dev, void* compute) {
   AdamParams a{static_cast<float>(lr), static_cast<float>(o_.beta1), static_cast<float>(o_.beta2),
                static_cast<float>(o_.eps), static_cast<int>(step), grad_scale, grad_scale_dev};
   if (zero_) {
@@ -185,11 +185,23 @@ void Optimizer::step(float* params, float* grads, double lr, int64_t step, float
                          static_cast<float>(lr), static_cast<float>(o_.momentum), o_.nesterov,
                          grad_scale, grad_scale_dev);
     }
+    if (compute) {
+      // every rank's updated pieces to every rank in the act dtype, in place: the compute
+      // copy, as the cast of whole masters would give it (the cast is elementwise)
+      char* c = static_cast<char*>(compute);
+      const size_t es = be_.act_size();
+      for (const Piece& pc : pieces_)
+        if (pc.n > 0) be_.cast_to_act(c + pc.flat * es, params + pc.flat, pc.n);
+      for (size_t k = 0; k < shards_.buckets.size(); ++k)
+        coll_->allgather(c + shards_.buckets[k].offset * es, c + shards_.piece_offset(k) * es,
+                         shards_.piece_n(k), es, Axis::Data);
+      return true;
+    }
     // every rank's updated pieces to every rank (in place, fp32 master; the caller casts)
     for (size_t k = 0; k < shards_.buckets.size(); ++k)
       coll_->allgather(params + shards_.buckets[k].offset, params + shards_.piece_offset(k),
                        shards_.piece_n(k), sizeof(float), Axis::Data);
-    return;
+    return false;
   }
   if (o_.name == "adamw") {
     be_.adamw_update(params, grads, m_, v_, slices_, a);
@@ -214,11 +226,24 @@ void Optimizer::step(float* params, float* grads, double lr, int64_t step, float
     be_.sgd_update(params, grads, m_, slices_, static_cast<float>(lr),
                    static_cast<float>(o_.momentum), o_.nesterov, grad_scale, grad_scale_dev);
   }
+  return false;
 }
 
 std::vector<std::pair<std::string, float*>> Optimizer::state() {
   if (o_.name == "sgd") return {{"momentum_buffer", m_}};
   return {{"exp_avg", m_}, {"exp_avg_sq", v_}};
+}
+
+void Optimizer::gather_pieces_to_host(const float* device, bool flat, float* host) {
+  for (const Piece& pc : pieces_)
+    if (pc.n > 0)
+      be_.copy_to_host(host + pc.flat, device + (flat ? pc.flat : pc.shard), pc.n * sizeof(float));
+  for (size_t b = 0; b < shards_.buckets.size(); ++b) {
+    const size_t c = shards_.piece_n(b);
+    VG_CHECK(c <= static_cast<size_t>(INT_MAX), "bucket piece of " << c << " floats");
+    MPI_CHECK(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, host + shards_.buckets[b].offset,
+                            static_cast<int>(c), MPI_FLOAT, data_comm_));
+  }
 }
 
 void Optimizer::state_to_host(size_t k, float* flat) {
@@ -227,14 +252,15 @@ void Optimizer::state_to_host(size_t k, float* flat) {
     be_.copy_to_host(flat, buf, n_ * sizeof(float));
     return;
   }
-  for (const Piece& pc : pieces_)
-    if (pc.n > 0) be_.copy_to_host(flat + pc.flat, buf + pc.shard, pc.n * sizeof(float));
-  for (size_t b = 0; b < shards_.buckets.size(); ++b) {
-    const size_t c = shards_.piece_n(b);
-    VG_CHECK(c <= static_cast<size_t>(INT_MAX), "bucket piece of " << c << " floats");
-    MPI_CHECK(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, flat + shards_.buckets[b].offset,
-                            static_cast<int>(c), MPI_FLOAT, data_comm_));
+  gather_pieces_to_host(buf, false, flat);
+}
+
+void Optimizer::master_to_host(const float* params, float* flat) {
+  if (!zero_) {
+    be_.copy_to_host(flat, params, n_ * sizeof(float));
+    return;
   }
+  gather_pieces_to_host(params, true, flat);
 }
 
 void Optimizer::state_from_host(size_t k, const float* flat) {

@@ -244,11 +244,13 @@ TEST(ViTHook, ReportsEveryGroupOnceInBackwardOrder) {
 }
 
 // The sharded optimizer against the replicated one: 3 steps with the same gradients (each rank
-// contributes 1/D of them), master weights and state compared.
-void sharded_matches_replicated(const std::string& name) {
+// contributes 1/D of them), master weights and state compared. With 16-bit activations (`act`,
+// emulated on the CPU) the sharded one refreshes the compute copy itself, from its pieces
+// gathered in the act dtype: it must equal the cast of the whole masters.
+void sharded_matches_replicated(const std::string& name, DType act = DType::F32) {
   ProcessGrid grid(MPI_COMM_WORLD, data_grid());
   const int D = grid.size(Axis::Data), r = grid.rank(Axis::Data);
-  auto be = make_backend("cpu", 0, DType::F32);
+  auto be = make_backend("cpu", 0, act);
   auto coll = make_mpi_collectives(grid);
   auto tp = make_tensor_parallel(grid, *be, *coll);
   StageLayout layout = StageLayout::whole(tiny().depth);
@@ -292,15 +294,33 @@ void sharded_matches_replicated(const std::string& name) {
       EXPECT_NEAR(got, gr, 1e-6 * gr) << name << " step " << s << (o == &zopt ? " ZeRO" : "");
     }
     EXPECT_TRUE(zopt.grads_finite(zm.grads()));
-    zopt.step(zm.master(), zm.grads(), 1e-2, s, 0.5f);
-    ropt.step(rm.master(), rm.grads(), 1e-2, s, 0.5f);
+    const bool refreshed = zopt.step(zm.master(), zm.grads(), 1e-2, s, 0.5f, nullptr,
+                                     zm.compute_copy());
+    EXPECT_EQ(refreshed, D > 1 && zm.compute_copy() != nullptr) << name << " step " << s;
+    if (!refreshed) zm.sync_compute_params();
+    if (!ropt.step(rm.master(), rm.grads(), 1e-2, s, 0.5f, nullptr, rm.compute_copy()))
+      rm.sync_compute_params();
   }
   std::vector<float> a(n), b(n);
-  be->copy_to_host(a.data(), zm.master(), n * 4);
-  be->copy_to_host(b.data(), rm.master(), n * 4);
+  zopt.master_to_host(zm.master(), a.data());
+  ropt.master_to_host(rm.master(), b.data());
   double worst = 0.0;
   for (size_t i = 0; i < n; ++i) worst = std::max(worst, double(std::fabs(a[i] - b[i])));
   EXPECT_LE(worst, 2e-6) << name << ": master weights";
+  if (zm.compute_copy()) {
+    // the gathered compute copy is the cast of the gathered masters, bit for bit
+    const size_t bytes = n * be->act_size();
+    auto* m = static_cast<float*>(be->alloc(n * 4));
+    void* cast = be->alloc(bytes);
+    be->copy_to_device(m, a.data(), n * 4);
+    be->cast_to_act(cast, m, n);
+    std::vector<char> want(bytes), got(bytes);
+    be->copy_to_host(want.data(), cast, bytes);
+    be->copy_to_host(got.data(), zm.compute_copy(), bytes);
+    EXPECT_TRUE(want == got) << name << ": compute copy";
+    be->release(cast);
+    be->release(m);
+  }
   for (size_t k = 0; k < ropt.state().size(); ++k) {
     std::fill(a.begin(), a.end(), 0.0f);
     zopt.state_to_host(k, a.data());
@@ -319,6 +339,12 @@ void sharded_matches_replicated(const std::string& name) {
 TEST(ZeroOptimizer, AdamWMatchesReplicated) { sharded_matches_replicated("adamw"); }
 TEST(ZeroOptimizer, LambMatchesReplicated) { sharded_matches_replicated("lamb"); }
 TEST(ZeroOptimizer, SgdMatchesReplicated) { sharded_matches_replicated("sgd"); }
+TEST(ZeroOptimizer, AdamWBf16GathersTheComputeCopy) {
+  sharded_matches_replicated("adamw", DType::BF16);
+}
+TEST(ZeroOptimizer, LambFp16GathersTheComputeCopy) {
+  sharded_matches_replicated("lamb", DType::F16);
+}
 
 TEST(ZeroOptimizer, StateIsAllocatedForTheShardOnly) {
   ProcessGrid grid(MPI_COMM_WORLD, data_grid());

@@ -117,6 +117,9 @@ class ViT {
   void sync_compute_params();
 
   float* master() { return master_; }
+  // The act-dtype compute copy when it is a buffer of its own (16-bit activations), else null
+  // (fp32 storage: the masters are the compute copy).
+  void* compute_copy() { return compute_alias_ ? nullptr : compute_; }
   float* grads() { return grads_; }
   void zero_grads();
 

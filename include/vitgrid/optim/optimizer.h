@@ -84,10 +84,20 @@ class Optimizer {
   bool grads_finite(const float* grads);
   // One update with this step's lr; grads are multiplied by grad_scale first (unscale and
   // clip). step is the 1-based count of applied updates (bias correction). With ZeRO, called by
-  // every data rank: the master weights are whole on every rank afterwards.
-  // grad_scale_dev, when set, multiplies grad_scale on the device (Backend::clip_factor).
-  void step(float* params, float* grads, double lr, int64_t step, float grad_scale,
-            const float* grad_scale_dev = nullptr);
+  // every data rank. grad_scale_dev, when set, multiplies grad_scale on the device
+  // (Backend::clip_factor). `compute`: the model's act-dtype copy of the parameters when it is
+  // a buffer of its own (bf16 / fp16), else null.
+  // Returns whether `compute` was refreshed here. With ZeRO and `compute`: each rank casts its
+  // updated pieces into `compute` and the act-dtype pieces are all-gathered (half the bytes
+  // of fp32 masters, and no cast of the whole model); the other ranks' pieces of the fp32
+  // masters on this rank are then stale, which only master_to_host reads. Otherwise (false)
+  // the masters are whole on every rank and the caller casts them.
+  bool step(float* params, float* grads, double lr, int64_t step, float grad_scale,
+            const float* grad_scale_dev = nullptr, void* compute = nullptr);
+  // The master weights in the model's flat layout on the host (num_local_params() floats):
+  // with ZeRO each rank's own pieces, all-gathered over the data axis on the host (called by
+  // every data rank); without, a copy.
+  void master_to_host(const float* params, float* flat_host);
 
   // Named state buffers for checkpoints: ("exp_avg", m), ("exp_avg_sq", v) for Adam-type,
   // ("momentum_buffer", mom) for SGD (PyTorch's names). With ZeRO they hold the pieces only
@@ -103,6 +113,9 @@ class Optimizer {
   const std::vector<ParamSlice>& slices() const { return slices_; }
 
  private:
+  // ZeRO: the pieces of `device` (at their flat offsets when `flat`, else at their shard
+  // offsets) gathered into the flat host buffer over the data axis
+  void gather_pieces_to_host(const float* device, bool flat, float* flat_host);
   // ZeRO: the parameters' intersections with piece k, offsets relative to the piece
   struct Piece {
     size_t flat = 0, shard = 0, n = 0;

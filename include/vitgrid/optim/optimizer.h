@@ -61,8 +61,9 @@ class LossScaler {
 
 class Optimizer {
  public:
-  // zero: ZeRO-1 over the data axis (`coll` all-gathers the master weights, `data_comm`
-  // reduces norms); null: every rank holds the whole state.
+  // zero: ZeRO-1 over the data axis (`coll` all-gathers the updated parameters: see step(),
+  // `data_comm` reduces norms and gathers checkpoint data); null: every rank holds the whole
+  // state.
   Optimizer(const OptimSection& o, Backend& be, TensorParallel& tp, const ViT& model,
             const ZeroShards* zero = nullptr, Collectives* coll = nullptr,
             MPI_Comm data_comm = MPI_COMM_NULL);

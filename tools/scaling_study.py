@@ -41,7 +41,7 @@ def count_gpus(smi):
     p = subprocess.run([smi, "-L"], capture_output=True, text=True)
     n = sum(1 for l in p.stdout.splitlines() if l.startswith("GPU "))
     if p.returncode != 0 or n == 0:
-        sys.exit(f"scaling_study: --each-device: `{smi} -L` lists no GPU")
+        sys.exit(f"scaling_study: --each-device / --together: `{smi} -L` lists no GPU")
     return n
 
 
@@ -87,14 +87,15 @@ class Clocks:
         self.f.close()
         return False
 
-    def columns(self):
-        def span(vals, fmt):
+    def columns(self, gpu=None):
+        """[SM MHz, W]: of one GPU, or the range over every GPU sampled (gpu None)."""
+        def span(vals):
             lo, hi = min(vals), max(vals)
-            return fmt.format(lo) if lo == hi else (fmt + "-" + fmt).format(lo, hi)
-        if not self.summary:
+            return f"{lo:.0f}" if lo == hi else f"{lo:.0f}-{hi:.0f}"
+        v = list(self.summary.values()) if gpu is None else [self.summary[gpu]] if gpu in self.summary else []
+        if not v:
             return ["", ""]
-        v = list(self.summary.values())
-        return [span([c for c, _ in v], "{:.0f}"), span([w for _, w in v], "{:.0f}")]
+        return [span([c for c, _ in v]), span([w for _, w in v])]
 
 
 def table_head(cols):
@@ -172,15 +173,15 @@ def main():
     def sampled(gpus):
         return Clocks(smi, gpus) if a.clocks else contextlib.nullcontext()
 
-    def clock_cols(c):
-        return c.columns() if c else []
+    def clock_cols(c, gpu=None):
+        return c.columns(gpu) if c else []
 
     hc = ["SM MHz", "W"] if a.clocks else []
     text = ""
     slowest = busy = None
     if a.each_device or a.together:
         ngpu = count_gpus(smi)
-        alone, together, busy_clocks = {}, {}, {}
+        alone, together = {}, {}
         if a.each_device:
             for g in range(ngpu):
                 with sampled([g]) as c:
@@ -190,10 +191,9 @@ def main():
         if a.together:
             with sampled(list(range(ngpu))) as c:
                 runs = {g: launch(a, 1, "dp", {"CUDA_VISIBLE_DEVICES": str(g)}) for g in range(ngpu)}
-                together = {g: result(r) for g, r in runs.items()}
-            if c:
-                busy_clocks = {g: [f"{m:.0f}", f"{w:.0f}"] for g, (m, w) in c.summary.items()}
-            busy = min(r[0] for r in together.values())
+                results = {g: result(r) for g, r in runs.items()}
+            together = {g: (r, clock_cols(c, g)) for g, r in results.items()}
+            busy = min(r[0][0] for r in together.values())
         cols = ["GPU"]
         if a.each_device:
             cols += ["alone: step ms", "img/s"] + hc
@@ -206,8 +206,8 @@ def main():
                 (ips, step, _, _), cc = alone[g]
                 cols += [f"{step:.2f}", f"{ips:.1f}"] + cc
             if a.together:
-                ips, step, _, _ = together[g]
-                cols += [f"{step:.2f}", f"{ips:.1f}"] + (busy_clocks.get(g, ["", ""]) if a.clocks else [])
+                (ips, step, _, _), cc = together[g]
+                cols += [f"{step:.2f}", f"{ips:.1f}"] + cc
             rows.append("| " + " | ".join(cols) + " |")
             print(rows[-1], flush=True)
         text += "\n".join(rows) + "\n\n"

@@ -185,23 +185,18 @@ bool Optimizer::step(float* params, float* grads, double lr, int64_t step, float
                          static_cast<float>(lr), static_cast<float>(o_.momentum), o_.nesterov,
                          grad_scale, grad_scale_dev);
     }
-    if (compute) {
-      // every rank's updated pieces to every rank in the act dtype, in place: the compute
-      // copy, as the cast of whole masters would give it (the cast is elementwise)
-      char* c = static_cast<char*>(compute);
-      const size_t es = be_.act_size();
+    // every rank's updated pieces to every rank, in place: with `compute`, cast into it and
+    // gathered in the act dtype (the cast is elementwise, so this is the cast of whole
+    // masters); else the fp32 masters themselves (the caller casts)
+    char* dst = compute ? static_cast<char*>(compute) : reinterpret_cast<char*>(params);
+    const size_t es = compute ? be_.act_size() : sizeof(float);
+    if (compute)
       for (const Piece& pc : pieces_)
-        if (pc.n > 0) be_.cast_to_act(c + pc.flat * es, params + pc.flat, pc.n);
-      for (size_t k = 0; k < shards_.buckets.size(); ++k)
-        coll_->allgather(c + shards_.buckets[k].offset * es, c + shards_.piece_offset(k) * es,
-                         shards_.piece_n(k), es, Axis::Data);
-      return true;
-    }
-    // every rank's updated pieces to every rank (in place, fp32 master; the caller casts)
+        if (pc.n > 0) be_.cast_to_act(dst + pc.flat * es, params + pc.flat, pc.n);
     for (size_t k = 0; k < shards_.buckets.size(); ++k)
-      coll_->allgather(params + shards_.buckets[k].offset, params + shards_.piece_offset(k),
-                       shards_.piece_n(k), sizeof(float), Axis::Data);
-    return false;
+      coll_->allgather(dst + shards_.buckets[k].offset * es, dst + shards_.piece_offset(k) * es,
+                       shards_.piece_n(k), es, Axis::Data);
+    return compute != nullptr;
   }
   if (o_.name == "adamw") {
     be_.adamw_update(params, grads, m_, v_, slices_, a);

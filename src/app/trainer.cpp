@@ -279,10 +279,10 @@ struct Trainer::Impl {
                                           grid->comm(Axis::Data).get());
       });
       if (zero)
-        log("ZeRO-1: optimizer state sharded over %d data ranks: %.2f MiB per state buffer per "
+        log("ZeRO-1: optimizer state%s sharded over %d data ranks: %.2f MiB per buffer per "
             "rank instead of %.2f MiB\n",
-            grid->size(Axis::Data), opt->state_elems() * 4.0 / 1048576.0,
-            model->num_local_params() * 4.0 / 1048576.0);
+            opt->holds_master() ? " and fp32 master weights" : "", grid->size(Axis::Data),
+            opt->state_elems() * 4.0 / 1048576.0, model->num_local_params() * 4.0 / 1048576.0);
     } else {
       log("data: eval %s\n", eval_ds->describe().c_str());
     }
@@ -359,6 +359,8 @@ struct Trainer::Impl {
     const int D = grid->size(Axis::Data);
     zero = deck.parallel.zero == 1 && D > 1;
     if (zero) layout.pad_to = static_cast<size_t>(D) * 16;
+    // with 16-bit activations the optimizer keeps this rank's pieces of the fp32 masters
+    layout.master_elsewhere = zero;
     // planned memory is allocated here: running out is reported once, on every rank
     agreed([&] { model = std::make_unique<ViT>(cfg, *be, *tp, micro, layout); });
     if (P > 1 || M > 1) {
@@ -686,6 +688,14 @@ struct Trainer::Impl {
     return prepare_batch(hb, kEvalSlot);
   }
 
+  // Parameters from a flat host copy into the model and, when it holds the masters' pieces
+  // (ZeRO-1 with 16-bit activations), the optimizer.
+  void set_params(const float* host) {
+    model->set_params(host);
+    if (opt) opt->master_from_host(host);
+  }
+  void init_params() { set_params(model->initial_params(deck.run.seed).data()); }
+
   // ---- checkpoints
   std::string ckpt_dir() const { return deck.run.out_dir + "/checkpoints"; }
 
@@ -733,8 +743,8 @@ struct Trainer::Impl {
     std::vector<float> host;
     auto sh = shards(host, true);
     const size_t n = model->num_local_params();
-    // global form whatever the layout (ZeRO: the pieces gathered over the data axis; the
-    // masters too, whose other pieces are stale on this rank with 16-bit activations)
+    // global form whatever the layout (ZeRO: the pieces gathered over the data axis, the
+    // masters' too with 16-bit activations)
     opt->master_to_host(model->master(), host.data());
     auto st = opt->state();
     for (size_t k = 0; k < st.size(); ++k) opt->state_to_host(k, host.data() + (k + 1) * n);
@@ -771,8 +781,7 @@ struct Trainer::Impl {
     agreed([&] { read_checkpoint(world, path, sh, &meta); });
     const double dt = now_s() - t0;
     const size_t n = model->num_local_params();
-    be->copy_to_device(model->master(), host.data(), n * sizeof(float));
-    model->sync_compute_params();
+    set_params(host.data());
     if (full) {
       auto st = opt->state();
       for (size_t k = 0; k < st.size(); ++k) opt->state_from_host(k, host.data() + (k + 1) * n);
@@ -835,7 +844,7 @@ struct Trainer::Impl {
     setup(true);
     PreemptionWatch preempt;  // SIGTERM / SIGUSR1: checkpoint at the end of the step, exit 3
     // init first in every case: it also keys the model's random streams (dropout) by the seed
-    model->init_params(deck.run.seed);
+    init_params();
     bool resumed = false;
     if (deck.checkpoint.resume == "auto") {
       const std::string last = latest_checkpoint(world, ckpt_dir());
@@ -962,7 +971,7 @@ struct Trainer::Impl {
   int bench(int warmup, int steps, double peak_tflops, bool with_profile) {
     profile = with_profile;
     setup(true);
-    model->init_params(deck.run.seed);
+    init_params();
     const int64_t G = deck.data.global_batch;
     // one real batch from the loader, reused: times the model, not the input pipeline
     DataLoader loader(train_ds, loader_config(true), 0);
@@ -1034,7 +1043,7 @@ struct Trainer::Impl {
 
   int evaluate_only() {
     setup(false);
-    model->init_params(deck.run.seed);
+    init_params();
     load_checkpoint(deck.checkpoint.load, false);
     double el, e1, e5;
     evaluate(&el, &e1, &e5);
@@ -1045,7 +1054,7 @@ struct Trainer::Impl {
 
   int predict() {
     setup(false);
-    model->init_params(deck.run.seed);
+    init_params();
     load_checkpoint(deck.checkpoint.load, false);
     std::vector<std::pair<int64_t, std::vector<float>>> rows;
     double el, e1, e5;

@@ -104,11 +104,13 @@ ViT::ViT(const ViTConfig& cfg, Backend& be, TensorParallel& tp, int max_batch,
                       << ") outside the model's " << cfg_.depth << " blocks or out of order");
   }
   build_params();
-  master_ = static_cast<float*>(be_.alloc(n_params_ * sizeof(float)));
-  grads_ = static_cast<float*>(be_.alloc(n_params_ * sizeof(float)));
   compute_alias_ = be_.act_size() == 4 && be_.act_dtype() == DType::F32;
+  if (compute_alias_ || !layout_.master_elsewhere) {
+    master_ = static_cast<float*>(be_.alloc(n_params_ * sizeof(float)));
+    be_.zero(master_, n_params_ * sizeof(float));
+  }
+  grads_ = static_cast<float*>(be_.alloc(n_params_ * sizeof(float)));
   compute_ = compute_alias_ ? static_cast<void*>(master_) : be_.alloc(n_params_ * be_.act_size());
-  be_.zero(master_, n_params_ * sizeof(float));
   be_.zero(grads_, n_params_ * sizeof(float));
   plan_activations();
 }
@@ -117,7 +119,7 @@ ViT::~ViT() {
   be_.release(act_pool_);
   if (!compute_alias_) be_.release(compute_);
   be_.release(grads_);
-  be_.release(master_);
+  if (master_) be_.release(master_);
 }
 
 void ViT::build_params() {
@@ -351,7 +353,9 @@ void ViT::zero_grads() { be_.zero(grads_, n_params_ * sizeof(float)); }
 
 void ViT::reduce_gradients() { tp_.reduce_replicated_grads(grads_, params_); }
 
-void ViT::init_params(uint64_t seed) {
+void ViT::init_params(uint64_t seed) { set_params(initial_params(seed).data()); }
+
+std::vector<float> ViT::initial_params(uint64_t seed) {
   seed_ = seed;
   std::vector<float> host(n_params_, 0.0f);
   // Every element is a pure function of (seed, name, global index), so parameters can be
@@ -394,11 +398,23 @@ void ViT::init_params(uint64_t seed) {
   for (unsigned t = 1; t < nt; ++t) pool.emplace_back(worker);
   worker();
   for (auto& t : pool) t.join();
-  be_.copy_to_device(master_, host.data(), n_params_ * sizeof(float));
-  sync_compute_params();
+  return host;
+}
+
+void ViT::set_params(const float* host) {
+  const size_t bytes = n_params_ * sizeof(float);
+  if (master_) {
+    be_.copy_to_device(master_, host, bytes);
+    sync_compute_params();
+    return;
+  }
+  be_.copy_to_device(grads_, host, bytes);
+  be_.cast_to_act(compute_, grads_, n_params_);
+  be_.zero(grads_, bytes);
 }
 
 void ViT::sync_compute_params() {
+  VG_CHECK(master_, "the compute copy refreshed from master weights this model does not hold");
   if (!compute_alias_) be_.cast_to_act(compute_, master_, n_params_);
 }
 

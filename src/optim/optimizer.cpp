@@ -93,6 +93,15 @@ Optimizer::Optimizer(const OptimSection& o, Backend& be, TensorParallel& tp, con
     for (size_t i = 0; i < plain_.size(); ++i)
       if (tp_.counts_in_norm(i)) norm_slices_.push_back(plain_[i]);
   }
+  // a model without masters (16-bit activations under ZeRO-1): this rank's pieces live here
+  if (!model.holds_master()) {
+    VG_CHECK(zero_, "the model keeps no master weights, but the optimizer is not sharded "
+                    "(ZeRO-1 over more than one data rank holds them)");
+    for (const Piece& pc : pieces_)
+      for (const ParamSlice& sl : pc.slices) wslices_.push_back({pc.shard + sl.offset, sl.n, 0.0f});
+    w_ = static_cast<float*>(be_.alloc(shard_n_ * sizeof(float)));
+    be_.zero(w_, shard_n_ * sizeof(float));
+  }
   const size_t bytes = state_elems() * sizeof(float);
   m_ = static_cast<float*>(be_.alloc(bytes));
   be_.zero(m_, bytes);
@@ -103,14 +112,15 @@ Optimizer::Optimizer(const OptimSection& o, Backend& be, TensorParallel& tp, con
 }
 
 Optimizer::~Optimizer() {
+  if (w_) be_.release(w_);
   if (v_) be_.release(v_);
   be_.release(m_);
 }
 
 // Called by every rank of the data axis.
-std::vector<double> Optimizer::piece_norms(const float* buf) {
-  std::vector<double> part(zslices_.size());
-  if (!zslices_.empty()) be_.sum_squares(part.data(), buf, zslices_);
+std::vector<double> Optimizer::piece_norms(const float* buf, const std::vector<ParamSlice>& sl) {
+  std::vector<double> part(sl.size());
+  if (!sl.empty()) be_.sum_squares(part.data(), buf, sl);
   std::vector<double> sq(plain_.size(), 0.0);
   for (size_t i = 0; i < part.size(); ++i) sq[zparam_[i]] += part[i];
   // a parameter may straddle pieces of several ranks: whole-parameter sums
@@ -122,7 +132,7 @@ std::vector<double> Optimizer::piece_norms(const float* buf) {
 double Optimizer::grad_norm_sq(const float* grads) {
   std::vector<double> sq(plain_.size());
   if (zero_)
-    sq = piece_norms(grads);
+    sq = piece_norms(grads, zslices_);
   else
     be_.sum_squares(sq.data(), grads, plain_);
   tp_.reduce_param_norms(sq);
@@ -153,18 +163,23 @@ bool Optimizer::step(float* params, float* grads, double lr, int64_t step, float
   AdamParams a{static_cast<float>(lr), static_cast<float>(o_.beta1), static_cast<float>(o_.beta2),
                static_cast<float>(o_.eps), static_cast<int>(step), grad_scale, grad_scale_dev};
   if (zero_) {
-    // this rank's pieces: one multi-tensor call per bucket (state offsets differ from flat ones)
+    // this rank's pieces: one multi-tensor call per bucket (state offsets differ from flat
+    // ones; so do the masters' when this optimizer holds them)
+    VG_CHECK(!w_ || compute, "ZeRO-1 with the masters' pieces here but no compute copy to gather");
+    float* w = w_ ? w_ : params;
+    auto wo = [&](const Piece& pc) { return w_ ? pc.shard : pc.flat; };
     if (o_.name == "adamw") {
       for (const Piece& pc : pieces_)
         if (!pc.slices.empty())
-          be_.adamw_update(params + pc.flat, grads + pc.flat, m_ + pc.shard, v_ + pc.shard,
-                           pc.slices, a);
+          be_.adamw_update(w + wo(pc), grads + pc.flat, m_ + pc.shard, v_ + pc.shard, pc.slices,
+                           a);
     } else if (o_.name == "lamb") {
       for (const Piece& pc : pieces_)
         if (!pc.slices.empty())
-          be_.lamb_direction(grads + pc.flat, params + pc.flat, grads + pc.flat, m_ + pc.shard,
+          be_.lamb_direction(grads + pc.flat, w + wo(pc), grads + pc.flat, m_ + pc.shard,
                              v_ + pc.shard, pc.slices, a);
-      std::vector<double> wn = piece_norms(params), un = piece_norms(grads);
+      std::vector<double> wn = piece_norms(w, w_ ? wslices_ : zslices_),
+                          un = piece_norms(grads, zslices_);
       tp_.reduce_param_norms(wn);
       tp_.reduce_param_norms(un);
       for (const Piece& pc : pieces_) {
@@ -172,30 +187,26 @@ bool Optimizer::step(float* params, float* grads, double lr, int64_t step, float
         std::vector<float> ratio(pc.slices.size(), 1.0f);
         for (size_t j = 0; j < ratio.size(); ++j) {
           const int i = pc.param[j];
-          const double w = std::min(std::sqrt(wn[i]), 10.0), u = std::sqrt(un[i]);
-          ratio[j] = (w > 0.0 && u > 0.0) ? static_cast<float>(w / u) : 1.0f;
+          const double wv = std::min(std::sqrt(wn[i]), 10.0), u = std::sqrt(un[i]);
+          ratio[j] = (wv > 0.0 && u > 0.0) ? static_cast<float>(wv / u) : 1.0f;
         }
-        be_.lamb_apply(params + pc.flat, grads + pc.flat, pc.slices, ratio,
-                       static_cast<float>(lr));
+        be_.lamb_apply(w + wo(pc), grads + pc.flat, pc.slices, ratio, static_cast<float>(lr));
       }
     } else {
       for (const Piece& pc : pieces_)
         if (!pc.slices.empty())
-          be_.sgd_update(params + pc.flat, grads + pc.flat, m_ + pc.shard, pc.slices,
+          be_.sgd_update(w + wo(pc), grads + pc.flat, m_ + pc.shard, pc.slices,
                          static_cast<float>(lr), static_cast<float>(o_.momentum), o_.nesterov,
                          grad_scale, grad_scale_dev);
     }
-    // every rank's updated pieces to every rank, in place: with `compute`, cast into it and
-    // gathered in the act dtype (the cast is elementwise, so this is the cast of whole
-    // masters); else the fp32 masters themselves (the caller casts)
-    char* dst = compute ? static_cast<char*>(compute) : reinterpret_cast<char*>(params);
-    const size_t es = compute ? be_.act_size() : sizeof(float);
-    if (compute)
-      for (const Piece& pc : pieces_)
-        if (pc.n > 0) be_.cast_to_act(dst + pc.flat * es, params + pc.flat, pc.n);
-    for (size_t k = 0; k < shards_.buckets.size(); ++k)
-      coll_->allgather(dst + shards_.buckets[k].offset * es, dst + shards_.piece_offset(k) * es,
-                       shards_.piece_n(k), es, Axis::Data);
+    if (compute) {
+      gather_compute(params, compute);
+    } else {
+      // the fp32 masters themselves, in place (the caller casts)
+      for (size_t k = 0; k < shards_.buckets.size(); ++k)
+        coll_->allgather(params + shards_.buckets[k].offset, params + shards_.piece_offset(k),
+                         shards_.piece_n(k), sizeof(float), Axis::Data);
+    }
     return compute != nullptr;
   }
   if (o_.name == "adamw") {
@@ -250,12 +261,34 @@ void Optimizer::state_to_host(size_t k, float* flat) {
   gather_pieces_to_host(buf, false, flat);
 }
 
+void Optimizer::gather_compute(const float* params, void* compute) {
+  // every rank's pieces cast into the compute copy and gathered in the act dtype, in place
+  // (the cast is elementwise, so this is the cast of whole masters)
+  char* dst = static_cast<char*>(compute);
+  const size_t es = be_.act_size();
+  for (const Piece& pc : pieces_)
+    if (pc.n > 0)
+      be_.cast_to_act(dst + pc.flat * es, w_ ? w_ + pc.shard : params + pc.flat, pc.n);
+  for (size_t k = 0; k < shards_.buckets.size(); ++k)
+    coll_->allgather(dst + shards_.buckets[k].offset * es, dst + shards_.piece_offset(k) * es,
+                     shards_.piece_n(k), es, Axis::Data);
+}
+
 void Optimizer::master_to_host(const float* params, float* flat) {
   if (!zero_) {
     be_.copy_to_host(flat, params, n_ * sizeof(float));
     return;
   }
-  gather_pieces_to_host(params, true, flat);
+  if (w_)
+    gather_pieces_to_host(w_, false, flat);
+  else
+    gather_pieces_to_host(params, true, flat);
+}
+
+void Optimizer::master_from_host(const float* flat) {
+  if (!w_) return;
+  for (const Piece& pc : pieces_)
+    if (pc.n > 0) be_.copy_to_device(w_ + pc.shard, flat + pc.flat, pc.n * sizeof(float));
 }
 
 void Optimizer::state_from_host(size_t k, const float* flat) {

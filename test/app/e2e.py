@@ -642,7 +642,7 @@ def t_zero(tmp):
         check(worst <= 1e-4, f"{what} zero=1: final parameters within {worst:.2e} <= 1e-4")
     # resume across zero = 0 / 1, both directions, with another data size too
     ck = ["--checkpoint.every_steps=10", "--optim.clip_grad_norm=0.5"]
-    # (bf16: the masters' other pieces are stale on each rank, the checkpoint gathers them)
+    # (bf16: each rank holds its pieces of the fp32 masters only, the checkpoint gathers them)
     bf = z + ["--precision.mode=bf16"]
     for what, first, second in [("zero 0 (2 ranks) -> zero 1 (4 ranks)", (2, []), (4, z)),
                                 ("zero 1 (4 ranks) -> zero 0 (2 ranks)", (4, z), (2, [])),

@@ -245,8 +245,9 @@ TEST(ViTHook, ReportsEveryGroupOnceInBackwardOrder) {
 
 // The sharded optimizer against the replicated one: 3 steps with the same gradients (each rank
 // contributes 1/D of them), master weights and state compared. With 16-bit activations (`act`,
-// emulated on the CPU) the sharded one refreshes the compute copy itself, from its pieces
-// gathered in the act dtype: it must equal the cast of the whole masters.
+// emulated on the CPU) the sharded one holds the masters' pieces itself (the model keeps none:
+// the trainer's layout) and refreshes the compute copy from its pieces gathered in the act
+// dtype: it must equal the cast of the whole masters.
 void sharded_matches_replicated(const std::string& name, DType act = DType::F32) {
   ProcessGrid grid(MPI_COMM_WORLD, data_grid());
   const int D = grid.size(Axis::Data), r = grid.rank(Axis::Data);
@@ -255,9 +256,10 @@ void sharded_matches_replicated(const std::string& name, DType act = DType::F32)
   auto tp = make_tensor_parallel(grid, *be, *coll);
   StageLayout layout = StageLayout::whole(tiny().depth);
   layout.pad_to = static_cast<size_t>(D) * 16;
-  ViT zm(tiny(), *be, *tp, 2, layout), rm(tiny(), *be, *tp, 2, layout);
-  zm.init_params(5);
-  rm.init_params(5);
+  ViT rm(tiny(), *be, *tp, 2, layout);
+  layout.master_elsewhere = D > 1;
+  ViT zm(tiny(), *be, *tp, 2, layout);
+  EXPECT_EQ(zm.holds_master(), D == 1 || act == DType::F32);
   const size_t n = zm.num_local_params();
   std::vector<GradRange> groups;
   for (const auto& g : zm.grad_groups()) groups.push_back({g.offset, g.n});
@@ -269,7 +271,13 @@ void sharded_matches_replicated(const std::string& name, DType act = DType::F32)
   o.lr = 1e-2;
   Optimizer zopt(o, *be, *tp, zm, &zs, coll.get(), grid.comm(Axis::Data).get());
   Optimizer ropt(o, *be, *tp, rm);
-  EXPECT_EQ(zopt.state_elems() * D, n);
+  EXPECT_EQ(zopt.holds_master(), !zm.holds_master());
+  // the trainer's init: the model's compute copy (and masters, if it holds them), then the
+  // optimizer's pieces
+  const std::vector<float> init = zm.initial_params(5);
+  zm.set_params(init.data());
+  zopt.master_from_host(init.data());
+  rm.init_params(5);
   GradReducer red(*coll, D, r, zs.buckets, true);
   std::mt19937 gen(17);
   std::normal_distribution<float> nd;
@@ -368,6 +376,36 @@ TEST(ZeroOptimizer, StateIsAllocatedForTheShardOnly) {
   // AdamW: two state buffers of n / D floats, against two of n
   EXPECT_LE(sharded, 2 * n / D * 4 + 1024);
   EXPECT_GE(whole, 2 * n * 4);
+}
+
+// With 16-bit activations the fp32 masters are sharded too: the model allocates none and the
+// optimizer n / D floats of them, so the peak drops by n - n / D floats (bf16 on the CPU).
+TEST(ZeroOptimizer, MastersAreAllocatedForTheShardOnlyWith16BitActivations) {
+  ProcessGrid grid(MPI_COMM_WORLD, data_grid());
+  const int D = grid.size(Axis::Data), r = grid.rank(Axis::Data);
+  size_t peak[2] = {0, 0}, n = 0;
+  for (int elsewhere = 0; elsewhere < 2; ++elsewhere) {
+    auto be = make_backend("cpu", 0, DType::BF16);  // fresh: its peak is this model's
+    auto coll = make_mpi_collectives(grid);
+    auto tp = make_tensor_parallel(grid, *be, *coll);
+    StageLayout layout = StageLayout::whole(tiny().depth);
+    layout.pad_to = static_cast<size_t>(D) * 16;
+    layout.master_elsewhere = elsewhere == 1;
+    ViT m(tiny(), *be, *tp, 2, layout);
+    EXPECT_EQ(m.holds_master(), elsewhere == 0);
+    EXPECT_EQ(m.master() == nullptr, elsewhere == 1);
+    n = m.num_local_params();
+    std::vector<GradRange> groups;
+    for (const auto& g : m.grad_groups()) groups.push_back({g.offset, g.n});
+    ZeroShards zs{D, r, plan_grad_buckets(groups, n, 0, size_t(D) * 16)};
+    OptimSection o;
+    if (elsewhere == 1 && D == 1) return;  // one data rank is not ZeRO: nobody would hold them
+    Optimizer z(o, *be, *tp, m, &zs, coll.get(), grid.comm(Axis::Data).get());
+    EXPECT_EQ(z.holds_master(), elsewhere == 1);
+    peak[elsewhere] = be->peak_memory_bytes();
+  }
+  const double saved = double(peak[0]) - double(peak[1]), want = double(n - n / D) * 4.0;
+  EXPECT_NEAR(saved, want, 256.0) << n << " parameters over " << D << " data ranks";
 }
 
 }  // namespace

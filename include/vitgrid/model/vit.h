@@ -75,6 +75,11 @@ struct StageLayout {
   // The flat buffers (master, compute, gradients) are padded with zeros to a multiple of this
   // many elements (ZeRO splits them evenly over the data ranks).
   size_t pad_to = 1;
+  // The fp32 master weights are kept elsewhere (ZeRO-1's optimizer holds this data rank's
+  // pieces): when the compute copy is a buffer of its own (16-bit activations) the model
+  // allocates no master buffer, master() is null and set_params writes the compute copy
+  // only. Ignored with fp32 storage (the masters are the compute copy).
+  bool master_elsewhere = false;
   static StageLayout whole(int depth, int sets = 1) {
     StageLayout l;
     l.chunks = {{0, depth}};
@@ -110,13 +115,22 @@ class ViT {
   int64_t num_global_params() const;
 
   // Layout-independent init: element e of parameter p is a function of (seed, name(p), e's
-  // global index) whatever the shard. Writes master weights and the compute copy.
+  // global index) whatever the shard. initial_params returns those values (flat local layout,
+  // num_local_params() floats) and keys the model's random streams (dropout) by the seed;
+  // init_params also writes them (set_params).
+  std::vector<float> initial_params(uint64_t seed);
   void init_params(uint64_t seed);
-  // After the optimizer changed master weights (or a checkpoint was loaded): refresh the
-  // compute (act dtype) copy. A no-op alias when act is fp32 storage.
+  // Parameters from a flat host copy (num_local_params() floats): into the masters and the
+  // compute copy, or the compute copy alone when the masters are kept elsewhere (staged
+  // through the gradient buffer, which is zeroed after: no allocation).
+  void set_params(const float* host);
+  // After the optimizer changed master weights: refresh the compute (act dtype) copy. A no-op
+  // alias when act is fp32 storage.
   void sync_compute_params();
 
+  // The fp32 masters; null when they are kept elsewhere (StageLayout::master_elsewhere).
   float* master() { return master_; }
+  bool holds_master() const { return master_ != nullptr; }
   // The act-dtype compute copy when it is a buffer of its own (16-bit activations), else null
   // (fp32 storage: the masters are the compute copy).
   void* compute_copy() { return compute_alias_ ? nullptr : compute_; }

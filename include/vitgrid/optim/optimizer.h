@@ -3,11 +3,15 @@
 // parameters; every update is one multi-tensor backend call over the parameter slices.
 //
 // ZeRO-1 (a ZeroShards given): the state holds only this data rank's pieces of the flat
-// buffer (grad_reduce.h), so it takes 1/D of the memory. A step updates the rank's pieces of
-// the fp32 master weights (one multi-tensor call per bucket) from the reduce-scattered
-// gradient pieces, then all-gathers the master weights over the data axis; norms (clipping,
-// LAMB trust ratios) are whole-parameter norms: per-parameter partial sums of squares over
-// the pieces, summed over the data axis, then over the tensor axes as without ZeRO.
+// buffer (grad_reduce.h), so it takes 1/D of the memory. With 16-bit activations the fp32
+// master weights are sharded the same way: the model keeps none (StageLayout::
+// master_elsewhere) and the optimizer holds this rank's pieces. A step updates the rank's
+// pieces of the masters (one multi-tensor call per bucket) from the reduce-scattered gradient
+// pieces, then all-gathers the parameters over the data axis: the pieces cast into the 16-bit
+// compute copy, or (fp32 storage, whole masters on every rank) the fp32 masters. Norms
+// (clipping, LAMB trust ratios) are whole-parameter norms: per-parameter partial sums of
+// squares over the pieces, summed over the data axis, then over the tensor axes as without
+// ZeRO.
 #pragma once
 #include <mpi.h>
 
@@ -86,19 +90,25 @@ class Optimizer {
   // One update with this step's lr; grads are multiplied by grad_scale first (unscale and
   // clip). step is the 1-based count of applied updates (bias correction). With ZeRO, called by
   // every data rank. grad_scale_dev, when set, multiplies grad_scale on the device
-  // (Backend::clip_factor). `compute`: the model's act-dtype copy of the parameters when it is
-  // a buffer of its own (bf16 / fp16), else null.
+  // (Backend::clip_factor). `params`: the model's masters (null when the model keeps none);
+  // `compute`: the model's act-dtype copy of the parameters when it is a buffer of its own
+  // (bf16 / fp16), else null.
   // Returns whether `compute` was refreshed here. With ZeRO and `compute`: each rank casts its
   // updated pieces into `compute` and the act-dtype pieces are all-gathered (half the bytes
-  // of fp32 masters, and no cast of the whole model); the other ranks' pieces of the fp32
-  // masters on this rank are then stale, which only master_to_host reads. Otherwise (false)
-  // the masters are whole on every rank and the caller casts them.
+  // of fp32 masters, and no cast of the whole model). Otherwise (false) the masters are whole
+  // on every rank and the caller casts them.
   bool step(float* params, float* grads, double lr, int64_t step, float grad_scale,
             const float* grad_scale_dev = nullptr, void* compute = nullptr);
   // The master weights in the model's flat layout on the host (num_local_params() floats):
-  // with ZeRO each rank's own pieces, all-gathered over the data axis on the host (called by
-  // every data rank); without, a copy.
+  // with ZeRO each rank's own pieces (held here, or in `params`), all-gathered over the data
+  // axis on the host (called by every data rank); without, a copy of `params`.
   void master_to_host(const float* params, float* flat_host);
+  // The reverse, for the masters held here (this rank's pieces of a flat host copy: after
+  // init or a checkpoint load); nothing when the model holds them (ViT::set_params writes
+  // those).
+  void master_from_host(const float* flat_host);
+  // Whether this optimizer holds the masters (this rank's pieces; the model keeps none).
+  bool holds_master() const { return w_ != nullptr; }
 
   // Named state buffers for checkpoints: ("exp_avg", m), ("exp_avg_sq", v) for Adam-type,
   // ("momentum_buffer", mom) for SGD (PyTorch's names). With ZeRO they hold the pieces only
@@ -123,8 +133,12 @@ class Optimizer {
     std::vector<ParamSlice> slices;
     std::vector<int> param;  // index of each slice's parameter
   };
-  // per-parameter sums of squares over the pieces, summed over the data axis
-  std::vector<double> piece_norms(const float* buf);
+  // per-parameter sums of squares of buf's slices `sl` (zslices_ or wslices_: a parameter's
+  // intersections with the pieces), summed over the data axis
+  std::vector<double> piece_norms(const float* buf, const std::vector<ParamSlice>& sl);
+  // ZeRO with a compute copy: this rank's updated master pieces (w_, else params at flat
+  // offsets) cast into `compute`, then every rank's act-dtype pieces gathered in place
+  void gather_compute(const float* params, void* compute);
 
   const OptimSection& o_;
   Backend& be_;
@@ -143,6 +157,8 @@ class Optimizer {
   std::vector<Piece> pieces_;
   std::vector<ParamSlice> zslices_;  // every piece's slices, flat offsets, decay 0 (norms)
   std::vector<int> zparam_;          // parameter of each zslice
+  float* w_ = nullptr;               // this rank's master pieces (when the model keeps none)
+  std::vector<ParamSlice> wslices_;  // zslices_ at shard offsets (norms of w_)
   std::vector<ParamSlice> norm_slices_;  // the slices this rank counts in the global norm
 };
 

@@ -99,6 +99,7 @@ struct Trainer::Impl {
   std::unique_ptr<Optimizer> opt;
   // data-parallel gradient reduction: buckets overlapped with the backward (overlap), ZeRO-1
   std::unique_ptr<GradReducer> reducer;
+  std::unique_ptr<ParamGather> gather;  // ZeRO-1's parameter gather during the forward
   ZeroShards zero_shards;
   bool zero = false, overlap = false;
   std::unique_ptr<LossScaler> scaler;
@@ -404,6 +405,11 @@ struct Trainer::Impl {
     zero_shards.buckets = buckets;
     reducer = std::make_unique<GradReducer>(*coll, D, grid->rank(Axis::Data), buckets, zero);
     if (overlap) model->set_grad_ready_hook([this](size_t o, size_t c) { reducer->ready(o, c); });
+    // ZeRO-1 with a 16-bit copy: each bucket of parameters is gathered during the next forward
+    if (zero && model->compute_copy() && deck.parallel.zero_gather == "forward") {
+      gather = std::make_unique<ParamGather>(*coll, zero_shards, be->act_size());
+      model->set_param_need_hook([this](size_t o, size_t c) { gather->need(o, c); });
+    }
     const bool act_reduce = D > 1 && deck.parallel.grad_reduce == "act";
     if (act_reduce) {
       agreed([&] { d_grad_stage = be->alloc(n * be->act_size()); });
@@ -422,7 +428,9 @@ struct Trainer::Impl {
           overlap && margin > 0 ? (", the GEMMs leave " + std::to_string(margin) +
                                    " SMs to it meanwhile").c_str()
                                 : "",
-          zero ? "ZeRO-1: reduce-scatter, sharded update, all-gather of the master weights"
+          zero ? (gather ? "ZeRO-1: reduce-scatter, sharded update, all-gather of the 16-bit "
+                           "parameters bucket by bucket during the next forward"
+                         : "ZeRO-1: reduce-scatter, sharded update, all-gather of the parameters")
                : "all-reduce");
   }
 
@@ -529,11 +537,15 @@ struct Trainer::Impl {
       be->wait_uploads();  // outside the graph: the copy stream is not captured
       run_body({cur, first, last, !hb->soft.empty(), grad_scale}, [&] {
         if (first) {
+          // the parameters the last update changed, gathered while the forward runs (each
+          // layer waits for its bucket; after a skipped or no update this regathers the same)
+          if (gather) gather->start(model->compute_copy());
           model->zero_grads();
           be->zero(&d_step->loss_sum, sizeof(double));
         }
         DeviceBatch db = prepare_batch(*hb, cur);
         pipe->train(db, smoothing, grad_scale, s, overlap && last, &d_step->loss_sum);
+        if (first && gather) gather->finish();
         if (last) finish_gradients(scale);
       });
       be->release_slot(cur);
@@ -555,7 +567,7 @@ struct Trainer::Impl {
     if (p.applied) {
       ++applied;
       if (!opt->step(model->master(), model->grads(), lr, applied, 1.0f, &d_step->factor,
-                     model->compute_copy()))
+                     model->compute_copy(), !gather))
         model->sync_compute_params();
     }
     p.readback = static_cast<int>(s & 1);
@@ -806,6 +818,7 @@ struct Trainer::Impl {
     // eval's kernels are timed by each rank alone: the last eval batch has a different number
     // of samples (so different GEMM shapes) on each data rank
     be->set_tune_agreement(nullptr);
+    if (gather) gather->gather_now(model->compute_copy());  // the last update's, all of them
     DataLoader loader(eval_ds, loader_config(false));
     double s[4] = {0, 0, 0, 0};
     int64_t t = 0;

@@ -128,6 +128,8 @@ const std::vector<Field>& schema() {
       VG_FIELD(parallel, zero, "", "ZeRO stage: 0 = off, 1 = optimizer state sharded over data"),
       VG_FIELD(parallel, grad_reduce, "fp32|act",
                "data-parallel gradient sums in fp32, or in the 16-bit act dtype of bf16/fp16 (half the bytes, as DDP's bf16_compress_hook; gradients stay fp32 around it)"),
+      VG_FIELD(parallel, zero_gather, "forward|step",
+               "ZeRO-1 with bf16/fp16: the updated parameters are all-gathered bucket by bucket during the next step's forward, each bucket just before its layers (forward), or all at the end of the update (step)"),
       VG_FIELD(parallel, data, "",
                "data-parallel replicas; derived as world / (pipeline * tensor), 0 = derive"),
       // [data]

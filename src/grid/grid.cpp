@@ -442,6 +442,30 @@ class MpiCollectives final : public Collectives {
                                         &reqs_.back()));
   }
 
+  size_t start_allgather(void* out, const void* in, size_t n, size_t elem_size, Axis a) override {
+    const Comm& c = grid_.comm(a);
+    const size_t bytes = n * elem_size;
+    const void* send = (in == static_cast<char*>(out) + bytes * c.rank()) ? MPI_IN_PLACE : in;
+    MPI_Datatype t = MPI_BYTE;
+    size_t cnt = bytes;
+    if (bytes > static_cast<size_t>(INT_MAX)) {  // as allgather: element-sized units
+      VG_CHECK(n <= static_cast<size_t>(INT_MAX), "allgather block of " << n << " elements");
+      MPI_CHECK(MPI_Type_contiguous(static_cast<int>(elem_size), MPI_BYTE, &t));
+      MPI_CHECK(MPI_Type_commit(&t));
+      types_.push_back(t);  // freed in wait_all, once the operation completed
+      cnt = n;
+    }
+    reqs_.emplace_back();
+    MPI_CHECK(MPI_Iallgather(send, static_cast<int>(cnt), t, out, static_cast<int>(cnt), t,
+                             c.get(), &reqs_.back()));
+    return reqs_.size() - 1;
+  }
+
+  void wait_started(size_t ticket) override {
+    VG_CHECK(ticket < reqs_.size(), "wait for collective " << ticket << " of " << reqs_.size());
+    MPI_CHECK(MPI_Wait(&reqs_[ticket], MPI_STATUS_IGNORE));
+  }
+
   void progress() override {
     if (reqs_.empty()) return;
     int done = 0;
@@ -455,6 +479,8 @@ class MpiCollectives final : public Collectives {
     reqs_.clear();
     for (const Move& m : moves_) std::memcpy(m.dst, m.src, m.n * sizeof(float));
     moves_.clear();
+    for (MPI_Datatype& t : types_) MPI_CHECK(MPI_Type_free(&t));
+    types_.clear();
   }
 
   void reduce_scatter_sum_act(void* out, const void* in, size_t n, size_t elem_size,
@@ -514,6 +540,7 @@ class MpiCollectives final : public Collectives {
   };
   std::vector<MPI_Request> reqs_;
   std::vector<Move> moves_;
+  std::vector<MPI_Datatype> types_;  // of started gathers over 2 GiB
 };
 
 }  // namespace

@@ -222,6 +222,10 @@ void ViT::report(int group) const {
   if (hook_ && group >= 0) hook_(groups_[group].offset, groups_[group].n);
 }
 
+void ViT::need(int group) const {
+  if (need_hook_ && group >= 0) need_hook_(groups_[group].offset, groups_[group].n);
+}
+
 int ViT::chunk_of_block(int l) const {
   for (size_t c = 0; c < layout_.chunks.size(); ++c) {
     const auto& ch = layout_.chunks[c];
@@ -468,6 +472,7 @@ void ViT::block_forward(int l, int B, int64_t step, int64_t fp, bool train, int 
   // previous block's r_mid + f: fused add (unless recomputing from the stored r_in). The
   // chunk's first block reads its input (embedding output or the previous stage's output).
   const bool fused_add = j > 0 && !ckpt;
+  if (!recompute) need(block_group_[l]);
   if (fused_add) {
     Acts::BlockActs& pb = st.blocks[j - 1];
     tp_.layernorm_forward(st.r_in[j], b.y1, b.m1, b.s1, pb.r_mid, pb.f, W(kNorm1W), W(kNorm1B),
@@ -484,6 +489,7 @@ void ViT::block_forward(int l, int B, int64_t step, int64_t fp, bool train, int 
   if (drop)
     be_.dropout_forward(b.p, b.p, N * Cs, cfg_.dropout,
                         dkey(step, l, kSiteProj, fp, ActLayout::Stream, B, C));
+  if (!recompute) need(block_group_[l] + 1);
   tp_.layernorm_forward(b.r_mid, b.y2, b.m2, b.s2, st.r_in[j], b.p, W(kNorm2W), W(kNorm2B), N,
                         C, cfg_.ln_eps);
   tp_.linear_forward(LinearRole::Column, b.h, b.y2, W(kFc1W), W(kFc1B), N, C, M, b.g,
@@ -524,6 +530,7 @@ void ViT::chunk_forward(int chunk, int set, const DeviceBatch& in, int64_t step,
     const int e = embed_param_;
     const size_t img = static_cast<size_t>(cfg_.channels) * cfg_.image * cfg_.image;
     const void* images = static_cast<const char*>(in.images) + sb.sample_offset * img * as;
+    need(embed_group_);
     be_.patchify(st.patches, images, Bl, cfg_.image, cfg_.patch);
     tp_.linear_forward(LinearRole::Embed, a.ptok, st.patches, P(e), P(e + 1),
                        Bl * cfg_.patches(), cfg_.patch_dim(), C, nullptr, cfg_.gelu);
@@ -543,6 +550,7 @@ void ViT::chunk_forward(int chunk, int set, const DeviceBatch& in, int64_t step,
   be_.gather_cls(a.cls_a, lb.r_mid, Bl, T, Cs);
   be_.gather_cls(a.cls_b, lb.f, Bl, T, Cs);
   const int fn = head_param_;
+  need(head_group_);
   tp_.layernorm_forward(st.cls_rows, st.cls_norm, st.mf, st.sf, a.cls_a, a.cls_b, P(fn),
                         P(fn + 1), Bl, C, cfg_.ln_eps);
   tp_.linear_forward(LinearRole::Head, a.logits, st.cls_norm, P(fn + 2), P(fn + 3), Bl, C, K,

@@ -118,4 +118,46 @@ void GradReducer::finish() {
     act_be_->cast_to_f32(grads_, stage_, buckets_.back().offset + buckets_.back().n);
 }
 
+ParamGather::ParamGather(Collectives& coll, const ZeroShards& shards, size_t elem_size)
+    : coll_(coll), shards_(shards), es_(elem_size) {
+  ticket_.resize(shards_.buckets.size());
+  waited_.assign(shards_.buckets.size(), true);
+}
+
+void ParamGather::start(void* compute) {
+  VG_CHECK(open_ == 0, "parameter gathers started twice");
+  char* c = static_cast<char*>(compute);
+  for (size_t k = 0; k < shards_.buckets.size(); ++k) {
+    ticket_[k] = coll_.start_allgather(c + shards_.buckets[k].offset * es_,
+                                       c + shards_.piece_offset(k) * es_, shards_.piece_n(k), es_,
+                                       Axis::Data);
+    waited_[k] = false;
+  }
+  open_ = shards_.buckets.size();
+}
+
+void ParamGather::need(size_t offset, size_t n) {
+  if (open_ == 0) return;
+  const size_t end = offset + n;
+  for (size_t k = 0; k < shards_.buckets.size(); ++k) {
+    const GradBucket& b = shards_.buckets[k];
+    if (waited_[k] || b.offset >= end || b.offset + b.n <= offset) continue;
+    coll_.wait_started(ticket_[k]);
+    waited_[k] = true;
+    --open_;
+  }
+}
+
+void ParamGather::finish() {
+  if (open_ == 0) return;
+  coll_.wait_all();
+  waited_.assign(waited_.size(), true);
+  open_ = 0;
+}
+
+void ParamGather::gather_now(void* compute) {
+  start(compute);
+  finish();
+}
+
 }  // namespace vitgrid

@@ -159,7 +159,7 @@ bool Optimizer::grads_finite(const float* grads) {
 }
 
 bool Optimizer::step(float* params, float* grads, double lr, int64_t step, float grad_scale,
-                     const float* grad_scale_dev, void* compute) {
+                     const float* grad_scale_dev, void* compute, bool gather) {
   AdamParams a{static_cast<float>(lr), static_cast<float>(o_.beta1), static_cast<float>(o_.beta2),
                static_cast<float>(o_.eps), static_cast<int>(step), grad_scale, grad_scale_dev};
   if (zero_) {
@@ -200,7 +200,7 @@ bool Optimizer::step(float* params, float* grads, double lr, int64_t step, float
                          grad_scale, grad_scale_dev);
     }
     if (compute) {
-      gather_compute(params, compute);
+      gather_compute(params, compute, gather);
     } else {
       // the fp32 masters themselves, in place (the caller casts)
       for (size_t k = 0; k < shards_.buckets.size(); ++k)
@@ -261,7 +261,7 @@ void Optimizer::state_to_host(size_t k, float* flat) {
   gather_pieces_to_host(buf, false, flat);
 }
 
-void Optimizer::gather_compute(const float* params, void* compute) {
+void Optimizer::gather_compute(const float* params, void* compute, bool gather) {
   // every rank's pieces cast into the compute copy and gathered in the act dtype, in place
   // (the cast is elementwise, so this is the cast of whole masters)
   char* dst = static_cast<char*>(compute);
@@ -269,6 +269,7 @@ void Optimizer::gather_compute(const float* params, void* compute) {
   for (const Piece& pc : pieces_)
     if (pc.n > 0)
       be_.cast_to_act(dst + pc.flat * es, w_ ? w_ + pc.shard : params + pc.flat, pc.n);
+  if (!gather) return;
   for (size_t k = 0; k < shards_.buckets.size(); ++k)
     coll_->allgather(dst + shards_.buckets[k].offset * es, dst + shards_.piece_offset(k) * es,
                      shards_.piece_n(k), es, Axis::Data);

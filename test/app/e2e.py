@@ -600,7 +600,9 @@ def t_zero(tmp):
     1e-4 on 2 and 4 ranks for AdamW, LAMB and SGD with clipping, in emulated fp16, through a
     pipeline (P2 x dp2) and with 1d tensor parallelism (t2 x dp2); checkpoints stay global, and
     resuming across zero = 0 / 1 in both directions equals the uninterrupted run (also in bf16,
-    where each rank's masters hold only its own pieces up to date and the checkpoint gathers them)."""
+    where each rank holds only its pieces of the fp32 masters and the checkpoint gathers them);
+    in bf16 the parameters gathered during the next forward equal those gathered in the update,
+    bit for bit."""
     base = ["--checkpoint.every_steps=0", "--optim.clip_grad_norm=0.5"]
     z = ["--parallel.zero=1"]
     for name, lr in OPTIMIZERS:
@@ -679,6 +681,30 @@ def t_zero(tmp):
             check(wm <= 1e-4 and wo <= 1e-3,
                   f"resume {what}: final parameters within {wm:.2e} <= 1e-4, optimizer state "
                   f"within {wo:.2e} <= 1e-3")
+
+    # bf16: the parameter gather overlapped with the next forward (zero_gather = forward, the
+    # default: each layer waits for its bucket) against the gather at the end of the update:
+    # the same bytes, so bit-identical losses, evaluations (between steps: the last update's
+    # gather completes first) and checkpoints; with gradient accumulation and a pipeline too
+    for np_, what, extra in [(2, "dp2", []), (4, "dp4, accumulation 2", ["--data.grad_accum=2"]),
+                             (4, "P2 x dp2", ["--parallel.pipeline=2",
+                                              "--parallel.micro_batches=2"])]:
+        got = []
+        for g in ["step", "forward"]:
+            d = os.path.join(tmp, f"gather_{g}_{np_}_{len(extra)}")
+            run_buckets(np_, ["train", DECK, f"--run.out_dir={d}", "--precision.mode=bf16",
+                              "--run.eval_every=5", "--checkpoint.every_steps=20",
+                              f"--parallel.zero_gather={g}"] + z + extra, 0.001)
+            with h5py.File(os.path.join(d, "metrics.h5"), "r") as f:
+                got.append((f["/train/loss"][()], f["/eval/loss"][()], f["/eval/top1"][()],
+                            model_tensors(os.path.join(d, "checkpoints", "step_00000020.h5"))))
+        (la, ea, ta, ma), (lb, eb, tb, mb) = got
+        same = (np.array_equal(la, lb) and np.array_equal(ea, eb) and np.array_equal(ta, tb)
+                and len(ea) == 4 and all(np.array_equal(ma[k], mb[k]) for k in ma))
+        check(same, f"bf16 ZeRO-1 {what}: parameters gathered during the forward = gathered in "
+                    f"the update, bit for bit (train loss diff {np.max(np.abs(la - lb)):.2e}, "
+                    f"eval loss diff {np.max(np.abs(ea - eb)):.2e})")
+
 
 def t_no_allocations(tmp):
     """After setup no layout allocates: `vitgrid bench` (loader, forward, backward, gradient
@@ -761,6 +787,39 @@ def t_gpu_resume(tmp):
             worst = max(float(np.linalg.norm(fa["model"][k][()] - fb["model"][k][()]) /
                               max(np.linalg.norm(fa["model"][k][()]), 1e-30)) for k in fa["model"])
         check(worst <= 1e-6, f"{name}: final parameters within {worst:.2e} <= 1e-6")
+
+
+def t_gpu_zero_gather(tmp):
+    """ZeRO-1 in bf16 on 2 GPUs: the parameters gathered bucket by bucket during the next
+    forward (parallel.zero_gather = forward: NCCL on the communication stream, each layer's
+    kernels waiting for their bucket, inside the captured CUDA graph) give the losses,
+    evaluations and final parameters of the gather at the end of the update, bit for bit
+    (kernel choices fixed: device.gemm_tune = 0), with one and with two batches per step.
+    77 without a GPU; skipped with one."""
+    if gpus_or_skip() < 2:
+        print("skip: needs 2 GPUs")
+        return
+    common = ["--model.hidden=64", "--model.heads=4", "--model.depth=4", "--model.dropout=0",
+              "--device.backend=cuda", "--device.gemm_tune=0", "--precision.mode=bf16",
+              "--parallel.zero=1", "--run.eval_every=5", "--checkpoint.every_steps=20"]
+    for what, extra in [("1 batch per step", []), ("2 batches per step", ["--data.grad_accum=2"])]:
+        got = []
+        for g in ["step", "forward"]:
+            d = os.path.join(tmp, f"{g}_{len(extra)}")
+            p = run_buckets(2, ["train", DECK, f"--run.out_dir={d}", f"--parallel.zero_gather={g}"]
+                            + common + extra, 0.001)
+            check("CUDA graphs:" in p.stdout and
+                  ("during the next forward" in p.stdout) == (g == "forward"),
+                  f"{what}, zero_gather = {g}: CUDA graphs on, the log names the gather")
+            with h5py.File(os.path.join(d, "metrics.h5"), "r") as f:
+                got.append((f["/train/loss"][()], f["/eval/loss"][()],
+                            model_tensors(os.path.join(d, "checkpoints", "step_00000020.h5"))))
+        (la, ea, ma), (lb, eb, mb) = got
+        same = (np.array_equal(la, lb) and np.array_equal(ea, eb) and len(ea) == 4
+                and all(np.array_equal(ma[k], mb[k]) for k in ma))
+        check(same, f"{what}: gathered during the forward = gathered in the update, bit for bit "
+                    f"(train loss diff {np.max(np.abs(la - lb)):.2e}, eval loss diff "
+                    f"{np.max(np.abs(ea - eb)):.2e})")
 
 
 def t_gpu_parallel(tmp):

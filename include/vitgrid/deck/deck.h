@@ -49,6 +49,7 @@ struct ParallelSection {
   std::string partition = "uniform";  // uniform | balanced | list:n0,n1,...
   int zero = 0;                    // 0 | 1 (optimizer state sharded over data)
   std::string grad_reduce = "fp32";  // fp32 | act: the data axis's gradient sums on the wire
+  std::string zero_gather = "forward";  // forward | step: when ZeRO-1 gathers the 16-bit copy
   int data = 0;                    // derived: world / (pipeline * tensor); 0 in the deck = derive
 };
 

@@ -115,7 +115,8 @@ class Collectives {
   virtual void recv(void* buf, size_t bytes, int peer, Axis a) = 0;
   virtual void barrier(Axis a) = 0;
 
-  // ---- Asynchronous reductions: data-parallel gradient buckets overlapped with the backward.
+  // ---- Asynchronous collectives: data-parallel gradient buckets overlapped with the backward,
+  // ZeRO-1's parameter buckets gathered during the next forward.
   // A start_* call is ordered after everything this rank enqueued on the backend before it
   // (CUDA: an event on the compute stream that the communication stream waits on) and
   // returns at once; its buffers must not be touched until wait_all() returns. Every rank of
@@ -133,6 +134,15 @@ class Collectives {
   virtual void start_reduce_scatter_sum(float* out, const float* in, size_t n, Axis a) {
     reduce_scatter_sum(out, in, n, a);
   }
+  // out[size*n] gathers each rank's in[n] (as allgather; in may be out's own block). Returns a
+  // ticket for wait_started, valid until the next wait_all().
+  virtual size_t start_allgather(void* out, const void* in, size_t n, size_t elem_size, Axis a) {
+    allgather(out, in, n, elem_size, a);
+    return 0;
+  }
+  // Orders later backend work after the operation of `ticket` (and, CUDA, everything started
+  // before it), without waiting on the host where the backend need not (CUDA).
+  virtual void wait_started(size_t ticket) { (void)ticket; }
   virtual void progress() {}
   virtual void wait_all() {}
 

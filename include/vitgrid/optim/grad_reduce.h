@@ -102,4 +102,35 @@ class GradReducer {
   char* stage_ = nullptr;
 };
 
+// ZeRO-1 with a 16-bit compute copy (parallel.zero_gather = forward): the all-gather of the
+// parameters the optimizer updated (each rank cast its pieces into the compute copy), bucket
+// by bucket during the next step's forward instead of at the end of the update. start(), in
+// the step's first micro-batch, starts every bucket's gather in buffer order (the forward's:
+// the patch embedding first); the model's parameter hook calls need(offset, n) before a
+// forward reads [offset, offset + n) of the compute copy, which orders that read after the
+// gathers of the buckets it touches (CUDA: a stream wait, no host wait); finish() covers any
+// bucket no forward asked for. Every rank of the data axis makes the same calls in the same
+// order (start and finish; need's waits are local).
+class ParamGather {
+ public:
+  ParamGather(Collectives& coll, const ZeroShards& shards, size_t elem_size);
+  // Starts the gathers into `compute` (act dtype, the model's flat layout).
+  void start(void* compute);
+  // The hook body: [offset, offset + n) of the compute copy is about to be read.
+  void need(size_t offset, size_t n);
+  // Orders later work after every gather started (Collectives::wait_all when a bucket was not
+  // needed yet; nothing when every one was).
+  void finish();
+  // start() then finish(): the whole copy gathered now (before an evaluation).
+  void gather_now(void* compute);
+
+ private:
+  Collectives& coll_;
+  ZeroShards shards_;
+  size_t es_;
+  std::vector<size_t> ticket_;
+  std::vector<bool> waited_;
+  size_t open_ = 0;  // buckets started and not waited for
+};
+
 }  // namespace vitgrid

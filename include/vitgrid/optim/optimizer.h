@@ -95,10 +95,11 @@ class Optimizer {
   // (bf16 / fp16), else null.
   // Returns whether `compute` was refreshed here. With ZeRO and `compute`: each rank casts its
   // updated pieces into `compute` and the act-dtype pieces are all-gathered (half the bytes
-  // of fp32 masters, and no cast of the whole model). Otherwise (false) the masters are whole
-  // on every rank and the caller casts them.
+  // of fp32 masters, and no cast of the whole model); with gather = false only the cast is
+  // done, the caller gathers (ParamGather, during the next forward). Otherwise (false) the
+  // masters are whole on every rank and the caller casts them.
   bool step(float* params, float* grads, double lr, int64_t step, float grad_scale,
-            const float* grad_scale_dev = nullptr, void* compute = nullptr);
+            const float* grad_scale_dev = nullptr, void* compute = nullptr, bool gather = true);
   // The master weights in the model's flat layout on the host (num_local_params() floats):
   // with ZeRO each rank's own pieces (held here, or in `params`), all-gathered over the data
   // axis on the host (called by every data rank); without, a copy of `params`.
@@ -137,8 +138,8 @@ class Optimizer {
   // intersections with the pieces), summed over the data axis
   std::vector<double> piece_norms(const float* buf, const std::vector<ParamSlice>& sl);
   // ZeRO with a compute copy: this rank's updated master pieces (w_, else params at flat
-  // offsets) cast into `compute`, then every rank's act-dtype pieces gathered in place
-  void gather_compute(const float* params, void* compute);
+  // offsets) cast into `compute`, then (gather) every rank's act-dtype pieces gathered in place
+  void gather_compute(const float* params, void* compute, bool gather);
 
   const OptimSection& o_;
   Backend& be_;

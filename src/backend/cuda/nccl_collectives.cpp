@@ -9,9 +9,10 @@
 // the collective and the axis, aborts every communicator and the MPI job (no rank hangs).
 // VITGRID_NCCL_BLOCKING=1 makes every call wait for completion instead (debugging; the old
 // behaviour, like CUDA_LAUNCH_BLOCKING for kernels).
-// The asynchronous reductions (gradient buckets overlapped with the backward) run on a
-// dedicated communication stream: each waits on an event recorded on the compute stream when
-// it is started; wait_all() makes the compute stream wait on the communication stream.
+// The asynchronous collectives (gradient buckets overlapped with the backward, ZeRO's
+// parameter buckets gathered during the forward) run on a dedicated communication stream:
+// each waits on an event recorded on the compute stream when it is started; wait_started()
+// makes the compute stream wait for one gather (an event behind it), wait_all() for them all.
 #include <mpi.h>
 #include <nccl.h>
 #include <unistd.h>
@@ -106,6 +107,7 @@ class NcclCollectives final : public Collectives {
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
     for (ncclComm_t c : comms_)
       if (c) ncclCommDestroy(c);
+    for (auto& e : ticket_ev_) cudaEventDestroy(e.first);
     cudaEventDestroy(done_ev_);
     cudaEventDestroy(ready_ev_);
     cudaStreamDestroy(comm_stream_);
@@ -135,7 +137,30 @@ class NcclCollectives final : public Collectives {
       CUDA_CHECK(cudaMemcpyAsync(out, in, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
     }
   }
+  size_t start_allgather(void* out, const void* in, size_t n, size_t elem_size, Axis a) override {
+    const size_t t = tickets_++;
+    if (t == ticket_ev_.size()) {
+      ticket_ev_.emplace_back(nullptr, false);
+      CUDA_CHECK(cudaEventCreateWithFlags(&ticket_ev_[t].first, cudaEventDisableTiming));
+    }
+    ticket_ev_[t].second = false;
+    if (ncclComm_t c = comm(a); c && !skipped()) {
+      order_after_compute(a);
+      NCCL_CHECK(ncclAllGather(in, out, n * elem_size, ncclUint8, c, comm_stream_));
+      CUDA_CHECK(cudaEventRecord(ticket_ev_[t].first, comm_stream_));
+      ticket_ev_[t].second = true;
+    } else if (out != in) {
+      CUDA_CHECK(cudaMemcpyAsync(out, in, n * elem_size, cudaMemcpyDeviceToDevice, stream_));
+    }
+    return t;
+  }
+  void wait_started(size_t t) override {
+    VG_CHECK(t < tickets_, "wait for collective " << t << " of " << tickets_);
+    // (nothing went to the communication stream for it: a one-rank axis)
+    if (ticket_ev_[t].second) CUDA_CHECK(cudaStreamWaitEvent(stream_, ticket_ev_[t].first, 0));
+  }
   void wait_all() override {
+    tickets_ = 0;
     if (!pending_) return;
     // the compute stream continues after the reductions; the watchdog follows them
     track(comm_stream_, pending_axes_, "asynchronous reduction");
@@ -406,6 +431,10 @@ class NcclCollectives final : public Collectives {
   cudaEvent_t ready_ev_ = nullptr;      // compute stream -> communication stream
   cudaEvent_t done_ev_ = nullptr;       // communication stream -> compute stream
   bool pending_ = false;
+  // start_allgather's tickets since the last wait_all: an event recorded behind each on the
+  // communication stream (and whether it was), reused from one step to the next
+  std::vector<std::pair<cudaEvent_t, bool>> ticket_ev_;
+  size_t tickets_ = 0;
   unsigned pending_axes_ = 0;
   // the watchdog
   struct Pending {

@@ -685,13 +685,16 @@ def t_zero(tmp):
     # bf16: the parameter gather overlapped with the next forward (zero_gather = forward, the
     # default: each layer waits for its bucket) against the gather at the end of the update:
     # the same bytes, so bit-identical losses, evaluations (between steps: the last update's
-    # gather completes first) and checkpoints; with gradient accumulation and a pipeline too
+    # gather completes first) and checkpoints; with gradient accumulation, a pipeline and
+    # tensor parallelism too
     for np_, what, extra in [(2, "dp2", []), (4, "dp4, accumulation 2", ["--data.grad_accum=2"]),
                              (4, "P2 x dp2", ["--parallel.pipeline=2",
-                                              "--parallel.micro_batches=2"])]:
+                                              "--parallel.micro_batches=2"]),
+                             (4, "1d t2 x dp2", ["--parallel.tensor=2",
+                                                 "--parallel.tensor_mode=1d"])]:
         got = []
         for g in ["step", "forward"]:
-            d = os.path.join(tmp, f"gather_{g}_{np_}_{len(extra)}")
+            d = os.path.join(tmp, f"gather_{g}_{what.replace(' ', '_').replace(',', '')}")
             run_buckets(np_, ["train", DECK, f"--run.out_dir={d}", "--precision.mode=bf16",
                               "--run.eval_every=5", "--checkpoint.every_steps=20",
                               f"--parallel.zero_gather={g}"] + z + extra, 0.001)

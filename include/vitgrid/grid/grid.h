@@ -119,11 +119,12 @@ class Collectives {
   // ZeRO-1's parameter buckets gathered during the next forward.
   // A start_* call is ordered after everything this rank enqueued on the backend before it
   // (CUDA: an event on the compute stream that the communication stream waits on) and
-  // returns at once; its buffers must not be touched until wait_all() returns. Every rank of
-  // the axis must start the same sequence of reductions in the same order. progress() lets the
-  // library advance them (MPI: MPI_Testall; call it now and then from the host thread).
-  // wait_all() returns once every started reduction has completed (under the watchdog on
-  // CUDA), and orders later backend work after them. The defaults run the blocking calls.
+  // returns at once; its buffers must not be touched until wait_all() returns (a gather's:
+  // until wait_started on its ticket). Every rank of the axis must start the same sequence of
+  // collectives in the same order. progress() lets the library advance them (MPI:
+  // MPI_Testall; call it now and then from the host thread). wait_all() returns once every
+  // started collective has completed (under the watchdog on CUDA), and orders later backend
+  // work after them. The defaults run the blocking calls.
   virtual void start_allreduce_sum(float* buf, size_t n, Axis a) { allreduce_sum(buf, n, a); }
   // The same on an act-dtype buffer (as allreduce_sum_act).
   virtual void start_allreduce_sum_act(void* buf, size_t n, size_t elem_size, Axis a) {

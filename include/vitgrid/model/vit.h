@@ -150,7 +150,8 @@ class ViT {
   // Parameter-need hook (ZeRO-1's parameter gather overlapped with the forward): every forward
   // calls hook(offset, n) with a group's range (grad_groups()) before its first kernel reads
   // that group's parameters from the compute copy, in forward order.
-  void set_param_need_hook(GradReadyHook hook) { need_hook_ = std::move(hook); }
+  using ParamNeedHook = std::function<void(size_t offset, size_t n)>;
+  void set_param_need_hook(ParamNeedHook hook) { need_hook_ = std::move(hook); }
   struct GradGroup {
     size_t offset = 0, n = 0;
   };
@@ -238,7 +239,8 @@ class ViT {
   std::vector<GradGroup> groups_;
   std::vector<int> block_group_;
   int embed_group_ = -1, head_group_ = -1;
-  GradReadyHook hook_, need_hook_;
+  GradReadyHook hook_;
+  ParamNeedHook need_hook_;
   void report(int group) const;
   void need(int group) const;
   size_t n_params_ = 0;

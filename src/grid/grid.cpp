@@ -385,23 +385,9 @@ class MpiCollectives final : public Collectives {
   }
 
   void allgather(void* out, const void* in, size_t n, size_t elem_size, Axis a) override {
-    const Comm& c = grid_.comm(a);
-    const size_t bytes = n * elem_size;
-    // A rank that already placed its block in `out` passes that block as `in`: MPI forbids
-    // aliased buffers unless they are flagged as MPI_IN_PLACE.
-    const void* send = (in == static_cast<char*>(out) + bytes * c.rank()) ? MPI_IN_PLACE : in;
-    if (bytes <= static_cast<size_t>(INT_MAX)) {
-      const int cnt = static_cast<int>(bytes);
-      MPI_CHECK(MPI_Allgather(send, cnt, MPI_BYTE, out, cnt, MPI_BYTE, c.get()));
-      return;
-    }
-    // Blocks over 2 GiB: count elements of a contiguous element-sized type instead of bytes.
-    VG_CHECK(n <= static_cast<size_t>(INT_MAX), "allgather block of " << n << " elements");
-    MPI_Datatype t;
-    MPI_CHECK(MPI_Type_contiguous(static_cast<int>(elem_size), MPI_BYTE, &t));
-    MPI_CHECK(MPI_Type_commit(&t));
-    MPI_CHECK(MPI_Allgather(send, static_cast<int>(n), t, out, static_cast<int>(n), t, c.get()));
-    MPI_CHECK(MPI_Type_free(&t));
+    const GatherArgs g = gather_args(out, in, n, elem_size, a);
+    MPI_CHECK(MPI_Allgather(g.send, g.count, g.type, out, g.count, g.type, comm(a)));
+    if (g.type != MPI_BYTE) free_type(g.type);
   }
 
   void reduce_scatter_sum(float* out, const float* in, size_t n, Axis a) override {
@@ -443,21 +429,11 @@ class MpiCollectives final : public Collectives {
   }
 
   size_t start_allgather(void* out, const void* in, size_t n, size_t elem_size, Axis a) override {
-    const Comm& c = grid_.comm(a);
-    const size_t bytes = n * elem_size;
-    const void* send = (in == static_cast<char*>(out) + bytes * c.rank()) ? MPI_IN_PLACE : in;
-    MPI_Datatype t = MPI_BYTE;
-    size_t cnt = bytes;
-    if (bytes > static_cast<size_t>(INT_MAX)) {  // as allgather: element-sized units
-      VG_CHECK(n <= static_cast<size_t>(INT_MAX), "allgather block of " << n << " elements");
-      MPI_CHECK(MPI_Type_contiguous(static_cast<int>(elem_size), MPI_BYTE, &t));
-      MPI_CHECK(MPI_Type_commit(&t));
-      types_.push_back(t);  // freed in wait_all, once the operation completed
-      cnt = n;
-    }
+    const GatherArgs g = gather_args(out, in, n, elem_size, a);
+    if (g.type != MPI_BYTE) types_.push_back(g.type);  // freed in wait_all, once it completed
     reqs_.emplace_back();
-    MPI_CHECK(MPI_Iallgather(send, static_cast<int>(cnt), t, out, static_cast<int>(cnt), t,
-                             c.get(), &reqs_.back()));
+    MPI_CHECK(MPI_Iallgather(g.send, g.count, g.type, out, g.count, g.type, comm(a),
+                             &reqs_.back()));
     return reqs_.size() - 1;
   }
 
@@ -479,7 +455,7 @@ class MpiCollectives final : public Collectives {
     reqs_.clear();
     for (const Move& m : moves_) std::memcpy(m.dst, m.src, m.n * sizeof(float));
     moves_.clear();
-    for (MPI_Datatype& t : types_) MPI_CHECK(MPI_Type_free(&t));
+    for (MPI_Datatype t : types_) free_type(t);
     types_.clear();
   }
 
@@ -522,6 +498,31 @@ class MpiCollectives final : public Collectives {
   static constexpr int kTag = 0;
 
   MPI_Comm comm(Axis a) const { return grid_.comm(a).get(); }
+
+  // An all-gather's send buffer, count and type: a rank that already placed its block in
+  // `out` passes that block as `in`, which MPI only accepts as MPI_IN_PLACE; blocks over 2 GiB
+  // count elements of a committed contiguous element-sized type (free it: free_type) instead
+  // of bytes.
+  struct GatherArgs {
+    const void* send;
+    int count;
+    MPI_Datatype type;
+  };
+  GatherArgs gather_args(void* out, const void* in, size_t n, size_t elem_size, Axis a) const {
+    const size_t bytes = n * elem_size;
+    GatherArgs g{in, 0, MPI_BYTE};
+    if (in == static_cast<char*>(out) + bytes * grid_.comm(a).rank()) g.send = MPI_IN_PLACE;
+    if (bytes <= static_cast<size_t>(INT_MAX)) {
+      g.count = static_cast<int>(bytes);
+      return g;
+    }
+    VG_CHECK(n <= static_cast<size_t>(INT_MAX), "allgather block of " << n << " elements");
+    MPI_CHECK(MPI_Type_contiguous(static_cast<int>(elem_size), MPI_BYTE, &g.type));
+    MPI_CHECK(MPI_Type_commit(&g.type));
+    g.count = static_cast<int>(n);
+    return g;
+  }
+  static void free_type(MPI_Datatype t) { MPI_CHECK(MPI_Type_free(&t)); }
 
   void allreduce(float* buf, size_t n, MPI_Op op, Axis a) {
     for (size_t off = 0; off < n; off += kMaxCount) {

@@ -199,14 +199,10 @@ bool Optimizer::step(float* params, float* grads, double lr, int64_t step, float
                          static_cast<float>(lr), static_cast<float>(o_.momentum), o_.nesterov,
                          grad_scale, grad_scale_dev);
     }
-    if (compute) {
+    if (compute)
       gather_compute(params, compute, gather);
-    } else {
-      // the fp32 masters themselves, in place (the caller casts)
-      for (size_t k = 0; k < shards_.buckets.size(); ++k)
-        coll_->allgather(params + shards_.buckets[k].offset, params + shards_.piece_offset(k),
-                         shards_.piece_n(k), sizeof(float), Axis::Data);
-    }
+    else
+      allgather_pieces(params, sizeof(float));  // the fp32 masters themselves (the caller casts)
     return compute != nullptr;
   }
   if (o_.name == "adamw") {
@@ -269,9 +265,13 @@ void Optimizer::gather_compute(const float* params, void* compute, bool gather) 
   for (const Piece& pc : pieces_)
     if (pc.n > 0)
       be_.cast_to_act(dst + pc.flat * es, w_ ? w_ + pc.shard : params + pc.flat, pc.n);
-  if (!gather) return;
+  if (gather) allgather_pieces(dst, es);
+}
+
+void Optimizer::allgather_pieces(void* flat, size_t es) {
+  char* f = static_cast<char*>(flat);
   for (size_t k = 0; k < shards_.buckets.size(); ++k)
-    coll_->allgather(dst + shards_.buckets[k].offset * es, dst + shards_.piece_offset(k) * es,
+    coll_->allgather(f + shards_.buckets[k].offset * es, f + shards_.piece_offset(k) * es,
                      shards_.piece_n(k), es, Axis::Data);
 }
 
@@ -286,10 +286,13 @@ void Optimizer::master_to_host(const float* params, float* flat) {
     gather_pieces_to_host(params, true, flat);
 }
 
-void Optimizer::master_from_host(const float* flat) {
-  if (!w_) return;
+void Optimizer::pieces_from_host(const float* flat, float* shard) {
   for (const Piece& pc : pieces_)
-    if (pc.n > 0) be_.copy_to_device(w_ + pc.shard, flat + pc.flat, pc.n * sizeof(float));
+    if (pc.n > 0) be_.copy_to_device(shard + pc.shard, flat + pc.flat, pc.n * sizeof(float));
+}
+
+void Optimizer::master_from_host(const float* flat) {
+  if (w_) pieces_from_host(flat, w_);
 }
 
 void Optimizer::state_from_host(size_t k, const float* flat) {
@@ -298,8 +301,7 @@ void Optimizer::state_from_host(size_t k, const float* flat) {
     be_.copy_to_device(buf, flat, n_ * sizeof(float));
     return;
   }
-  for (const Piece& pc : pieces_)
-    if (pc.n > 0) be_.copy_to_device(buf + pc.shard, flat + pc.flat, pc.n * sizeof(float));
+  pieces_from_host(flat, buf);
 }
 
 }  // namespace vitgrid

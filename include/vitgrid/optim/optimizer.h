@@ -140,6 +140,10 @@ class Optimizer {
   // ZeRO with a compute copy: this rank's updated master pieces (w_, else params at flat
   // offsets) cast into `compute`, then (gather) every rank's act-dtype pieces gathered in place
   void gather_compute(const float* params, void* compute, bool gather);
+  // every rank's pieces of the flat buffer `flat` (es bytes per element) to every rank, in place
+  void allgather_pieces(void* flat, size_t es);
+  // this rank's pieces of a flat host copy into a shard-layout device buffer
+  void pieces_from_host(const float* flat, float* shard);
 
   const OptimSection& o_;
   Backend& be_;

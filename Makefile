@@ -1,6 +1,6 @@
 # Thin wrapper around CMake/CTest. The two commands: `make run` and `make test`.
 BUILD   ?= build
-JOBS    ?= $(shell nproc)
+JOBS    ?= $(shell env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 NP      ?= 2
 DECK    ?= inputs/quickstart.ini
 # each `make run` writes a fresh run directory (a deck's out_dir refuses to hold two runs)

@@ -12,7 +12,8 @@ if [[ ${1:-} =~ ^[0-9]+$ ]]; then NP=$1; shift; else
 fi
 # Each rank picks GPU = its local rank inside vitgrid, so no CUDA_VISIBLE_DEVICES juggling;
 # bind each rank to its own share of cores (map-by slot with PE=cores/NP).
-CORES=$(nproc)
+# (GNU nproc honours OMP_NUM_THREADS, which env.sh sets to 1: count the cores without it)
+CORES=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 PE=$(( CORES / NP )); [ "$PE" -ge 1 ] || PE=1
 BIND="--map-by slot:PE=$PE --bind-to core"
 [ $(( NP * PE )) -le "$CORES" ] || BIND="--oversubscribe --bind-to none"

@@ -58,7 +58,7 @@ for s in "${steps[@]}"; do
       "${CMAKE_EXTRA[@]}" >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
     # BUILD_TARGET=vitgrid builds the application only (no tests, no kernel benchmarks; several
     # targets: BUILD_TARGET="vitgrid bench_gpu_kernels")
-    cmake --build "$B" -j "$(nproc)" --target ${BUILD_TARGET:-all} >"$OUT/build.log" 2>&1 ||
+    cmake --build "$B" -j "$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)" --target ${BUILD_TARGET:-all} >"$OUT/build.log" 2>&1 ||
       { grep -E "error" "$OUT/build.log" | head -30; exit 1; }
     echo "build ok"
     ;;

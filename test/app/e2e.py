@@ -793,23 +793,30 @@ def t_gpu_resume(tmp):
 
 
 def t_gpu_zero_gather(tmp):
-    """ZeRO-1 in bf16 on 2 GPUs: the parameters gathered bucket by bucket during the next
+    """ZeRO-1 in bf16 on 2 GPUs (and 4 where the node has them): the parameters gathered bucket by bucket during the next
     forward (parallel.zero_gather = forward: NCCL on the communication stream, each layer's
     kernels waiting for their bucket, inside the captured CUDA graph) give the losses,
     evaluations and final parameters of the gather at the end of the update, bit for bit
-    (kernel choices fixed: device.gemm_tune = 0), with one and with two batches per step.
-    77 without a GPU; skipped with one."""
-    if gpus_or_skip() < 2:
+    (kernel choices fixed: device.gemm_tune = 0), with one and with two batches per step (one
+    on 4 GPUs). 77 without a GPU; skipped with one."""
+    ngpu = gpus_or_skip()
+    if ngpu < 2:
         print("skip: needs 2 GPUs")
         return
     common = ["--model.hidden=64", "--model.heads=4", "--model.depth=4", "--model.dropout=0",
               "--device.backend=cuda", "--device.gemm_tune=0", "--precision.mode=bf16",
               "--parallel.zero=1", "--run.eval_every=5", "--checkpoint.every_steps=20"]
-    for what, extra in [("1 batch per step", []), ("2 batches per step", ["--data.grad_accum=2"])]:
+    cases = [(2, "1 batch per step", []), (2, "2 batches per step", ["--data.grad_accum=2"]),
+             (4, "1 batch per step", [])]
+    for n, what, extra in cases:
+        if n > ngpu:
+            print(f"skip {n} GPUs, {what}")
+            continue
+        what = f"{n} GPUs, {what}"
         got = []
         for g in ["step", "forward"]:
-            d = os.path.join(tmp, f"{g}_{len(extra)}")
-            p = run_buckets(2, ["train", DECK, f"--run.out_dir={d}", f"--parallel.zero_gather={g}"]
+            d = os.path.join(tmp, f"{g}_{n}_{len(extra)}")
+            p = run_buckets(n, ["train", DECK, f"--run.out_dir={d}", f"--parallel.zero_gather={g}"]
                             + common + extra, 0.001)
             check("CUDA graphs:" in p.stdout and
                   ("during the next forward" in p.stdout) == (g == "forward"),

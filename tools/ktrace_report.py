@@ -4,7 +4,9 @@ per process (GPU), the steady-state step: its wall time, the time some kernel ra
 idle gaps, the NCCL kernels' time and how much of it overlapped other kernels, and the time
 per kernel class; then, over the processes of a data-parallel run, how far apart their steps
 end. With --compare DIR2 (e.g. a 1-GPU trace), the kernel classes and the kernels whose time
-per step changed most between the two.
+per step changed most between the two, and for a data-parallel run the extra time per step
+split into parts that add up: compute kernels slower beside the communication, waiting for the
+slowest rank's compute, and NCCL kernels alone or idle.
 
   python3 tools/ktrace_report.py TRACE_DIR [--compare OTHER_DIR] [--step-kernel REGEX]
 
@@ -124,6 +126,32 @@ def med(xs):
     return statistics.median(xs) if xs else 0.0
 
 
+def expected_max(xs, n):
+    """E[max of n independent draws from the samples xs] (their empirical distribution): what a
+    synchronous step of n ranks would take if each rank's step varied as xs, independently."""
+    v = sorted(xs)
+    m = len(v)
+    return sum(x * ((k / m) ** n - ((k - 1) / m) ** n) for k, x in enumerate(v, 1))
+
+
+def dp_split(runs, one):
+    """The data-parallel step against the 1-GPU step, split into parts that add up (means over
+    steps, ms): the compute kernels slower beside the communication (the ranks' mean non-NCCL
+    busy time against the 1-GPU's), the wait for the slowest rank's compute (the max over
+    ranks against their mean, step by step), and the rest (NCCL kernels running alone, idle)
+    against the 1-GPU's idle. runs: per process, its steps; one: the 1-GPU run's steps."""
+    n = min(len(st) for st in runs)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    wall = mean([runs[0][i]["wall"] for i in range(n)]) / 1e6
+    cbar = mean([mean([st[i]["comp"] for st in runs]) for i in range(n)]) / 1e6
+    cmax = mean([max(st[i]["comp"] for st in runs) for i in range(n)]) / 1e6
+    w1 = mean([s["wall"] for s in one]) / 1e6
+    c1 = mean([s["comp"] for s in one]) / 1e6
+    return dict(wall=wall, wall1=w1, slower=cbar - c1, wait=cmax - cbar,
+                rest=(wall - cmax) - (w1 - c1),
+                skew_indep=expected_max([s["wall"] for s in one], len(runs)) / 1e6 - w1)
+
+
 def summarise(steps):
     keys = set()
     for st in steps:
@@ -201,6 +229,14 @@ def main():
         x, y = sa["per_name"].get(k, 0.0), sb["per_name"].get(k, 0.0)
         diffs.append((x - y, x, y, k))
     diffs.sort(key=lambda t: -abs(t[0]))
+    if len(A) > 1:
+        d = dp_split([st for _, st, _ in A], B[0][1])
+        print(f"== the {len(A)}-process step against the 1-GPU step (means over steps, ms): "
+              f"{d['wall']:.2f} vs {d['wall1']:.2f} ({d['wall'] - d['wall1']:+.2f}) = compute "
+              f"kernels slower {d['slower']:+.2f} + waiting for the slowest rank's compute "
+              f"{d['wait']:+.2f} + NCCL alone and idle {d['rest']:+.2f}")
+        print(f"   (the 1-GPU steps' own variation alone would cost {d['skew_indep']:+.2f} per "
+              f"step with {len(A)} independent ranks: the mean of the slowest of {len(A)} draws)")
     print(f"   kernels whose time per step changed most:")
     for d, x, y, k in diffs[: a.top]:
         print(f"   {d:+7.3f} ({x:7.3f} vs {y:7.3f}) {short(k)}")

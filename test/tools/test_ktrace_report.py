@@ -2,7 +2,8 @@
 """tools/ktrace_report.py on synthetic kernel timelines whose answers follow from how they are
 built: steps delimited by the optimizer kernel, busy time as the union of overlapping kernels,
 idle gaps, NCCL time alone and overlapped, per-class time, the spread of step ends across
-processes, the comparison of two runs, and one clear error for a file that is not a trace."""
+processes, the comparison of two runs, the data-parallel step's split into slower kernels,
+waiting for the slowest rank and the rest, and one clear error for a file that is not a trace."""
 import os
 import subprocess
 import sys
@@ -59,6 +60,26 @@ with tempfile.TemporaryDirectory() as tmp:
     check("median spread 250 us" in out, "step ends across the 2 processes: 250 us apart")
     check("gemm                   5.00 vs     4.00 (+1.00)" in out,
           "the comparison shows the GEMM class 1 ms slower per step")
+
+    # the data-parallel split: ranks of 5 and 6 ms GEMMs (non-NCCL busy 6 and 7 ms per 10 ms
+    # step) against the 4 ms GEMM of one GPU (busy 5 ms): kernels slower +1.5, waiting for the
+    # slowest +0.5, the rest (3 ms NCCL alone or idle against 5 ms idle) -2.0; sum 0
+    skew = os.path.join(tmp, "skew")
+    os.makedirs(skew)
+    write_trace(os.path.join(skew, "ktrace.4.tsv"), 12, 0, 5.0)
+    write_trace(os.path.join(skew, "ktrace.5.tsv"), 12, 0, 6.0)
+    A = [kr.analyse(os.path.join(skew, f), rx, 2) for f in ("ktrace.4.tsv", "ktrace.5.tsv")]
+    d = kr.dp_split(A, kr.analyse(os.path.join(one, "ktrace.3.tsv"), rx, 2))
+    check(abs(d["slower"] - 1.5) < 1e-9 and abs(d["wait"] - 0.5) < 1e-9
+          and abs(d["rest"] + 2.0) < 1e-9 and abs(d["wall"] - d["wall1"]) < 1e-9,
+          f"data-parallel split: slower +1.5, wait +0.5, rest -2.0 ms ({d})")
+    e = kr.expected_max([1.0, 2.0, 3.0, 4.0], 2)
+    check(abs(e - 3.125) < 1e-12, f"the mean of the larger of 2 draws from 1, 2, 3, 4: 3.125 ({e})")
+    p = subprocess.run([sys.executable, TOOL, skew, "--compare", one, "--skip", "2"],
+                       capture_output=True, text=True)
+    check(p.returncode == 0 and "compute kernels slower +1.50 + waiting for the slowest rank's "
+          "compute +0.50 + NCCL alone and idle -2.00" in p.stdout,
+          f"the report prints the split (exit {p.returncode})")
 
     bad = os.path.join(tmp, "bad")
     os.makedirs(bad)

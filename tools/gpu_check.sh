@@ -227,7 +227,7 @@ PYEOF
     done | tee "$OUT/ckpt.log"
     ;;
   e2epar)
-    (cd "$B" && ctest -R "e2e_gpu_parallel|e2e_gpu_resume|gpu_mpi_tp|gpu_nccl|gpu_zero_nccl" --output-on-failure --timeout 600) >"$OUT/test_par.log" 2>&1
+    (cd "$B" && ctest -R "e2e_gpu_parallel|e2e_gpu_resume|e2e_gpu_data_comm|gpu_mpi_tp|gpu_nccl|gpu_zero_nccl" --output-on-failure --timeout 600) >"$OUT/test_par.log" 2>&1
     grep -E "tests passed|Failed" "$OUT/test_par.log" | tail -4
     grep -hE "^(ok|FAIL|skip) " "$B/Testing/Temporary/LastTest.log"
     ;;

@@ -213,6 +213,12 @@ struct Trainer::Impl {
     int is_cuda = kind == "cuda", all_cuda = 0;
     MPI_Allreduce(&is_cuda, &all_cuda, 1, MPI_INT, MPI_MIN, world);
     kind = all_cuda ? "cuda" : "cpu";
+    const bool copy_engine = deck.device.data_comm == "copy_engine";
+    agreed([&] {
+      if (copy_engine && kind != "cuda")
+        throw UserError("device.data_comm = copy_engine needs the cuda backend (NCCL); this "
+                        "run uses the " + kind + " backend");
+    });
     agreed([&] {
       BackendOptions bo;
       bo.allow_tf32 = deck.precision.mode == "tf32";
@@ -229,10 +235,13 @@ struct Trainer::Impl {
 #ifdef VITGRID_HAVE_CUDA
     if (kind == "cuda")
       coll = make_nccl_collectives(*grid, *compute_be, deck.device.comm_timeout,
-                                   deck.device.data_comm_ctas);
+                                   deck.device.data_comm_ctas, copy_engine);
     else
 #endif
       coll = make_mpi_collectives(*grid);
+    if (copy_engine && grid->size(Axis::Data) > 1)
+      log("data axis: gradients in NCCL symmetric memory, reduced by all-to-all + local sum + "
+          "all-gather under NCCL's zero-CTA policy (device.data_comm = copy_engine)\n");
     log("backend %s, precision %s, %s\n", be->name().c_str(), deck.precision.mode.c_str(),
         kind == "cpu" && deck.precision.mode != "fp32" && deck.precision.mode != "tf32"
             ? "16-bit storage emulated on the CPU"
@@ -359,7 +368,8 @@ struct Trainer::Impl {
     // ZeRO-1 splits every gradient bucket evenly over the data ranks, in 16-element pieces
     const int D = grid->size(Axis::Data);
     zero = deck.parallel.zero == 1 && D > 1;
-    if (zero) layout.pad_to = static_cast<size_t>(D) * 16;
+    // ZeRO-1's shards and the copy-engine reduction's blocks: an even split over the data ranks
+    if (zero || deck.device.data_comm == "copy_engine") layout.pad_to = static_cast<size_t>(D) * 16;
     // with 16-bit activations the optimizer keeps this rank's pieces of the fp32 masters
     layout.master_elsewhere = zero;
     // planned memory is allocated here: running out is reported once, on every rank
@@ -398,8 +408,9 @@ struct Trainer::Impl {
     // the last bucket's worth of the backward (the patch embedding, then block 0's halves) is
     // reduced group by group: what is left to reduce after the backward is one small group
     const size_t elems = overlap ? static_cast<size_t>(mb * 262144.0) : 0;
+    const bool even = zero || deck.device.data_comm == "copy_engine";
     auto buckets =
-        plan_grad_buckets(groups, n, elems, zero ? static_cast<size_t>(D) * 16 : 1, elems);
+        plan_grad_buckets(groups, n, elems, even ? static_cast<size_t>(D) * 16 : 1, elems);
     zero_shards.size = D;
     zero_shards.rank = grid->rank(Axis::Data);
     zero_shards.buckets = buckets;

@@ -22,6 +22,7 @@ class Profiled final : public ProfiledBackend {
   DType act_dtype() const override { return b_->act_dtype(); }
   size_t act_size() const override { return b_->act_size(); }
   void* alloc(size_t bytes) override { return b_->alloc(bytes); }
+  void* alloc_comm(size_t bytes) override { return b_->alloc_comm(bytes); }
   void release(void* p) override { b_->release(p); }
   void copy_to_device(void* dst, const void* src_host, size_t bytes) override {
     const double t0 = now_s();

@@ -189,6 +189,8 @@ const std::vector<Field>& schema() {
                "time this many cuBLASLt algorithms per GEMM shape at its first use and keep the fastest; the data axis's ranks choose together, on the slowest rank's timings (0: the heuristic's choice, bit-reproducible runs)"),
       VG_FIELD(device, data_comm_ctas, "0..64",
                "thread blocks (SMs) the data-parallel gradient reduction's NCCL kernels may take from the backward they overlap (0: NCCL's choice)"),
+      VG_FIELD(device, data_comm, "sm|copy_engine",
+               "how the data-parallel gradient reduction moves data on GPUs: NCCL's kernels on SMs (sm), or copy engines (copy_engine: the gradients in NCCL symmetric memory, an all-to-all, a local sum and an all-gather under NCCL's zero-CTA policy; fp32 sums; set gemm_sm_margin = 0 with it)"),
       VG_FIELD(device, gemm_sm_margin, "0..64",
                "SMs the GEMMs leave free while gradient buckets are reduced during the backward, for the reduction's kernels (0: none; cuBLASLt's SM count target)"),
       VG_FIELD(device, deterministic, "",
@@ -665,6 +667,10 @@ class Parser {
     positive("parallel.chunks", p.chunks);
     require(p.zero == 0 || p.zero == 1, "parallel.zero",
             "must be 0 or 1, got " + std::to_string(p.zero));
+    if (d.device.data_comm == "copy_engine") {
+      require(p.grad_reduce == "fp32", "device.data_comm",
+              "copy_engine sums the gradients in fp32: it needs parallel.grad_reduce = fp32");
+    }
     if (p.grad_reduce == "act") {
       const std::string& m = d.precision.mode;
       require(m == "bf16" || m == "fp16" || m == "fp16-naive", "parallel.grad_reduce",

@@ -109,7 +109,8 @@ ViT::ViT(const ViTConfig& cfg, Backend& be, TensorParallel& tp, int max_batch,
     master_ = static_cast<float*>(be_.alloc(n_params_ * sizeof(float)));
     be_.zero(master_, n_params_ * sizeof(float));
   }
-  grads_ = static_cast<float*>(be_.alloc(n_params_ * sizeof(float)));
+  // (alloc_comm: the data axis may move gradients with copy engines, device.data_comm)
+  grads_ = static_cast<float*>(be_.alloc_comm(n_params_ * sizeof(float)));
   compute_ = compute_alias_ ? static_cast<void*>(master_) : be_.alloc(n_params_ * be_.act_size());
   be_.zero(grads_, n_params_ * sizeof(float));
   plan_activations();

@@ -60,6 +60,9 @@ GradReducer::GradReducer(Collectives& coll, int data_size, int data_rank,
              "bucket of " << b.n << " elements over " << size_ << " data ranks");
   remaining_.resize(buckets_.size());
   started_.resize(buckets_.size());
+  size_t largest = 0;
+  for (const GradBucket& b : buckets_) largest = std::max(largest, b.n);
+  if (size_ > 1) coll_.plan_reduce(largest, Axis::Data);
 }
 
 void GradReducer::reduce_in_act(Backend& be, void* stage) {

@@ -403,6 +403,10 @@ TEST(DeckRefusal, GradReduceInActNeeds16BitAndNoZero) {
                                 "--parallel.zero=1"}),
              "parallel.grad_reduce: act is for all-reduced gradients");
   EXPECT_HAS(refusal(kMinimal, {"--parallel.grad_reduce=bf16"}), "parallel.grad_reduce");
+  EXPECT_HAS(refusal(kMinimal, {"--device.data_comm=dma"}), "device.data_comm");
+  EXPECT_HAS(refusal(kMinimal, {"--device.data_comm=copy_engine", "--parallel.grad_reduce=act",
+                                "--precision.mode=bf16"}),
+             "device.data_comm: copy_engine sums the gradients in fp32");
 }
 
 struct EnumCase {

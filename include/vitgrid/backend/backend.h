@@ -63,6 +63,11 @@ class Backend {
 
   // ---- memory (planned up front: the trainer allocates a few large buffers before step 1)
   virtual void* alloc(size_t bytes) = 0;
+  // Memory the data axis's collectives can move with copy engines (CUDA with
+  // device.data_comm = copy_engine: NCCL memory registered as a symmetric window over the
+  // data axis; a collective call on every data rank, in the same order). Otherwise alloc().
+  // release() frees either.
+  virtual void* alloc_comm(size_t bytes) { return alloc(bytes); }
   virtual void release(void* p) = 0;
   virtual void copy_to_device(void* dst, const void* src_host, size_t bytes) = 0;
   virtual void copy_to_host(void* dst_host, const void* src, size_t bytes) = 0;

@@ -144,6 +144,10 @@ class Collectives {
   // Orders later backend work after the operation of `ticket` (and, CUDA, everything started
   // before it), without waiting on the host where the backend need not (CUDA).
   virtual void wait_started(size_t ticket) { (void)ticket; }
+  // The largest input (elements) of the start_allreduce_sum / start_reduce_scatter_sum calls
+  // to come on axis a (a gradient bucket), so a backend can size its staging before step 1
+  // (NCCL with copy engines). A collective call over the axis.
+  virtual void plan_reduce(size_t max_n, Axis a) { (void)max_n, (void)a; }
   virtual void progress() {}
   virtual void wait_all() {}
 

@@ -160,9 +160,25 @@ void* CudaBackend::alloc(size_t bytes) {
   return p;
 }
 
+void* CudaBackend::alloc_comm(size_t bytes) {
+  std::shared_ptr<CommAllocator> a = comm_alloc_;
+  if (!a) return alloc(bytes);
+  CUDA_CHECK(cudaSetDevice(device_));
+  const size_t sz = std::max<size_t>(bytes, 256);
+  void* p = a->alloc(sz);  // 256-byte aligned like cudaMalloc (the allocator's granularity)
+  std::lock_guard<std::mutex> lock(mem_mutex_);
+  ++allocations_;
+  live_[p] = sz;
+  comm_live_[p] = std::move(a);
+  current_bytes_ += sz;
+  peak_bytes_ = std::max(peak_bytes_, current_bytes_);
+  return p;
+}
+
 void CudaBackend::release(void* p) {
   if (!p) return;
   size_t sz = 0;
+  std::shared_ptr<CommAllocator> comm;
   {
     std::lock_guard<std::mutex> lock(mem_mutex_);
     auto it = live_.find(p);
@@ -170,8 +186,18 @@ void CudaBackend::release(void* p) {
     sz = it->second;
     live_.erase(it);
     current_bytes_ -= sz;
+    auto c = comm_live_.find(p);
+    if (c != comm_live_.end()) {
+      comm = std::move(c->second);
+      comm_live_.erase(c);
+    }
   }
   CUDA_CHECK(cudaSetDevice(device_));
+  if (comm) {
+    CUDA_CHECK(cudaDeviceSynchronize());  // nothing may still use p
+    comm->release(p);
+    return;
+  }
   CUDA_CHECK(cudaFree(p));  // cudaFree waits for work using p
 }
 

@@ -7,6 +7,8 @@
 #include <library_types.h>
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -80,7 +82,15 @@ class CudaBackend final : public Backend {
   int device() const { return device_; }
 
   void* alloc(size_t bytes) override;
+  void* alloc_comm(size_t bytes) override;
   void release(void* p) override;
+  // The allocator alloc_comm() uses, installed by the collectives (null: alloc_comm = alloc).
+  // Its release function frees what it allocated, also after the collectives are gone.
+  struct CommAllocator {
+    std::function<void*(size_t)> alloc;
+    std::function<void(void*)> release;
+  };
+  void set_comm_allocator(std::shared_ptr<CommAllocator> a) { comm_alloc_ = std::move(a); }
   void copy_to_device(void* dst, const void* src_host, size_t bytes) override;
   void copy_to_host(void* dst_host, const void* src, size_t bytes) override;
   void copy(void* dst, const void* src, size_t bytes) override;
@@ -186,6 +196,9 @@ class CudaBackend final : public Backend {
   double sum(const float* x, size_t n) override;
   bool all_finite(const float* x, size_t n) override;
   void sum_into(double* acc, const float* x, size_t n) override;
+  // out[c] = the sum of the `parts` consecutive blocks in[parts * c], in block order, on
+  // stream st (the copy-engine reduce-scatter's local step)
+  void sum_parts_on(cudaStream_t st, float* out, const float* in, size_t c, int parts);
   void sum_squares_total(double* out, const float* buf,
                          const std::vector<ParamSlice>& slices) override;
   void clip_factor(float* out, const double* sq, double max_norm, float inv_scale) override;
@@ -345,6 +358,9 @@ class CudaBackend final : public Backend {
 
   mutable std::mutex mem_mutex_;  // alloc/release may come from the loader thread too
   std::unordered_map<void*, size_t> live_;
+  std::shared_ptr<CommAllocator> comm_alloc_;
+  // alloc_comm()'s blocks, released through the allocator that made them
+  std::unordered_map<void*, std::shared_ptr<CommAllocator>> comm_live_;
   size_t current_bytes_ = 0;
   size_t peak_bytes_ = 0;
   int64_t allocations_ = 0;        // cudaMalloc calls: alloc() and internal_alloc()

@@ -13,6 +13,13 @@
 // parameter buckets gathered during the forward) run on a dedicated communication stream:
 // each waits on an event recorded on the compute stream when it is started; wait_started()
 // makes the compute stream wait for one gather (an event behind it), wait_all() for them all.
+// With copy engines on the data axis (device.data_comm = copy_engine), its communicator uses
+// NCCL's zero-CTA policy and the model's gradient buffer is NCCL memory registered as a
+// symmetric window (Backend::alloc_comm); a gradient all-reduce is then an all-to-all (each
+// rank receives every rank's copy of its block), a local sum of those blocks in rank order,
+// and an all-gather of the summed blocks: the two collectives move data with copy engines
+// instead of SMs where NCCL can, and only the short sum kernel takes SMs from the backward.
+// ZeRO-1's reduce-scatter is the first two steps.
 #include <mpi.h>
 #include <nccl.h>
 #include <unistd.h>
@@ -24,6 +31,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -45,11 +54,49 @@ namespace vitgrid {
 
 namespace {
 
+// NCCL memory registered as symmetric windows over the data axis's communicator: the
+// allocator the backend's alloc_comm() uses under copy-engine data collectives. Shared with
+// the backend, which may release blocks after the collectives are gone (then only freed).
+struct SymmetricMemory {
+  std::mutex mu;
+  ncclComm_t comm = nullptr;  // null once the collectives are destroyed
+  std::map<char*, std::pair<size_t, ncclWindow_t>> blocks;  // start -> bytes, window
+
+  void* alloc(size_t bytes) {
+    void* p = nullptr;
+    NCCL_CHECK(ncclMemAlloc(&p, bytes));
+    ncclWindow_t win{};
+    std::lock_guard<std::mutex> lock(mu);
+    VG_CHECK(comm, "symmetric memory allocated after the collectives were destroyed");
+    NCCL_CHECK(ncclCommWindowRegister(comm, p, bytes, &win, NCCL_WIN_COLL_SYMMETRIC));
+    blocks[static_cast<char*>(p)] = {bytes, win};
+    return p;
+  }
+  void release(void* p) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = blocks.find(static_cast<char*>(p));
+    VG_CHECK(it != blocks.end(), "release of memory that is not a symmetric window");
+    if (comm) NCCL_CHECK(ncclCommWindowDeregister(comm, it->second.second));
+    blocks.erase(it);
+    NCCL_CHECK(ncclMemFree(p));
+  }
+  // whether [p, p + bytes) lies inside one registered block
+  bool holds(const void* p, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu);
+    const char* c = static_cast<const char*>(p);
+    auto it = blocks.upper_bound(const_cast<char*>(c));
+    if (it == blocks.begin()) return false;
+    --it;
+    return c >= it->first && c + bytes <= it->first + it->second.first;
+  }
+};
+
 class NcclCollectives final : public Collectives {
  public:
   // Called by all ranks of the grid's world: communicator creation is collective per axis,
   // and every rank visits the axes in the same order, so creation cannot deadlock.
-  NcclCollectives(const ProcessGrid& grid, CudaBackend& be, double timeout_s, int data_ctas)
+  NcclCollectives(const ProcessGrid& grid, CudaBackend& be, double timeout_s, int data_ctas,
+                  bool data_ce)
       : be_(be), stream_(be.stream()), timeout_s_(timeout_s) {
     // NVLink multicast (NVLS) must stay off on the target machines; the user may still
     // override it explicitly in the environment.
@@ -66,11 +113,22 @@ class NcclCollectives final : public Collectives {
       // The data axis's reductions overlap the backward: data_ctas > 0 caps the thread blocks
       // (SMs) their kernels take from it.
       ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-      if (static_cast<Axis>(a) == Axis::Data && data_ctas > 0) {
+      if (static_cast<Axis>(a) == Axis::Data && data_ce) {
+        config.CTAPolicy = NCCL_CTA_POLICY_ZERO;  // copy engines wherever NCCL can
+      } else if (static_cast<Axis>(a) == Axis::Data && data_ctas > 0) {
         config.minCTAs = 1;
         config.maxCTAs = data_ctas;
       }
       NCCL_CHECK(ncclCommInitRankConfig(&comms_[a], c.size(), id, c.rank(), &config));
+    }
+    if (data_ce && comm(Axis::Data)) {
+      sym_ = std::make_shared<SymmetricMemory>();
+      sym_->comm = comm(Axis::Data);
+      auto a = std::make_shared<CudaBackend::CommAllocator>();
+      std::shared_ptr<SymmetricMemory> keep = sym_;  // the backend's blocks outlive us
+      a->alloc = [keep](size_t bytes) { return keep->alloc(bytes); };
+      a->release = [keep](void* p) { keep->release(p); };
+      be_.set_comm_allocator(std::move(a));
     }
     CUDA_CHECK(cudaMalloc(&barrier_buf_, sizeof(float)));
     CUDA_CHECK(cudaMemsetAsync(barrier_buf_, 0, sizeof(float), stream_));
@@ -95,6 +153,13 @@ class NcclCollectives final : public Collectives {
   ~NcclCollectives() override {
     cudaStreamSynchronize(comm_stream_);
     cudaStreamSynchronize(stream_);
+    if (sym_) {
+      be_.set_comm_allocator(nullptr);
+      if (ce_recv_) sym_->release(ce_recv_);
+      if (ce_shard_) sym_->release(ce_shard_);
+      std::lock_guard<std::mutex> lock(sym_->mu);
+      sym_->comm = nullptr;  // blocks the backend still holds are only freed from now on
+    }
     if (watchdog_.joinable()) {
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -115,9 +180,29 @@ class NcclCollectives final : public Collectives {
   }
 
   // ---- asynchronous reductions on the communication stream
+  void plan_reduce(size_t max_n, Axis a) override {
+    if (a != Axis::Data || !sym_ || max_n <= ce_n_) return;
+    // collective over the data axis (window registration): every rank plans the same buckets
+    cudaStreamSynchronize(comm_stream_);
+    if (ce_recv_) sym_->release(ce_recv_);
+    if (ce_shard_) sym_->release(ce_shard_);
+    const size_t D = static_cast<size_t>(sizes_[static_cast<int>(Axis::Data)]);
+    ce_recv_ = static_cast<float*>(sym_->alloc(max_n * sizeof(float)));
+    ce_shard_ = static_cast<float*>(sym_->alloc((max_n + D - 1) / D * sizeof(float)));
+    ce_n_ = max_n;
+  }
   void start_allreduce_sum(float* buf, size_t n, Axis a) override {
     if (ncclComm_t c = comm(a); c && !skipped()) {
       order_after_compute(a);
+      if (copy_engine(buf, n, a)) {
+        // all-to-all, the local sum of this rank's block, all-gather of the blocks
+        const int D = sizes_[static_cast<int>(a)];
+        const size_t k = n / static_cast<size_t>(D);
+        NCCL_CHECK(ncclAlltoAll(buf, ce_recv_, k, ncclFloat, c, comm_stream_));
+        be_.sum_parts_on(comm_stream_, ce_shard_, ce_recv_, k, D);
+        NCCL_CHECK(ncclAllGather(ce_shard_, buf, k, ncclFloat, c, comm_stream_));
+        return;
+      }
       NCCL_CHECK(ncclAllReduce(buf, buf, n, ncclFloat, ncclSum, c, comm_stream_));
     }
   }
@@ -132,6 +217,12 @@ class NcclCollectives final : public Collectives {
     if (ncclComm_t c = comm(a); c && !skipped()) {
       // out == in + rank * n is NCCL's in-place form
       order_after_compute(a);
+      const int D = sizes_[static_cast<int>(a)];
+      if (copy_engine(in, n * static_cast<size_t>(D), a)) {
+        NCCL_CHECK(ncclAlltoAll(in, ce_recv_, n, ncclFloat, c, comm_stream_));
+        be_.sum_parts_on(comm_stream_, out, ce_recv_, n, D);
+        return;
+      }
       NCCL_CHECK(ncclReduceScatter(in, out, n, ncclFloat, ncclSum, c, comm_stream_));
     } else if (out != in) {
       CUDA_CHECK(cudaMemcpyAsync(out, in, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
@@ -261,6 +352,14 @@ class NcclCollectives final : public Collectives {
 
  private:
   ncclComm_t comm(Axis a) const { return comms_[static_cast<int>(a)]; }
+
+  // Whether a data-axis reduction of buf[n] goes the copy-engine way: buf inside a symmetric
+  // window, n an even split over the ranks, within the planned staging.
+  bool copy_engine(const void* buf, size_t n, Axis a) const {
+    if (a != Axis::Data || !sym_ || !ce_recv_) return false;
+    const size_t D = static_cast<size_t>(sizes_[static_cast<int>(a)]);
+    return n % D == 0 && n <= ce_n_ && sym_->holds(buf, n * sizeof(float));
+  }
 
   // The NCCL type of an act-dtype element: 4 bytes fp32, 2 bytes the backend's bf16/fp16.
   ncclDataType_t act_type(size_t elem_size, const char* what) const {
@@ -427,6 +526,12 @@ class NcclCollectives final : public Collectives {
   std::array<ncclComm_t, static_cast<int>(Axis::Count)> comms_;
   std::array<int, static_cast<int>(Axis::Count)> sizes_{};
   float* barrier_buf_ = nullptr;
+  // copy-engine data collectives: the symmetric memory, the all-to-all's receive buffer and
+  // the summed block (plan_reduce sizes them: ce_n_ elements)
+  std::shared_ptr<SymmetricMemory> sym_;
+  float* ce_recv_ = nullptr;
+  float* ce_shard_ = nullptr;
+  size_t ce_n_ = 0;
   cudaStream_t comm_stream_ = nullptr;  // asynchronous reductions
   cudaEvent_t ready_ev_ = nullptr;      // compute stream -> communication stream
   cudaEvent_t done_ev_ = nullptr;       // communication stream -> compute stream
@@ -458,10 +563,11 @@ class NcclCollectives final : public Collectives {
 }  // namespace
 
 std::unique_ptr<Collectives> make_nccl_collectives(const ProcessGrid& grid, Backend& backend,
-                                                   double timeout_s, int data_ctas) {
+                                                   double timeout_s, int data_ctas,
+                                                   bool data_copy_engine) {
   auto* be = dynamic_cast<CudaBackend*>(&backend);
   if (!be) throw UserError("NCCL collectives need the cuda backend (device.backend = cuda)");
-  return std::make_unique<NcclCollectives>(grid, *be, timeout_s, data_ctas);
+  return std::make_unique<NcclCollectives>(grid, *be, timeout_s, data_ctas, data_copy_engine);
 }
 
 }  // namespace vitgrid

@@ -37,6 +37,32 @@ __global__ void slice_total_kernel(double* out, const double* partial, const uin
   out[i] = s;
 }
 
+// The local step of the copy-engine reduce-scatter (NcclCollectives, device.data_comm =
+// copy_engine): out[i] = sum over p < parts of in[p * c + i], in part order, in fp32: every
+// element the same sum on every rank that computes it.
+__global__ void sum_parts_vec_kernel(float4* out, const float4* in, size_t c4, int parts) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < c4;
+       i += size_t(gridDim.x) * blockDim.x) {
+    float4 s = in[i];
+    for (int p = 1; p < parts; ++p) {
+      const float4 v = in[p * c4 + i];
+      s.x += v.x;
+      s.y += v.y;
+      s.z += v.z;
+      s.w += v.w;
+    }
+    out[i] = s;
+  }
+}
+__global__ void sum_parts_kernel(float* out, const float* in, size_t c, int parts) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < c;
+       i += size_t(gridDim.x) * blockDim.x) {
+    float s = in[i];
+    for (int p = 1; p < parts; ++p) s += in[p * c + i];
+    out[i] = s;
+  }
+}
+
 constexpr int kSumBlocks = 1024;  // fixed grid: the reduction order depends on n only
 __global__ void sum_partial_kernel(double* partial, const float* x, size_t n) {
   __shared__ double sh[32];
@@ -207,6 +233,23 @@ double CudaBackend::sum(const float* x, size_t n) {
   double r;
   std::memcpy(&r, host_pinned_, sizeof r);
   return r;
+}
+
+void CudaBackend::sum_parts_on(cudaStream_t st, float* out, const float* in, size_t c,
+                               int parts) {
+  if (c == 0) return;
+  constexpr int kThreads = 256;
+  const bool vec = c % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(in) % 16 == 0;
+  const size_t n = vec ? c / 4 : c;
+  const int grid = static_cast<int>(std::min<size_t>((n + kThreads - 1) / kThreads, 1024));
+  if (vec) {
+    cuda::sum_parts_vec_kernel<<<grid, kThreads, 0, st>>>(
+        reinterpret_cast<float4*>(out), reinterpret_cast<const float4*>(in), n, parts);
+  } else {
+    cuda::sum_parts_kernel<<<grid, kThreads, 0, st>>>(out, in, c, parts);
+  }
+  CUDA_CHECK(cudaGetLastError());
 }
 
 void CudaBackend::sum_into(double* acc, const float* x, size_t n) {

@@ -61,7 +61,12 @@ int cuda_device_count();
 // makes the backend's stream wait on that stream (the watchdog follows it too).
 // data_ctas > 0 (deck device.data_comm_ctas): the data axis's NCCL kernels use at most that
 // many thread blocks (SMs), leaving the rest to the backward they overlap.
+// data_copy_engine (deck device.data_comm = copy_engine): the data axis's communicator uses
+// NCCL's zero-CTA policy, the backend's alloc_comm() hands out NCCL memory registered as
+// symmetric windows over it, and the gradient reductions of such memory run as all-to-all +
+// local sum (+ all-gather), which NCCL moves with copy engines (see nccl_collectives.cpp).
 std::unique_ptr<Collectives> make_nccl_collectives(const ProcessGrid& grid, Backend& backend,
-                                                   double timeout_s, int data_ctas = 0);
+                                                   double timeout_s, int data_ctas = 0,
+                                                   bool data_copy_engine = false);
 
 }  // namespace vitgrid

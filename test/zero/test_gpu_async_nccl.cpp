@@ -1,7 +1,8 @@
 // The asynchronous NCCL reductions (gradient buckets): start_allreduce_sum and the in-place
 // start_reduce_scatter_sum on the communication stream equal the blocking collectives, they
 // wait for the compute-stream kernels that produced their inputs (the buffers are written by
-// a kernel enqueued just before), and wait_all orders later compute-stream work after them.
+// a kernel enqueued just before), and wait_all orders later compute-stream work after them;
+// the same through the copy-engine path (device.data_comm = copy_engine).
 // Launched at 2 and 4 ranks; skipped on every rank (agreed) without a GPU per local rank.
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -27,21 +28,24 @@ bool enough_gpus() {
   return all == 1;
 }
 
-TEST(AsyncNccl, BucketsMatchBlockingCollectives) {
-  if (!enough_gpus()) GTEST_SKIP() << "needs one GPU per local rank";
+// copy_engine: the data axis under device.data_comm = copy_engine (the bucket buffer from
+// alloc_comm, in NCCL symmetric memory; all-to-all + local sum + all-gather). The values are
+// small integers, so every summation order gives the same bits.
+void buckets_match_blocking(bool copy_engine) {
   int world = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   GridShape s;
   s.data = world;
   ProcessGrid grid(MPI_COMM_WORLD, s);
   auto be = make_cuda_backend(grid.local_rank(), DType::F32);
-  auto coll = make_nccl_collectives(grid, *be, 120.0);
+  auto coll = make_nccl_collectives(grid, *be, 120.0, 0, copy_engine);
   const int D = grid.size(Axis::Data), r = grid.rank(Axis::Data);
   const size_t c = 1 << 16, n = c * D, buckets = 4;
+  coll->plan_reduce(n, Axis::Data);
   std::vector<float> host(buckets * n);
   for (size_t i = 0; i < host.size(); ++i) host[i] = float((i * 7 + r * 13) % 29) - 14.0f;
   float* src = static_cast<float*>(be->alloc(host.size() * 4));
-  float* a = static_cast<float*>(be->alloc(host.size() * 4));
+  float* a = static_cast<float*>(be->alloc_comm(host.size() * 4));
   float* ref = static_cast<float*>(be->alloc(host.size() * 4));
   be->copy_to_device(src, host.data(), host.size() * 4);
   be->copy(ref, src, host.size() * 4);
@@ -71,6 +75,16 @@ TEST(AsyncNccl, BucketsMatchBlockingCollectives) {
   be->release(src);
   be->release(a);
   be->release(ref);
+}
+
+TEST(AsyncNccl, BucketsMatchBlockingCollectives) {
+  if (!enough_gpus()) GTEST_SKIP() << "needs one GPU per local rank";
+  buckets_match_blocking(false);
+}
+
+TEST(AsyncNccl, CopyEngineBucketsMatchBlockingCollectives) {
+  if (!enough_gpus()) GTEST_SKIP() << "needs one GPU per local rank";
+  buckets_match_blocking(true);
 }
 
 }  // namespace

@@ -102,6 +102,8 @@ struct Trainer::Impl {
   std::unique_ptr<ParamGather> gather;  // ZeRO-1's parameter gather during the forward
   ZeroShards zero_shards;
   bool zero = false, overlap = false;
+  // device.data_comm = copy_engine: gradient buckets split evenly over the data ranks, as ZeRO's
+  bool copy_engine = false;
   std::unique_ptr<LossScaler> scaler;
   std::shared_ptr<Dataset> train_ds, eval_ds;
   int b = 0;      // per-rank batch of one accumulation step (M pipeline micro-batches)
@@ -213,7 +215,7 @@ struct Trainer::Impl {
     int is_cuda = kind == "cuda", all_cuda = 0;
     MPI_Allreduce(&is_cuda, &all_cuda, 1, MPI_INT, MPI_MIN, world);
     kind = all_cuda ? "cuda" : "cpu";
-    const bool copy_engine = deck.device.data_comm == "copy_engine";
+    copy_engine = deck.device.data_comm == "copy_engine";
     agreed([&] {
       if (copy_engine && kind != "cuda")
         throw UserError("device.data_comm = copy_engine needs the cuda backend (NCCL); this "
@@ -369,7 +371,7 @@ struct Trainer::Impl {
     const int D = grid->size(Axis::Data);
     zero = deck.parallel.zero == 1 && D > 1;
     // ZeRO-1's shards and the copy-engine reduction's blocks: an even split over the data ranks
-    if (zero || deck.device.data_comm == "copy_engine") layout.pad_to = static_cast<size_t>(D) * 16;
+    if (zero || copy_engine) layout.pad_to = static_cast<size_t>(D) * 16;
     // with 16-bit activations the optimizer keeps this rank's pieces of the fp32 masters
     layout.master_elsewhere = zero;
     // planned memory is allocated here: running out is reported once, on every rank
@@ -408,9 +410,8 @@ struct Trainer::Impl {
     // the last bucket's worth of the backward (the patch embedding, then block 0's halves) is
     // reduced group by group: what is left to reduce after the backward is one small group
     const size_t elems = overlap ? static_cast<size_t>(mb * 262144.0) : 0;
-    const bool even = zero || deck.device.data_comm == "copy_engine";
-    auto buckets =
-        plan_grad_buckets(groups, n, elems, even ? static_cast<size_t>(D) * 16 : 1, elems);
+    auto buckets = plan_grad_buckets(groups, n, elems,
+                                     zero || copy_engine ? static_cast<size_t>(D) * 16 : 1, elems);
     zero_shards.size = D;
     zero_shards.rank = grid->rank(Axis::Data);
     zero_shards.buckets = buckets;

@@ -153,11 +153,15 @@ void* CudaBackend::alloc(size_t bytes) {
                     "): reduce data.global_batch or raise data.grad_accum");
   }
   std::lock_guard<std::mutex> lock(mem_mutex_);
+  track_alloc(p, sz);
+  return p;
+}
+
+void CudaBackend::track_alloc(void* p, size_t sz) {
   ++allocations_;
   live_[p] = sz;
   current_bytes_ += sz;
   peak_bytes_ = std::max(peak_bytes_, current_bytes_);
-  return p;
 }
 
 void* CudaBackend::alloc_comm(size_t bytes) {
@@ -167,11 +171,8 @@ void* CudaBackend::alloc_comm(size_t bytes) {
   const size_t sz = std::max<size_t>(bytes, 256);
   void* p = a->alloc(sz);  // 256-byte aligned like cudaMalloc (the allocator's granularity)
   std::lock_guard<std::mutex> lock(mem_mutex_);
-  ++allocations_;
-  live_[p] = sz;
+  track_alloc(p, sz);
   comm_live_[p] = std::move(a);
-  current_bytes_ += sz;
-  peak_bytes_ = std::max(peak_bytes_, current_bytes_);
   return p;
 }
 

@@ -358,6 +358,7 @@ class CudaBackend final : public Backend {
 
   mutable std::mutex mem_mutex_;  // alloc/release may come from the loader thread too
   std::unordered_map<void*, size_t> live_;
+  void track_alloc(void* p, size_t sz);  // the totals of a new block (mem_mutex_ held)
   std::shared_ptr<CommAllocator> comm_alloc_;
   // alloc_comm()'s blocks, released through the allocator that made them
   std::unordered_map<void*, std::shared_ptr<CommAllocator>> comm_live_;

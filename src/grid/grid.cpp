@@ -472,7 +472,12 @@ class MpiCollectives final : public Collectives {
     // Pieces arrive in order: MPI messages between one pair on one tag do not overtake.
     for (size_t off = 0; off < bytes || (bytes == 0 && off == 0); off += kMaxCount) {
       const int c = static_cast<int>(std::min(kMaxCount, bytes - off));
-      MPI_CHECK(MPI_Send(p + off, c, MPI_BYTE, peer, kTag, comm(a)));
+      if (grouping_) {
+        p2p_.push_back({MPI_REQUEST_NULL, -1, 0, a});
+        MPI_CHECK(MPI_Isend(p + off, c, MPI_BYTE, peer, kTag, comm(a), &p2p_.back().req));
+      } else {
+        MPI_CHECK(MPI_Send(p + off, c, MPI_BYTE, peer, kTag, comm(a)));
+      }
       if (bytes == 0) break;
     }
   }
@@ -481,15 +486,32 @@ class MpiCollectives final : public Collectives {
     char* p = static_cast<char*>(buf);
     for (size_t off = 0; off < bytes || (bytes == 0 && off == 0); off += kMaxCount) {
       const int c = static_cast<int>(std::min(kMaxCount, bytes - off));
-      MPI_Status st;
-      MPI_CHECK(MPI_Recv(p + off, c, MPI_BYTE, peer, kTag, comm(a), &st));
-      int got = 0;
-      MPI_CHECK(MPI_Get_count(&st, MPI_BYTE, &got));
-      // A short message means the two sides disagree on a shape: stop here, not in a kernel.
-      VG_CHECK(got == c, "recv on axis " << axis_name(a) << " from " << peer << ": expected " << c
-                                         << " bytes, got " << got);
+      if (grouping_) {
+        p2p_.push_back({MPI_REQUEST_NULL, peer, c, a});
+        MPI_CHECK(MPI_Irecv(p + off, c, MPI_BYTE, peer, kTag, comm(a), &p2p_.back().req));
+      } else {
+        MPI_Status st;
+        MPI_CHECK(MPI_Recv(p + off, c, MPI_BYTE, peer, kTag, comm(a), &st));
+        check_count(st, c, peer, a);
+      }
       if (bytes == 0) break;
     }
+  }
+
+  void group_begin() override {
+    VG_CHECK(!grouping_, "send/recv groups do not nest");
+    grouping_ = true;
+  }
+  void group_end() override {
+    VG_CHECK(grouping_, "group_end without group_begin");
+    grouping_ = false;
+    std::vector<MPI_Request> r;
+    for (const P2p& q : p2p_) r.push_back(q.req);
+    std::vector<MPI_Status> st(r.size());
+    if (!r.empty()) MPI_CHECK(MPI_Waitall(static_cast<int>(r.size()), r.data(), st.data()));
+    for (size_t i = 0; i < p2p_.size(); ++i)
+      if (p2p_[i].peer >= 0) check_count(st[i], p2p_[i].count, p2p_[i].peer, p2p_[i].axis);
+    p2p_.clear();
   }
 
   void barrier(Axis a) override { MPI_CHECK(MPI_Barrier(comm(a))); }
@@ -540,6 +562,23 @@ class MpiCollectives final : public Collectives {
     size_t n;
   };
   std::vector<MPI_Request> reqs_;
+  // the sends and receives of the open group (group_begin): receives keep what they expect
+  struct P2p {
+    MPI_Request req;
+    int peer;  // -1: a send
+    int count;
+    Axis axis;
+  };
+  std::vector<P2p> p2p_;
+  bool grouping_ = false;
+
+  // A short message means the two sides disagree on a shape: stop here, not in a kernel.
+  static void check_count(const MPI_Status& st, int expected, int peer, Axis a) {
+    int got = 0;
+    MPI_CHECK(MPI_Get_count(&st, MPI_BYTE, &got));
+    VG_CHECK(got == expected, "recv on axis " << axis_name(a) << " from " << peer << ": expected "
+                                              << expected << " bytes, got " << got);
+  }
   std::vector<Move> moves_;
   std::vector<MPI_Datatype> types_;  // of started gathers over 2 GiB
 };

@@ -53,9 +53,10 @@ DeviceBatch PipelineRunner::micro_batch(const DeviceBatch& b, int m) const {
 }
 
 // Called by every rank of the pipeline and tensor groups.
-void PipelineRunner::run(const PipelinePlan& plan, const DeviceBatch& b, bool train,
+void PipelineRunner::run(const PipelinePlans& plans, const DeviceBatch& b, bool train,
                          float smoothing, float grad_scale, int64_t step, double* sums,
                          std::vector<float>* logits, bool grads_final, double* loss_dev) {
+  const PipelinePlan& plan = plans.stages[stage_];
   const int M = train_.M;
   // micro-batches of this batch (eval's last batch may leave some short or empty: both sides
   // of every message know it from the batch count and skip empty ones alike)
@@ -73,11 +74,26 @@ void PipelineRunner::run(const PipelinePlan& plan, const DeviceBatch& b, bool tr
   // device-time marks around the step and each compute op (the bubble, harvested later)
   const bool marks = train && P_ > 1;
   if (marks) step_marks_.push_back(be_.mark());
+  // grouped plans: messages that join the one before them are posted in one group with it
+  // (pipeline.h)
+  bool open = false;
   try {
     for (size_t oi = 0; oi < plan.ops.size(); ++oi) {
       const PipeOp& op = plan.ops[oi];
+      const bool message = op.kind == PipeOpKind::SendAct || op.kind == PipeOpKind::RecvAct ||
+                           op.kind == PipeOpKind::SendGrad || op.kind == PipeOpKind::RecvGrad;
+      // every local operation closes a group, even one skipped for an empty micro-batch, and
+      // so does a message that does not join it
+      if (open && (!message || !op.joins)) {
+        coll_.group_end();
+        open = false;
+      }
       const DeviceBatch& d = mb[op.micro];
       if (d.count == 0) continue;
+      if (plans.grouped && message && !open) {
+        coll_.group_begin();
+        open = true;
+      }
       const size_t bytes = model_.boundary_bytes(d.count);
       const bool compute = op.kind == PipeOpKind::Forward || op.kind == PipeOpKind::Backward;
       if (marks && compute) busy_marks_.push_back(be_.mark());
@@ -125,6 +141,7 @@ void PipelineRunner::run(const PipelinePlan& plan, const DeviceBatch& b, bool tr
       }
       if (marks && compute) busy_marks_.push_back(be_.mark());
     }
+    if (open) coll_.group_end();
   } catch (const std::exception& e) {
     // Only this rank saw it; its neighbours wait in send / recv: end the job.
     VG_FAIL("pipeline stage " << stage_ << ", step " << step << ": " << e.what());
@@ -165,7 +182,7 @@ void PipelineRunner::train(const DeviceBatch& b, float smoothing, float grad_sca
   VG_CHECK(b.count == train_.M * micro_, "a training batch of " << b.count << " samples for "
                                              << train_.M << " micro-batches of " << micro_);
   double unused[3] = {0.0, 0.0, 0.0};
-  run(train_.stages[stage_], b, true, smoothing, grad_scale, step, unused, nullptr, grads_final,
+  run(train_, b, true, smoothing, grad_scale, step, unused, nullptr, grads_final,
       loss_sum);
 }
 
@@ -174,7 +191,7 @@ void PipelineRunner::eval(const DeviceBatch& b, double* loss, double* top1, doub
   VG_CHECK(b.count <= eval_.M * micro_, "an eval batch of " << b.count << " samples for "
                                             << eval_.M << " micro-batches of " << micro_);
   double sums[3] = {0.0, 0.0, 0.0};
-  run(eval_.stages[stage_], b, false, 0.0f, 0.0f, 0, sums, logits);
+  run(eval_, b, false, 0.0f, 0.0f, 0, sums, logits);
   *loss = sums[0];
   *top1 = sums[1];
   *top5 = sums[2];

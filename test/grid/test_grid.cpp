@@ -283,6 +283,37 @@ TEST(Grid, SendRecvRingAlongPipeline) {
   }
 }
 
+TEST(Grid, SendRecvGroupSwapsInOneStep) {
+  // every stage sends to the next and receives from the previous in one group: with messages
+  // large enough for MPI's rendezvous protocol, the same calls one at a time and in this
+  // order on every stage would deadlock
+  const int n = world_size(), me = world_rank();
+  for (const Layout& l : layouts(n)) {
+    if (l.pipeline < 2) continue;
+    SCOPED_TRACE(describe(l));
+    ProcessGrid g(MPI_COMM_WORLD, shape_of(l));
+    auto coll = make_mpi_collectives(g);
+    const std::vector<int> stages = expected_members(Axis::Pipeline, l, me, n);
+    const int p = g.size(Axis::Pipeline), s = g.rank(Axis::Pipeline);
+    const int next = (s + 1) % p, prev = (s + p - 1) % p;
+    const size_t count = size_t(1) << 20;  // 8 MiB
+    std::vector<double> out(count), in(count, -1.0), back(2, -1.0);
+    for (size_t i = 0; i < count; ++i) out[i] = me + 1e-6 * static_cast<double>(i);
+    const std::vector<double> small = {2.0 * me, 3.0 * me};
+    coll->group_begin();
+    coll->send(out.data(), count * sizeof(double), next, Axis::Pipeline);
+    coll->recv(in.data(), count * sizeof(double), prev, Axis::Pipeline);
+    // and a second, smaller message the other way round in the same group
+    coll->send(small.data(), small.size() * sizeof(double), prev, Axis::Pipeline);
+    coll->recv(back.data(), back.size() * sizeof(double), next, Axis::Pipeline);
+    coll->group_end();
+    EXPECT_EQ(in[0], static_cast<double>(stages[prev]));
+    EXPECT_EQ(in[count - 1], stages[prev] + 1e-6 * static_cast<double>(count - 1));
+    EXPECT_EQ(back[0], 2.0 * stages[next]);
+    EXPECT_EQ(back[1], 3.0 * stages[next]);
+  }
+}
+
 TEST(Grid, RankMapListsEveryRank) {
   const int n = world_size(), me = world_rank();
   for (const Layout& l : layouts(n)) {

@@ -113,6 +113,12 @@ class Collectives {
                                       Axis a) = 0;
   virtual void send(const void* buf, size_t bytes, int peer, Axis a) = 0;
   virtual void recv(void* buf, size_t bytes, int peer, Axis a) = 0;
+  // Sends and receives between group_begin() and group_end() are posted together and
+  // complete together in group_end() (NCCL: ncclGroupStart/End; MPI: Isend/Irecv + Waitall),
+  // so a pair of ranks can swap buffers in one step. Their buffers must not be touched before
+  // group_end(); groups do not nest.
+  virtual void group_begin() = 0;
+  virtual void group_end() = 0;
   virtual void barrier(Axis a) = 0;
 
   // ---- Asynchronous collectives: data-parallel gradient buckets overlapped with the backward,

@@ -60,7 +60,7 @@ class PipelineRunner {
   const PipelinePlans& train_plans() const { return train_; }
 
  private:
-  void run(const PipelinePlan& plan, const DeviceBatch& b, bool train, float smoothing,
+  void run(const PipelinePlans& plans, const DeviceBatch& b, bool train, float smoothing,
            float grad_scale, int64_t step, double* sums, std::vector<float>* logits,
            bool grads_final = false, double* loss_dev = nullptr);
   DeviceBatch micro_batch(const DeviceBatch& b, int m) const;

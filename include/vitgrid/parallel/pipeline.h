@@ -4,11 +4,12 @@
 //
 // Everything here is a pure function of (schedule, P, V, M): every rank computes the whole
 // plan itself, so no shapes or orders are exchanged at run time. The plan is built for the
-// blocking send/recv of Collectives (MPI_Send/MPI_Recv on the CPU, NCCL send/recv on the GPU),
-// which may rendezvous: a send returns only once its receiver has posted the matching recv.
+// blocking send/recv of Collectives (MPI on the CPU, NCCL send/recv on the GPU), which may
+// rendezvous: a send returns only once its receiver has posted the matching recv; a group of
+// them (Collectives::group_begin / group_end) returns once all of them have.
 // build_pipeline_plans orders the operations so that this can never deadlock (see the .cpp),
-// and check_pipeline_plans replays the plans under exactly these semantics (the tests run it
-// on many shapes).
+// check_pipeline_plans replays the plans under exactly these semantics and plan_bubble times
+// them (the tests run both on many shapes).
 //
 // Virtual stages. With V model chunks per stage (interleaved), virtual stage k = c * P + s
 // is chunk c of stage s (Megatron's layout): a micro-batch goes through stage 0..P-1 with
@@ -65,6 +66,7 @@ struct PipeOp {
   int peer = -1;     // pipeline rank of the other side (send / recv)
   int src_slot = -1; // CopyAct / CopyGrad source set
   bool frees = false;      // `slot` (or src_slot for copies) is free after this op
+  bool joins = false;      // a message posted in one group with the message before it
 };
 
 struct PipelinePlan {
@@ -78,6 +80,12 @@ struct PipelinePlans {
   int P = 1, V = 1, M = 1;
   bool train = true;
   std::vector<PipelinePlan> stages;  // P entries
+  // true: messages marked `joins` are posted in one group with the one before them, which
+  // completes when all of its messages have (the placement that sends right after the
+  // producing compute and receives right before the consuming one); false: one message at a
+  // time, each a rendezvous (the projection of the simulated execution, kept where the
+  // grouped placement is not safe: most interleaved shapes)
+  bool grouped = false;
   // Idle fraction of the schedule simulated with unit costs (forward 1, backward 2) and free
   // communication: the bubble the schedule itself implies, averaged over the stages.
   double simulated_bubble = 0.0;
@@ -91,8 +99,20 @@ PipelinePlans build_pipeline_plans(PipeSchedule s, int P, int V, int M, bool tra
 // The schedule's textbook bubble: (P-1)/M for GPipe and 1F1B, (P-1)/(V*M) interleaved.
 double theoretical_bubble(PipeSchedule s, int P, int V, int M);
 
+// The plans' idle fraction (averaged over the stages) when each forward costs `cf` and each
+// backward `cb`, messages are free and every send/recv is a rendezvous: a send and its recv
+// complete when both sides have posted them (messages between a pair in order). In grouped
+// plans a stage posts a group's messages together (ncclGroupStart/End, MPI Isend/Irecv +
+// Waitall: PipelineRunner does this), and the group completes when every group tied to it by
+// its messages has been posted (NCCL's lockstep; see check_pipeline_plans). -1 if the plans would deadlock. simulated_bubble is the
+// schedule's own (free communication, no rendezvous); the placement can only add to it.
+double plan_bubble(const PipelinePlans& plans, double cf = 1.0, double cb = 2.0);
+
 // Replays the plans with blocking rendezvous send/recv (a send and its recv complete
-// together, messages between a pair of ranks match in order) and checks that every operation
+// together, messages between a pair of ranks match in order; grouped plans post each run of
+// messages at once and completes it together with every group its messages tie it to, as
+// NCCL runs a group's messages in lockstep; a set that a send frees is free once its group
+// completes) and checks that every operation
 // runs, every message matches its receiver's expectation, each forward precedes its backward
 // and slots are never used while free. Returns "" or what went wrong.
 std::string check_pipeline_plans(const PipelinePlans& plans);

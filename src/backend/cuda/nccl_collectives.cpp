@@ -324,7 +324,8 @@ class NcclCollectives final : public Collectives {
     NCCL_CHECK(ncclGroupStart());
     NCCL_CHECK(ncclSend(buf, bytes, ncclUint8, peer, c, stream_));
     NCCL_CHECK(ncclGroupEnd());
-    track(stream_, bit(a), "send");
+    if (grouping_) group_axes_ |= bit(a);
+    else track(stream_, bit(a), "send");
   }
   void recv(void* buf, size_t bytes, int peer, Axis a) override {
     ncclComm_t c = comm(a);
@@ -332,7 +333,22 @@ class NcclCollectives final : public Collectives {
     NCCL_CHECK(ncclGroupStart());
     NCCL_CHECK(ncclRecv(buf, bytes, ncclUint8, peer, c, stream_));
     NCCL_CHECK(ncclGroupEnd());
-    track(stream_, bit(a), "recv");
+    if (grouping_) group_axes_ |= bit(a);
+    else track(stream_, bit(a), "recv");
+  }
+  // the inner ncclGroupStart/End of send and recv nest inside this one: NCCL launches the
+  // whole group at the outer ncclGroupEnd, and the watchdog follows it from there
+  void group_begin() override {
+    VG_CHECK(!grouping_, "send/recv groups do not nest");
+    NCCL_CHECK(ncclGroupStart());
+    grouping_ = true;
+    group_axes_ = 0;
+  }
+  void group_end() override {
+    VG_CHECK(grouping_, "group_end without group_begin");
+    grouping_ = false;
+    NCCL_CHECK(ncclGroupEnd());
+    if (group_axes_) track(stream_, group_axes_, "send/recv group");
   }
   // While the stream is captured, the calls go into the graph; the graph's launch is followed
   // as a whole (follow), after it.
@@ -530,6 +546,9 @@ class NcclCollectives final : public Collectives {
   // the summed block (plan_reduce sizes them: ce_n_ elements)
   std::shared_ptr<SymmetricMemory> sym_;
   float* ce_recv_ = nullptr;
+  // an open send/recv group (group_begin) and the axes its messages use
+  bool grouping_ = false;
+  unsigned group_axes_ = 0;
   float* ce_shard_ = nullptr;
   size_t ce_n_ = 0;
   cudaStream_t comm_stream_ = nullptr;  // asynchronous reductions

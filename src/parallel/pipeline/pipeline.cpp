@@ -3,19 +3,31 @@
 // How a plan is made deadlock-free with blocking send/recv. Each stage's schedule is a list of
 // compute operations (forward / backward of a chunk and micro-batch). We simulate the schedules
 // with unit costs and free communication, which gives every compute a start time (and proves
-// the orders feasible: a schedule waiting on itself never finishes the simulation). We then
-// walk all computes of all stages in order of start time, and when a compute needs a message
-// we append the send to the producer's list and the recv to the consumer's list at that moment,
-// then the compute. The lists are therefore the projections of one sequential execution in
-// which each send/recv pair happens at once; replaying them with rendezvous semantics can
-// always run the earliest unfinished event of that execution, so it never deadlocks, and the
-// messages between two ranks are sent and received in the same order (MPI does not let
-// messages of one pair and tag overtake; NCCL send/recv match in order too).
+// the orders feasible: a schedule waiting on itself never finishes the simulation). Then the
+// messages are placed, one of two ways:
 //
-// Activation sets ("slots") are assigned while walking: a set is taken when a chunk's input
+// - Grouped (first choice): on each stage, the sends of a compute's output right after it and
+//   the receives of a compute's input right before it; the messages between two computes are
+//   posted as one group. In 1F1B's steady state neighbouring stages then swap an activation
+//   and a gradient in one exchange, as Megatron's send_forward_recv_backward does, and the
+//   plan runs at the schedule's own bubble (plan_bubble; the tests check it). The plan is
+//   replayed (check_pipeline_plans); where that fails (the interleaved schedule, whose
+//   gradients may be consumed long after they are produced, deadlocks), the other way:
+// - One at a time: walk all computes of all stages in order of start time, and when a compute
+//   needs a message append the send to the producer's list and the recv to the consumer's
+//   list at that moment, then the compute. The lists are the projections of one sequential
+//   execution in which each send/recv pair happens at once; replaying them with rendezvous
+//   semantics can always run the earliest unfinished event of that execution, so it never
+//   deadlocks. A send that waits there for its receiver's next compute also holds up the
+//   sender's: 1F1B placed so ran at about twice its bubble.
+//
+// Either way the messages between two ranks are sent and received in the same order (MPI
+// does not let messages of one pair and tag overtake; NCCL send/recv match in order too).
+//
+// Activation sets ("slots") are assigned while placing: a set is taken when a chunk's input
 // arrives (or its forward starts on virtual stage 0) and given back once nothing reads it any
 // more: after the backward on virtual stage 0, after its d(input) was sent elsewhere, or in
-// forward-only plans once its output was sent. The largest number held at once is what the
+// forward-only plans once its output was sent (grouped: not to a receive of the same group). The largest number held at once is what the
 // model allocates up front: M for GPipe, about P - stage for 1F1B.
 #include "vitgrid/parallel/pipeline.h"
 
@@ -138,6 +150,37 @@ double theoretical_bubble(PipeSchedule s, int P, int V, int M) {
 
 namespace {
 
+bool is_message(PipeOpKind k) {
+  return k == PipeOpKind::SendAct || k == PipeOpKind::SendGrad || k == PipeOpKind::RecvAct ||
+         k == PipeOpKind::RecvGrad;
+}
+bool is_send(PipeOpKind k) { return k == PipeOpKind::SendAct || k == PipeOpKind::SendGrad; }
+
+// The stages whose open groups are tied to stage s's by matched messages, s's first: NCCL
+// runs a group's messages in lockstep (a send's next piece waits for the receive beside it),
+// so a message completes only with every group it is tied to, directly or through others.
+// Empty while some message of them is not matched yet.
+std::vector<int> lockstep_component(int s, const std::vector<bool>& in_group,
+                                    const std::vector<size_t>& pc,
+                                    const std::vector<size_t>& group_end,
+                                    const std::vector<std::vector<std::pair<int, size_t>>>& partner) {
+  std::vector<int> comp{s};
+  std::vector<char> seen(in_group.size(), 0);
+  seen[s] = 1;
+  for (size_t k = 0; k < comp.size(); ++k) {
+    const int t = comp[k];
+    for (size_t i = pc[t]; i < group_end[t]; ++i) {
+      const auto [q, j] = partner[t][i];
+      if (q < 0 || !in_group[q] || j < pc[q] || j >= group_end[q]) return {};
+      if (!seen[q]) {
+        seen[q] = 1;
+        comp.push_back(q);
+      }
+    }
+  }
+  return comp;
+}
+
 struct Work {
   bool fwd;
   int chunk, micro;
@@ -195,81 +238,16 @@ struct Timed {
   bool needs_msg;
 };
 
-}  // namespace
-
-PipelinePlans build_pipeline_plans(PipeSchedule k, int P, int V, int M, bool train) {
-  VG_CHECK(P >= 1 && V >= 1 && M >= 1, "pipeline plan for P " << P << " V " << V << " M " << M);
-  VG_CHECK(V == 1 || k == PipeSchedule::Interleaved, "model chunks without the interleaved schedule");
-  const int S = P * V;
-  const double cf = 1.0, cb = 2.0;
-  PipelinePlans out;
-  out.schedule = k;
-  out.P = P;
-  out.V = V;
-  out.M = M;
-  out.train = train;
-
-  // 1. Simulate (unit costs, free communication) to get start times; grow the warm-up until
-  //    the orders are feasible (all forwards first always is).
-  std::vector<std::vector<Work>> order(P);
-  std::vector<std::vector<double>> start(P);
-  double makespan = 0.0;
-  for (int extra = 0;; ++extra) {
-    for (int s = 0; s < P; ++s) order[s] = stage_order(k, P, V, M, s, train, extra);
-    std::vector<std::vector<double>> endF(S, std::vector<double>(M, -1.0)), endB = endF;
-    std::vector<size_t> next(P, 0);
-    std::vector<double> free_at(P, 0.0);
-    for (int s = 0; s < P; ++s) start[s].assign(order[s].size(), 0.0);
-    bool progress = true;
-    size_t done = 0, all = 0;
-    for (auto& o : order) all += o.size();
-    while (progress) {
-      progress = false;
-      for (int s = 0; s < P; ++s) {
-        while (next[s] < order[s].size()) {
-          const Work& w = order[s][next[s]];
-          const int v = w.chunk * P + s;
-          double dep = 0.0;
-          if (w.fwd) {
-            if (v > 0) dep = endF[v - 1][w.micro];
-          } else {
-            dep = endF[v][w.micro];
-            if (v < S - 1) {
-              const double g = endB[v + 1][w.micro];
-              dep = (dep < 0.0 || g < 0.0) ? -1.0 : std::max(dep, g);
-            }
-          }
-          if (dep < 0.0) break;
-          const double t0 = std::max(free_at[s], dep);
-          start[s][next[s]] = t0;
-          free_at[s] = t0 + (w.fwd ? cf : cb);
-          (w.fwd ? endF : endB)[v][w.micro] = free_at[s];
-          ++next[s];
-          ++done;
-          progress = true;
-        }
-      }
-    }
-    if (done == all) {
-      makespan = *std::max_element(free_at.begin(), free_at.end());
-      double idle = 0.0;
-      for (int s = 0; s < P; ++s) {
-        double busy = 0.0;
-        for (const Work& w : order[s]) busy += w.fwd ? cf : cb;
-        idle += (makespan - busy) / makespan;
-      }
-      out.simulated_bubble = idle / P;
-      break;
-    }
-    if (extra > 2 * S * M)
-      throw UserError("parallel.micro_batches: the " + std::string(pipe_schedule_name(k)) +
-                      " schedule cannot run " + std::to_string(M) + " micro-batches on " +
-                      std::to_string(P) + " stages x " + std::to_string(V) + " chunks");
-  }
-
-  // 2. Walk every compute in start order, placing each message's send and recv as it is
-  //    needed. Ties: a compute that receives goes first, so the sender's send lands before
-  //    its own compute that starts at the same time.
+// Message placement by the simulated start times: walk every compute of every stage in start
+// order, appending each message's send to the producer's list and its recv to the consumer's
+// at the moment the consumer needs it (see the top of the file).
+void place_in_start_order(PipelinePlans& out, const std::vector<std::vector<Work>>& order,
+                          const std::vector<std::vector<double>>& start, bool train) {
+  const int P = out.P, S = out.P * out.V;
+  out.stages.assign(P, PipelinePlan{});
+  out.grouped = false;
+  // Ties: a compute that receives goes first, so the sender's send lands before its own
+  // compute that starts at the same time.
   std::vector<Timed> all;
   for (int s = 0; s < P; ++s)
     for (size_t i = 0; i < order[s].size(); ++i) {
@@ -284,7 +262,6 @@ PipelinePlans build_pipeline_plans(PipeSchedule k, int P, int V, int M, bool tra
     return a.stage < b.stage;
   });
 
-  out.stages.resize(P);
   // per stage: slot of each (chunk, micro) currently held, and the free slots
   std::vector<std::map<std::pair<int, int>, int>> slot_of(P);
   std::vector<std::set<int>> free_slots(P);
@@ -358,6 +335,241 @@ PipelinePlans build_pipeline_plans(PipeSchedule k, int P, int V, int M, bool tra
   }
   for (int s = 0; s < P; ++s)
     VG_CHECK(slot_of[s].empty(), "pipeline plan: stage " << s << " ends holding sets");
+}
+
+// Every message op's partner (stage, op index) when messages between a pair match in order.
+std::vector<std::vector<std::pair<int, size_t>>> message_partners(const PipelinePlans& pl) {
+  const int P = pl.P;
+  std::vector<std::vector<std::pair<int, size_t>>> partner(P);
+  std::vector<std::vector<size_t>> sends(P * P), recvs(P * P);
+  for (int s = 0; s < P; ++s) {
+    const auto& ops = pl.stages[s].ops;
+    partner[s].assign(ops.size(), {-1, 0});
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (!is_message(ops[i].kind) || ops[i].peer < 0 || ops[i].peer >= P) continue;
+      if (is_send(ops[i].kind)) sends[s * P + ops[i].peer].push_back(i);
+      else recvs[ops[i].peer * P + s].push_back(i);
+    }
+  }
+  for (int pair = 0; pair < P * P; ++pair)
+    for (size_t k = 0; k < std::min(sends[pair].size(), recvs[pair].size()); ++k) {
+      const int a = pair / P, b = pair % P;
+      partner[a][sends[pair][k]] = {b, recvs[pair][k]};
+      partner[b][recvs[pair][k]] = {a, sends[pair][k]};
+    }
+  return partner;
+}
+
+// The group of each op: the index of the message that opens it (local ops: their own index).
+std::vector<size_t> group_heads(const PipelinePlan& st) {
+  std::vector<size_t> head(st.ops.size());
+  for (size_t i = 0; i < st.ops.size(); ++i)
+    head[i] = i > 0 && is_message(st.ops[i].kind) && st.ops[i].joins ? head[i - 1] : i;
+  return head;
+}
+
+// Splits into single messages every group that sends to and receives from one stage whose
+// partners there are not in one group, until none is left (a split can unmirror the partner's
+// group). In lockstep (lockstep_component) such a group waits for the peer's later group, which
+// waits for it: GPipe's last forward and first backward hung so on 2 H200s.
+void split_unmirrored_groups(PipelinePlans& pl) {
+  for (bool changed = true; changed;) {
+    changed = false;
+    const auto partner = message_partners(pl);
+    std::vector<std::vector<size_t>> head(pl.P);
+    for (int s = 0; s < pl.P; ++s) head[s] = group_heads(pl.stages[s]);
+    for (int s = 0; s < pl.P; ++s) {
+      auto& ops = pl.stages[s].ops;
+      for (size_t i = 0; i < ops.size(); ++i) {
+        bool bad = false;
+        for (size_t j = i + 1; j < ops.size() && head[s][j] == head[s][i] && is_message(ops[i].kind); ++j) {
+          if (ops[i].peer != ops[j].peer || is_send(ops[i].kind) == is_send(ops[j].kind)) continue;
+          const auto [q, a] = partner[s][i];
+          const auto [r, b] = partner[s][j];
+          bad = bad || q < 0 || r < 0 || head[q][a] != head[r][b];
+        }
+        if (!bad) continue;
+        for (size_t j = head[s][i]; j < ops.size() && head[s][j] == head[s][i]; ++j) {
+          changed = changed || ops[j].joins;
+          ops[j].joins = false;
+        }
+      }
+    }
+  }
+}
+
+// Message placement stage by stage: after each compute the sends of what it produced, before
+// each compute the receives of what it needs. Consecutive messages form one group, posted
+// together (the runner's group_begin / group_end), so in the one-forward-one-backward phase
+// neighbouring stages swap activation and gradient in one exchange (Megatron's
+// send_forward_recv_backward) instead of one waiting for the other's next compute.
+void place_eager(PipelinePlans& out, const std::vector<std::vector<Work>>& order, bool train) {
+  const int P = out.P, S = out.P * out.V;
+  out.stages.assign(P, PipelinePlan{});
+  out.grouped = true;
+  for (int s = 0; s < P; ++s) {
+    PipelinePlan& pl = out.stages[s];
+    pl.stage = s;
+    auto& ops = pl.ops;
+    std::map<std::pair<int, int>, int> slot_of;
+    std::set<int> free_slots;
+    auto take = [&](int c, int m) {
+      int slot;
+      if (free_slots.empty()) {
+        slot = pl.num_slots++;
+      } else {
+        slot = *free_slots.begin();
+        free_slots.erase(free_slots.begin());
+      }
+      slot_of[{c, m}] = slot;
+      return slot;
+    };
+    auto held = [&](int c, int m) {
+      auto it = slot_of.find({c, m});
+      VG_CHECK(it != slot_of.end(), "pipeline plan: no set held for chunk " << c << " micro " << m);
+      return it->second;
+    };
+    auto give = [&](int c, int m) {
+      free_slots.insert(held(c, m));
+      slot_of.erase({c, m});
+    };
+    // a set a send frees is reused only after the next compute: the receives posted in the
+    // same group would otherwise land in it while it is still being sent
+    std::vector<std::pair<int, int>> sent;
+    auto give_sent = [&] {
+      for (auto [c, m] : sent) give(c, m);
+      sent.clear();
+    };
+    auto joins = [&] { return !ops.empty() && is_message(ops.back().kind); };
+    for (const Work& w : order[s]) {
+      const int c = w.chunk, m = w.micro, v = c * P + s;
+      if (w.fwd) {
+        int slot;
+        if (v > 0 && (v - 1) % P != s) {
+          slot = take(c, m);
+          ops.push_back({PipeOpKind::RecvAct, c, m, slot, (v - 1) % P, -1, false, joins()});
+        } else if (v > 0) {
+          const int src = held(c - 1, m);
+          slot = take(c, m);
+          ops.push_back({PipeOpKind::CopyAct, c, m, slot, -1, src, !train});
+          if (!train) give(c - 1, m);
+        } else {
+          slot = take(c, m);
+        }
+        const bool last = v == S - 1;
+        give_sent();
+        ops.push_back({PipeOpKind::Forward, c, m, slot, -1, -1, !train && last});
+        if (!train && last) give(c, m);
+        if (!last && (v + 1) % P != s) {
+          ops.push_back({PipeOpKind::SendAct, c, m, slot, (v + 1) % P, -1, !train});
+          if (!train) sent.emplace_back(c, m);
+        }
+      } else {
+        const int slot = held(c, m);
+        if (v < S - 1 && (v + 1) % P != s) {
+          ops.push_back({PipeOpKind::RecvGrad, c, m, slot, (v + 1) % P, -1, false, joins()});
+        } else if (v < S - 1) {
+          ops.push_back({PipeOpKind::CopyGrad, c, m, slot, -1, held(c + 1, m), true});
+          give(c + 1, m);
+        }
+        give_sent();
+        ops.push_back({PipeOpKind::Backward, c, m, slot, -1, -1, v == 0});
+        if (v == 0) {
+          give(c, m);
+        } else if ((v - 1) % P != s) {
+          ops.push_back({PipeOpKind::SendGrad, c, m, slot, (v - 1) % P, -1, true});
+          sent.emplace_back(c, m);
+        }
+      }
+    }
+    give_sent();
+    VG_CHECK(slot_of.empty(), "pipeline plan: stage " << s << " ends holding sets");
+  }
+}
+
+}  // namespace
+
+PipelinePlans build_pipeline_plans(PipeSchedule k, int P, int V, int M, bool train) {
+  VG_CHECK(P >= 1 && V >= 1 && M >= 1, "pipeline plan for P " << P << " V " << V << " M " << M);
+  VG_CHECK(V == 1 || k == PipeSchedule::Interleaved, "model chunks without the interleaved schedule");
+  const int S = P * V;
+  const double cf = 1.0, cb = 2.0;
+  PipelinePlans out;
+  out.schedule = k;
+  out.P = P;
+  out.V = V;
+  out.M = M;
+  out.train = train;
+
+  // 1. Simulate (unit costs, free communication) to get start times; grow the warm-up until
+  //    the orders are feasible (all forwards first always is).
+  std::vector<std::vector<Work>> order(P);
+  std::vector<std::vector<double>> start(P);
+  double makespan = 0.0;
+  for (int extra = 0;; ++extra) {
+    for (int s = 0; s < P; ++s) order[s] = stage_order(k, P, V, M, s, train, extra);
+    std::vector<std::vector<double>> endF(S, std::vector<double>(M, -1.0)), endB = endF;
+    std::vector<size_t> next(P, 0);
+    std::vector<double> free_at(P, 0.0);
+    for (int s = 0; s < P; ++s) start[s].assign(order[s].size(), 0.0);
+    bool progress = true;
+    size_t done = 0, all = 0;
+    for (auto& o : order) all += o.size();
+    while (progress) {
+      progress = false;
+      for (int s = 0; s < P; ++s) {
+        while (next[s] < order[s].size()) {
+          const Work& w = order[s][next[s]];
+          const int v = w.chunk * P + s;
+          double dep = 0.0;
+          if (w.fwd) {
+            if (v > 0) dep = endF[v - 1][w.micro];
+          } else {
+            dep = endF[v][w.micro];
+            if (v < S - 1) {
+              const double g = endB[v + 1][w.micro];
+              dep = (dep < 0.0 || g < 0.0) ? -1.0 : std::max(dep, g);
+            }
+          }
+          if (dep < 0.0) break;
+          const double t0 = std::max(free_at[s], dep);
+          start[s][next[s]] = t0;
+          free_at[s] = t0 + (w.fwd ? cf : cb);
+          (w.fwd ? endF : endB)[v][w.micro] = free_at[s];
+          ++next[s];
+          ++done;
+          progress = true;
+        }
+      }
+    }
+    if (done == all) {
+      makespan = *std::max_element(free_at.begin(), free_at.end());
+      double idle = 0.0;
+      for (int s = 0; s < P; ++s) {
+        double busy = 0.0;
+        for (const Work& w : order[s]) busy += w.fwd ? cf : cb;
+        idle += (makespan - busy) / makespan;
+      }
+      out.simulated_bubble = idle / P;
+      break;
+    }
+    if (extra > 2 * S * M)
+      throw UserError("parallel.micro_batches: the " + std::string(pipe_schedule_name(k)) +
+                      " schedule cannot run " + std::to_string(M) + " micro-batches on " +
+                      std::to_string(P) + " stages x " + std::to_string(V) + " chunks");
+  }
+
+  // 2. Place the messages: each send right after the compute that produced its data, each
+  //    receive right before the compute that needs it (grouped with the sends before it).
+  //    Where that order is not safe (a pair exchanging activations and gradients in one
+  //    direction, P = 2 interleaved, may then match them in different orders), fall back to
+  //    the projection of the simulated execution.
+  place_eager(out, order, train);
+  split_unmirrored_groups(out);
+  out.grouped = false;
+  for (const auto& st : out.stages)
+    for (const auto& op : st.ops) out.grouped = out.grouped || op.joins;
+  if (!check_pipeline_plans(out).empty()) place_in_start_order(out, order, start, train);
   return out;
 }
 
@@ -367,14 +579,21 @@ std::string check_pipeline_plans(const PipelinePlans& plans) {
   const int P = plans.P, V = plans.V, M = plans.M, S = P * V;
   std::ostringstream err;
   if (static_cast<int>(plans.stages.size()) != P) return "wrong number of stage plans";
-  std::vector<size_t> pc(P, 0);
+  std::vector<size_t> pc(P, 0), group_end(P, 0);
+  std::vector<bool> in_group(P, false);
   // slot owner: virtual stage * M + micro, or -1
   std::vector<std::vector<int>> owner(P);
   for (int s = 0; s < P; ++s) owner[s].assign(plans.stages[s].num_slots, -1);
   std::vector<std::vector<int>> fdone(S, std::vector<int>(M, 0)), bdone = fdone;
+  // per directed pair (from * P + to): the posted, unmatched sends and receives (op indices)
+  std::vector<std::vector<size_t>> sends(P * P), recvs(P * P);
+  std::vector<size_t> sh(P * P, 0), rh(P * P, 0);
+  std::vector<std::vector<std::pair<int, size_t>>> partner(P);
+  for (int s = 0; s < P; ++s) partner[s].assign(plans.stages[s].ops.size(), {-1, 0});
   auto key = [&](int s, int c, int m) { return (c * P + s) * M + m; };
-  auto fail = [&](int s, const PipeOp& op, const std::string& what) {
-    err << "stage " << s << " op " << pc[s] << " (" << pipe_op_name(op.kind) << " chunk "
+  auto fail_at = [&](int s, size_t i, const std::string& what) {
+    const PipeOp& op = plans.stages[s].ops[i];
+    err << "stage " << s << " op " << i << " (" << pipe_op_name(op.kind) << " chunk "
         << op.chunk << " micro " << op.micro << "): " << what;
     return err.str();
   };
@@ -386,51 +605,38 @@ std::string check_pipeline_plans(const PipelinePlans& plans) {
     progress = false;
     for (int s = 0; s < P; ++s) {
       const auto& ops = plans.stages[s].ops;
-      while (pc[s] < ops.size()) {
+      while (!in_group[s] && pc[s] < ops.size()) {
         const PipeOp& op = ops[pc[s]];
         const int v = op.chunk * P + s;
         const int k = key(s, op.chunk, op.micro);
-        if (op.kind == PipeOpKind::RecvAct || op.kind == PipeOpKind::RecvGrad) break;  // by sender
-        if (op.kind == PipeOpKind::SendAct || op.kind == PipeOpKind::SendGrad) {
-          const int q = op.peer;
-          if (q < 0 || q >= P || q == s) return fail(s, op, "bad peer");
-          if (pc[q] >= plans.stages[q].ops.size()) break;
-          const PipeOp& r = plans.stages[q].ops[pc[q]];
-          const bool act = op.kind == PipeOpKind::SendAct;
-          if (r.kind != (act ? PipeOpKind::RecvAct : PipeOpKind::RecvGrad) || r.peer != s) break;
-          // matched: the receiver must expect exactly this message
-          const int rv = r.chunk * P + q;
-          if (r.micro != op.micro || rv != (act ? v + 1 : v - 1))
-            return fail(s, op, "matched by a receive of another message on stage " + std::to_string(q));
-          if (!slot_ok(s, op.slot) || owner[s][op.slot] != k) return fail(s, op, "sends from a set it does not hold");
-          if (act ? !fdone[v][op.micro] : !bdone[v][op.micro]) return fail(s, op, "sends before computing");
-          if (!slot_ok(q, r.slot)) return fail(s, op, "receiver's set out of range");
-          if (act) {
-            if (owner[q][r.slot] != -1) return fail(q, r, "receives into a set in use");
-            owner[q][r.slot] = key(q, r.chunk, r.micro);
-          } else if (owner[q][r.slot] != key(q, r.chunk, r.micro)) {
-            return fail(q, r, "receives a gradient for a set it does not hold");
+        if (is_message(op.kind)) {
+          // post the group: every message up to the next local operation
+          size_t e = pc[s];
+          for (; e < ops.size() && is_message(ops[e].kind) && (e == pc[s] || ops[e].joins); ++e) {
+            const int q = ops[e].peer;
+            if (q < 0 || q >= P || q == s) return fail_at(s, e, "bad peer");
+            if (is_send(ops[e].kind)) sends[s * P + q].push_back(e);
+            else recvs[q * P + s].push_back(e);
           }
-          if (op.frees) owner[s][op.slot] = -1;
-          ++pc[q];
-          ++pc[s];
+          group_end[s] = e;
+          in_group[s] = true;
           progress = true;
-          continue;
+          break;
         }
-        if (!slot_ok(s, op.slot)) return fail(s, op, "set out of range");
+        if (!slot_ok(s, op.slot)) return fail_at(s, pc[s], "set out of range");
         switch (op.kind) {
           case PipeOpKind::Forward:
             if (v == 0) {
-              if (owner[s][op.slot] != -1) return fail(s, op, "starts in a set in use");
+              if (owner[s][op.slot] != -1) return fail_at(s, pc[s], "starts in a set in use");
               owner[s][op.slot] = k;
             }
-            if (owner[s][op.slot] != k) return fail(s, op, "runs without its input");
+            if (owner[s][op.slot] != k) return fail_at(s, pc[s], "runs without its input");
             fdone[v][op.micro] = 1;
             break;
           case PipeOpKind::Backward:
-            if (owner[s][op.slot] != k) return fail(s, op, "runs on a set it does not hold");
-            if (!fdone[v][op.micro]) return fail(s, op, "backward before forward");
-            if (v < S - 1 && !bdone[v + 1][op.micro]) return fail(s, op, "backward before its gradient");
+            if (owner[s][op.slot] != k) return fail_at(s, pc[s], "runs on a set it does not hold");
+            if (!fdone[v][op.micro]) return fail_at(s, pc[s], "backward before forward");
+            if (v < S - 1 && !bdone[v + 1][op.micro]) return fail_at(s, pc[s], "backward before its gradient");
             bdone[v][op.micro] = 1;
             break;
           case PipeOpKind::CopyAct:
@@ -439,10 +645,10 @@ std::string check_pipeline_plans(const PipelinePlans& plans) {
             const int sv = act ? v - 1 : v + 1;
             if (!slot_ok(s, op.src_slot) || sv < 0 || sv >= S || sv % P != s ||
                 owner[s][op.src_slot] != sv * M + op.micro)
-              return fail(s, op, "copies from a set it does not hold");
-            if (act ? !fdone[sv][op.micro] : !bdone[sv][op.micro]) return fail(s, op, "copies before computing");
+              return fail_at(s, pc[s], "copies from a set it does not hold");
+            if (act ? !fdone[sv][op.micro] : !bdone[sv][op.micro]) return fail_at(s, pc[s], "copies before computing");
             if (act) {
-              if (owner[s][op.slot] != -1) return fail(s, op, "copies into a set in use");
+              if (owner[s][op.slot] != -1) return fail_at(s, pc[s], "copies into a set in use");
               owner[s][op.slot] = k;
             }
             if (op.frees) owner[s][op.src_slot] = -1;
@@ -454,6 +660,48 @@ std::string check_pipeline_plans(const PipelinePlans& plans) {
         }
         if (op.frees) owner[s][op.slot] = -1;
         ++pc[s];
+        progress = true;
+      }
+    }
+    // match the posted messages of each pair in order
+    for (int pair = 0; pair < P * P; ++pair) {
+      const int s = pair / P, q = pair % P;
+      while (sh[pair] < sends[pair].size() && rh[pair] < recvs[pair].size()) {
+        const size_t si = sends[pair][sh[pair]++], ri = recvs[pair][rh[pair]++];
+        const PipeOp& op = plans.stages[s].ops[si];
+        const PipeOp& r = plans.stages[q].ops[ri];
+        const int v = op.chunk * P + s;
+        const bool act = op.kind == PipeOpKind::SendAct;
+        const int rv = r.chunk * P + q;
+        if (r.kind != (act ? PipeOpKind::RecvAct : PipeOpKind::RecvGrad) || r.micro != op.micro ||
+            rv != (act ? v + 1 : v - 1))
+          return fail_at(s, si, "matched by a receive of another message on stage " + std::to_string(q));
+        if (!slot_ok(s, op.slot) || owner[s][op.slot] != key(s, op.chunk, op.micro))
+          return fail_at(s, si, "sends from a set it does not hold");
+        if (act ? !fdone[v][op.micro] : !bdone[v][op.micro]) return fail_at(s, si, "sends before computing");
+        if (!slot_ok(q, r.slot)) return fail_at(s, si, "receiver's set out of range");
+        if (act) {
+          if (owner[q][r.slot] != -1) return fail_at(q, ri, "receives into a set in use");
+          owner[q][r.slot] = key(q, r.chunk, r.micro);
+        } else if (owner[q][r.slot] != key(q, r.chunk, r.micro)) {
+          return fail_at(q, ri, "receives a gradient for a set it does not hold");
+        }
+        partner[s][si] = {q, ri};
+        partner[q][ri] = {s, si};
+        progress = true;
+      }
+    }
+    // groups complete together with every group tied to them; the sets their sends free are
+    // free from then
+    for (int s = 0; s < P; ++s) {
+      if (!in_group[s]) continue;
+      for (int t : lockstep_component(s, in_group, pc, group_end, partner)) {
+        for (size_t i = pc[t]; i < group_end[t]; ++i) {
+          const PipeOp& op = plans.stages[t].ops[i];
+          if (is_send(op.kind) && op.frees) owner[t][op.slot] = -1;
+        }
+        pc[t] = group_end[t];
+        in_group[t] = false;
         progress = true;
       }
     }
@@ -475,6 +723,82 @@ std::string check_pipeline_plans(const PipelinePlans& plans) {
     for (int o : owner[s])
       if (o != -1) return "stage " + std::to_string(s) + " ends holding a set";
   return "";
+}
+
+// ---- timing
+
+double plan_bubble(const PipelinePlans& plans, double cf, double cb) {
+  const int P = plans.P;
+  struct Posted {
+    int stage;
+    size_t op;
+    double t;
+  };
+  // per directed pair (from * P + to): posted sends and receives not yet matched, in order
+  std::vector<std::vector<Posted>> sends(P * P), recvs(P * P);
+  std::vector<size_t> sh(P * P, 0), rh(P * P, 0);  // heads
+  std::vector<std::vector<std::pair<int, size_t>>> partner(P);  // matched message ops
+  std::vector<size_t> pc(P, 0), group_end(P, 0);
+  std::vector<double> t(P, 0.0), busy(P, 0.0);
+  std::vector<bool> waiting(P, false);
+  for (int s = 0; s < P; ++s) partner[s].assign(plans.stages[s].ops.size(), {-1, 0});
+  bool progress = true;
+  while (progress) {
+    progress = false;
+    for (int s = 0; s < P; ++s) {
+      const auto& ops = plans.stages[s].ops;
+      while (!waiting[s] && pc[s] < ops.size()) {
+        const PipeOp& op = ops[pc[s]];
+        if (!is_message(op.kind)) {
+          const double c = op.kind == PipeOpKind::Forward ? cf : op.kind == PipeOpKind::Backward ? cb : 0.0;
+          t[s] += c;
+          busy[s] += c;
+          ++pc[s];
+          progress = true;
+          continue;
+        }
+        size_t e = pc[s];
+        while (e < ops.size() && is_message(ops[e].kind) && (e == pc[s] || ops[e].joins)) {
+          const PipeOp& m = ops[e];
+          const bool snd = is_send(m.kind);
+          const int pair = snd ? s * P + m.peer : m.peer * P + s;
+          (snd ? sends : recvs)[pair].push_back({s, e, t[s]});
+          ++e;
+        }
+        group_end[s] = e;
+        waiting[s] = true;
+        progress = true;
+      }
+    }
+    for (int pair = 0; pair < P * P; ++pair)
+      while (sh[pair] < sends[pair].size() && rh[pair] < recvs[pair].size()) {
+        const Posted& a = sends[pair][sh[pair]++];
+        const Posted& b = recvs[pair][rh[pair]++];
+        partner[a.stage][a.op] = {b.stage, b.op};
+        partner[b.stage][b.op] = {a.stage, a.op};
+        progress = true;
+      }
+    // a group completes with every group tied to it, once the last of them was posted
+    for (int s = 0; s < P; ++s) {
+      if (!waiting[s]) continue;
+      const std::vector<int> comp = lockstep_component(s, waiting, pc, group_end, partner);
+      double when = 0.0;
+      for (int q : comp) when = std::max(when, t[q]);
+      for (int q : comp) {
+        t[q] = when;
+        pc[q] = group_end[q];
+        waiting[q] = false;
+        progress = true;
+      }
+    }
+  }
+  for (int s = 0; s < P; ++s)
+    if (pc[s] < plans.stages[s].ops.size()) return -1.0;
+  const double makespan = *std::max_element(t.begin(), t.end());
+  if (makespan <= 0.0) return 0.0;
+  double idle = 0.0;
+  for (int s = 0; s < P; ++s) idle += (makespan - busy[s]) / makespan;
+  return idle / P;
 }
 
 }  // namespace vitgrid

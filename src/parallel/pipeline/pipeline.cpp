@@ -406,7 +406,6 @@ void split_unmirrored_groups(PipelinePlans& pl) {
 void place_eager(PipelinePlans& out, const std::vector<std::vector<Work>>& order, bool train) {
   const int P = out.P, S = out.P * out.V;
   out.stages.assign(P, PipelinePlan{});
-  out.grouped = true;
   for (int s = 0; s < P; ++s) {
     PipelinePlan& pl = out.stages[s];
     pl.stage = s;
@@ -560,10 +559,10 @@ PipelinePlans build_pipeline_plans(PipeSchedule k, int P, int V, int M, bool tra
   }
 
   // 2. Place the messages: each send right after the compute that produced its data, each
-  //    receive right before the compute that needs it (grouped with the sends before it).
-  //    Where that order is not safe (a pair exchanging activations and gradients in one
-  //    direction, P = 2 interleaved, may then match them in different orders), fall back to
-  //    the projection of the simulated execution.
+  //    receive right before the compute that needs it (grouped with the sends before it,
+  //    except where NCCL's lockstep would tie a group to its own partner). Where that plan
+  //    does not replay (most interleaved shapes deadlock), fall back to the projection of
+  //    the simulated execution.
   place_eager(out, order, train);
   split_unmirrored_groups(out);
   out.grouped = false;

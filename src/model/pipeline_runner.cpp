@@ -80,8 +80,7 @@ void PipelineRunner::run(const PipelinePlans& plans, const DeviceBatch& b, bool 
   try {
     for (size_t oi = 0; oi < plan.ops.size(); ++oi) {
       const PipeOp& op = plan.ops[oi];
-      const bool message = op.kind == PipeOpKind::SendAct || op.kind == PipeOpKind::RecvAct ||
-                           op.kind == PipeOpKind::SendGrad || op.kind == PipeOpKind::RecvGrad;
+      const bool message = pipe_op_is_message(op.kind);
       // every local operation closes a group, even one skipped for an empty micro-batch, and
       // so does a message that does not join it
       if (open && (!message || !op.joins)) {

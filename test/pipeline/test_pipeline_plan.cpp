@@ -112,7 +112,9 @@ TEST(PipelinePlan, PlacementRunsAtTheScheduleBubble) {
                                    (train ? " train" : " eval");
           // 1F1B's exchanges are grouped; GPipe's messages stay single (a group there would
           // tie a send to a receive that waits for it)
-          if (k == PipeSchedule::OneFOneB && train && M > 1) EXPECT_TRUE(p.grouped) << what;
+          if (k == PipeSchedule::OneFOneB && train && M > 1) {
+            EXPECT_TRUE(p.grouped) << what;
+          }
           if (train) EXPECT_NEAR(plan_bubble(p), p.simulated_bubble, 1e-12) << what;
           else EXPECT_GE(plan_bubble(p), 0.0) << what;
         }

@@ -57,6 +57,8 @@ enum class PipeOpKind : uint8_t {
   CopyGrad,  // same rank: set `src_slot`'s d(input) becomes d(output) for the next backward
 };
 const char* pipe_op_name(PipeOpKind k);
+// a send or a receive (the rest run locally)
+bool pipe_op_is_message(PipeOpKind k);
 
 struct PipeOp {
   PipeOpKind kind;

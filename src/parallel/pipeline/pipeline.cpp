@@ -57,6 +57,11 @@ const char* pipe_schedule_name(PipeSchedule s) {
   return "?";
 }
 
+bool pipe_op_is_message(PipeOpKind k) {
+  return k == PipeOpKind::SendAct || k == PipeOpKind::SendGrad || k == PipeOpKind::RecvAct ||
+         k == PipeOpKind::RecvGrad;
+}
+
 const char* pipe_op_name(PipeOpKind k) {
   switch (k) {
     case PipeOpKind::Forward: return "F";
@@ -150,36 +155,97 @@ double theoretical_bubble(PipeSchedule s, int P, int V, int M) {
 
 namespace {
 
-bool is_message(PipeOpKind k) {
-  return k == PipeOpKind::SendAct || k == PipeOpKind::SendGrad || k == PipeOpKind::RecvAct ||
-         k == PipeOpKind::RecvGrad;
-}
 bool is_send(PipeOpKind k) { return k == PipeOpKind::SendAct || k == PipeOpKind::SendGrad; }
 
-// The stages whose open groups are tied to stage s's by matched messages, s's first: NCCL
-// runs a group's messages in lockstep (a send's next piece waits for the receive beside it),
-// so a message completes only with every group it is tied to, directly or through others.
-// Empty while some message of them is not matched yet.
-std::vector<int> lockstep_component(int s, const std::vector<bool>& in_group,
-                                    const std::vector<size_t>& pc,
-                                    const std::vector<size_t>& group_end,
-                                    const std::vector<std::vector<std::pair<int, size_t>>>& partner) {
-  std::vector<int> comp{s};
-  std::vector<char> seen(in_group.size(), 0);
-  seen[s] = 1;
-  for (size_t k = 0; k < comp.size(); ++k) {
-    const int t = comp[k];
-    for (size_t i = pc[t]; i < group_end[t]; ++i) {
-      const auto [q, j] = partner[t][i];
-      if (q < 0 || !in_group[q] || j < pc[q] || j >= group_end[q]) return {};
-      if (!seen[q]) {
-        seen[q] = 1;
-        comp.push_back(q);
+// The message side of a plan's replay, shared by check_pipeline_plans and plan_bubble: each
+// stage's position and open group, the posted messages of each directed pair in order, and
+// which messages matched.
+struct MessageReplay {
+  const PipelinePlans& plans;
+  const int P;
+  std::vector<size_t> pc, group_end;
+  std::vector<bool> in_group;
+  std::vector<std::vector<size_t>> sends, recvs;  // per pair (from * P + to): op indices
+  std::vector<size_t> sh, rh;                     // their unmatched heads
+  std::vector<std::vector<std::pair<int, size_t>>> partner;  // matched (stage, op), or -1
+
+  explicit MessageReplay(const PipelinePlans& p)
+      : plans(p), P(p.P), pc(P, 0), group_end(P, 0), in_group(P, false), sends(P * P),
+        recvs(P * P), sh(P * P, 0), rh(P * P, 0), partner(P) {
+    for (int s = 0; s < P; ++s) partner[s].assign(plans.stages[s].ops.size(), {-1, 0});
+  }
+
+  // Posts the group that opens at stage s's pc (a message and those joining it). Returns the
+  // index of a message with a bad peer, or -1.
+  long post(int s) {
+    const auto& ops = plans.stages[s].ops;
+    size_t e = pc[s];
+    for (; e < ops.size() && pipe_op_is_message(ops[e].kind) && (e == pc[s] || ops[e].joins); ++e) {
+      const int q = ops[e].peer;
+      if (q < 0 || q >= P || q == s) return static_cast<long>(e);
+      if (is_send(ops[e].kind)) sends[s * P + q].push_back(e);
+      else recvs[q * P + s].push_back(e);
+    }
+    group_end[s] = e;
+    in_group[s] = true;
+    return -1;
+  }
+
+  // Matches the posted messages of each pair in order; on_match(s, si, q, ri) (sender, receiver)
+  // returns "" or what is wrong, and the first such answer is returned.
+  template <class F>
+  std::string match(F&& on_match, bool& progress) {
+    for (int pair = 0; pair < P * P; ++pair)
+      while (sh[pair] < sends[pair].size() && rh[pair] < recvs[pair].size()) {
+        const int s = pair / P, q = pair % P;
+        const size_t si = sends[pair][sh[pair]++], ri = recvs[pair][rh[pair]++];
+        if (std::string e = on_match(s, si, q, ri); !e.empty()) return e;
+        partner[s][si] = {q, ri};
+        partner[q][ri] = {s, si};
+        progress = true;
       }
+    return "";
+  }
+
+  // Completes every open group whose lockstep component is matched: NCCL runs a group's
+  // messages in lockstep (a send's next piece waits for the receive beside it), so a message
+  // completes only with every group it is tied to, directly or through others. on_done gets
+  // the component's stages (their groups still open) before they move past them.
+  template <class F>
+  void complete(F&& on_done, bool& progress) {
+    for (int s = 0; s < P; ++s) {
+      if (!in_group[s]) continue;
+      const std::vector<int> comp = component(s);
+      if (comp.empty()) continue;
+      on_done(comp);
+      for (int t : comp) {
+        pc[t] = group_end[t];
+        in_group[t] = false;
+      }
+      progress = true;
     }
   }
-  return comp;
-}
+
+  // The stages whose open groups are tied to stage s's by matched messages, s's first; empty
+  // while some message of them is not matched yet.
+  std::vector<int> component(int s) const {
+    std::vector<int> comp{s};
+    std::vector<char> seen(P, 0);
+    seen[s] = 1;
+    for (size_t k = 0; k < comp.size(); ++k) {
+      const int t = comp[k];
+      for (size_t i = pc[t]; i < group_end[t]; ++i) {
+        const auto [q, j] = partner[t][i];
+        if (q < 0 || !in_group[q] || j < pc[q] || j >= group_end[q]) return {};
+        if (!seen[q]) {
+          seen[q] = 1;
+          comp.push_back(q);
+        }
+      }
+    }
+    return comp;
+  }
+};
 
 struct Work {
   bool fwd;
@@ -346,7 +412,7 @@ std::vector<std::vector<std::pair<int, size_t>>> message_partners(const Pipeline
     const auto& ops = pl.stages[s].ops;
     partner[s].assign(ops.size(), {-1, 0});
     for (size_t i = 0; i < ops.size(); ++i) {
-      if (!is_message(ops[i].kind) || ops[i].peer < 0 || ops[i].peer >= P) continue;
+      if (!pipe_op_is_message(ops[i].kind) || ops[i].peer < 0 || ops[i].peer >= P) continue;
       if (is_send(ops[i].kind)) sends[s * P + ops[i].peer].push_back(i);
       else recvs[ops[i].peer * P + s].push_back(i);
     }
@@ -364,13 +430,13 @@ std::vector<std::vector<std::pair<int, size_t>>> message_partners(const Pipeline
 std::vector<size_t> group_heads(const PipelinePlan& st) {
   std::vector<size_t> head(st.ops.size());
   for (size_t i = 0; i < st.ops.size(); ++i)
-    head[i] = i > 0 && is_message(st.ops[i].kind) && st.ops[i].joins ? head[i - 1] : i;
+    head[i] = i > 0 && pipe_op_is_message(st.ops[i].kind) && st.ops[i].joins ? head[i - 1] : i;
   return head;
 }
 
 // Splits into single messages every group that sends to and receives from one stage whose
 // partners there are not in one group, until none is left (a split can unmirror the partner's
-// group). In lockstep (lockstep_component) such a group waits for the peer's later group, which
+// group). In lockstep (MessageReplay::complete) such a group waits for the peer's later group, which
 // waits for it: GPipe's last forward and first backward hung so on 2 H200s.
 void split_unmirrored_groups(PipelinePlans& pl) {
   for (bool changed = true; changed;) {
@@ -382,7 +448,7 @@ void split_unmirrored_groups(PipelinePlans& pl) {
       auto& ops = pl.stages[s].ops;
       for (size_t i = 0; i < ops.size(); ++i) {
         bool bad = false;
-        for (size_t j = i + 1; j < ops.size() && head[s][j] == head[s][i] && is_message(ops[i].kind); ++j) {
+        for (size_t j = i + 1; j < ops.size() && head[s][j] == head[s][i] && pipe_op_is_message(ops[i].kind); ++j) {
           if (ops[i].peer != ops[j].peer || is_send(ops[i].kind) == is_send(ops[j].kind)) continue;
           const auto [q, a] = partner[s][i];
           const auto [r, b] = partner[s][j];
@@ -439,7 +505,7 @@ void place_eager(PipelinePlans& out, const std::vector<std::vector<Work>>& order
       for (auto [c, m] : sent) give(c, m);
       sent.clear();
     };
-    auto joins = [&] { return !ops.empty() && is_message(ops.back().kind); };
+    auto joins = [&] { return !ops.empty() && pipe_op_is_message(ops.back().kind); };
     for (const Work& w : order[s]) {
       const int c = w.chunk, m = w.micro, v = c * P + s;
       if (w.fwd) {
@@ -578,17 +644,12 @@ std::string check_pipeline_plans(const PipelinePlans& plans) {
   const int P = plans.P, V = plans.V, M = plans.M, S = P * V;
   std::ostringstream err;
   if (static_cast<int>(plans.stages.size()) != P) return "wrong number of stage plans";
-  std::vector<size_t> pc(P, 0), group_end(P, 0);
-  std::vector<bool> in_group(P, false);
+  MessageReplay r(plans);
+  std::vector<size_t>& pc = r.pc;
   // slot owner: virtual stage * M + micro, or -1
   std::vector<std::vector<int>> owner(P);
   for (int s = 0; s < P; ++s) owner[s].assign(plans.stages[s].num_slots, -1);
   std::vector<std::vector<int>> fdone(S, std::vector<int>(M, 0)), bdone = fdone;
-  // per directed pair (from * P + to): the posted, unmatched sends and receives (op indices)
-  std::vector<std::vector<size_t>> sends(P * P), recvs(P * P);
-  std::vector<size_t> sh(P * P, 0), rh(P * P, 0);
-  std::vector<std::vector<std::pair<int, size_t>>> partner(P);
-  for (int s = 0; s < P; ++s) partner[s].assign(plans.stages[s].ops.size(), {-1, 0});
   auto key = [&](int s, int c, int m) { return (c * P + s) * M + m; };
   auto fail_at = [&](int s, size_t i, const std::string& what) {
     const PipeOp& op = plans.stages[s].ops[i];
@@ -604,21 +665,12 @@ std::string check_pipeline_plans(const PipelinePlans& plans) {
     progress = false;
     for (int s = 0; s < P; ++s) {
       const auto& ops = plans.stages[s].ops;
-      while (!in_group[s] && pc[s] < ops.size()) {
+      while (!r.in_group[s] && pc[s] < ops.size()) {
         const PipeOp& op = ops[pc[s]];
         const int v = op.chunk * P + s;
         const int k = key(s, op.chunk, op.micro);
-        if (is_message(op.kind)) {
-          // post the group: every message up to the next local operation
-          size_t e = pc[s];
-          for (; e < ops.size() && is_message(ops[e].kind) && (e == pc[s] || ops[e].joins); ++e) {
-            const int q = ops[e].peer;
-            if (q < 0 || q >= P || q == s) return fail_at(s, e, "bad peer");
-            if (is_send(ops[e].kind)) sends[s * P + q].push_back(e);
-            else recvs[q * P + s].push_back(e);
-          }
-          group_end[s] = e;
-          in_group[s] = true;
+        if (pipe_op_is_message(op.kind)) {
+          if (const long bad = r.post(s); bad >= 0) return fail_at(s, static_cast<size_t>(bad), "bad peer");
           progress = true;
           break;
         }
@@ -662,48 +714,39 @@ std::string check_pipeline_plans(const PipelinePlans& plans) {
         progress = true;
       }
     }
-    // match the posted messages of each pair in order
-    for (int pair = 0; pair < P * P; ++pair) {
-      const int s = pair / P, q = pair % P;
-      while (sh[pair] < sends[pair].size() && rh[pair] < recvs[pair].size()) {
-        const size_t si = sends[pair][sh[pair]++], ri = recvs[pair][rh[pair]++];
-        const PipeOp& op = plans.stages[s].ops[si];
-        const PipeOp& r = plans.stages[q].ops[ri];
-        const int v = op.chunk * P + s;
-        const bool act = op.kind == PipeOpKind::SendAct;
-        const int rv = r.chunk * P + q;
-        if (r.kind != (act ? PipeOpKind::RecvAct : PipeOpKind::RecvGrad) || r.micro != op.micro ||
-            rv != (act ? v + 1 : v - 1))
-          return fail_at(s, si, "matched by a receive of another message on stage " + std::to_string(q));
-        if (!slot_ok(s, op.slot) || owner[s][op.slot] != key(s, op.chunk, op.micro))
-          return fail_at(s, si, "sends from a set it does not hold");
-        if (act ? !fdone[v][op.micro] : !bdone[v][op.micro]) return fail_at(s, si, "sends before computing");
-        if (!slot_ok(q, r.slot)) return fail_at(s, si, "receiver's set out of range");
-        if (act) {
-          if (owner[q][r.slot] != -1) return fail_at(q, ri, "receives into a set in use");
-          owner[q][r.slot] = key(q, r.chunk, r.micro);
-        } else if (owner[q][r.slot] != key(q, r.chunk, r.micro)) {
-          return fail_at(q, ri, "receives a gradient for a set it does not hold");
-        }
-        partner[s][si] = {q, ri};
-        partner[q][ri] = {s, si};
-        progress = true;
+    // match the posted messages of each pair in order: the receiver must expect exactly this
+    // message
+    const std::string bad = r.match([&](int s, size_t si, int q, size_t ri) -> std::string {
+      const PipeOp& op = plans.stages[s].ops[si];
+      const PipeOp& rv_op = plans.stages[q].ops[ri];
+      const int v = op.chunk * P + s;
+      const bool act = op.kind == PipeOpKind::SendAct;
+      const int rv = rv_op.chunk * P + q;
+      if (rv_op.kind != (act ? PipeOpKind::RecvAct : PipeOpKind::RecvGrad) ||
+          rv_op.micro != op.micro || rv != (act ? v + 1 : v - 1))
+        return fail_at(s, si, "matched by a receive of another message on stage " + std::to_string(q));
+      if (!slot_ok(s, op.slot) || owner[s][op.slot] != key(s, op.chunk, op.micro))
+        return fail_at(s, si, "sends from a set it does not hold");
+      if (act ? !fdone[v][op.micro] : !bdone[v][op.micro]) return fail_at(s, si, "sends before computing");
+      if (!slot_ok(q, rv_op.slot)) return fail_at(s, si, "receiver's set out of range");
+      if (act) {
+        if (owner[q][rv_op.slot] != -1) return fail_at(q, ri, "receives into a set in use");
+        owner[q][rv_op.slot] = key(q, rv_op.chunk, rv_op.micro);
+      } else if (owner[q][rv_op.slot] != key(q, rv_op.chunk, rv_op.micro)) {
+        return fail_at(q, ri, "receives a gradient for a set it does not hold");
       }
-    }
+      return "";
+    }, progress);
+    if (!bad.empty()) return bad;
     // groups complete together with every group tied to them; the sets their sends free are
     // free from then
-    for (int s = 0; s < P; ++s) {
-      if (!in_group[s]) continue;
-      for (int t : lockstep_component(s, in_group, pc, group_end, partner)) {
-        for (size_t i = pc[t]; i < group_end[t]; ++i) {
+    r.complete([&](const std::vector<int>& comp) {
+      for (int t : comp)
+        for (size_t i = pc[t]; i < r.group_end[t]; ++i) {
           const PipeOp& op = plans.stages[t].ops[i];
           if (is_send(op.kind) && op.frees) owner[t][op.slot] = -1;
         }
-        pc[t] = group_end[t];
-        in_group[t] = false;
-        progress = true;
-      }
-    }
+    }, progress);
   }
   for (int s = 0; s < P; ++s)
     if (pc[s] < plans.stages[s].ops.size()) {
@@ -728,68 +771,35 @@ std::string check_pipeline_plans(const PipelinePlans& plans) {
 
 double plan_bubble(const PipelinePlans& plans, double cf, double cb) {
   const int P = plans.P;
-  struct Posted {
-    int stage;
-    size_t op;
-    double t;
-  };
-  // per directed pair (from * P + to): posted sends and receives not yet matched, in order
-  std::vector<std::vector<Posted>> sends(P * P), recvs(P * P);
-  std::vector<size_t> sh(P * P, 0), rh(P * P, 0);  // heads
-  std::vector<std::vector<std::pair<int, size_t>>> partner(P);  // matched message ops
-  std::vector<size_t> pc(P, 0), group_end(P, 0);
+  MessageReplay r(plans);
+  std::vector<size_t>& pc = r.pc;
   std::vector<double> t(P, 0.0), busy(P, 0.0);
-  std::vector<bool> waiting(P, false);
-  for (int s = 0; s < P; ++s) partner[s].assign(plans.stages[s].ops.size(), {-1, 0});
   bool progress = true;
   while (progress) {
     progress = false;
     for (int s = 0; s < P; ++s) {
       const auto& ops = plans.stages[s].ops;
-      while (!waiting[s] && pc[s] < ops.size()) {
+      while (!r.in_group[s] && pc[s] < ops.size()) {
         const PipeOp& op = ops[pc[s]];
-        if (!is_message(op.kind)) {
-          const double c = op.kind == PipeOpKind::Forward ? cf : op.kind == PipeOpKind::Backward ? cb : 0.0;
-          t[s] += c;
-          busy[s] += c;
-          ++pc[s];
+        if (pipe_op_is_message(op.kind)) {
+          if (r.post(s) >= 0) return -1.0;
           progress = true;
-          continue;
+          break;
         }
-        size_t e = pc[s];
-        while (e < ops.size() && is_message(ops[e].kind) && (e == pc[s] || ops[e].joins)) {
-          const PipeOp& m = ops[e];
-          const bool snd = is_send(m.kind);
-          const int pair = snd ? s * P + m.peer : m.peer * P + s;
-          (snd ? sends : recvs)[pair].push_back({s, e, t[s]});
-          ++e;
-        }
-        group_end[s] = e;
-        waiting[s] = true;
+        const double c = op.kind == PipeOpKind::Forward ? cf : op.kind == PipeOpKind::Backward ? cb : 0.0;
+        t[s] += c;
+        busy[s] += c;
+        ++pc[s];
         progress = true;
       }
     }
-    for (int pair = 0; pair < P * P; ++pair)
-      while (sh[pair] < sends[pair].size() && rh[pair] < recvs[pair].size()) {
-        const Posted& a = sends[pair][sh[pair]++];
-        const Posted& b = recvs[pair][rh[pair]++];
-        partner[a.stage][a.op] = {b.stage, b.op};
-        partner[b.stage][b.op] = {a.stage, a.op};
-        progress = true;
-      }
+    r.match([](int, size_t, int, size_t) { return std::string(); }, progress);
     // a group completes with every group tied to it, once the last of them was posted
-    for (int s = 0; s < P; ++s) {
-      if (!waiting[s]) continue;
-      const std::vector<int> comp = lockstep_component(s, waiting, pc, group_end, partner);
+    r.complete([&](const std::vector<int>& comp) {
       double when = 0.0;
       for (int q : comp) when = std::max(when, t[q]);
-      for (int q : comp) {
-        t[q] = when;
-        pc[q] = group_end[q];
-        waiting[q] = false;
-        progress = true;
-      }
-    }
+      for (int q : comp) t[q] = when;
+    }, progress);
   }
   for (int s = 0; s < P; ++s)
     if (pc[s] < plans.stages[s].ops.size()) return -1.0;

@@ -237,7 +237,8 @@ struct Trainer::Impl {
 #ifdef VITGRID_HAVE_CUDA
     if (kind == "cuda")
       coll = make_nccl_collectives(*grid, *compute_be, deck.device.comm_timeout,
-                                   deck.device.data_comm_ctas, copy_engine);
+                                   deck.device.data_comm_ctas, copy_engine,
+                                   deck.device.pipe_comm_ctas);
     else
 #endif
       coll = make_mpi_collectives(*grid);

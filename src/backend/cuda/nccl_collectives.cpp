@@ -96,7 +96,7 @@ class NcclCollectives final : public Collectives {
   // Called by all ranks of the grid's world: communicator creation is collective per axis,
   // and every rank visits the axes in the same order, so creation cannot deadlock.
   NcclCollectives(const ProcessGrid& grid, CudaBackend& be, double timeout_s, int data_ctas,
-                  bool data_ce)
+                  bool data_ce, int pipe_ctas)
       : be_(be), stream_(be.stream()), timeout_s_(timeout_s) {
     // NVLink multicast (NVLS) must stay off on the target machines; the user may still
     // override it explicitly in the environment.
@@ -134,6 +134,10 @@ class NcclCollectives final : public Collectives {
           const int dst = ch == 0 ? (src + 1) % P : (src + P - 1) % P;
           const bool member = me == src || me == dst;
           ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+          if (pipe_ctas > 0) {
+            config.minCTAs = 1;
+            config.maxCTAs = pipe_ctas;
+          }
           ncclComm_t c = nullptr;
           NCCL_CHECK(ncclCommSplit(pc, member ? 0 : NCCL_SPLIT_NOCOLOR, me == src ? 0 : 1, &c, &config));
           if (!member) continue;
@@ -669,10 +673,11 @@ class NcclCollectives final : public Collectives {
 
 std::unique_ptr<Collectives> make_nccl_collectives(const ProcessGrid& grid, Backend& backend,
                                                    double timeout_s, int data_ctas,
-                                                   bool data_copy_engine) {
+                                                   bool data_copy_engine, int pipe_ctas) {
   auto* be = dynamic_cast<CudaBackend*>(&backend);
   if (!be) throw UserError("NCCL collectives need the cuda backend (device.backend = cuda)");
-  return std::make_unique<NcclCollectives>(grid, *be, timeout_s, data_ctas, data_copy_engine);
+  return std::make_unique<NcclCollectives>(grid, *be, timeout_s, data_ctas, data_copy_engine,
+                                           pipe_ctas);
 }
 
 }  // namespace vitgrid

@@ -123,8 +123,14 @@ class NcclCollectives final : public Collectives {
     }
     // The pipeline's message links (grid.h: post_send): per channel, one two-rank
     // communicator per sending rank (its key 0 makes the sender rank 0 there), split from the
-    // pipeline axis's by every rank of it in the same order.
+    // pipeline axis's by every rank of it in the same order. Each is connected at once with a
+    // one-byte message: NCCL connects a pair at its first message and holds the host until the
+    // peer's first message arrives, so links first used in opposite orders on two ranks (as
+    // asynchronous messages are) would wait for each other there. They are destroyed in the
+    // same order too.
     if (ncclComm_t pc = comm(Axis::Pipeline)) {
+      void* one = nullptr;
+      CUDA_CHECK(cudaMalloc(&one, 1));
       const int P = sizes_[static_cast<int>(Axis::Pipeline)];
       const int me = grid.rank(Axis::Pipeline);
       int least = 0, greatest = 0;
@@ -147,7 +153,12 @@ class NcclCollectives final : public Collectives {
           // messages are latency-bound hand-offs between stages: first in line for SMs
           CUDA_CHECK(cudaStreamCreateWithPriority(&l.stream, cudaStreamNonBlocking, greatest));
           CUDA_CHECK(cudaEventCreateWithFlags(&l.done, cudaEventDisableTiming));
+          if (me == src) NCCL_CHECK(ncclSend(one, 1, ncclUint8, 1, c, l.stream));
+          else NCCL_CHECK(ncclRecv(one, 1, ncclUint8, 0, c, l.stream));
+          CUDA_CHECK(cudaStreamSynchronize(l.stream));
+          link_order_.push_back(&l);
         }
+      CUDA_CHECK(cudaFree(one));
     }
     if (data_ce && comm(Axis::Data)) {
       sym_ = std::make_shared<SymmetricMemory>();
@@ -201,12 +212,11 @@ class NcclCollectives final : public Collectives {
         if (l.stream) cudaStreamSynchronize(l.stream);
     for (const Pending& p : pending_q_) cudaEventDestroy(p.ev);
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
-    for (auto& dir : links_)
-      for (Link& l : dir) {
-        if (l.comm) ncclCommDestroy(l.comm);
-        if (l.stream) cudaStreamDestroy(l.stream);
-        if (l.done) cudaEventDestroy(l.done);
-      }
+    for (Link* l : link_order_) {
+      if (l->comm) ncclCommDestroy(l->comm);
+      cudaStreamDestroy(l->stream);
+      cudaEventDestroy(l->done);
+    }
     for (cudaEvent_t e : msg_ev_) cudaEventDestroy(e);
     for (ncclComm_t c : comms_)
       if (c) ncclCommDestroy(c);
@@ -637,6 +647,7 @@ class NcclCollectives final : public Collectives {
   // pipeline message links [channel][0 send, 1 receive] and the tickets since the last
   // wait_messages (events, reused from one step to the next)
   std::array<std::array<Link, 2>, kChannels> links_{};
+  std::vector<Link*> link_order_;  // creation order, the same on every rank
   std::vector<cudaEvent_t> msg_ev_;
   size_t msg_n_ = 0;
   float* ce_shard_ = nullptr;

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -96,7 +95,6 @@ struct Trainer::Impl {
   ViTConfig cfg;
   std::unique_ptr<ViT> model;
   std::unique_ptr<PipelineRunner> pipe;  // every step goes through it (P = 1 included)
-  int pipe_sm_margin = 0;                 // SMs the GEMMs always leave to pipeline messages
   std::vector<int> partition;            // blocks per virtual stage
   std::unique_ptr<Optimizer> opt;
   // data-parallel gradient reduction: buckets overlapped with the backward (overlap), ZeRO-1
@@ -239,8 +237,7 @@ struct Trainer::Impl {
 #ifdef VITGRID_HAVE_CUDA
     if (kind == "cuda")
       coll = make_nccl_collectives(*grid, *compute_be, deck.device.comm_timeout,
-                                   deck.device.data_comm_ctas, copy_engine,
-                                   deck.device.pipe_comm_ctas);
+                                   deck.device.data_comm_ctas, copy_engine);
     else
 #endif
       coll = make_mpi_collectives(*grid);
@@ -398,16 +395,6 @@ struct Trainer::Impl {
     }
     pipe = std::make_unique<PipelineRunner>(*model, *be, *coll, *grid, std::move(train_plans),
                                             std::move(eval_plans), micro);
-    // The messages' NCCL kernels wait on their SMs beside the compute (a receive is posted
-    // as soon as its buffer is free): the GEMMs, whose persistent grids would otherwise wait
-    // for those SMs, leave them free throughout (up to 4 links at once, each with
-    // device.pipe_comm_ctas blocks).
-    if (P > 1) {
-      const int ctas = deck.device.pipe_comm_ctas > 0 ? deck.device.pipe_comm_ctas : 2;
-      pipe_sm_margin = 4 * ctas;
-      if (const char* m = std::getenv("VITGRID_PIPE_SM_MARGIN")) pipe_sm_margin = std::atoi(m);
-      be->set_gemm_sm_margin(pipe_sm_margin);
-    }
   }
 
   // Called by all ranks from setup(): the gradient buckets of this stage (alike on its data
@@ -442,8 +429,7 @@ struct Trainer::Impl {
     }
     const int margin = deck.device.gemm_sm_margin;
     if (overlap && margin > 0)
-      reducer->set_overlap_hook(
-          [this, margin](bool on) { be->set_gemm_sm_margin(pipe_sm_margin + (on ? margin : 0)); });
+      reducer->set_overlap_hook([this, margin](bool on) { be->set_gemm_sm_margin(on ? margin : 0); });
     if (D > 1)
       log("data-parallel gradients (%s): %zu bucket(s) of %.2f MiB on average (stage 0), %s%s; "
           "%s\n",

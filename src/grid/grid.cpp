@@ -467,57 +467,51 @@ class MpiCollectives final : public Collectives {
     reduce_scatter_sum(static_cast<float*>(out), static_cast<const float*>(in), n, a);
   }
 
-  // Messages of channel c use tag kTag + 1 + c; a message over kMaxCount bytes goes in pieces,
-  // which arrive in order (MPI messages between one pair on one tag do not overtake).
-  size_t post_send(const void* buf, size_t bytes, int peer, int channel, Axis a) override {
+  void send(const void* buf, size_t bytes, int peer, Axis a) override {
     const char* p = static_cast<const char*>(buf);
-    Message m;
+    // Pieces arrive in order: MPI messages between one pair on one tag do not overtake.
     for (size_t off = 0; off < bytes || (bytes == 0 && off == 0); off += kMaxCount) {
       const int c = static_cast<int>(std::min(kMaxCount, bytes - off));
-      m.parts.push_back({MPI_REQUEST_NULL, -1});
-      MPI_CHECK(MPI_Isend(p + off, c, MPI_BYTE, peer, kTag + 1 + channel, comm(a), &m.parts.back().req));
+      if (grouping_) {
+        p2p_.push_back({MPI_REQUEST_NULL, -1, 0, a});
+        MPI_CHECK(MPI_Isend(p + off, c, MPI_BYTE, peer, kTag, comm(a), &p2p_.back().req));
+      } else {
+        MPI_CHECK(MPI_Send(p + off, c, MPI_BYTE, peer, kTag, comm(a)));
+      }
       if (bytes == 0) break;
     }
-    m.peer = peer;
-    m.axis = a;
-    messages_.push_back(std::move(m));
-    return messages_.size() - 1;
   }
-  // On the host the buffer is free when the caller posts (its work is done by then): `after`
-  // has nothing left to wait for.
-  size_t post_recv(void* buf, size_t bytes, int peer, int channel, Axis a,
-                   const std::vector<size_t>& after) override {
-    for (size_t t : after) VG_CHECK(t < messages_.size(), "post_recv after ticket " << t << " of " << messages_.size());
+
+  void recv(void* buf, size_t bytes, int peer, Axis a) override {
     char* p = static_cast<char*>(buf);
-    Message m;
     for (size_t off = 0; off < bytes || (bytes == 0 && off == 0); off += kMaxCount) {
       const int c = static_cast<int>(std::min(kMaxCount, bytes - off));
-      m.parts.push_back({MPI_REQUEST_NULL, c});
-      MPI_CHECK(MPI_Irecv(p + off, c, MPI_BYTE, peer, kTag + 1 + channel, comm(a), &m.parts.back().req));
+      if (grouping_) {
+        p2p_.push_back({MPI_REQUEST_NULL, peer, c, a});
+        MPI_CHECK(MPI_Irecv(p + off, c, MPI_BYTE, peer, kTag, comm(a), &p2p_.back().req));
+      } else {
+        MPI_Status st;
+        MPI_CHECK(MPI_Recv(p + off, c, MPI_BYTE, peer, kTag, comm(a), &st));
+        check_count(st, c, peer, a);
+      }
       if (bytes == 0) break;
     }
-    m.peer = peer;
-    m.axis = a;
-    messages_.push_back(std::move(m));
-    return messages_.size() - 1;
   }
-  void wait_message(size_t t) override {
-    VG_CHECK(t < messages_.size(), "wait for message " << t << " of " << messages_.size());
-    Message& m = messages_[t];
-    for (Part& q : m.parts) {
-      MPI_Status st;
-      MPI_CHECK(MPI_Wait(&q.req, &st));
-      if (q.count >= 0) check_count(st, q.count, m.peer, m.axis);
-      q.count = -1;  // checked once
-    }
+
+  void group_begin() override {
+    VG_CHECK(!grouping_, "send/recv groups do not nest");
+    grouping_ = true;
   }
-  size_t fence() override {
-    messages_.emplace_back();  // complete already: the host's work is done
-    return messages_.size() - 1;
-  }
-  void wait_messages() override {
-    for (size_t t = 0; t < messages_.size(); ++t) wait_message(t);
-    messages_.clear();
+  void group_end() override {
+    VG_CHECK(grouping_, "group_end without group_begin");
+    grouping_ = false;
+    std::vector<MPI_Request> r;
+    for (const P2p& q : p2p_) r.push_back(q.req);
+    std::vector<MPI_Status> st(r.size());
+    if (!r.empty()) MPI_CHECK(MPI_Waitall(static_cast<int>(r.size()), r.data(), st.data()));
+    for (size_t i = 0; i < p2p_.size(); ++i)
+      if (p2p_[i].peer >= 0) check_count(st[i], p2p_[i].count, p2p_[i].peer, p2p_[i].axis);
+    p2p_.clear();
   }
 
   void barrier(Axis a) override { MPI_CHECK(MPI_Barrier(comm(a))); }
@@ -568,18 +562,15 @@ class MpiCollectives final : public Collectives {
     size_t n;
   };
   std::vector<MPI_Request> reqs_;
-  // posted messages (and fences) since the last wait_messages, by ticket: their requests, and
-  // for a receive's pieces the bytes they expect (-1: a send, or already checked)
-  struct Part {
+  // the sends and receives of the open group (group_begin): receives keep what they expect
+  struct P2p {
     MPI_Request req;
+    int peer;  // -1: a send
     int count;
+    Axis axis;
   };
-  struct Message {
-    std::vector<Part> parts;
-    int peer = -1;
-    Axis axis = Axis::World;
-  };
-  std::vector<Message> messages_;
+  std::vector<P2p> p2p_;
+  bool grouping_ = false;
 
   // A short message means the two sides disagree on a shape: stop here, not in a kernel.
   static void check_count(const MPI_Status& st, int expected, int peer, Axis a) {

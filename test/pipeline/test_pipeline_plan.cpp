@@ -1,6 +1,6 @@
 // Pipeline plans (no MPI traffic): every schedule on many shapes replays to the end under
-// asynchronous messages (pipeline.h), runs at its schedule's bubble, holds the activation sets
-// the schedule promises, and the partitions follow the deck.
+// blocking rendezvous send/recv, holds the activation sets the schedule promises, and the
+// partitions follow the deck.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -61,8 +61,8 @@ TEST(PipelinePlan, ActivationSetsAsTheSchedulePromises) {
         // GPipe holds every micro-batch of the step
         EXPECT_EQ(g.stages[s].num_slots, M) << "gpipe P=" << P << " M=" << M << " stage " << s;
         // 1F1B: the warm-up's P - s - 1 plus the one in its steady state, and at most one
-        // more whose input gradient is still on its way to the previous stage (a set a send
-        // frees is taken again only after the next compute)
+        // more whose input gradient is still on its way to the previous stage (the grouped
+        // exchange sends it while the next input arrives)
         EXPECT_LE(f.stages[s].num_slots, std::min(M, P - s) + 1)
             << "1f1b P=" << P << " M=" << M << " stage " << s;
         // ... never more than the first stage, which sets the job's peak
@@ -98,122 +98,87 @@ TEST(PipelinePlan, SimulatedBubbleFollowsTheory) {
 }
 
 TEST(PipelinePlan, PlacementRunsAtTheScheduleBubble) {
-  // Sends right after the producing compute, receives posted as soon as their set is free:
-  // timed under those semantics every schedule idles exactly as with free communication. With
-  // blocking rendezvous messages 1F1B placed one message at a time idled about twice that
-  // (P = 4, M = 8: 0.51 of the step against 0.27, what the GPUs measured), and interleaved
-  // shapes with M > P 0.46-0.64 against 0.03-0.18.
+  // GPipe and 1F1B are placed grouped (sends after the producing compute, receives before the
+  // consuming one, posted together): timed with rendezvous messages they idle exactly as the
+  // schedule with free communication. One message at a time, 1F1B idled about twice that
+  // (P = 4, M = 8: 0.51 of the step against 0.27; what the GPUs measured).
   for (int P : {2, 3, 4, 8})
     for (int M : {1, 2, 3, 4, 5, 8, 16})
-      for (PipeSchedule k : {PipeSchedule::GPipe, PipeSchedule::OneFOneB, PipeSchedule::Interleaved})
-        for (int V : {1, 2, 3, 4}) {
-          if ((V > 1) != (k == PipeSchedule::Interleaved)) continue;
-          for (bool train : {true, false}) {
-            auto p = build_pipeline_plans(k, P, V, M, train);
-            const std::string what = name({k, P, V, M}) + (train ? " train" : " eval");
-            if (train) EXPECT_NEAR(plan_bubble(p), p.simulated_bubble, 1e-12) << what;
-            else EXPECT_GE(plan_bubble(p), 0.0) << what;
+      for (PipeSchedule k : {PipeSchedule::GPipe, PipeSchedule::OneFOneB})
+        for (bool train : {true, false}) {
+          auto p = build_pipeline_plans(k, P, 1, M, train);
+          const std::string what = std::string(pipe_schedule_name(k)) + " P=" +
+                                   std::to_string(P) + " M=" + std::to_string(M) +
+                                   (train ? " train" : " eval");
+          // 1F1B's exchanges are grouped; GPipe's messages stay single (a group there would
+          // tie a send to a receive that waits for it)
+          if (k == PipeSchedule::OneFOneB && train && M > 1) {
+            EXPECT_TRUE(p.grouped) << what;
           }
+          if (train) EXPECT_NEAR(plan_bubble(p), p.simulated_bubble, 1e-12) << what;
+          else EXPECT_GE(plan_bubble(p), 0.0) << what;
         }
   EXPECT_NEAR(plan_bubble(build_pipeline_plans(PipeSchedule::OneFOneB, 4, 1, 8, true)), 3.0 / 11, 1e-12);
-  // interleaved below 1F1B whenever M is a multiple of P (V = 2: P = 4, M = 8: 0.158 against
-  // 0.273)
-  for (int P : {2, 4, 8})
-    for (int M : {P, 2 * P, 4 * P})
-      EXPECT_LT(plan_bubble(build_pipeline_plans(PipeSchedule::Interleaved, P, 2, M, true)),
-                plan_bubble(build_pipeline_plans(PipeSchedule::OneFOneB, P, 1, M, true)))
-          << "P=" << P << " M=" << M;
+  // interleaved: grouped where that replays, else one message at a time (grouped, most of
+  // its shapes deadlock: gradients wait long for their consumer); never below the schedule
+  for (int P : {2, 3, 4, 8})
+    for (int M : {2, 4, 8, 16}) {
+      auto p = build_pipeline_plans(PipeSchedule::Interleaved, P, 2, M, true);
+      EXPECT_GE(plan_bubble(p), p.simulated_bubble - 1e-12) << "interleaved P=" << P << " M=" << M;
+    }
 }
 
-// Two stages exchanging one activation each way.
-PipelinePlans swap_plans() {
+TEST(PipelinePlan, PlanBubbleSeesDeadlocksAndGroups) {
+  // two stages that each send before receiving: one message at a time a deadlock (-1), as one
+  // group per stage a swap
   PipelinePlans p;
   p.P = 2;
-  p.V = 2;
   p.M = 1;
-  p.train = false;
   p.stages.resize(2);
   for (int s = 0; s < 2; ++s) {
     p.stages[s].stage = s;
-    p.stages[s].num_slots = 2;
+    p.stages[s].num_slots = 1;
+    p.stages[s].ops = {{PipeOpKind::Forward, 0, 0, 0},
+                       {PipeOpKind::SendAct, 0, 0, 0, 1 - s},
+                       {PipeOpKind::RecvAct, 0, 0, 0, 1 - s},
+                       {PipeOpKind::Forward, 0, 0, 0}};
   }
-  // stage 0: chunk 0 (virtual stage 0) -> stage 1 chunk 0 (1) -> stage 0 chunk 1 (2) ->
-  // stage 1 chunk 1 (3)
-  p.stages[0].ops = {{PipeOpKind::Forward, 0, 0, 0},
-                     {PipeOpKind::SendAct, 0, 0, 0, 1, -1, true},
-                     {PipeOpKind::RecvAct, 1, 0, 1, 1},
-                     {PipeOpKind::Forward, 1, 0, 1},
-                     {PipeOpKind::SendAct, 1, 0, 1, 1, -1, true}};
-  p.stages[1].ops = {{PipeOpKind::RecvAct, 0, 0, 0, 0},
-                     {PipeOpKind::Forward, 0, 0, 0},
-                     {PipeOpKind::SendAct, 0, 0, 0, 0, -1, true},
-                     {PipeOpKind::RecvAct, 1, 0, 1, 0},
-                     {PipeOpKind::Forward, 1, 0, 1, -1, -1, true}};
-  return p;
+  p.grouped = false;
+  EXPECT_EQ(plan_bubble(p), -1.0);
+  p.grouped = true;
+  for (auto& st : p.stages) st.ops[2].joins = true;
+  EXPECT_EQ(plan_bubble(p), 0.0);
+  // a backward (2 units) first on stage 1: stage 0 waits for it in its group, idle 2 of the
+  // 4-unit step, stage 1 never
+  p.stages[1].ops.insert(p.stages[1].ops.begin(), {PipeOpKind::Backward, 0, 0, 0});
+  EXPECT_NEAR(plan_bubble(p), (2.0 / 4 + 0.0) / 2, 1e-12);
 }
 
-TEST(PipelinePlan, ReplaySeesDeadlocksOrderAndBufferHazards) {
-  PipelinePlans p = swap_plans();
+TEST(PipelinePlan, LockstepGroupsThatWaitOnEachOtherDeadlock) {
+  // GPipe on 2 stages with stage 0's last send and first receive in one group: NCCL runs them
+  // in lockstep, so the send never finishes while the receive waits for the gradient that
+  // stage 1 computes only after it has the activation. That hung on 2 H200s; the checker and
+  // the timing see it, and the builder keeps such messages apart.
+  auto p = build_pipeline_plans(PipeSchedule::GPipe, 2, 1, 4, true);
   EXPECT_EQ(check_pipeline_plans(p), "");
-  EXPECT_GE(plan_bubble(p), 0.0);
-  // stage 1 sends before it receives from the same peer: asynchronous sends never block
-  // (blocking rendezvous sends on both sides deadlocked here)
-  std::swap(p.stages[1].ops[2], p.stages[1].ops[3]);
-  p.stages[1].ops[2].after = {};
-  EXPECT_NE(check_pipeline_plans(p), "");  // ... but the receive now fills the set in use
-  // Interleaved forward (P = 2, V = 2, M = 2) with one set per stage, each receive
-  // waiting for the sends still reading that set: stage 0's receive of (1, 0) waits for its
-  // send of (0, 1), which finishes only when stage 1 posts that receive, which waits for
-  // stage 1's send of (0, 0), which finishes only when stage 0's receive of (1, 0) is posted.
-  // (The builder gives a set a send frees back only after the next compute: two sets.)
-  using K = PipeOpKind;
-  PipelinePlans d;
-  d.P = 2;
-  d.V = 2;
-  d.M = 2;
-  d.train = false;
-  d.stages.resize(2);
-  d.stages[0] = {0, {{K::Forward, 0, 0, 0}, {K::SendAct, 0, 0, 0, 1, -1, true},
-                     {K::Forward, 0, 1, 0, -1, -1, false, {1}}, {K::SendAct, 0, 1, 0, 1, -1, true},
-                     {K::RecvAct, 1, 0, 0, 1, -1, false, {2, 3}}, {K::Forward, 1, 0, 0},
-                     {K::SendAct, 1, 0, 0, 1, -1, true}, {K::RecvAct, 1, 1, 0, 1, -1, false, {5, 6}},
-                     {K::Forward, 1, 1, 0}, {K::SendAct, 1, 1, 0, 1, -1, true}}, 1};
-  d.stages[1] = {1, {{K::RecvAct, 0, 0, 0, 0}, {K::Forward, 0, 0, 0},
-                     {K::SendAct, 0, 0, 0, 0, -1, true}, {K::RecvAct, 0, 1, 0, 0, -1, false, {1, 2}},
-                     {K::Forward, 0, 1, 0}, {K::SendAct, 0, 1, 0, 0, -1, true},
-                     {K::RecvAct, 1, 0, 0, 0, -1, false, {4, 5}}, {K::Forward, 1, 0, 0, -1, -1, true},
-                     {K::RecvAct, 1, 1, 0, 0, -1, false, {7}}, {K::Forward, 1, 1, 0, -1, -1, true}}, 1};
-  EXPECT_NE(check_pipeline_plans(d).find("deadlock"), std::string::npos) << check_pipeline_plans(d);
-  EXPECT_EQ(plan_bubble(d), -1.0);
-  // without the send in `after` the receive could overwrite the set while it is being sent
-  d.stages[0].ops[4].after = {2};
-  EXPECT_NE(check_pipeline_plans(d).find("fills a set before"), std::string::npos) << check_pipeline_plans(d);
-  // the builder's own plan for this shape runs
-  EXPECT_EQ(check_pipeline_plans(build_pipeline_plans(PipeSchedule::Interleaved, 2, 2, 2, false)), "");
-  // two messages of one channel received in the other order: matched wrongly
-  PipelinePlans g = build_pipeline_plans(PipeSchedule::GPipe, 2, 1, 2, true);
-  auto& ops1 = g.stages[1].ops;
-  std::vector<size_t> recvs;
-  for (size_t i = 0; i < ops1.size(); ++i)
-    if (ops1[i].kind == PipeOpKind::RecvAct) recvs.push_back(i);
-  ASSERT_EQ(recvs.size(), 2u);
-  std::swap(ops1[recvs[0]].micro, ops1[recvs[1]].micro);
-  EXPECT_NE(check_pipeline_plans(g), "");
-}
-
-TEST(PipelinePlan, ReceivesWaitForWhatUsedTheirBuffer) {
-  // every receive of every plan names, in `after`, the compute that last used its buffer and
-  // the sends still reading it (the checker enforces it; here: some plans do need them)
-  size_t with_send = 0, with_compute = 0;
-  for (const Shape& s : shapes())
-    for (const auto& st : build_pipeline_plans(s.k, s.P, s.V, s.M, true).stages)
-      for (const auto& op : st.ops)
-        for (int a : op.after) {
-          with_send += pipe_op_is_message(st.ops[a].kind);
-          with_compute += !pipe_op_is_message(st.ops[a].kind);
-        }
-  EXPECT_GT(with_send, 0u);
-  EXPECT_GT(with_compute, 0u);
+  auto& ops = p.stages[0].ops;
+  size_t joined = 0;
+  for (size_t i = 1; i < ops.size(); ++i)
+    if (ops[i].kind == PipeOpKind::RecvGrad && ops[i - 1].kind == PipeOpKind::SendAct) {
+      ops[i].joins = true;
+      ++joined;
+    }
+  ASSERT_EQ(joined, 1u);
+  p.grouped = true;
+  EXPECT_NE(check_pipeline_plans(p).find("deadlock"), std::string::npos) << check_pipeline_plans(p);
+  EXPECT_EQ(plan_bubble(p), -1.0);
+  // 1F1B's steady-state groups are mirrored on the neighbour (an exchange), which completes
+  for (int P : {2, 3, 4})
+    for (const auto& st : build_pipeline_plans(PipeSchedule::OneFOneB, P, 1, 8, true).stages) {
+      size_t groups = 0;
+      for (const auto& op : st.ops) groups += op.joins;
+      EXPECT_GT(groups, 0u) << "P=" << P << " stage " << st.stage;
+    }
 }
 
 TEST(PipelinePlan, OneFOneBOrder) {

@@ -370,8 +370,7 @@ struct Trainer::Impl {
     // ZeRO-1 splits every gradient bucket evenly over the data ranks, in 16-element pieces
     const int D = grid->size(Axis::Data);
     zero = deck.parallel.zero == 1 && D > 1;
-    // ZeRO-1's shards and the copy-engine reduction's blocks: an even split over the data ranks
-    if (zero || copy_engine) layout.pad_to = static_cast<size_t>(D) * 16;
+    layout.pad_to = even_split();
     // with 16-bit activations the optimizer keeps this rank's pieces of the fp32 masters
     layout.master_elsewhere = zero;
     // planned memory is allocated here: running out is reported once, on every rank
@@ -399,6 +398,13 @@ struct Trainer::Impl {
 
   // Called by all ranks from setup(): the gradient buckets of this stage (alike on its data
   // ranks), the reducer and the model's gradient-ready hook.
+  // The granularity of gradient buckets and their padding: ZeRO-1's shards and the
+  // copy-engine reduction's blocks split every bucket evenly over the data ranks, in
+  // 16-element pieces (1: no constraint). Needs `zero` set (build_pipeline).
+  size_t even_split() const {
+    return zero || copy_engine ? static_cast<size_t>(grid->size(Axis::Data)) * 16 : 1;
+  }
+
   void setup_grad_reduction() {
     const int D = grid->size(Axis::Data);
     double mb = 0.0;
@@ -410,8 +416,7 @@ struct Trainer::Impl {
     // the last bucket's worth of the backward (the patch embedding, then block 0's halves) is
     // reduced group by group: what is left to reduce after the backward is one small group
     const size_t elems = overlap ? static_cast<size_t>(mb * 262144.0) : 0;
-    auto buckets = plan_grad_buckets(groups, n, elems,
-                                     zero || copy_engine ? static_cast<size_t>(D) * 16 : 1, elems);
+    auto buckets = plan_grad_buckets(groups, n, elems, even_split(), elems);
     zero_shards.size = D;
     zero_shards.rank = grid->rank(Axis::Data);
     zero_shards.buckets = buckets;

@@ -189,6 +189,8 @@ const std::vector<Field>& schema() {
                "time this many cuBLASLt algorithms per GEMM shape at its first use and keep the fastest; the data axis's ranks choose together, on the slowest rank's timings (0: the heuristic's choice, bit-reproducible runs)"),
       VG_FIELD(device, data_comm_ctas, "0..64",
                "thread blocks (SMs) the data-parallel gradient reduction's NCCL kernels may take from the backward they overlap (0: NCCL's choice)"),
+      VG_FIELD(device, pipe_comm_ctas, "0..64",
+               "thread blocks (SMs) each asynchronous pipeline message's NCCL kernel may take (the placement used where the grouped one cannot run the schedule at its bubble: interleaved, unless parallel.micro_batches equals parallel.pipeline); its receive waits on them beside the compute, and the GEMMs leave 4 x this many SMs free (0: NCCL's choice, 2 assumed for the margin)"),
       VG_FIELD(device, data_comm, "sm|copy_engine",
                "how the data-parallel gradient reduction moves data on GPUs: NCCL's kernels on SMs (sm), or copy engines (copy_engine: the gradients in NCCL symmetric memory, an all-to-all, a local sum and an all-gather under NCCL's zero-CTA policy; fp32 sums; set gemm_sm_margin = 0 with it)"),
       VG_FIELD(device, gemm_sm_margin, "0..64",
@@ -650,6 +652,9 @@ class Parser {
     positive("device.comm_timeout", d.device.comm_timeout);
     if (d.device.data_comm_ctas < 0 || d.device.data_comm_ctas > 64) {
       fail("device.data_comm_ctas", "must be between 0 and 64 (0: NCCL's choice)");
+    }
+    if (d.device.pipe_comm_ctas < 0 || d.device.pipe_comm_ctas > 64) {
+      fail("device.pipe_comm_ctas", "must be between 0 and 64 (0: NCCL's choice)");
     }
     if (d.device.gemm_sm_margin < 0 || d.device.gemm_sm_margin > 64) {
       fail("device.gemm_sm_margin", "must be between 0 and 64 (SMs left to the reduction)");

@@ -514,6 +514,61 @@ class MpiCollectives final : public Collectives {
     p2p_.clear();
   }
 
+  // Asynchronous messages of channel c use tag kTag + 1 + c; a message over kMaxCount bytes
+  // goes in pieces, which arrive in order (MPI messages between one pair on one tag do not
+  // overtake).
+  void open_links(Axis) override {}
+  size_t post_send(const void* buf, size_t bytes, int peer, int channel, Axis a) override {
+    const char* p = static_cast<const char*>(buf);
+    Message m;
+    for (size_t off = 0; off < bytes || (bytes == 0 && off == 0); off += kMaxCount) {
+      const int c = static_cast<int>(std::min(kMaxCount, bytes - off));
+      m.parts.push_back({MPI_REQUEST_NULL, -1});
+      MPI_CHECK(MPI_Isend(p + off, c, MPI_BYTE, peer, kTag + 1 + channel, comm(a), &m.parts.back().req));
+      if (bytes == 0) break;
+    }
+    m.peer = peer;
+    m.axis = a;
+    messages_.push_back(std::move(m));
+    return messages_.size() - 1;
+  }
+  // On the host the buffer is free when the caller posts (its work is done by then): `after`
+  // has nothing left to wait for.
+  size_t post_recv(void* buf, size_t bytes, int peer, int channel, Axis a,
+                   const std::vector<size_t>& after) override {
+    for (size_t t : after) VG_CHECK(t < messages_.size(), "post_recv after ticket " << t << " of " << messages_.size());
+    char* p = static_cast<char*>(buf);
+    Message m;
+    for (size_t off = 0; off < bytes || (bytes == 0 && off == 0); off += kMaxCount) {
+      const int c = static_cast<int>(std::min(kMaxCount, bytes - off));
+      m.parts.push_back({MPI_REQUEST_NULL, c});
+      MPI_CHECK(MPI_Irecv(p + off, c, MPI_BYTE, peer, kTag + 1 + channel, comm(a), &m.parts.back().req));
+      if (bytes == 0) break;
+    }
+    m.peer = peer;
+    m.axis = a;
+    messages_.push_back(std::move(m));
+    return messages_.size() - 1;
+  }
+  void wait_message(size_t t) override {
+    VG_CHECK(t < messages_.size(), "wait for message " << t << " of " << messages_.size());
+    Message& m = messages_[t];
+    for (Part& q : m.parts) {
+      MPI_Status st;
+      MPI_CHECK(MPI_Wait(&q.req, &st));
+      if (q.count >= 0) check_count(st, q.count, m.peer, m.axis);
+      q.count = -1;  // checked once
+    }
+  }
+  size_t fence() override {
+    messages_.emplace_back();  // complete already: the host's work is done
+    return messages_.size() - 1;
+  }
+  void wait_messages() override {
+    for (size_t t = 0; t < messages_.size(); ++t) wait_message(t);
+    messages_.clear();
+  }
+
   void barrier(Axis a) override { MPI_CHECK(MPI_Barrier(comm(a))); }
 
  private:
@@ -571,6 +626,18 @@ class MpiCollectives final : public Collectives {
   };
   std::vector<P2p> p2p_;
   bool grouping_ = false;
+  // posted asynchronous messages (and fences) since the last wait_messages, by ticket: their
+  // requests, and for a receive's pieces the bytes they expect (-1: a send, or already checked)
+  struct Part {
+    MPI_Request req;
+    int count;
+  };
+  struct Message {
+    std::vector<Part> parts;
+    int peer = -1;
+    Axis axis = Axis::World;
+  };
+  std::vector<Message> messages_;
 
   // A short message means the two sides disagree on a shape: stop here, not in a kernel.
   static void check_count(const MPI_Status& st, int expected, int peer, Axis a) {

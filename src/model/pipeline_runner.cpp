@@ -23,6 +23,19 @@ PipelineRunner::PipelineRunner(ViT& model, Backend& be, Collectives& coll,
       stage_(grid.rank(Axis::Pipeline)) {
   VG_CHECK(train_.P == P_ && eval_.P == P_, "pipeline plans for " << train_.P << " stages on a grid of " << P_);
   VG_CHECK(micro_ >= 1, "micro-batch of " << micro_ << " samples");
+  // asynchronous plans: the computes a later receive waits for get a fence behind them
+  bool async = false;
+  for (int k = 0; k < 2; ++k) {
+    const PipelinePlans& plans = k == 0 ? train_ : eval_;
+    if (plans.messages != PipelinePlans::Messages::Async) continue;
+    async = true;
+    const PipelinePlan& pl = plans.stages[stage_];
+    fence_after_[k].assign(pl.ops.size(), 0);
+    for (const PipeOp& op : pl.ops)
+      for (int a : op.after)
+        if (!pipe_op_is_message(pl.ops[a].kind)) fence_after_[k][a] = 1;
+  }
+  if (async && P_ > 1) coll_.open_links(Axis::Pipeline);
   const ViTConfig& c = model_.config();
   image_bytes_ = static_cast<size_t>(c.channels) * c.image * c.image * be_.act_size();
   if (const char* f = std::getenv("VITGRID_TEST_FAIL_AT")) {
@@ -74,8 +87,26 @@ void PipelineRunner::run(const PipelinePlans& plans, const DeviceBatch& b, bool 
   // device-time marks around the step and each compute op (the bubble, harvested later)
   const bool marks = train && P_ > 1;
   if (marks) step_marks_.push_back(be_.mark());
-  // grouped plans: messages that join the one before them are posted in one group with it
-  // (pipeline.h)
+  // Grouped plans: blocking messages, the ones that join the one before them posted in one
+  // group with it. Asynchronous plans: tickets_[i] is op i's (a send's or receive's, or the
+  // fence after a compute that a later receive waits for); the step's start fence stands for
+  // "free since the last step" (pipeline.h).
+  const bool async = plans.messages == PipelinePlans::Messages::Async;
+  const std::vector<char>& fence_after = fence_after_[train ? 0 : 1];
+  size_t start = 0;
+  if (async) {
+    tickets_.assign(plan.ops.size(), kNoTicket);
+    start = coll_.fence();
+  }
+  std::vector<size_t> after;
+  auto gather_after = [&](const PipeOp& op) {
+    after.clear();
+    for (int a : op.after) {
+      VG_CHECK(tickets_[a] != kNoTicket, "pipeline stage " << stage_ << ": op " << a << " left no ticket");
+      after.push_back(tickets_[a]);
+    }
+    if (after.empty()) after.push_back(start);
+  };
   bool open = false;
   try {
     for (size_t oi = 0; oi < plan.ops.size(); ++oi) {
@@ -88,13 +119,27 @@ void PipelineRunner::run(const PipelinePlans& plans, const DeviceBatch& b, bool 
         open = false;
       }
       const DeviceBatch& d = mb[op.micro];
-      if (d.count == 0) continue;
-      if (plans.grouped && message && !open) {
+      if (d.count == 0) {
+        // skipped alike on both sides (an empty micro-batch of a short eval batch); what
+        // waits for this op waits for the compute stream here, after what it waited for
+        if (async) {
+          for (int a : op.after)
+            if (tickets_[a] != kNoTicket) coll_.wait_message(tickets_[a]);
+          tickets_[oi] = coll_.fence();
+        }
+        continue;
+      }
+      if (!async && message && !open) {
         coll_.group_begin();
         open = true;
       }
       const size_t bytes = model_.boundary_bytes(d.count);
       const bool compute = op.kind == PipeOpKind::Forward || op.kind == PipeOpKind::Backward;
+      const int ch = pipe_op_channel(op.kind);
+      // asynchronous: a forward or copy that fills a set waits for the sends still reading it
+      if (async && !message)
+        for (int a : op.after)
+          if (tickets_[a] != kNoTicket) coll_.wait_message(tickets_[a]);
       if (marks && compute) busy_marks_.push_back(be_.mark());
       switch (op.kind) {
         case PipeOpKind::Forward: {
@@ -120,17 +165,25 @@ void PipelineRunner::run(const PipelinePlans& plans, const DeviceBatch& b, bool 
                                 grads_final && last_backward[op.chunk] == oi);
           break;
         case PipeOpKind::SendAct:
-          coll_.send(model_.stage_output(op.slot), bytes, op.peer, Axis::Pipeline);
+        case PipeOpKind::SendGrad: {
+          const void* buf = op.kind == PipeOpKind::SendAct ? model_.stage_output(op.slot)
+                                                           : model_.stage_input(op.slot);
+          if (async) tickets_[oi] = coll_.post_send(buf, bytes, op.peer, ch, Axis::Pipeline);
+          else coll_.send(buf, bytes, op.peer, Axis::Pipeline);
           break;
+        }
         case PipeOpKind::RecvAct:
-          coll_.recv(model_.stage_input(op.slot), bytes, op.peer, Axis::Pipeline);
+        case PipeOpKind::RecvGrad: {
+          void* buf = op.kind == PipeOpKind::RecvAct ? model_.stage_input(op.slot) : model_.grad_input();
+          if (async) {
+            gather_after(op);
+            tickets_[oi] = coll_.post_recv(buf, bytes, op.peer, ch, Axis::Pipeline, after);
+            coll_.wait_message(tickets_[oi]);  // the next op is the compute that reads it
+          } else {
+            coll_.recv(buf, bytes, op.peer, Axis::Pipeline);
+          }
           break;
-        case PipeOpKind::SendGrad:
-          coll_.send(model_.stage_input(op.slot), bytes, op.peer, Axis::Pipeline);
-          break;
-        case PipeOpKind::RecvGrad:
-          coll_.recv(model_.grad_input(), bytes, op.peer, Axis::Pipeline);
-          break;
+        }
         case PipeOpKind::CopyAct:
           be_.copy(model_.stage_input(op.slot), model_.stage_output(op.src_slot), bytes);
           break;
@@ -139,8 +192,10 @@ void PipelineRunner::run(const PipelinePlans& plans, const DeviceBatch& b, bool 
           break;
       }
       if (marks && compute) busy_marks_.push_back(be_.mark());
+      if (async && fence_after[oi]) tickets_[oi] = coll_.fence();
     }
     if (open) coll_.group_end();
+    if (async) coll_.wait_messages();
   } catch (const std::exception& e) {
     // Only this rank saw it; its neighbours wait in send / recv: end the job.
     VG_FAIL("pipeline stage " << stage_ << ", step " << step << ": " << e.what());

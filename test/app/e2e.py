@@ -376,6 +376,10 @@ def t_pipeline(tmp):
             check(all(0.0 <= x < 1.0 for x in b) and abs(theory - want) < 1e-12,
                   f"{what}: bubble per stage {[round(x, 3) for x in b]}, theoretical {theory:.3f}")
             check("pipeline bubble" in out, f"{what}: bubble logged")
+            # interleaved with M != P runs asynchronous messages, everything else the grouped
+            # placement
+            placement = "asynchronous" if sched == "interleaved" and 4 > P else "grouped"
+            check(f"messages {placement}" in out, f"{what}: messages {placement}")
             # eval goes through the pipeline too: the final eval equals the 1-rank one
             with h5py.File(os.path.join(d, "metrics.h5"), "r") as f, \
                  h5py.File(os.path.join(ref_dir, "metrics.h5"), "r") as g:
@@ -891,10 +895,17 @@ def t_gpu_parallel(tmp):
                ("1d_t2_bf16", 2, "bf16", ["--parallel.tensor=2", "--parallel.tensor_mode=1d"]),
                ("2d_q2_bf16", 4, "bf16", ["--parallel.tensor=4", "--parallel.tensor_mode=2d"]),
                ("pipe2_1f1b", 2, "fp32", ["--parallel.pipeline=2", "--parallel.micro_batches=4"]),
+               ("pipe2_gpipe", 2, "fp32", ["--parallel.pipeline=2", "--parallel.micro_batches=4",
+                                           "--parallel.schedule=gpipe"]),
                ("pipe4_gpipe", 4, "fp32", ["--parallel.pipeline=4", "--parallel.micro_batches=4",
                                            "--parallel.schedule=gpipe"]),
+               # M > P: asynchronous messages; M = P: grouped
                ("pipe2_interleaved", 2, "fp32", ["--parallel.pipeline=2", "--parallel.micro_batches=4",
                                                  "--parallel.schedule=interleaved", "--parallel.chunks=2"]),
+               ("pipe2_interleaved_m2", 2, "fp32", ["--parallel.pipeline=2", "--parallel.micro_batches=2",
+                                                    "--parallel.schedule=interleaved", "--parallel.chunks=2"]),
+               ("pipe2_interleaved_bf16", 2, "bf16", ["--parallel.pipeline=2", "--parallel.micro_batches=4",
+                                                      "--parallel.schedule=interleaved", "--parallel.chunks=2"]),
                ("pipe2_1d_t2", 4, "fp32", ["--parallel.pipeline=2", "--parallel.micro_batches=2",
                                            "--parallel.tensor=2", "--parallel.tensor_mode=1d"])]
     for name, n, mode, extra in layouts:
@@ -916,6 +927,15 @@ def t_gpu_parallel(tmp):
             env={"VITGRID_NCCL_BLOCKING": "1"})
     same = p.returncode == 0 and np.array_equal(losses(d)[1], losses(os.path.join(tmp, "1d_t2"))[1])
     check(same, f"1d_t2 with blocking NCCL calls: identical losses (exit {p.returncode})")
+    # the pipeline's asynchronous messages with every receive waited for on the host (sends
+    # stay asynchronous: a blocking send could wait for the peer's next receive, which waits
+    # for this rank): the same bits
+    d = os.path.join(tmp, "pipe2_interleaved_blocking")
+    p = run(2, ["train", DECK, f"--run.out_dir={d}", "--precision.mode=fp32", "--parallel.pipeline=2",
+                "--parallel.micro_batches=4", "--parallel.schedule=interleaved", "--parallel.chunks=2"] + model,
+            expect_rc=None, env={"VITGRID_NCCL_BLOCKING": "1"})
+    same = p.returncode == 0 and np.array_equal(losses(d)[1], losses(os.path.join(tmp, "pipe2_interleaved"))[1])
+    check(same, f"pipe2_interleaved with blocking NCCL calls: identical losses (exit {p.returncode})")
     # the watchdog: rank 1 skips its 5th collective, rank 0 waits in it; both ranks end with a
     # message naming the collective and the axis within the timeout instead of hanging
     d = os.path.join(tmp, "watchdog")

@@ -121,6 +121,30 @@ void check_axis(Backend& be, Collectives& coll, const ProcessGrid& grid, Axis a)
       for (size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], peer * 7.0f + i) << "send/recv";
     }
   }
+  if (a == Axis::Pipeline && size >= 2) {
+    // asynchronous messages (grid.h): to the next rank on channel 0, to the previous one on
+    // channel 1; channel 1's receive is waited for before channel 0's is even posted
+    coll.open_links(a);
+    const int next = (r + 1) % size, prev = (r + size - 1) % size;
+    float* up = out + n;  // channel 1's buffers: a second block of each
+    float* up_in = buf + n;
+    for (size_t i = 0; i < n; ++i) h[i] = r * 7.0f + i;
+    for (size_t i = 0; i < n; ++i) h[n + i] = r * 3.0f - i;
+    be.copy_to_device(buf, h.data(), n * 4);
+    be.copy_to_device(up, h.data() + n, n * 4);
+    coll.post_send(buf, n * 4, next, 0, a);
+    coll.post_send(up, n * 4, prev, 1, a);
+    const size_t t_up = coll.post_recv(up_in, n * 4, next, 1, a, {});
+    coll.wait_message(t_up);
+    const size_t f = coll.fence();
+    const size_t t = coll.post_recv(out, n * 4, prev, 0, a, {f});
+    coll.wait_message(t);
+    be.copy_to_host(got.data(), out, n * 4);
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], prev * 7.0f + i) << "channel 0";
+    be.copy_to_host(got.data(), up_in, n * 4);
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], next * 3.0f - i) << "channel 1";
+    coll.wait_messages();
+  }
   coll.barrier(a);
   be.release(buf);
   be.release(out);

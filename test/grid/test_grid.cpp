@@ -314,6 +314,46 @@ TEST(Grid, SendRecvGroupSwapsInOneStep) {
   }
 }
 
+TEST(Grid, MessagesFlowOnIndependentChannels) {
+  // Every stage sends a large message (MPI's rendezvous protocol) and a small one to the next
+  // stage on channel 0 and a small one to the previous stage on channel 1, then waits for
+  // channel 1 before it even posts channel 0's receives: posting never blocks, channels do not
+  // wait for each other, and one channel's messages arrive in posting order.
+  const int n = world_size(), me = world_rank();
+  for (const Layout& l : layouts(n)) {
+    if (l.pipeline < 2) continue;
+    SCOPED_TRACE(describe(l));
+    ProcessGrid g(MPI_COMM_WORLD, shape_of(l));
+    auto coll = make_mpi_collectives(g);
+    coll->open_links(Axis::Pipeline);
+    const std::vector<int> stages = expected_members(Axis::Pipeline, l, me, n);
+    const int p = g.size(Axis::Pipeline), s = g.rank(Axis::Pipeline);
+    const int next = (s + 1) % p, prev = (s + p - 1) % p;
+    const size_t count = size_t(1) << 20;  // 8 MiB
+    std::vector<double> big(count), in(count, -1.0);
+    for (size_t i = 0; i < count; ++i) big[i] = me + 1e-6 * static_cast<double>(i);
+    const std::vector<double> small = {2.0 * me, 3.0 * me}, up = {5.0 * me};
+    std::vector<double> small_in(2, -1.0), up_in(1, -1.0);
+    coll->post_send(big.data(), count * sizeof(double), next, 0, Axis::Pipeline);
+    coll->post_send(small.data(), small.size() * sizeof(double), next, 0, Axis::Pipeline);
+    coll->post_send(up.data(), sizeof(double), prev, 1, Axis::Pipeline);
+    const size_t t_up = coll->post_recv(up_in.data(), sizeof(double), next, 1, Axis::Pipeline, {});
+    coll->wait_message(t_up);
+    EXPECT_EQ(up_in[0], 5.0 * stages[next]);
+    const size_t f = coll->fence();
+    const size_t t_big = coll->post_recv(in.data(), count * sizeof(double), prev, 0, Axis::Pipeline, {f});
+    const size_t t_small = coll->post_recv(small_in.data(), small_in.size() * sizeof(double), prev, 0,
+                                           Axis::Pipeline, {f, t_up});
+    coll->wait_message(t_small);
+    coll->wait_message(t_big);
+    EXPECT_EQ(in[0], static_cast<double>(stages[prev]));
+    EXPECT_EQ(in[count - 1], stages[prev] + 1e-6 * static_cast<double>(count - 1));
+    EXPECT_EQ(small_in[0], 2.0 * stages[prev]);
+    EXPECT_EQ(small_in[1], 3.0 * stages[prev]);
+    coll->wait_messages();  // the sends
+  }
+}
+
 TEST(Grid, RankMapListsEveryRank) {
   const int n = world_size(), me = world_rank();
   for (const Layout& l : layouts(n)) {

@@ -119,6 +119,32 @@ class Collectives {
   // group_end(); groups do not nest.
   virtual void group_begin() = 0;
   virtual void group_end() = 0;
+  // Asynchronous point-to-point messages (the pipeline's fallback placement, pipeline.h).
+  // open_links(a) first, called by every rank of the axis (NCCL creates the links: a
+  // collective). Each call returns at once with a ticket; messages of one channel between a
+  // pair of ranks match in posting order, and channels are independent of each other, so a
+  // message that waits for its peer holds up only the later messages of its own channel.
+  // - post_send: sends buf[bytes] once the work enqueued so far (which produces it) is done.
+  //   buf must not change until the ticket completes.
+  // - post_recv: receives into buf[bytes] once the tickets in `after` completed (fences or
+  //   sends still reading buf; none: the work enqueued so far), without waiting for any
+  //   other work; nothing may read buf before wait_message(ticket).
+  // - wait_message: work enqueued from now on runs after the message (CPU: returns once it
+  //   is complete, checking a receive's size).
+  // - fence: a ticket that completes with the work enqueued so far.
+  // - wait_messages: every message posted so far completes before later work; the tickets
+  //   start again from 0.
+  // CPU: MPI Isend / Irecv, one tag per channel. NCCL: one stream and one two-rank
+  // communicator per (channel, direction): channel 0 to the next rank of the axis and
+  // channel 1 to the previous one (modulo its size, the pipeline's two flows), on
+  // Axis::Pipeline only.
+  virtual void open_links(Axis a) = 0;
+  virtual size_t post_send(const void* buf, size_t bytes, int peer, int channel, Axis a) = 0;
+  virtual size_t post_recv(void* buf, size_t bytes, int peer, int channel, Axis a,
+                           const std::vector<size_t>& after) = 0;
+  virtual void wait_message(size_t ticket) = 0;
+  virtual size_t fence() = 0;
+  virtual void wait_messages() = 0;
   virtual void barrier(Axis a) = 0;
 
   // ---- Asynchronous collectives: data-parallel gradient buckets overlapped with the backward,

@@ -1,8 +1,9 @@
 // Runs a stage's pipeline plan (parallel/pipeline.h) on its part of the ViT: cuts the rank's
 // batch into the plan's micro-batches, calls the model's chunk forward / backward in the
 // plan's order, and moves the chunk boundaries (this rank's tensor shard of the residual
-// stream and its gradient) to the neighbouring stages with Collectives send / recv on
-// Axis::Pipeline: MPI on the CPU, NCCL on the GPU. Shapes come from the deck and the batch's
+// stream and its gradient) to the neighbouring stages on Axis::Pipeline: MPI on the CPU,
+// NCCL on the GPU; blocking send / recv in groups, or asynchronous post_send / post_recv,
+// as the plan says (PipelinePlans::messages). Shapes come from the deck and the batch's
 // sample count, which every stage of a pipeline knows alike (they load the same batch), so
 // nothing but the tensors themselves is exchanged.
 //
@@ -23,7 +24,8 @@ namespace vitgrid {
 class PipelineRunner {
  public:
   // `micro` is the samples of one micro-batch (the per-rank batch / M); the model must have
-  // been built with at least max(num_slots) sets of `micro` samples for this stage.
+  // been built with at least max(num_slots) sets of `micro` samples for this stage. Called by
+  // every rank of the pipeline group (it opens the message links of asynchronous plans).
   PipelineRunner(ViT& model, Backend& be, Collectives& coll, const ProcessGrid& grid,
                  PipelinePlans train_plans, PipelinePlans eval_plans, int micro);
 
@@ -72,6 +74,11 @@ class PipelineRunner {
   PipelinePlans train_, eval_;
   int micro_;
   int P_, stage_;
+  // asynchronous plans: per op of this stage's plan (train 0, eval 1), whether a fence
+  // follows it (a later receive waits for it); the step's message tickets by op
+  std::vector<char> fence_after_[2];
+  std::vector<size_t> tickets_;
+  static constexpr size_t kNoTicket = static_cast<size_t>(-1);
   size_t image_bytes_;  // one sample's prepared image (act dtype)
   double busy_s_ = 0.0, total_s_ = 0.0;
   std::vector<int> step_marks_, busy_marks_;  // pairs of backend marks not yet harvested

@@ -3,13 +3,20 @@
 // point-to-point plan that turns a schedule into one list of operations per stage.
 //
 // Everything here is a pure function of (schedule, P, V, M): every rank computes the whole
-// plan itself, so no shapes or orders are exchanged at run time. The plan is built for the
-// blocking send/recv of Collectives (MPI on the CPU, NCCL send/recv on the GPU), which may
-// rendezvous: a send returns only once its receiver has posted the matching recv; a group of
-// them (Collectives::group_begin / group_end) returns once all of them have.
-// build_pipeline_plans orders the operations so that this can never deadlock (see the .cpp),
-// check_pipeline_plans replays the plans under exactly these semantics and plan_bubble times
-// them (the tests run both on many shapes).
+// plan itself, so no shapes or orders are exchanged at run time. A plan uses one of the two
+// ways Collectives moves point-to-point messages (PipelinePlans::messages):
+// - Grouped: blocking send/recv, which may rendezvous (a send returns only once its receiver
+//   has posted the matching recv); a group of them (Collectives::group_begin / group_end)
+//   returns once all of them have. On the GPU they run on the compute stream, so no message
+//   waits beside the compute.
+// - Async: post_send / post_recv, each message on its own stream: a send never holds its
+//   stage up, a receive is posted as soon as its buffer is free and only the compute that
+//   needs the data waits for it. On the GPU a receive posted early waits on SMs beside the
+//   compute, so this is the fallback for the orders the grouped placement cannot run at
+//   their schedule's bubble (interleaved, unless it has one micro-batch per stage).
+// build_pipeline_plans picks the placement (see the .cpp), check_pipeline_plans replays the
+// plans under exactly their semantics and plan_bubble times them (the tests run both on many
+// shapes: every schedule runs at the bubble of its own order).
 //
 // Virtual stages. With V model chunks per stage (interleaved), virtual stage k = c * P + s
 // is chunk c of stage s (Megatron's layout): a micro-batch goes through stage 0..P-1 with
@@ -59,6 +66,8 @@ enum class PipeOpKind : uint8_t {
 const char* pipe_op_name(PipeOpKind k);
 // a send or a receive (the rest run locally)
 bool pipe_op_is_message(PipeOpKind k);
+// the channel of an asynchronous message: 0 activations, 1 gradients (Collectives' channel)
+int pipe_op_channel(PipeOpKind k);
 
 struct PipeOp {
   PipeOpKind kind;
@@ -68,7 +77,12 @@ struct PipeOp {
   int peer = -1;     // pipeline rank of the other side (send / recv)
   int src_slot = -1; // CopyAct / CopyGrad source set
   bool frees = false;      // `slot` (or src_slot for copies) is free after this op
-  bool joins = false;      // a message posted in one group with the message before it
+  bool joins = false;      // grouped: a message posted in one group with the message before it
+  // Async: earlier ops of this stage (indices into the plan) that must be complete before
+  // this op writes its buffer: for a receive, the last compute that used the set (or the
+  // d(output) buffer) and the sends still reading it; for a forward or copy that fills a set
+  // without a receive, the sends still reading it. Empty for a receive: the step's start.
+  std::vector<int> after = {};
 };
 
 struct PipelinePlan {
@@ -82,12 +96,11 @@ struct PipelinePlans {
   int P = 1, V = 1, M = 1;
   bool train = true;
   std::vector<PipelinePlan> stages;  // P entries
-  // true: messages marked `joins` are posted in one group with the one before them, which
-  // completes when all of its messages have (the placement that sends right after the
-  // producing compute and receives right before the consuming one); false: one message at a
-  // time, each a rendezvous (the projection of the simulated execution, kept where the
-  // grouped placement is not safe: most interleaved shapes)
-  bool grouped = false;
+  // Grouped: messages marked `joins` are posted in one group with the one before them, which
+  // completes when all of its messages have; the rest are single blocking messages. Async:
+  // every message posted on its own (PipeOp::after).
+  enum class Messages : uint8_t { Grouped, Async };
+  Messages messages = Messages::Grouped;
   // Idle fraction of the schedule simulated with unit costs (forward 1, backward 2) and free
   // communication: the bubble the schedule itself implies, averaged over the stages.
   double simulated_bubble = 0.0;
@@ -102,21 +115,23 @@ PipelinePlans build_pipeline_plans(PipeSchedule s, int P, int V, int M, bool tra
 double theoretical_bubble(PipeSchedule s, int P, int V, int M);
 
 // The plans' idle fraction (averaged over the stages) when each forward costs `cf` and each
-// backward `cb`, messages are free and every send/recv is a rendezvous: a send and its recv
-// complete when both sides have posted them (messages between a pair in order). In grouped
-// plans a stage posts a group's messages together (ncclGroupStart/End, MPI Isend/Irecv +
-// Waitall: PipelineRunner does this), and the group completes when every group tied to it by
-// its messages has been posted (NCCL's lockstep; see check_pipeline_plans). -1 if the plans would deadlock. simulated_bubble is the
-// schedule's own (free communication, no rendezvous); the placement can only add to it.
+// backward `cb` and messages take no time, under the plans' semantics. Grouped: every
+// send/recv is a rendezvous (messages between a pair in order); a stage posts a group's
+// messages together (ncclGroupStart/End, MPI Isend/Irecv + Waitall: PipelineRunner does this)
+// and the group completes when every group tied to it by its messages has been posted (NCCL's
+// lockstep; see check_pipeline_plans). Async: a send starts once its data is computed and the
+// channel's previous send is done, and completes when its receive is posted; a receive is
+// posted once its `after` ops and the channel's previous receive are done. -1 if the plans
+// would deadlock. simulated_bubble is the schedule's own (free communication, unlimited
+// buffers); the placement can only add to it.
 double plan_bubble(const PipelinePlans& plans, double cf = 1.0, double cb = 2.0);
 
-// Replays the plans with blocking rendezvous send/recv (a send and its recv complete
-// together, messages between a pair of ranks match in order; grouped plans post each run of
-// messages at once and completes it together with every group its messages tie it to, as
-// NCCL runs a group's messages in lockstep; a set that a send frees is free once its group
-// completes) and checks that every operation
-// runs, every message matches its receiver's expectation, each forward precedes its backward
-// and slots are never used while free. Returns "" or what went wrong.
+// Replays the plans under those semantics and checks that every operation runs, every
+// message matches its receiver's expectation (per pair, and per channel when asynchronous, in
+// order), each forward precedes its backward and no set is used while free. Grouped: a set
+// that a send frees is free once its group completes. Async: no set is filled while in use
+// (in each stage's program order), and every buffer a receive fills is only written after the
+// ops its `after` names. Returns "" or what went wrong.
 std::string check_pipeline_plans(const PipelinePlans& plans);
 
 }  // namespace vitgrid

@@ -96,8 +96,9 @@ class NcclCollectives final : public Collectives {
   // Called by all ranks of the grid's world: communicator creation is collective per axis,
   // and every rank visits the axes in the same order, so creation cannot deadlock.
   NcclCollectives(const ProcessGrid& grid, CudaBackend& be, double timeout_s, int data_ctas,
-                  bool data_ce)
-      : be_(be), stream_(be.stream()), timeout_s_(timeout_s) {
+                  bool data_ce, int pipe_ctas)
+      : be_(be), stream_(be.stream()), timeout_s_(timeout_s), pipe_ctas_(pipe_ctas),
+        pipe_rank_(grid.rank(Axis::Pipeline)) {
     // NVLink multicast (NVLS) must stay off on the target machines; the user may still
     // override it explicitly in the environment.
     setenv("NCCL_NVLS_ENABLE", "0", 0);
@@ -168,8 +169,17 @@ class NcclCollectives final : public Collectives {
       cv_.notify_all();
       watchdog_.join();
     }
+    for (auto& dir : links_)
+      for (Link& l : dir)
+        if (l.stream) cudaStreamSynchronize(l.stream);
     for (const Pending& p : pending_q_) cudaEventDestroy(p.ev);
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
+    for (Link* l : link_order_) {
+      ncclCommDestroy(l->comm);
+      cudaStreamDestroy(l->stream);
+      cudaEventDestroy(l->done);
+    }
+    for (cudaEvent_t e : msg_ev_) cudaEventDestroy(e);
     for (ncclComm_t c : comms_)
       if (c) ncclCommDestroy(c);
     for (auto& e : ticket_ev_) cudaEventDestroy(e.first);
@@ -350,6 +360,91 @@ class NcclCollectives final : public Collectives {
     NCCL_CHECK(ncclGroupEnd());
     if (group_axes_) track(stream_, group_axes_, "send/recv group");
   }
+  // ---- asynchronous messages (grid.h): each on its link's stream, tickets are events.
+  // The links: per channel, one two-rank communicator per sending rank (its key 0 makes the
+  // sender rank 0 there), split from the axis's by every rank of it in the same order. Each
+  // is connected at once with a one-byte message: NCCL connects a pair at its first message
+  // and holds the host until the peer's first message arrives, so links first used in
+  // opposite orders on two ranks (as asynchronous messages are) would wait for each other
+  // there. They are destroyed in the same order too.
+  void open_links(Axis a) override {
+    VG_CHECK(a == Axis::Pipeline, "point-to-point links over axis " << axis_name(a)
+                                      << ": NCCL links exist on the pipeline axis only");
+    ncclComm_t pc = comm(a);
+    if (!pc || links_open_.load(std::memory_order_acquire)) return;
+    void* one = nullptr;
+    CUDA_CHECK(cudaMalloc(&one, 1));
+    const int P = sizes_[static_cast<int>(a)];
+    const int me = pipe_rank_;
+    int least = 0, greatest = 0;
+    CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    for (int ch = 0; ch < kChannels; ++ch)
+      for (int src = 0; src < P; ++src) {
+        const int dst = ch == 0 ? (src + 1) % P : (src + P - 1) % P;
+        const bool member = me == src || me == dst;
+        ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+        if (pipe_ctas_ > 0) {
+          config.minCTAs = 1;
+          config.maxCTAs = pipe_ctas_;
+        }
+        ncclComm_t c = nullptr;
+        NCCL_CHECK(ncclCommSplit(pc, member ? 0 : NCCL_SPLIT_NOCOLOR, me == src ? 0 : 1, &c, &config));
+        if (!member) continue;
+        Link& l = links_[ch][me == src ? 0 : 1];
+        l.comm = c;
+        l.peer = me == src ? dst : src;
+        // messages are latency-bound hand-offs between stages: first in line for SMs
+        CUDA_CHECK(cudaStreamCreateWithPriority(&l.stream, cudaStreamNonBlocking, greatest));
+        CUDA_CHECK(cudaEventCreateWithFlags(&l.done, cudaEventDisableTiming));
+        if (me == src) NCCL_CHECK(ncclSend(one, 1, ncclUint8, 1, c, l.stream));
+        else NCCL_CHECK(ncclRecv(one, 1, ncclUint8, 0, c, l.stream));
+        CUDA_CHECK(cudaStreamSynchronize(l.stream));
+        link_order_.push_back(&l);
+      }
+    CUDA_CHECK(cudaFree(one));
+    links_open_.store(true, std::memory_order_release);  // the watchdog may look at them now
+  }
+  size_t post_send(const void* buf, size_t bytes, int peer, int channel, Axis a) override {
+    Link& l = link(channel, 0, peer, a);
+    CUDA_CHECK(cudaEventRecord(ready_ev_, stream_));  // the data is computed
+    CUDA_CHECK(cudaStreamWaitEvent(l.stream, ready_ev_, 0));
+    NCCL_CHECK(ncclSend(buf, bytes, ncclUint8, 1, l.comm, l.stream));
+    const size_t t = message_ticket(l.stream);
+    // blocking mode waits for receives only: a send waits for its peer's receive, which may
+    // come after this rank's own next receive (that is what the channels are for)
+    if (!blocking_) track(l.stream, bit(a), "pipeline send");
+    return t;
+  }
+  size_t post_recv(void* buf, size_t bytes, int peer, int channel, Axis a,
+                   const std::vector<size_t>& after) override {
+    Link& l = link(channel, 1, peer, a);
+    if (after.empty()) {
+      CUDA_CHECK(cudaEventRecord(ready_ev_, stream_));
+      CUDA_CHECK(cudaStreamWaitEvent(l.stream, ready_ev_, 0));
+    }
+    for (size_t t : after) {
+      VG_CHECK(t < msg_n_, "post_recv after ticket " << t << " of " << msg_n_);
+      CUDA_CHECK(cudaStreamWaitEvent(l.stream, msg_ev_[t], 0));
+    }
+    NCCL_CHECK(ncclRecv(buf, bytes, ncclUint8, 0, l.comm, l.stream));
+    const size_t t = message_ticket(l.stream);
+    track(l.stream, bit(a), "pipeline recv");
+    return t;
+  }
+  void wait_message(size_t t) override {
+    VG_CHECK(t < msg_n_, "wait for message " << t << " of " << msg_n_);
+    CUDA_CHECK(cudaStreamWaitEvent(stream_, msg_ev_[t], 0));
+  }
+  size_t fence() override { return message_ticket(stream_); }
+  void wait_messages() override {
+    for (auto& dir : links_)
+      for (Link& l : dir) {
+        if (!l.stream) continue;
+        CUDA_CHECK(cudaEventRecord(l.done, l.stream));
+        CUDA_CHECK(cudaStreamWaitEvent(stream_, l.done, 0));
+      }
+    msg_n_ = 0;
+  }
   // While the stream is captured, the calls go into the graph; the graph's launch is followed
   // as a whole (follow), after it.
   void capture(bool on) override { capturing_ = on; }
@@ -368,6 +463,38 @@ class NcclCollectives final : public Collectives {
 
  private:
   ncclComm_t comm(Axis a) const { return comms_[static_cast<int>(a)]; }
+
+  // The link of an asynchronous message: channel, direction (0 send, 1 receive), checked
+  // against its peer.
+  struct Link {
+    ncclComm_t comm = nullptr;
+    cudaStream_t stream = nullptr;
+    cudaEvent_t done = nullptr;  // wait_messages
+    int peer = -1;               // pipeline rank at the other end
+  };
+  static constexpr int kChannels = 2;
+  Link& link(int channel, int dir, int peer, Axis a) {
+    VG_CHECK(a == Axis::Pipeline, "point-to-point messages over axis " << axis_name(a)
+                                      << ": NCCL links exist on the pipeline axis only");
+    VG_CHECK(channel >= 0 && channel < kChannels, "message channel " << channel);
+    Link& l = links_[channel][dir];
+    VG_CHECK(l.comm && l.peer == peer,
+             (dir == 0 ? "send to" : "receive from") << " pipeline rank " << peer << " on channel " << channel
+             << ": " << (link_order_.empty() ? std::string("open_links was not called")
+                                             : "that channel's link " + std::string(dir == 0 ? "goes to " : "comes from ") +
+                                                   std::to_string(l.peer) +
+                                                   " (channel 0 flows to the next rank, channel 1 to the previous one)"));
+    return l;
+  }
+  // A new ticket: an event recorded on `st` now.
+  size_t message_ticket(cudaStream_t st) {
+    if (msg_n_ == msg_ev_.size()) {
+      msg_ev_.push_back(nullptr);
+      CUDA_CHECK(cudaEventCreateWithFlags(&msg_ev_.back(), cudaEventDisableTiming));
+    }
+    CUDA_CHECK(cudaEventRecord(msg_ev_[msg_n_], st));
+    return msg_n_++;
+  }
 
   // Whether a data-axis reduction of buf[n] goes the copy-engine way: buf inside a symmetric
   // window, n an even split over the ranks, within the planned staging.
@@ -479,14 +606,18 @@ class NcclCollectives final : public Collectives {
     for (int i = 0; i < static_cast<int>(Axis::Count); ++i) {
       const Axis a = static_cast<Axis>(i);
       if (!(axes & (1u << i)) || !comm(a)) continue;
-      ncclResult_t ae = ncclSuccess;
-      const ncclResult_t r = ncclCommGetAsyncError(comm(a), &ae);
-      if (r != ncclSuccess) ae = r;
-      if (ae != ncclSuccess && ae != ncclInProgress) {
-        abort_all(a, what, std::string("NCCL async error: ") + ncclGetErrorString(ae) + " (" +
-                               ncclGetLastError(comm(a)) + ")");
-      }
+      check_async_error(comm(a), a, what);
+      if (a == Axis::Pipeline && links_open_.load(std::memory_order_acquire))
+        for (Link* l : link_order_) check_async_error(l->comm, a, what);
     }
+  }
+  void check_async_error(ncclComm_t c, Axis a, const char* what) {
+    ncclResult_t ae = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(c, &ae);
+    if (r != ncclSuccess) ae = r;
+    if (ae != ncclSuccess && ae != ncclInProgress)
+      abort_all(a, what, std::string("NCCL async error: ") + ncclGetErrorString(ae) + " (" +
+                             ncclGetLastError(c) + ")");
   }
 
   // Polls `query` (cudaSuccess: done) while checking the NCCL async errors of the axes in
@@ -527,6 +658,8 @@ class NcclCollectives final : public Collectives {
     fail_one_with_cleanup(
         __FILE__, __LINE__, msg.str(),
         [this] {
+          if (links_open_.load(std::memory_order_acquire))
+            for (Link* l : link_order_) ncclCommAbort(l->comm);
           for (ncclComm_t& c : comms_) {
             if (c) ncclCommAbort(c);
             c = nullptr;
@@ -539,6 +672,8 @@ class NcclCollectives final : public Collectives {
   CudaBackend& be_;
   cudaStream_t stream_;
   double timeout_s_;
+  int pipe_ctas_;   // thread blocks of each asynchronous message link (0: NCCL's choice)
+  int pipe_rank_;
   std::array<ncclComm_t, static_cast<int>(Axis::Count)> comms_;
   std::array<int, static_cast<int>(Axis::Count)> sizes_{};
   float* barrier_buf_ = nullptr;
@@ -549,6 +684,14 @@ class NcclCollectives final : public Collectives {
   // an open send/recv group (group_begin) and the axes its messages use
   bool grouping_ = false;
   unsigned group_axes_ = 0;
+  // asynchronous message links [channel][0 send, 1 receive], their creation order (the same
+  // on every rank; published to the watchdog by links_open_) and the tickets since the last
+  // wait_messages (events, reused from one step to the next)
+  std::array<std::array<Link, 2>, kChannels> links_{};
+  std::vector<Link*> link_order_;
+  std::atomic<bool> links_open_{false};
+  std::vector<cudaEvent_t> msg_ev_;
+  size_t msg_n_ = 0;
   float* ce_shard_ = nullptr;
   size_t ce_n_ = 0;
   cudaStream_t comm_stream_ = nullptr;  // asynchronous reductions
@@ -583,10 +726,11 @@ class NcclCollectives final : public Collectives {
 
 std::unique_ptr<Collectives> make_nccl_collectives(const ProcessGrid& grid, Backend& backend,
                                                    double timeout_s, int data_ctas,
-                                                   bool data_copy_engine) {
+                                                   bool data_copy_engine, int pipe_ctas) {
   auto* be = dynamic_cast<CudaBackend*>(&backend);
   if (!be) throw UserError("NCCL collectives need the cuda backend (device.backend = cuda)");
-  return std::make_unique<NcclCollectives>(grid, *be, timeout_s, data_ctas, data_copy_engine);
+  return std::make_unique<NcclCollectives>(grid, *be, timeout_s, data_ctas, data_copy_engine,
+                                           pipe_ctas);
 }
 
 }  // namespace vitgrid

@@ -1,34 +1,43 @@
 // Pipeline schedules, stage partition and the point-to-point plan (pipeline.h).
 //
-// How a plan is made deadlock-free with blocking send/recv. Each stage's schedule is a list of
-// compute operations (forward / backward of a chunk and micro-batch). We simulate the schedules
-// with unit costs and free communication, which gives every compute a start time (and proves
-// the orders feasible: a schedule waiting on itself never finishes the simulation). Then the
-// messages are placed, one of two ways:
+// Each stage's schedule is a list of compute operations (forward / backward of a chunk and
+// micro-batch). We simulate the schedules with unit costs and free communication, which
+// proves the orders feasible (a schedule waiting on itself never finishes the simulation) and
+// gives the schedule's own bubble. Then the messages are placed, on each stage the sends of a
+// compute's output right after it and the receive of a compute's input right before it, one
+// of two ways:
 //
-// - Grouped (first choice): on each stage, the sends of a compute's output right after it and
-//   the receives of a compute's input right before it; the messages between two computes are
-//   posted as one group. In 1F1B's steady state neighbouring stages then swap an activation
-//   and a gradient in one exchange, as Megatron's send_forward_recv_backward does, and the
-//   plan runs at the schedule's own bubble (plan_bubble; the tests check it). The plan is
-//   replayed (check_pipeline_plans); where that fails (the interleaved schedule, whose
-//   gradients may be consumed long after they are produced, deadlocks), the other way:
-// - One at a time: walk all computes of all stages in order of start time, and when a compute
-//   needs a message append the send to the producer's list and the recv to the consumer's
-//   list at that moment, then the compute. The lists are the projections of one sequential
-//   execution in which each send/recv pair happens at once; replaying them with rendezvous
-//   semantics can always run the earliest unfinished event of that execution, so it never
-//   deadlocks. A send that waits there for its receiver's next compute also holds up the
-//   sender's: 1F1B placed so ran at about twice its bubble.
+// - Grouped (first choice): blocking messages, the ones between two computes posted as one
+//   group. In 1F1B's steady state neighbouring stages then swap an activation and a gradient
+//   in one exchange, as Megatron's send_forward_recv_backward does. NCCL runs a group's
+//   messages in lockstep, so a group that sends to and receives from one stage whose partners
+//   there are not in one group waits for itself: such groups are split into single messages
+//   (split_unmirrored_groups; GPipe's last forward and first backward hung so on 2 H200s).
+//   The plan is kept when it replays (check_pipeline_plans) at the schedule's own bubble
+//   (plan_bubble): GPipe, 1F1B and interleaved with M = P (and P = 2, M = 1).
+// - Async (the fallback: the other interleaved shapes, whose gradients may be consumed long
+//   after they are produced, deadlock grouped, and one blocking message at a time idled
+//   0.46-0.64 of the step against the schedule's 0.03-0.18 with M > P). Messages are posted asynchronously
+//   (Collectives::post_send / post_recv): a send never holds its stage up, and a receive is
+//   posted as soon as the buffer it fills is free, which the plan states as the receive's
+//   `after` ops (the last compute that used the set, the sends still reading it). Only the
+//   compute that needs the data waits for it, so every order runs at its bubble. On the GPU
+//   each (channel, direction) has its own stream and NCCL communicator; on the CPU they are
+//   MPI Isend / Irecv with a tag per channel. Their receive kernels wait on SMs beside the
+//   compute, which cost 1F1B and GPipe 7-9% on 2 x H200: hence the fallback only.
 //
-// Either way the messages between two ranks are sent and received in the same order (MPI
-// does not let messages of one pair and tag overtake; NCCL send/recv match in order too).
+// Either way the messages between two ranks (and channel) are sent and received in the same
+// order (MPI does not let messages of one pair and tag overtake; NCCL send/recv match in
+// order too).
 //
 // Activation sets ("slots") are assigned while placing: a set is taken when a chunk's input
 // arrives (or its forward starts on virtual stage 0) and given back once nothing reads it any
 // more: after the backward on virtual stage 0, after its d(input) was sent elsewhere, or in
-// forward-only plans once its output was sent (grouped: not to a receive of the same group). The largest number held at once is what the
-// model allocates up front: M for GPipe, about P - stage for 1F1B.
+// forward-only plans once its output was sent. A set a send frees is taken again only after
+// the next compute (grouped: a receive of the same group would land in it while it is being
+// sent; async: the receive would wait for that send, whose receiver may be waiting to send us
+// that very data). The largest number held at once is what the model allocates up front: M
+// for GPipe, about P - stage for 1F1B.
 #include "vitgrid/parallel/pipeline.h"
 
 #include <algorithm>
@@ -36,6 +45,7 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "vitgrid/core/error.h"
 
@@ -60,6 +70,10 @@ const char* pipe_schedule_name(PipeSchedule s) {
 bool pipe_op_is_message(PipeOpKind k) {
   return k == PipeOpKind::SendAct || k == PipeOpKind::SendGrad || k == PipeOpKind::RecvAct ||
          k == PipeOpKind::RecvGrad;
+}
+
+int pipe_op_channel(PipeOpKind k) {
+  return k == PipeOpKind::SendGrad || k == PipeOpKind::RecvGrad ? 1 : 0;
 }
 
 const char* pipe_op_name(PipeOpKind k) {
@@ -298,111 +312,6 @@ std::vector<Work> stage_order(PipeSchedule k, int P, int V, int M, int s, bool t
   return w;
 }
 
-struct Timed {
-  int stage, index;
-  double start;
-  bool needs_msg;
-};
-
-// Message placement by the simulated start times: walk every compute of every stage in start
-// order, appending each message's send to the producer's list and its recv to the consumer's
-// at the moment the consumer needs it (see the top of the file).
-void place_in_start_order(PipelinePlans& out, const std::vector<std::vector<Work>>& order,
-                          const std::vector<std::vector<double>>& start, bool train) {
-  const int P = out.P, S = out.P * out.V;
-  out.stages.assign(P, PipelinePlan{});
-  out.grouped = false;
-  // Ties: a compute that receives goes first, so the sender's send lands before its own
-  // compute that starts at the same time.
-  std::vector<Timed> all;
-  for (int s = 0; s < P; ++s)
-    for (size_t i = 0; i < order[s].size(); ++i) {
-      const Work& w = order[s][i];
-      const int v = w.chunk * P + s;
-      const bool needs = w.fwd ? v > 0 : v < S - 1;
-      all.push_back({s, static_cast<int>(i), start[s][i], needs});
-    }
-  std::stable_sort(all.begin(), all.end(), [](const Timed& a, const Timed& b) {
-    if (a.start != b.start) return a.start < b.start;
-    if (a.needs_msg != b.needs_msg) return a.needs_msg;
-    return a.stage < b.stage;
-  });
-
-  // per stage: slot of each (chunk, micro) currently held, and the free slots
-  std::vector<std::map<std::pair<int, int>, int>> slot_of(P);
-  std::vector<std::set<int>> free_slots(P);
-  auto take = [&](int s, int c, int m) {
-    PipelinePlan& pl = out.stages[s];
-    int slot;
-    if (free_slots[s].empty()) {
-      slot = pl.num_slots++;
-    } else {
-      slot = *free_slots[s].begin();
-      free_slots[s].erase(free_slots[s].begin());
-    }
-    slot_of[s][{c, m}] = slot;
-    return slot;
-  };
-  auto give = [&](int s, int c, int m) {
-    auto it = slot_of[s].find({c, m});
-    VG_CHECK(it != slot_of[s].end(), "pipeline plan: no set held for chunk " << c << " micro " << m);
-    free_slots[s].insert(it->second);
-    slot_of[s].erase(it);
-  };
-  auto held = [&](int s, int c, int m) {
-    auto it = slot_of[s].find({c, m});
-    VG_CHECK(it != slot_of[s].end(), "pipeline plan: no set held for chunk " << c << " micro " << m);
-    return it->second;
-  };
-  for (int s = 0; s < P; ++s) out.stages[s].stage = s;
-  for (const Timed& t : all) {
-    const Work& w = order[t.stage][t.index];
-    const int s = t.stage, c = w.chunk, m = w.micro, v = c * P + s;
-    auto& ops = out.stages[s].ops;
-    if (w.fwd) {
-      int slot;
-      if (v > 0) {
-        const int ps = (v - 1) % P, pc = (v - 1) / P;
-        const int src = held(ps, pc, m);
-        if (ps != s) {
-          PipeOp snd{PipeOpKind::SendAct, pc, m, src, s, -1, !train};
-          out.stages[ps].ops.push_back(snd);
-          if (!train) give(ps, pc, m);
-          slot = take(s, c, m);
-          ops.push_back({PipeOpKind::RecvAct, c, m, slot, ps, -1, false});
-        } else {
-          slot = take(s, c, m);
-          ops.push_back({PipeOpKind::CopyAct, c, m, slot, -1, src, !train});
-          if (!train) give(s, pc, m);
-        }
-      } else {
-        slot = take(s, c, m);
-      }
-      const bool frees = !train && v == S - 1;
-      ops.push_back({PipeOpKind::Forward, c, m, slot, -1, -1, frees});
-      if (frees) give(s, c, m);
-    } else {
-      const int slot = held(s, c, m);
-      if (v < S - 1) {
-        const int ps = (v + 1) % P, pc = (v + 1) / P;
-        const int src = held(ps, pc, m);
-        if (ps != s) {
-          out.stages[ps].ops.push_back({PipeOpKind::SendGrad, pc, m, src, s, -1, true});
-          give(ps, pc, m);
-          ops.push_back({PipeOpKind::RecvGrad, c, m, slot, ps, -1, false});
-        } else {
-          ops.push_back({PipeOpKind::CopyGrad, c, m, slot, -1, src, true});
-          give(s, pc, m);
-        }
-      }
-      ops.push_back({PipeOpKind::Backward, c, m, slot, -1, -1, v == 0});
-      if (v == 0) give(s, c, m);
-    }
-  }
-  for (int s = 0; s < P; ++s)
-    VG_CHECK(slot_of[s].empty(), "pipeline plan: stage " << s << " ends holding sets");
-}
-
 // Every message op's partner (stage, op index) when messages between a pair match in order.
 std::vector<std::vector<std::pair<int, size_t>>> message_partners(const PipelinePlans& pl) {
   const int P = pl.P;
@@ -472,6 +381,7 @@ void split_unmirrored_groups(PipelinePlans& pl) {
 void place_eager(PipelinePlans& out, const std::vector<std::vector<Work>>& order, bool train) {
   const int P = out.P, S = out.P * out.V;
   out.stages.assign(P, PipelinePlan{});
+  out.messages = PipelinePlans::Messages::Grouped;
   for (int s = 0; s < P; ++s) {
     PipelinePlan& pl = out.stages[s];
     pl.stage = s;
@@ -552,6 +462,124 @@ void place_eager(PipelinePlans& out, const std::vector<std::vector<Work>>& order
   }
 }
 
+// The asynchronous placement, stage by stage: after each compute the send of what it
+// produced, before each compute the receive of what it needs, with the ops the receive must
+// wait for (pipeline.h: PipeOp::after) and the sends a forward or copy into a retaken set must
+// wait for.
+void place_async(PipelinePlans& out, const std::vector<std::vector<Work>>& order, bool train) {
+  const int P = out.P, S = out.P * out.V;
+  out.stages.assign(P, PipelinePlan{});
+  out.messages = PipelinePlans::Messages::Async;
+  for (int s = 0; s < P; ++s) {
+    PipelinePlan& pl = out.stages[s];
+    pl.stage = s;
+    auto& ops = pl.ops;
+    std::map<std::pair<int, int>, int> slot_of;
+    std::set<int> free_slots;
+    // per set: the last compute that used it (-1: none this step) and the sends reading it
+    std::vector<int> last_compute;
+    std::vector<std::vector<int>> sending;
+    int last_backward = -1;  // the last reader of d(output)
+    auto take = [&](int c, int m) {
+      int slot;
+      if (free_slots.empty()) {
+        slot = pl.num_slots++;
+        last_compute.push_back(-1);
+        sending.emplace_back();
+      } else {
+        slot = *free_slots.begin();
+        free_slots.erase(free_slots.begin());
+      }
+      slot_of[{c, m}] = slot;
+      return slot;
+    };
+    auto held = [&](int c, int m) {
+      auto it = slot_of.find({c, m});
+      VG_CHECK(it != slot_of.end(), "pipeline plan: no set held for chunk " << c << " micro " << m);
+      return it->second;
+    };
+    auto give = [&](int c, int m) {
+      free_slots.insert(held(c, m));
+      slot_of.erase({c, m});
+    };
+    auto here = [&] { return static_cast<int>(ops.size()); };
+    // what a receive into a retaken set waits for; a local fill waits for the sends only
+    auto recv_after = [&](int slot) {
+      std::vector<int> a = sending[slot];
+      if (last_compute[slot] >= 0) a.push_back(last_compute[slot]);
+      std::sort(a.begin(), a.end());
+      sending[slot].clear();
+      return a;
+    };
+    auto fill_after = [&](int slot) {
+      std::vector<int> a = sending[slot];
+      sending[slot].clear();
+      return a;
+    };
+    // A set a send frees is given back only after the next compute: the receive placed
+    // before that compute would otherwise wait for this send, whose own receiver may be
+    // waiting to send us that very data (one set on two stages: a cycle).
+    std::vector<std::pair<int, int>> sent;
+    auto give_sent = [&] {
+      for (auto [c, m] : sent) give(c, m);
+      sent.clear();
+    };
+    auto send = [&](PipeOpKind k, int c, int m, int slot, int peer, bool frees) {
+      sending[slot].push_back(here());
+      ops.push_back({k, c, m, slot, peer, -1, frees});
+      if (frees) sent.emplace_back(c, m);
+    };
+    for (const Work& w : order[s]) {
+      const int c = w.chunk, m = w.micro, v = c * P + s;
+      if (w.fwd) {
+        int slot;
+        std::vector<int> wait;
+        if (v > 0 && (v - 1) % P != s) {
+          slot = take(c, m);
+          ops.push_back({PipeOpKind::RecvAct, c, m, slot, (v - 1) % P, -1, false, false, recv_after(slot)});
+        } else if (v > 0) {
+          const int src = held(c - 1, m);
+          slot = take(c, m);
+          ops.push_back({PipeOpKind::CopyAct, c, m, slot, -1, src, !train, false, fill_after(slot)});
+          last_compute[src] = here() - 1;
+          if (!train) give(c - 1, m);
+        } else {
+          slot = take(c, m);
+          wait = fill_after(slot);
+        }
+        const bool last = v == S - 1;
+        give_sent();
+        ops.push_back({PipeOpKind::Forward, c, m, slot, -1, -1, !train && last, false, wait});
+        last_compute[slot] = here() - 1;
+        if (!train && last) give(c, m);
+        if (!last && (v + 1) % P != s) send(PipeOpKind::SendAct, c, m, slot, (v + 1) % P, !train);
+      } else {
+        const int slot = held(c, m);
+        if (v < S - 1 && (v + 1) % P != s) {
+          std::vector<int> a;
+          if (last_backward >= 0) a.push_back(last_backward);
+          ops.push_back({PipeOpKind::RecvGrad, c, m, slot, (v + 1) % P, -1, false, false, a});
+        } else if (v < S - 1) {
+          const int src = held(c + 1, m);
+          ops.push_back({PipeOpKind::CopyGrad, c, m, slot, -1, src, true});
+          last_compute[src] = here() - 1;
+          give(c + 1, m);
+        }
+        give_sent();
+        ops.push_back({PipeOpKind::Backward, c, m, slot, -1, -1, v == 0});
+        last_compute[slot] = last_backward = here() - 1;
+        if (v == 0) {
+          give(c, m);
+        } else if ((v - 1) % P != s) {
+          send(PipeOpKind::SendGrad, c, m, slot, (v - 1) % P, true);
+        }
+      }
+    }
+    give_sent();
+    VG_CHECK(slot_of.empty(), "pipeline plan: stage " << s << " ends holding sets");
+  }
+}
+
 }  // namespace
 
 PipelinePlans build_pipeline_plans(PipeSchedule k, int P, int V, int M, bool train) {
@@ -566,17 +594,15 @@ PipelinePlans build_pipeline_plans(PipeSchedule k, int P, int V, int M, bool tra
   out.M = M;
   out.train = train;
 
-  // 1. Simulate (unit costs, free communication) to get start times; grow the warm-up until
-  //    the orders are feasible (all forwards first always is).
+  // 1. Simulate (unit costs, free communication); grow the warm-up until the orders are
+  //    feasible (all forwards first always is).
   std::vector<std::vector<Work>> order(P);
-  std::vector<std::vector<double>> start(P);
   double makespan = 0.0;
   for (int extra = 0;; ++extra) {
     for (int s = 0; s < P; ++s) order[s] = stage_order(k, P, V, M, s, train, extra);
     std::vector<std::vector<double>> endF(S, std::vector<double>(M, -1.0)), endB = endF;
     std::vector<size_t> next(P, 0);
     std::vector<double> free_at(P, 0.0);
-    for (int s = 0; s < P; ++s) start[s].assign(order[s].size(), 0.0);
     bool progress = true;
     size_t done = 0, all = 0;
     for (auto& o : order) all += o.size();
@@ -598,7 +624,6 @@ PipelinePlans build_pipeline_plans(PipeSchedule k, int P, int V, int M, bool tra
           }
           if (dep < 0.0) break;
           const double t0 = std::max(free_at[s], dep);
-          start[s][next[s]] = t0;
           free_at[s] = t0 + (w.fwd ? cf : cb);
           (w.fwd ? endF : endB)[v][w.micro] = free_at[s];
           ++next[s];
@@ -624,23 +649,26 @@ PipelinePlans build_pipeline_plans(PipeSchedule k, int P, int V, int M, bool tra
                       std::to_string(P) + " stages x " + std::to_string(V) + " chunks");
   }
 
-  // 2. Place the messages: each send right after the compute that produced its data, each
-  //    receive right before the compute that needs it (grouped with the sends before it,
-  //    except where NCCL's lockstep would tie a group to its own partner). Where that plan
-  //    does not replay (most interleaved shapes deadlock), fall back to the projection of
-  //    the simulated execution.
+  // 2. Place the messages: grouped where that replays at the schedule's bubble, else
+  //    asynchronous, which replays for every feasible order (the tests check many shapes; a
+  //    failure there is a bug in this file).
   place_eager(out, order, train);
   split_unmirrored_groups(out);
-  out.grouped = false;
-  for (const auto& st : out.stages)
-    for (const auto& op : st.ops) out.grouped = out.grouped || op.joins;
-  if (!check_pipeline_plans(out).empty()) place_in_start_order(out, order, start, train);
+  if (check_pipeline_plans(out).empty() && plan_bubble(out, cf, cb) <= out.simulated_bubble + 1e-9)
+    return out;
+  place_async(out, order, train);
+  const std::string bad = check_pipeline_plans(out);
+  VG_CHECK(bad.empty(), "pipeline plan (" << pipe_schedule_name(k) << ", P " << P << ", V " << V
+                                           << ", M " << M << "): " << bad);
   return out;
 }
 
 // ---- replay
 
-std::string check_pipeline_plans(const PipelinePlans& plans) {
+namespace {
+
+// The grouped plans' replay: blocking rendezvous messages, groups in lockstep.
+std::string check_grouped(const PipelinePlans& plans) {
   const int P = plans.P, V = plans.V, M = plans.M, S = P * V;
   std::ostringstream err;
   if (static_cast<int>(plans.stages.size()) != P) return "wrong number of stage plans";
@@ -767,9 +795,7 @@ std::string check_pipeline_plans(const PipelinePlans& plans) {
   return "";
 }
 
-// ---- timing
-
-double plan_bubble(const PipelinePlans& plans, double cf, double cb) {
+double bubble_grouped(const PipelinePlans& plans, double cf, double cb) {
   const int P = plans.P;
   MessageReplay r(plans);
   std::vector<size_t>& pc = r.pc;
@@ -808,6 +834,269 @@ double plan_bubble(const PipelinePlans& plans, double cf, double cb) {
   double idle = 0.0;
   for (int s = 0; s < P; ++s) idle += (makespan - busy[s]) / makespan;
   return idle / P;
+}
+
+
+// The asynchronous plans' replay: the local checks in each stage's program order, the
+// matching of each channel's messages in order, and the times under the asynchronous
+// semantics (pipeline.h). `err` gets the first problem; the return is the bubble, or -1.
+double replay_async(const PipelinePlans& plans, double cf, double cb, std::string* err) {
+  const int P = plans.P, V = plans.V, M = plans.M, S = P * V;
+  std::ostringstream e;
+  auto fail = [&](int s, size_t i, const std::string& what) {
+    const PipeOp& op = plans.stages[s].ops[i];
+    e << "stage " << s << " op " << i << " (" << pipe_op_name(op.kind) << " chunk " << op.chunk
+      << " micro " << op.micro << "): " << what;
+    if (err) *err = e.str();
+    return -1.0;
+  };
+  auto fail_msg = [&](const std::string& what) {
+    if (err) *err = what;
+    return -1.0;
+  };
+  if (static_cast<int>(plans.stages.size()) != P) return fail_msg("wrong number of stage plans");
+
+  // 1. Program order, stage by stage: sets held and freed, computes in a valid order, and
+  //    every `after` an earlier op.
+  std::vector<std::vector<int>> fdone(S, std::vector<int>(M, 0)), bdone = fdone;
+  for (int s = 0; s < P; ++s) {
+    const auto& ops = plans.stages[s].ops;
+    std::vector<int> owner(plans.stages[s].num_slots, -1);  // virtual stage * M + micro
+    // per set: the last compute that used it and the sends reading it since it was filled;
+    // a receive into it must wait for both (a fence after a compute covers the ones before),
+    // a local fill for the sends
+    std::vector<int> last_use(owner.size(), -1);
+    std::vector<std::vector<int>> reading(owner.size());
+    int last_backward = -1;
+    auto slot_ok = [&](int slot) { return slot >= 0 && slot < static_cast<int>(owner.size()); };
+    auto covers = [&](const PipeOp& op, int slot, bool compute) {
+      for (int x : reading[slot])
+        if (std::find(op.after.begin(), op.after.end(), x) == op.after.end()) return false;
+      if (!compute || last_use[slot] < 0) return true;
+      for (int x : op.after)
+        if (x >= last_use[slot] && !pipe_op_is_message(ops[x].kind)) return true;
+      return false;
+    };
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const PipeOp& op = ops[i];
+      const int v = op.chunk * P + s, k = v * M + op.micro;
+      if (op.chunk < 0 || op.chunk >= V || op.micro < 0 || op.micro >= M) return fail(s, i, "out of range");
+      for (int a : op.after)
+        if (a < 0 || static_cast<size_t>(a) >= i) return fail(s, i, "waits for an op that is not earlier");
+      if (!slot_ok(op.slot)) return fail(s, i, "set out of range");
+      const bool fills = op.kind == PipeOpKind::RecvAct || op.kind == PipeOpKind::CopyAct ||
+                         (op.kind == PipeOpKind::Forward && v == 0);
+      if (fills) {
+        if (!covers(op, op.slot, op.kind == PipeOpKind::RecvAct))
+          return fail(s, i, "fills a set before the ops that used it are done (after)");
+        reading[op.slot].clear();
+      }
+      if (op.kind == PipeOpKind::RecvGrad) {
+        bool ok = last_backward < 0;
+        for (int x : op.after) ok = ok || x >= last_backward;
+        if (!ok) return fail(s, i, "receives d(output) before the last backward is done with it (after)");
+      }
+      if (op.kind == PipeOpKind::SendAct || op.kind == PipeOpKind::SendGrad) reading[op.slot].push_back(static_cast<int>(i));
+      if (!pipe_op_is_message(op.kind)) {
+        last_use[op.slot] = static_cast<int>(i);
+        if (op.src_slot >= 0 && slot_ok(op.src_slot)) last_use[op.src_slot] = static_cast<int>(i);
+      }
+      if (op.kind == PipeOpKind::Backward) last_backward = static_cast<int>(i);
+      if (pipe_op_is_message(op.kind) && (op.peer < 0 || op.peer >= P || op.peer == s))
+        return fail(s, i, "bad peer");
+      switch (op.kind) {
+        case PipeOpKind::Forward:
+          if (v == 0) {
+            if (owner[op.slot] != -1) return fail(s, i, "starts in a set in use");
+            owner[op.slot] = k;
+          }
+          if (owner[op.slot] != k) return fail(s, i, "runs without its input");
+          fdone[v][op.micro] = 1;
+          break;
+        case PipeOpKind::Backward:
+          if (owner[op.slot] != k) return fail(s, i, "runs on a set it does not hold");
+          if (!fdone[v][op.micro]) return fail(s, i, "backward before forward");
+          bdone[v][op.micro] = 1;
+          break;
+        case PipeOpKind::RecvAct:
+          if (owner[op.slot] != -1) return fail(s, i, "receives into a set in use");
+          owner[op.slot] = k;
+          break;
+        case PipeOpKind::RecvGrad:
+          if (owner[op.slot] != k) return fail(s, i, "receives a gradient for a set it does not hold");
+          break;
+        case PipeOpKind::SendAct:
+        case PipeOpKind::SendGrad:
+          if (owner[op.slot] != k) return fail(s, i, "sends from a set it does not hold");
+          if (op.kind == PipeOpKind::SendAct ? !fdone[v][op.micro] : !bdone[v][op.micro])
+            return fail(s, i, "sends before computing");
+          break;
+        case PipeOpKind::CopyAct:
+        case PipeOpKind::CopyGrad: {
+          const bool act = op.kind == PipeOpKind::CopyAct;
+          const int sv = act ? v - 1 : v + 1;
+          if (!slot_ok(op.src_slot) || sv < 0 || sv >= S || sv % P != s ||
+              owner[op.src_slot] != sv * M + op.micro)
+            return fail(s, i, "copies from a set it does not hold");
+          if (act ? !fdone[sv][op.micro] : !bdone[sv][op.micro]) return fail(s, i, "copies before computing");
+          if (act) {
+            if (owner[op.slot] != -1) return fail(s, i, "copies into a set in use");
+            owner[op.slot] = k;
+          } else if (owner[op.slot] != k) {
+            return fail(s, i, "copies a gradient for a set it does not hold");
+          }
+          if (op.frees) owner[op.src_slot] = -1;
+          continue;
+        }
+      }
+      if (op.frees) owner[op.slot] = -1;
+    }
+    for (int o : owner)
+      if (o != -1) return fail_msg("stage " + std::to_string(s) + " ends holding a set");
+  }
+  for (int v = 0; v < S; ++v)
+    for (int m = 0; m < M; ++m) {
+      if (!fdone[v][m]) return fail_msg("forward of virtual stage " + std::to_string(v) + " micro " + std::to_string(m) + " never ran");
+      if (plans.train && !bdone[v][m])
+        return fail_msg("backward of virtual stage " + std::to_string(v) + " micro " + std::to_string(m) + " never ran");
+    }
+
+  // 2. Each channel's messages between a pair match in order; the receiver must expect
+  //    exactly the message it gets. prev: the same stream's previous message (-1: none).
+  std::vector<std::vector<std::pair<int, int>>> partner(P);
+  std::vector<std::vector<int>> prev(P);
+  std::map<std::tuple<int, int, int>, std::pair<std::vector<int>, std::vector<int>>> chan;  // (from, to, channel)
+  for (int s = 0; s < P; ++s) {
+    const auto& ops = plans.stages[s].ops;
+    partner[s].assign(ops.size(), {-1, -1});
+    prev[s].assign(ops.size(), -1);
+    std::map<std::pair<int, int>, int> last;  // (channel, send?) -> op
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (!pipe_op_is_message(ops[i].kind)) continue;
+      const int ch = pipe_op_channel(ops[i].kind);
+      const bool snd = is_send(ops[i].kind);
+      auto& l = last.try_emplace({ch, snd}, -1).first->second;
+      prev[s][i] = l;
+      l = static_cast<int>(i);
+      auto& q = chan[{snd ? s : ops[i].peer, snd ? ops[i].peer : s, ch}];
+      (snd ? q.first : q.second).push_back(static_cast<int>(i));
+    }
+  }
+  for (const auto& [key, q] : chan) {
+    const auto [from, to, ch] = key;
+    if (q.first.size() != q.second.size())
+      return fail_msg("stage " + std::to_string(from) + " sends " + std::to_string(q.first.size()) +
+                      " messages on channel " + std::to_string(ch) + " to stage " + std::to_string(to) +
+                      ", which receives " + std::to_string(q.second.size()));
+    for (size_t k = 0; k < q.first.size(); ++k) {
+      const int si = q.first[k], ri = q.second[k];
+      const PipeOp& sop = plans.stages[from].ops[si];
+      const PipeOp& rop = plans.stages[to].ops[ri];
+      const bool act = sop.kind == PipeOpKind::SendAct;
+      const int v = sop.chunk * P + from, rv = rop.chunk * P + to;
+      if (rop.kind != (act ? PipeOpKind::RecvAct : PipeOpKind::RecvGrad) || rop.micro != sop.micro ||
+          rv != (act ? v + 1 : v - 1))
+        return fail(from, si, "matched by a receive of another message on stage " + std::to_string(to));
+      partner[from][si] = {to, ri};
+      partner[to][ri] = {from, si};
+    }
+  }
+
+  // 3. Times. Per op: for computes their end; for sends `ready` (their data computed),
+  //    `start` (and the stream's previous send done) and `done` (the receive posted); for
+  //    receives `start` (posted) and `done` (the send started). Unknown: NaN. The compute
+  //    stream waits only for receives, right where they are; sends wait on their own stream.
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  std::vector<std::vector<double>> ready(P), start(P), done(P);
+  std::vector<size_t> pc(P, 0);
+  std::vector<double> t(P, 0.0), busy(P, 0.0);
+  for (int s = 0; s < P; ++s) {
+    ready[s].assign(plans.stages[s].ops.size(), nan);
+    start[s].assign(plans.stages[s].ops.size(), nan);
+    done[s].assign(plans.stages[s].ops.size(), nan);
+  }
+  auto known = [](double x) { return x == x; };
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int s = 0; s < P; ++s) {
+      const auto& ops = plans.stages[s].ops;
+      // sends whose stream or receive moved meanwhile
+      for (size_t i = 0; i < ops.size(); ++i) {
+        if (!is_send(ops[i].kind) || !known(ready[s][i]) || known(done[s][i])) continue;
+        const int pv = prev[s][i];
+        if (!known(start[s][i]) && (pv < 0 || known(done[s][pv]))) {
+          start[s][i] = std::max(ready[s][i], pv < 0 ? 0.0 : done[s][pv]);
+          progress = true;
+        }
+        const auto [q, j] = partner[s][i];
+        if (known(start[s][i]) && known(start[q][j])) {
+          done[s][i] = std::max(start[s][i], start[q][j]);
+          progress = true;
+        }
+      }
+      while (pc[s] < ops.size()) {
+        const size_t i = pc[s];
+        const PipeOp& op = ops[i];
+        if (is_send(op.kind)) {  // never holds the stage up
+          ready[s][i] = t[s];
+          ++pc[s];
+          progress = true;
+          continue;
+        }
+        double dep = 0.0;
+        bool ok = true;
+        for (int a : op.after) {
+          ok = ok && known(done[s][a]);
+          if (ok) dep = std::max(dep, done[s][a]);
+        }
+        if (pipe_op_is_message(op.kind) && prev[s][i] >= 0) {
+          ok = ok && known(done[s][prev[s][i]]);
+          if (ok) dep = std::max(dep, done[s][prev[s][i]]);
+        }
+        if (!ok) break;
+        if (pipe_op_is_message(op.kind)) {
+          start[s][i] = dep;  // posted
+          const auto [q, j] = partner[s][i];
+          if (!known(start[q][j])) break;
+          done[s][i] = std::max(dep, start[q][j]);
+          t[s] = std::max(t[s], done[s][i]);
+        } else {
+          const double c = op.kind == PipeOpKind::Forward ? cf : op.kind == PipeOpKind::Backward ? cb : 0.0;
+          start[s][i] = std::max(t[s], dep);
+          t[s] = done[s][i] = start[s][i] + c;
+          busy[s] += c;
+        }
+        ++pc[s];
+        progress = true;
+      }
+    }
+  }
+  for (int s = 0; s < P; ++s) {
+    const auto& ops = plans.stages[s].ops;
+    if (pc[s] < ops.size()) return fail(s, pc[s], "deadlock: blocked here");
+    for (size_t i = 0; i < ops.size(); ++i)
+      if (!known(done[s][i])) return fail(s, i, "deadlock: never completes");
+  }
+  const double makespan = *std::max_element(t.begin(), t.end());
+  if (err) err->clear();
+  if (makespan <= 0.0) return 0.0;
+  double idle = 0.0;
+  for (int s = 0; s < P; ++s) idle += (makespan - busy[s]) / makespan;
+  return idle / P;
+}
+
+}  // namespace
+
+std::string check_pipeline_plans(const PipelinePlans& plans) {
+  if (plans.messages == PipelinePlans::Messages::Grouped) return check_grouped(plans);
+  std::string err;
+  replay_async(plans, 1.0, 2.0, &err);
+  return err;
+}
+
+double plan_bubble(const PipelinePlans& plans, double cf, double cb) {
+  if (plans.messages == PipelinePlans::Messages::Grouped) return bubble_grouped(plans, cf, cb);
+  return replay_async(plans, cf, cb, nullptr);
 }
 
 }  // namespace vitgrid

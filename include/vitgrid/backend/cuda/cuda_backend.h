@@ -54,7 +54,10 @@ int cuda_device_count();
 // allreduce_sum_act maps elem_size 4 to ncclFloat and 2 to the backend's act dtype
 // (ncclBfloat16 or ncclFloat16). send/recv are stream-ordered: issue them in an order that
 // would be deadlock-free with blocking MPI_Send/MPI_Recv. Operations on an axis of size 1 are
-// local (copies or no-ops).
+// local (copies or no-ops). The asynchronous messages (post_send / post_recv, after
+// open_links) run on streams of their own, one two-rank communicator per channel and
+// direction; pipe_ctas > 0 (deck device.pipe_comm_ctas) caps the thread blocks of each, since
+// a receive posted early waits on its SMs beside the compute.
 // start_allreduce_sum / start_reduce_scatter_sum run on a dedicated communication stream
 // that first waits on an event recorded on the backend's stream (so they follow the kernels
 // that produced their inputs, and the compute stream is never blocked by them); wait_all()
@@ -67,6 +70,7 @@ int cuda_device_count();
 // local sum (+ all-gather), which NCCL moves with copy engines (see nccl_collectives.cpp).
 std::unique_ptr<Collectives> make_nccl_collectives(const ProcessGrid& grid, Backend& backend,
                                                    double timeout_s, int data_ctas = 0,
-                                                   bool data_copy_engine = false);
+                                                   bool data_copy_engine = false,
+                                                   int pipe_ctas = 0);
 
 }  // namespace vitgrid

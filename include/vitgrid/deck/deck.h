@@ -107,7 +107,7 @@ struct DeviceSection {
   int gemm_tune = 0;             // cuBLASLt candidates timed per GEMM shape (0/1: heuristic)
   bool deterministic = true;     // false: attention backward with atomics (cuDNN)
   int data_comm_ctas = 0;        // NCCL thread blocks of the data axis (0: NCCL's choice)
-  int pipe_comm_ctas = 2;        // NCCL thread blocks of each asynchronous pipeline link
+  int pipe_comm_ctas = 0;        // NCCL thread blocks of each asynchronous pipeline link (0: NCCL's)
   std::string data_comm = "sm";  // sm | copy_engine: how the data axis's reductions move data
   int gemm_sm_margin = 0;        // SMs the GEMMs leave free while buckets are reduced
   bool cuda_graph = true;        // replay the step's micro-batches as CUDA graphs (see trainer)

@@ -373,6 +373,36 @@ void split_unmirrored_groups(PipelinePlans& pl) {
   }
 }
 
+// The activation sets of one stage's plan while it is placed: the set each (chunk, micro)
+// holds, taken from the free ones (lowest first) or new (num_slots grows).
+struct SlotSets {
+  PipelinePlan& pl;
+  std::map<std::pair<int, int>, int> slot_of;
+  std::set<int> free_slots;
+  explicit SlotSets(PipelinePlan& p) : pl(p) {}
+  int take(int c, int m) {
+    int slot;
+    if (free_slots.empty()) {
+      slot = pl.num_slots++;
+    } else {
+      slot = *free_slots.begin();
+      free_slots.erase(free_slots.begin());
+    }
+    slot_of[{c, m}] = slot;
+    return slot;
+  }
+  int held(int c, int m) const {
+    auto it = slot_of.find({c, m});
+    VG_CHECK(it != slot_of.end(), "pipeline plan: no set held for chunk " << c << " micro " << m);
+    return it->second;
+  }
+  void give(int c, int m) {
+    free_slots.insert(held(c, m));
+    slot_of.erase({c, m});
+  }
+  bool empty() const { return slot_of.empty(); }
+};
+
 // Message placement stage by stage: after each compute the sends of what it produced, before
 // each compute the receives of what it needs. Consecutive messages form one group, posted
 // together (the runner's group_begin / group_end), so in the one-forward-one-backward phase
@@ -386,33 +416,12 @@ void place_eager(PipelinePlans& out, const std::vector<std::vector<Work>>& order
     PipelinePlan& pl = out.stages[s];
     pl.stage = s;
     auto& ops = pl.ops;
-    std::map<std::pair<int, int>, int> slot_of;
-    std::set<int> free_slots;
-    auto take = [&](int c, int m) {
-      int slot;
-      if (free_slots.empty()) {
-        slot = pl.num_slots++;
-      } else {
-        slot = *free_slots.begin();
-        free_slots.erase(free_slots.begin());
-      }
-      slot_of[{c, m}] = slot;
-      return slot;
-    };
-    auto held = [&](int c, int m) {
-      auto it = slot_of.find({c, m});
-      VG_CHECK(it != slot_of.end(), "pipeline plan: no set held for chunk " << c << " micro " << m);
-      return it->second;
-    };
-    auto give = [&](int c, int m) {
-      free_slots.insert(held(c, m));
-      slot_of.erase({c, m});
-    };
+    SlotSets sets(pl);
     // a set a send frees is reused only after the next compute: the receives posted in the
     // same group would otherwise land in it while it is still being sent
     std::vector<std::pair<int, int>> sent;
     auto give_sent = [&] {
-      for (auto [c, m] : sent) give(c, m);
+      for (auto [c, m] : sent) sets.give(c, m);
       sent.clear();
     };
     auto joins = [&] { return !ops.empty() && pipe_op_is_message(ops.back().kind); };
@@ -421,36 +430,36 @@ void place_eager(PipelinePlans& out, const std::vector<std::vector<Work>>& order
       if (w.fwd) {
         int slot;
         if (v > 0 && (v - 1) % P != s) {
-          slot = take(c, m);
+          slot = sets.take(c, m);
           ops.push_back({PipeOpKind::RecvAct, c, m, slot, (v - 1) % P, -1, false, joins()});
         } else if (v > 0) {
-          const int src = held(c - 1, m);
-          slot = take(c, m);
+          const int src = sets.held(c - 1, m);
+          slot = sets.take(c, m);
           ops.push_back({PipeOpKind::CopyAct, c, m, slot, -1, src, !train});
-          if (!train) give(c - 1, m);
+          if (!train) sets.give(c - 1, m);
         } else {
-          slot = take(c, m);
+          slot = sets.take(c, m);
         }
         const bool last = v == S - 1;
         give_sent();
         ops.push_back({PipeOpKind::Forward, c, m, slot, -1, -1, !train && last});
-        if (!train && last) give(c, m);
+        if (!train && last) sets.give(c, m);
         if (!last && (v + 1) % P != s) {
           ops.push_back({PipeOpKind::SendAct, c, m, slot, (v + 1) % P, -1, !train});
           if (!train) sent.emplace_back(c, m);
         }
       } else {
-        const int slot = held(c, m);
+        const int slot = sets.held(c, m);
         if (v < S - 1 && (v + 1) % P != s) {
           ops.push_back({PipeOpKind::RecvGrad, c, m, slot, (v + 1) % P, -1, false, joins()});
         } else if (v < S - 1) {
-          ops.push_back({PipeOpKind::CopyGrad, c, m, slot, -1, held(c + 1, m), true});
-          give(c + 1, m);
+          ops.push_back({PipeOpKind::CopyGrad, c, m, slot, -1, sets.held(c + 1, m), true});
+          sets.give(c + 1, m);
         }
         give_sent();
         ops.push_back({PipeOpKind::Backward, c, m, slot, -1, -1, v == 0});
         if (v == 0) {
-          give(c, m);
+          sets.give(c, m);
         } else if ((v - 1) % P != s) {
           ops.push_back({PipeOpKind::SendGrad, c, m, slot, (v - 1) % P, -1, true});
           sent.emplace_back(c, m);
@@ -458,7 +467,7 @@ void place_eager(PipelinePlans& out, const std::vector<std::vector<Work>>& order
       }
     }
     give_sent();
-    VG_CHECK(slot_of.empty(), "pipeline plan: stage " << s << " ends holding sets");
+    VG_CHECK(sets.empty(), "pipeline plan: stage " << s << " ends holding sets");
   }
 }
 
@@ -474,33 +483,18 @@ void place_async(PipelinePlans& out, const std::vector<std::vector<Work>>& order
     PipelinePlan& pl = out.stages[s];
     pl.stage = s;
     auto& ops = pl.ops;
-    std::map<std::pair<int, int>, int> slot_of;
-    std::set<int> free_slots;
+    SlotSets sets(pl);
     // per set: the last compute that used it (-1: none this step) and the sends reading it
     std::vector<int> last_compute;
     std::vector<std::vector<int>> sending;
     int last_backward = -1;  // the last reader of d(output)
     auto take = [&](int c, int m) {
-      int slot;
-      if (free_slots.empty()) {
-        slot = pl.num_slots++;
+      const int slot = sets.take(c, m);
+      if (slot == static_cast<int>(last_compute.size())) {  // a new set
         last_compute.push_back(-1);
         sending.emplace_back();
-      } else {
-        slot = *free_slots.begin();
-        free_slots.erase(free_slots.begin());
       }
-      slot_of[{c, m}] = slot;
       return slot;
-    };
-    auto held = [&](int c, int m) {
-      auto it = slot_of.find({c, m});
-      VG_CHECK(it != slot_of.end(), "pipeline plan: no set held for chunk " << c << " micro " << m);
-      return it->second;
-    };
-    auto give = [&](int c, int m) {
-      free_slots.insert(held(c, m));
-      slot_of.erase({c, m});
     };
     auto here = [&] { return static_cast<int>(ops.size()); };
     // what a receive into a retaken set waits for; a local fill waits for the sends only
@@ -521,7 +515,7 @@ void place_async(PipelinePlans& out, const std::vector<std::vector<Work>>& order
     // waiting to send us that very data (one set on two stages: a cycle).
     std::vector<std::pair<int, int>> sent;
     auto give_sent = [&] {
-      for (auto [c, m] : sent) give(c, m);
+      for (auto [c, m] : sent) sets.give(c, m);
       sent.clear();
     };
     auto send = [&](PipeOpKind k, int c, int m, int slot, int peer, bool frees) {
@@ -538,11 +532,11 @@ void place_async(PipelinePlans& out, const std::vector<std::vector<Work>>& order
           slot = take(c, m);
           ops.push_back({PipeOpKind::RecvAct, c, m, slot, (v - 1) % P, -1, false, false, recv_after(slot)});
         } else if (v > 0) {
-          const int src = held(c - 1, m);
+          const int src = sets.held(c - 1, m);
           slot = take(c, m);
           ops.push_back({PipeOpKind::CopyAct, c, m, slot, -1, src, !train, false, fill_after(slot)});
           last_compute[src] = here() - 1;
-          if (!train) give(c - 1, m);
+          if (!train) sets.give(c - 1, m);
         } else {
           slot = take(c, m);
           wait = fill_after(slot);
@@ -551,32 +545,32 @@ void place_async(PipelinePlans& out, const std::vector<std::vector<Work>>& order
         give_sent();
         ops.push_back({PipeOpKind::Forward, c, m, slot, -1, -1, !train && last, false, wait});
         last_compute[slot] = here() - 1;
-        if (!train && last) give(c, m);
+        if (!train && last) sets.give(c, m);
         if (!last && (v + 1) % P != s) send(PipeOpKind::SendAct, c, m, slot, (v + 1) % P, !train);
       } else {
-        const int slot = held(c, m);
+        const int slot = sets.held(c, m);
         if (v < S - 1 && (v + 1) % P != s) {
           std::vector<int> a;
           if (last_backward >= 0) a.push_back(last_backward);
           ops.push_back({PipeOpKind::RecvGrad, c, m, slot, (v + 1) % P, -1, false, false, a});
         } else if (v < S - 1) {
-          const int src = held(c + 1, m);
+          const int src = sets.held(c + 1, m);
           ops.push_back({PipeOpKind::CopyGrad, c, m, slot, -1, src, true});
           last_compute[src] = here() - 1;
-          give(c + 1, m);
+          sets.give(c + 1, m);
         }
         give_sent();
         ops.push_back({PipeOpKind::Backward, c, m, slot, -1, -1, v == 0});
         last_compute[slot] = last_backward = here() - 1;
         if (v == 0) {
-          give(c, m);
+          sets.give(c, m);
         } else if ((v - 1) % P != s) {
           send(PipeOpKind::SendGrad, c, m, slot, (v - 1) % P, true);
         }
       }
     }
     give_sent();
-    VG_CHECK(slot_of.empty(), "pipeline plan: stage " << s << " ends holding sets");
+    VG_CHECK(sets.empty(), "pipeline plan: stage " << s << " ends holding sets");
   }
 }
 

@@ -404,81 +404,19 @@ struct SlotSets {
 };
 
 // Message placement stage by stage: after each compute the sends of what it produced, before
-// each compute the receives of what it needs. Consecutive messages form one group, posted
-// together (the runner's group_begin / group_end), so in the one-forward-one-backward phase
-// neighbouring stages swap activation and gradient in one exchange (Megatron's
-// send_forward_recv_backward) instead of one waiting for the other's next compute.
-void place_eager(PipelinePlans& out, const std::vector<std::vector<Work>>& order, bool train) {
+// each compute the receives of what it needs.
+// - Grouped: consecutive messages form one group, posted together (the runner's group_begin /
+//   group_end), so in the one-forward-one-backward phase neighbouring stages swap activation
+//   and gradient in one exchange (Megatron's send_forward_recv_backward) instead of one
+//   waiting for the other's next compute.
+// - Async: each receive names the ops it must wait for (pipeline.h: PipeOp::after), and so
+//   does a forward or copy that fills a retaken set (the sends still reading it).
+void place_messages(PipelinePlans& out, const std::vector<std::vector<Work>>& order, bool train,
+                    PipelinePlans::Messages kind) {
   const int P = out.P, S = out.P * out.V;
+  const bool async = kind == PipelinePlans::Messages::Async;
   out.stages.assign(P, PipelinePlan{});
-  out.messages = PipelinePlans::Messages::Grouped;
-  for (int s = 0; s < P; ++s) {
-    PipelinePlan& pl = out.stages[s];
-    pl.stage = s;
-    auto& ops = pl.ops;
-    SlotSets sets(pl);
-    // a set a send frees is reused only after the next compute: the receives posted in the
-    // same group would otherwise land in it while it is still being sent
-    std::vector<std::pair<int, int>> sent;
-    auto give_sent = [&] {
-      for (auto [c, m] : sent) sets.give(c, m);
-      sent.clear();
-    };
-    auto joins = [&] { return !ops.empty() && pipe_op_is_message(ops.back().kind); };
-    for (const Work& w : order[s]) {
-      const int c = w.chunk, m = w.micro, v = c * P + s;
-      if (w.fwd) {
-        int slot;
-        if (v > 0 && (v - 1) % P != s) {
-          slot = sets.take(c, m);
-          ops.push_back({PipeOpKind::RecvAct, c, m, slot, (v - 1) % P, -1, false, joins()});
-        } else if (v > 0) {
-          const int src = sets.held(c - 1, m);
-          slot = sets.take(c, m);
-          ops.push_back({PipeOpKind::CopyAct, c, m, slot, -1, src, !train});
-          if (!train) sets.give(c - 1, m);
-        } else {
-          slot = sets.take(c, m);
-        }
-        const bool last = v == S - 1;
-        give_sent();
-        ops.push_back({PipeOpKind::Forward, c, m, slot, -1, -1, !train && last});
-        if (!train && last) sets.give(c, m);
-        if (!last && (v + 1) % P != s) {
-          ops.push_back({PipeOpKind::SendAct, c, m, slot, (v + 1) % P, -1, !train});
-          if (!train) sent.emplace_back(c, m);
-        }
-      } else {
-        const int slot = sets.held(c, m);
-        if (v < S - 1 && (v + 1) % P != s) {
-          ops.push_back({PipeOpKind::RecvGrad, c, m, slot, (v + 1) % P, -1, false, joins()});
-        } else if (v < S - 1) {
-          ops.push_back({PipeOpKind::CopyGrad, c, m, slot, -1, sets.held(c + 1, m), true});
-          sets.give(c + 1, m);
-        }
-        give_sent();
-        ops.push_back({PipeOpKind::Backward, c, m, slot, -1, -1, v == 0});
-        if (v == 0) {
-          sets.give(c, m);
-        } else if ((v - 1) % P != s) {
-          ops.push_back({PipeOpKind::SendGrad, c, m, slot, (v - 1) % P, -1, true});
-          sent.emplace_back(c, m);
-        }
-      }
-    }
-    give_sent();
-    VG_CHECK(sets.empty(), "pipeline plan: stage " << s << " ends holding sets");
-  }
-}
-
-// The asynchronous placement, stage by stage: after each compute the send of what it
-// produced, before each compute the receive of what it needs, with the ops the receive must
-// wait for (pipeline.h: PipeOp::after) and the sends a forward or copy into a retaken set must
-// wait for.
-void place_async(PipelinePlans& out, const std::vector<std::vector<Work>>& order, bool train) {
-  const int P = out.P, S = out.P * out.V;
-  out.stages.assign(P, PipelinePlan{});
-  out.messages = PipelinePlans::Messages::Async;
+  out.messages = kind;
   for (int s = 0; s < P; ++s) {
     PipelinePlan& pl = out.stages[s];
     pl.stage = s;
@@ -497,21 +435,19 @@ void place_async(PipelinePlans& out, const std::vector<std::vector<Work>>& order
       return slot;
     };
     auto here = [&] { return static_cast<int>(ops.size()); };
-    // what a receive into a retaken set waits for; a local fill waits for the sends only
-    auto recv_after = [&](int slot) {
-      std::vector<int> a = sending[slot];
-      if (last_compute[slot] >= 0) a.push_back(last_compute[slot]);
+    // async: what a receive into a retaken set waits for; a local fill waits for the sends only
+    auto fill_after = [&](int slot, bool receive) {
+      std::vector<int> a;
+      a.swap(sending[slot]);
+      if (receive && last_compute[slot] >= 0) a.push_back(last_compute[slot]);
       std::sort(a.begin(), a.end());
-      sending[slot].clear();
-      return a;
+      return async ? a : std::vector<int>{};
     };
-    auto fill_after = [&](int slot) {
-      std::vector<int> a = sending[slot];
-      sending[slot].clear();
-      return a;
-    };
-    // A set a send frees is given back only after the next compute: the receive placed
-    // before that compute would otherwise wait for this send, whose own receiver may be
+    // grouped: a message joins the group of the message right before it
+    auto joins = [&] { return !async && !ops.empty() && pipe_op_is_message(ops.back().kind); };
+    // A set a send frees is given back only after the next compute. Grouped: the receives
+    // posted in the same group would land in it while it is still being sent. Async: the
+    // receive placed before that compute would wait for this send, whose own receiver may be
     // waiting to send us that very data (one set on two stages: a cycle).
     std::vector<std::pair<int, int>> sent;
     auto give_sent = [&] {
@@ -530,16 +466,17 @@ void place_async(PipelinePlans& out, const std::vector<std::vector<Work>>& order
         std::vector<int> wait;
         if (v > 0 && (v - 1) % P != s) {
           slot = take(c, m);
-          ops.push_back({PipeOpKind::RecvAct, c, m, slot, (v - 1) % P, -1, false, false, recv_after(slot)});
+          ops.push_back({PipeOpKind::RecvAct, c, m, slot, (v - 1) % P, -1, false, joins(),
+                         fill_after(slot, true)});
         } else if (v > 0) {
           const int src = sets.held(c - 1, m);
           slot = take(c, m);
-          ops.push_back({PipeOpKind::CopyAct, c, m, slot, -1, src, !train, false, fill_after(slot)});
+          ops.push_back({PipeOpKind::CopyAct, c, m, slot, -1, src, !train, false, fill_after(slot, false)});
           last_compute[src] = here() - 1;
           if (!train) sets.give(c - 1, m);
         } else {
           slot = take(c, m);
-          wait = fill_after(slot);
+          wait = fill_after(slot, false);
         }
         const bool last = v == S - 1;
         give_sent();
@@ -551,8 +488,8 @@ void place_async(PipelinePlans& out, const std::vector<std::vector<Work>>& order
         const int slot = sets.held(c, m);
         if (v < S - 1 && (v + 1) % P != s) {
           std::vector<int> a;
-          if (last_backward >= 0) a.push_back(last_backward);
-          ops.push_back({PipeOpKind::RecvGrad, c, m, slot, (v + 1) % P, -1, false, false, a});
+          if (async && last_backward >= 0) a.push_back(last_backward);
+          ops.push_back({PipeOpKind::RecvGrad, c, m, slot, (v + 1) % P, -1, false, joins(), a});
         } else if (v < S - 1) {
           const int src = sets.held(c + 1, m);
           ops.push_back({PipeOpKind::CopyGrad, c, m, slot, -1, src, true});
@@ -646,11 +583,11 @@ PipelinePlans build_pipeline_plans(PipeSchedule k, int P, int V, int M, bool tra
   // 2. Place the messages: grouped where that replays at the schedule's bubble, else
   //    asynchronous, which replays for every feasible order (the tests check many shapes; a
   //    failure there is a bug in this file).
-  place_eager(out, order, train);
+  place_messages(out, order, train, PipelinePlans::Messages::Grouped);
   split_unmirrored_groups(out);
   if (check_pipeline_plans(out).empty() && plan_bubble(out, cf, cb) <= out.simulated_bubble + 1e-9)
     return out;
-  place_async(out, order, train);
+  place_messages(out, order, train, PipelinePlans::Messages::Async);
   const std::string bad = check_pipeline_plans(out);
   VG_CHECK(bad.empty(), "pipeline plan (" << pipe_schedule_name(k) << ", P " << P << ", V " << V
                                            << ", M " << M << "): " << bad);

@@ -469,23 +469,19 @@ class MpiCollectives final : public Collectives {
 
   void send(const void* buf, size_t bytes, int peer, Axis a) override {
     const char* p = static_cast<const char*>(buf);
-    // Pieces arrive in order: MPI messages between one pair on one tag do not overtake.
-    for (size_t off = 0; off < bytes || (bytes == 0 && off == 0); off += kMaxCount) {
-      const int c = static_cast<int>(std::min(kMaxCount, bytes - off));
+    for_pieces(bytes, [&](size_t off, int c) {
       if (grouping_) {
         p2p_.push_back({MPI_REQUEST_NULL, -1, 0, a});
         MPI_CHECK(MPI_Isend(p + off, c, MPI_BYTE, peer, kTag, comm(a), &p2p_.back().req));
       } else {
         MPI_CHECK(MPI_Send(p + off, c, MPI_BYTE, peer, kTag, comm(a)));
       }
-      if (bytes == 0) break;
-    }
+    });
   }
 
   void recv(void* buf, size_t bytes, int peer, Axis a) override {
     char* p = static_cast<char*>(buf);
-    for (size_t off = 0; off < bytes || (bytes == 0 && off == 0); off += kMaxCount) {
-      const int c = static_cast<int>(std::min(kMaxCount, bytes - off));
+    for_pieces(bytes, [&](size_t off, int c) {
       if (grouping_) {
         p2p_.push_back({MPI_REQUEST_NULL, peer, c, a});
         MPI_CHECK(MPI_Irecv(p + off, c, MPI_BYTE, peer, kTag, comm(a), &p2p_.back().req));
@@ -494,8 +490,7 @@ class MpiCollectives final : public Collectives {
         MPI_CHECK(MPI_Recv(p + off, c, MPI_BYTE, peer, kTag, comm(a), &st));
         check_count(st, c, peer, a);
       }
-      if (bytes == 0) break;
-    }
+    });
   }
 
   void group_begin() override {
@@ -514,41 +509,17 @@ class MpiCollectives final : public Collectives {
     p2p_.clear();
   }
 
-  // Asynchronous messages of channel c use tag kTag + 1 + c; a message over kMaxCount bytes
-  // goes in pieces, which arrive in order (MPI messages between one pair on one tag do not
-  // overtake).
+  // Asynchronous messages of channel c use tag kTag + 1 + c.
   void open_links(Axis) override {}
   size_t post_send(const void* buf, size_t bytes, int peer, int channel, Axis a) override {
-    const char* p = static_cast<const char*>(buf);
-    Message m;
-    for (size_t off = 0; off < bytes || (bytes == 0 && off == 0); off += kMaxCount) {
-      const int c = static_cast<int>(std::min(kMaxCount, bytes - off));
-      m.parts.push_back({MPI_REQUEST_NULL, -1});
-      MPI_CHECK(MPI_Isend(p + off, c, MPI_BYTE, peer, kTag + 1 + channel, comm(a), &m.parts.back().req));
-      if (bytes == 0) break;
-    }
-    m.peer = peer;
-    m.axis = a;
-    messages_.push_back(std::move(m));
-    return messages_.size() - 1;
+    return post(const_cast<void*>(buf), bytes, peer, channel, a, false);
   }
   // On the host the buffer is free when the caller posts (its work is done by then): `after`
   // has nothing left to wait for.
   size_t post_recv(void* buf, size_t bytes, int peer, int channel, Axis a,
                    const std::vector<size_t>& after) override {
     for (size_t t : after) VG_CHECK(t < messages_.size(), "post_recv after ticket " << t << " of " << messages_.size());
-    char* p = static_cast<char*>(buf);
-    Message m;
-    for (size_t off = 0; off < bytes || (bytes == 0 && off == 0); off += kMaxCount) {
-      const int c = static_cast<int>(std::min(kMaxCount, bytes - off));
-      m.parts.push_back({MPI_REQUEST_NULL, c});
-      MPI_CHECK(MPI_Irecv(p + off, c, MPI_BYTE, peer, kTag + 1 + channel, comm(a), &m.parts.back().req));
-      if (bytes == 0) break;
-    }
-    m.peer = peer;
-    m.axis = a;
-    messages_.push_back(std::move(m));
-    return messages_.size() - 1;
+    return post(buf, bytes, peer, channel, a, true);
   }
   void wait_message(size_t t) override {
     VG_CHECK(t < messages_.size(), "wait for message " << t << " of " << messages_.size());
@@ -573,6 +544,34 @@ class MpiCollectives final : public Collectives {
 
  private:
   static constexpr int kTag = 0;
+
+  // Calls f(offset, count) for each piece of a message of `bytes` (at most kMaxCount each; one
+  // empty piece for an empty message). The pieces arrive in order: MPI messages between one
+  // pair on one tag do not overtake.
+  template <class F>
+  static void for_pieces(size_t bytes, F&& f) {
+    size_t off = 0;
+    do {
+      f(off, static_cast<int>(std::min(kMaxCount, bytes - off)));
+      off += kMaxCount;
+    } while (off < bytes);
+  }
+  // An asynchronous send or receive (its pieces' requests), by ticket.
+  size_t post(void* buf, size_t bytes, int peer, int channel, Axis a, bool receive) {
+    char* p = static_cast<char*>(buf);
+    Message m;
+    for_pieces(bytes, [&](size_t off, int c) {
+      m.parts.push_back({MPI_REQUEST_NULL, receive ? c : -1});
+      if (receive)
+        MPI_CHECK(MPI_Irecv(p + off, c, MPI_BYTE, peer, kTag + 1 + channel, comm(a), &m.parts.back().req));
+      else
+        MPI_CHECK(MPI_Isend(p + off, c, MPI_BYTE, peer, kTag + 1 + channel, comm(a), &m.parts.back().req));
+    });
+    m.peer = peer;
+    m.axis = a;
+    messages_.push_back(std::move(m));
+    return messages_.size() - 1;
+  }
 
   MPI_Comm comm(Axis a) const { return grid_.comm(a).get(); }
 

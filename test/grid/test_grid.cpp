@@ -259,7 +259,11 @@ TEST(Grid, CollectivesOverEveryAxis) {
   }
 }
 
-TEST(Grid, SendRecvRingAlongPipeline) {
+// Runs f(coll, stages, s, next, prev) on every layout of the world with two or more pipeline
+// stages: `stages` are the world ranks of this rank's pipeline, s its stage, next / prev its
+// neighbours' stages around the ring.
+template <class F>
+void on_every_pipeline_ring(F&& f) {
   const int n = world_size(), me = world_rank();
   for (const Layout& l : layouts(n)) {
     if (l.pipeline < 2) continue;
@@ -268,50 +272,49 @@ TEST(Grid, SendRecvRingAlongPipeline) {
     auto coll = make_mpi_collectives(g);
     const std::vector<int> stages = expected_members(Axis::Pipeline, l, me, n);
     const int p = g.size(Axis::Pipeline), s = g.rank(Axis::Pipeline);
-    const int next = (s + 1) % p, prev = (s + p - 1) % p;
+    f(*coll, stages, s, (s + 1) % p, (s + p - 1) % p);
+  }
+}
+
+TEST(Grid, SendRecvRingAlongPipeline) {
+  const int me = world_rank();
+  on_every_pipeline_ring([&](Collectives& coll, const std::vector<int>& stages, int s, int next, int prev) {
     std::vector<double> out = {static_cast<double>(me), 0.5 * me}, in(2, -1);
     // even stages send first, odd ones receive first: blocking sends cannot deadlock
     if (s % 2 == 0) {
-      coll->send(out.data(), out.size() * sizeof(double), next, Axis::Pipeline);
-      coll->recv(in.data(), in.size() * sizeof(double), prev, Axis::Pipeline);
+      coll.send(out.data(), out.size() * sizeof(double), next, Axis::Pipeline);
+      coll.recv(in.data(), in.size() * sizeof(double), prev, Axis::Pipeline);
     } else {
-      coll->recv(in.data(), in.size() * sizeof(double), prev, Axis::Pipeline);
-      coll->send(out.data(), out.size() * sizeof(double), next, Axis::Pipeline);
+      coll.recv(in.data(), in.size() * sizeof(double), prev, Axis::Pipeline);
+      coll.send(out.data(), out.size() * sizeof(double), next, Axis::Pipeline);
     }
     EXPECT_EQ(in[0], static_cast<double>(stages[prev]));
     EXPECT_EQ(in[1], 0.5 * stages[prev]);
-  }
+  });
 }
 
 TEST(Grid, SendRecvGroupSwapsInOneStep) {
   // every stage sends to the next and receives from the previous in one group: with messages
   // large enough for MPI's rendezvous protocol, the same calls one at a time and in this
   // order on every stage would deadlock
-  const int n = world_size(), me = world_rank();
-  for (const Layout& l : layouts(n)) {
-    if (l.pipeline < 2) continue;
-    SCOPED_TRACE(describe(l));
-    ProcessGrid g(MPI_COMM_WORLD, shape_of(l));
-    auto coll = make_mpi_collectives(g);
-    const std::vector<int> stages = expected_members(Axis::Pipeline, l, me, n);
-    const int p = g.size(Axis::Pipeline), s = g.rank(Axis::Pipeline);
-    const int next = (s + 1) % p, prev = (s + p - 1) % p;
+  const int me = world_rank();
+  on_every_pipeline_ring([&](Collectives& coll, const std::vector<int>& stages, int, int next, int prev) {
     const size_t count = size_t(1) << 20;  // 8 MiB
     std::vector<double> out(count), in(count, -1.0), back(2, -1.0);
     for (size_t i = 0; i < count; ++i) out[i] = me + 1e-6 * static_cast<double>(i);
     const std::vector<double> small = {2.0 * me, 3.0 * me};
-    coll->group_begin();
-    coll->send(out.data(), count * sizeof(double), next, Axis::Pipeline);
-    coll->recv(in.data(), count * sizeof(double), prev, Axis::Pipeline);
+    coll.group_begin();
+    coll.send(out.data(), count * sizeof(double), next, Axis::Pipeline);
+    coll.recv(in.data(), count * sizeof(double), prev, Axis::Pipeline);
     // and a second, smaller message the other way round in the same group
-    coll->send(small.data(), small.size() * sizeof(double), prev, Axis::Pipeline);
-    coll->recv(back.data(), back.size() * sizeof(double), next, Axis::Pipeline);
-    coll->group_end();
+    coll.send(small.data(), small.size() * sizeof(double), prev, Axis::Pipeline);
+    coll.recv(back.data(), back.size() * sizeof(double), next, Axis::Pipeline);
+    coll.group_end();
     EXPECT_EQ(in[0], static_cast<double>(stages[prev]));
     EXPECT_EQ(in[count - 1], stages[prev] + 1e-6 * static_cast<double>(count - 1));
     EXPECT_EQ(back[0], 2.0 * stages[next]);
     EXPECT_EQ(back[1], 3.0 * stages[next]);
-  }
+  });
 }
 
 TEST(Grid, MessagesFlowOnIndependentChannels) {
@@ -319,39 +322,32 @@ TEST(Grid, MessagesFlowOnIndependentChannels) {
   // stage on channel 0 and a small one to the previous stage on channel 1, then waits for
   // channel 1 before it even posts channel 0's receives: posting never blocks, channels do not
   // wait for each other, and one channel's messages arrive in posting order.
-  const int n = world_size(), me = world_rank();
-  for (const Layout& l : layouts(n)) {
-    if (l.pipeline < 2) continue;
-    SCOPED_TRACE(describe(l));
-    ProcessGrid g(MPI_COMM_WORLD, shape_of(l));
-    auto coll = make_mpi_collectives(g);
-    coll->open_links(Axis::Pipeline);
-    const std::vector<int> stages = expected_members(Axis::Pipeline, l, me, n);
-    const int p = g.size(Axis::Pipeline), s = g.rank(Axis::Pipeline);
-    const int next = (s + 1) % p, prev = (s + p - 1) % p;
+  const int me = world_rank();
+  on_every_pipeline_ring([&](Collectives& coll, const std::vector<int>& stages, int, int next, int prev) {
+    coll.open_links(Axis::Pipeline);
     const size_t count = size_t(1) << 20;  // 8 MiB
     std::vector<double> big(count), in(count, -1.0);
     for (size_t i = 0; i < count; ++i) big[i] = me + 1e-6 * static_cast<double>(i);
     const std::vector<double> small = {2.0 * me, 3.0 * me}, up = {5.0 * me};
     std::vector<double> small_in(2, -1.0), up_in(1, -1.0);
-    coll->post_send(big.data(), count * sizeof(double), next, 0, Axis::Pipeline);
-    coll->post_send(small.data(), small.size() * sizeof(double), next, 0, Axis::Pipeline);
-    coll->post_send(up.data(), sizeof(double), prev, 1, Axis::Pipeline);
-    const size_t t_up = coll->post_recv(up_in.data(), sizeof(double), next, 1, Axis::Pipeline, {});
-    coll->wait_message(t_up);
+    coll.post_send(big.data(), count * sizeof(double), next, 0, Axis::Pipeline);
+    coll.post_send(small.data(), small.size() * sizeof(double), next, 0, Axis::Pipeline);
+    coll.post_send(up.data(), sizeof(double), prev, 1, Axis::Pipeline);
+    const size_t t_up = coll.post_recv(up_in.data(), sizeof(double), next, 1, Axis::Pipeline, {});
+    coll.wait_message(t_up);
     EXPECT_EQ(up_in[0], 5.0 * stages[next]);
-    const size_t f = coll->fence();
-    const size_t t_big = coll->post_recv(in.data(), count * sizeof(double), prev, 0, Axis::Pipeline, {f});
-    const size_t t_small = coll->post_recv(small_in.data(), small_in.size() * sizeof(double), prev, 0,
-                                           Axis::Pipeline, {f, t_up});
-    coll->wait_message(t_small);
-    coll->wait_message(t_big);
+    const size_t f = coll.fence();
+    const size_t t_big = coll.post_recv(in.data(), count * sizeof(double), prev, 0, Axis::Pipeline, {f});
+    const size_t t_small = coll.post_recv(small_in.data(), small_in.size() * sizeof(double), prev, 0,
+                                          Axis::Pipeline, {f, t_up});
+    coll.wait_message(t_small);
+    coll.wait_message(t_big);
     EXPECT_EQ(in[0], static_cast<double>(stages[prev]));
     EXPECT_EQ(in[count - 1], stages[prev] + 1e-6 * static_cast<double>(count - 1));
     EXPECT_EQ(small_in[0], 2.0 * stages[prev]);
     EXPECT_EQ(small_in[1], 3.0 * stages[prev]);
-    coll->wait_messages();  // the sends
-  }
+    coll.wait_messages();  // the sends
+  });
 }
 
 TEST(Grid, RankMapListsEveryRank) {

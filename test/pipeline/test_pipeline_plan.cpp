@@ -198,15 +198,21 @@ TEST(PipelinePlan, LockstepGroupsThatWaitOnEachOtherDeadlock) {
     }
 }
 
-// Two stages exchanging one activation each way, asynchronously.
-PipelinePlans swap_plans() {
+// Empty asynchronous forward-only plans of 2 stages x 2 chunks for M micro-batches.
+PipelinePlans async_forward_plans(int M) {
   PipelinePlans p;
   p.messages = PipelinePlans::Messages::Async;
   p.P = 2;
   p.V = 2;
-  p.M = 1;
+  p.M = M;
   p.train = false;
   p.stages.resize(2);
+  return p;
+}
+
+// Two stages exchanging one activation each way, asynchronously.
+PipelinePlans swap_plans() {
+  PipelinePlans p = async_forward_plans(1);
   for (int s = 0; s < 2; ++s) {
     p.stages[s].stage = s;
     p.stages[s].num_slots = 2;
@@ -241,13 +247,7 @@ TEST(PipelinePlan, AsyncReplaySeesDeadlocksOrderAndBufferHazards) {
   // stage 1's send of (0, 0), which finishes only when stage 0's receive of (1, 0) is posted.
   // (The builder gives a set a send frees back only after the next compute: two sets.)
   using K = PipeOpKind;
-  PipelinePlans d;
-  d.messages = PipelinePlans::Messages::Async;
-  d.P = 2;
-  d.V = 2;
-  d.M = 2;
-  d.train = false;
-  d.stages.resize(2);
+  PipelinePlans d = async_forward_plans(2);
   d.stages[0] = {0, {{K::Forward, 0, 0, 0}, {K::SendAct, 0, 0, 0, 1, -1, true},
                      {K::Forward, 0, 1, 0, -1, -1, false, false, {1}}, {K::SendAct, 0, 1, 0, 1, -1, true},
                      {K::RecvAct, 1, 0, 0, 1, -1, false, false, {2, 3}}, {K::Forward, 1, 0, 0},

@@ -113,10 +113,13 @@ struct Trainer::Impl {
   // device-side batch buffers (planned once)
   // Input upload slots: 0 and 1 alternate in training (the next micro-batch is copied while
   // the current one computes), 2 serves eval / predict. Each device buffer holds one rank
-  // batch as [images | partners | labels | soft targets | aug], at offsets off_*.
+  // batch as [images | partners | labels | position | soft targets | aug], at offsets off_*
+  // (position: the step it trains in and its first sample's stream position, which key the
+  // dropout masks: DeviceBatch::position).
   static constexpr int kUploadSlots = 3, kEvalSlot = 2;
   void* d_raw[kUploadSlots] = {nullptr, nullptr, nullptr};
-  size_t off_partner = 0, off_labels = 0, off_soft = 0, off_aug = 0, raw_bytes = 0;
+  size_t off_partner = 0, off_labels = 0, off_position = 0, off_soft = 0, off_aug = 0,
+         raw_bytes = 0;
   void* d_images = nullptr;
   // The training step's device scalars (one allocation), read back a step late: the loss sum
   // over the step's samples, the squared gradient norm (loss-scaled) and the factor the
@@ -309,7 +312,8 @@ struct Trainer::Impl {
     auto align = [](size_t n) { return (n + 255) / 256 * 256; };
     off_partner = align(b * img);
     off_labels = off_partner + (mixup ? align(b * img) : 0);
-    off_soft = off_labels + align(b * sizeof(int32_t));
+    off_position = off_labels + align(b * sizeof(int32_t));
+    off_soft = off_position + align(2 * sizeof(int64_t));
     off_aug = off_soft + (mixup ? align(static_cast<size_t>(b) * cfg.classes * sizeof(float)) : 0);
     raw_bytes = off_aug + align(b * sizeof(SampleAug));
     for (void*& p : d_raw) p = be->alloc(raw_bytes);
@@ -487,14 +491,14 @@ struct Trainer::Impl {
   }
 
   // Called by all ranks from setup(): whether the step's micro-batches run as CUDA graphs.
-  // Everything a graph replays must be the same every step: with one pipeline stage (a
-  // pipeline's bubble marks and point-to-point schedule stay eager), without dropout (its
-  // masks are keyed by the step), and not under --profile (which times every op).
+  // Everything a graph replays must be the same every step (what changes, the batch and the
+  // step and stream position that key the dropout masks, is read from the upload slot): with
+  // one pipeline stage (a pipeline's bubble marks and point-to-point schedule stay eager) and
+  // not under --profile (which times every op).
   void setup_graphs(bool training) {
     if (!training || !deck.device.cuda_graph || !be->graphs_supported()) return;
     std::string why;
     if (grid->size(Axis::Pipeline) > 1) why = "pipeline stages";
-    else if (cfg.dropout > 0.0f) why = "dropout (masks keyed by the step)";
     else if (profile) why = "--profile";
     if (!why.empty()) {
       log("CUDA graphs off (%s): the step runs eagerly\n", why.c_str());
@@ -583,7 +587,7 @@ struct Trainer::Impl {
       if (!last || more) {  // the next micro-batch, during this one
         next_hb = next_batch();
         slot ^= 1;
-        start_upload(*next_hb, slot);
+        start_upload(*next_hb, slot, last ? s + 1 : s);
       }
     }
     PendingStep p;
@@ -680,14 +684,17 @@ struct Trainer::Impl {
     return c;
   }
 
-  // Copies a host batch into upload slot `slot` and starts its transfer to the device; the
-  // slot's previous batch must have been consumed (release_slot) before.
-  void start_upload(const HostBatch& hb, int slot) {
+  // Copies a host batch, which trains in optimizer step `step` (eval: any), into upload slot
+  // `slot` and starts its transfer to the device; the slot's previous batch must have been
+  // consumed (release_slot) before.
+  void start_upload(const HostBatch& hb, int slot, int64_t step) {
     if (hb.count == 0) return;
     const size_t img = static_cast<size_t>(cfg.image) * cfg.image * 3;
     char* h = static_cast<char*>(be->staging(slot, raw_bytes));
     size_t end = off_aug + hb.count * sizeof(SampleAug);
     std::memcpy(h + off_labels, hb.labels.data(), hb.count * sizeof(int32_t));
+    const int64_t position[2] = {step, hb.first_position};
+    std::memcpy(h + off_position, position, sizeof(position));
     if (!hb.soft.empty()) std::memcpy(h + off_soft, hb.soft.data(), hb.soft.size() * sizeof(float));
     // Only the stage holding the patch embedding reads images (every stage of a pipeline
     // loads the same batch, which keeps the loaders' cursors in step without talking).
@@ -711,6 +718,7 @@ struct Trainer::Impl {
     if (hb.count == 0) return db;
     uint8_t* d = static_cast<uint8_t*>(d_raw[slot]);
     db.labels = reinterpret_cast<const int32_t*>(d + off_labels);
+    db.position = reinterpret_cast<const int64_t*>(d + off_position);
     db.soft = hb.soft.empty() ? nullptr : reinterpret_cast<const float*>(d + off_soft);
     if (!model->layout().embed) return db;
     const bool mix = !hb.partners.empty();
@@ -726,7 +734,7 @@ struct Trainer::Impl {
   // was enqueued before this call, so releasing the slot here covers it).
   DeviceBatch upload(const HostBatch& hb) {
     be->release_slot(kEvalSlot);
-    start_upload(hb, kEvalSlot);
+    start_upload(hb, kEvalSlot, 0);
     be->wait_uploads();
     return prepare_batch(hb, kEvalSlot);
   }
@@ -929,7 +937,7 @@ struct Trainer::Impl {
     next_batch = [&loader] { return loader.next(); };
     if (step < total_steps) {
       next_hb = next_batch();
-      start_upload(*next_hb, slot);
+      start_upload(*next_hb, slot, step);
     }
     // Steps are enqueued one ahead of the host's bookkeeping: step k's loss and norm are read
     // back (finish) while step k+1 computes, so the host never stalls the device.
@@ -1023,7 +1031,7 @@ struct Trainer::Impl {
     LrSchedule sched(deck.optim, warmup + steps, 0);
     next_batch = [&hb] { return hb; };
     next_hb = hb;
-    start_upload(*next_hb, slot);  // as in train(): the next micro-batch's upload overlaps
+    start_upload(*next_hb, slot, 0);  // as in train(): the next micro-batch's upload overlaps
     // exactly the training step (clipping, readback and CUDA graphs included)
     auto one_step = [&](int64_t s) { enqueue_step(s, sched.at(s + 1), true); };
     // the two upload slots' graphs are captured in the third and fourth step

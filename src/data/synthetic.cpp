@@ -47,9 +47,6 @@ constexpr float kMinColourDistance = 150.0f;
 
 constexpr double kPi = 3.14159265358979323846;
 
-// The counter multiplier of rng_u64 (rng.h); the noise loop inlines rng_u64 with it.
-constexpr uint64_t kCounterStep = 0xD1B54A32D192ED03ull;
-
 // Per-sample draws use counters idx * kDrawsPerSample + k on the split's sample stream.
 constexpr uint64_t kDrawsPerSample = 16;
 
@@ -73,10 +70,6 @@ class SyntheticDataset final : public Dataset {
     sample_key_ = kStreamSynthetic ^ (train ? 0x7472616900000000ull : 0x6576616c00000000ull);
     label_key_ = sample_key_ ^ 0x4c4142454cull;
     noise_key_ = sample_key_ ^ 0x4e4f495345ull;
-    // The noise loop inlines rng_u64 (see render); make sure it still is rng_u64.
-    const uint64_t stream = mix64(seed_ ^ mix64(noise_key_));
-    if (mix64(stream + 12345 * kCounterStep) != rng_u64(seed_, noise_key_, 12345))
-      throw std::logic_error("synthetic dataset: inlined rng_u64 disagrees with rng.h");
     // render() reads the noise words as bytes, least significant first
     const uint16_t one = 1;
     if (*reinterpret_cast<const unsigned char*>(&one) != 1)
@@ -179,8 +172,8 @@ class SyntheticDataset final : public Dataset {
     const int npix = S_ * S_ * 3;
     const uint64_t noise_base = (uint64_t)i * (uint64_t)((npix + 3) / 4);
     const float nscale = kNoiseAmplitude / 255.0f;
-    // rng_u64(seed, noise_key, c) == mix64(stream + c * kCounterStep): hoist the stream part.
-    const uint64_t noise_stream = mix64(seed_ ^ mix64(noise_key_));
+    // rng_u64(seed, noise_key, c) with the stream part hoisted
+    const uint64_t noise_stream = rng_stream(seed_, noise_key_);
     // The noise words of the whole image first (the sample o takes bytes 2o and 2o+1 of the
     // little-endian word stream), then the pixels in a branch-free loop the compiler vectorises.
     const size_t nwords = (size_t)(npix + 3) / 4;
@@ -188,7 +181,7 @@ class SyntheticDataset final : public Dataset {
     thread_local std::vector<float> mrow;
     if (words.size() < nwords + 1) words.resize(nwords + 1);
     if (mrow.size() < (size_t)S_) mrow.resize(S_);
-    for (size_t w = 0; w < nwords; ++w) words[w] = mix64(noise_stream + (noise_base + w) * kCounterStep);
+    for (size_t w = 0; w < nwords; ++w) words[w] = rng_word(noise_stream, noise_base + w);
     // byte k of the stream is byte k % 8 of word k / 8, counted from the least significant
     // (a little-endian host: checked in the constructor)
     const unsigned char* nb = reinterpret_cast<const unsigned char*>(words.data());

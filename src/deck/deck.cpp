@@ -198,7 +198,7 @@ const std::vector<Field>& schema() {
       VG_FIELD(device, deterministic, "",
                "bit-identical reruns; false lets cuDNN's attention backward accumulate with atomics (faster, last-bit differences run to run)"),
       VG_FIELD(device, cuda_graph, "",
-               "capture each micro-batch's forward, backward, reductions and gradient norm as a CUDA graph and replay it (single pipeline stage, no dropout; same results as eager)"),
+               "capture each micro-batch's forward, backward, reductions and gradient norm as a CUDA graph and replay it (single pipeline stage; same results as eager)"),
   };
   return fields;
 }

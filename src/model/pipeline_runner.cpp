@@ -57,6 +57,8 @@ DeviceBatch PipelineRunner::micro_batch(const DeviceBatch& b, int m) const {
   const int first = m * micro_;
   d.count = std::max(0, std::min(micro_, b.count - first));
   d.first_position = b.first_position + first;
+  d.position = b.position;
+  d.position_offset = b.position_offset + first;
   if (d.count == 0) return d;
   const int K = model_.config().classes;
   if (b.images) d.images = static_cast<const char*>(b.images) + first * image_bytes_;

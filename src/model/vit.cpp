@@ -423,21 +423,28 @@ void ViT::sync_compute_params() {
   if (!compute_alias_) be_.cast_to_act(compute_, master_, n_params_);
 }
 
-DropoutKey ViT::dkey(int64_t step, int layer, int site, int64_t first_pos, ActLayout layout,
-                     int B, int64_t width) const {
+DropoutKey ViT::dkey(const DeviceBatch& in, int64_t step, int layer, int site,
+                     ActLayout layout, int64_t width) const {
   DropoutKey k;
   k.seed = seed_;
   // The micro-batch index is deliberately not part of the key: a sample's global stream
   // position already identifies it, and its mask must not depend on how the global batch is
   // cut into micro-batches (grad_accum) or ranks.
-  k.key = mix64(kStreamDropout ^ mix64(static_cast<uint64_t>(step))) ^
-          (static_cast<uint64_t>(layer) << 8 | static_cast<uint64_t>(site));
+  const uint64_t site_key = static_cast<uint64_t>(layer) << 8 | static_cast<uint64_t>(site);
   // This rank holds samples [off, off + samples) and columns [c0, c0 + cols) of the global
   // [B, T, width] activation: count every element by its global index.
-  const ActBlock blk = tp_.act_block(layout, B, width);
-  const int64_t T = cfg_.tokens();
-  k.counter_base = static_cast<uint64_t>(first_pos + blk.sample_offset) *
-                   static_cast<uint64_t>(T * width);
+  const ActBlock blk = tp_.act_block(layout, in.count, width);
+  const uint64_t elems = static_cast<uint64_t>(cfg_.tokens()) * static_cast<uint64_t>(width);
+  if (in.position) {  // the step and position as the call runs (the same key and counters)
+    k.key = site_key;
+    k.position = in.position;
+    k.step_tag = kStreamDropout;
+    k.sample_elems = elems;
+    k.counter_base = static_cast<uint64_t>(in.position_offset + blk.sample_offset) * elems;
+  } else {
+    k.key = mix64(kStreamDropout ^ mix64(static_cast<uint64_t>(step))) ^ site_key;
+    k.counter_base = static_cast<uint64_t>(in.first_position + blk.sample_offset) * elems;
+  }
   if (blk.cols != width) {
     k.cols = blk.cols;
     k.global_cols = width;
@@ -446,10 +453,10 @@ DropoutKey ViT::dkey(int64_t step, int layer, int site, int64_t first_pos, ActLa
   return k;
 }
 
-// Block l (global index: it keys the dropout masks) of micro-batch B in set `set`. With
+// Block l (global index: it keys the dropout masks) of micro-batch `in` in set `set`. With
 // checkpointing the block's activations live in the shared set and this also runs as the
 // recompute of the backward (`recompute`: the outputs it stores for others are already there).
-void ViT::block_forward(int l, int B, int64_t step, int64_t fp, bool train, int set,
+void ViT::block_forward(int l, const DeviceBatch& in, int64_t step, bool train, int set,
                         bool recompute) {
   Acts& a = *a_;
   Acts::Set& st = a.sets[set];
@@ -458,7 +465,7 @@ void ViT::block_forward(int l, int B, int64_t step, int64_t fp, bool train, int 
   const bool ckpt = cfg_.checkpoint_activations;
   Acts::BlockActs& b = ckpt ? a.shared : st.blocks[j];
   // B is the whole micro-batch; this rank computes its blocks (Bl samples, Cs / Ml columns)
-  const int T = cfg_.tokens(), C = cfg_.hidden, M = cfg_.mlp;
+  const int B = in.count, T = cfg_.tokens(), C = cfg_.hidden, M = cfg_.mlp;
   const int Bl = tp_.local_batch(B), N = Bl * T;
   const size_t Cs = tp_.act_block(ActLayout::Stream, B, C).cols;
   const size_t Ml = tp_.act_block(ActLayout::Inner, B, M).cols;
@@ -489,7 +496,7 @@ void ViT::block_forward(int l, int B, int64_t step, int64_t fp, bool train, int 
                      cfg_.gelu);
   if (drop)
     be_.dropout_forward(b.p, b.p, N * Cs, cfg_.dropout,
-                        dkey(step, l, kSiteProj, fp, ActLayout::Stream, B, C));
+                        dkey(in, step, l, kSiteProj, ActLayout::Stream, C));
   if (!recompute) need(block_group_[l] + 1);
   tp_.layernorm_forward(b.r_mid, b.y2, b.m2, b.s2, st.r_in[j], b.p, W(kNorm2W), W(kNorm2B), N,
                         C, cfg_.ln_eps);
@@ -497,12 +504,12 @@ void ViT::block_forward(int l, int B, int64_t step, int64_t fp, bool train, int 
                      cfg_.gelu);
   if (drop)
     be_.dropout_forward(b.g, b.g, N * Ml, cfg_.dropout,
-                        dkey(step, l, kSiteMlpAct, fp, ActLayout::Inner, B, M));
+                        dkey(in, step, l, kSiteMlpAct, ActLayout::Inner, M));
   tp_.linear_forward(LinearRole::Row, b.f, b.g, W(kFc2W), W(kFc2B), N, M, C, nullptr,
                      cfg_.gelu);
   if (drop)
     be_.dropout_forward(b.f, b.f, N * Cs, cfg_.dropout,
-                        dkey(step, l, kSiteMlpOut, fp, ActLayout::Stream, B, C));
+                        dkey(in, step, l, kSiteMlpOut, ActLayout::Stream, C));
   if (recompute) return;
   // With activation checkpointing the next block reads only r_in[j+1]: store it now. The
   // chunk's last block stores the output the next stage receives (unless the head follows).
@@ -539,10 +546,10 @@ void ViT::chunk_forward(int chunk, int set, const DeviceBatch& in, int64_t step,
     if (train && cfg_.dropout > 0.0f)
       be_.dropout_forward(st.r_in[0], st.r_in[0], static_cast<size_t>(Bl) * T * sb.cols,
                           cfg_.dropout,
-                          dkey(step, 0, kSitePos, in.first_position, ActLayout::Stream, B, C));
+                          dkey(in, step, 0, kSitePos, ActLayout::Stream, C));
   }
   for (int l = ch.first_block; l < ch.first_block + ch.blocks; ++l)
-    block_forward(l, B, step, in.first_position, train, set, false);
+    block_forward(l, in, step, train, set, false);
   if (!last) return;
   // final norm on the class token only (the only row the head reads; timm normalises every
   // token, which gives the same logits and zero gradient for the others)
@@ -574,14 +581,14 @@ void ViT::chunk_forward(int chunk, int set, const DeviceBatch& in, int64_t step,
   if (top5) *top5 = v[2];
 }
 
-void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set, bool final) {
+void ViT::block_backward(int l, const DeviceBatch& in, int64_t step, int set, bool final) {
   Acts& a = *a_;
-  if (cfg_.checkpoint_activations) block_forward(l, B, step, fp, true, set, true);
+  if (cfg_.checkpoint_activations) block_forward(l, in, step, true, set, true);
   Acts::Set& st = a.sets[set];
   const auto& chunk = layout_.chunks[chunk_of_block(l)];
   const int j = l - chunk.first_block;
   Acts::BlockActs& b = cfg_.checkpoint_activations ? a.shared : st.blocks[j];
-  const int T = cfg_.tokens(), C = cfg_.hidden, M = cfg_.mlp;
+  const int B = in.count, T = cfg_.tokens(), C = cfg_.hidden, M = cfg_.mlp;
   const int Bl = tp_.local_batch(B), N = Bl * T;
   const size_t Cs = tp_.act_block(ActLayout::Stream, B, C).cols;
   const size_t Ml = tp_.act_block(ActLayout::Inner, B, M).cols;
@@ -609,7 +616,7 @@ void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set, bool f
   const void* df = a.dres;
   if (drop) {
     be_.dropout_backward(a.ddrop, a.dres, NC, cfg_.dropout,
-                         dkey(step, l, kSiteMlpOut, fp, ActLayout::Stream, B, C));
+                         dkey(in, step, l, kSiteMlpOut, ActLayout::Stream, C));
     df = a.ddrop;
   }
   if (!cfg_.checkpoint_activations && !kept_gelu_output()) {
@@ -617,7 +624,7 @@ void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set, bool f
     be_.gelu_forward(b.g, b.h, NM, cfg_.gelu);
     if (drop)
       be_.dropout_forward(b.g, b.g, NM, cfg_.dropout,
-                          dkey(step, l, kSiteMlpAct, fp, ActLayout::Inner, B, M));
+                          dkey(in, step, l, kSiteMlpAct, ActLayout::Inner, M));
   }
   // Without dropout between them, the GELU backward goes into fc2's (dh = (df W2) * gelu'(h)),
   // and where the strategy can, fc1's bias gradient (the column sums of dh) into that pass;
@@ -627,7 +634,7 @@ void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set, bool f
                       drop ? nullptr : b.h, cfg_.gelu, fc1_db);
   if (drop) {
     be_.dropout_backward(a.dh, a.dh, NM, cfg_.dropout,
-                         dkey(step, l, kSiteMlpAct, fp, ActLayout::Inner, B, M));
+                         dkey(in, step, l, kSiteMlpAct, ActLayout::Inner, M));
     be_.gelu_backward(a.dh, b.h, a.dh, NM, cfg_.gelu);
   }
   tp_.linear_backward(LinearRole::Column, a.dtmp, G(kFc1W), fc1_db ? nullptr : G(kFc1B), a.dh,
@@ -639,7 +646,7 @@ void ViT::block_backward(int l, int B, int64_t step, int64_t fp, int set, bool f
   const void* dp = a.dres;
   if (drop) {
     be_.dropout_backward(a.ddrop, a.dres, NC, cfg_.dropout,
-                         dkey(step, l, kSiteProj, fp, ActLayout::Stream, B, C));
+                         dkey(in, step, l, kSiteProj, ActLayout::Stream, C));
     dp = a.ddrop;
   }
   tp_.linear_backward(LinearRole::Row, a.dtmp, G(kProjW), proj_db_ln ? nullptr : G(kProjB), dp,
@@ -681,7 +688,7 @@ void ViT::chunk_backward(int chunk, int set, const DeviceBatch& in, int64_t step
   }
   // (otherwise dres holds d(chunk output), put there by the pipeline)
   for (int l = ch.first_block + ch.blocks - 1; l >= ch.first_block; --l)
-    block_backward(l, B, step, in.first_position, set, final);
+    block_backward(l, in, step, set, final);
   if (!first) {
     // d(chunk input) goes back to the previous stage from the set (r_in[0] is spent)
     be_.copy(st.r_in[0], a.dres, static_cast<size_t>(Bl) * T * Cs * as);
@@ -691,7 +698,7 @@ void ViT::chunk_backward(int chunk, int set, const DeviceBatch& in, int64_t step
   const void* dx0 = a.dres;
   if (cfg_.dropout > 0.0f) {
     be_.dropout_backward(a.ddrop, a.dres, static_cast<size_t>(Bl) * T * Cs, cfg_.dropout,
-                         dkey(step, 0, kSitePos, in.first_position, ActLayout::Stream, B, C));
+                         dkey(in, step, 0, kSitePos, ActLayout::Stream, C));
     dx0 = a.ddrop;
   }
   be_.embed_tokens_backward(a.dptok, G(e + 2), G(e + 3), dx0, Bl, T, static_cast<int>(Cs));

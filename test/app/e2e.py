@@ -937,10 +937,15 @@ def t_gpu_parallel(tmp):
     same = p.returncode == 0 and np.array_equal(losses(d)[1], losses(os.path.join(tmp, "pipe2_interleaved"))[1])
     check(same, f"pipe2_interleaved with blocking NCCL calls: identical losses (exit {p.returncode})")
     # the watchdog: rank 1 skips its 5th collective, rank 0 waits in it; both ranks end with a
-    # message naming the collective and the axis within the timeout instead of hanging
+    # message naming the collective and the axis within the timeout instead of hanging. Eager:
+    # NCCL pairs calls by their order only, so a collective skipped inside a replayed CUDA
+    # graph shifts the pairing of the small reductions that follow without necessarily
+    # blocking any of them - the bug the watchdog exists for, a call that never completes, is
+    # not what that injection produces there.
     d = os.path.join(tmp, "watchdog")
     t0 = time.time()
-    p = run(2, ["train", DECK, f"--run.out_dir={d}", "--device.comm_timeout=5"] + model,
+    p = run(2, ["train", DECK, f"--run.out_dir={d}", "--device.comm_timeout=5",
+                "--device.cuda_graph=false"] + model,
             timeout=180, expect_rc=None, env={"VITGRID_TEST_NCCL_SKIP": "1:5"})
     out = p.stdout + p.stderr
     check(p.returncode != 0 and "NCCL" in out and "timed out" in out and "axis" in out,
@@ -955,20 +960,20 @@ def train_metrics(run_dir):
 
 def t_gpu_graphs(tmp):
     """CUDA graphs of the step (device.cuda_graph, on by default) replay exactly what the eager
-    step computes: with the tiny deck minus dropout (Mixup, clipping, label smoothing on), 20
-    steps with graphs and with --device.cuda_graph=false give identical losses and gradient
-    norms on one GPU (fp32, bf16, fp16 with its loss scale re-captured, gradient accumulation),
-    and agree within 1e-6 (fp32) on 2 and 4 GPUs (data parallel with the overlapped bucket
-    reduction, ZeRO-1, tensor 1d / 2d); the log says graphs were captured and, after the
-    first steps, nothing was allocated. 77 without a GPU. (The watchdog's test stays in
-    gpu_parallel, whose deck has dropout and so runs eagerly: NCCL pairs calls by their order
-    only, so a collective skipped inside a replayed graph shifts the pairing of the small
-    reductions that follow without necessarily blocking any of them - the bug the watchdog
-    exists for, a call that never completes, is not what that injection produces there.)"""
+    step computes: with the tiny deck (dropout, Mixup, clipping, label smoothing on: the
+    dropout masks follow the step and stream position the graph reads from the upload slot),
+    20 steps with graphs and with --device.cuda_graph=false give identical losses and gradient
+    norms on one GPU (fp32, bf16, fp16 with its loss scale re-captured, gradient accumulation,
+    activation checkpointing, and without dropout), and agree within 1e-6 (fp32) on 2 and 4
+    GPUs (data parallel with the overlapped bucket reduction, ZeRO-1, tensor 1d / 2d); the log
+    says graphs were captured and, after the first steps, nothing was allocated. 77 without a
+    GPU."""
     ngpu = gpus_or_skip()
     model = ["--model.hidden=32", "--model.heads=4", "--model.depth=4", "--device.backend=cuda",
-             "--checkpoint.every_steps=0", "--model.dropout=0"]
+             "--checkpoint.every_steps=0"]
     cases = [("fp32", 1, ["--precision.mode=fp32"]),
+             ("fp32_no_dropout", 1, ["--precision.mode=fp32", "--model.dropout=0"]),
+             ("bf16_checkpointing", 1, ["--precision.mode=bf16", "--model.checkpoint_activations=true"]),
              ("bf16_accum2", 1, ["--precision.mode=bf16", "--data.grad_accum=2"]),
              ("fp16", 1, ["--precision.mode=fp16", "--precision.growth_interval=5"]),
              ("dp2_overlap", 2, ["--precision.mode=fp32"]),

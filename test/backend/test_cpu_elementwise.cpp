@@ -104,7 +104,8 @@ TEST(CpuElementwise, DropoutMaskStatisticsDeterminismAndLayoutIndependence) {
   size_t dropped = 0;
   const float s = 1.0f / (1.0f - p);
   for (size_t i = 0; i < n; ++i) {
-    const bool keep = vitgrid::rng_uniform(key.seed, key.key, key.counter_base + i) >= p;
+    const bool keep = vitgrid::dropout_keep(vitgrid::rng_stream(key.seed, key.key),
+                                            key.counter_base + i, vitgrid::dropout_threshold(p));
     ASSERT_EQ(y[i], keep ? x[i] * s : 0.0f) << i;
     dropped += !keep;
   }

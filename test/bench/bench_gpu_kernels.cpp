@@ -288,20 +288,31 @@ void BM_LayerNormBackwardKernel(benchmark::State& st) {
 
 // Elementwise passes over the fc1 activation [N, 4C]: op 0 add (2 reads, 1 write: the memory
 // roofline of a map), 1 exact GELU forward (1 read, 1 write), 2 its backward (2 reads, 1 write),
-// 3 tanh GELU forward.
+// 3 tanh GELU forward, 4 dropout (p = 0.1, in place, as the model runs it: 1 read, 1 write),
+// 5 dropout with the step and position read from device memory (what CUDA graphs replay).
 void BM_Elementwise(benchmark::State& st) {
   if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
   const int op = static_cast<int>(st.range(0));
   const size_t a = gpu().act_size(), n = size_t(kN) * 4 * kC;
   Bufs b;
   void *x = b.get(n * a), *y = b.get(n * a), *z = b.get(n * a);
+  DropoutKey k{5, 0x1234, 0, 0, 0, 0};
+  if (op == 5) {
+    const int64_t position[2] = {7, 3};
+    void* p = b.get(sizeof(position));
+    gpu().copy_to_device(p, position, sizeof(position));
+    k.position = static_cast<const int64_t*>(p);
+    k.step_tag = 5;
+    k.sample_elems = 197 * 4 * kC;
+  }
   timed(st, [&] {
     if (op == 0) gpu().add(z, x, y, n);
     if (op == 1) gpu().gelu_forward(z, x, n, Gelu::Exact);
     if (op == 2) gpu().gelu_backward(z, x, y, n, Gelu::Exact);
     if (op == 3) gpu().gelu_forward(z, x, n, Gelu::Tanh);
+    if (op >= 4) gpu().dropout_forward(z, z, n, 0.1f, k);
   });
-  const double passes = (op == 1 || op == 3) ? 2.0 : 3.0;
+  const double passes = op == 0 || op == 2 ? 3.0 : 2.0;
   st.counters["GB"] = benchmark::Counter(passes * n * a * 1e-9,
                                            benchmark::Counter::kIsIterationInvariantRate);
 }
@@ -625,7 +636,7 @@ BENCHMARK(BM_AttentionFwdBwd)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Elementwise)
     ->ArgName("op")
-    ->DenseRange(0, 3)
+    ->DenseRange(0, 5)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LayerNormForward)->UseManualTime()->Unit(benchmark::kMillisecond);

@@ -203,13 +203,27 @@ TEST_P(GpuBackend, Elementwise) {
     EXPECT_CLOSE(b[1], b[0], tol());
   }
   // Dropout: masks identical bit for bit (same counter RNG), values within rounding; also the
-  // tensor-parallel column-block numbering (cols > 0).
-  for (DropoutKey key : {DropoutKey{77, 0x1234abcdULL, 5000, 0, 0, 0},
-                         DropoutKey{77, 0x1234abcdULL, 5000, 7, 19, 5}})
+  // tensor-parallel column-block numbering (cols > 0), and the step and stream position read
+  // from each backend's memory as the call runs (position: what CUDA graphs replay).
+  const int64_t position[2] = {12, 345};
+  const int64_t* pos[2];
+  for (int k = 0; k < 2; ++k) {
+    Dev* d = k ? gpu.get() : cpu.get();
+    void* p = d->raw(sizeof(position));
+    d->be->copy_to_device(p, position, sizeof(position));
+    pos[k] = static_cast<const int64_t*>(p);
+  }
+  for (int form = 0; form < 3; ++form)
   for (float p : {0.0f, 0.1f, 0.5f}) {
+    DropoutKey key{77, 0x1234abcdULL, 5000, form == 1 ? 7 : 0, 19, 5};
+    if (form == 2) {
+      key.step_tag = 0x55aaULL;
+      key.sample_elems = 11;
+    }
     Vec f[2], b[2];
     for (int k = 0; k < 2; ++k) {
       Dev* d = k ? gpu.get() : cpu.get();
+      if (form == 2) key.position = pos[k];
       void* o = d->nan_act(n);
       d->be->dropout_forward(o, d->act(x), n, p, key);
       f[k] = d->get_act(o, n);
@@ -217,18 +231,25 @@ TEST_P(GpuBackend, Elementwise) {
       d->be->dropout_backward(g, g, n, p, key);  // in place
       b[k] = d->get_act(g, n);
     }
+    // the mask the key names, worked out here: form 2 from the host copy of the position
+    uint64_t stream = key.key, base = key.counter_base;
+    if (form == 2) {
+      stream ^= vitgrid::mix64(key.step_tag ^ vitgrid::mix64(uint64_t(position[0])));
+      base += uint64_t(position[1]) * key.sample_elems;
+    }
     size_t mism = 0, dropped = 0;
     for (size_t i = 0; i < n; ++i) {
-      const uint64_t c = key.cols > 0 ? key.counter_base + (i / key.cols) * key.global_cols +
+      const uint64_t c = key.cols > 0 ? base + (i / key.cols) * key.global_cols +
                                             key.col_offset + i % key.cols
-                                      : key.counter_base + i;
-      const bool keep = rng_uniform(key.seed, key.key, c) >= p;
+                                      : base + i;
+      const bool keep = vitgrid::dropout_keep(vitgrid::rng_stream(key.seed, stream), c,
+                                              vitgrid::dropout_threshold(p));
       dropped += !keep;
       mism += (f[1][i] == 0.0f) != !keep;
       mism += (f[0][i] == 0.0f) != !keep;
       mism += (b[1][i] == 0.0f) != !keep;
     }
-    EXPECT_EQ(mism, 0u) << "dropout masks differ, p = " << p;
+    EXPECT_EQ(mism, 0u) << "dropout masks differ, p = " << p << ", key form " << form;
     if (p > 0) {
       EXPECT_GT(dropped, 0u);
     }

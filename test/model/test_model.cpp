@@ -72,6 +72,13 @@ struct Rig {
     DeviceBatch b{images, labels, nullptr, B, 40};
     return model->forward_backward(b, 0.1f, grad_scale, step, 0);
   }
+  // The same step with the step and stream position read from backend memory, as the
+  // trainer's graphs do: {step, position} there, this batch `offset` samples after position.
+  double step_at(float grad_scale, const int64_t* position, int64_t offset) {
+    model->zero_grads();
+    DeviceBatch b{images, labels, nullptr, B, -1, position, offset};
+    return model->forward_backward(b, 0.1f, grad_scale, -1, 0);
+  }
   std::vector<float> grads() {
     std::vector<float> g(model->num_local_params());
     be->copy_to_host(g.data(), model->grads(), g.size() * 4);
@@ -119,6 +126,24 @@ TEST(Model, DropoutDependsOnStepAndChangesLoss) {
   const double l1 = a.step(0.25f, 1), l1b = a.step(0.25f, 1), l2 = a.step(0.25f, 2);
   EXPECT_EQ(l1, l1b);  // a pure function of (seed, step, sample)
   EXPECT_NE(l1, l2);
+}
+
+TEST(Model, DropoutReadsStepAndPositionWhenTheyRun) {
+  // checkpointing too: the recompute in the backward must draw the forward's masks
+  for (bool ckpt : {false, true}) {
+    Rig a(tiny(ckpt, 0.3f), DType::F32, 4);
+    int64_t* pos = static_cast<int64_t*>(a.be->alloc(2 * sizeof(int64_t)));
+    for (int64_t s : {3, 4}) {
+      const double host = a.step(0.25f, s);  // first position 40
+      const auto g_host = a.grads();
+      const int64_t at[2] = {s, 30};
+      a.be->copy_to_device(pos, at, sizeof(at));
+      const double dev = a.step_at(0.25f, pos, 10);
+      EXPECT_EQ(dev, host) << "step " << s << (ckpt ? ", checkpointing" : "");
+      EXPECT_EQ(a.grads(), g_host) << "step " << s << (ckpt ? ", checkpointing" : "");
+    }
+    a.be->release(pos);
+  }
 }
 
 TEST(Model, TimmNamesAndShapes) {

@@ -13,6 +13,7 @@
 //    the name ends in _host. Ops are asynchronous on CUDA; only functions returning values to
 //    the host, and synchronize(), block.
 #pragma once
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -20,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "vitgrid/core/rng.h"
 #include "vitgrid/core/types.h"
 
 namespace vitgrid {
@@ -27,10 +29,12 @@ namespace vitgrid {
 enum class Gelu : int { Exact = 0, Tanh = 1 };
 
 // Dropout is a pure function of (seed, key, element counter): the element with index i of a
-// call is kept iff rng_uniform(seed, key, counter_base + i) >= p; kept values scale by 1/(1-p).
-// With tensor parallelism a rank holds a column block of a wider global row: when cols > 0
+// call is kept iff dropout_keep(rng_stream(seed, key), counter_base + i, dropout_threshold(p));
+// kept values scale by 1/(1-p). With tensor parallelism a rank holds a column block of a wider global row: when cols > 0
 // the buffer is rows of `cols` local elements, and local element (r, c) has the global counter
 // counter_base + r * global_cols + col_offset + c. cols == 0 means contiguous (counter_base + i).
+// With `position` set, the step and the stream position are read from backend memory when the
+// call runs, so that a CUDA graph that captured the call replays with the current ones.
 struct DropoutKey {
   uint64_t seed = 0;
   uint64_t key = 0;           // stream key: (step, layer, site) mixed together
@@ -38,7 +42,38 @@ struct DropoutKey {
   int64_t cols = 0;           // local row length (0: contiguous numbering)
   int64_t global_cols = 0;    // global row length
   int64_t col_offset = 0;     // global column of local column 0
+  // {step, stream position} in backend memory, or null. Where set, the call's stream key is
+  // key ^ mix64(step_tag ^ mix64(step)) and its element 0 counts counter_base + position *
+  // sample_elems (dropout_stream).
+  const int64_t* position = nullptr;
+  uint64_t step_tag = 0;
+  uint64_t sample_elems = 0;
 };
+
+// The stream key and the counter of element 0 of the call k describes (host and device code;
+// `position` is dereferenced, so on the device it must point to device memory).
+VG_HD void dropout_stream(const DropoutKey& k, uint64_t* key, uint64_t* base) {
+  *key = k.key;
+  *base = k.counter_base;
+  if (k.position) {
+    *key ^= mix64(k.step_tag ^ mix64(static_cast<uint64_t>(k.position[0])));
+    *base += static_cast<uint64_t>(k.position[1]) * k.sample_elems;
+  }
+}
+
+// Dropout's draw: one random word per four consecutive counters, 16 bits each: element c is
+// kept iff bits [16 (c mod 4), 16 (c mod 4) + 16) of word c / 4 are >= ceil(p * 65536), so
+// that drop probability is p to within 2^-16. (A 24-bit uniform per element made the pass
+// compute-bound on the GPU: three 64-bit multiply chains per element.)
+inline uint32_t dropout_threshold(float p) {
+  return static_cast<uint32_t>(std::ceil(static_cast<double>(p) * 65536.0));
+}
+VG_HD bool dropout_keep_bits(uint64_t word, uint64_t c, uint32_t threshold) {
+  return ((word >> ((c & 3u) * 16u)) & 0xFFFFu) >= threshold;
+}
+VG_HD bool dropout_keep(uint64_t stream, uint64_t c, uint32_t threshold) {
+  return dropout_keep_bits(rng_word(stream, c >> 2), c, threshold);
+}
 
 // Optimizer hyper-parameters for one step (already scheduled: lr is this step's lr).
 struct AdamParams {

@@ -22,9 +22,14 @@ VG_HD uint64_t mix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-// The random 64-bit word number `counter` of stream (seed, key).
+// The random 64-bit word number `counter` of stream (seed, key), in two parts for callers that
+// draw many words of one stream: rng_u64(seed, key, c) == rng_word(rng_stream(seed, key), c).
+VG_HD uint64_t rng_stream(uint64_t seed, uint64_t key) { return mix64(seed ^ mix64(key)); }
+VG_HD uint64_t rng_word(uint64_t stream, uint64_t counter) {
+  return mix64(stream + counter * 0xD1B54A32D192ED03ull);
+}
 VG_HD uint64_t rng_u64(uint64_t seed, uint64_t key, uint64_t counter) {
-  return mix64(mix64(seed ^ mix64(key)) + counter * 0xD1B54A32D192ED03ull);
+  return rng_word(rng_stream(seed, key), counter);
 }
 
 // Uniform in [0, 1) with 24 bits (exactly representable in fp32).

@@ -56,6 +56,12 @@ struct DeviceBatch {
   const float* soft = nullptr;        // [count, K] Mixup targets or null
   int count = 0;
   int64_t first_position = 0;         // global stream position of sample 0 (dropout counters)
+  // Or, where set: {step, stream position} of an uploaded batch in backend memory, whose
+  // sample position_offset is this batch's sample 0. The dropout masks then read the step and
+  // position there when they run (a CUDA graph of the step replays with the current ones)
+  // instead of taking `step` and first_position as the calls are made.
+  const int64_t* position = nullptr;
+  int64_t position_offset = 0;
 };
 
 // The part of the model one pipeline stage holds: its chunks (runs of consecutive blocks, in
@@ -216,12 +222,12 @@ class ViT {
   // which recomputes the whole block anyway).
   bool kept_gelu_output() const { return cfg_.keep_gelu_output && !cfg_.checkpoint_activations; }
   int chunk_of_block(int l) const;
-  void block_forward(int l, int B, int64_t step, int64_t first_pos, bool train, int set,
+  void block_forward(int l, const DeviceBatch& in, int64_t step, bool train, int set,
                      bool recompute);
-  void block_backward(int l, int B, int64_t step, int64_t first_pos, int set, bool final);
+  void block_backward(int l, const DeviceBatch& in, int64_t step, int set, bool final);
   // The mask key of a dropout site on this rank's block of the global [B, T, width]
   // activation of `layout` (counters are global element indices).
-  DropoutKey dkey(int64_t step, int layer, int site, int64_t first_pos, ActLayout layout, int B,
+  DropoutKey dkey(const DeviceBatch& in, int64_t step, int layer, int site, ActLayout layout,
                   int64_t width) const;
 
   ViTConfig cfg_;

@@ -52,22 +52,26 @@ void apply_dropout(float* dst, const float* src, size_t n, float p, const Dropou
     return;
   }
   const float keep_scale = 1.0f / (1.0f - p);
+  uint64_t key, base;
+  dropout_stream(k, &key, &base);
+  const uint64_t stream = rng_stream(k.seed, key);
+  const uint32_t threshold = dropout_threshold(p);
+  uint64_t word_at = ~0ull, word = 0;  // the last word drawn (four counters share one)
+  auto keep = [&](uint64_t c) {
+    if ((c >> 2) != word_at) word = rng_word(stream, word_at = c >> 2);
+    return dropout_keep_bits(word, c, threshold);
+  };
   if (k.cols <= 0) {
-    for (size_t i = 0; i < n; ++i) {
-      const bool keep = rng_uniform(k.seed, k.key, k.counter_base + i) >= p;
-      dst[i] = keep ? src[i] * keep_scale : 0.0f;
-    }
+    for (size_t i = 0; i < n; ++i) dst[i] = keep(base + i) ? src[i] * keep_scale : 0.0f;
     return;
   }
   // column block of wider global rows (tensor parallelism): global counters per element
   const size_t cols = static_cast<size_t>(k.cols);
   for (size_t r = 0, i = 0; i < n; ++r) {
-    const uint64_t row = k.counter_base + r * static_cast<uint64_t>(k.global_cols) +
+    const uint64_t row = base + r * static_cast<uint64_t>(k.global_cols) +
                          static_cast<uint64_t>(k.col_offset);
-    for (size_t c = 0; c < cols && i < n; ++c, ++i) {
-      const bool keep = rng_uniform(k.seed, k.key, row + c) >= p;
-      dst[i] = keep ? src[i] * keep_scale : 0.0f;
-    }
+    for (size_t c = 0; c < cols && i < n; ++c, ++i)
+      dst[i] = keep(row + c) ? src[i] * keep_scale : 0.0f;
   }
 }
 

@@ -150,19 +150,75 @@ struct GeluBwdOp {  // v = {x, dy}
 // The counter of element i: contiguous (cols == 0), or, for a tensor-parallel column block of
 // wider global rows, row * global_cols + col_offset + col (DropoutKey in backend.h), so every
 // layout draws the 1-rank run's mask.
-struct DropoutOp {
-  uint64_t seed, key, base;
-  float p, scale;
-  int64_t cols, global_cols, col_offset;
-  __device__ float operator()(const float* v, size_t i) const {
-    uint64_t c = base + i;
-    if (cols > 0) {
-      const uint64_t r = i / static_cast<uint64_t>(cols), col = i - r * static_cast<uint64_t>(cols);
-      c = base + r * static_cast<uint64_t>(global_cols) + static_cast<uint64_t>(col_offset) + col;
+// Dropout (backend.h: dropout_keep). Per thread once: the stream (with the step and position
+// read from device memory where k.position is set). Per 16-byte pack of V elements: their
+// global counters (one division for a column block), and one random word per four counters.
+// U packs' loads are in flight before any is used, as in map_kernel.
+template <class T>
+__global__ void dropout_kernel(T* y, const T* x, size_t n, DropoutKey k, uint32_t threshold,
+                               float scale, bool vec) {
+  uint64_t key, base;
+  dropout_stream(k, &key, &base);
+  const uint64_t stream = rng_stream(k.seed, key);
+  const size_t tid = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const uint64_t cols = static_cast<uint64_t>(k.cols);
+  // the global counter of element i and the next: contiguous, or rows of a column block
+  auto first = [&](size_t i, uint64_t& r, uint64_t& col) {
+    if (cols == 0) return;
+    r = i / cols;
+    col = i - r * cols;
+  };
+  auto counter = [&](size_t i, uint64_t r, uint64_t col) {
+    return cols == 0 ? base + i
+                     : base + r * static_cast<uint64_t>(k.global_cols) +
+                           static_cast<uint64_t>(k.col_offset) + col;
+  };
+  auto next = [&](uint64_t& r, uint64_t& col) {
+    if (cols != 0 && ++col == cols) {
+      col = 0;
+      ++r;
     }
-    return rng_uniform(seed, key, c) >= p ? v[0] * scale : 0.0f;
+  };
+  constexpr int V = 16 / sizeof(T);
+  size_t done = 0;
+  if (vec) {
+    constexpr int U = 4;
+    const size_t npk = n / V;
+    for (size_t pk0 = tid; pk0 < npk; pk0 += U * stride) {
+      Pack<T, V> a[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const size_t pk = pk0 + u * stride;
+        if (pk < npk) a[u] = reinterpret_cast<const Pack<T, V>*>(x)[pk];
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const size_t pk = pk0 + u * stride;
+        if (pk >= npk) continue;
+        uint64_t r = 0, col = 0, word_at = ~0ull, word = 0;
+        first(pk * V, r, col);
+        Pack<T, V> o;
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const uint64_t c = counter(pk * V + e, r, col);
+          if ((c >> 2) != word_at) word = rng_word(stream, word_at = c >> 2);
+          o.v[e] = from_f<T>(dropout_keep_bits(word, c, threshold) ? to_f(a[u].v[e]) * scale
+                                                                   : 0.0f);
+          next(r, col);
+        }
+        reinterpret_cast<Pack<T, V>*>(y)[pk] = o;
+      }
+    }
+    done = npk * V;
   }
-};
+  for (size_t i = done + tid; i < n; i += stride) {
+    uint64_t r = 0, col = 0;
+    first(i, r, col);
+    const uint64_t c = counter(i, r, col);
+    y[i] = from_f<T>(dropout_keep(stream, c, threshold) ? to_f(x[i]) * scale : 0.0f);
+  }
+}
 
 template <class T>
 __global__ void add_act_to_f32_kernel(float* out, const T* x, size_t n) {
@@ -409,12 +465,15 @@ void CudaBackend::dropout_forward(void* y, const void* x, size_t n, float p, Dro
     copy(y, x, n * act_size());
     return;
   }
+  if (n == 0) return;
   const float scale = 1.0f / (1.0f - p);
+  const bool vec = aligned16(y) && aligned16(x);
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    launch_map(stream_, static_cast<T*>(y), InPtrs<T, 1>{{static_cast<const T*>(x)}}, n,
-               DropoutOp{k.seed, k.key, k.counter_base, p, scale, k.cols, k.global_cols,
-                         k.col_offset});
+    constexpr int V = 16 / sizeof(T);
+    dropout_kernel<T><<<grid_for(vec ? (n + V - 1) / V : n, 256), 256, 0, stream_>>>(
+        static_cast<T*>(y), static_cast<const T*>(x), n, k, dropout_threshold(p), scale, vec);
+    CUDA_CHECK_LAUNCH();
   });
 }
 

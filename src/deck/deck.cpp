@@ -109,6 +109,8 @@ const std::vector<Field>& schema() {
       VG_FIELD(model, mlp_ratio, "", "MLP hidden width / hidden"),
       VG_FIELD(model, num_classes, "", "classifier outputs"),
       VG_FIELD(model, dropout, "", "dropout after pos-embed, attention proj and MLP, in [0,1)"),
+      VG_FIELD(model, drop_path, "",
+               "stochastic depth (timm drop_path_rate), in [0,1): each block's attention and MLP branches drop whole samples, at a rate rising linearly from 0 at the first block to this at the last"),
       VG_FIELD(model, gelu, "exact|tanh", "GELU form: exact (erf, timm default) or tanh"),
       VG_FIELD(model, checkpoint_activations, "",
                "recompute each block in the backward pass to save activation memory"),
@@ -585,6 +587,7 @@ class Parser {
     positive("model.mlp_ratio", m.mlp_ratio);
     positive("model.num_classes", m.num_classes);
     unit_interval("model.dropout", m.dropout);
+    unit_interval("model.drop_path", m.drop_path);
     require(m.image_size % m.patch_size == 0, "model.patch_size",
             std::to_string(m.patch_size) + " does not divide model.image_size (" +
                 std::to_string(m.image_size) + ")");

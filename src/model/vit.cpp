@@ -23,6 +23,7 @@ ViTConfig ViTConfig::from(const ModelSection& m) {
   c.mlp = m.mlp_hidden();
   c.classes = m.num_classes;
   c.dropout = static_cast<float>(m.dropout);
+  c.drop_path = static_cast<float>(m.drop_path);
   c.gelu = m.gelu == "tanh" ? Gelu::Tanh : Gelu::Exact;
   c.checkpoint_activations = m.checkpoint_activations;
   c.keep_gelu_output = m.keep_gelu_output;
@@ -82,6 +83,14 @@ enum BlockParam {
   kNorm1W, kNorm1B, kQkvW, kQkvB, kProjW, kProjB, kNorm2W, kNorm2B, kFc1W, kFc1B, kFc2W, kFc2B
 };
 enum DropSite { kSitePos = 0, kSiteProj = 1, kSiteMlpAct = 2, kSiteMlpOut = 3 };
+
+// The random stream of a dropout site: its (layer, site) part, and the step's.
+uint64_t site_key(int layer, int site) {
+  return static_cast<uint64_t>(layer) << 8 | static_cast<uint64_t>(site);
+}
+uint64_t step_key(int64_t step) {
+  return mix64(kStreamDropout ^ mix64(static_cast<uint64_t>(step)));
+}
 }  // namespace
 
 ViT::ViT(const ViTConfig& cfg, Backend& be, TensorParallel& tp, int max_batch)
@@ -424,25 +433,24 @@ void ViT::sync_compute_params() {
 }
 
 DropoutKey ViT::dkey(const DeviceBatch& in, int64_t step, int layer, int site,
-                     ActLayout layout, int64_t width) const {
+                     ActLayout layout, int64_t width, float path_p) const {
   DropoutKey k;
   k.seed = seed_;
   // The micro-batch index is deliberately not part of the key: a sample's global stream
   // position already identifies it, and its mask must not depend on how the global batch is
   // cut into micro-batches (grad_accum) or ranks.
-  const uint64_t site_key = static_cast<uint64_t>(layer) << 8 | static_cast<uint64_t>(site);
   // This rank holds samples [off, off + samples) and columns [c0, c0 + cols) of the global
   // [B, T, width] activation: count every element by its global index.
   const ActBlock blk = tp_.act_block(layout, in.count, width);
   const uint64_t elems = static_cast<uint64_t>(cfg_.tokens()) * static_cast<uint64_t>(width);
   if (in.position) {  // the step and position as the call runs (the same key and counters)
-    k.key = site_key;
+    k.key = site_key(layer, site);
     k.position = in.position;
     k.step_tag = kStreamDropout;
     k.sample_elems = elems;
     k.counter_base = static_cast<uint64_t>(in.position_offset + blk.sample_offset) * elems;
   } else {
-    k.key = mix64(kStreamDropout ^ mix64(static_cast<uint64_t>(step))) ^ site_key;
+    k.key = step_key(step) ^ site_key(layer, site);
     k.counter_base = static_cast<uint64_t>(in.first_position + blk.sample_offset) * elems;
   }
   if (blk.cols != width) {
@@ -450,7 +458,21 @@ DropoutKey ViT::dkey(const DeviceBatch& in, int64_t step, int layer, int site,
     k.global_cols = width;
     k.col_offset = blk.col_offset;
   }
+  if (path_p > 0.0f) {
+    k.path_p = path_p;
+    k.path_sample0 =
+        static_cast<uint64_t>((in.position ? in.position_offset : in.first_position) +
+                              blk.sample_offset);
+    k.path_sample_elems = static_cast<uint64_t>(cfg_.tokens()) * static_cast<uint64_t>(blk.cols);
+  }
   return k;
+}
+
+bool ViT::drop_path_kept(int64_t step, int l, int branch, int64_t sample) const {
+  const float p = cfg_.drop_path_rate(l);
+  const uint64_t key = step_key(step) ^ site_key(l, branch ? kSiteMlpOut : kSiteProj);
+  return p <= 0.0f ||
+         drop_path_keep(seed_, key, static_cast<uint64_t>(sample), dropout_threshold(p));
 }
 
 // Block l (global index: it keys the dropout masks) of micro-batch `in` in set `set`. With
@@ -475,7 +497,9 @@ void ViT::block_forward(int l, const DeviceBatch& in, int64_t step, bool train, 
   auto W = [&](int i) -> const void* {
     return static_cast<const char*>(compute_) + params_[base + i].offset * as;
   };
-  const bool drop = train && cfg_.dropout > 0.0f;
+  // dropout on the MLP's activation; dropout and drop path on the two residual branches
+  const float path = train ? cfg_.drop_path_rate(l) : 0.0f;
+  const bool drop_act = train && cfg_.dropout > 0.0f, drop_res = drop_act || path > 0.0f;
   // LayerNorm 1 on the residual stream entering the block. Inside a chunk the stream is the
   // previous block's r_mid + f: fused add (unless recomputing from the stored r_in). The
   // chunk's first block reads its input (embedding output or the previous stage's output).
@@ -494,22 +518,22 @@ void ViT::block_forward(int l, const DeviceBatch& in, int64_t step, bool train, 
   be_.attention_forward(b.att, b.asaved, b.qkv, Bl, T, H, hd, a.attn_ws);
   tp_.linear_forward(LinearRole::Row, b.p, b.att, W(kProjW), W(kProjB), N, C, C, nullptr,
                      cfg_.gelu);
-  if (drop)
+  if (drop_res)
     be_.dropout_forward(b.p, b.p, N * Cs, cfg_.dropout,
-                        dkey(in, step, l, kSiteProj, ActLayout::Stream, C));
+                        dkey(in, step, l, kSiteProj, ActLayout::Stream, C, path));
   if (!recompute) need(block_group_[l] + 1);
   tp_.layernorm_forward(b.r_mid, b.y2, b.m2, b.s2, st.r_in[j], b.p, W(kNorm2W), W(kNorm2B), N,
                         C, cfg_.ln_eps);
   tp_.linear_forward(LinearRole::Column, b.h, b.y2, W(kFc1W), W(kFc1B), N, C, M, b.g,
                      cfg_.gelu);
-  if (drop)
+  if (drop_act)
     be_.dropout_forward(b.g, b.g, N * Ml, cfg_.dropout,
                         dkey(in, step, l, kSiteMlpAct, ActLayout::Inner, M));
   tp_.linear_forward(LinearRole::Row, b.f, b.g, W(kFc2W), W(kFc2B), N, M, C, nullptr,
                      cfg_.gelu);
-  if (drop)
+  if (drop_res)
     be_.dropout_forward(b.f, b.f, N * Cs, cfg_.dropout,
-                        dkey(in, step, l, kSiteMlpOut, ActLayout::Stream, C));
+                        dkey(in, step, l, kSiteMlpOut, ActLayout::Stream, C, path));
   if (recompute) return;
   // With activation checkpointing the next block reads only r_in[j+1]: store it now. The
   // chunk's last block stores the output the next stage receives (unless the head follows).
@@ -601,38 +625,43 @@ void ViT::block_backward(int l, const DeviceBatch& in, int64_t step, int set, bo
   // gradient of parameter i of block k (G: of this block)
   auto Gk = [&](int k, int i) -> float* { return grads_ + params_[block_param_[k] + i].offset; };
   auto G = [&](int i) { return Gk(l, i); };
-  const bool drop = cfg_.dropout > 0.0f;
+  const float path = cfg_.drop_path_rate(l);
+  const bool drop_act = cfg_.dropout > 0.0f, drop_res = drop_act || path > 0.0f;
   const size_t NC = N * Cs, NM = N * Ml;
-  // Without dropout, proj's output gradient is dres as LN2's backward leaves it, and fc2's is
-  // dres as the next block's LN1 backward leaves it. Where the strategy can, those passes add
-  // the bias gradients (dres's column sums): LN2's here proj's, LN1's here the previous
-  // block's fc2's (in this chunk); this block's fc2 sums its own only as the chunk's last
-  // block (its dres came from the head or the next stage).
-  const bool ln_bias = !drop && tp_.row_bias_in_layernorm_backward();
-  float* fc2_db = ln_bias && l + 1 < chunk.first_block + chunk.blocks ? nullptr : G(kFc2B);
-  float* proj_db_ln = ln_bias ? G(kProjB) : nullptr;
-  float* prev_fc2_db = ln_bias && l > chunk.first_block ? Gk(l - 1, kFc2B) : nullptr;
+  // Without dropout or drop path on block k's residual branches, proj's output gradient is
+  // dres as LN2's backward leaves it, and fc2's is dres as the next block's LN1 backward leaves
+  // it. Where the strategy can, those passes add the bias gradients (dres's column sums):
+  // LN2's here proj's, LN1's here the previous block's fc2's (in this chunk); this block's fc2
+  // sums its own only as the chunk's last block (its dres came from the head or the next
+  // stage). Drop path's rate differs from block to block, so the two blocks decide apart.
+  auto ln_bias = [&](int k) {
+    return cfg_.dropout <= 0.0f && cfg_.drop_path_rate(k) <= 0.0f &&
+           tp_.row_bias_in_layernorm_backward();
+  };
+  float* fc2_db = ln_bias(l) && l + 1 < chunk.first_block + chunk.blocks ? nullptr : G(kFc2B);
+  float* proj_db_ln = ln_bias(l) ? G(kProjB) : nullptr;
+  float* prev_fc2_db = l > chunk.first_block && ln_bias(l - 1) ? Gk(l - 1, kFc2B) : nullptr;
   // dres holds d(block output) = d(r_mid + f)
   const void* df = a.dres;
-  if (drop) {
+  if (drop_res) {
     be_.dropout_backward(a.ddrop, a.dres, NC, cfg_.dropout,
-                         dkey(in, step, l, kSiteMlpOut, ActLayout::Stream, C));
+                         dkey(in, step, l, kSiteMlpOut, ActLayout::Stream, C, path));
     df = a.ddrop;
   }
   if (!cfg_.checkpoint_activations && !kept_gelu_output()) {
     // g = dropout(gelu(h)) again: the same kernels on the same input give the same bits
     be_.gelu_forward(b.g, b.h, NM, cfg_.gelu);
-    if (drop)
+    if (drop_act)
       be_.dropout_forward(b.g, b.g, NM, cfg_.dropout,
                           dkey(in, step, l, kSiteMlpAct, ActLayout::Inner, M));
   }
   // Without dropout between them, the GELU backward goes into fc2's (dh = (df W2) * gelu'(h)),
   // and where the strategy can, fc1's bias gradient (the column sums of dh) into that pass;
   // with dropout, after the dropout's.
-  float* fc1_db = drop || !tp_.gelu_bias_in_row_backward() ? nullptr : G(kFc1B);
+  float* fc1_db = drop_act || !tp_.gelu_bias_in_row_backward() ? nullptr : G(kFc1B);
   tp_.linear_backward(LinearRole::Row, a.dh, G(kFc2W), fc2_db, df, b.g, W(kFc2W), N, M, C, 1,
-                      drop ? nullptr : b.h, cfg_.gelu, fc1_db);
-  if (drop) {
+                      drop_act ? nullptr : b.h, cfg_.gelu, fc1_db);
+  if (drop_act) {
     be_.dropout_backward(a.dh, a.dh, NM, cfg_.dropout,
                          dkey(in, step, l, kSiteMlpAct, ActLayout::Inner, M));
     be_.gelu_backward(a.dh, b.h, a.dh, NM, cfg_.gelu);
@@ -644,9 +673,9 @@ void ViT::block_backward(int l, const DeviceBatch& in, int64_t step, int set, bo
                          b.s2, N, C, proj_db_ln);
   if (final) report(block_group_[l] + 1);  // the MLP half
   const void* dp = a.dres;
-  if (drop) {
+  if (drop_res) {
     be_.dropout_backward(a.ddrop, a.dres, NC, cfg_.dropout,
-                         dkey(in, step, l, kSiteProj, ActLayout::Stream, C));
+                         dkey(in, step, l, kSiteProj, ActLayout::Stream, C, path));
     dp = a.ddrop;
   }
   tp_.linear_backward(LinearRole::Row, a.dtmp, G(kProjW), proj_db_ln ? nullptr : G(kProjB), dp,

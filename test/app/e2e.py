@@ -57,13 +57,13 @@ def rel(a, b):
 
 def t_dp_equivalence(tmp):
     """The same deck on 1, 2 and 4 ranks (and with gradient accumulation) gives the same
-    loss for 20 steps within 1e-4 relative: dropout, Mixup, crops and flips are functions of
-    (seed, step, global sample), so only the reduction order differs."""
+    loss for 20 steps within 1e-4 relative: dropout, drop path (0.3 here), Mixup, crops and
+    flips are functions of (seed, step, global sample), so only the reduction order differs."""
     ref = None
     for np_, accum in [(1, 1), (2, 1), (4, 1), (1, 4), (2, 2)]:
         d = os.path.join(tmp, f"dp{np_}_acc{accum}")
         run(np_, ["train", DECK, f"--run.out_dir={d}", f"--data.grad_accum={accum}",
-                  "--checkpoint.every_steps=0"])
+                  "--checkpoint.every_steps=0", "--model.drop_path=0.3"])
         steps, loss = losses(d)
         check(len(loss) == 20 and list(steps) == list(range(1, 21)),
               f"np={np_} accum={accum}: 20 steps recorded")
@@ -964,7 +964,7 @@ def t_gpu_graphs(tmp):
     dropout masks follow the step and stream position the graph reads from the upload slot),
     20 steps with graphs and with --device.cuda_graph=false give identical losses and gradient
     norms on one GPU (fp32, bf16, fp16 with its loss scale re-captured, gradient accumulation,
-    activation checkpointing, and without dropout), and agree within 1e-6 (fp32) on 2 and 4
+    activation checkpointing, drop path, and without dropout), and agree within 1e-6 (fp32) on 2 and 4
     GPUs (data parallel with the overlapped bucket reduction, ZeRO-1, tensor 1d / 2d); the log
     says graphs were captured and, after the first steps, nothing was allocated. 77 without a
     GPU."""
@@ -973,6 +973,7 @@ def t_gpu_graphs(tmp):
              "--checkpoint.every_steps=0"]
     cases = [("fp32", 1, ["--precision.mode=fp32"]),
              ("fp32_no_dropout", 1, ["--precision.mode=fp32", "--model.dropout=0"]),
+             ("fp32_drop_path", 1, ["--precision.mode=fp32", "--model.drop_path=0.3"]),
              ("bf16_checkpointing", 1, ["--precision.mode=bf16", "--model.checkpoint_activations=true"]),
              ("bf16_accum2", 1, ["--precision.mode=bf16", "--data.grad_accum=2"]),
              ("fp16", 1, ["--precision.mode=fp16", "--precision.growth_interval=5"]),

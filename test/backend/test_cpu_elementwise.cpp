@@ -316,3 +316,57 @@ TEST(CpuElementwise, DropoutColumnBlockMatchesGlobalBuffer) {
   EXPECT_GT(dropped, 0);
   EXPECT_LT(dropped, R * cols);
 }
+
+// Drop path (stochastic depth): whole samples dropped at rate path_p, with the elements'
+// dropout on top; kept values scale by 1/(1-p) * 1/(1-path_p); a sample's verdict depends on
+// its global index only, so a column block of the rows (tensor parallelism) and a later part
+// of the batch (another rank's samples) see the same verdicts.
+TEST(CpuElementwise, DropPathDropsWholeSamples) {
+  vitgrid::CpuBackend be;
+  const int S = 400, T = 3, W = 8;  // samples of T rows of W
+  const size_t per = size_t(T) * W, n = S * per;
+  std::vector<float> ones(n, 1.0f), y(n);
+  for (float p : {0.0f, 0.2f}) {
+    vitgrid::DropoutKey k;
+    k.seed = 11;
+    k.key = 5;
+    k.counter_base = 640;
+    k.path_p = 0.25f;
+    k.path_sample0 = 100;
+    k.path_sample_elems = per;
+    be.dropout_forward(y.data(), ones.data(), n, p, k);
+    const float scale = vitgrid::dropout_scale(p, 0.25f);
+    EXPECT_FLOAT_EQ(scale, 1.0f / (1.0f - p) / 0.75f);
+    int dropped = 0;
+    for (int s = 0; s < S; ++s) {
+      const bool kept = vitgrid::drop_path_keep(k.seed, k.key, 100 + s,
+                                                vitgrid::dropout_threshold(0.25f));
+      dropped += !kept;
+      for (size_t i = 0; i < per; ++i) {
+        const float v = y[s * per + i];
+        if (!kept) ASSERT_EQ(v, 0.0f) << "sample " << s;
+        else if (p == 0.0f) ASSERT_EQ(v, scale) << "sample " << s;
+        else ASSERT_TRUE(v == 0.0f || v == scale) << "sample " << s;
+      }
+    }
+    // 25% of 400 samples, within 5 standard deviations (8.7 samples)
+    EXPECT_NEAR(dropped, 100, 44) << "p = " << p;
+    // samples 150.. of the same stream (path_sample0 250, their counters) in a call of their own
+    vitgrid::DropoutKey later = k;
+    later.path_sample0 = 250;
+    later.counter_base = k.counter_base + 150 * per;
+    std::vector<float> part((S - 150) * per);
+    be.dropout_forward(part.data(), ones.data(), part.size(), p, later);
+    for (size_t i = 0; i < part.size(); ++i) ASSERT_EQ(part[i], y[150 * per + i]) << i;
+    // columns [2, 5) of every row: a column block, 3 local elements per row
+    vitgrid::DropoutKey blk = k;
+    blk.cols = 3;
+    blk.global_cols = W;
+    blk.col_offset = 2;
+    blk.path_sample_elems = size_t(T) * 3;
+    std::vector<float> cols(size_t(S) * T * 3);
+    be.dropout_forward(cols.data(), ones.data(), cols.size(), p, blk);
+    for (size_t r = 0; r < size_t(S) * T; ++r)
+      for (int c = 0; c < 3; ++c) ASSERT_EQ(cols[r * 3 + c], y[r * W + 2 + c]) << r << "," << c;
+  }
+}

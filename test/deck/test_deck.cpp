@@ -602,6 +602,8 @@ TEST(DeckRefusal, RangesOfRatesAndFactors) {
             "deck.ini:4: model.dropout: must be in [0,1), got 1");
   EXPECT_EQ(refusal(kMinimal, {"--model.dropout=1.5"}),
             "command line: model.dropout: must be in [0,1), got 1.5");
+  EXPECT_EQ(refusal("[run]\nsteps = 1\n[model]\ndrop_path = -0.1\n"),
+            "deck.ini:4: model.drop_path: must be in [0,1), got -0.1");
   EXPECT_EQ(refusal("[run]\nsteps = 1\n[data]\nlabel_smoothing = -0.1\n"),
             "deck.ini:4: data.label_smoothing: must be in [0,1), got -0.1");
   EXPECT_EQ(refusal("[run]\nsteps = 1\n[data]\nmixup_alpha = -1\n"),

@@ -3,9 +3,10 @@
 
 Usage: check_golden.py GOLDEN.h5     (written by golden_dump)
 
-For every case in the file (hard labels + smoothing 0.1, soft targets, tanh GELU) the reference
-model (reference_vit.py) loads vitgrid's parameters with load_state_dict(strict=True) in float64,
-recomputes logits, loss and loss.backward(), and every tensor is compared with vitgrid's.
+For every case in the file (hard labels + smoothing 0.1, soft targets, tanh GELU, drop path with
+the masks vitgrid drew) the reference model (reference_vit.py) loads vitgrid's parameters with
+load_state_dict(strict=True) in float64, recomputes logits, loss and loss.backward(), and every
+tensor is compared with vitgrid's.
 
 Tolerances (vitgrid computes in fp32 with fp32 accumulation; the reference is float64, so the
 difference is vitgrid's own round-off, ~1e-7 relative per op, grown by depth and reductions):
@@ -26,6 +27,7 @@ import sys
 TOL_LOGITS_REL_L2 = 1e-5
 TOL_LOSS_ABS = 1e-5
 TOL_GRAD_REL_L2 = 1e-4
+CASES = ("hard", "soft", "tanh", "drop_path")
 LN_EPS = 1e-6
 
 try:
@@ -80,6 +82,17 @@ def run_case(f, name, group, params_group, failures, rows):
         failures.append(f"{name}: load_state_dict(strict=True) failed: {e}")
         return
 
+    if "drop_path_masks" in group:
+        # timm's linspace(0, drop_path_rate, depth) per block; vitgrid's draw of which samples
+        # each branch keeps, applied as DropPath does: mask / (1 - rate)
+        masks = np.asarray(group["drop_path_masks"], dtype=np.float64)
+        rate, depth = float(group.attrs["drop_path"]), len(model.blocks)
+        for l, blk in enumerate(model.blocks):
+            keep = 1.0 - (rate * l / (depth - 1) if depth > 1 else 0.0)
+            blk.path_scale = [torch.from_numpy(masks[l, br] / keep) for br in (0, 1)]
+        if not all(0 < masks[l, br].sum() < masks.shape[2]
+                   for l in range(1, depth) for br in (0, 1)):
+            failures.append(f"{name}: the drop-path masks do not both keep and drop samples")
     images = torch.from_numpy(np.asarray(f["images"], dtype=np.float64))
     labels = torch.from_numpy(np.asarray(f["labels"], dtype=np.int64))
     model.zero_grad(set_to_none=True)
@@ -150,24 +163,27 @@ def main():
             cases.append(("soft", f["soft"], f["params"]))
         if "tanh" in f:
             cases.append(("tanh", f["tanh"], f["tanh"]["params"]))
+        if "drop_path" in f:
+            cases.append(("drop_path", f["drop_path"], f["drop_path"]["params"]))
         for name, group, params_group in cases:
             run_case(f, name, group, params_group, failures, rows)
-        if {c[0] for c in cases} != {"hard", "soft", "tanh"}:
-            failures.append(f"golden file lacks cases: {sorted({'hard', 'soft', 'tanh'} - {c[0] for c in cases})}")
+        if {c[0] for c in cases} != set(CASES):
+            lacking = sorted(set(CASES) - {c[0] for c in cases})
+            failures.append(f"golden file lacks cases: {lacking}")
 
     n_grads = sum(1 for r in rows if r[1].startswith("grad "))
     print(f"check_golden: {len(rows)} comparisons ({n_grads} gradients) over "
           f"{len({r[0] for r in rows})} cases; tolerances: logits rel L2 {TOL_LOGITS_REL_L2:.0e}, "
           f"loss abs {TOL_LOSS_ABS:.0e}, grads rel L2 {TOL_GRAD_REL_L2:.0e}")
-    print(f"{'case':5s} {'tensor':40s} {'metric':7s} {'error':>10s} {'max abs':>10s} "
+    print(f"{'case':9s} {'tensor':40s} {'metric':7s} {'error':>10s} {'max abs':>10s} "
           f"{'tol':>7s} {'err/tol':>8s}")
-    for case in ("hard", "soft", "tanh"):
+    for case in CASES:
         mine = [r for r in rows if r[0] == case]
         # logits and loss always, then the worst gradients by error/tolerance
         shown = [r for r in mine if not r[1].startswith("grad ")]
         grads = sorted((r for r in mine if r[1].startswith("grad ")), key=lambda r: -r[2] / r[4])
         for r in shown + grads[:6]:
-            print(f"{r[0]:5s} {r[1]:40s} {r[5]:7s} {r[2]:10.3e} {r[3]:10.3e} {r[4]:7.0e} "
+            print(f"{r[0]:9s} {r[1]:40s} {r[5]:7s} {r[2]:10.3e} {r[3]:10.3e} {r[4]:7.0e} "
                   f"{r[2] / r[4]:8.3f}")
     if failures:
         print(f"check_golden: FAIL ({len(failures)}):")

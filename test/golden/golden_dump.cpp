@@ -164,12 +164,12 @@ struct CaseResult {
   double loss_mean = 0.0;
 };
 
-CaseResult run_case(ViT& vit, const DeviceBatch& batch, float smoothing) {
+CaseResult run_case(ViT& vit, const DeviceBatch& batch, float smoothing, int64_t step = 0) {
   CaseResult r;
   vit.zero_grads();
   // grad_scale 1/B: the gradients are those of the batch-mean loss, as PyTorch's mean reduction
   const double loss_sum =
-      vit.forward_backward(batch, smoothing, 1.0f / static_cast<float>(batch.count), 0, 0);
+      vit.forward_backward(batch, smoothing, 1.0f / static_cast<float>(batch.count), step, 0);
   r.loss_mean = loss_sum / batch.count;
   vit.logits_to_host(r.logits, batch.count);
   return r;
@@ -296,6 +296,40 @@ int run(const char* out_path, const char* backend) {
     write_params(g, *be, tvit);
     CaseResult r = run_case(tvit, hard, smoothing);
     write_case(g, *be, tvit, r, B, smoothing);
+    H5_CHECK(H5Gclose(g));
+  }
+  // case 4: drop path (stochastic depth) at 0.6 (block 1's rate; block 0's is 0), the first step
+  // whose draw keeps and drops samples in both of block 1's branches: the masks (1 kept, 0
+  // dropped; [depth, 2 branches, B]) go with the case for the reference to apply
+  {
+    ViTConfig pcfg = cfg;
+    pcfg.drop_path = 0.6f;
+    ViT pvit(pcfg, *be, *tp, B);
+    pvit.init_params(kInitSeed);
+    randomize_params(*be, pvit, 4242u);
+    std::vector<float> masks(static_cast<size_t>(pcfg.depth) * 2 * B);
+    int64_t step = 0;
+    for (;; ++step) {
+      bool mixed = true;
+      for (int l = 0; l < pcfg.depth; ++l)
+        for (int br = 0; br < 2; ++br) {
+          int kept = 0;
+          for (int b = 0; b < B; ++b) {
+            const bool k = pvit.drop_path_kept(step, l, br, b);  // hard's first position is 0
+            masks[(static_cast<size_t>(l) * 2 + br) * B + b] = k ? 1.0f : 0.0f;
+            kept += k;
+          }
+          if (pcfg.drop_path_rate(l) > 0.0f) mixed = mixed && kept > 0 && kept < B;
+        }
+      if (mixed) break;
+    }
+    const float smoothing = 0.1f;
+    hid_t g = make_group(file, "drop_path");
+    write_params(g, *be, pvit);
+    write_f32(g, "drop_path_masks", {pcfg.depth, 2, B}, masks.data());
+    attr_f64(g, "drop_path", pcfg.drop_path);
+    CaseResult r = run_case(pvit, hard, smoothing, step);
+    write_case(g, *be, pvit, r, B, smoothing);
     H5_CHECK(H5Gclose(g));
   }
   H5_CHECK(H5Fclose(file));

@@ -68,10 +68,16 @@ class Block(nn.Module):
         self.attn = Attention(dim, num_heads)
         self.norm2 = nn.LayerNorm(dim, eps=LN_EPS)
         self.mlp = Mlp(dim, mlp_hidden, gelu_approximate)
+        # drop path (timm's DropPath in training): per-sample factors of the attention and MLP
+        # branches, mask / keep probability, set from outside ([B] each) or None
+        self.path_scale = None
 
     def forward(self, x):
-        x = x + self.attn(self.norm1(x))
-        x = x + self.mlp(self.norm2(x))
+        s = self.path_scale
+        a = self.attn(self.norm1(x))
+        x = x + (a if s is None else a * s[0][:, None, None])
+        m = self.mlp(self.norm2(x))
+        x = x + (m if s is None else m * s[1][:, None, None])
         return x
 
 

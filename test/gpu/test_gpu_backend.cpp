@@ -203,8 +203,9 @@ TEST_P(GpuBackend, Elementwise) {
     EXPECT_CLOSE(b[1], b[0], tol());
   }
   // Dropout: masks identical bit for bit (same counter RNG), values within rounding; also the
-  // tensor-parallel column-block numbering (cols > 0), and the step and stream position read
-  // from each backend's memory as the call runs (position: what CUDA graphs replay).
+  // tensor-parallel column-block numbering (cols > 0), the step and stream position read
+  // from each backend's memory as the call runs (position: what CUDA graphs replay), and drop
+  // path (whole samples of 40 elements, vector path; of 19, scalar path).
   const int64_t position[2] = {12, 345};
   const int64_t* pos[2];
   for (int k = 0; k < 2; ++k) {
@@ -213,17 +214,22 @@ TEST_P(GpuBackend, Elementwise) {
     d->be->copy_to_device(p, position, sizeof(position));
     pos[k] = static_cast<const int64_t*>(p);
   }
-  for (int form = 0; form < 3; ++form)
+  for (int form = 0; form < 5; ++form)
   for (float p : {0.0f, 0.1f, 0.5f}) {
     DropoutKey key{77, 0x1234abcdULL, 5000, form == 1 ? 7 : 0, 19, 5};
-    if (form == 2) {
+    if (form >= 2) {
       key.step_tag = 0x55aaULL;
       key.sample_elems = 11;
+    }
+    if (form >= 3) {
+      key.path_p = 0.3f;
+      key.path_sample0 = 9;
+      key.path_sample_elems = form == 3 ? 40 : 19;
     }
     Vec f[2], b[2];
     for (int k = 0; k < 2; ++k) {
       Dev* d = k ? gpu.get() : cpu.get();
-      if (form == 2) key.position = pos[k];
+      if (form >= 2) key.position = pos[k];
       void* o = d->nan_act(n);
       d->be->dropout_forward(o, d->act(x), n, p, key);
       f[k] = d->get_act(o, n);
@@ -233,17 +239,26 @@ TEST_P(GpuBackend, Elementwise) {
     }
     // the mask the key names, worked out here: form 2 from the host copy of the position
     uint64_t stream = key.key, base = key.counter_base;
-    if (form == 2) {
+    if (form >= 2) {
       stream ^= vitgrid::mix64(key.step_tag ^ vitgrid::mix64(uint64_t(position[0])));
       base += uint64_t(position[1]) * key.sample_elems;
     }
+    size_t samples_dropped = 0;
     size_t mism = 0, dropped = 0;
     for (size_t i = 0; i < n; ++i) {
       const uint64_t c = key.cols > 0 ? base + (i / key.cols) * key.global_cols +
                                             key.col_offset + i % key.cols
                                       : base + i;
-      const bool keep = vitgrid::dropout_keep(vitgrid::rng_stream(key.seed, stream), c,
-                                              vitgrid::dropout_threshold(p));
+      bool keep = vitgrid::dropout_keep(vitgrid::rng_stream(key.seed, stream), c,
+                                        vitgrid::dropout_threshold(p));
+      if (form >= 3) {
+        const uint64_t sample =
+            key.path_sample0 + uint64_t(position[1]) + i / key.path_sample_elems;
+        const bool kept = vitgrid::drop_path_keep(key.seed, stream, sample,
+                                                  vitgrid::dropout_threshold(key.path_p));
+        samples_dropped += !kept && i % key.path_sample_elems == 0;
+        keep = keep && kept;
+      }
       dropped += !keep;
       mism += (f[1][i] == 0.0f) != !keep;
       mism += (f[0][i] == 0.0f) != !keep;
@@ -252,6 +267,9 @@ TEST_P(GpuBackend, Elementwise) {
     EXPECT_EQ(mism, 0u) << "dropout masks differ, p = " << p << ", key form " << form;
     if (p > 0) {
       EXPECT_GT(dropped, 0u);
+    }
+    if (form >= 3) {
+      EXPECT_GT(samples_dropped, 0u);
     }
     EXPECT_CLOSE(f[1], f[0], tol());
     EXPECT_CLOSE(b[1], b[0], tol());

@@ -17,8 +17,9 @@
 namespace vitgrid {
 namespace {
 
-ViTConfig tiny(bool ckpt, float dropout) {
+ViTConfig tiny(bool ckpt, float dropout, float drop_path = 0.0f) {
   ViTConfig c;
+  c.drop_path = drop_path;
   c.image = 8;
   c.patch = 4;
   c.hidden = 24;
@@ -87,7 +88,7 @@ struct Rig {
 };
 
 TEST(Model, ActivationCheckpointingLeavesGradientsUnchanged) {
-  Rig a(tiny(false, 0.2f), DType::F32, 6), b(tiny(true, 0.2f), DType::F32, 6);
+  Rig a(tiny(false, 0.2f, 0.3f), DType::F32, 6), b(tiny(true, 0.2f, 0.3f), DType::F32, 6);
   const double la = a.step(1.0f / 6), lb = b.step(1.0f / 6);
   EXPECT_EQ(la, lb);
   auto ga = a.grads(), gb = b.grads();
@@ -128,10 +129,23 @@ TEST(Model, DropoutDependsOnStepAndChangesLoss) {
   EXPECT_NE(l1, l2);
 }
 
+TEST(Model, DropPathRisesWithDepthAndChangesTheStep) {
+  const ViTConfig c = tiny(false, 0.0f, 0.5f);
+  EXPECT_EQ(c.drop_path_rate(0), 0.0f);  // timm: linspace(0, drop_path_rate, depth)
+  EXPECT_EQ(c.drop_path_rate(1), 0.25f);
+  EXPECT_EQ(c.drop_path_rate(2), 0.5f);
+  Rig a(tiny(false, 0.0f), DType::F32, 16), b(c, DType::F32, 16);
+  const double la = a.step(1.0f / 16, 1), lb = b.step(1.0f / 16, 1), lb2 = b.step(1.0f / 16, 2);
+  EXPECT_NE(la, lb);   // 16 samples at rates 0.25 and 0.5: some branch dropped
+  EXPECT_NE(lb, lb2);  // another step, other samples dropped
+  EXPECT_EQ(lb, b.step(1.0f / 16, 1));  // a pure function of (seed, step, sample)
+}
+
 TEST(Model, DropoutReadsStepAndPositionWhenTheyRun) {
-  // checkpointing too: the recompute in the backward must draw the forward's masks
+  // checkpointing too: the recompute in the backward must draw the forward's masks; drop path
+  // reads the position for its samples' indices
   for (bool ckpt : {false, true}) {
-    Rig a(tiny(ckpt, 0.3f), DType::F32, 4);
+    Rig a(tiny(ckpt, 0.3f, 0.4f), DType::F32, 4);
     int64_t* pos = static_cast<int64_t*>(a.be->alloc(2 * sizeof(int64_t)));
     for (int64_t s : {3, 4}) {
       const double host = a.step(0.25f, s);  // first position 40

@@ -6,7 +6,7 @@
 //  * Layers: Column (plain and q/k/v-grouped), Row, Embed, Head Linears and LayerNorm: the
 //    forward output and every gradient (input, weight, bias) of this rank's blocks equal the
 //    1-rank layer's, relative error <= 1e-5.
-//  * Whole ViT (dropout on, Mixup soft targets, activation checkpointing on and off): loss,
+//  * Whole ViT (dropout and drop path on, Mixup soft targets, activation checkpointing on and off): loss,
 //    logits, every parameter's initial value (exactly) and gradient (<= 1e-5), and the
 //    whole-parameter norms of reduce_param_norms equal the 1-rank model's.
 //  * The same in emulated bf16 against the 1-rank emulated-bf16 run (activations reduced in
@@ -565,6 +565,7 @@ void check_model(const Case& c, bool ckpt, bool mix, const Prec& prec = kF32) {
   cfg.mlp = 64;
   cfg.classes = 5;
   cfg.dropout = 0.1f;
+  cfg.drop_path = 0.4f;  // block 1 drops whole samples: the sample split of 2d / 2.5d / 3d
   cfg.checkpoint_activations = ckpt;
   const int B = 8;
   auto img = randn(size_t(B) * 3 * cfg.image * cfg.image, 5);

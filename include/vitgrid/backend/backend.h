@@ -30,11 +30,16 @@ enum class Gelu : int { Exact = 0, Tanh = 1 };
 
 // Dropout is a pure function of (seed, key, element counter): the element with index i of a
 // call is kept iff dropout_keep(rng_stream(seed, key), counter_base + i, dropout_threshold(p));
-// kept values scale by 1/(1-p). With tensor parallelism a rank holds a column block of a wider global row: when cols > 0
-// the buffer is rows of `cols` local elements, and local element (r, c) has the global counter
-// counter_base + r * global_cols + col_offset + c. cols == 0 means contiguous (counter_base + i).
+// kept values scale by 1/(1-p). With tensor parallelism a rank holds a column block of a wider
+// global row: when cols > 0 the buffer is rows of `cols` local elements, and local element
+// (r, c) has the global counter counter_base + r * global_cols + col_offset + c. cols == 0
+// means contiguous (counter_base + i).
 // With `position` set, the step and the stream position are read from backend memory when the
 // call runs, so that a CUDA graph that captured the call replays with the current ones.
+// With path_p > 0 the call also drops whole samples (stochastic depth, timm's DropPath): local
+// element i belongs to sample path_sample0 + i / path_sample_elems (plus the position where
+// set), kept iff drop_path_keep(stream key, sample, dropout_threshold(path_p)); kept samples
+// scale by 1/(1-path_p) on top.
 struct DropoutKey {
   uint64_t seed = 0;
   uint64_t key = 0;           // stream key: (step, layer, site) mixed together
@@ -48,6 +53,9 @@ struct DropoutKey {
   const int64_t* position = nullptr;
   uint64_t step_tag = 0;
   uint64_t sample_elems = 0;
+  float path_p = 0.0f;             // drop-path rate (0: none)
+  uint64_t path_sample0 = 0;       // global sample of local element 0 (without the position)
+  uint64_t path_sample_elems = 0;  // local elements per sample
 };
 
 // The stream key and the counter of element 0 of the call k describes (host and device code;
@@ -68,11 +76,24 @@ VG_HD void dropout_stream(const DropoutKey& k, uint64_t* key, uint64_t* base) {
 inline uint32_t dropout_threshold(float p) {
   return static_cast<uint32_t>(std::ceil(static_cast<double>(p) * 65536.0));
 }
+// What kept elements are multiplied by (both backends: one fp32 product, the same bits).
+inline float dropout_scale(float p, float path_p) {
+  return (1.0f / (1.0f - p)) * (1.0f / (1.0f - path_p));
+}
 VG_HD bool dropout_keep_bits(uint64_t word, uint64_t c, uint32_t threshold) {
   return ((word >> ((c & 3u) * 16u)) & 0xFFFFu) >= threshold;
 }
 VG_HD bool dropout_keep(uint64_t stream, uint64_t c, uint32_t threshold) {
   return dropout_keep_bits(rng_word(stream, c >> 2), c, threshold);
+}
+// Drop path's draw for a global sample: its own stream beside the elements' (the call's stream
+// key with a high bit flipped), one word per sample.
+VG_HD bool drop_path_keep(uint64_t seed, uint64_t key, uint64_t sample, uint32_t threshold) {
+  return ((rng_u64(seed, key ^ (1ull << 62), sample) >> 48) & 0xFFFFu) >= threshold;
+}
+// The global sample of the call's element 0 (key as dropout_stream gives it: the position read).
+VG_HD uint64_t drop_path_sample0(const DropoutKey& k) {
+  return k.path_sample0 + (k.position ? static_cast<uint64_t>(k.position[1]) : 0u);
 }
 
 // Optimizer hyper-parameters for one step (already scheduled: lr is this step's lr).

@@ -31,6 +31,7 @@ struct ModelSection {
   double mlp_ratio = 2.0;
   int num_classes = 10;
   double dropout = 0.0;  // pos / proj / mlp dropout (timm drop_rate and proj_drop)
+  double drop_path = 0.0;  // stochastic depth of the last block (timm drop_path_rate)
   std::string gelu = "exact";  // exact | tanh
   bool checkpoint_activations = false;
   bool keep_gelu_output = false;  // keep each block's GELU output instead of recomputing it

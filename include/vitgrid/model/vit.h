@@ -24,6 +24,7 @@ struct ViTConfig {
   int image = 32, patch = 4, channels = 3, hidden = 256, depth = 7, heads = 4, mlp = 512;
   int classes = 10;
   float dropout = 0.0f;
+  float drop_path = 0.0f;  // the last block's; block l's is drop_path * l / (depth - 1)
   Gelu gelu = Gelu::Exact;
   bool checkpoint_activations = false;
   bool keep_gelu_output = false;  // per-block GELU output kept, not recomputed in the backward
@@ -32,6 +33,9 @@ struct ViTConfig {
   int tokens() const { return patches() + 1; }
   int patch_dim() const { return channels * patch * patch; }
   int head_dim() const { return hidden / heads; }
+  float drop_path_rate(int block) const {
+    return depth > 1 ? drop_path * static_cast<float>(block) / static_cast<float>(depth - 1) : 0.0f;
+  }
   static ViTConfig from(const ModelSection& m);
   // Model FLOPs of one training sample (forward + backward = 3x forward; GEMMs + attention).
   double train_flops_per_sample() const;
@@ -183,6 +187,10 @@ class ViT {
   void forward_eval(const DeviceBatch& b, double* loss_sum, double* top1, double* top5);
   // Logits of the last forward (act dtype, [count, K]) copied to the host as fp32.
   void logits_to_host(std::vector<float>& out, int count);
+  // Whether drop path keeps global sample `sample` in block l's attention (branch 0) or MLP
+  // (branch 1) residual branch at step `step`, as the kernels draw it (for checks against a
+  // reference; true at rate 0).
+  bool drop_path_kept(int64_t step, int l, int branch, int64_t sample) const;
 
   size_t activation_bytes() const { return act_bytes_; }
 
@@ -226,9 +234,10 @@ class ViT {
                      bool recompute);
   void block_backward(int l, const DeviceBatch& in, int64_t step, int set, bool final);
   // The mask key of a dropout site on this rank's block of the global [B, T, width]
-  // activation of `layout` (counters are global element indices).
+  // activation of `layout` (counters are global element indices), with drop path at rate
+  // path_p (the residual branches' sites).
   DropoutKey dkey(const DeviceBatch& in, int64_t step, int layer, int site, ActLayout layout,
-                  int64_t width) const;
+                  int64_t width, float path_p = 0.0f) const;
 
   ViTConfig cfg_;
   Backend& be_;

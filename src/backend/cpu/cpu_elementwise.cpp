@@ -43,26 +43,35 @@ inline float gelu_tanh_grad(float x) {
 // Applies the dropout mask of (p, k) to src into dst: the mask is recomputed from the counter-
 // based RNG, never stored, so forward and backward agree and no mask memory is planned.
 void apply_dropout(float* dst, const float* src, size_t n, float p, const DropoutKey& k) {
-  if (p <= 0.0f) {
+  if (p <= 0.0f && k.path_p <= 0.0f) {
     if (dst != src) std::memmove(dst, src, n * sizeof(float));
     return;
   }
-  if (p >= 1.0f) {  // every element dropped; avoid 0 * inf
+  if (p >= 1.0f || k.path_p >= 1.0f) {  // every element dropped; avoid 0 * inf
     std::memset(dst, 0, n * sizeof(float));
     return;
   }
-  const float keep_scale = 1.0f / (1.0f - p);
+  const float scale = dropout_scale(p, k.path_p);
   uint64_t key, base;
   dropout_stream(k, &key, &base);
   const uint64_t stream = rng_stream(k.seed, key);
-  const uint32_t threshold = dropout_threshold(p);
+  const uint32_t threshold = dropout_threshold(p), path_threshold = dropout_threshold(k.path_p);
+  const uint64_t sample0 = drop_path_sample0(k);
   uint64_t word_at = ~0ull, word = 0;  // the last word drawn (four counters share one)
-  auto keep = [&](uint64_t c) {
+  uint64_t sample_at = ~0ull;          // the last sample drawn, and its verdict
+  bool sample_kept = true;
+  auto keep = [&](size_t i, uint64_t c) {
+    if (path_threshold > 0) {
+      const uint64_t s = sample0 + i / k.path_sample_elems;
+      if (s != sample_at) sample_kept = drop_path_keep(k.seed, key, sample_at = s, path_threshold);
+      if (!sample_kept) return false;
+    }
+    if (threshold == 0) return true;
     if ((c >> 2) != word_at) word = rng_word(stream, word_at = c >> 2);
     return dropout_keep_bits(word, c, threshold);
   };
   if (k.cols <= 0) {
-    for (size_t i = 0; i < n; ++i) dst[i] = keep(base + i) ? src[i] * keep_scale : 0.0f;
+    for (size_t i = 0; i < n; ++i) dst[i] = keep(i, base + i) ? src[i] * scale : 0.0f;
     return;
   }
   // column block of wider global rows (tensor parallelism): global counters per element
@@ -71,7 +80,7 @@ void apply_dropout(float* dst, const float* src, size_t n, float p, const Dropou
     const uint64_t row = base + r * static_cast<uint64_t>(k.global_cols) +
                          static_cast<uint64_t>(k.col_offset);
     for (size_t c = 0; c < cols && i < n; ++c, ++i)
-      dst[i] = keep(row + c) ? src[i] * keep_scale : 0.0f;
+      dst[i] = keep(i, row + c) ? src[i] * scale : 0.0f;
   }
 }
 

@@ -150,16 +150,28 @@ struct GeluBwdOp {  // v = {x, dy}
 // The counter of element i: contiguous (cols == 0), or, for a tensor-parallel column block of
 // wider global rows, row * global_cols + col_offset + col (DropoutKey in backend.h), so every
 // layout draws the 1-rank run's mask.
-// Dropout (backend.h: dropout_keep). Per thread once: the stream (with the step and position
-// read from device memory where k.position is set). Per 16-byte pack of V elements: their
-// global counters (one division for a column block), and one random word per four counters.
-// U packs' loads are in flight before any is used, as in map_kernel.
+// Dropout and drop path (backend.h: dropout_keep, drop_path_keep). Per thread once: the stream
+// (with the step and position read from device memory where k.position is set). Per 16-byte
+// pack of V elements: their global counters (one division for a column block), one random word
+// per four counters, and the sample's verdict (a pack never spans two samples: V divides the
+// elements per sample wherever the vector path runs). U packs' loads are in flight before any
+// is used, as in map_kernel.
 template <class T>
 __global__ void dropout_kernel(T* y, const T* x, size_t n, DropoutKey k, uint32_t threshold,
-                               float scale, bool vec) {
+                               uint32_t path_threshold, float scale, bool vec) {
   uint64_t key, base;
   dropout_stream(k, &key, &base);
   const uint64_t stream = rng_stream(k.seed, key);
+  const uint64_t sample0 = drop_path_sample0(k);
+  auto sample_kept = [&](size_t i) {
+    return path_threshold == 0 ||
+           drop_path_keep(k.seed, key, sample0 + i / k.path_sample_elems, path_threshold);
+  };
+  auto elem_kept = [&](uint64_t c, uint64_t& word_at, uint64_t& word) {
+    if (threshold == 0) return true;
+    if ((c >> 2) != word_at) word = rng_word(stream, word_at = c >> 2);
+    return dropout_keep_bits(word, c, threshold);
+  };
   const size_t tid = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   const uint64_t cols = static_cast<uint64_t>(k.cols);
@@ -198,13 +210,12 @@ __global__ void dropout_kernel(T* y, const T* x, size_t n, DropoutKey k, uint32_
         if (pk >= npk) continue;
         uint64_t r = 0, col = 0, word_at = ~0ull, word = 0;
         first(pk * V, r, col);
+        const bool kept = sample_kept(pk * V);
         Pack<T, V> o;
 #pragma unroll
         for (int e = 0; e < V; ++e) {
           const uint64_t c = counter(pk * V + e, r, col);
-          if ((c >> 2) != word_at) word = rng_word(stream, word_at = c >> 2);
-          o.v[e] = from_f<T>(dropout_keep_bits(word, c, threshold) ? to_f(a[u].v[e]) * scale
-                                                                   : 0.0f);
+          o.v[e] = from_f<T>(kept && elem_kept(c, word_at, word) ? to_f(a[u].v[e]) * scale : 0.0f);
           next(r, col);
         }
         reinterpret_cast<Pack<T, V>*>(y)[pk] = o;
@@ -216,7 +227,8 @@ __global__ void dropout_kernel(T* y, const T* x, size_t n, DropoutKey k, uint32_
     uint64_t r = 0, col = 0;
     first(i, r, col);
     const uint64_t c = counter(i, r, col);
-    y[i] = from_f<T>(dropout_keep(stream, c, threshold) ? to_f(x[i]) * scale : 0.0f);
+    uint64_t word_at = ~0ull, word = 0;
+    y[i] = from_f<T>(sample_kept(i) && elem_kept(c, word_at, word) ? to_f(x[i]) * scale : 0.0f);
   }
 }
 
@@ -461,18 +473,20 @@ void CudaBackend::gelu_backward(void* dx, const void* x, const void* dy, size_t 
 }
 
 void CudaBackend::dropout_forward(void* y, const void* x, size_t n, float p, DropoutKey k) {
-  if (p <= 0.0f) {
+  if (p <= 0.0f && k.path_p <= 0.0f) {
     copy(y, x, n * act_size());
     return;
   }
   if (n == 0) return;
-  const float scale = 1.0f / (1.0f - p);
-  const bool vec = aligned16(y) && aligned16(x);
+  const float scale = dropout_scale(p, k.path_p);
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
     constexpr int V = 16 / sizeof(T);
+    const bool vec = aligned16(y) && aligned16(x) &&
+                     (k.path_p <= 0.0f || k.path_sample_elems % V == 0);
     dropout_kernel<T><<<grid_for(vec ? (n + V - 1) / V : n, 256), 256, 0, stream_>>>(
-        static_cast<T*>(y), static_cast<const T*>(x), n, k, dropout_threshold(p), scale, vec);
+        static_cast<T*>(y), static_cast<const T*>(x), n, k, dropout_threshold(p),
+        dropout_threshold(k.path_p), scale, vec);
     CUDA_CHECK_LAUNCH();
   });
 }

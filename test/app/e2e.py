@@ -964,10 +964,10 @@ def t_gpu_graphs(tmp):
     dropout masks follow the step and stream position the graph reads from the upload slot),
     20 steps with graphs and with --device.cuda_graph=false give identical losses and gradient
     norms on one GPU (fp32, bf16, fp16 with its loss scale re-captured, gradient accumulation,
-    activation checkpointing, drop path, and without dropout), and agree within 1e-6 (fp32) on 2 and 4
-    GPUs (data parallel with the overlapped bucket reduction, ZeRO-1, tensor 1d / 2d); the log
-    says graphs were captured and, after the first steps, nothing was allocated. 77 without a
-    GPU."""
+    activation checkpointing, drop path, and without dropout), and agree within 1e-6 (fp32) on
+    2 and 4 GPUs (data parallel with the overlapped bucket reduction, ZeRO-1, tensor 1d / 2d);
+    the log says graphs were captured and, after the first steps, nothing was allocated. 77
+    without a GPU."""
     ngpu = gpus_or_skip()
     model = ["--model.hidden=32", "--model.heads=4", "--model.depth=4", "--device.backend=cuda",
              "--checkpoint.every_steps=0"]

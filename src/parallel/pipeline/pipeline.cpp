@@ -171,6 +171,15 @@ namespace {
 
 bool is_send(PipeOpKind k) { return k == PipeOpKind::SendAct || k == PipeOpKind::SendGrad; }
 
+// "stage s op i (kind chunk c micro m): what", for the replays' findings.
+std::string op_problem(const PipelinePlans& plans, int s, size_t i, const std::string& what) {
+  const PipeOp& op = plans.stages[s].ops[i];
+  std::ostringstream e;
+  e << "stage " << s << " op " << i << " (" << pipe_op_name(op.kind) << " chunk " << op.chunk
+    << " micro " << op.micro << "): " << what;
+  return e.str();
+}
+
 // The message side of a plan's replay, shared by check_pipeline_plans and plan_bubble: each
 // stage's position and open group, the posted messages of each directed pair in order, and
 // which messages matched.
@@ -238,6 +247,41 @@ struct MessageReplay {
       }
       progress = true;
     }
+  }
+
+  std::string fail_at(int s, size_t i, const std::string& what) const {
+    return op_problem(plans, s, i, what);
+  }
+
+  // Runs the replay: each stage runs its computes (on_compute(s, op) returns "" or what is
+  // wrong; the stage then moves past the op) up to its next group and posts it; the posted
+  // messages match and groups complete as above (on_match, on_done). Returns "" when every
+  // stage reached its end, else the first problem (a bad peer, a deadlock, or a callback's).
+  template <class C, class Mt, class D>
+  std::string run(C&& on_compute, Mt&& on_match, D&& on_done) {
+    bool progress = true;
+    while (progress) {
+      progress = false;
+      for (int s = 0; s < P; ++s) {
+        const auto& ops = plans.stages[s].ops;
+        while (!in_group[s] && pc[s] < ops.size()) {
+          if (pipe_op_is_message(ops[pc[s]].kind)) {
+            if (const long bad = post(s); bad >= 0)
+              return fail_at(s, static_cast<size_t>(bad), "bad peer");
+            progress = true;
+            break;
+          }
+          if (std::string e = on_compute(s, ops[pc[s]]); !e.empty()) return e;
+          ++pc[s];
+          progress = true;
+        }
+      }
+      if (std::string e = match(on_match, progress); !e.empty()) return e;
+      complete(on_done, progress);
+    }
+    for (int s = 0; s < P; ++s)
+      if (pc[s] < plans.stages[s].ops.size()) return "deadlock: " + fail_at(s, pc[s], "blocked");
+    return "";
   }
 
   // The stages whose open groups are tied to stage s's by matched messages, s's first; empty
@@ -601,119 +645,90 @@ namespace {
 // The grouped plans' replay: blocking rendezvous messages, groups in lockstep.
 std::string check_grouped(const PipelinePlans& plans) {
   const int P = plans.P, V = plans.V, M = plans.M, S = P * V;
-  std::ostringstream err;
   if (static_cast<int>(plans.stages.size()) != P) return "wrong number of stage plans";
   MessageReplay r(plans);
-  std::vector<size_t>& pc = r.pc;
+  const std::vector<size_t>& pc = r.pc;
   // slot owner: virtual stage * M + micro, or -1
   std::vector<std::vector<int>> owner(P);
   for (int s = 0; s < P; ++s) owner[s].assign(plans.stages[s].num_slots, -1);
   std::vector<std::vector<int>> fdone(S, std::vector<int>(M, 0)), bdone = fdone;
   auto key = [&](int s, int c, int m) { return (c * P + s) * M + m; };
-  auto fail_at = [&](int s, size_t i, const std::string& what) {
-    const PipeOp& op = plans.stages[s].ops[i];
-    err << "stage " << s << " op " << i << " (" << pipe_op_name(op.kind) << " chunk "
-        << op.chunk << " micro " << op.micro << "): " << what;
-    return err.str();
-  };
+  auto fail_at = [&](int s, size_t i, const std::string& what) { return r.fail_at(s, i, what); };
   auto slot_ok = [&](int s, int slot) {
     return slot >= 0 && slot < static_cast<int>(owner[s].size());
   };
-  bool progress = true;
-  while (progress) {
-    progress = false;
-    for (int s = 0; s < P; ++s) {
-      const auto& ops = plans.stages[s].ops;
-      while (!r.in_group[s] && pc[s] < ops.size()) {
-        const PipeOp& op = ops[pc[s]];
-        const int v = op.chunk * P + s;
-        const int k = key(s, op.chunk, op.micro);
-        if (pipe_op_is_message(op.kind)) {
-          if (const long bad = r.post(s); bad >= 0) return fail_at(s, static_cast<size_t>(bad), "bad peer");
-          progress = true;
-          break;
+  // the computes, in each stage's program order
+  auto compute = [&](int s, const PipeOp& op) -> std::string {
+    const int v = op.chunk * P + s;
+    const int k = key(s, op.chunk, op.micro);
+    if (!slot_ok(s, op.slot)) return fail_at(s, pc[s], "set out of range");
+    switch (op.kind) {
+      case PipeOpKind::Forward:
+        if (v == 0) {
+          if (owner[s][op.slot] != -1) return fail_at(s, pc[s], "starts in a set in use");
+          owner[s][op.slot] = k;
         }
-        if (!slot_ok(s, op.slot)) return fail_at(s, pc[s], "set out of range");
-        switch (op.kind) {
-          case PipeOpKind::Forward:
-            if (v == 0) {
-              if (owner[s][op.slot] != -1) return fail_at(s, pc[s], "starts in a set in use");
-              owner[s][op.slot] = k;
-            }
-            if (owner[s][op.slot] != k) return fail_at(s, pc[s], "runs without its input");
-            fdone[v][op.micro] = 1;
-            break;
-          case PipeOpKind::Backward:
-            if (owner[s][op.slot] != k) return fail_at(s, pc[s], "runs on a set it does not hold");
-            if (!fdone[v][op.micro]) return fail_at(s, pc[s], "backward before forward");
-            if (v < S - 1 && !bdone[v + 1][op.micro]) return fail_at(s, pc[s], "backward before its gradient");
-            bdone[v][op.micro] = 1;
-            break;
-          case PipeOpKind::CopyAct:
-          case PipeOpKind::CopyGrad: {
-            const bool act = op.kind == PipeOpKind::CopyAct;
-            const int sv = act ? v - 1 : v + 1;
-            if (!slot_ok(s, op.src_slot) || sv < 0 || sv >= S || sv % P != s ||
-                owner[s][op.src_slot] != sv * M + op.micro)
-              return fail_at(s, pc[s], "copies from a set it does not hold");
-            if (act ? !fdone[sv][op.micro] : !bdone[sv][op.micro]) return fail_at(s, pc[s], "copies before computing");
-            if (act) {
-              if (owner[s][op.slot] != -1) return fail_at(s, pc[s], "copies into a set in use");
-              owner[s][op.slot] = k;
-            }
-            if (op.frees) owner[s][op.src_slot] = -1;
-            ++pc[s];
-            progress = true;
-            continue;
-          }
-          default: break;
+        if (owner[s][op.slot] != k) return fail_at(s, pc[s], "runs without its input");
+        fdone[v][op.micro] = 1;
+        break;
+      case PipeOpKind::Backward:
+        if (owner[s][op.slot] != k) return fail_at(s, pc[s], "runs on a set it does not hold");
+        if (!fdone[v][op.micro]) return fail_at(s, pc[s], "backward before forward");
+        if (v < S - 1 && !bdone[v + 1][op.micro]) return fail_at(s, pc[s], "backward before its gradient");
+        bdone[v][op.micro] = 1;
+        break;
+      case PipeOpKind::CopyAct:
+      case PipeOpKind::CopyGrad: {
+        const bool act = op.kind == PipeOpKind::CopyAct;
+        const int sv = act ? v - 1 : v + 1;
+        if (!slot_ok(s, op.src_slot) || sv < 0 || sv >= S || sv % P != s ||
+            owner[s][op.src_slot] != sv * M + op.micro)
+          return fail_at(s, pc[s], "copies from a set it does not hold");
+        if (act ? !fdone[sv][op.micro] : !bdone[sv][op.micro]) return fail_at(s, pc[s], "copies before computing");
+        if (act) {
+          if (owner[s][op.slot] != -1) return fail_at(s, pc[s], "copies into a set in use");
+          owner[s][op.slot] = k;
         }
-        if (op.frees) owner[s][op.slot] = -1;
-        ++pc[s];
-        progress = true;
+        if (op.frees) owner[s][op.src_slot] = -1;
+        return "";
       }
+      default: break;
     }
-    // match the posted messages of each pair in order: the receiver must expect exactly this
-    // message
-    const std::string bad = r.match([&](int s, size_t si, int q, size_t ri) -> std::string {
-      const PipeOp& op = plans.stages[s].ops[si];
-      const PipeOp& rv_op = plans.stages[q].ops[ri];
-      const int v = op.chunk * P + s;
-      const bool act = op.kind == PipeOpKind::SendAct;
-      const int rv = rv_op.chunk * P + q;
-      if (rv_op.kind != (act ? PipeOpKind::RecvAct : PipeOpKind::RecvGrad) ||
-          rv_op.micro != op.micro || rv != (act ? v + 1 : v - 1))
-        return fail_at(s, si, "matched by a receive of another message on stage " + std::to_string(q));
-      if (!slot_ok(s, op.slot) || owner[s][op.slot] != key(s, op.chunk, op.micro))
-        return fail_at(s, si, "sends from a set it does not hold");
-      if (act ? !fdone[v][op.micro] : !bdone[v][op.micro]) return fail_at(s, si, "sends before computing");
-      if (!slot_ok(q, rv_op.slot)) return fail_at(s, si, "receiver's set out of range");
-      if (act) {
-        if (owner[q][rv_op.slot] != -1) return fail_at(q, ri, "receives into a set in use");
-        owner[q][rv_op.slot] = key(q, rv_op.chunk, rv_op.micro);
-      } else if (owner[q][rv_op.slot] != key(q, rv_op.chunk, rv_op.micro)) {
-        return fail_at(q, ri, "receives a gradient for a set it does not hold");
+    if (op.frees) owner[s][op.slot] = -1;
+    return "";
+  };
+  // the posted messages of each pair in order: the receiver must expect exactly this message
+  auto matched = [&](int s, size_t si, int q, size_t ri) -> std::string {
+    const PipeOp& op = plans.stages[s].ops[si];
+    const PipeOp& rv_op = plans.stages[q].ops[ri];
+    const int v = op.chunk * P + s;
+    const bool act = op.kind == PipeOpKind::SendAct;
+    const int rv = rv_op.chunk * P + q;
+    if (rv_op.kind != (act ? PipeOpKind::RecvAct : PipeOpKind::RecvGrad) ||
+        rv_op.micro != op.micro || rv != (act ? v + 1 : v - 1))
+      return fail_at(s, si, "matched by a receive of another message on stage " + std::to_string(q));
+    if (!slot_ok(s, op.slot) || owner[s][op.slot] != key(s, op.chunk, op.micro))
+      return fail_at(s, si, "sends from a set it does not hold");
+    if (act ? !fdone[v][op.micro] : !bdone[v][op.micro]) return fail_at(s, si, "sends before computing");
+    if (!slot_ok(q, rv_op.slot)) return fail_at(s, si, "receiver's set out of range");
+    if (act) {
+      if (owner[q][rv_op.slot] != -1) return fail_at(q, ri, "receives into a set in use");
+      owner[q][rv_op.slot] = key(q, rv_op.chunk, rv_op.micro);
+    } else if (owner[q][rv_op.slot] != key(q, rv_op.chunk, rv_op.micro)) {
+      return fail_at(q, ri, "receives a gradient for a set it does not hold");
+    }
+    return "";
+  };
+  // groups complete together with every group tied to them; the sets their sends free are
+  // free from then
+  auto done = [&](const std::vector<int>& comp) {
+    for (int t : comp)
+      for (size_t i = pc[t]; i < r.group_end[t]; ++i) {
+        const PipeOp& op = plans.stages[t].ops[i];
+        if (is_send(op.kind) && op.frees) owner[t][op.slot] = -1;
       }
-      return "";
-    }, progress);
-    if (!bad.empty()) return bad;
-    // groups complete together with every group tied to them; the sets their sends free are
-    // free from then
-    r.complete([&](const std::vector<int>& comp) {
-      for (int t : comp)
-        for (size_t i = pc[t]; i < r.group_end[t]; ++i) {
-          const PipeOp& op = plans.stages[t].ops[i];
-          if (is_send(op.kind) && op.frees) owner[t][op.slot] = -1;
-        }
-    }, progress);
-  }
-  for (int s = 0; s < P; ++s)
-    if (pc[s] < plans.stages[s].ops.size()) {
-      const PipeOp& op = plans.stages[s].ops[pc[s]];
-      err << "deadlock: stage " << s << " blocked at op " << pc[s] << " (" << pipe_op_name(op.kind)
-          << " chunk " << op.chunk << " micro " << op.micro << ")";
-      return err.str();
-    }
+  };
+  if (std::string bad = r.run(compute, matched, done); !bad.empty()) return bad;
   for (int v = 0; v < S; ++v)
     for (int m = 0; m < M; ++m) {
       if (!fdone[v][m]) return "forward of virtual stage " + std::to_string(v) + " micro " + std::to_string(m) + " never ran";
@@ -729,37 +744,21 @@ std::string check_grouped(const PipelinePlans& plans) {
 double bubble_grouped(const PipelinePlans& plans, double cf, double cb) {
   const int P = plans.P;
   MessageReplay r(plans);
-  std::vector<size_t>& pc = r.pc;
   std::vector<double> t(P, 0.0), busy(P, 0.0);
-  bool progress = true;
-  while (progress) {
-    progress = false;
-    for (int s = 0; s < P; ++s) {
-      const auto& ops = plans.stages[s].ops;
-      while (!r.in_group[s] && pc[s] < ops.size()) {
-        const PipeOp& op = ops[pc[s]];
-        if (pipe_op_is_message(op.kind)) {
-          if (r.post(s) >= 0) return -1.0;
-          progress = true;
-          break;
-        }
-        const double c = op.kind == PipeOpKind::Forward ? cf : op.kind == PipeOpKind::Backward ? cb : 0.0;
-        t[s] += c;
-        busy[s] += c;
-        ++pc[s];
-        progress = true;
-      }
-    }
-    r.match([](int, size_t, int, size_t) { return std::string(); }, progress);
-    // a group completes with every group tied to it, once the last of them was posted
-    r.complete([&](const std::vector<int>& comp) {
-      double when = 0.0;
-      for (int q : comp) when = std::max(when, t[q]);
-      for (int q : comp) t[q] = when;
-    }, progress);
-  }
-  for (int s = 0; s < P; ++s)
-    if (pc[s] < plans.stages[s].ops.size()) return -1.0;
+  auto compute = [&](int s, const PipeOp& op) {
+    const double c = op.kind == PipeOpKind::Forward ? cf : op.kind == PipeOpKind::Backward ? cb : 0.0;
+    t[s] += c;
+    busy[s] += c;
+    return std::string();
+  };
+  // a group completes with every group tied to it, once the last of them was posted
+  auto done = [&](const std::vector<int>& comp) {
+    double when = 0.0;
+    for (int q : comp) when = std::max(when, t[q]);
+    for (int q : comp) t[q] = when;
+  };
+  if (!r.run(compute, [](int, size_t, int, size_t) { return std::string(); }, done).empty())
+    return -1.0;
   const double makespan = *std::max_element(t.begin(), t.end());
   if (makespan <= 0.0) return 0.0;
   double idle = 0.0;
@@ -773,12 +772,8 @@ double bubble_grouped(const PipelinePlans& plans, double cf, double cb) {
 // semantics (pipeline.h). `err` gets the first problem; the return is the bubble, or -1.
 double replay_async(const PipelinePlans& plans, double cf, double cb, std::string* err) {
   const int P = plans.P, V = plans.V, M = plans.M, S = P * V;
-  std::ostringstream e;
   auto fail = [&](int s, size_t i, const std::string& what) {
-    const PipeOp& op = plans.stages[s].ops[i];
-    e << "stage " << s << " op " << i << " (" << pipe_op_name(op.kind) << " chunk " << op.chunk
-      << " micro " << op.micro << "): " << what;
-    if (err) *err = e.str();
+    if (err) *err = op_problem(plans, s, i, what);
     return -1.0;
   };
   auto fail_msg = [&](const std::string& what) {

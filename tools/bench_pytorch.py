@@ -6,6 +6,7 @@ side by side with `vitgrid bench` (same model, batch, precision, AdamW step incl
     python3 tools/bench_pytorch.py --model vit_lite_7_4 --img 32 --classes 10 --batch 512   # ViT-Lite-7/4
     torchrun --nproc_per_node 4 tools/bench_pytorch.py ... --ddp      # DistributedDataParallel
     torchrun ... --ddp --ddp-bf16-hook   # gradients all-reduced in bf16 (DDP's bf16_compress_hook)
+    ... --grad-checkpointing --drop-path 0.1   # timm's activation checkpointing, stochastic depth
 
 Prints one line: model, precision, mode, world, img/s (global), img/s per GPU, step ms, peak
 memory (GiB, torch.cuda.max_memory_allocated)."""
@@ -28,6 +29,10 @@ def main():
     ap.add_argument("--ddp", action="store_true")
     ap.add_argument("--ddp-bf16-hook", action="store_true",
                     help="DDP reduces the gradients in bf16 (vitgrid's parallel.grad_reduce = act)")
+    ap.add_argument("--grad-checkpointing", action="store_true",
+                    help="timm's set_grad_checkpointing (vitgrid's model.checkpoint_activations)")
+    ap.add_argument("--drop-path", type=float, default=0.0,
+                    help="timm's drop_path_rate (vitgrid's model.drop_path)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=30)
     a = ap.parse_args()
@@ -44,9 +49,13 @@ def main():
     if a.model == "vit_lite_7_4":  # Colossal-AI's CIFAR-10 ViT-Lite-7/4 (not a timm name)
         from timm.models.vision_transformer import VisionTransformer
         model = VisionTransformer(img_size=a.img, patch_size=4, embed_dim=256, depth=7, num_heads=4,
-                                  mlp_ratio=2.0, num_classes=a.classes).cuda()
+                                  mlp_ratio=2.0, num_classes=a.classes,
+                                  drop_path_rate=a.drop_path).cuda()
     else:
-        model = timm.create_model(a.model, num_classes=a.classes, img_size=a.img).cuda()
+        model = timm.create_model(a.model, num_classes=a.classes, img_size=a.img,
+                                  drop_path_rate=a.drop_path).cuda()
+    if a.grad_checkpointing:
+        model.set_grad_checkpointing(True)
     if a.ddp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local])
         if a.ddp_bf16_hook:
@@ -81,7 +90,10 @@ def main():
     dt = (time.perf_counter() - t0) / a.steps
     mem = torch.cuda.max_memory_allocated() / 2**30
     if rank == 0:
-        mode = ("ddp " if a.ddp else "") + ("bf16-hook " if a.ddp_bf16_hook else "") + ("torch.compile" if a.compile else "eager")
+        mode = ("ddp " if a.ddp else "") + ("bf16-hook " if a.ddp_bf16_hook else "") + \
+            ("checkpointing " if a.grad_checkpointing else "") + \
+            (f"drop path {a.drop_path} " if a.drop_path else "") + \
+            ("torch.compile" if a.compile else "eager")
         print(f"pytorch | {a.model} | {a.precision} | {mode} | world {world} | batch/GPU {a.batch} | "
               f"step {dt * 1e3:.2f} ms | {world * a.batch / dt:.1f} img/s | {a.batch / dt:.1f} img/s/device | "
               f"peak mem {mem:.2f} GiB | torch {torch.__version__} timm {timm.__version__}", flush=True)

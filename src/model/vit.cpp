@@ -58,6 +58,10 @@ struct ViT::Acts {
   };
   std::vector<Set> sets;
   BlockActs shared;  // with activation checkpointing: the one block set, recomputed per block
+  // The (set, block) whose training forward shared holds, untouched since (-1: none): the
+  // backward of that block, next, needs no recompute (the chunk's last block, unless another
+  // micro-batch's forward ran in between).
+  int shared_set = -1, shared_block = -1;
   // Not kept between a block's forward and its backward, so shared by every block and set: the
   // projection output p (consumed by the fused residual add at once), the MLP output f (read by
   // the next block's fused add, by the chunk output and by the head: two buffers alternate by
@@ -72,7 +76,8 @@ struct ViT::Acts {
   float *losses, *c1, *c5;
   double* loss_sum;  // forward_backward's device total
   // gradients of activations
-  void *dres, *dtmp, *ddrop, *dqkv, *dh, *dcls_rows, *dcls_norm, *dptok;
+  void *dres, *dtmp, *dqkv, *dh, *dcls_rows, *dcls_norm, *dptok;
+  void* ddrop;  // the dropout and drop path passes' output (null without either)
   void* attn_ws;
   int last_count = 0;
 };
@@ -319,7 +324,7 @@ void ViT::plan_activations() {
     a.p_scr = take(N * C * as);
     a.g_scr = keep_g ? nullptr : take(N * Ml * as);
     a.f_scr[0] = take(N * C * as);
-    a.f_scr[1] = take(N * C * as);
+    a.f_scr[1] = ckpt ? nullptr : take(N * C * as);  // checkpointing: f_scr[0] only
     for (auto& st : a.sets)
       for (size_t j = 0; j < st.blocks.size(); ++j) {
         st.blocks[j].p = a.p_scr;
@@ -341,7 +346,7 @@ void ViT::plan_activations() {
     a.loss_sum = static_cast<double*>(take(sizeof(double)));
     a.dres = take(N * C * as);
     a.dtmp = take(N * C * as);
-    a.ddrop = take(N * C * as);
+    a.ddrop = cfg_.dropout > 0.0f || cfg_.drop_path > 0.0f ? take(N * C * as) : nullptr;
     a.dqkv = take(N * 3 * Cl * as);
     a.dh = take(N * Ml * as);
     a.dcls_rows = take(Bm * C * as);
@@ -504,6 +509,7 @@ void ViT::block_forward(int l, const DeviceBatch& in, int64_t step, bool train, 
   // previous block's r_mid + f: fused add (unless recomputing from the stored r_in). The
   // chunk's first block reads its input (embedding output or the previous stage's output).
   const bool fused_add = j > 0 && !ckpt;
+  a.shared_set = a.shared_block = -1;
   if (!recompute) need(block_group_[l]);
   if (fused_add) {
     Acts::BlockActs& pb = st.blocks[j - 1];
@@ -529,16 +535,22 @@ void ViT::block_forward(int l, const DeviceBatch& in, int64_t step, bool train, 
   if (drop_act)
     be_.dropout_forward(b.g, b.g, N * Ml, cfg_.dropout,
                         dkey(in, step, l, kSiteMlpAct, ActLayout::Inner, M));
+  // The backward reads no f (fc2's output only feeds the residual stream, stored in r_in[j + 1]
+  // or the chunk output): the recompute ends before fc2.
+  if (recompute) return;
   tp_.linear_forward(LinearRole::Row, b.f, b.g, W(kFc2W), W(kFc2B), N, M, C, nullptr,
                      cfg_.gelu);
   if (drop_res)
     be_.dropout_forward(b.f, b.f, N * Cs, cfg_.dropout,
                         dkey(in, step, l, kSiteMlpOut, ActLayout::Stream, C, path));
-  if (recompute) return;
   // With activation checkpointing the next block reads only r_in[j+1]: store it now. The
   // chunk's last block stores the output the next stage receives (unless the head follows).
   if (ckpt && j + 1 < ch.blocks) be_.add(st.r_in[j + 1], b.r_mid, b.f, N * Cs);
   if (j + 1 == ch.blocks && st.out) be_.add(st.out, b.r_mid, b.f, N * Cs);
+  if (ckpt && train) {
+    a.shared_set = set;
+    a.shared_block = l;
+  }
 }
 
 void ViT::chunk_forward(int chunk, int set, const DeviceBatch& in, int64_t step, bool train,
@@ -607,7 +619,11 @@ void ViT::chunk_forward(int chunk, int set, const DeviceBatch& in, int64_t step,
 
 void ViT::block_backward(int l, const DeviceBatch& in, int64_t step, int set, bool final) {
   Acts& a = *a_;
-  if (cfg_.checkpoint_activations) block_forward(l, in, step, true, set, true);
+  // With checkpointing, recompute the block's activations into shared, unless its own forward
+  // is still there (the chunk's last block when no other forward ran since: the same bits).
+  if (cfg_.checkpoint_activations && (a.shared_set != set || a.shared_block != l))
+    block_forward(l, in, step, true, set, true);
+  a.shared_set = a.shared_block = -1;
   Acts::Set& st = a.sets[set];
   const auto& chunk = layout_.chunks[chunk_of_block(l)];
   const int j = l - chunk.first_block;

@@ -156,6 +156,14 @@ class Profiled final : public ProfiledBackend {
       add("dropout_forward", t0);
     }
   }
+  void drop_path_factors(float* out, int samples, DropoutKey k) override {
+    const double t0 = now_s();
+    b_->drop_path_factors(out, samples, k);
+    if (on_) {
+      b_->synchronize();
+      add("drop_path_factors", t0);
+    }
+  }
   void dropout_backward(void* dx, const void* dy, size_t n, float p, DropoutKey k) override {
     const double t0 = now_s();
     b_->dropout_backward(dx, dy, n, p, k);
@@ -245,9 +253,9 @@ class Profiled final : public ProfiledBackend {
   }
   void add_layernorm_forward(void* res, void* y, float* mean, float* rstd, const void* a,
                              const void* b, const void* gamma, const void* beta, int N, int C,
-                             float eps) override {
+                             float eps, RowFactors bf) override {
     const double t0 = now_s();
-    b_->add_layernorm_forward(res, y, mean, rstd, a, b, gamma, beta, N, C, eps);
+    b_->add_layernorm_forward(res, y, mean, rstd, a, b, gamma, beta, N, C, eps, bf);
     if (on_) {
       b_->synchronize();
       add("add_layernorm_forward", t0);
@@ -255,9 +263,9 @@ class Profiled final : public ProfiledBackend {
   }
   void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy, const void* x,
                           const void* gamma, const float* mean, const float* rstd, int N, int C,
-                          float* dsum) override {
+                          float* dsum, void* dbranch, RowFactors bf) override {
     const double t0 = now_s();
-    b_->layernorm_backward(dx, dgamma, dbeta, dy, x, gamma, mean, rstd, N, C, dsum);
+    b_->layernorm_backward(dx, dgamma, dbeta, dy, x, gamma, mean, rstd, N, C, dsum, dbranch, bf);
     if (on_) {
       b_->synchronize();
       add("layernorm_backward", t0);

@@ -52,6 +52,9 @@ struct ViT::Acts {
     std::vector<void*> r_in;         // residual stream entering each block of the chunk; r_in[0]
                                      // is the chunk input, and d(input) after the backward
     std::vector<BlockActs> blocks;   // per block of the chunk (none with checkpointing)
+    // Drop path's factors where the LayerNorms apply them (path_in_layernorm): per block of
+    // the chunk, the attention branch's then the MLP branch's, path_stride floats each.
+    float* path_f = nullptr;
     void* out = nullptr;             // chunk output (r_mid + f of its last block), sent on
     void *cls_rows = nullptr, *cls_norm = nullptr, *dlogits = nullptr;  // head (last chunk)
     float *mf = nullptr, *sf = nullptr;
@@ -62,6 +65,7 @@ struct ViT::Acts {
   // backward of that block, next, needs no recompute (the chunk's last block, unless another
   // micro-batch's forward ran in between).
   int shared_set = -1, shared_block = -1;
+  int path_stride = 0;  // the largest local batch: floats per factor vector of a Set
   // Not kept between a block's forward and its backward, so shared by every block and set: the
   // projection output p (consumed by the fused residual add at once), the MLP output f (read by
   // the next block's fused add, by the chunk output and by the head: two buffers alternate by
@@ -287,6 +291,9 @@ void ViT::plan_activations() {
   const bool has_out = layout_.chunks.size() > 1 || !layout_.head;
   const bool ckpt = cfg_.checkpoint_activations;
   const bool keep_g = kept_gelu_output();
+  bool path_f = false;
+  for (int l = 0; l < cfg_.depth; ++l) path_f = path_f || path_in_layernorm(l);
+  a_->path_stride = Bm;
   auto block_set = [&](Acts::BlockActs& b) {
     b.y1 = take(N * C * as);
     b.qkv = take(N * 3 * Cl * as);
@@ -311,6 +318,8 @@ void ViT::plan_activations() {
       for (auto& r : st.r_in) r = take(N * C * as);
       st.blocks.assign(ckpt ? 0 : max_blocks, {});
       for (auto& b : st.blocks) block_set(b);
+      st.path_f = path_f ? static_cast<float*>(take(max_blocks * 2 * sizeof(float) * Bm))
+                         : nullptr;
       if (has_out) st.out = take(N * C * as);
       if (layout_.head) {
         st.cls_rows = take(Bm * C * as);
@@ -480,6 +489,10 @@ bool ViT::drop_path_kept(int64_t step, int l, int branch, int64_t sample) const 
          drop_path_keep(seed_, key, static_cast<uint64_t>(sample), dropout_threshold(p));
 }
 
+bool ViT::path_in_layernorm(int l) const {
+  return cfg_.dropout <= 0.0f && cfg_.drop_path_rate(l) > 0.0f && tp_.layernorm_row_factors();
+}
+
 // Block l (global index: it keys the dropout masks) of micro-batch `in` in set `set`. With
 // checkpointing the block's activations live in the shared set and this also runs as the
 // recompute of the backward (`recompute`: the outputs it stores for others are already there).
@@ -509,12 +522,28 @@ void ViT::block_forward(int l, const DeviceBatch& in, int64_t step, bool train, 
   // previous block's r_mid + f: fused add (unless recomputing from the stored r_in). The
   // chunk's first block reads its input (embedding output or the previous stage's output).
   const bool fused_add = j > 0 && !ckpt;
+  // Drop path in the LayerNorms: the branches' per-sample factors go into LayerNorm 2's add
+  // (the attention branch) and the next block's LayerNorm 1's (the MLP branch, when that add
+  // is fused: else a pass over f as with dropout).
+  const bool in_ln = train && path_in_layernorm(l);
+  auto factors = [&](int jj, int branch) {
+    return st.path_f + (static_cast<size_t>(jj) * 2 + branch) * a.path_stride;
+  };
+  if (in_ln) {
+    be_.drop_path_factors(factors(j, 0), Bl,
+                          dkey(in, step, l, kSiteProj, ActLayout::Stream, C, path));
+    be_.drop_path_factors(factors(j, 1), Bl,
+                          dkey(in, step, l, kSiteMlpOut, ActLayout::Stream, C, path));
+  }
+  const bool f_in_ln = in_ln && !ckpt && j + 1 < ch.blocks;  // f goes unscaled to that add
   a.shared_set = a.shared_block = -1;
   if (!recompute) need(block_group_[l]);
   if (fused_add) {
     Acts::BlockActs& pb = st.blocks[j - 1];
+    const RowFactors pf =
+        train && path_in_layernorm(l - 1) ? RowFactors{factors(j - 1, 1), T} : RowFactors{};
     tp_.layernorm_forward(st.r_in[j], b.y1, b.m1, b.s1, pb.r_mid, pb.f, W(kNorm1W), W(kNorm1B),
-                          N, C, cfg_.ln_eps);
+                          N, C, cfg_.ln_eps, pf);
   } else {
     tp_.layernorm_forward(st.r_in[j], b.y1, b.m1, b.s1, st.r_in[j], nullptr, W(kNorm1W),
                           W(kNorm1B), N, C, cfg_.ln_eps);
@@ -524,12 +553,12 @@ void ViT::block_forward(int l, const DeviceBatch& in, int64_t step, bool train, 
   be_.attention_forward(b.att, b.asaved, b.qkv, Bl, T, H, hd, a.attn_ws);
   tp_.linear_forward(LinearRole::Row, b.p, b.att, W(kProjW), W(kProjB), N, C, C, nullptr,
                      cfg_.gelu);
-  if (drop_res)
+  if (drop_res && !in_ln)
     be_.dropout_forward(b.p, b.p, N * Cs, cfg_.dropout,
                         dkey(in, step, l, kSiteProj, ActLayout::Stream, C, path));
   if (!recompute) need(block_group_[l] + 1);
   tp_.layernorm_forward(b.r_mid, b.y2, b.m2, b.s2, st.r_in[j], b.p, W(kNorm2W), W(kNorm2B), N,
-                        C, cfg_.ln_eps);
+                        C, cfg_.ln_eps, in_ln ? RowFactors{factors(j, 0), T} : RowFactors{});
   tp_.linear_forward(LinearRole::Column, b.h, b.y2, W(kFc1W), W(kFc1B), N, C, M, b.g,
                      cfg_.gelu);
   if (drop_act)
@@ -540,7 +569,7 @@ void ViT::block_forward(int l, const DeviceBatch& in, int64_t step, bool train, 
   if (recompute) return;
   tp_.linear_forward(LinearRole::Row, b.f, b.g, W(kFc2W), W(kFc2B), N, M, C, nullptr,
                      cfg_.gelu);
-  if (drop_res)
+  if (drop_res && !f_in_ln)
     be_.dropout_forward(b.f, b.f, N * Cs, cfg_.dropout,
                         dkey(in, step, l, kSiteMlpOut, ActLayout::Stream, C, path));
   // With activation checkpointing the next block reads only r_in[j+1]: store it now. The
@@ -646,20 +675,29 @@ void ViT::block_backward(int l, const DeviceBatch& in, int64_t step, int set, bo
   const size_t NC = N * Cs, NM = N * Ml;
   // Without dropout or drop path on block k's residual branches, proj's output gradient is
   // dres as LN2's backward leaves it, and fc2's is dres as the next block's LN1 backward leaves
-  // it. Where the strategy can, those passes add the bias gradients (dres's column sums):
-  // LN2's here proj's, LN1's here the previous block's fc2's (in this chunk); this block's fc2
-  // sums its own only as the chunk's last block (its dres came from the head or the next
-  // stage). Drop path's rate differs from block to block, so the two blocks decide apart.
+  // it; with drop path in the LayerNorms (path_in_layernorm), those backwards also leave dres
+  // times the branch's factors in ddrop, which is then that gradient. Where the strategy can,
+  // those passes add the bias gradients (the column sums of that gradient): LN2's here
+  // proj's, LN1's here the previous block's fc2's (in this chunk); this block's fc2 sums its
+  // own only as the chunk's last block (its dres came from the head or the next stage). Drop
+  // path's rate differs from block to block, so the two blocks decide apart.
+  const bool last_in_chunk = l + 1 == chunk.first_block + chunk.blocks;
   auto ln_bias = [&](int k) {
-    return cfg_.dropout <= 0.0f && cfg_.drop_path_rate(k) <= 0.0f &&
+    return cfg_.dropout <= 0.0f && (cfg_.drop_path_rate(k) <= 0.0f || path_in_layernorm(k)) &&
            tp_.row_bias_in_layernorm_backward();
   };
-  float* fc2_db = ln_bias(l) && l + 1 < chunk.first_block + chunk.blocks ? nullptr : G(kFc2B);
+  float* fc2_db = ln_bias(l) && !last_in_chunk ? nullptr : G(kFc2B);
   float* proj_db_ln = ln_bias(l) ? G(kProjB) : nullptr;
   float* prev_fc2_db = l > chunk.first_block && ln_bias(l - 1) ? Gk(l - 1, kFc2B) : nullptr;
+  const bool in_ln = path_in_layernorm(l);
+  auto factors = [&](int jj, int branch) {
+    return RowFactors{st.path_f + (static_cast<size_t>(jj) * 2 + branch) * a.path_stride, T};
+  };
   // dres holds d(block output) = d(r_mid + f)
   const void* df = a.dres;
-  if (drop_res) {
+  if (in_ln && !last_in_chunk) {
+    df = a.ddrop;  // the next block's LayerNorm 1 backward left it there
+  } else if (drop_res) {
     be_.dropout_backward(a.ddrop, a.dres, NC, cfg_.dropout,
                          dkey(in, step, l, kSiteMlpOut, ActLayout::Stream, C, path));
     df = a.ddrop;
@@ -686,10 +724,13 @@ void ViT::block_backward(int l, const DeviceBatch& in, int64_t step, int set, bo
                       b.y2, W(kFc1W), N, C, M);
   // dres += LN2 backward: now dres = d r_mid
   tp_.layernorm_backward(a.dres, G(kNorm2W), G(kNorm2B), a.dtmp, b.r_mid, W(kNorm2W), b.m2,
-                         b.s2, N, C, proj_db_ln);
+                         b.s2, N, C, proj_db_ln, in_ln ? a.ddrop : nullptr,
+                         in_ln ? factors(j, 0) : RowFactors{});
   if (final) report(block_group_[l] + 1);  // the MLP half
   const void* dp = a.dres;
-  if (drop_res) {
+  if (in_ln) {
+    dp = a.ddrop;
+  } else if (drop_res) {
     be_.dropout_backward(a.ddrop, a.dres, NC, cfg_.dropout,
                          dkey(in, step, l, kSiteProj, ActLayout::Stream, C, path));
     dp = a.ddrop;
@@ -700,8 +741,10 @@ void ViT::block_backward(int l, const DeviceBatch& in, int64_t step, int set, bo
   tp_.linear_backward(LinearRole::Column, a.dtmp, G(kQkvW), G(kQkvB), a.dqkv, b.y1, W(kQkvW), N,
                       C, 3 * C, 3);
   // dres += LN1 backward: now dres = d r_in[l]
+  const bool prev_in_ln = l > chunk.first_block && path_in_layernorm(l - 1);
   tp_.layernorm_backward(a.dres, G(kNorm1W), G(kNorm1B), a.dtmp, st.r_in[j], W(kNorm1W), b.m1,
-                         b.s1, N, C, prev_fc2_db);
+                         b.s1, N, C, prev_fc2_db, prev_in_ln ? a.ddrop : nullptr,
+                         prev_in_ln ? factors(j - 1, 1) : RowFactors{});
   if (final) report(block_group_[l]);  // the attention half
 }
 

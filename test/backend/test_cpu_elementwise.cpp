@@ -370,3 +370,71 @@ TEST(CpuElementwise, DropPathDropsWholeSamples) {
       for (int c = 0; c < 3; ++c) ASSERT_EQ(cols[r * 3 + c], y[r * W + 2 + c]) << r << "," << c;
   }
 }
+
+TEST(CpuNorm, LayernormRowFactorsAreTheDropPathPassFused) {
+  // Drop path in the LayerNorms (RowFactors): the forward's residual add with the branch's
+  // rows times their samples' factors, and the backward's branch gradient (with its column
+  // sums), give what the separate drop-path pass does, bit for bit, in fp32 and emulated bf16.
+  const int S = 24, T = 3, C = 16, N = S * T;
+  const size_t n = size_t(N) * C;
+  vitgrid::DropoutKey k;
+  k.seed = 3;
+  k.key = 77;
+  k.path_p = 0.4f;
+  k.path_sample0 = 9;
+  k.path_sample_elems = size_t(T) * C;
+  for (vitgrid::DType dt : {vitgrid::DType::F32, vitgrid::DType::BF16}) {
+    SCOPED_TRACE(dt == vitgrid::DType::F32 ? "fp32" : "bf16");
+    vitgrid::CpuBackend be(dt);
+    std::vector<float> f(S);
+    be.drop_path_factors(f.data(), S, k);
+    int dropped = 0;
+    for (int s = 0; s < S; ++s) {
+      const bool kept =
+          vitgrid::drop_path_keep(k.seed, k.key, 9 + s, vitgrid::dropout_threshold(0.4f));
+      EXPECT_EQ(f[s], kept ? vitgrid::dropout_scale(0.0f, 0.4f) : 0.0f) << "sample " << s;
+      dropped += !kept;
+    }
+    ASSERT_GT(dropped, 0);
+    ASSERT_LT(dropped, S);
+    auto rounded = [&](std::vector<float> v) {  // act tensors hold act values
+      be.cast_to_act(v.data(), v.data(), v.size());
+      return v;
+    };
+    const auto a = rounded(randn(n, 1)), b = rounded(randn(n, 2)), dy = rounded(randn(n, 3)),
+               dx0 = rounded(randn(n, 4));
+    const auto g = rounded(vgtest::randu(C, 5, 0.5f, 1.5f)), beta = rounded(randn(C, 6));
+    // unfused: a pass over b, then the add; the backward, then a pass over dx and its sums
+    std::vector<float> bd(n), r0(n), y0(n), m0(N), s0(N), dx_u = dx0, dg0(C, 0.f), dbt0(C, 0.f),
+        br0(n), sum0(C, 0.f);
+    be.dropout_forward(bd.data(), b.data(), n, 0.0f, k);
+    be.add_layernorm_forward(r0.data(), y0.data(), m0.data(), s0.data(), a.data(), bd.data(),
+                             g.data(), beta.data(), N, C, 1e-6f);
+    be.layernorm_backward(dx_u.data(), dg0.data(), dbt0.data(), dy.data(), r0.data(), g.data(),
+                          m0.data(), s0.data(), N, C);
+    be.dropout_backward(br0.data(), dx_u.data(), n, 0.0f, k);
+    for (int r = 0; r < N; ++r)  // (the backend's order: row by row)
+      for (int c = 0; c < C; ++c) sum0[c] += br0[size_t(r) * C + c];
+    // fused
+    std::vector<float> r1(n), y1(n), m1(N), s1(N), dx_f = dx0, dg1(C, 0.f), dbt1(C, 0.f),
+        br1(n), sum1(C, 0.f);
+    const vitgrid::RowFactors rf{f.data(), T};
+    be.add_layernorm_forward(r1.data(), y1.data(), m1.data(), s1.data(), a.data(), b.data(),
+                             g.data(), beta.data(), N, C, 1e-6f, rf);
+    be.layernorm_backward(dx_f.data(), dg1.data(), dbt1.data(), dy.data(), r1.data(), g.data(),
+                          m1.data(), s1.data(), N, C, sum1.data(), br1.data(), rf);
+    EXPECT_EQ(r1, r0);
+    EXPECT_EQ(y1, y0);
+    EXPECT_EQ(dx_f, dx_u);
+    EXPECT_EQ(br1, br0);
+    EXPECT_EQ(sum1, sum0);
+    EXPECT_EQ(dg1, dg0);
+    // dropped samples' rows: the residual alone, and a zero branch gradient
+    for (int s = 0; s < S; ++s)
+      if (f[s] == 0.0f)
+        for (size_t i = size_t(s) * T * C; i < size_t(s + 1) * T * C; ++i) {
+          ASSERT_EQ(r1[i], a[i]);
+          ASSERT_EQ(br1[i], 0.0f);
+        }
+  }
+}

@@ -428,6 +428,111 @@ TEST_P(GpuBackend, LayerNorm) {
   }
 }
 
+// Drop path in the LayerNorms (RowFactors): on each LayerNorm backward kernel (VITGRID_LN_BWD
+// = 0, 1), the fused forward and backward give what the drop-path pass around the unfused ones
+// gives, bit for bit (res, y, dx and the branch gradient); the branch gradient's column sums
+// match an fp64 sum of it; the factors and every output match the CPU backend. Widths: the
+// second kernel's factor variant (1, 2, 3, 4 packs per lane in 16-bit types) and the passes
+// of their own (1280: 5 packs; 77: the general path; fp32's wider packs).
+TEST_P(GpuBackend, LayerNormRowFactors) {
+  std::unique_ptr<Dev> lnb[2];
+  {
+    const char* prev = std::getenv("VITGRID_LN_BWD");
+    const std::string saved = prev ? prev : "";
+    for (int v = 0; v < 2; ++v) {
+      setenv("VITGRID_LN_BWD", v ? "1" : "0", 1);
+      lnb[v] = std::make_unique<Dev>(make_cuda_backend(0, dt));
+    }
+    if (prev) setenv("VITGRID_LN_BWD", saved.c_str(), 1);
+    else unsetenv("VITGRID_LN_BWD");
+  }
+  const int T = 7;
+  for (auto [N, C] : {std::pair<int, int>{4998, 768}, std::pair<int, int>{301, 256},
+                      std::pair<int, int>{63, 1024}, std::pair<int, int>{147, 512},
+                      std::pair<int, int>{91, 1280}, std::pair<int, int>{42, 77}}) {
+    SCOPED_TRACE("N=" + std::to_string(N) + " C=" + std::to_string(C));
+    const int S = N / T;
+    const size_t n = size_t(N) * C;
+    DropoutKey k;
+    k.seed = 21;
+    k.key = 5;
+    k.path_p = 0.3f;
+    k.path_sample0 = 40;
+    k.path_sample_elems = size_t(T) * C;
+    Vec a = rnd(n, 1.0f, 0.3f), b = rnd(n), g = rnd(C, 0.2f, 1.0f), be = rnd(C, 0.1f),
+        dy = rnd(n), dx0 = rnd(n), ds0 = rnd(C);
+    Vec ref[6];  // the CPU's fused outputs: res, y, dx, dbranch, dsum, factors
+    for (int d_i = 0; d_i < 3; ++d_i) {
+      Dev* d = d_i ? lnb[d_i - 1].get() : cpu.get();
+      SCOPED_TRACE(d_i ? "VITGRID_LN_BWD=" + std::to_string(d_i - 1) : std::string("CPU"));
+      float* f = d->nan_f32(S);
+      d->be->drop_path_factors(f, S, k);
+      const RowFactors rf{f, T};
+      void* gam = d->act(g);
+      Vec out[2][5];  // [fused?]: res, y, dx, dbranch, dsum
+      for (int fused = 0; fused < 2; ++fused) {
+        void* res = d->nan_act(n);
+        void* y = d->nan_act(n);
+        float* mean = d->nan_f32(N);
+        float* rstd = d->nan_f32(N);
+        void* dx = d->act(dx0);
+        void* dbr = d->nan_act(n);
+        float* dgam = d->f32(Vec(C, 0.0f));
+        float* dbet = d->f32(Vec(C, 0.0f));
+        float* dsum = d->f32(ds0);
+        if (fused) {
+          d->be->add_layernorm_forward(res, y, mean, rstd, d->act(a), d->act(b), gam, d->act(be),
+                                       N, C, 1e-6f, rf);
+          d->be->layernorm_backward(dx, dgam, dbet, d->act(dy), res, gam, mean, rstd, N, C,
+                                    dsum, dbr, rf);
+          out[1][4] = d->get_f32(dsum, C);
+        } else {
+          void* bd = d->act(b);
+          d->be->dropout_forward(bd, bd, n, 0.0f, k);
+          d->be->add_layernorm_forward(res, y, mean, rstd, d->act(a), bd, gam, d->act(be), N, C,
+                                       1e-6f);
+          d->be->layernorm_backward(dx, dgam, dbet, d->act(dy), res, gam, mean, rstd, N, C);
+          d->be->dropout_backward(dbr, dx, n, 0.0f, k);
+        }
+        out[fused][0] = d->get_act(res, n);
+        out[fused][1] = d->get_act(y, n);
+        out[fused][2] = d->get_act(dx, n);
+        out[fused][3] = d->get_act(dbr, n);
+      }
+      for (int j = 0; j < 4; ++j) {
+        SCOPED_TRACE("output " + std::to_string(j));
+        size_t diff = 0;
+        for (size_t i = 0; i < n; ++i)
+          diff += std::memcmp(&out[0][j][i], &out[1][j][i], sizeof(float)) != 0;
+        EXPECT_EQ(diff, 0u) << "elements whose bits differ from the unfused pass";
+      }
+      for (int c = 0; c < C; ++c) {  // dsum: ds0 + the column sums of the branch gradient
+        double s = ds0[c], mag = std::fabs(ds0[c]);
+        for (int i = 0; i < N; ++i) {
+          s += out[1][3][size_t(i) * C + c];
+          mag += std::fabs(out[1][3][size_t(i) * C + c]);
+        }
+        ASSERT_NEAR(out[1][4][c], s, 1e-5 * mag) << "dsum, column " << c;
+      }
+      Vec fac = d->get_f32(f, S);
+      if (d_i == 0) {
+        for (int j = 0; j < 5; ++j) ref[j] = out[1][j];
+        ref[5] = fac;
+        int dropped = 0;
+        for (float v : fac) dropped += v == 0.0f;
+        ASSERT_GT(dropped, 0);
+        ASSERT_LT(dropped, S);
+        continue;
+      }
+      EXPECT_EQ(fac, ref[5]) << "the factors";
+      for (int j = 0; j < 4; ++j) {
+        SCOPED_TRACE("against the CPU, output " + std::to_string(j));
+        EXPECT_CLOSE(out[1][j], ref[j], tol());
+      }
+    }
+  }
+}
+
 TEST_P(GpuBackend, Softmax) {
   const int rows = 29, cols = 197;
   Vec x = rnd(size_t(rows) * cols, 3.0f), dy = rnd(size_t(rows) * cols);

@@ -40,6 +40,16 @@ enum class Gelu : int { Exact = 0, Tanh = 1 };
 // element i belongs to sample path_sample0 + i / path_sample_elems (plus the position where
 // set), kept iff drop_path_keep(stream key, sample, dropout_threshold(path_p)); kept samples
 // scale by 1/(1-path_p) on top.
+struct DropoutKey;
+// Per-row factors on a LayerNorm call's residual branch (drop path fused into the LayerNorm,
+// Backend::add_layernorm_forward / layernorm_backward): row r of the branch is multiplied by
+// f[r / rows_per] as dropout_forward multiplies (the fp32 product rounded to the act dtype;
+// a zero factor gives +0). f null: none.
+struct RowFactors {
+  const float* f = nullptr;
+  int rows_per = 1;
+};
+
 struct DropoutKey {
   uint64_t seed = 0;
   uint64_t key = 0;           // stream key: (step, layer, site) mixed together
@@ -207,6 +217,10 @@ class Backend {
                                   float* db, Gelu g) = 0;
   // y = x with dropout applied (y may alias x). p == 0 copies.
   virtual void dropout_forward(void* y, const void* x, size_t n, float p, DropoutKey k) = 0;
+  // Drop path's factors of call k (k.path_p > 0): out[i] (fp32) = dropout_scale(0, path_p)
+  // when sample drop_path_sample0(k) + i is kept, else 0, i < samples: what dropout_forward
+  // with p = 0 multiplies that sample's elements by (a RowFactors vector).
+  virtual void drop_path_factors(float* out, int samples, DropoutKey k) = 0;
   // dx = dy masked and scaled with the same mask as the forward (dx may alias dy).
   virtual void dropout_backward(void* dx, const void* dy, size_t n, float p, DropoutKey k) = 0;
   // y = a + b (y may alias a)
@@ -221,17 +235,23 @@ class Backend {
   // ---- normalisation
   // Fused residual add + LayerNorm over the last dim C of N rows:
   // res = a + b (b may be null: res = a; res may alias a); y = (res - mean) * rstd * gamma + beta.
-  // mean and rstd (fp32, N each) are saved for the backward.
+  // mean and rstd (fp32, N each) are saved for the backward. With bf: b's rows are multiplied
+  // by their factors (rounded) before the add, as a dropout pass over b would leave them.
   virtual void add_layernorm_forward(void* res, void* y, float* mean, float* rstd,
                                      const void* a, const void* b, const void* gamma,
-                                     const void* beta, int N, int C, float eps) = 0;
+                                     const void* beta, int N, int C, float eps,
+                                     RowFactors bf = {}) = 0;
   // dx[N,C] += LayerNorm backward of dy (dx is the residual-stream gradient, accumulated);
   // dgamma[C] += ..., dbeta[C] += ... (fp32). With dsum: dsum[C] += the column sums of the
   // updated dx as stored (act dtype), i.e. the bias gradient of a Linear whose output gradient
-  // dx is, summed while dx is at hand instead of in a pass of its own.
+  // dx is, summed while dx is at hand instead of in a pass of its own. With bf (the factors
+  // the forward's branch b had): dbranch = the updated dx's rows times their factors (the
+  // branch's output gradient, as a dropout backward pass over dx would give it; dbranch does
+  // not alias dx), and dsum sums dbranch instead.
   virtual void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy,
                                   const void* x, const void* gamma, const float* mean,
-                                  const float* rstd, int N, int C, float* dsum = nullptr) = 0;
+                                  const float* rstd, int N, int C, float* dsum = nullptr,
+                                  void* dbranch = nullptr, RowFactors bf = {}) = 0;
   // ---- LayerNorm of rows split over ranks (tensor parallelism: 2d/2.5d/3d Stream rows).
   // A rank holds C of the C_total columns of N rows (x[N,C], gamma/beta[C] its slices). The
   // ops produce fp32 per-row partial sums; between two ops the caller sums them over the

@@ -230,6 +230,9 @@ class ViT {
   // which recomputes the whole block anyway).
   bool kept_gelu_output() const { return cfg_.keep_gelu_output && !cfg_.checkpoint_activations; }
   int chunk_of_block(int l) const;
+  // Block l's drop path rides on the LayerNorms' residual adds (per-sample factors, no passes
+  // over the branches): drop path without dropout, where the strategy's LayerNorms take them.
+  bool path_in_layernorm(int l) const;
   void block_forward(int l, const DeviceBatch& in, int64_t step, bool train, int set,
                      bool recompute);
   void block_backward(int l, const DeviceBatch& in, int64_t step, int set, bool final);

@@ -146,15 +146,21 @@ class TensorParallel {
   virtual bool gelu_bias_in_row_backward() const = 0;
   // Fused residual add + LayerNorm over the (global) width C of Stream rows, same contract as
   // Backend::add_layernorm_forward / layernorm_backward; statistics over the whole width.
+  // With bf (where layernorm_row_factors()): b's rows times their factors, as the backend's.
   virtual void layernorm_forward(void* res, void* y, float* mean, float* rstd, const void* a,
                                  const void* b, const void* gamma, const void* beta, int rows,
-                                 int C, float eps) = 0;
+                                 int C, float eps, RowFactors bf = {}) = 0;
   // With dsum (where row_bias_in_layernorm_backward()): dsum += the column sums of the
   // updated dx, which is then the whole bias gradient of a Row Linear whose output gradient dx
-  // is; that Linear's backward is then given no db.
+  // is; that Linear's backward is then given no db. With bf (where layernorm_row_factors()):
+  // dbranch = the updated dx's rows times their factors, and dsum sums dbranch instead.
   virtual void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy,
                                   const void* x, const void* gamma, const float* mean,
-                                  const float* rstd, int rows, int C, float* dsum = nullptr) = 0;
+                                  const float* rstd, int rows, int C, float* dsum = nullptr,
+                                  void* dbranch = nullptr, RowFactors bf = {}) = 0;
+  // Whether the LayerNorms take per-row factors on their branch (drop path fused into them):
+  // the modes whose Stream rows are whole on every rank (none, 1d).
+  virtual bool layernorm_row_factors() const = 0;
   // Whether layernorm_backward takes dsum: the modes whose Stream is whole on every rank and
   // whose Row Linear sums its (whole) bias gradient over that dy: none, 1d.
   virtual bool row_bias_in_layernorm_backward() const = 0;

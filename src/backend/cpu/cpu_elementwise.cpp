@@ -120,6 +120,16 @@ void CpuBackend::dropout_forward(void* y, const void* x, size_t n, float p, Drop
   round_act(static_cast<float*>(y), n);
 }
 
+void CpuBackend::drop_path_factors(float* out, int samples, DropoutKey k) {
+  uint64_t key, base;
+  dropout_stream(k, &key, &base);
+  const uint64_t sample0 = drop_path_sample0(k);
+  const uint32_t threshold = dropout_threshold(k.path_p);
+  const float scale = dropout_scale(0.0f, k.path_p);
+  for (int i = 0; i < samples; ++i)
+    out[i] = drop_path_keep(k.seed, key, sample0 + i, threshold) ? scale : 0.0f;
+}
+
 void CpuBackend::dropout_backward(void* dx, const void* dy, size_t n, float p, DropoutKey k) {
   apply_dropout(static_cast<float*>(dx), static_cast<const float*>(dy), n, p, k);
   round_act(static_cast<float*>(dx), n);

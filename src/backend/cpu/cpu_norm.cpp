@@ -15,7 +15,8 @@ inline float* f(void* p) { return static_cast<float*>(p); }
 
 void CpuBackend::add_layernorm_forward(void* res_, void* y_, float* mean, float* rstd,
                                        const void* a_, const void* b_, const void* gamma_,
-                                       const void* beta_, int N, int C, float eps) {
+                                       const void* beta_, int N, int C, float eps,
+                                       RowFactors bf) {
   const float* a = cf(a_);
   const float* b = cf(b_);
   const float* gamma = cf(gamma_);
@@ -27,7 +28,13 @@ void CpuBackend::add_layernorm_forward(void* res_, void* y_, float* mean, float*
     const float* ar = a + (size_t)r * C;
     if (b) {
       const float* br = b + (size_t)r * C;
-      for (int j = 0; j < C; ++j) xr[j] = ar[j] + br[j];
+      if (bf.f) {  // the branch as a dropout pass leaves it: the product rounded, +0 if dropped
+        const float fr = bf.f[r / bf.rows_per];
+        for (int j = 0; j < C; ++j)
+          xr[j] = ar[j] + (fr != 0.0f ? round_to(act_, br[j] * fr) : 0.0f);
+      } else {
+        for (int j = 0; j < C; ++j) xr[j] = ar[j] + br[j];
+      }
       // The residual stream is an act tensor: round before the statistics see it, so the
       // statistics match the stored input the backward will read.
       round_act(xr, C);
@@ -55,7 +62,8 @@ void CpuBackend::add_layernorm_forward(void* res_, void* y_, float* mean, float*
 
 void CpuBackend::layernorm_backward(void* dx_, float* dgamma, float* dbeta, const void* dy_,
                                     const void* x_, const void* gamma_, const float* mean,
-                                    const float* rstd, int N, int C, float* dsum) {
+                                    const float* rstd, int N, int C, float* dsum,
+                                    void* dbranch_, RowFactors bf) {
   const float* dy = cf(dy_);
   const float* x = cf(x_);
   const float* gamma = cf(gamma_);
@@ -84,7 +92,20 @@ void CpuBackend::layernorm_backward(void* dx_, float* dgamma, float* dbeta, cons
     }
     round_act(dxr, C);
   }
-  if (dsum) add_column_sums(dsum, dx, N, C);
+  if (!bf.f) {
+    if (dsum) add_column_sums(dsum, dx, N, C);
+    return;
+  }
+  float* db = f(dbranch_);
+  for (int r = 0; r < N; ++r) {
+    const float fr = bf.f[r / bf.rows_per];
+    for (int j = 0; j < C; ++j) {
+      const size_t i = (size_t)r * C + j;
+      db[i] = fr != 0.0f ? dx[i] * fr : 0.0f;
+    }
+    round_act(db + (size_t)r * C, C);
+  }
+  if (dsum) add_column_sums(dsum, db, N, C);
 }
 
 void CpuBackend::softmax_forward(void* y_, const void* x_, int rows, int cols, float scale) {

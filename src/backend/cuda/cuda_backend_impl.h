@@ -130,6 +130,7 @@ class CudaBackend final : public Backend {
   void gelu_backward_bias(void* dx, const void* x, const void* dy, int rows, int cols, float* db,
                           Gelu g) override;
   void dropout_forward(void* y, const void* x, size_t n, float p, DropoutKey k) override;
+  void drop_path_factors(float* out, int samples, DropoutKey k) override;
   void dropout_backward(void* dx, const void* dy, size_t n, float p, DropoutKey k) override;
   void add(void* y, const void* a, const void* b, size_t n) override;
   void accumulate(void* y, const void* x, size_t n) override;
@@ -137,10 +138,11 @@ class CudaBackend final : public Backend {
 
   void add_layernorm_forward(void* res, void* y, float* mean, float* rstd, const void* a,
                              const void* b, const void* gamma, const void* beta, int N, int C,
-                             float eps) override;
+                             float eps, RowFactors bf = {}) override;
   void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy, const void* x,
                           const void* gamma, const float* mean, const float* rstd, int N, int C,
-                          float* dsum = nullptr) override;
+                          float* dsum = nullptr, void* dbranch = nullptr,
+                          RowFactors bf = {}) override;
   void softmax_forward(void* y, const void* x, int rows, int cols, float scale) override;
   void softmax_backward(void* dx, const void* y, const void* dy, int rows, int cols,
                         float scale) override;

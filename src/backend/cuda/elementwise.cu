@@ -146,6 +146,17 @@ struct GeluBwdOp {  // v = {x, dy}
     return dy * d;
   }
 };
+
+// Drop path's factors of a call (Backend::drop_path_factors): one thread per sample.
+__global__ void drop_path_factors_kernel(float* out, int samples, DropoutKey k,
+                                         uint32_t threshold, float scale) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= samples) return;
+  uint64_t key, base;
+  dropout_stream(k, &key, &base);
+  out[i] = drop_path_keep(k.seed, key, drop_path_sample0(k) + i, threshold) ? scale : 0.0f;
+}
+
 // The mask bit of element i is the counter RNG at counter_base + i, as on the CPU.
 // The counter of element i: contiguous (cols == 0), or, for a tensor-parallel column block of
 // wider global rows, row * global_cols + col_offset + col (DropoutKey in backend.h), so every
@@ -489,6 +500,13 @@ void CudaBackend::dropout_forward(void* y, const void* x, size_t n, float p, Dro
         dropout_threshold(k.path_p), scale, vec);
     CUDA_CHECK_LAUNCH();
   });
+}
+
+void CudaBackend::drop_path_factors(float* out, int samples, DropoutKey k) {
+  if (samples <= 0) return;
+  drop_path_factors_kernel<<<(samples + 255) / 256, 256, 0, stream_>>>(
+      out, samples, k, dropout_threshold(k.path_p), dropout_scale(0.0f, k.path_p));
+  CUDA_CHECK_LAUNCH();
 }
 
 void CudaBackend::dropout_backward(void* dx, const void* dy, size_t n, float p, DropoutKey k) {

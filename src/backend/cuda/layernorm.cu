@@ -17,13 +17,21 @@
 namespace vitgrid {
 namespace cuda {
 
+// b's element times its row factor fr as a dropout pass stores it (rounded; +0 when dropped),
+// as float; fr = 1 without factors (the element itself).
+template <class T>
+__device__ __forceinline__ float branch_elem(T v, const float* bf, float fr) {
+  return !bf ? to_f(v) : fr != 0.0f ? to_f(from_f<T>(to_f(v) * fr)) : 0.0f;
+}
+
 // res = a + b (rounded to T, as stored), y = (res - mean) * rstd * gamma + beta.
 // Statistics come from the stored (rounded) res, which is what the backward sees as x.
-// res may alias a: every element is read and written by the same lane.
+// res may alias a: every element is read and written by the same lane. With bf, b's row r is
+// b's row times bf[r / bf_rows] first (RowFactors).
 template <class T>
 __global__ void add_layernorm_fwd_kernel(T* res, T* y, float* mean, float* rstd, const T* a,
                                          const T* b, const T* gamma, const T* beta, int N,
-                                         int C, float eps) {
+                                         int C, float eps, const float* bf, int bf_rows) {
   const int warps = blockDim.x >> 5;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
@@ -34,8 +42,9 @@ __global__ void add_layernorm_fwd_kernel(T* res, T* y, float* mean, float* rstd,
   float s = 0.0f;
   if (b) {
     const T* br = b + row * C;
+    const float fr = bf ? bf[row / bf_rows] : 1.0f;
     for (int c = lane; c < C; c += 32) {
-      const T r = from_f<T>(to_f(ar[c]) + to_f(br[c]));
+      const T r = from_f<T>(to_f(ar[c]) + branch_elem(br[c], bf, fr));
       rr[c] = r;
       s += to_f(r);
     }
@@ -67,7 +76,7 @@ __global__ void add_layernorm_fwd_kernel(T* res, T* y, float* mean, float* rstd,
 template <class T, int K>
 __global__ void __launch_bounds__(256) add_layernorm_fwd_vec_kernel(
     T* res, T* y, float* mean, float* rstd, const T* a, const T* b, const T* gamma,
-    const T* beta, int N, int C, float eps) {
+    const T* beta, int N, int C, float eps, const float* bf, int bf_rows) {
   constexpr int V = 16 / sizeof(T);
   using P = Pack<T, V>;
   const int warps = blockDim.x >> 5;
@@ -81,6 +90,7 @@ __global__ void __launch_bounds__(256) add_layernorm_fwd_vec_kernel(
   P* yr = reinterpret_cast<P*>(y + row * C);
   float r[K][V];
   float s = 0.0f;
+  const float fr = bf && br ? bf[row / bf_rows] : 1.0f;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int p = lane + 32 * k;
@@ -92,7 +102,7 @@ __global__ void __launch_bounds__(256) add_layernorm_fwd_vec_kernel(
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       // rounded to T as stored: the statistics see what the backward will read as x
-      o.v[j] = br ? from_f<T>(to_f(ap.v[j]) + to_f(bp.v[j])) : ap.v[j];
+      o.v[j] = br ? from_f<T>(to_f(ap.v[j]) + branch_elem(bp.v[j], bf, fr)) : ap.v[j];
       r[k][j] = to_f(o.v[j]);
       s += r[k][j];
     }
@@ -314,9 +324,14 @@ __host__ __device__ constexpr size_t ln_bwd2_smem(int K) {
 // spills) one block fewer from K = 2 on; K = 6 with DS would not fit in 255 registers, so it
 // is not built (layernorm_backward then sums dx in a pass of its own).
 constexpr int kLnBwd2MaxPacksDs = 5;
-__host__ __device__ constexpr int ln_bwd2_blocks_per_sm(int K, bool DS) {
-  return DS ? (K == 1 ? 8 : K == 2 ? 5 : K == 3 ? 4 : K == 4 ? 3 : 2)
-            : (K == 1 ? 8 : K == 2 ? 6 : K == 3 ? 5 : K == 4 ? 4 : K == 5 ? 3 : 2);
+// With PF (drop path's row factors: dx times its row's factor written out as well, and the
+// column sums taken of that) one more pack in flight per element: one block fewer again from
+// K = 2 on, and K <= 4 (C <= 1024 in 16-bit types; wider rows take a pass of their own).
+constexpr int kLnBwd2MaxPacksPf = 4;
+__host__ __device__ constexpr int ln_bwd2_blocks_per_sm(int K, bool DS, bool PF = false) {
+  return PF   ? (K == 1 ? 8 : K == 2 ? 4 : K == 3 ? 3 : 2)
+         : DS ? (K == 1 ? 8 : K == 2 ? 5 : K == 3 ? 4 : K == 4 ? 3 : 2)
+              : (K == 1 ? 8 : K == 2 ? 6 : K == 3 ? 5 : K == 4 ? 4 : K == 5 ? 3 : 2);
 }
 
 // The rows are handled as raw 16-byte words (uint4), not as Pack<T, V>: a struct of 8 16-bit
@@ -360,12 +375,16 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // With DS, also the column sums of the stored (rounded) dx, one partial row per block in pd.
-template <class T, int K, bool DS>
-__global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K, DS))
+// With PF (and DS): dbr = the stored dx's rows times bf[row / bf_rows] (rounded, +0 where the
+// factor is 0: RowFactors), and pd sums dbr instead.
+template <class T, int K, bool DS, bool PF>
+__global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K, DS, PF))
     layernorm_bwd_fused2_kernel(T* dx, float* pg, float* pb, float* pd, const T* __restrict__ dy,
                                 const T* __restrict__ x, const T* __restrict__ gamma,
                                 const float* __restrict__ mean,
-                                const float* __restrict__ rstd, int N, int C) {
+                                const float* __restrict__ rstd, int N, int C, T* dbr,
+                                const float* __restrict__ bf, int bf_rows) {
+  static_assert(!PF || DS, "the row factors' kernel sums the branch gradient");
   constexpr int V = 16 / sizeof(T);  // elements per pack
   constexpr int W = kLnBwd2Warps;
   constexpr int KS = 32 * K;         // 16-byte slots of one array of one row
@@ -393,11 +412,12 @@ __global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K, DS
   };
   const int64_t step = static_cast<int64_t>(gridDim.x) * W;
   int64_t row = static_cast<int64_t>(blockIdx.x) * W + w;
-  float m_next = 0.0f, rs_next = 0.0f;
+  float m_next = 0.0f, rs_next = 0.0f, f_next = 1.0f;
   if (row < N) {
     issue(row, 0);
     m_next = __ldg(mean + row);
     rs_next = __ldg(rstd + row);
+    if constexpr (PF) f_next = __ldg(bf + row / bf_rows);
   }
   cp_async_commit();
   __syncthreads();  // gamma
@@ -418,13 +438,14 @@ __global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K, DS
   int s = 0;
 #pragma unroll 1
   for (; row < N; row += step, s ^= 1) {
-    const float m = m_next, rs = rs_next;
+    const float m = m_next, rs = rs_next, fr = f_next;
     const int64_t next = row + step;
     __syncwarp();  // the last row's reads of stage s ^ 1 are done before it is refilled
     if (next < N) {
       issue(next, s ^ 1);
       m_next = __ldg(mean + next);
       rs_next = __ldg(rstd + next);
+      if constexpr (PF) f_next = __ldg(bf + next / bf_rows);
     }
     cp_async_commit();  // (empty past the end: the group count stays uniform)
     cp_async_wait<1>();  // this row's group has landed
@@ -463,7 +484,7 @@ __global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K, DS
       if (p >= packs) continue;
       const uint4 dk = b[k * 32 + lane], xk = b[KS + k * 32 + lane],
                   ok = b[2 * KS + k * 32 + lane], gk = gs[k * 32 + lane];
-      uint32_t o[4] = {0u, 0u, 0u, 0u};
+      uint32_t o[4] = {0u, 0u, 0u, 0u}, ob[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         const float d = pack_elem<T>(dk, j);
@@ -471,11 +492,21 @@ __global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K, DS
         const float g = __fmul_rn(d, pack_elem<T>(gk, j));
         const float t = __fmaf_rn(-xh, s2, __fsub_rn(g, s1));
         const float v = __fmaf_rn(rs, t, pack_elem<T>(ok, j));
-        o[j * sizeof(T) / 4] |= elem_bits<T>(v) << (8 * sizeof(T) * (j % (4 / sizeof(T))));
-        if constexpr (DS) accd[k][j] = __fadd_rn(accd[k][j], to_f(from_f<T>(v)));
+        const int sh = 8 * sizeof(T) * (j % (4 / sizeof(T)));
+        o[j * sizeof(T) / 4] |= elem_bits<T>(v) << sh;
+        if constexpr (PF) {
+          const float vb = fr != 0.0f ? __fmul_rn(to_f(from_f<T>(v)), fr) : 0.0f;
+          ob[j * sizeof(T) / 4] |= elem_bits<T>(vb) << sh;
+          accd[k][j] = __fadd_rn(accd[k][j], to_f(from_f<T>(vb)));
+        } else if constexpr (DS) {
+          accd[k][j] = __fadd_rn(accd[k][j], to_f(from_f<T>(v)));
+        }
       }
       *reinterpret_cast<uint4*>(dxr + static_cast<int64_t>(p) * V) =
           make_uint4(o[0], o[1], o[2], o[3]);
+      if constexpr (PF)
+        *reinterpret_cast<uint4*>(dbr + row * C + static_cast<int64_t>(p) * V) =
+            make_uint4(ob[0], ob[1], ob[2], ob[3]);
     }
   }
   cp_async_wait<0>();
@@ -484,6 +515,19 @@ __global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K, DS
   // (3 W C floats with DS fit: the stages hold W 2 3 KS 16-byte slots, C <= KS V, V <= 8)
   write_block_partials<K, V, W, DS>(reinterpret_cast<float*>(ln_bwd2_sh + KS), accg, accb,
                                     accd, packs, C, pg, pb, pd);
+}
+
+// out = in's rows times their factors, as a dropout pass multiplies (RowFactors): the
+// LayerNorm backward's dbranch where its kernel does not write it.
+template <class T>
+__global__ void row_factors_kernel(T* out, const T* in, const float* f, int rows_per, int64_t N,
+                                   int C) {
+  const int64_t n = N * C;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float fr = f[(i / C) / rows_per];
+    out[i] = from_f<T>(fr != 0.0f ? to_f(in[i]) * fr : 0.0f);
+  }
 }
 
 }  // namespace cuda
@@ -501,9 +545,9 @@ int ln_bwd_fused_blocks(int64_t N) {
 // H200 (132 SMs x ln_bwd2_blocks_per_sm(K): 264..1056): one wave; fewer when the rows run out
 // (a row per warp). A constant, not the device's SM count: the partial rows, hence the dgamma /
 // dbeta bits, are the same on every GPU.
-int ln_bwd2_blocks(int64_t N, int K, bool DS) {
+int ln_bwd2_blocks(int64_t N, int K, bool DS, bool PF = false) {
   return static_cast<int>(std::min<int64_t>((N + kLnBwd2Warps - 1) / kLnBwd2Warps,
-                                            132 * ln_bwd2_blocks_per_sm(K, DS)));
+                                            132 * ln_bwd2_blocks_per_sm(K, DS, PF)));
 }
 }  // namespace
 
@@ -536,7 +580,8 @@ bool CudaBackend::ln_bwd_v2_from_env() {
 
 void CudaBackend::add_layernorm_forward(void* res, void* y, float* mean, float* rstd,
                                         const void* a, const void* b, const void* gamma,
-                                        const void* beta, int N, int C, float eps) {
+                                        const void* beta, int N, int C, float eps,
+                                        RowFactors bf) {
   if (N <= 0 || C <= 0) return;
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -550,7 +595,7 @@ void CudaBackend::add_layernorm_forward(void* res, void* y, float* mean, float* 
       kernel<<<blocks, threads, 0, stream_>>>(
           static_cast<T*>(res), static_cast<T*>(y), mean, rstd, static_cast<const T*>(a),
           static_cast<const T*>(b), static_cast<const T*>(gamma), static_cast<const T*>(beta),
-          N, C, eps);
+          N, C, eps, b ? bf.f : nullptr, bf.rows_per);
       CUDA_CHECK_LAUNCH();
     };
     if (!vec) launch(add_layernorm_fwd_kernel<T>);
@@ -566,22 +611,31 @@ void CudaBackend::add_layernorm_forward(void* res, void* y, float* mean, float* 
 
 void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy,
                                      const void* x, const void* gamma, const float* mean,
-                                     const float* rstd, int N, int C, float* dsum) {
+                                     const float* rstd, int N, int C, float* dsum,
+                                     void* dbranch, RowFactors bf) {
   if (N <= 0 || C <= 0) return;
-  bool done = false, summed = false;  // dx's column sums into dsum too
+  VG_CHECK(!bf.f || (dbranch && dbranch != dx), "layernorm_backward: row factors need dbranch");
+  const bool pf = bf.f != nullptr;
+  bool done = false, summed = false;  // dx's (or dbranch's) column sums into dsum too
+  bool factored = false;              // dbranch written
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
     constexpr int V = 16 / sizeof(T);
     const int packs = C / V;
     const int K = (packs + 31) / 32;  // packs per lane
+    // the kernel's variant: dbranch and its sums (PF), dx's sums (DS), or dx alone (then the
+    // passes below); each reaches so many packs per lane
+    const bool pf_fused = pf && K <= kLnBwd2MaxPacksPf && aligned16(dbranch);
+    const bool ds_fused = dsum && !pf;
+    const int kmax = pf_fused ? kLnBwd2MaxPacksPf : ds_fused ? kLnBwd2MaxPacksDs : kLnBwd2MaxPacks;
     if (ln_bwd_v2_ && C % V == 0 && aligned16(dx) && aligned16(dy) && aligned16(x) &&
-        aligned16(gamma) && K <= (dsum ? kLnBwd2MaxPacksDs : kLnBwd2MaxPacks)) {
+        aligned16(gamma) && K <= kmax) {
       // the second fused kernel (VITGRID_LN_BWD=1): one partial row per block
-      auto launch2 = [&](auto k_tag, auto ds_tag) {
+      auto launch2 = [&](auto k_tag, auto ds_tag, auto pf_tag) {
         constexpr int K = decltype(k_tag)::value;
-        constexpr bool DS = decltype(ds_tag)::value;
-        auto kernel = layernorm_bwd_fused2_kernel<T, K, DS>;
-        const int blocks = ln_bwd2_blocks(N, K, DS);
+        constexpr bool DS = decltype(ds_tag)::value, PF = decltype(pf_tag)::value;
+        auto kernel = layernorm_bwd_fused2_kernel<T, K, DS, PF>;
+        const int blocks = ln_bwd2_blocks(N, K, DS, PF);
         const size_t part = static_cast<size_t>(blocks) * C;
         float* pg = static_cast<float*>(scratch((DS ? 3 : 2) * part * sizeof(float)));
         float* pb = pg + part;
@@ -604,7 +658,7 @@ void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, cons
             (void)cudaGetLastError();
             return true;  // unknown: nothing to report
           }
-          const int want = 132 * ln_bwd2_blocks_per_sm(K, DS);
+          const int want = 132 * ln_bwd2_blocks_per_sm(K, DS, PF);
           if (per_sm * sms >= want) return true;
           std::fprintf(stderr,
                        "vitgrid: LayerNorm backward (VITGRID_LN_BWD=1, %d packs per lane%s): %d "
@@ -616,28 +670,34 @@ void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, cons
         (void)fits;
         kernel<<<blocks, 32 * kLnBwd2Warps, smem, stream_>>>(
             static_cast<T*>(dx), pg, pb, pd, static_cast<const T*>(dy),
-            static_cast<const T*>(x), static_cast<const T*>(gamma), mean, rstd, N, C);
+            static_cast<const T*>(x), static_cast<const T*>(gamma), mean, rstd, N, C,
+            static_cast<T*>(dbranch), bf.f, bf.rows_per);
         CUDA_CHECK_LAUNCH();
         launch_layernorm_bwd_param_final(stream_, dgamma, dbeta, pg, pb, blocks, C,
                                          DS ? dsum : nullptr, pd);
         CUDA_CHECK_LAUNCH();
       };
-      auto with_k = [&](auto ds_tag) {
+      auto with_k = [&](auto ds_tag, auto pf_tag) {
+        constexpr bool DS = decltype(ds_tag)::value, PF = decltype(pf_tag)::value;
         switch (K) {
-          case 1: launch2(std::integral_constant<int, 1>{}, ds_tag); break;
-          case 2: launch2(std::integral_constant<int, 2>{}, ds_tag); break;
-          case 3: launch2(std::integral_constant<int, 3>{}, ds_tag); break;
-          case 4: launch2(std::integral_constant<int, 4>{}, ds_tag); break;
-          case 5: launch2(std::integral_constant<int, 5>{}, ds_tag); break;
+          case 1: launch2(std::integral_constant<int, 1>{}, ds_tag, pf_tag); break;
+          case 2: launch2(std::integral_constant<int, 2>{}, ds_tag, pf_tag); break;
+          case 3: launch2(std::integral_constant<int, 3>{}, ds_tag, pf_tag); break;
+          case 4: launch2(std::integral_constant<int, 4>{}, ds_tag, pf_tag); break;
+          case 5:
+            if constexpr (!PF) launch2(std::integral_constant<int, 5>{}, ds_tag, pf_tag);
+            break;
           default:
-            if constexpr (!decltype(ds_tag)::value)
-              launch2(std::integral_constant<int, 6>{}, ds_tag);
+            if constexpr (!DS) launch2(std::integral_constant<int, 6>{}, ds_tag, pf_tag);
             break;
         }
       };
-      if (dsum) with_k(std::true_type{});
-      else with_k(std::false_type{});
-      done = summed = true;
+      if (pf_fused) with_k(std::true_type{}, std::true_type{});  // (pd unread without dsum)
+      else if (ds_fused) with_k(std::true_type{}, std::false_type{});
+      else with_k(std::false_type{}, std::false_type{});
+      done = true;
+      summed = pf_fused || ds_fused;
+      factored = pf_fused;
       return;
     }
     const bool vec = C % V == 0 && aligned16(dx) && aligned16(dy) && aligned16(x) &&
@@ -665,8 +725,16 @@ void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, cons
     done = true;
   });
   if (!done) layernorm_backward_general(dx, dgamma, dbeta, dy, x, gamma, mean, rstd, N, C);
-  // the paths without the sums: a pass of their own over the updated dx
-  if (dsum && !summed) column_sums_add(dsum, dx, N, C);
+  // the paths without the factors or the sums: passes of their own over the updated dx
+  if (pf && !factored) {
+    dispatch_act(act_, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      row_factors_kernel<T><<<grid_for(static_cast<size_t>(N) * C, 256), 256, 0, stream_>>>(
+          static_cast<T*>(dbranch), static_cast<const T*>(dx), bf.f, bf.rows_per, N, C);
+      CUDA_CHECK_LAUNCH();
+    });
+  }
+  if (dsum && !summed) column_sums_add(dsum, pf ? dbranch : dx, N, C);
 }
 
 // The unfused LayerNorm backward: any width and alignment.

@@ -245,11 +245,13 @@ void TensorParallelBase::linear_backward(LinearRole role, void* dx, float* dW, f
 
 void TensorParallelBase::layernorm_forward(void* res, void* y, float* mean, float* rstd,
                                            const void* a, const void* b, const void* gamma,
-                                           const void* beta, int rows, int C, float eps) {
+                                           const void* beta, int rows, int C, float eps,
+                                           RowFactors bf) {
   if (hq_ == 1) {
-    be_.add_layernorm_forward(res, y, mean, rstd, a, b, gamma, beta, rows, C, eps);
+    be_.add_layernorm_forward(res, y, mean, rstd, a, b, gamma, beta, rows, C, eps, bf);
     return;
   }
+  VG_CHECK(!bf.f, "row factors on a LayerNorm whose rows are split over ranks");
   // Two-pass statistics as in the fused op, each pass's per-row partial sums (fp32, in the
   // mean / rstd buffers themselves) reduced over the hidden axis between the backend ops.
   const int Cl = C / hq_;
@@ -268,11 +270,14 @@ void TensorParallelBase::layernorm_forward(void* res, void* y, float* mean, floa
 void TensorParallelBase::layernorm_backward(void* dx, float* dgamma, float* dbeta,
                                             const void* dy, const void* x, const void* gamma,
                                             const float* mean, const float* rstd, int rows,
-                                            int C, float* dsum) {
+                                            int C, float* dsum, void* dbranch,
+                                            RowFactors bf) {
   VG_CHECK(dsum == nullptr || (hq_ == 1 && row_bias_in_layernorm_backward()),
            "a Row bias gradient from the LayerNorm backward in a mode that splits the Stream");
+  VG_CHECK(!bf.f || hq_ == 1, "row factors on a LayerNorm whose rows are split over ranks");
   if (hq_ == 1) {
-    be_.layernorm_backward(dx, dgamma, dbeta, dy, x, gamma, mean, rstd, rows, C, dsum);
+    be_.layernorm_backward(dx, dgamma, dbeta, dy, x, gamma, mean, rstd, rows, C, dsum, dbranch,
+                           bf);
     return;
   }
   // per row: sum(g) and sum(g xhat) over the whole width (g = dy gamma), reduced over the

@@ -27,10 +27,11 @@ class TensorParallelBase : public TensorParallel {
                        const void* gelu_pre, Gelu g, float* gelu_db) final;
   void layernorm_forward(void* res, void* y, float* mean, float* rstd, const void* a,
                          const void* b, const void* gamma, const void* beta, int rows, int C,
-                         float eps) override;
+                         float eps, RowFactors bf) override;
   void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy, const void* x,
                           const void* gamma, const float* mean, const float* rstd, int rows,
-                          int C, float* dsum) override;
+                          int C, float* dsum, void* dbranch, RowFactors bf) override;
+  bool layernorm_row_factors() const override { return hq_ == 1; }
   void sum_over_batch(double* v, int n) override;
   void sum_over_batch_device(double* v, int n) override;
   void gather_batch(void* out, const void* in, int batch, int64_t row_elems) override;

@@ -66,6 +66,10 @@ struct ViT::Acts {
   // micro-batch's forward ran in between).
   int shared_set = -1, shared_block = -1;
   int path_stride = 0;  // the largest local batch: floats per factor vector of a Set
+  // Set `set`'s drop path factors of the chunk's block j, branch 0 (attention) or 1 (MLP)
+  float* path_factors(int set, int j, int branch) {
+    return sets[set].path_f + (static_cast<size_t>(j) * 2 + branch) * path_stride;
+  }
   // Not kept between a block's forward and its backward, so shared by every block and set: the
   // projection output p (consumed by the fused residual add at once), the MLP output f (read by
   // the next block's fused add, by the chunk output and by the head: two buffers alternate by
@@ -524,15 +528,12 @@ void ViT::block_forward(int l, const DeviceBatch& in, int64_t step, bool train, 
   const bool fused_add = j > 0 && !ckpt;
   // Drop path in the LayerNorms: the branches' per-sample factors go into LayerNorm 2's add
   // (the attention branch) and the next block's LayerNorm 1's (the MLP branch, when that add
-  // is fused: else a pass over f as with dropout).
+  // is fused: else a pass over f as with dropout). The recompute finds them in the set.
   const bool in_ln = train && path_in_layernorm(l);
-  auto factors = [&](int jj, int branch) {
-    return st.path_f + (static_cast<size_t>(jj) * 2 + branch) * a.path_stride;
-  };
-  if (in_ln) {
-    be_.drop_path_factors(factors(j, 0), Bl,
+  if (in_ln && !recompute) {
+    be_.drop_path_factors(a.path_factors(set, j, 0), Bl,
                           dkey(in, step, l, kSiteProj, ActLayout::Stream, C, path));
-    be_.drop_path_factors(factors(j, 1), Bl,
+    be_.drop_path_factors(a.path_factors(set, j, 1), Bl,
                           dkey(in, step, l, kSiteMlpOut, ActLayout::Stream, C, path));
   }
   const bool f_in_ln = in_ln && !ckpt && j + 1 < ch.blocks;  // f goes unscaled to that add
@@ -540,8 +541,9 @@ void ViT::block_forward(int l, const DeviceBatch& in, int64_t step, bool train, 
   if (!recompute) need(block_group_[l]);
   if (fused_add) {
     Acts::BlockActs& pb = st.blocks[j - 1];
-    const RowFactors pf =
-        train && path_in_layernorm(l - 1) ? RowFactors{factors(j - 1, 1), T} : RowFactors{};
+    const RowFactors pf = train && path_in_layernorm(l - 1)
+                              ? RowFactors{a.path_factors(set, j - 1, 1), T}
+                              : RowFactors{};
     tp_.layernorm_forward(st.r_in[j], b.y1, b.m1, b.s1, pb.r_mid, pb.f, W(kNorm1W), W(kNorm1B),
                           N, C, cfg_.ln_eps, pf);
   } else {
@@ -557,8 +559,9 @@ void ViT::block_forward(int l, const DeviceBatch& in, int64_t step, bool train, 
     be_.dropout_forward(b.p, b.p, N * Cs, cfg_.dropout,
                         dkey(in, step, l, kSiteProj, ActLayout::Stream, C, path));
   if (!recompute) need(block_group_[l] + 1);
+  const RowFactors pb = in_ln ? RowFactors{a.path_factors(set, j, 0), T} : RowFactors{};
   tp_.layernorm_forward(b.r_mid, b.y2, b.m2, b.s2, st.r_in[j], b.p, W(kNorm2W), W(kNorm2B), N,
-                        C, cfg_.ln_eps, in_ln ? RowFactors{factors(j, 0), T} : RowFactors{});
+                        C, cfg_.ln_eps, pb);
   tp_.linear_forward(LinearRole::Column, b.h, b.y2, W(kFc1W), W(kFc1B), N, C, M, b.g,
                      cfg_.gelu);
   if (drop_act)
@@ -690,9 +693,7 @@ void ViT::block_backward(int l, const DeviceBatch& in, int64_t step, int set, bo
   float* proj_db_ln = ln_bias(l) ? G(kProjB) : nullptr;
   float* prev_fc2_db = l > chunk.first_block && ln_bias(l - 1) ? Gk(l - 1, kFc2B) : nullptr;
   const bool in_ln = path_in_layernorm(l);
-  auto factors = [&](int jj, int branch) {
-    return RowFactors{st.path_f + (static_cast<size_t>(jj) * 2 + branch) * a.path_stride, T};
-  };
+  auto factors = [&](int jj, int branch) { return RowFactors{a.path_factors(set, jj, branch), T}; };
   // dres holds d(block output) = d(r_mid + f)
   const void* df = a.dres;
   if (in_ln && !last_in_chunk) {

@@ -13,6 +13,7 @@
 // Every test skips when no GPU is visible (CI compiles with nvcc on machines without one).
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -42,6 +43,17 @@ class GpuBackend : public GpuVsCpu {
  protected:
   GpuBackend() : GpuVsCpu(12345) {}
 };
+
+// CUDA backends made with VITGRID_LN_BWD = 0 and 1 (the LayerNorm backward kernel, read when a
+// backend is made): [v] for v.
+std::array<std::unique_ptr<Dev>, 2> ln_bwd_backends(DType dt) {
+  std::array<std::unique_ptr<Dev>, 2> out;
+  for (int v = 0; v < 2; ++v) {
+    ScopedEnv e("VITGRID_LN_BWD", v ? "1" : "0");
+    out[v] = std::make_unique<Dev>(make_cuda_backend(0, dt));
+  }
+  return out;
+}
 
 TEST_P(GpuBackend, LinearForward) {
   for (int out : {24, 29}) {          // 24: GELU epilogue eligible (out % 8 == 0); 29: not
@@ -305,23 +317,15 @@ TEST_P(GpuBackend, Elementwise) {
 // path; dgamma / dbeta bit for bit on the general path, else to 1e-5 (rel. L2: fp32 sums of
 // the same products over the rows in another order). An unknown value is a user error.
 TEST_P(GpuBackend, LayerNorm) {
-  std::unique_ptr<Dev> lnb[2];  // [v]: VITGRID_LN_BWD=v
+  auto lnb = ln_bwd_backends(dt);  // [v]: VITGRID_LN_BWD=v
   {
-    const char* prev = std::getenv("VITGRID_LN_BWD");
-    const std::string saved = prev ? prev : "";
-    for (int v = 0; v < 2; ++v) {
-      setenv("VITGRID_LN_BWD", v ? "1" : "0", 1);
-      lnb[v] = std::make_unique<Dev>(make_cuda_backend(0, dt));
-    }
-    setenv("VITGRID_LN_BWD", "2", 1);
+    ScopedEnv e("VITGRID_LN_BWD", "2");
     try {
       make_cuda_backend(0, dt);
       ADD_FAILURE() << "VITGRID_LN_BWD=2 accepted";
     } catch (const UserError& e) {
       EXPECT_NE(std::string(e.what()).find("VITGRID_LN_BWD"), std::string::npos) << e.what();
     }
-    if (prev) setenv("VITGRID_LN_BWD", saved.c_str(), 1);
-    else unsetenv("VITGRID_LN_BWD");
   }
   // The backward's path per kernel choice (layernorm.cu): 0 fused for rows of <= 32 * 4
   // 16-byte packs, 1 fused for <= 32 * 6; else (and for widths not a multiple of a pack) the
@@ -435,17 +439,7 @@ TEST_P(GpuBackend, LayerNorm) {
 // second kernel's factor variant (1, 2, 3, 4 packs per lane in 16-bit types) and the passes
 // of their own (1280: 5 packs; 77: the general path; fp32's wider packs).
 TEST_P(GpuBackend, LayerNormRowFactors) {
-  std::unique_ptr<Dev> lnb[2];
-  {
-    const char* prev = std::getenv("VITGRID_LN_BWD");
-    const std::string saved = prev ? prev : "";
-    for (int v = 0; v < 2; ++v) {
-      setenv("VITGRID_LN_BWD", v ? "1" : "0", 1);
-      lnb[v] = std::make_unique<Dev>(make_cuda_backend(0, dt));
-    }
-    if (prev) setenv("VITGRID_LN_BWD", saved.c_str(), 1);
-    else unsetenv("VITGRID_LN_BWD");
-  }
+  auto lnb = ln_bwd_backends(dt);
   const int T = 7;
   for (auto [N, C] : {std::pair<int, int>{4998, 768}, std::pair<int, int>{301, 256},
                       std::pair<int, int>{63, 1024}, std::pair<int, int>{147, 512},

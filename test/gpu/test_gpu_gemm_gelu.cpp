@@ -233,34 +233,6 @@ TEST_P(GpuGemmGelu, BackwardSchedules) {
   for (const Shape& s : kScheduleShapes) check_backward(s, all_configs(false));
 }
 
-// Sets (or, with null, unsets) an environment variable for one scope.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* v = std::getenv(name)) {
-      had_ = true;
-      old_ = v;
-    }
-    if (value) {
-      setenv(name, value, 1);
-    } else {
-      unsetenv(name);
-    }
-  }
-  ~ScopedEnv() {
-    if (had_) {
-      setenv(name_, old_.c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  bool had_ = false;
-  std::string old_;
-};
-
 // The backend's choice, through linear_forward / linear_backward: a backend made under the
 // given environment and gemm_tune, against the unfused path spelled out on the fixture's
 // backend (linear ops without GELU arguments, which never fuse, and the GELU kernels).

@@ -89,18 +89,23 @@ struct Rig {
 };
 
 TEST(Model, ActivationCheckpointingLeavesGradientsUnchanged) {
-  Rig a(tiny(false, 0.2f, 0.3f), DType::F32, 6), b(tiny(true, 0.2f, 0.3f), DType::F32, 6);
-  const double la = a.step(1.0f / 6), lb = b.step(1.0f / 6);
-  EXPECT_EQ(la, lb);
-  auto ga = a.grads(), gb = b.grads();
-  ASSERT_EQ(ga.size(), gb.size());
-  double norm = 0;
-  for (size_t i = 0; i < ga.size(); ++i) {
-    ASSERT_EQ(ga[i], gb[i]) << "gradient element " << i;  // recomputation is bit-identical
-    norm += double(ga[i]) * ga[i];
+  // with dropout, and with drop path alone (applied in the LayerNorms: the recompute reuses
+  // the forward's factors)
+  for (float dropout : {0.2f, 0.0f}) {
+    SCOPED_TRACE("dropout " + std::to_string(dropout));
+    Rig a(tiny(false, dropout, 0.3f), DType::F32, 6), b(tiny(true, dropout, 0.3f), DType::F32, 6);
+    const double la = a.step(1.0f / 6), lb = b.step(1.0f / 6);
+    EXPECT_EQ(la, lb);
+    auto ga = a.grads(), gb = b.grads();
+    ASSERT_EQ(ga.size(), gb.size());
+    double norm = 0;
+    for (size_t i = 0; i < ga.size(); ++i) {
+      ASSERT_EQ(ga[i], gb[i]) << "gradient element " << i;  // recomputation is bit-identical
+      norm += double(ga[i]) * ga[i];
+    }
+    EXPECT_GT(norm, 0.0);
+    EXPECT_LT(b.model->activation_bytes(), a.model->activation_bytes());
   }
-  EXPECT_GT(norm, 0.0);
-  EXPECT_LT(b.model->activation_bytes(), a.model->activation_bytes());
 }
 
 TEST(Model, CheckpointedBackwardRecomputesWhatAnotherForwardOverwrote) {

@@ -286,6 +286,55 @@ void BM_LayerNormBackwardKernel(benchmark::State& st) {
               (ds ? (v ? ", dx column sums inside" : ", dx column sums after") : ""));
 }
 
+// LayerNorm on wide rows, per kernel choice (VITGRID_LN_WIDE, read when a backend is made: 0
+// the warp-per-row kernels and the general backward past their reach, 1 the block-per-row
+// kernels), bf16, 6304 x 4096 elements in all (the large ViT's rows of 32 images in 1d tensor
+// parallelism) at widths C from ViT-L's 1024 to 8192; op 0 the forward with the residual add
+// (GB: a, b read, res, y written), 1 the backward (dy, x, dx read, dx written; with the
+// dgamma / dbeta reduction), 2 the backward with dx's column sums (dsum: a Row Linear's bias
+// gradient, as 1d tensor parallelism runs it).
+Backend& ln_wide_backend(int v) {
+  static std::unique_ptr<Backend> be[2];
+  if (!be[v]) {
+    const char* prev = std::getenv("VITGRID_LN_WIDE");
+    const std::string saved = prev ? prev : "";
+    setenv("VITGRID_LN_WIDE", v ? "1" : "0", 1);
+    be[v] = make_cuda_backend(0, DType::BF16);
+    if (prev) setenv("VITGRID_LN_WIDE", saved.c_str(), 1);
+    else unsetenv("VITGRID_LN_WIDE");
+  }
+  return *be[v];
+}
+
+void BM_LayerNormWide(benchmark::State& st) {
+  if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
+  const int C = static_cast<int>(st.range(0)), v = static_cast<int>(st.range(1));
+  const int op = static_cast<int>(st.range(2));
+  const int N = 6304 * 4096 / C;
+  Backend& be = ln_wide_backend(v);
+  const size_t a = be.act_size(), nc = size_t(N) * C;
+  Bufs b(be);
+  void *p0 = b.get(nc * a), *p1 = b.get(nc * a), *p2 = b.get(nc * a), *p3 = b.get(nc * a);
+  void *g = b.get(C * a), *bt = b.get(C * a);
+  float* mean = static_cast<float*>(b.get(N * 4));
+  float* rstd = static_cast<float*>(b.get(N * 4));
+  float* dg = static_cast<float*>(b.get(C * 4));
+  float* dbt = static_cast<float*>(b.get(C * 4));
+  float* dsum = op == 2 ? static_cast<float*>(b.get(C * 4)) : nullptr;
+  if (op == 0)
+    timed(
+        st, [&] { be.add_layernorm_forward(p0, p1, mean, rstd, p2, p3, g, bt, N, C, 1e-6f); },
+        [&] { be.synchronize(); });
+  else
+    timed(
+        st, [&] { be.layernorm_backward(p0, dg, dbt, p1, p2, g, mean, rstd, N, C, dsum); },
+        [&] { be.synchronize(); });
+  st.counters["GB"] = benchmark::Counter(4.0 * nc * a * 1e-9,
+                                           benchmark::Counter::kIsIterationInvariantRate);
+  st.SetLabel(std::string(v ? "VITGRID_LN_WIDE=1" : "VITGRID_LN_WIDE=0") +
+              (op == 0 ? " forward" : op == 1 ? " backward" : " backward + dx column sums"));
+}
+
 // Elementwise passes over the fc1 activation [N, 4C]: op 0 add (2 reads, 1 write: the memory
 // roofline of a map), 1 exact GELU forward (1 read, 1 write), 2 its backward (2 reads, 1 write),
 // 3 tanh GELU forward, 4 dropout (p = 0.1, in place, as the model runs it: 1 read, 1 write),
@@ -644,6 +693,11 @@ BENCHMARK(BM_LayerNormBackward)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LayerNormBackwardKernel)
     ->ArgNames({"C", "kernel", "dsum"})
     ->ArgsProduct({{kC, 384, 1024}, {0, 1}, {0, 1}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_LayerNormWide)
+    ->ArgNames({"C", "wide", "op"})
+    ->ArgsProduct({{1024, 1280, 1536, 2048, 4096, 8192}, {0, 1}, {0, 1, 2}})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AdamW)->UseManualTime()->Unit(benchmark::kMillisecond);

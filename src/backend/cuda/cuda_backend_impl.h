@@ -317,6 +317,12 @@ class CudaBackend final : public Backend {
   // (layernorm.cu): 1 (unset: the default) the second, register-lean one; 0 the first.
   static bool ln_bwd_v2_from_env();
   const bool ln_bwd_v2_ = ln_bwd_v2_from_env();
+  // VITGRID_LN_WIDE: the block-per-row LayerNorm kernels for wide rows (layernorm.cu): Auto
+  // (unset: the default) past the warp-per-row kernels' reach, Off never, On wherever they
+  // apply.
+  enum class LnWide { Auto, Off, On };
+  static LnWide ln_wide_from_env();
+  const LnWide ln_wide_ = ln_wide_from_env();
   // Device tables of the multi-tensor ops, one per distinct slice list, carved from an arena
   // that plan_workspace sizes (slice_arena_bytes); past the arena, a table allocates its own.
   const SliceTable& slice_table(const std::vector<ParamSlice>& slices);

@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <string>
 #include <type_traits>
 
@@ -18,10 +20,12 @@ namespace vitgrid {
 namespace cuda {
 
 // b's element times its row factor fr as a dropout pass stores it (rounded; +0 when dropped),
-// as float; fr = 1 without factors (the element itself).
+// as float; fr = 1 without factors (the element itself). The product is rounded on its own
+// (__fmul_rn): in fp32 the compiler would otherwise fuse it with the residual add (one FMA),
+// which the pass does not.
 template <class T>
 __device__ __forceinline__ float branch_elem(T v, const float* bf, float fr) {
-  return !bf ? to_f(v) : fr != 0.0f ? to_f(from_f<T>(to_f(v) * fr)) : 0.0f;
+  return !bf ? to_f(v) : fr != 0.0f ? to_f(from_f<T>(__fmul_rn(to_f(v), fr))) : 0.0f;
 }
 
 // res = a + b (rounded to T, as stored), y = (res - mean) * rstd * gamma + beta.
@@ -530,6 +534,234 @@ __global__ void row_factors_kernel(T* out, const T* in, const float* f, int rows
   }
 }
 
+// ---- Wide rows (C past the warp-per-row kernels' reach: the hybrid-parallel guide's large ViT
+// is 4096 wide). A warp per row then holds too much of the row in registers (the vector
+// forward's 16 packs per lane) or falls back to scalar loads (the general backward: 155 us for
+// 788 rows of 4096 where the bytes need 7), so here a block spans the row: thread t owns packs
+// t + blockDim.x k, k < K, the row statistics are block sums (warp butterflies, then the warps'
+// sums in warp order: deterministic).
+// Threads per block for a row of `packs` 16-byte packs at K packs per thread.
+__host__ __device__ constexpr int ln_wide_threads(int packs, int K) {
+  return 32 * ((packs + 32 * K - 1) / (32 * K));
+}
+
+// Forward: one row per block, the row in registers (a and b read once, res and y written
+// once), as add_layernorm_fwd_vec_kernel does per warp.
+template <class T, int K>
+__global__ void __launch_bounds__(1024) add_layernorm_fwd_wide_kernel(
+    T* res, T* y, float* mean, float* rstd, const T* a, const T* b, const T* gamma,
+    const T* beta, int N, int C, float eps, const float* bf, int bf_rows) {
+  constexpr int V = 16 / sizeof(T);
+  using P = Pack<T, V>;
+  __shared__ float sh[32];
+  const int64_t row = blockIdx.x;
+  if (row >= N) return;  // (uniform over the block)
+  const int packs = C / V;
+  const P* ar = reinterpret_cast<const P*>(a + row * C);
+  const P* br = b ? reinterpret_cast<const P*>(b + row * C) : nullptr;
+  P* rr = reinterpret_cast<P*>(res + row * C);
+  P* yr = reinterpret_cast<P*>(y + row * C);
+  const float fr = bf && br ? bf[row / bf_rows] : 1.0f;
+  float r[K][V];
+  float s = 0.0f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int p = threadIdx.x + blockDim.x * k;
+    if (p >= packs) continue;
+    const P ap = ar[p];
+    P bp;
+    if (br) bp = br[p];
+    P o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      o.v[j] = br ? from_f<T>(to_f(ap.v[j]) + branch_elem(bp.v[j], bf, fr)) : ap.v[j];
+      r[k][j] = to_f(o.v[j]);
+      s += r[k][j];
+    }
+    if (br || rr != ar) rr[p] = o;
+  }
+  const float m = block_sum(s, sh) / C;
+  float v = 0.0f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    if (static_cast<int>(threadIdx.x + blockDim.x * k) >= packs) continue;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float d = r[k][j] - m;
+      v += d * d;
+    }
+  }
+  const float rs = 1.0f / sqrtf(block_sum(v, sh) / C + eps);
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int p = threadIdx.x + blockDim.x * k;
+    if (p >= packs) continue;
+    const P gp = reinterpret_cast<const P*>(gamma)[p];
+    const P bp = reinterpret_cast<const P*>(beta)[p];
+    P o;
+#pragma unroll
+    for (int j = 0; j < V; ++j)
+      o.v[j] = from_f<T>((r[k][j] - m) * rs * to_f(gp.v[j]) + to_f(bp.v[j]));
+    yr[p] = o;
+  }
+  if (threadIdx.x == 0) {
+    mean[row] = m;
+    rstd[row] = rs;
+  }
+}
+
+// Backward: a fixed grid of blocks striding over the rows (block i: rows i, i + grid, ...);
+// each thread keeps its columns' sums of dy * xhat and dy (with DS of the stored dx, with PF
+// of the branch gradient dbr = dx's rows times their factors, as layernorm_bwd_fused2_kernel)
+// in registers and writes them as the block's partial row: the threads own disjoint columns,
+// so no combining within the block. The next row's dy, x and dx are loaded before the
+// current row is reduced and written (registers), so each thread has a row in flight while
+// the block waits on its sums. Per row one barrier: the warps' sums go to shared memory by
+// row parity, so a fast warp writing row r + 2's sums cannot overwrite row r's before every
+// warp has read them (it passed row r + 1's barrier, which they reach after reading).
+template <class T, int K, bool DS, bool PF>
+__global__ void __launch_bounds__(512) layernorm_bwd_wide_kernel(
+    T* dx, float* pg, float* pb, float* pd, const T* __restrict__ dy, const T* __restrict__ x,
+    const T* __restrict__ gamma, const float* __restrict__ mean,
+    const float* __restrict__ rstd, int N, int C, T* dbr, const float* __restrict__ bf,
+    int bf_rows) {
+  static_assert(!PF || DS, "the row factors' kernel sums the branch gradient");
+  constexpr int V = 16 / sizeof(T);
+  constexpr int KD = DS ? K : 1;
+  __shared__ float red[2][32][2];
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int packs = C / V;
+  uint4 gk[K];
+  float accg[K][V], accb[K][V], accd[KD][V];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int p = threadIdx.x + blockDim.x * k;
+    gk[k] = p < packs ? __ldg(reinterpret_cast<const uint4*>(gamma + p * V))
+                      : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int j = 0; j < V; ++j) accg[k][j] = accb[k][j] = 0.0f;
+  }
+#pragma unroll
+  for (int k = 0; k < KD; ++k) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) accd[k][j] = 0.0f;
+  }
+  // the thread's packs of dy, x and dx of row r (zeros past the row)
+  auto load = [&](int64_t r, uint4 (&d)[K], uint4 (&xx)[K], uint4 (&o)[K]) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int p = threadIdx.x + blockDim.x * k;
+      if (p < packs) {
+        const int64_t at = r * C + static_cast<int64_t>(p) * V;
+        d[k] = __ldg(reinterpret_cast<const uint4*>(dy + at));
+        xx[k] = __ldg(reinterpret_cast<const uint4*>(x + at));
+        o[k] = *reinterpret_cast<const uint4*>(dx + at);
+      } else {
+        d[k] = xx[k] = o[k] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+  };
+  int64_t row = blockIdx.x;
+  uint4 cd[K], cx[K], co[K];
+  float m = 0.0f, rs = 0.0f, fr = 1.0f;
+  if (row < N) {
+    load(row, cd, cx, co);
+    m = __ldg(mean + row);
+    rs = __ldg(rstd + row);
+    if constexpr (PF) fr = __ldg(bf + row / bf_rows);
+  }
+  int par = 0;
+#pragma unroll 1
+  for (; row < N; row += gridDim.x, par ^= 1) {
+    const int64_t next = row + gridDim.x;
+    uint4 nd[K], nx[K], no[K];
+    float nm = 0.0f, nrs = 0.0f, nfr = 1.0f;
+    if (next < N) {
+      load(next, nd, nx, no);
+      nm = __ldg(mean + next);
+      nrs = __ldg(rstd + next);
+      if constexpr (PF) nfr = __ldg(bf + next / bf_rows);
+    }
+    float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) {  // (zeros past the row: g = 0 adds nothing)
+        const float d = pack_elem<T>(cd[k], j);
+        const float xh = (pack_elem<T>(cx[k], j) - m) * rs;
+        const float g = d * pack_elem<T>(gk[k], j);
+        s1 += g;
+        s2 += g * xh;
+        accg[k][j] += d * xh;
+        accb[k][j] += d;
+      }
+    }
+    s1 = warp_sum(s1);
+    s2 = warp_sum(s2);
+    if (lane == 0) {
+      red[par][w][0] = s1;
+      red[par][w][1] = s2;
+    }
+    __syncthreads();
+    s1 = 0.0f;
+    s2 = 0.0f;
+    for (int i = 0; i < nw; ++i) {
+      s1 += red[par][i][0];
+      s2 += red[par][i][1];
+    }
+    s1 /= C;
+    s2 /= C;
+    // dx += rstd * (g - mean(g) - xhat * mean(g * xhat))
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int p = threadIdx.x + blockDim.x * k;
+      if (p >= packs) continue;
+      uint32_t o[4] = {0u, 0u, 0u, 0u}, ob[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const float d = pack_elem<T>(cd[k], j);
+        const float xh = (pack_elem<T>(cx[k], j) - m) * rs;
+        const float g = d * pack_elem<T>(gk[k], j);
+        const float v = pack_elem<T>(co[k], j) + rs * (g - s1 - xh * s2);
+        const int sh = 8 * sizeof(T) * (j % (4 / sizeof(T)));
+        o[j * sizeof(T) / 4] |= elem_bits<T>(v) << sh;
+        if constexpr (PF) {
+          const float vb = fr != 0.0f ? __fmul_rn(to_f(from_f<T>(v)), fr) : 0.0f;
+          ob[j * sizeof(T) / 4] |= elem_bits<T>(vb) << sh;
+          accd[k][j] += to_f(from_f<T>(vb));
+        } else if constexpr (DS) {
+          accd[k][j] += to_f(from_f<T>(v));
+        }
+      }
+      const int64_t at = row * C + static_cast<int64_t>(p) * V;
+      *reinterpret_cast<uint4*>(dx + at) = make_uint4(o[0], o[1], o[2], o[3]);
+      if constexpr (PF) *reinterpret_cast<uint4*>(dbr + at) = make_uint4(ob[0], ob[1], ob[2], ob[3]);
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      cd[k] = nd[k];
+      cx[k] = nx[k];
+      co[k] = no[k];
+    }
+    m = nm;
+    rs = nrs;
+    fr = nfr;
+  }
+  // the block's partial rows: each thread its own columns
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * C;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int p = threadIdx.x + blockDim.x * k;
+    if (p >= packs) continue;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      pg[base + p * V + j] = accg[k][j];
+      pb[base + p * V + j] = accb[k][j];
+      if constexpr (DS) pd[base + p * V + j] = accd[k][j];
+    }
+  }
+}
+
 }  // namespace cuda
 
 using namespace cuda;
@@ -549,6 +781,22 @@ int ln_bwd2_blocks(int64_t N, int K, bool DS, bool PF = false) {
   return static_cast<int>(std::min<int64_t>((N + kLnBwd2Warps - 1) / kLnBwd2Warps,
                                             132 * ln_bwd2_blocks_per_sm(K, DS, PF)));
 }
+// The wide kernels' packs per thread: the forward up to 4 (256 threads up to 1024 packs, then
+// more threads: <= 4096 packs), the backward up to 2 with at most 512 threads (it also holds
+// the next row and its column sums: <= 128 registers; <= 1024 packs: C <= 8192 in 16-bit
+// types, 4096 in fp32).
+constexpr int kLnWideMaxPacksFwd = 4096, kLnWideMaxPacksBwd = 1024;
+int ln_wide_fwd_k(int packs) { return packs <= 256 ? 1 : packs <= 512 ? 2 : 4; }
+int ln_wide_bwd_k(int packs) { return packs <= 512 ? 1 : 2; }
+// The wide backward's grid: at least 8 rows per block (the partial rows cost the final
+// reduction), at most what fits at once, up to 2 blocks per SM (its register use is fixed at
+// compile time, so this is the same on every sm_90 GPU) on 132 SMs: a constant, not the
+// device's SM count, as ln_bwd2_blocks.
+constexpr int kLnWideMaxBlocks = 132 * 2;
+int ln_wide_bwd_blocks(int64_t N, int fit_per_sm) {
+  return static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>((N + 7) / 8, 132 * std::min(std::max(fit_per_sm, 1), 2))));
+}
 }  // namespace
 
 // layernorm_backward's partials: 2 x [blocks, C] on the fused paths (blocks capped), 2 x
@@ -565,7 +813,23 @@ size_t CudaBackend::layernorm_scratch_bytes(int64_t rows, int64_t cols) {
       floats = std::max<int64_t>(floats, (2 + ds) *
                                              static_cast<int64_t>(ln_bwd2_blocks(rows, K, ds)) *
                                              std::min<int64_t>(cols, 256 * K));
+  // the wide kernel: 3 x [blocks, C], at most kLnWideMaxBlocks blocks
+  floats = std::max<int64_t>(floats, 3 * std::min<int64_t>((rows + 7) / 8, kLnWideMaxBlocks) *
+                                         cols);
   return static_cast<size_t>(floats) * sizeof(float);
+}
+
+// VITGRID_LN_WIDE: auto (or unset) the block-per-row kernels for rows past the warp-per-row
+// kernels' reach, 0 never (the earlier paths), 1 wherever they apply (tests, A/B runs).
+CudaBackend::LnWide CudaBackend::ln_wide_from_env() {
+  const char* v = std::getenv("VITGRID_LN_WIDE");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return LnWide::Auto;
+  if (std::strcmp(v, "0") == 0) return LnWide::Off;
+  if (std::strcmp(v, "1") == 0) return LnWide::On;
+  throw UserError(std::string("VITGRID_LN_WIDE=") + v +
+                  " is not a known LayerNorm kernel choice; allowed: auto (the default: a "
+                  "block per row for rows wider than the warp-per-row kernels handle well), 0 "
+                  "(never), 1 (wherever the width allows)");
 }
 
 // VITGRID_LN_BWD: 1 (or unset) the second fused backward kernel, 0 the first.
@@ -589,8 +853,9 @@ void CudaBackend::add_layernorm_forward(void* res, void* y, float* mean, float* 
     const unsigned blocks = (N + warps - 1) / warps;
     constexpr int V = 16 / sizeof(T);
     const int K = (C / V + 31) / 32;
-    const bool vec = C % V == 0 && K <= 16 && aligned16(res) && aligned16(y) && aligned16(a) &&
-                     (!b || aligned16(b)) && aligned16(gamma) && aligned16(beta);
+    const bool packed = C % V == 0 && aligned16(res) && aligned16(y) && aligned16(a) &&
+                        (!b || aligned16(b)) && aligned16(gamma) && aligned16(beta);
+    const bool vec = packed && K <= 16;
     auto launch = [&](auto kernel) {
       kernel<<<blocks, threads, 0, stream_>>>(
           static_cast<T*>(res), static_cast<T*>(y), mean, rstd, static_cast<const T*>(a),
@@ -598,7 +863,23 @@ void CudaBackend::add_layernorm_forward(void* res, void* y, float* mean, float* 
           N, C, eps, b ? bf.f : nullptr, bf.rows_per);
       CUDA_CHECK_LAUNCH();
     };
-    if (!vec) launch(add_layernorm_fwd_kernel<T>);
+    const int packs = C / V;
+    const bool wide = packed && packs <= kLnWideMaxPacksFwd &&
+                      (ln_wide_ == LnWide::On || (ln_wide_ == LnWide::Auto && C > 1024));
+    if (wide) {
+      // a block per row (past 4 packs per lane a warp holds too much of the row)
+      const int kw = ln_wide_fwd_k(packs);
+      auto launch_wide = [&](auto kernel) {
+        kernel<<<N, ln_wide_threads(packs, kw), 0, stream_>>>(
+            static_cast<T*>(res), static_cast<T*>(y), mean, rstd, static_cast<const T*>(a),
+            static_cast<const T*>(b), static_cast<const T*>(gamma), static_cast<const T*>(beta),
+            N, C, eps, b ? bf.f : nullptr, bf.rows_per);
+        CUDA_CHECK_LAUNCH();
+      };
+      if (kw == 1) launch_wide(add_layernorm_fwd_wide_kernel<T, 1>);
+      else if (kw == 2) launch_wide(add_layernorm_fwd_wide_kernel<T, 2>);
+      else launch_wide(add_layernorm_fwd_wide_kernel<T, 4>);
+    } else if (!vec) launch(add_layernorm_fwd_kernel<T>);
     else if (K <= 1) launch(add_layernorm_fwd_vec_kernel<T, 1>);
     else if (K == 2) launch(add_layernorm_fwd_vec_kernel<T, 2>);
     else if (K == 3) launch(add_layernorm_fwd_vec_kernel<T, 3>);
@@ -628,8 +909,63 @@ void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, cons
     const bool pf_fused = pf && K <= kLnBwd2MaxPacksPf && aligned16(dbranch);
     const bool ds_fused = dsum && !pf;
     const int kmax = pf_fused ? kLnBwd2MaxPacksPf : ds_fused ? kLnBwd2MaxPacksDs : kLnBwd2MaxPacks;
-    if (ln_bwd_v2_ && C % V == 0 && aligned16(dx) && aligned16(dy) && aligned16(x) &&
-        aligned16(gamma) && K <= kmax) {
+    const bool vec_ok = C % V == 0 && aligned16(dx) && aligned16(dy) && aligned16(x) &&
+                        aligned16(gamma) && (!pf || aligned16(dbranch));
+    // the block-per-row kernel: past the second fused kernel's reach (of the variant the
+    // call needs), or everywhere with VITGRID_LN_WIDE=1; it does the factors and the sums
+    if (vec_ok && packs <= kLnWideMaxPacksBwd &&
+        (ln_wide_ == LnWide::On ||
+         (ln_wide_ == LnWide::Auto && (K > (pf ? kLnBwd2MaxPacksPf : dsum ? kLnBwd2MaxPacksDs
+                                                                          : kLnBwd2MaxPacks) ||
+                                       !ln_bwd_v2_ && K > 4)))) {
+      const int kw = ln_wide_bwd_k(packs), threads = ln_wide_threads(packs, kw);
+      auto launch_wide = [&](auto kernel, bool DS) {
+        // blocks of this many threads that fit on an SM, once per kernel and width
+        static std::mutex mu;
+        static std::map<int, int> fit;
+        int per_sm = 1;
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          auto it = fit.find(threads);
+          if (it == fit.end()) {
+            if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0) !=
+                cudaSuccess) {
+              (void)cudaGetLastError();
+              per_sm = 1;
+            }
+            it = fit.emplace(threads, per_sm).first;
+          }
+          per_sm = it->second;
+        }
+        const int blocks = ln_wide_bwd_blocks(N, per_sm);
+        const size_t part = static_cast<size_t>(blocks) * C;
+        float* pg = static_cast<float*>(scratch((DS ? 3 : 2) * part * sizeof(float)));
+        float* pb = pg + part;
+        float* pd = DS ? pb + part : nullptr;
+        kernel<<<blocks, threads, 0, stream_>>>(
+            static_cast<T*>(dx), pg, pb, pd, static_cast<const T*>(dy),
+            static_cast<const T*>(x), static_cast<const T*>(gamma), mean, rstd, N, C,
+            static_cast<T*>(dbranch), bf.f, bf.rows_per);
+        CUDA_CHECK_LAUNCH();
+        launch_layernorm_bwd_param_final(stream_, dgamma, dbeta, pg, pb, blocks, C,
+                                         DS ? dsum : nullptr, pd);
+        CUDA_CHECK_LAUNCH();
+      };
+      if (kw == 1) {
+        if (pf) launch_wide(layernorm_bwd_wide_kernel<T, 1, true, true>, true);
+        else if (dsum) launch_wide(layernorm_bwd_wide_kernel<T, 1, true, false>, true);
+        else launch_wide(layernorm_bwd_wide_kernel<T, 1, false, false>, false);
+      } else {
+        if (pf) launch_wide(layernorm_bwd_wide_kernel<T, 2, true, true>, true);
+        else if (dsum) launch_wide(layernorm_bwd_wide_kernel<T, 2, true, false>, true);
+        else launch_wide(layernorm_bwd_wide_kernel<T, 2, false, false>, false);
+      }
+      done = true;
+      summed = dsum != nullptr || pf;
+      factored = pf;
+      return;
+    }
+    if (ln_bwd_v2_ && vec_ok && K <= kmax) {
       // the second fused kernel (VITGRID_LN_BWD=1): one partial row per block
       auto launch2 = [&](auto k_tag, auto ds_tag, auto pf_tag) {
         constexpr int K = decltype(k_tag)::value;

@@ -242,9 +242,7 @@ struct Trainer::Impl {
     if (kind == "cuda")
       coll = make_nccl_collectives(*grid, *compute_be, deck.device.comm_timeout,
                                    deck.device.data_comm_ctas, copy_engine,
-                                   deck.device.pipe_comm_ctas,
-                                   deck.parallel.tensor_mode == "1d" ? deck.device.tensor_comm_ctas
-                                                                     : 0);
+                                   deck.device.pipe_comm_ctas);
     else
 #endif
       coll = make_mpi_collectives(*grid);

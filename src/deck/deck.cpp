@@ -193,8 +193,6 @@ const std::vector<Field>& schema() {
                "thread blocks (SMs) the data-parallel gradient reduction's NCCL kernels may take from the backward they overlap (0: NCCL's choice)"),
       VG_FIELD(device, pipe_comm_ctas, "0..64",
                "thread blocks (SMs) each asynchronous pipeline message's NCCL kernel may take (the placement used where the grouped one cannot run the schedule at its bubble: interleaved, unless parallel.micro_batches equals parallel.pipeline); its receive waits on them beside the compute, and the GEMMs leave 4 x this many SMs free (0: NCCL's choice, the GEMMs leave 8)"),
-      VG_FIELD(device, tensor_comm_ctas, "0..64",
-               "1d tensor parallelism on GPUs: a Column Linear's input gradient is summed over the tensor axis while its weight gradient is computed (Megatron's asynchronous all-reduce), by NCCL kernels of at most this many thread blocks, for which that GEMM leaves as many SMs free (0: no overlap, the sum after the GEMMs)"),
       VG_FIELD(device, data_comm, "sm|copy_engine",
                "how the data-parallel gradient reduction moves data on GPUs: NCCL's kernels on SMs (sm), or copy engines (copy_engine: the gradients in NCCL symmetric memory, an all-to-all, a local sum and an all-gather under NCCL's zero-CTA policy; fp32 sums; set gemm_sm_margin = 0 with it)"),
       VG_FIELD(device, gemm_sm_margin, "0..64",
@@ -660,9 +658,6 @@ class Parser {
     }
     if (d.device.pipe_comm_ctas < 0 || d.device.pipe_comm_ctas > 64) {
       fail("device.pipe_comm_ctas", "must be between 0 and 64 (0: NCCL's choice)");
-    }
-    if (d.device.tensor_comm_ctas < 0 || d.device.tensor_comm_ctas > 64) {
-      fail("device.tensor_comm_ctas", "must be between 0 and 64 (0: no overlap)");
     }
     if (d.device.gemm_sm_margin < 0 || d.device.gemm_sm_margin > 64) {
       fail("device.gemm_sm_margin", "must be between 0 and 64 (SMs left to the reduction)");

@@ -892,9 +892,6 @@ def t_gpu_parallel(tmp):
         ref[mode] = losses(d)[1]
     layouts = [("dp2", 2, "fp32", []), ("dp4", 4, "fp32", []), ("dp2_bf16", 2, "bf16", []),
                ("1d_t2", 2, "fp32", ["--parallel.tensor=2", "--parallel.tensor_mode=1d"]),
-               # the Column backward's dx sum after its GEMMs instead of beside the weight one
-               ("1d_t2_no_overlap", 2, "fp32", ["--parallel.tensor=2", "--parallel.tensor_mode=1d",
-                                                "--device.tensor_comm_ctas=0"]),
                ("1d_t4", 4, "fp32", ["--parallel.tensor=4", "--parallel.tensor_mode=1d"]),
                ("2d_q2", 4, "fp32", ["--parallel.tensor=4", "--parallel.tensor_mode=2d"]),
                ("2.5d_q2_d1", 4, "fp32", ["--parallel.tensor=4", "--parallel.tensor_mode=2.5d",

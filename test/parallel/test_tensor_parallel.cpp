@@ -188,9 +188,7 @@ struct Rig {
 #ifdef VITGRID_HAVE_CUDA
     if (tensor_parallel && tp_on_cuda()) {
       be = make_backend("cuda", grid->local_rank(), act);
-      // 1d: the Column backward's dx sum beside its weight gradient (the trainer's default)
-      coll = make_nccl_collectives(*grid, *be, 120.0, 0, false, 0,
-                                   s.mode == TensorMode::D1 ? 8 : 0);
+      coll = make_nccl_collectives(*grid, *be, 120.0);
     }
 #endif
     if (!be) {

@@ -183,23 +183,6 @@ class Collectives {
   virtual void progress() {}
   virtual void wait_all() {}
 
-  // ---- One collective beside the compute (Megatron's asynchronous tensor-parallel all-reduce:
-  // a Column Linear's input gradient summed over the tensor axis while its weight gradient is
-  // computed). beside_ctas(a): the thread blocks (SMs) such a sum on axis a takes from the
-  // compute beside it (0: no overlap here; start_beside_sum_act then runs the blocking call).
-  // start_beside_sum_act starts the sum of buf (act dtype, as allreduce_sum_act), ordered
-  // after the work enqueued so far, and returns at once; join_beside() orders the work
-  // enqueued from then on after it. One at a time; nothing may touch buf in between; every
-  // rank of the axis calls them in the same order as its other collectives.
-  virtual int beside_ctas(Axis a) const {
-    (void)a;
-    return 0;
-  }
-  virtual void start_beside_sum_act(void* buf, size_t n, size_t elem_size, Axis a) {
-    allreduce_sum_act(buf, n, elem_size, a);
-  }
-  virtual void join_beside() {}
-
   // ---- CUDA graphs. capture(true) tells the collectives that the backend's stream is being
   // captured: calls enqueue as usual (into the graph) but nothing is handed to the watchdog
   // or waited for. follow(what) hands the work enqueued so far (a launched graph with

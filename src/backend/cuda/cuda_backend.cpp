@@ -940,7 +940,7 @@ void CudaBackend::linear_backward(void* dx, float* dW, float* db, const void* dy
       zero(dx, static_cast<size_t>(N) * in * act_size());
     }
   }
-  if (dW && N > 0 && in > 0 && out > 0) {
+  if (N > 0 && in > 0 && out > 0) {
     GemmSpec s;  // dW[out,in] += dy^T[out,N] x[N,in], accumulated in the fp32 buffer itself
     s.transA = true;
     s.M = out;

@@ -111,7 +111,6 @@ class CudaBackend final : public Backend {
   void plan_workspace(const WorkspacePlan& p) override;
   int64_t device_allocations() const override;
   void set_gemm_sm_margin(int sms) override;
-  int gemm_sm_margin() const override { return gemm_sm_margin_; }
   void set_tune_agreement(ReplicaMax max_over_replicas) override;
 
   void cast_to_act(void* dst_act, const float* src, size_t n) override;

@@ -96,7 +96,7 @@ class NcclCollectives final : public Collectives {
   // Called by all ranks of the grid's world: communicator creation is collective per axis,
   // and every rank visits the axes in the same order, so creation cannot deadlock.
   NcclCollectives(const ProcessGrid& grid, CudaBackend& be, double timeout_s, int data_ctas,
-                  bool data_ce, int pipe_ctas, int tensor_ctas)
+                  bool data_ce, int pipe_ctas)
       : be_(be), stream_(be.stream()), timeout_s_(timeout_s), pipe_ctas_(pipe_ctas),
         pipe_rank_(grid.rank(Axis::Pipeline)) {
     // NVLink multicast (NVLS) must stay off on the target machines; the user may still
@@ -131,21 +131,6 @@ class NcclCollectives final : public Collectives {
       a->release = [keep](void* p) { keep->release(p); };
       be_.set_comm_allocator(std::move(a));
     }
-    // The tensor axis's sums beside the compute: a communicator of their own (split from the
-    // axis's, collective over it) whose kernels take at most tensor_ctas thread blocks, on a
-    // stream of the highest priority, so its blocks are placed before the GEMM's beside it.
-    if (ncclComm_t t = comm(Axis::Tensor); t && tensor_ctas > 0) {
-      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-      config.minCTAs = 1;
-      config.maxCTAs = tensor_ctas;
-      NCCL_CHECK(ncclCommSplit(t, 0, grid.rank(Axis::Tensor), &beside_comm_, &config));
-      int lo = 0, hi = 0;
-      CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
-      CUDA_CHECK(cudaStreamCreateWithPriority(&beside_stream_, cudaStreamNonBlocking, hi));
-      CUDA_CHECK(cudaEventCreateWithFlags(&beside_ready_, cudaEventDisableTiming));
-      CUDA_CHECK(cudaEventCreateWithFlags(&beside_done_, cudaEventDisableTiming));
-      beside_ctas_ = tensor_ctas;
-    }
     CUDA_CHECK(cudaMalloc(&barrier_buf_, sizeof(float)));
     CUDA_CHECK(cudaMemsetAsync(barrier_buf_, 0, sizeof(float), stream_));
     CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
@@ -167,7 +152,6 @@ class NcclCollectives final : public Collectives {
   }
 
   ~NcclCollectives() override {
-    if (beside_stream_) cudaStreamSynchronize(beside_stream_);
     cudaStreamSynchronize(comm_stream_);
     cudaStreamSynchronize(stream_);
     if (sym_) {
@@ -196,12 +180,6 @@ class NcclCollectives final : public Collectives {
       cudaEventDestroy(l->done);
     }
     for (cudaEvent_t e : msg_ev_) cudaEventDestroy(e);
-    if (beside_comm_) ncclCommDestroy(beside_comm_);
-    if (beside_stream_) {
-      cudaStreamDestroy(beside_stream_);
-      cudaEventDestroy(beside_ready_);
-      cudaEventDestroy(beside_done_);
-    }
     for (ncclComm_t c : comms_)
       if (c) ncclCommDestroy(c);
     for (auto& e : ticket_ev_) cudaEventDestroy(e.first);
@@ -291,28 +269,6 @@ class NcclCollectives final : public Collectives {
     CUDA_CHECK(cudaStreamWaitEvent(stream_, done_ev_, 0));
     pending_ = false;
     pending_axes_ = 0;
-  }
-
-  // ---- the sum beside the compute (tensor axis)
-  int beside_ctas(Axis a) const override {
-    return a == Axis::Tensor && beside_comm_ ? beside_ctas_ : 0;
-  }
-  void start_beside_sum_act(void* buf, size_t n, size_t elem_size, Axis a) override {
-    if (beside_ctas(a) == 0) return allreduce_sum_act(buf, n, elem_size, a);
-    VG_CHECK(!beside_open_, "start_beside_sum_act: the previous one was not joined");
-    const ncclDataType_t t = act_type(elem_size, "start_beside_sum_act");
-    if (skipped()) return;
-    CUDA_CHECK(cudaEventRecord(beside_ready_, stream_));
-    CUDA_CHECK(cudaStreamWaitEvent(beside_stream_, beside_ready_, 0));
-    NCCL_CHECK(ncclAllReduce(buf, buf, n, t, ncclSum, beside_comm_, beside_stream_));
-    track(beside_stream_, bit(a), "allreduce_sum_act (beside the weight gradient)");
-    CUDA_CHECK(cudaEventRecord(beside_done_, beside_stream_));
-    beside_open_ = true;
-  }
-  void join_beside() override {
-    if (!beside_open_) return;
-    CUDA_CHECK(cudaStreamWaitEvent(stream_, beside_done_, 0));
-    beside_open_ = false;
   }
 
   void allreduce_sum(float* buf, size_t n, Axis a) override {
@@ -739,12 +695,6 @@ class NcclCollectives final : public Collectives {
   float* ce_shard_ = nullptr;
   size_t ce_n_ = 0;
   cudaStream_t comm_stream_ = nullptr;  // asynchronous reductions
-  // start_beside_sum_act: the tensor axis's split communicator, its stream and events
-  ncclComm_t beside_comm_ = nullptr;
-  cudaStream_t beside_stream_ = nullptr;
-  cudaEvent_t beside_ready_ = nullptr, beside_done_ = nullptr;
-  int beside_ctas_ = 0;
-  bool beside_open_ = false;
   cudaEvent_t ready_ev_ = nullptr;      // compute stream -> communication stream
   cudaEvent_t done_ev_ = nullptr;       // communication stream -> compute stream
   bool pending_ = false;
@@ -776,12 +726,11 @@ class NcclCollectives final : public Collectives {
 
 std::unique_ptr<Collectives> make_nccl_collectives(const ProcessGrid& grid, Backend& backend,
                                                    double timeout_s, int data_ctas,
-                                                   bool data_copy_engine, int pipe_ctas,
-                                                   int tensor_ctas) {
+                                                   bool data_copy_engine, int pipe_ctas) {
   auto* be = dynamic_cast<CudaBackend*>(&backend);
   if (!be) throw UserError("NCCL collectives need the cuda backend (device.backend = cuda)");
   return std::make_unique<NcclCollectives>(grid, *be, timeout_s, data_ctas, data_copy_engine,
-                                           pipe_ctas, tensor_ctas);
+                                           pipe_ctas);
 }
 
 }  // namespace vitgrid

@@ -3,8 +3,7 @@
 // stream, LayerNorms, embeddings, head) is whole on every tensor rank, so LayerNorm, patch
 // embedding, cls/pos, head and loss run replicated and their gradients are already whole and
 // identical on every tensor rank (nothing to reduce). Attention runs on this rank's heads.
-//   Column: y = x W_r^T + b_r (no communication); backward: dx = dy_r W_r summed over ranks,
-//           beside the dW_r GEMM where the collectives can (Collectives::beside_ctas).
+//   Column: y = x W_r^T + b_r (no communication); backward: dx = dy_r W_r summed over ranks.
 //   Row:    y = sum_r x_r W_r^T + b (allreduce; the bias added once); backward: dx_r = dy W_r,
 //           dW_r = dy^T x_r, db whole (dy is whole on every rank).
 // qkv's rows are [q; k; v]: a rank holds its heads of each, rows j*C + [r*C/t, (r+1)*C/t)
@@ -99,23 +98,12 @@ class TensorParallel1D final : public TensorParallelBase {
                          const void* x, const void* W, int rows, int in, int out, int,
                          const void* gelu_pre, Gelu g, float* gelu_db) override {
     if (role == LinearRole::Column) {
-      const size_t n = static_cast<size_t>(rows) * in;
-      const int ctas = dx ? coll_.beside_ctas(Axis::Tensor) : 0;
-      if (ctas > 0) {
-        // dx first, its sum over the tensor ranks beside the weight gradient's GEMM, which
-        // leaves the sum's thread blocks their SMs (Megatron's asynchronous all-reduce)
-        be_.linear_backward(dx, nullptr, nullptr, dy, x, W, rows, in, out / t_);
-        coll_.start_beside_sum_act(dx, n, be_.act_size(), Axis::Tensor);
-        const int margin = be_.gemm_sm_margin();
-        be_.set_gemm_sm_margin(margin + ctas);
-        be_.linear_backward(nullptr, dW, db, dy, x, W, rows, in, out / t_);
-        be_.set_gemm_sm_margin(margin);
-        coll_.join_beside();
-      } else {
-        be_.linear_backward(dx, dW, db, dy, x, W, rows, in, out / t_);
-        if (dx) coll_.allreduce_sum_act(dx, n, be_.act_size(), Axis::Tensor);
+      be_.linear_backward(dx, dW, db, dy, x, W, rows, in, out / t_);
+      if (dx) {
+        const size_t n = static_cast<size_t>(rows) * in;
+        coll_.allreduce_sum_act(dx, n, be_.act_size(), Axis::Tensor);
+        if (gelu_pre) be_.gelu_backward(dx, gelu_pre, dx, n, g);
       }
-      if (dx && gelu_pre) be_.gelu_backward(dx, gelu_pre, dx, n, g);
       return;
     }
     // Row: this rank's input columns are its own, dx needs no reduction: fused

@@ -64,9 +64,6 @@ int cuda_device_count();
 // makes the backend's stream wait on that stream (the watchdog follows it too).
 // data_ctas > 0 (deck device.data_comm_ctas): the data axis's NCCL kernels use at most that
 // many thread blocks (SMs), leaving the rest to the backward they overlap.
-// tensor_ctas > 0 (deck device.tensor_comm_ctas): the tensor axis's start_beside_sum_act runs
-// on a communicator split from the axis's with at most that many thread blocks, on a stream of
-// the highest priority (beside_ctas reports it; 0: the blocking call).
 // data_copy_engine (deck device.data_comm = copy_engine): the data axis's communicator uses
 // NCCL's zero-CTA policy, the backend's alloc_comm() hands out NCCL memory registered as
 // symmetric windows over it, and the gradient reductions of such memory run as all-to-all +
@@ -74,6 +71,6 @@ int cuda_device_count();
 std::unique_ptr<Collectives> make_nccl_collectives(const ProcessGrid& grid, Backend& backend,
                                                    double timeout_s, int data_ctas = 0,
                                                    bool data_copy_engine = false,
-                                                   int pipe_ctas = 0, int tensor_ctas = 0);
+                                                   int pipe_ctas = 0);
 
 }  // namespace vitgrid

@@ -335,6 +335,47 @@ void BM_LayerNormWide(benchmark::State& st) {
               (op == 0 ? " forward" : op == 1 ? " backward" : " backward + dx column sums"));
 }
 
+// The LayerNorm of rows split over q tensor ranks (2d / 2.5d / 3d: layernorm_split_*), the ops
+// of one rank, bf16, 6304 x 4096 elements of the whole rows (the large ViT's 32 images) over
+// q = 2 ranks (local width 2048) and ViT-B's 768 over q = 2 (384, 50432 rows); op 0 the
+// forward (row sums, centred squares, apply: after each of the first two the strategy sums
+// over the ranks), 1 the backward (row sums of dy gamma and dy gamma xhat with the dgamma /
+// dbeta reduction, then dx). vec 1: 16-byte aligned rows (16-byte packs per lane), 0: the
+// rows shifted by one element (element by element). GB: what the ops must move (forward: x
+// read three times, y written; backward: dy and x read twice, dx read and written).
+void BM_LayerNormSplit(benchmark::State& st) {
+  if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
+  const int C = static_cast<int>(st.range(0)), op = static_cast<int>(st.range(1));
+  const bool vec = st.range(2) != 0;
+  const int Ct = 2 * C, N = (C == 384 ? 50432 : 6304 * 4096 / Ct);
+  Backend& be = gpu();
+  const size_t a = be.act_size(), nc = size_t(N) * C, off = vec ? 0 : a;
+  Bufs b;
+  auto at = [&](void* p) { return static_cast<void*>(static_cast<char*>(p) + off); };
+  void *x = at(b.get(nc * a + 16)), *y = at(b.get(nc * a + 16)), *dy = at(b.get(nc * a + 16));
+  void *g = at(b.get(C * a + 16)), *bt = at(b.get(C * a + 16));
+  float* mean = static_cast<float*>(b.get(N * 4));
+  float* rstd = static_cast<float*>(b.get(N * 4));
+  float* sums = static_cast<float*>(b.get(2 * N * 4));
+  float* dg = static_cast<float*>(b.get(C * 4));
+  float* dbt = static_cast<float*>(b.get(C * 4));
+  if (op == 0)
+    timed(st, [&] {
+      be.layernorm_split_sums(mean, x, N, C);
+      be.layernorm_split_centered(rstd, mean, x, N, C, Ct);
+      be.layernorm_split_apply(y, rstd, x, mean, g, bt, N, C, Ct, 1e-6f);
+    });
+  else
+    timed(st, [&] {
+      be.layernorm_split_backward_sums(sums, dg, dbt, dy, x, g, mean, rstd, N, C);
+      be.layernorm_split_backward_dx(y, dy, x, g, mean, rstd, sums, N, C, Ct);
+    });
+  st.counters["GB"] = benchmark::Counter((op == 0 ? 4.0 : 6.0) * nc * a * 1e-9,
+                                           benchmark::Counter::kIsIterationInvariantRate);
+  st.SetLabel(std::string(vec ? "16-byte packs" : "element by element") +
+              (op == 0 ? ", forward" : ", backward"));
+}
+
 // Elementwise passes over the fc1 activation [N, 4C]: op 0 add (2 reads, 1 write: the memory
 // roofline of a map), 1 exact GELU forward (1 read, 1 write), 2 its backward (2 reads, 1 write),
 // 3 tanh GELU forward, 4 dropout (p = 0.1, in place, as the model runs it: 1 read, 1 write),
@@ -698,6 +739,11 @@ BENCHMARK(BM_LayerNormBackwardKernel)
 BENCHMARK(BM_LayerNormWide)
     ->ArgNames({"C", "wide", "op"})
     ->ArgsProduct({{1024, 1280, 1536, 2048, 4096, 8192}, {0, 1}, {0, 1, 2}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_LayerNormSplit)
+    ->ArgNames({"C", "op", "vec"})
+    ->ArgsProduct({{384, 2048}, {0, 1}, {0, 1}})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AdamW)->UseManualTime()->Unit(benchmark::kMillisecond);

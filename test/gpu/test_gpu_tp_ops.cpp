@@ -47,10 +47,12 @@ TEST_P(GpuTpOps, AccumulateF32) {
   EXPECT_EQ(gpu->get_f32(gy, n), cpu->get_f32(cy, n));  // one fp32 add each: exact, unrounded
 }
 
-// Each forward op on identical inputs, the reduced partials fed identically to both.
+// Each forward op on identical inputs, the reduced partials fed identically to both. Widths:
+// odd (the kernels' element-by-element form) and multiples of a 16-byte pack (their vector
+// form), up to the large ViT's 4096 over q = 2 ranks.
 TEST_P(GpuTpOps, SplitLayerNormForwardOps) {
   for (int N : {1, 37, 2500}) {
-    for (int C : {23, 48, 384}) {
+    for (int C : {23, 48, 384, 2048}) {  // 23: element by element; else 16-byte packs
       SCOPED_TRACE("N " + std::to_string(N) + " C " + std::to_string(C));
       const int Ct = 3 * C;  // this block is a third of the row
       const float eps = 1e-6f;
@@ -96,7 +98,7 @@ TEST_P(GpuTpOps, SplitLayerNormForwardOps) {
 // Each backward op on identical inputs (statistics from the CPU forward).
 TEST_P(GpuTpOps, SplitLayerNormBackwardOps) {
   for (int N : {1, 37, 2500}) {
-    for (int C : {23, 48, 384}) {
+    for (int C : {23, 48, 384, 2048}) {  // 23: element by element; else 16-byte packs
       SCOPED_TRACE("N " + std::to_string(N) + " C " + std::to_string(C));
       const int Ct = 2 * C;
       Vec x = rnd(size_t(N) * C, 1.0f, 0.5f), gamma = rnd(C, 0.5f, 1.0f), dy = rnd(size_t(N) * C);

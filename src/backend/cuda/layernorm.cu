@@ -1088,9 +1088,8 @@ void CudaBackend::layernorm_backward_general(void* dx, float* dgamma, float* dbe
         static_cast<T*>(dx), static_cast<const T*>(dy), static_cast<const T*>(x),
         static_cast<const T*>(gamma), mean, rstd, N, C);
     CUDA_CHECK_LAUNCH();
-    dim3 grid((C + 31) / 32, chunks), block(32, 8);
-    layernorm_bwd_param_partial<<<grid, block, 0, stream_>>>(
-        pg, pb, static_cast<const T*>(dy), static_cast<const T*>(x), mean, rstd, N, C);
+    launch_layernorm_bwd_param_partial(stream_, pg, pb, static_cast<const T*>(dy),
+                                       static_cast<const T*>(x), mean, rstd, N, C);
     CUDA_CHECK_LAUNCH();
   });
   launch_layernorm_bwd_param_final(stream_, dgamma, dbeta, pg, pb, chunks, C);

@@ -5,6 +5,8 @@
 // column reduction for dgamma/dbeta (no atomics, same bits every run). The CPU reference is
 // src/backend/cpu/cpu_tp_ops.cpp.
 #include <algorithm>
+#include <initializer_list>
+#include <type_traits>
 
 #include "cuda_backend_impl.h"
 #include "kernel_util.cuh"
@@ -19,8 +21,17 @@ __global__ void accumulate_f32_kernel(float* y, const float* x, size_t n) {
     y[i] += x[i];
 }
 
+// The split LayerNorm's row kernels: a warp per row, each lane taking V-element packs of the
+// row (V = 16 / sizeof(T): 16-byte loads where the width and the buffers allow, else V = 1,
+// element by element; split_row_pack picks). A wide local row (the large ViT's 4096 over q = 2
+// ranks: 2048) element by element is latency-bound: 2-byte loads, 64 per lane.
+template <class T, int V>
+__device__ __forceinline__ Pack<T, V> ld_pack(const T* row, int p) {
+  return reinterpret_cast<const Pack<T, V>*>(row)[p];
+}
+
 // sum[r] = sum_j x[r,j]
-template <class T>
+template <class T, int V>
 __global__ void ln_split_sums_kernel(float* sum, const T* x, int N, int C) {
   const int warps = blockDim.x >> 5;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5);
@@ -28,13 +39,17 @@ __global__ void ln_split_sums_kernel(float* sum, const T* x, int N, int C) {
   if (row >= N) return;
   const T* xr = x + row * C;
   float s = 0.0f;
-  for (int c = lane; c < C; c += 32) s += to_f(xr[c]);
+  for (int p = lane; p < C / V; p += 32) {
+    const Pack<T, V> a = ld_pack<T, V>(xr, p);
+#pragma unroll
+    for (int j = 0; j < V; ++j) s += to_f(a.v[j]);
+  }
   s = warp_sum(s);
   if (lane == 0) sum[row] = s;
 }
 
 // mean[r] = mean[r] / C_total (in place); sq[r] = sum_j (x[r,j] - mean[r])^2
-template <class T>
+template <class T, int V>
 __global__ void ln_split_centered_kernel(float* sq, float* mean, const T* x, int N, int C,
                                          float Ct) {
   const int warps = blockDim.x >> 5;
@@ -44,9 +59,13 @@ __global__ void ln_split_centered_kernel(float* sq, float* mean, const T* x, int
   const float m = mean[row] / Ct;  // divided as add_layernorm_forward does
   const T* xr = x + row * C;
   float v = 0.0f;
-  for (int c = lane; c < C; c += 32) {
-    const float d = to_f(xr[c]) - m;
-    v += d * d;
+  for (int p = lane; p < C / V; p += 32) {
+    const Pack<T, V> a = ld_pack<T, V>(xr, p);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float d = to_f(a.v[j]) - m;
+      v += d * d;
+    }
   }
   v = warp_sum(v);
   __syncwarp();  // every lane has read mean[row] before lane 0 overwrites it
@@ -57,7 +76,7 @@ __global__ void ln_split_centered_kernel(float* sq, float* mean, const T* x, int
 }
 
 // rstd[r] = 1 / sqrt(rstd[r] / C_total + eps) (in place); y = (x - mean) rstd gamma + beta
-template <class T>
+template <class T, int V>
 __global__ void ln_split_apply_kernel(T* y, float* rstd, const T* x, const float* mean,
                                       const T* gamma, const T* beta, int N, int C, float Ct,
                                       float eps) {
@@ -69,14 +88,21 @@ __global__ void ln_split_apply_kernel(T* y, float* rstd, const T* x, const float
   const float rs = 1.0f / sqrtf(rstd[row] / Ct + eps);
   const T* xr = x + row * C;
   T* yr = y + row * C;  // may alias x: each element is read and written by the same lane
-  for (int c = lane; c < C; c += 32)
-    yr[c] = from_f<T>((to_f(xr[c]) - m) * rs * to_f(gamma[c]) + to_f(beta[c]));
+  for (int p = lane; p < C / V; p += 32) {
+    const Pack<T, V> a = ld_pack<T, V>(xr, p), g = ld_pack<T, V>(gamma, p),
+                     b = ld_pack<T, V>(beta, p);
+    Pack<T, V> o;
+#pragma unroll
+    for (int j = 0; j < V; ++j)
+      o.v[j] = from_f<T>((to_f(a.v[j]) - m) * rs * to_f(g.v[j]) + to_f(b.v[j]));
+    reinterpret_cast<Pack<T, V>*>(yr)[p] = o;
+  }
   __syncwarp();  // every lane has read rstd[row] before lane 0 overwrites it
   if (lane == 0) rstd[row] = rs;
 }
 
 // sums[2r] = sum_j dy gamma, sums[2r+1] = sum_j dy gamma xhat
-template <class T>
+template <class T, int V>
 __global__ void ln_split_bwd_sums_kernel(float* sums, const T* dy, const T* x, const T* gamma,
                                          const float* mean, const float* rstd, int N, int C) {
   const int warps = blockDim.x >> 5;
@@ -87,10 +113,15 @@ __global__ void ln_split_bwd_sums_kernel(float* sums, const T* dy, const T* x, c
   const T* xr = x + row * C;
   const float m = mean[row], rs = rstd[row];
   float s1 = 0.0f, s2 = 0.0f;
-  for (int c = lane; c < C; c += 32) {
-    const float g = to_f(dyr[c]) * to_f(gamma[c]);
-    s1 += g;
-    s2 += g * (to_f(xr[c]) - m) * rs;
+  for (int p = lane; p < C / V; p += 32) {
+    const Pack<T, V> d = ld_pack<T, V>(dyr, p), a = ld_pack<T, V>(xr, p),
+                     g = ld_pack<T, V>(gamma, p);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float gg = to_f(d.v[j]) * to_f(g.v[j]);
+      s1 += gg;
+      s2 += gg * (to_f(a.v[j]) - m) * rs;
+    }
   }
   s1 = warp_sum(s1);
   s2 = warp_sum(s2);
@@ -100,9 +131,8 @@ __global__ void ln_split_bwd_sums_kernel(float* sums, const T* dy, const T* x, c
   }
 }
 
-
 // dx += rstd (g - sums[2r]/C_total - xhat sums[2r+1]/C_total), g = dy gamma
-template <class T>
+template <class T, int V>
 __global__ void ln_split_bwd_dx_kernel(T* dx, const T* dy, const T* x, const T* gamma,
                                        const float* mean, const float* rstd, const float* sums,
                                        int N, int C, float invC) {
@@ -115,10 +145,17 @@ __global__ void ln_split_bwd_dx_kernel(T* dx, const T* dy, const T* x, const T* 
   T* dxr = dx + row * C;
   const float m = mean[row], rs = rstd[row];
   const float mg = sums[2 * row] * invC, mgx = sums[2 * row + 1] * invC;
-  for (int c = lane; c < C; c += 32) {
-    const float g = to_f(dyr[c]) * to_f(gamma[c]);
-    const float xh = (to_f(xr[c]) - m) * rs;
-    dxr[c] = from_f<T>(to_f(dxr[c]) + rs * (g - mg - xh * mgx));
+  for (int p = lane; p < C / V; p += 32) {
+    const Pack<T, V> d = ld_pack<T, V>(dyr, p), a = ld_pack<T, V>(xr, p),
+                     g = ld_pack<T, V>(gamma, p);
+    Pack<T, V> o = ld_pack<T, V>(dxr, p);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float gg = to_f(d.v[j]) * to_f(g.v[j]);
+      const float xh = (to_f(a.v[j]) - m) * rs;
+      o.v[j] = from_f<T>(to_f(o.v[j]) + rs * (gg - mg - xh * mgx));
+    }
+    reinterpret_cast<Pack<T, V>*>(dxr)[p] = o;
   }
 }
 
@@ -126,6 +163,16 @@ constexpr int kRowThreads = 256;  // 8 rows (warps) per block
 inline unsigned row_blocks(int N) {
   const int warps = kRowThreads / 32;
   return static_cast<unsigned>((N + warps - 1) / warps);
+}
+// Runs launch(std::integral_constant<int, V>) with V = 16 / sizeof(T) (16-byte packs) when
+// rows of C elements of every pointer given start on 16-byte boundaries, else with V = 1.
+template <class T, class F>
+void split_row_pack(int C, std::initializer_list<const void*> ptrs, F&& launch) {
+  constexpr int V = 16 / sizeof(T);
+  bool vec = C % V == 0;
+  for (const void* p : ptrs) vec = vec && aligned16(p);
+  if (vec) launch(std::integral_constant<int, V>{});
+  else launch(std::integral_constant<int, 1>{});
 }
 
 }  // namespace cuda
@@ -142,9 +189,11 @@ void CudaBackend::layernorm_split_sums(float* sum, const void* x, int N, int C) 
   if (N <= 0 || C <= 0) return;
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    ln_split_sums_kernel<<<row_blocks(N), kRowThreads, 0, stream_>>>(sum, static_cast<const T*>(x),
-                                                                     N, C);
-    CUDA_CHECK_LAUNCH();
+    split_row_pack<T>(C, {x}, [&](auto v) {
+      ln_split_sums_kernel<T, decltype(v)::value><<<row_blocks(N), kRowThreads, 0, stream_>>>(
+          sum, static_cast<const T*>(x), N, C);
+      CUDA_CHECK_LAUNCH();
+    });
   });
 }
 
@@ -153,9 +202,11 @@ void CudaBackend::layernorm_split_centered(float* sq, float* mean, const void* x
   if (N <= 0 || C <= 0) return;
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    ln_split_centered_kernel<<<row_blocks(N), kRowThreads, 0, stream_>>>(
-        sq, mean, static_cast<const T*>(x), N, C, static_cast<float>(C_total));
-    CUDA_CHECK_LAUNCH();
+    split_row_pack<T>(C, {x}, [&](auto v) {
+      ln_split_centered_kernel<T, decltype(v)::value><<<row_blocks(N), kRowThreads, 0, stream_>>>(
+          sq, mean, static_cast<const T*>(x), N, C, static_cast<float>(C_total));
+      CUDA_CHECK_LAUNCH();
+    });
   });
 }
 
@@ -165,10 +216,12 @@ void CudaBackend::layernorm_split_apply(void* y, float* rstd, const void* x, con
   if (N <= 0 || C <= 0) return;
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    ln_split_apply_kernel<<<row_blocks(N), kRowThreads, 0, stream_>>>(
-        static_cast<T*>(y), rstd, static_cast<const T*>(x), mean, static_cast<const T*>(gamma),
-        static_cast<const T*>(beta), N, C, static_cast<float>(C_total), eps);
-    CUDA_CHECK_LAUNCH();
+    split_row_pack<T>(C, {y, x, gamma, beta}, [&](auto v) {
+      ln_split_apply_kernel<T, decltype(v)::value><<<row_blocks(N), kRowThreads, 0, stream_>>>(
+          static_cast<T*>(y), rstd, static_cast<const T*>(x), mean, static_cast<const T*>(gamma),
+          static_cast<const T*>(beta), N, C, static_cast<float>(C_total), eps);
+      CUDA_CHECK_LAUNCH();
+    });
   });
 }
 
@@ -189,13 +242,14 @@ void CudaBackend::layernorm_split_backward_sums(float* sums, float* dgamma, floa
   float* pb = pg + static_cast<size_t>(chunks) * C;
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    ln_split_bwd_sums_kernel<<<row_blocks(N), kRowThreads, 0, stream_>>>(
-        sums, static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(gamma),
-        mean, rstd, N, C);
-    CUDA_CHECK_LAUNCH();
-    dim3 grid((C + 31) / 32, chunks), block(32, 8);
-    layernorm_bwd_param_partial<<<grid, block, 0, stream_>>>(pg, pb, static_cast<const T*>(dy),
-                                                        static_cast<const T*>(x), mean, rstd, N, C);
+    split_row_pack<T>(C, {dy, x, gamma}, [&](auto v) {
+      ln_split_bwd_sums_kernel<T, decltype(v)::value><<<row_blocks(N), kRowThreads, 0, stream_>>>(
+          sums, static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(gamma),
+          mean, rstd, N, C);
+      CUDA_CHECK_LAUNCH();
+    });
+    launch_layernorm_bwd_param_partial(stream_, pg, pb, static_cast<const T*>(dy),
+                                       static_cast<const T*>(x), mean, rstd, N, C);
     CUDA_CHECK_LAUNCH();
   });
   launch_layernorm_bwd_param_final(stream_, dgamma, dbeta, pg, pb, chunks, C);
@@ -209,10 +263,13 @@ void CudaBackend::layernorm_split_backward_dx(void* dx, const void* dy, const vo
   if (N <= 0 || C <= 0) return;
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    ln_split_bwd_dx_kernel<<<row_blocks(N), kRowThreads, 0, stream_>>>(
-        static_cast<T*>(dx), static_cast<const T*>(dy), static_cast<const T*>(x),
-        static_cast<const T*>(gamma), mean, rstd, sums, N, C, 1.0f / static_cast<float>(C_total));
-    CUDA_CHECK_LAUNCH();
+    split_row_pack<T>(C, {dx, dy, x, gamma}, [&](auto v) {
+      ln_split_bwd_dx_kernel<T, decltype(v)::value><<<row_blocks(N), kRowThreads, 0, stream_>>>(
+          static_cast<T*>(dx), static_cast<const T*>(dy), static_cast<const T*>(x),
+          static_cast<const T*>(gamma), mean, rstd, sums, N, C,
+          1.0f / static_cast<float>(C_total));
+      CUDA_CHECK_LAUNCH();
+    });
   });
 }
 

@@ -1,6 +1,7 @@
 // Fused residual add + LayerNorm forward and the LayerNorm backward, side by side.
 // One warp per row (ViT rows are C = 192..1280 wide: a warp streams them at full bandwidth and
-// needs no shared memory); statistics in fp32; parameter gradients through a deterministic
+// needs no shared memory), a thread block per row past that (the large ViT's 4096:
+// VITGRID_LN_WIDE); statistics in fp32; parameter gradients through a deterministic
 // two-stage column reduction (no atomics, same bits every run).
 #include <algorithm>
 #include <cstdio>
@@ -911,13 +912,15 @@ void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, cons
     const int kmax = pf_fused ? kLnBwd2MaxPacksPf : ds_fused ? kLnBwd2MaxPacksDs : kLnBwd2MaxPacks;
     const bool vec_ok = C % V == 0 && aligned16(dx) && aligned16(dy) && aligned16(x) &&
                         aligned16(gamma) && (!pf || aligned16(dbranch));
-    // the block-per-row kernel: past the second fused kernel's reach (of the variant the
-    // call needs), or everywhere with VITGRID_LN_WIDE=1; it does the factors and the sums
+    // the block-per-row kernel: past the reach (packs per lane) of the warp-per-row kernel the
+    // call would take (the second fused kernel's variant for it, or the first), or everywhere
+    // with VITGRID_LN_WIDE=1; it does the factors and the sums
+    const int warp_reach = !ln_bwd_v2_ ? 4
+                           : pf        ? kLnBwd2MaxPacksPf
+                           : dsum      ? kLnBwd2MaxPacksDs
+                                       : kLnBwd2MaxPacks;
     if (vec_ok && packs <= kLnWideMaxPacksBwd &&
-        (ln_wide_ == LnWide::On ||
-         (ln_wide_ == LnWide::Auto && (K > (pf ? kLnBwd2MaxPacksPf : dsum ? kLnBwd2MaxPacksDs
-                                                                          : kLnBwd2MaxPacks) ||
-                                       !ln_bwd_v2_ && K > 4)))) {
+        (ln_wide_ == LnWide::On || (ln_wide_ == LnWide::Auto && K > warp_reach))) {
       const int kw = ln_wide_bwd_k(packs), threads = ln_wide_threads(packs, kw);
       auto launch_wide = [&](auto kernel, bool DS) {
         // blocks of this many threads that fit on an SM, once per kernel and width

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build, test and measure vitgrid on a GPU node in one go, beside PyTorch + timm.
 #   tools/gpu_check.sh STEP...      (default: build test bench)
-# Steps: build test cputest bench models loader kernels compile scale study large pipeline tpvitb
-# ckpt e2epar profile variants trace (each described where it is handled below).
+# Steps: build test cputest bench models loader kernels compile scale study large large2 pipeline
+# tpvitb ckpt e2epar profile variants trace (each described where it is handled below).
 # Writes logs under $OUT (default /tmp/vitgrid-gpu). On a node without parallel HDF5 or
 # Boost.ProgramOptions, put their Debian packages in .gpu-deps/ (see README): they are unpacked
 # into /opt/deps and used from there.
@@ -183,6 +183,20 @@ PYEOF
       "--parallel.pipeline=2 --parallel.micro_batches=4 --parallel.tensor=2 --parallel.tensor_mode=1d" \
       "--parallel.pipeline=2 --parallel.micro_batches=8 --parallel.tensor=2 --parallel.tensor_mode=1d" \
       "--parallel.pipeline=4 --parallel.micro_batches=8"
+    ;;
+  large2)
+    # the large ViT on 2 GPUs: 1d tensor 2 with the LayerNorm kernels for wide rows and without
+    # (VITGRID_LN_WIDE=0, the earlier paths), and 2 pipeline stages (1F1B, M = 8)
+    [ "$NGPU" -ge 2 ] || { echo "large2: needs 2 GPUs"; continue; }
+    L2=(inputs/bench_vit_b16.ini --model.preset=vit-huge-4096 --model.checkpoint_activations=true
+        --data.global_batch=32 --precision.mode=bf16 --warmup=4 --steps=6)
+    for v in "auto|--parallel.tensor=2 --parallel.tensor_mode=1d" \
+             "0|--parallel.tensor=2 --parallel.tensor_mode=1d" \
+             "auto|--parallel.pipeline=2 --parallel.micro_batches=8"; do
+      echo "VITGRID_LN_WIDE=${v%%|*} layout: ${v#*|}"
+      VITGRID_LN_WIDE=${v%%|*} mpirun -np 2 --bind-to none -x VITGRID_LN_WIDE "$B/bin/vitgrid" \
+        bench "${L2[@]}" ${v#*|} 2>&1 | grep -E "^bench|bubble per|error"
+    done | tee "$OUT/large2.log"
     ;;
   pipeline)
     # the large ViT under pipeline parallelism on 4 GPUs: per schedule, images/s, MFU, the

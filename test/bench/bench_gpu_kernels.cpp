@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -250,18 +251,22 @@ void BM_LayerNormBackward(benchmark::State& st) {
 // dsum = 1 also dx's column sums (a Row Linear's bias gradient): inside the second kernel, a
 // pass of its own after the first (the old cost of the second: dsum = 0 plus BM_ColumnSums
 // kind 0).
-Backend& ln_bwd_backend(int v) {
-  static std::unique_ptr<Backend> be[2];
-  if (!be[v]) {
-    const char* prev = std::getenv("VITGRID_LN_BWD");
+// A bf16 CUDA backend made with environment variable `var` = v ("0" or "1"; the variable
+// restored afterwards), made once per (var, v).
+Backend& env_backend(const char* var, int v) {
+  static std::map<std::pair<std::string, int>, std::unique_ptr<Backend>> made;
+  std::unique_ptr<Backend>& be = made[{var, v}];
+  if (!be) {
+    const char* prev = std::getenv(var);
     const std::string saved = prev ? prev : "";
-    setenv("VITGRID_LN_BWD", v ? "1" : "0", 1);
-    be[v] = make_cuda_backend(0, DType::BF16);
-    if (prev) setenv("VITGRID_LN_BWD", saved.c_str(), 1);
-    else unsetenv("VITGRID_LN_BWD");
+    setenv(var, v ? "1" : "0", 1);
+    be = make_cuda_backend(0, DType::BF16);
+    if (prev) setenv(var, saved.c_str(), 1);
+    else unsetenv(var);
   }
-  return *be[v];
+  return *be;
 }
+Backend& ln_bwd_backend(int v) { return env_backend("VITGRID_LN_BWD", v); }
 
 void BM_LayerNormBackwardKernel(benchmark::State& st) {
   if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
@@ -293,25 +298,12 @@ void BM_LayerNormBackwardKernel(benchmark::State& st) {
 // (GB: a, b read, res, y written), 1 the backward (dy, x, dx read, dx written; with the
 // dgamma / dbeta reduction), 2 the backward with dx's column sums (dsum: a Row Linear's bias
 // gradient, as 1d tensor parallelism runs it).
-Backend& ln_wide_backend(int v) {
-  static std::unique_ptr<Backend> be[2];
-  if (!be[v]) {
-    const char* prev = std::getenv("VITGRID_LN_WIDE");
-    const std::string saved = prev ? prev : "";
-    setenv("VITGRID_LN_WIDE", v ? "1" : "0", 1);
-    be[v] = make_cuda_backend(0, DType::BF16);
-    if (prev) setenv("VITGRID_LN_WIDE", saved.c_str(), 1);
-    else unsetenv("VITGRID_LN_WIDE");
-  }
-  return *be[v];
-}
-
 void BM_LayerNormWide(benchmark::State& st) {
   if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
   const int C = static_cast<int>(st.range(0)), v = static_cast<int>(st.range(1));
   const int op = static_cast<int>(st.range(2));
   const int N = 6304 * 4096 / C;
-  Backend& be = ln_wide_backend(v);
+  Backend& be = env_backend("VITGRID_LN_WIDE", v);
   const size_t a = be.act_size(), nc = size_t(N) * C;
   Bufs b(be);
   void *p0 = b.get(nc * a), *p1 = b.get(nc * a), *p2 = b.get(nc * a), *p3 = b.get(nc * a);

@@ -74,10 +74,7 @@ LnPaths ln_paths(int b, int C, DType dt, bool ds, bool pf = false) {
   const char fwd = packs <= 4096 && (on || C > 1024) ? 'w' : K <= 16 ? 'v' : 'g';
   const bool wide_ok = packs <= 1024;
   const int limit = b == 0 ? 4 : pf ? 4 : ds ? 5 : 6;
-  char bwd;
-  if (wide_ok && (on || K > limit)) bwd = 'w';
-  else if (K <= limit) bwd = b == 0 ? 'a' : 'b';
-  else bwd = b != 0 && K <= 6 ? 'b' : 'g';  // (not reached: wide_ok covers K <= 32)
+  const char bwd = wide_ok && (on || K > limit) ? 'w' : K <= limit ? (b == 0 ? 'a' : 'b') : 'g';
   return {fwd, bwd};
 }
 

@@ -78,16 +78,17 @@ __global__ void add_layernorm_fwd_kernel(T* res, T* y, float* mean, float* rstd,
 // The same for rows of up to 32*K packs of V elements (16-byte vectors): each lane keeps its
 // packs of the row in registers, so a and b are read once and res and y written once (the
 // generic kernel above re-reads the row from memory for the variance and the output).
-template <class T, int K>
-__global__ void __launch_bounds__(256) add_layernorm_fwd_vec_kernel(
-    T* res, T* y, float* mean, float* rstd, const T* a, const T* b, const T* gamma,
-    const T* beta, int N, int C, float eps, const float* bf, int bf_rows) {
+// The row body, shared with the block-per-row kernel below: thread t of a team of nt owns
+// packs t + nt k, k < K; sum(v) adds v over the team (every thread gets the total); thread 0
+// writes the statistics.
+template <class T, int K, class Sum>
+__device__ __forceinline__ void add_layernorm_row(int64_t row, int t, int nt, Sum sum, T* res,
+                                                  T* y, float* mean, float* rstd, const T* a,
+                                                  const T* b, const T* gamma, const T* beta,
+                                                  int C, float eps, const float* bf,
+                                                  int bf_rows) {
   constexpr int V = 16 / sizeof(T);
   using P = Pack<T, V>;
-  const int warps = blockDim.x >> 5;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5);
-  const int lane = threadIdx.x & 31;
-  if (row >= N) return;
   const int packs = C / V;
   const P* ar = reinterpret_cast<const P*>(a + row * C);
   const P* br = b ? reinterpret_cast<const P*>(b + row * C) : nullptr;
@@ -98,7 +99,7 @@ __global__ void __launch_bounds__(256) add_layernorm_fwd_vec_kernel(
   const float fr = bf && br ? bf[row / bf_rows] : 1.0f;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    const int p = lane + 32 * k;
+    const int p = t + nt * k;
     if (p >= packs) continue;
     const P ap = ar[p];
     P bp;
@@ -113,21 +114,21 @@ __global__ void __launch_bounds__(256) add_layernorm_fwd_vec_kernel(
     }
     if (br || rr != ar) rr[p] = o;
   }
-  const float m = warp_sum(s) / C;
+  const float m = sum(s) / C;
   float v = 0.0f;  // two-pass variance from registers
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    if (lane + 32 * k >= packs) continue;
+    if (t + nt * k >= packs) continue;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const float d = r[k][j] - m;
       v += d * d;
     }
   }
-  const float rs = 1.0f / sqrtf(warp_sum(v) / C + eps);
+  const float rs = 1.0f / sqrtf(sum(v) / C + eps);
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    const int p = lane + 32 * k;
+    const int p = t + nt * k;
     if (p >= packs) continue;
     const P gp = reinterpret_cast<const P*>(gamma)[p];
     const P bp = reinterpret_cast<const P*>(beta)[p];
@@ -137,10 +138,22 @@ __global__ void __launch_bounds__(256) add_layernorm_fwd_vec_kernel(
       o.v[j] = from_f<T>((r[k][j] - m) * rs * to_f(gp.v[j]) + to_f(bp.v[j]));
     yr[p] = o;
   }
-  if (lane == 0) {
+  if (t == 0) {
     mean[row] = m;
     rstd[row] = rs;
   }
+}
+
+template <class T, int K>
+__global__ void __launch_bounds__(256) add_layernorm_fwd_vec_kernel(
+    T* res, T* y, float* mean, float* rstd, const T* a, const T* b, const T* gamma,
+    const T* beta, int N, int C, float eps, const float* bf, int bf_rows) {
+  const int warps = blockDim.x >> 5;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5);
+  if (row >= N) return;
+  add_layernorm_row<T, K>(
+      row, threadIdx.x & 31, 32, [](float v) { return warp_sum(v); }, res, y, mean, rstd, a, b,
+      gamma, beta, C, eps, bf, bf_rows);
 }
 
 // dx += rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma.
@@ -552,63 +565,12 @@ template <class T, int K>
 __global__ void __launch_bounds__(1024) add_layernorm_fwd_wide_kernel(
     T* res, T* y, float* mean, float* rstd, const T* a, const T* b, const T* gamma,
     const T* beta, int N, int C, float eps, const float* bf, int bf_rows) {
-  constexpr int V = 16 / sizeof(T);
-  using P = Pack<T, V>;
   __shared__ float sh[32];
   const int64_t row = blockIdx.x;
   if (row >= N) return;  // (uniform over the block)
-  const int packs = C / V;
-  const P* ar = reinterpret_cast<const P*>(a + row * C);
-  const P* br = b ? reinterpret_cast<const P*>(b + row * C) : nullptr;
-  P* rr = reinterpret_cast<P*>(res + row * C);
-  P* yr = reinterpret_cast<P*>(y + row * C);
-  const float fr = bf && br ? bf[row / bf_rows] : 1.0f;
-  float r[K][V];
-  float s = 0.0f;
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int p = threadIdx.x + blockDim.x * k;
-    if (p >= packs) continue;
-    const P ap = ar[p];
-    P bp;
-    if (br) bp = br[p];
-    P o;
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      o.v[j] = br ? from_f<T>(to_f(ap.v[j]) + branch_elem(bp.v[j], bf, fr)) : ap.v[j];
-      r[k][j] = to_f(o.v[j]);
-      s += r[k][j];
-    }
-    if (br || rr != ar) rr[p] = o;
-  }
-  const float m = block_sum(s, sh) / C;
-  float v = 0.0f;
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    if (static_cast<int>(threadIdx.x + blockDim.x * k) >= packs) continue;
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const float d = r[k][j] - m;
-      v += d * d;
-    }
-  }
-  const float rs = 1.0f / sqrtf(block_sum(v, sh) / C + eps);
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int p = threadIdx.x + blockDim.x * k;
-    if (p >= packs) continue;
-    const P gp = reinterpret_cast<const P*>(gamma)[p];
-    const P bp = reinterpret_cast<const P*>(beta)[p];
-    P o;
-#pragma unroll
-    for (int j = 0; j < V; ++j)
-      o.v[j] = from_f<T>((r[k][j] - m) * rs * to_f(gp.v[j]) + to_f(bp.v[j]));
-    yr[p] = o;
-  }
-  if (threadIdx.x == 0) {
-    mean[row] = m;
-    rstd[row] = rs;
-  }
+  add_layernorm_row<T, K>(
+      row, threadIdx.x, blockDim.x, [&](float v) { return block_sum(v, sh); }, res, y, mean,
+      rstd, a, b, gamma, beta, C, eps, bf, bf_rows);
 }
 
 // Backward: a fixed grid of blocks striding over the rows (block i: rows i, i + grid, ...);

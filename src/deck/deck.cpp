@@ -114,8 +114,10 @@ const std::vector<Field>& schema() {
       VG_FIELD(model, gelu, "exact|tanh", "GELU form: exact (erf, timm default) or tanh"),
       VG_FIELD(model, checkpoint_activations, "",
                "recompute each block in the backward pass to save activation memory"),
+      VG_FIELD(model, checkpoint_blocks, "",
+               "with checkpoint_activations: recompute only the first n blocks of each pipeline stage (of each virtual stage when interleaved) and keep the others' activations, trading memory for speed (Megatron's recompute-method block); -1: every block"),
       VG_FIELD(model, keep_gelu_output, "",
-               "keep each block's GELU output for the backward instead of recomputing it (batch x tokens x mlp more activations per block, one elementwise pass less; ignored with checkpoint_activations)"),
+               "keep each block's GELU output for the backward instead of recomputing it (batch x tokens x mlp more activations per block, one elementwise pass less; ignored for the checkpointed blocks)"),
       // [parallel]
       VG_FIELD(parallel, pipeline, "", "pipeline stages"),
       VG_FIELD(parallel, tensor, "", "ranks in the tensor-parallel group"),
@@ -595,6 +597,13 @@ class Parser {
             std::to_string(m.heads) + " does not divide model.hidden (" + std::to_string(m.hidden) +
                 ")");
     require(m.mlp_hidden() > 0, "model.mlp_ratio", "gives an empty MLP");
+    require(m.checkpoint_blocks >= -1, "model.checkpoint_blocks",
+            "must be -1 (every block) or a block count >= 0, got " +
+                std::to_string(m.checkpoint_blocks));
+    require(m.checkpoint_blocks == -1 || m.checkpoint_activations, "model.checkpoint_blocks",
+            "= " + std::to_string(m.checkpoint_blocks) +
+                " needs model.checkpoint_activations = true (it says how many blocks of each "
+                "stage are recomputed)");
 
     // [data] (alone)
     DataSection& dt = d.data;

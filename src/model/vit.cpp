@@ -26,6 +26,7 @@ ViTConfig ViTConfig::from(const ModelSection& m) {
   c.drop_path = static_cast<float>(m.drop_path);
   c.gelu = m.gelu == "tanh" ? Gelu::Tanh : Gelu::Exact;
   c.checkpoint_activations = m.checkpoint_activations;
+  c.checkpoint_blocks = m.checkpoint_blocks;
   c.keep_gelu_output = m.keep_gelu_output;
   return c;
 }
@@ -51,7 +52,7 @@ struct ViT::Acts {
     void* patches = nullptr;         // embedding input (first chunk of the first stage)
     std::vector<void*> r_in;         // residual stream entering each block of the chunk; r_in[0]
                                      // is the chunk input, and d(input) after the backward
-    std::vector<BlockActs> blocks;   // per block of the chunk (none with checkpointing)
+    std::vector<BlockActs> blocks;   // per block of the chunk (empty where checkpointed)
     // Drop path's factors where the LayerNorms apply them (path_in_layernorm): per block of
     // the chunk, the attention branch's then the MLP branch's, path_stride floats each.
     float* path_f = nullptr;
@@ -60,7 +61,7 @@ struct ViT::Acts {
     float *mf = nullptr, *sf = nullptr;
   };
   std::vector<Set> sets;
-  BlockActs shared;  // with activation checkpointing: the one block set, recomputed per block
+  BlockActs shared;  // the checkpointed blocks' one block set, recomputed per block
   // The (set, block) whose training forward shared holds, untouched since (-1: none): the
   // backward of that block, next, needs no recompute (the chunk's last block, unless another
   // micro-batch's forward ran in between).
@@ -249,6 +250,14 @@ void ViT::need(int group) const {
   if (need_hook_ && group >= 0) need_hook_(groups_[group].offset, groups_[group].n);
 }
 
+bool ViT::checkpointed_in_chunk(int j) const {
+  return cfg_.checkpoint_activations && (cfg_.checkpoint_blocks < 0 || j < cfg_.checkpoint_blocks);
+}
+
+bool ViT::checkpointed(int l) const {
+  return checkpointed_in_chunk(l - layout_.chunks[chunk_of_block(l)].first_block);
+}
+
 int ViT::chunk_of_block(int l) const {
   for (size_t c = 0; c < layout_.chunks.size(); ++c) {
     const auto& ch = layout_.chunks[c];
@@ -293,8 +302,9 @@ void ViT::plan_activations() {
   for (const auto& ch : layout_.chunks) max_blocks = std::max(max_blocks, ch.blocks);
   // a chunk that is not the model's last sends its output on
   const bool has_out = layout_.chunks.size() > 1 || !layout_.head;
-  const bool ckpt = cfg_.checkpoint_activations;
-  const bool keep_g = kept_gelu_output();
+  // checkpointing: the recomputed blocks (the first of each chunk) share one block set
+  const bool any_ckpt = checkpointed_in_chunk(0), all_ckpt = checkpointed_in_chunk(max_blocks - 1);
+  const bool keep_g = cfg_.keep_gelu_output;  // where the block is not checkpointed
   bool path_f = false;
   for (int l = 0; l < cfg_.depth; ++l) path_f = path_f || path_in_layernorm(l);
   a_->path_stride = Bm;
@@ -320,8 +330,9 @@ void ViT::plan_activations() {
       if (layout_.embed) st.patches = take(Np * cfg_.patch_dim() * as);
       st.r_in.assign(max_blocks, nullptr);
       for (auto& r : st.r_in) r = take(N * C * as);
-      st.blocks.assign(ckpt ? 0 : max_blocks, {});
-      for (auto& b : st.blocks) block_set(b);
+      st.blocks.assign(max_blocks, {});  // the checkpointed ones stay empty
+      for (int j = 0; j < max_blocks; ++j)
+        if (!checkpointed_in_chunk(j)) block_set(st.blocks[j]);
       st.path_f = path_f ? static_cast<float*>(take(max_blocks * 2 * sizeof(float) * Bm))
                          : nullptr;
       if (has_out) st.out = take(N * C * as);
@@ -333,11 +344,11 @@ void ViT::plan_activations() {
         st.sf = static_cast<float*>(take(Bm * 4));
       }
     }
-    if (ckpt) block_set(a.shared);
+    if (any_ckpt) block_set(a.shared);  // with keep_g: its own g
     a.p_scr = take(N * C * as);
     a.g_scr = keep_g ? nullptr : take(N * Ml * as);
     a.f_scr[0] = take(N * C * as);
-    a.f_scr[1] = ckpt ? nullptr : take(N * C * as);  // checkpointing: f_scr[0] only
+    a.f_scr[1] = all_ckpt ? nullptr : take(N * C * as);  // checkpointing: f_scr[0] only
     for (auto& st : a.sets)
       for (size_t j = 0; j < st.blocks.size(); ++j) {
         st.blocks[j].p = a.p_scr;
@@ -345,7 +356,7 @@ void ViT::plan_activations() {
         st.blocks[j].f = a.f_scr[j & 1];
       }
     a.shared.p = a.p_scr;
-    a.shared.g = a.g_scr;
+    if (!keep_g) a.shared.g = a.g_scr;
     a.shared.f = a.f_scr[0];
     a.ptok = take(Np * C * as);
     a.cls_a = take(Bm * C * as);
@@ -506,7 +517,7 @@ void ViT::block_forward(int l, const DeviceBatch& in, int64_t step, bool train, 
   Acts::Set& st = a.sets[set];
   const auto& ch = layout_.chunks[chunk_of_block(l)];
   const int j = l - ch.first_block;  // index within the chunk
-  const bool ckpt = cfg_.checkpoint_activations;
+  const bool ckpt = checkpointed(l);
   Acts::BlockActs& b = ckpt ? a.shared : st.blocks[j];
   // B is the whole micro-batch; this rank computes its blocks (Bl samples, Cs / Ml columns)
   const int B = in.count, T = cfg_.tokens(), C = cfg_.hidden, M = cfg_.mlp;
@@ -524,8 +535,10 @@ void ViT::block_forward(int l, const DeviceBatch& in, int64_t step, bool train, 
   const bool drop_act = train && cfg_.dropout > 0.0f, drop_res = drop_act || path > 0.0f;
   // LayerNorm 1 on the residual stream entering the block. Inside a chunk the stream is the
   // previous block's r_mid + f: fused add (unless recomputing from the stored r_in). The
-  // chunk's first block reads its input (embedding output or the previous stage's output).
-  const bool fused_add = j > 0 && !ckpt;
+  // chunk's first block reads its input (embedding output or the previous stage's output),
+  // and a block after a checkpointed one the r_in[j] that one stored. (A checkpointed block
+  // follows only checkpointed ones: its recompute never needs the previous block's f.)
+  const bool fused_add = j > 0 && !checkpointed(l - 1);
   // Drop path in the LayerNorms: the branches' per-sample factors go into LayerNorm 2's add
   // (the attention branch) and the next block's LayerNorm 1's (the MLP branch, when that add
   // is fused: else a pass over f as with dropout). The recompute finds them in the set.
@@ -621,7 +634,8 @@ void ViT::chunk_forward(int chunk, int set, const DeviceBatch& in, int64_t step,
   if (!last) return;
   // final norm on the class token only (the only row the head reads; timm normalises every
   // token, which gives the same logits and zero gradient for the others)
-  Acts::BlockActs& lb = cfg_.checkpoint_activations ? a.shared : st.blocks[ch.blocks - 1];
+  Acts::BlockActs& lb =
+      checkpointed(ch.first_block + ch.blocks - 1) ? a.shared : st.blocks[ch.blocks - 1];
   const int Cs = static_cast<int>(sb.cols);
   be_.gather_cls(a.cls_a, lb.r_mid, Bl, T, Cs);
   be_.gather_cls(a.cls_b, lb.f, Bl, T, Cs);
@@ -653,13 +667,14 @@ void ViT::block_backward(int l, const DeviceBatch& in, int64_t step, int set, bo
   Acts& a = *a_;
   // With checkpointing, recompute the block's activations into shared, unless its own forward
   // is still there (the chunk's last block when no other forward ran since: the same bits).
-  if (cfg_.checkpoint_activations && (a.shared_set != set || a.shared_block != l))
+  const bool ckpt = checkpointed(l);
+  if (ckpt && (a.shared_set != set || a.shared_block != l))
     block_forward(l, in, step, true, set, true);
   a.shared_set = a.shared_block = -1;
   Acts::Set& st = a.sets[set];
   const auto& chunk = layout_.chunks[chunk_of_block(l)];
   const int j = l - chunk.first_block;
-  Acts::BlockActs& b = cfg_.checkpoint_activations ? a.shared : st.blocks[j];
+  Acts::BlockActs& b = ckpt ? a.shared : st.blocks[j];
   const int B = in.count, T = cfg_.tokens(), C = cfg_.hidden, M = cfg_.mlp;
   const int Bl = tp_.local_batch(B), N = Bl * T;
   const size_t Cs = tp_.act_block(ActLayout::Stream, B, C).cols;
@@ -703,7 +718,7 @@ void ViT::block_backward(int l, const DeviceBatch& in, int64_t step, int set, bo
                          dkey(in, step, l, kSiteMlpOut, ActLayout::Stream, C, path));
     df = a.ddrop;
   }
-  if (!cfg_.checkpoint_activations && !kept_gelu_output()) {
+  if (!ckpt && !kept_gelu_output(l)) {
     // g = dropout(gelu(h)) again: the same kernels on the same input give the same bits
     be_.gelu_forward(b.g, b.h, NM, cfg_.gelu);
     if (drop_act)

@@ -616,6 +616,20 @@ TEST(DeckRefusal, RangesOfRatesAndFactors) {
             "deck.ini:4: optim.beta2: must be in [0,1), got 1.5");
 }
 
+TEST(DeckRefusal, CheckpointBlocks) {
+  EXPECT_EQ(refusal("[run]\nsteps = 1\n[model]\ncheckpoint_activations = true\n"
+                    "checkpoint_blocks = -2\n"),
+            "deck.ini:5: model.checkpoint_blocks: must be -1 (every block) or a block count >= "
+            "0, got -2");
+  EXPECT_EQ(refusal(kMinimal, {"--model.checkpoint_blocks=3"}),
+            "command line: model.checkpoint_blocks: = 3 needs model.checkpoint_activations = "
+            "true (it says how many blocks of each stage are recomputed)");
+  const Deck d = parse_deck_text(
+      "[run]\nsteps = 1\n[model]\ncheckpoint_activations = true\ncheckpoint_blocks = 2\n", {},
+      1);
+  EXPECT_EQ(d.model.checkpoint_blocks, 2);
+}
+
 TEST(DeckRefusal, UniformPartitionNeedsDivisibleDepth) {
   // vit-lite-7/4 has 7 blocks: 2 stages cannot share them uniformly
   EXPECT_HAS(refusal("[run]\nsteps = 1\n[parallel]\npipeline = 2\n", {}, 2),

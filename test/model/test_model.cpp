@@ -90,22 +90,42 @@ struct Rig {
 
 TEST(Model, ActivationCheckpointingLeavesGradientsUnchanged) {
   // with dropout, and with drop path alone (applied in the LayerNorms: the recompute reuses
-  // the forward's factors)
-  for (float dropout : {0.2f, 0.0f}) {
-    SCOPED_TRACE("dropout " + std::to_string(dropout));
-    Rig a(tiny(false, dropout, 0.3f), DType::F32, 6), b(tiny(true, dropout, 0.3f), DType::F32, 6);
-    const double la = a.step(1.0f / 6), lb = b.step(1.0f / 6);
-    EXPECT_EQ(la, lb);
-    auto ga = a.grads(), gb = b.grads();
-    ASSERT_EQ(ga.size(), gb.size());
-    double norm = 0;
-    for (size_t i = 0; i < ga.size(); ++i) {
-      ASSERT_EQ(ga[i], gb[i]) << "gradient element " << i;  // recomputation is bit-identical
-      norm += double(ga[i]) * ga[i];
+  // the forward's factors); every block recomputed, and only the first 1 or 2 of the 3
+  // (model.checkpoint_blocks: the recomputed block after a kept one reads the r_in its fused
+  // add stored), with and without kept GELU outputs
+  for (float dropout : {0.2f, 0.0f})
+    for (bool keep_g : {false, true}) {
+      SCOPED_TRACE("dropout " + std::to_string(dropout) + (keep_g ? ", kept GELU output" : ""));
+      ViTConfig ca = tiny(false, dropout, 0.3f);
+      ca.keep_gelu_output = keep_g;
+      Rig a(ca, DType::F32, 6);
+      const double la = a.step(1.0f / 6);
+      const auto ga = a.grads();
+      double norm = 0;
+      for (float v : ga) norm += double(v) * v;
+      EXPECT_GT(norm, 0.0);
+      size_t prev_bytes = a.model->activation_bytes();
+      for (int n : {1, 2, 3, -1}) {
+        SCOPED_TRACE("checkpoint_blocks " + std::to_string(n));
+        ViTConfig cb = tiny(true, dropout, 0.3f);
+        cb.keep_gelu_output = keep_g;
+        cb.checkpoint_blocks = n;
+        Rig b(cb, DType::F32, 6);
+        EXPECT_EQ(la, b.step(1.0f / 6));
+        const auto gb = b.grads();
+        ASSERT_EQ(ga.size(), gb.size());
+        for (size_t i = 0; i < ga.size(); ++i)
+          ASSERT_EQ(ga[i], gb[i]) << "gradient element " << i;  // recomputation is bit-identical
+        // each block more recomputed keeps less, except the first (its activations move to
+        // the shared set the recompute needs); 3 of 3 is every block
+        const size_t bytes = b.model->activation_bytes();
+        if (n == -1 || n == 1)
+          EXPECT_EQ(bytes, prev_bytes);
+        else
+          EXPECT_LT(bytes, prev_bytes);
+        prev_bytes = bytes;
+      }
     }
-    EXPECT_GT(norm, 0.0);
-    EXPECT_LT(b.model->activation_bytes(), a.model->activation_bytes());
-  }
 }
 
 TEST(Model, CheckpointedBackwardRecomputesWhatAnotherForwardOverwrote) {
@@ -117,8 +137,11 @@ TEST(Model, CheckpointedBackwardRecomputesWhatAnotherForwardOverwrote) {
   // between the orders must change nothing either.
   const int B = 8, mb = 4;
   std::vector<std::vector<float>> got;
-  for (bool ckpt : {false, true}) {
-    Rig r(tiny(ckpt, 0.2f, 0.3f), DType::F32, B, 2);
+  // (and with only the first block recomputed: its backward comes last, after the others')
+  for (int ckpt : {0, 1, 2}) {
+    ViTConfig c = tiny(ckpt > 0, 0.2f, 0.3f);
+    if (ckpt == 2) c.checkpoint_blocks = 1;
+    Rig r(c, DType::F32, B, 2);
     const size_t img = 3 * 8 * 8 * r.be->act_size();
     const DeviceBatch m0{r.images, r.labels, nullptr, mb, 40};
     const DeviceBatch m1{static_cast<const char*>(r.images) + mb * img, r.labels + mb, nullptr,
@@ -144,7 +167,7 @@ TEST(Model, CheckpointedBackwardRecomputesWhatAnotherForwardOverwrote) {
       r.model->forward_eval(m1, &l, &t1, &t5);
     }
   }
-  ASSERT_EQ(got.size(), 4u);
+  ASSERT_EQ(got.size(), 6u);
   double norm = 0;
   for (float v : got[0]) norm += double(v) * v;
   EXPECT_GT(norm, 0.0);

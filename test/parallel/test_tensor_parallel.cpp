@@ -567,6 +567,7 @@ void check_model(const Case& c, bool ckpt, bool mix, const Prec& prec = kF32) {
   cfg.dropout = 0.1f;
   cfg.drop_path = 0.4f;  // block 1 drops whole samples: the sample split of 2d / 2.5d / 3d
   cfg.checkpoint_activations = ckpt;
+  cfg.checkpoint_blocks = 1;  // with it: block 0 recomputed, block 1 kept (both kinds)
   const int B = 8;
   auto img = randn(size_t(B) * 3 * cfg.image * cfg.image, 5);
   to_act_values(prec.act, {&img});

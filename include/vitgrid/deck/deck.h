@@ -34,6 +34,7 @@ struct ModelSection {
   double drop_path = 0.0;  // stochastic depth of the last block (timm drop_path_rate)
   std::string gelu = "exact";  // exact | tanh
   bool checkpoint_activations = false;
+  int checkpoint_blocks = -1;  // blocks recomputed per pipeline chunk (-1: all)
   bool keep_gelu_output = false;  // keep each block's GELU output instead of recomputing it
   int mlp_hidden() const { return static_cast<int>(hidden * mlp_ratio + 0.5); }
   int tokens() const { return (image_size / patch_size) * (image_size / patch_size) + 1; }

@@ -27,6 +27,9 @@ struct ViTConfig {
   float drop_path = 0.0f;  // the last block's; block l's is drop_path * l / (depth - 1)
   Gelu gelu = Gelu::Exact;
   bool checkpoint_activations = false;
+  // With checkpoint_activations: the blocks recomputed, the first n of each chunk (pipeline
+  // stage or virtual stage); -1: all of them.
+  int checkpoint_blocks = -1;
   bool keep_gelu_output = false;  // per-block GELU output kept, not recomputed in the backward
   float ln_eps = 1e-6f;
   int patches() const { return (image / patch) * (image / patch); }
@@ -226,10 +229,14 @@ class ViT {
   struct Set;
   void build_params();
   void plan_activations();
-  // Each block keeps its GELU output between forward and backward (not with checkpointing,
-  // which recomputes the whole block anyway).
-  bool kept_gelu_output() const { return cfg_.keep_gelu_output && !cfg_.checkpoint_activations; }
   int chunk_of_block(int l) const;
+  // Block l is recomputed in the backward (its activations live in the shared set) rather
+  // than kept from its forward.
+  bool checkpointed(int l) const;
+  bool checkpointed_in_chunk(int j) const;  // the same by the block's index in its chunk
+  // Block l keeps its GELU output between forward and backward (not when checkpointed: the
+  // recompute makes it anyway).
+  bool kept_gelu_output(int l) const { return cfg_.keep_gelu_output && !checkpointed(l); }
   // Block l's drop path rides on the LayerNorms' residual adds (per-sample factors, no passes
   // over the branches): drop path without dropout, where the strategy's LayerNorms take them.
   bool path_in_layernorm(int l) const;

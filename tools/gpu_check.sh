@@ -2,7 +2,7 @@
 # Build, test and measure vitgrid on a GPU node in one go, beside PyTorch + timm.
 #   tools/gpu_check.sh STEP...      (default: build test bench)
 # Steps: build test cputest bench models loader kernels compile scale study large large2 pipeline
-# tpvitb ckpt e2epar profile variants trace (each described where it is handled below).
+# tpvitb ckpt recompute e2epar profile variants trace (each described where it is handled below).
 # Writes logs under $OUT (default /tmp/vitgrid-gpu). On a node without parallel HDF5 or
 # Boost.ProgramOptions, put their Debian packages in .gpu-deps/ (see README): they are unpacked
 # into /opt/deps and used from there.
@@ -197,6 +197,28 @@ PYEOF
       VITGRID_LN_WIDE=${v%%|*} mpirun -np 2 --bind-to none -x VITGRID_LN_WIDE "$B/bin/vitgrid" \
         bench "${L2[@]}" ${v#*|} 2>&1 | grep -E "^bench|bubble per|error"
     done | tee "$OUT/large2.log"
+    ;;
+  recompute)
+    # partial activation checkpointing (model.checkpoint_blocks): ViT-B/16 bf16 256 on one GPU
+    # with every block, 9, 6, 3 of the 12 and none recomputed; with 2 GPUs, the large ViT in 1d
+    # tensor 2 with 32 (every block), 16 and none of its 32 blocks recomputed
+    V=(inputs/bench_vit_b16.ini --precision.mode=bf16 --warmup=5 --steps=20)
+    for n in -1 9 6 3 off; do
+      c=(--model.checkpoint_activations=true --model.checkpoint_blocks=$n)
+      [ "$n" = off ] && c=()
+      echo "ViT-B/16, one GPU, checkpoint_blocks $n"
+      mpirun -np 1 --bind-to none "$B/bin/vitgrid" bench "${V[@]}" "${c[@]}" 2>&1 | grep -E "^bench|rror"
+    done | tee "$OUT/recompute.log"
+    if [ "$NGPU" -ge 2 ]; then
+      L2=(inputs/bench_vit_b16.ini --model.preset=vit-huge-4096 --data.global_batch=32
+          --precision.mode=bf16 --warmup=3 --steps=6 --parallel.tensor=2 --parallel.tensor_mode=1d)
+      for n in -1 16 off; do
+        c=(--model.checkpoint_activations=true --model.checkpoint_blocks=$n)
+        [ "$n" = off ] && c=()
+        echo "large ViT, 1d t2, checkpoint_blocks $n"
+        mpirun -np 2 --bind-to none "$B/bin/vitgrid" bench "${L2[@]}" "${c[@]}" 2>&1 | grep -E "^bench|rror"
+      done | tee -a "$OUT/recompute.log"
+    fi
     ;;
   pipeline)
     # the large ViT under pipeline parallelism on 4 GPUs: per schedule, images/s, MFU, the

@@ -970,7 +970,7 @@ def t_gpu_graphs(tmp):
     dropout masks follow the step and stream position the graph reads from the upload slot),
     20 steps with graphs and with --device.cuda_graph=false give identical losses and gradient
     norms on one GPU (fp32, bf16, fp16 with its loss scale re-captured, gradient accumulation,
-    activation checkpointing, drop path, and without dropout), and agree within 1e-6 (fp32) on
+    activation checkpointing of 2 of the 4 blocks, drop path, and without dropout), and agree within 1e-6 (fp32) on
     2 and 4 GPUs (data parallel with the overlapped bucket reduction, ZeRO-1, tensor 1d / 2d);
     the log says graphs were captured and, after the first steps, nothing was allocated. 77
     without a GPU."""
@@ -980,7 +980,8 @@ def t_gpu_graphs(tmp):
     cases = [("fp32", 1, ["--precision.mode=fp32"]),
              ("fp32_no_dropout", 1, ["--precision.mode=fp32", "--model.dropout=0"]),
              ("fp32_drop_path", 1, ["--precision.mode=fp32", "--model.drop_path=0.3"]),
-             ("bf16_checkpointing", 1, ["--precision.mode=bf16", "--model.checkpoint_activations=true"]),
+             ("bf16_checkpointing", 1, ["--precision.mode=bf16", "--model.checkpoint_activations=true",
+                                     "--model.checkpoint_blocks=2"]),
              ("bf16_accum2", 1, ["--precision.mode=bf16", "--data.grad_accum=2"]),
              ("fp16", 1, ["--precision.mode=fp16", "--precision.growth_interval=5"]),
              ("dp2_overlap", 2, ["--precision.mode=fp32"]),

@@ -192,6 +192,7 @@ struct Trainer::Impl {
     gs.tensor = deck.parallel.tensor;
     gs.mode = gs.tensor > 1 ? parse_tensor_mode(deck.parallel.tensor_mode) : TensorMode::None;
     gs.depth = deck.parallel.tensor_depth;
+    gs.sequence_parallel = deck.parallel.sequence_parallel && gs.mode == TensorMode::D1;
     agreed([&] {
       check_grid_shape(gs, [&] { int n; MPI_Comm_size(world, &n); return n; }());
     });
@@ -199,7 +200,9 @@ struct Trainer::Impl {
     const std::string rank_map = grid->rank_map();
     log("vitgrid 0.1.0: %d ranks, grid pipeline %d x data %d x tensor %d (%s)\n",
         grid->world_size(), gs.pipeline, gs.data, gs.tensor,
-        gs.tensor > 1 ? tensor_mode_name(gs.mode) : "none");
+        gs.tensor <= 1            ? "none"
+        : gs.sequence_parallel    ? "1d, sequence parallel"
+                                  : tensor_mode_name(gs.mode));
     log.block("---- resolved deck\n" + deck.resolved_text() + "---- rank map\n" + rank_map);
 
     // Backend: each rank drives the GPU of its local rank.

@@ -124,6 +124,8 @@ const std::vector<Field>& schema() {
       VG_FIELD(parallel, tensor_mode, "1d|2d|2.5d|3d",
                "tensor-parallel layout: 1d [t], 2d [q,q], 2.5d [d,q,q], 3d [q,q,q]"),
       VG_FIELD(parallel, tensor_depth, "", "depth d of the 2.5d layout (tensor = d*q*q)"),
+      VG_FIELD(parallel, sequence_parallel, "",
+               "1d: split the residual stream's samples over the tensor ranks (Megatron's sequence parallelism): LayerNorms, residual adds, dropout, patch embedding and head on 1/tensor of the micro-batch, each Column Linear's input all-gathered and each Row Linear's output reduce-scattered instead of all-reduced; the micro-batch must divide by tensor"),
       VG_FIELD(parallel, micro_batches, "", "pipeline micro-batches per optimizer step"),
       VG_FIELD(parallel, schedule, "gpipe|1f1b|interleaved", "pipeline schedule"),
       VG_FIELD(parallel, chunks, "", "model chunks per stage (interleaved schedule only, >= 2)"),
@@ -717,7 +719,11 @@ class Parser {
     // activations are split by along the batch (see below).
     const int t = p.tensor;
     int q = 1, batch_split = 1;
+    require(!p.sequence_parallel || (t > 1 && p.tensor_mode == "1d"), "parallel.sequence_parallel",
+            "needs 1d tensor parallelism (parallel.tensor > 1, tensor_mode = 1d); got tensor " +
+                std::to_string(t) + ", tensor_mode " + p.tensor_mode);
     if (t > 1 && p.tensor_mode == "1d") {
+      if (p.sequence_parallel) batch_split = t;
       require(m.heads % t == 0, "model.heads",
               std::to_string(m.heads) + " is not divisible by parallel.tensor (" +
                   std::to_string(t) + ") for 1d tensor parallelism");
@@ -774,7 +780,8 @@ class Parser {
     require(micro % batch_split == 0, "data.global_batch",
             "the micro-batch of " + std::to_string(micro) + " samples (" +
                 std::to_string(dt.global_batch) + " / (" + product + ")) is not divisible by " +
-                std::to_string(batch_split) + ", which " + p.tensor_mode +
+                std::to_string(batch_split) + ", which " +
+                (p.sequence_parallel ? "1d sequence-parallel" : p.tensor_mode) +
                 " tensor parallelism splits it by");
 
     // The pipeline.

@@ -286,8 +286,11 @@ void ViT::plan_activations() {
   const size_t N = Bm * T, Np = static_cast<size_t>(Bm) * cfg_.patches();
   const int H = tp_.local_heads(cfg_.heads), hd = cfg_.head_dim();
   const size_t Cl = static_cast<size_t>(H) * hd;  // local attention width
-  const size_t asaved = be_.attention_saved_bytes(Bm, T, H, hd);
-  const size_t aws = be_.attention_workspace_bytes(Bm, T, H, hd);
+  // the Inner activations' samples (whole micro-batch under 1d sequence parallelism)
+  const int Bi = tp_.act_block(ActLayout::Inner, max_batch_, cfg_.mlp).samples;
+  const size_t Ni = static_cast<size_t>(Bi) * T;
+  const size_t asaved = be_.attention_saved_bytes(Bi, T, H, hd);
+  const size_t aws = be_.attention_workspace_bytes(Bi, T, H, hd);
 
   // Two passes: measure, then carve. Every piece 256-byte aligned.
   char* base = nullptr;
@@ -310,13 +313,13 @@ void ViT::plan_activations() {
   a_->path_stride = Bm;
   auto block_set = [&](Acts::BlockActs& b) {
     b.y1 = take(N * C * as);
-    b.qkv = take(N * 3 * Cl * as);
-    b.att = take(N * Cl * as);
+    b.qkv = take(Ni * 3 * Cl * as);
+    b.att = take(Ni * Cl * as);
     b.asaved = take(asaved);
     b.r_mid = take(N * C * as);
     b.y2 = take(N * C * as);
-    b.h = take(N * Ml * as);
-    b.g = keep_g ? take(N * Ml * as) : nullptr;
+    b.h = take(Ni * Ml * as);
+    b.g = keep_g ? take(Ni * Ml * as) : nullptr;
     b.m1 = static_cast<float*>(take(N * 4));
     b.s1 = static_cast<float*>(take(N * 4));
     b.m2 = static_cast<float*>(take(N * 4));
@@ -346,7 +349,7 @@ void ViT::plan_activations() {
     }
     if (any_ckpt) block_set(a.shared);  // with keep_g: its own g
     a.p_scr = take(N * C * as);
-    a.g_scr = keep_g ? nullptr : take(N * Ml * as);
+    a.g_scr = keep_g ? nullptr : take(Ni * Ml * as);
     a.f_scr[0] = take(N * C * as);
     a.f_scr[1] = all_ckpt ? nullptr : take(N * C * as);  // checkpointing: f_scr[0] only
     for (auto& st : a.sets)
@@ -369,10 +372,10 @@ void ViT::plan_activations() {
     a.c5 = static_cast<float*>(take(Bm * 4));
     a.loss_sum = static_cast<double*>(take(sizeof(double)));
     a.dres = take(N * C * as);
-    a.dtmp = take(N * C * as);
+    a.dtmp = take(std::max(N * C, Ni * Cl) * as);  // a Column's dx, then the proj's
     a.ddrop = cfg_.dropout > 0.0f || cfg_.drop_path > 0.0f ? take(N * C * as) : nullptr;
-    a.dqkv = take(N * 3 * Cl * as);
-    a.dh = take(N * Ml * as);
+    a.dqkv = take(Ni * 3 * Cl * as);
+    a.dh = take(Ni * Ml * as);
     a.dcls_rows = take(Bm * C * as);
     a.dcls_norm = take(Bm * C * as);
     a.dptok = take(Np * C * as);
@@ -519,11 +522,13 @@ void ViT::block_forward(int l, const DeviceBatch& in, int64_t step, bool train, 
   const int j = l - ch.first_block;  // index within the chunk
   const bool ckpt = checkpointed(l);
   Acts::BlockActs& b = ckpt ? a.shared : st.blocks[j];
-  // B is the whole micro-batch; this rank computes its blocks (Bl samples, Cs / Ml columns)
+  // B is the whole micro-batch; this rank computes its blocks: Bl samples (N rows) and Cs
+  // columns of the Stream, Bi samples (Ni rows) and Ml columns of the Inner activations
   const int B = in.count, T = cfg_.tokens(), C = cfg_.hidden, M = cfg_.mlp;
   const int Bl = tp_.local_batch(B), N = Bl * T;
-  const size_t Cs = tp_.act_block(ActLayout::Stream, B, C).cols;
-  const size_t Ml = tp_.act_block(ActLayout::Inner, B, M).cols;
+  const ActBlock ib = tp_.act_block(ActLayout::Inner, B, M);
+  const int Bi = ib.samples, Ni = Bi * T;
+  const size_t Cs = tp_.act_block(ActLayout::Stream, B, C).cols, Ml = ib.cols;
   const int H = tp_.local_heads(cfg_.heads), hd = cfg_.head_dim();
   const size_t as = be_.act_size();
   const int base = block_param_[l];
@@ -565,8 +570,8 @@ void ViT::block_forward(int l, const DeviceBatch& in, int64_t step, bool train, 
   }
   tp_.linear_forward(LinearRole::Column, b.qkv, b.y1, W(kQkvW), W(kQkvB), N, C, 3 * C, nullptr,
                      cfg_.gelu, 3);
-  be_.attention_forward(b.att, b.asaved, b.qkv, Bl, T, H, hd, a.attn_ws);
-  tp_.linear_forward(LinearRole::Row, b.p, b.att, W(kProjW), W(kProjB), N, C, C, nullptr,
+  be_.attention_forward(b.att, b.asaved, b.qkv, Bi, T, H, hd, a.attn_ws);
+  tp_.linear_forward(LinearRole::Row, b.p, b.att, W(kProjW), W(kProjB), Ni, C, C, nullptr,
                      cfg_.gelu);
   if (drop_res && !in_ln)
     be_.dropout_forward(b.p, b.p, N * Cs, cfg_.dropout,
@@ -578,12 +583,12 @@ void ViT::block_forward(int l, const DeviceBatch& in, int64_t step, bool train, 
   tp_.linear_forward(LinearRole::Column, b.h, b.y2, W(kFc1W), W(kFc1B), N, C, M, b.g,
                      cfg_.gelu);
   if (drop_act)
-    be_.dropout_forward(b.g, b.g, N * Ml, cfg_.dropout,
+    be_.dropout_forward(b.g, b.g, size_t(Ni) * Ml, cfg_.dropout,
                         dkey(in, step, l, kSiteMlpAct, ActLayout::Inner, M));
   // The backward reads no f (fc2's output only feeds the residual stream, stored in r_in[j + 1]
   // or the chunk output): the recompute ends before fc2.
   if (recompute) return;
-  tp_.linear_forward(LinearRole::Row, b.f, b.g, W(kFc2W), W(kFc2B), N, M, C, nullptr,
+  tp_.linear_forward(LinearRole::Row, b.f, b.g, W(kFc2W), W(kFc2B), Ni, M, C, nullptr,
                      cfg_.gelu);
   if (drop_res && !f_in_ln)
     be_.dropout_forward(b.f, b.f, N * Cs, cfg_.dropout,
@@ -676,9 +681,10 @@ void ViT::block_backward(int l, const DeviceBatch& in, int64_t step, int set, bo
   const int j = l - chunk.first_block;
   Acts::BlockActs& b = ckpt ? a.shared : st.blocks[j];
   const int B = in.count, T = cfg_.tokens(), C = cfg_.hidden, M = cfg_.mlp;
-  const int Bl = tp_.local_batch(B), N = Bl * T;
-  const size_t Cs = tp_.act_block(ActLayout::Stream, B, C).cols;
-  const size_t Ml = tp_.act_block(ActLayout::Inner, B, M).cols;
+  const int N = tp_.local_batch(B) * T;  // the Stream's rows, and the Inner's (see forward)
+  const ActBlock ib = tp_.act_block(ActLayout::Inner, B, M);
+  const int Bi = ib.samples, Ni = Bi * T;
+  const size_t Cs = tp_.act_block(ActLayout::Stream, B, C).cols, Ml = ib.cols;
   const int H = tp_.local_heads(cfg_.heads), hd = cfg_.head_dim();
   const size_t as = be_.act_size();
   const int base = block_param_[l];
@@ -690,7 +696,7 @@ void ViT::block_backward(int l, const DeviceBatch& in, int64_t step, int set, bo
   auto G = [&](int i) { return Gk(l, i); };
   const float path = cfg_.drop_path_rate(l);
   const bool drop_act = cfg_.dropout > 0.0f, drop_res = drop_act || path > 0.0f;
-  const size_t NC = N * Cs, NM = N * Ml;
+  const size_t NC = N * Cs, NM = size_t(Ni) * Ml;
   // Without dropout or drop path on block k's residual branches, proj's output gradient is
   // dres as LN2's backward leaves it, and fc2's is dres as the next block's LN1 backward leaves
   // it; with drop path in the LayerNorms (path_in_layernorm), those backwards also leave dres
@@ -729,7 +735,7 @@ void ViT::block_backward(int l, const DeviceBatch& in, int64_t step, int set, bo
   // and where the strategy can, fc1's bias gradient (the column sums of dh) into that pass;
   // with dropout, after the dropout's.
   float* fc1_db = drop_act || !tp_.gelu_bias_in_row_backward() ? nullptr : G(kFc1B);
-  tp_.linear_backward(LinearRole::Row, a.dh, G(kFc2W), fc2_db, df, b.g, W(kFc2W), N, M, C, 1,
+  tp_.linear_backward(LinearRole::Row, a.dh, G(kFc2W), fc2_db, df, b.g, W(kFc2W), Ni, M, C, 1,
                       drop_act ? nullptr : b.h, cfg_.gelu, fc1_db);
   if (drop_act) {
     be_.dropout_backward(a.dh, a.dh, NM, cfg_.dropout,
@@ -752,8 +758,8 @@ void ViT::block_backward(int l, const DeviceBatch& in, int64_t step, int set, bo
     dp = a.ddrop;
   }
   tp_.linear_backward(LinearRole::Row, a.dtmp, G(kProjW), proj_db_ln ? nullptr : G(kProjB), dp,
-                      b.att, W(kProjW), N, C, C);
-  be_.attention_backward(a.dqkv, a.dtmp, b.qkv, b.att, b.asaved, Bl, T, H, hd, a.attn_ws);
+                      b.att, W(kProjW), Ni, C, C);
+  be_.attention_backward(a.dqkv, a.dtmp, b.qkv, b.att, b.asaved, Bi, T, H, hd, a.attn_ws);
   tp_.linear_backward(LinearRole::Column, a.dtmp, G(kQkvW), G(kQkvB), a.dqkv, b.y1, W(kQkvW), N,
                       C, 3 * C, 3);
   // dres += LN1 backward: now dres = d r_in[l]

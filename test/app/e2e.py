@@ -186,7 +186,7 @@ def t_tensor_parallel(tmp):
     """Tensor parallelism in every mode (and with data parallelism on top) trains like 1 rank:
     20 steps of the tiny deck (dropout, drop path 0.3, Mixup, clipping on) give losses within 1e-4
     relative, and the final checkpoints hold the same global timm-shaped tensors (1e-4 relative norm over
-    the whole model and per tensor; the k third of qkv.bias within 1e-3 of the qkv.bias norm:
+    the whole model and per tensor; 1d also with sequence parallelism; the k third of qkv.bias within 1e-3 of the qkv.bias norm:
     its gradient is analytically zero, so Adam amplifies rounding noise there, and plain data
     parallelism differs from 1 rank by ~1e-4 there too). In emulated bf16, 1d and 2d follow
     the 1-rank bf16 run (losses 5e-3, final parameters 3e-2)."""
@@ -200,12 +200,16 @@ def t_tensor_parallel(tmp):
     _, ref_loss = losses(ref_dir)
     ref = model_tensors(os.path.join(ref_dir, "checkpoints", "step_00000020.h5"))
     C = 32
-    for np_, mode, t, depth in [(2, "1d", 2, 1), (4, "1d", 2, 1), (4, "2d", 4, 1), (8, "2d", 4, 1),
+    # (1d+seq: 1d with sequence parallelism, parallel.sequence_parallel)
+    for np_, mode, t, depth in [(2, "1d", 2, 1), (4, "1d", 2, 1), (4, "1d+seq", 2, 1),
+                                (4, "1d+seq", 4, 1), (4, "2d", 4, 1), (8, "2d", 4, 1),
                                 (8, "2.5d", 8, 2), (8, "3d", 8, 1)]:
         what = f"{mode} tensor={t} depth={depth} data={np_ // t}"
         d = os.path.join(tmp, f"{mode}_{t}_{np_}")
+        seq = [f"--parallel.sequence_parallel={'true' if mode == '1d+seq' else 'false'}"]
         run(np_, ["train", DECK, f"--run.out_dir={d}", f"--parallel.tensor={t}",
-                  f"--parallel.tensor_mode={mode}", f"--parallel.tensor_depth={depth}"] + common)
+                  f"--parallel.tensor_mode={mode.replace('+seq', '')}",
+                  f"--parallel.tensor_depth={depth}"] + seq + common)
         _, loss = losses(d)
         check(len(loss) == 20 and rel(loss, ref_loss) <= 1e-4,
               f"{what}: losses match 1 rank ({rel(loss, ref_loss):.2e})")
@@ -234,11 +238,13 @@ def t_tensor_parallel(tmp):
     run(1, ["train", DECK, f"--run.out_dir={ref_dir}"] + common + bf)
     _, ref_loss = losses(ref_dir)
     ref = model_tensors(os.path.join(ref_dir, "checkpoints", "step_00000020.h5"))
-    for np_, mode, t in [(2, "1d", 2), (4, "2d", 4)]:
+    for np_, mode, t in [(2, "1d", 2), (2, "1d+seq", 2), (4, "2d", 4)]:
         what = f"bf16 {mode} tensor={t}"
         d = os.path.join(tmp, f"bf16_{mode}_{t}")
         run(np_, ["train", DECK, f"--run.out_dir={d}", f"--parallel.tensor={t}",
-                  f"--parallel.tensor_mode={mode}"] + common + bf)
+                  f"--parallel.tensor_mode={mode.replace('+seq', '')}",
+                  f"--parallel.sequence_parallel={'true' if mode == '1d+seq' else 'false'}"] +
+            common + bf)
         _, loss = losses(d)
         check(len(loss) == 20 and rel(loss, ref_loss) <= 5e-3,
               f"{what}: losses match 1 rank bf16 ({rel(loss, ref_loss):.2e} <= 5e-3)")

@@ -630,6 +630,27 @@ TEST(DeckRefusal, CheckpointBlocks) {
   EXPECT_EQ(d.model.checkpoint_blocks, 2);
 }
 
+TEST(DeckRefusal, SequenceParallelNeeds1dAndDivisibleMicroBatch) {
+  EXPECT_EQ(refusal(kMinimal, {"--parallel.sequence_parallel=true"}),
+            "command line: parallel.sequence_parallel: needs 1d tensor parallelism "
+            "(parallel.tensor > 1, tensor_mode = 1d); got tensor 1, tensor_mode 1d");
+  EXPECT_HAS(refusal(kMinimal,
+                     {"--parallel.sequence_parallel=true", "--parallel.tensor=4",
+                      "--parallel.tensor_mode=2d"},
+                     4),
+             "needs 1d tensor parallelism (parallel.tensor > 1, tensor_mode = 1d); got tensor 4, "
+             "tensor_mode 2d");
+  // the micro-batch's samples are split over the tensor ranks, as in 2d
+  EXPECT_HAS(refusal(kMinimal,
+                     {"--parallel.sequence_parallel=true", "--parallel.tensor=4",
+                      "--data.global_batch=6"},
+                     4),
+             "is not divisible by 4, which 1d sequence-parallel tensor parallelism splits it by");
+  const Deck d = parse_deck_text(kMinimal, {"--parallel.sequence_parallel=true",
+                                             "--parallel.tensor=2", "--data.global_batch=8"}, 2);
+  EXPECT_TRUE(d.parallel.sequence_parallel);
+}
+
 TEST(DeckRefusal, UniformPartitionNeedsDivisibleDepth) {
   // vit-lite-7/4 has 7 blocks: 2 stages cannot share them uniformly
   EXPECT_HAS(refusal("[run]\nsteps = 1\n[parallel]\npipeline = 2\n", {}, 2),

@@ -77,9 +77,10 @@ struct Case {
   TensorMode mode;
   int tensor;
   int depth;
+  bool seq = false;  // 1d with sequence parallelism
   std::string name() const {
     return std::string(tensor_mode_name(mode)) + " tensor=" + std::to_string(tensor) +
-           " depth=" + std::to_string(depth);
+           " depth=" + std::to_string(depth) + (seq ? " sequence-parallel" : "");
   }
 };
 
@@ -93,10 +94,15 @@ int world_size() {
 std::vector<Case> cases() {
   const int w = world_size();
   std::vector<Case> out;
-  if (w == 2) out.push_back({TensorMode::D1, 2, 1});
+  if (w == 2) {
+    out.push_back({TensorMode::D1, 2, 1});
+    out.push_back({TensorMode::D1, 2, 1, true});
+  }
   if (w == 4) {
     out.push_back({TensorMode::D1, 4, 1});
+    out.push_back({TensorMode::D1, 4, 1, true});
     out.push_back({TensorMode::D1, 2, 1});  // with data = 2 beside it
+    out.push_back({TensorMode::D1, 2, 1, true});
     out.push_back({TensorMode::D2, 4, 1});
     out.push_back({TensorMode::D2p5, 4, 1});  // q = 2, d = 1
   }
@@ -182,6 +188,7 @@ struct Rig {
     s.tensor = c.tensor;
     s.mode = c.tensor > 1 ? c.mode : TensorMode::None;
     s.depth = c.depth;
+    s.sequence_parallel = c.seq;
     s.data = n / c.tensor;
     grid = std::make_unique<ProcessGrid>(comm, s);
     (void)tensor_parallel;  // without CUDA every rig is a CPU one

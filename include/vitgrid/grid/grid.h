@@ -54,6 +54,9 @@ struct GridShape {
   int tensor = 1;  // total ranks in the tensor group
   TensorMode mode = TensorMode::None;
   int depth = 1;  // 2.5d depth d
+  // 1d only: the residual stream's samples split over the tensor axis (Megatron's sequence
+  // parallelism), gathered before each Column Linear and reduce-scattered after each Row one.
+  bool sequence_parallel = false;
   // Dims of the tensor sub-grid: 1d {t}, 2d {q,q}, 2.5d {d,q,q}, 3d {q,q,q}; none {1}.
   std::vector<int> tensor_dims() const;
   int q() const;  // side of the square / cube (1 for none and 1d)

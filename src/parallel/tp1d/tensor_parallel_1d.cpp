@@ -9,6 +9,20 @@
 // qkv's rows are [q; k; v]: a rank holds its heads of each, rows j*C + [r*C/t, (r+1)*C/t)
 // for j = 0,1,2 (a strided shard), so its qkv output is [q_r | k_r | v_r] and the backend's
 // attention op works on H/t heads unchanged.
+// Sequence parallelism (GridShape::sequence_parallel, Megatron-LM's): the Stream's samples are
+// split over the tensor axis too (block r of t), so LayerNorms, residual adds, dropout, the
+// patch embedding and the head run on 1/t of the rows, and what they keep between forward and
+// backward shrinks by t. The Inner activations still hold the whole micro-batch:
+//   Column: x_r all-gathered over the tensor axis, then y = x W_r^T + b_r; backward: x
+//           gathered again for dW_r, the full-row dx = dy_r W_r reduce-scattered back to the
+//           rows of x_r (the sum over ranks in the same collective).
+//   Row:    y_r = this rank's rows of sum_r x_r W_r^T (+ b once): a reduce-scatter instead of
+//           the all-reduce; backward: dy_r all-gathered, dx_r = dy W_r, dW_r = dy^T x_r.
+//   The Row bias is replicated with its gradient partial over the tensor axis (each rank adds
+//   its rows' column sums, or rank 0 those of the gathered dy), summed with the LayerNorms'.
+// Either way a Linear's `rows` are the rows of its x: Column gets the Stream's, Row the Inner's.
+#include <algorithm>
+
 #include "../common/tp_common.h"
 #include "vitgrid/core/error.h"
 
@@ -18,18 +32,25 @@ namespace {
 class TensorParallel1D final : public TensorParallelBase {
  public:
   TensorParallel1D(const ProcessGrid& grid, Backend& be, Collectives& coll)
-      : TensorParallelBase(grid, be, coll, {Axis::Tensor}, false, Axis::Tensor, {}),
+      : TensorParallelBase(grid, be, coll, {Axis::Tensor}, false, Axis::Tensor,
+                           seq(grid) ? std::vector<Axis>{Axis::Tensor} : std::vector<Axis>{}),
         t_(grid.size(Axis::Tensor)),
-        r_(grid.rank(Axis::Tensor)) {}
+        r_(grid.rank(Axis::Tensor)),
+        seq_(seq(grid)) {}
   TensorMode mode() const override { return TensorMode::D1; }
 
   ActBlock act_block(ActLayout l, int batch, int64_t width) const override {
     ActBlock b = stream_block(batch, width);
-    if (l == ActLayout::Inner) split_cols(width, t_, r_, &b);
+    if (l == ActLayout::Inner) {
+      b.samples = batch;  // (sequence parallelism: gathered)
+      b.sample_offset = 0;
+      split_cols(width, t_, r_, &b);
+    }
     return b;
   }
   bool gelu_bias_in_row_backward() const override { return true; }
-  // the Stream is whole on every rank, and so is a Row Linear's bias gradient
+  // the Stream's rows are whole on every rank: a Row Linear's bias gradient is the column sums
+  // of its rows (whole, or with sequence parallelism this rank's rows: partial, see above)
   bool row_bias_in_layernorm_backward() const override { return true; }
   int local_heads(int heads) const override {
     if (heads % t_ != 0)
@@ -39,6 +60,9 @@ class TensorParallel1D final : public TensorParallelBase {
   }
 
  private:
+  static bool seq(const ProcessGrid& g) {
+    return g.shape().sequence_parallel && g.size(Axis::Tensor) > 1;
+  }
   // Output rows of a Column Linear: each of `groups` groups split over the tensor axis.
   Shard column_rows(const std::vector<int64_t>& shape, int groups) const {
     const int64_t out = shape[0], og = out / groups;
@@ -77,15 +101,35 @@ class TensorParallel1D final : public TensorParallelBase {
   }
   Shard parallel_bias(int64_t out, LinearRole role, int groups) const override {
     if (role == LinearRole::Column) return column_rows({out}, groups);
-    Shard s;  // Row bias: whole, added once after the allreduce, gradient whole everywhere
+    Shard s;  // Row bias: whole, added once (by rank 0's partial sum)
     s.offset = {0};
     s.count = {out};
     s.replicated_over = {Axis::Tensor};
+    if (seq_) s.partial_over = {Axis::Tensor};  // else its gradient is whole everywhere
     return s;
+  }
+
+  // Sequence parallelism's slots: 4 the gathered x (Column) or dy (Row), 5 the full-row
+  // output of a Row forward or dx of a Column backward. `rows`: the Stream's.
+  void reserve_parallel(LinearRole, int rows, int in, int out, int) override {
+    if (!seq_) return;
+    const size_t full = size_t(rows) * t_ * std::max(in, out) * be_.act_size();
+    scratch(4, full);
+    scratch(5, full);
+  }
+  void* gathered(const void* local, size_t n) {
+    const size_t es = be_.act_size();
+    void* full = scratch(4, n * t_ * es);
+    coll_.allgather(full, local, n, es, Axis::Tensor);
+    return full;
   }
 
   void parallel_forward(LinearRole role, void* y, const void* x, const void* W, const void* b,
                         int rows, int in, int out, void* gelu_out, Gelu g, int) override {
+    if (seq_) {
+      sequence_forward(role, y, x, W, b, rows, in, out, gelu_out, g);
+      return;
+    }
     if (role == LinearRole::Column) {
       be_.linear_forward(y, x, W, b, rows, in, out / t_, gelu_out, g);
       return;
@@ -97,6 +141,10 @@ class TensorParallel1D final : public TensorParallelBase {
   void parallel_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
                          const void* x, const void* W, int rows, int in, int out, int,
                          const void* gelu_pre, Gelu g, float* gelu_db) override {
+    if (seq_) {
+      sequence_backward(role, dx, dW, db, dy, x, W, rows, in, out, gelu_pre, g, gelu_db);
+      return;
+    }
     if (role == LinearRole::Column) {
       be_.linear_backward(dx, dW, db, dy, x, W, rows, in, out / t_);
       if (dx) {
@@ -110,7 +158,41 @@ class TensorParallel1D final : public TensorParallelBase {
     be_.linear_backward(dx, dW, db, dy, x, W, rows, in / t_, out, gelu_pre, g, gelu_db);
   }
 
+  void sequence_forward(LinearRole role, void* y, const void* x, const void* W, const void* b,
+                        int rows, int in, int out, void* gelu_out, Gelu g) {
+    const size_t es = be_.act_size();
+    if (role == LinearRole::Column) {  // rows: this rank's Stream rows
+      be_.linear_forward(y, gathered(x, size_t(rows) * in), W, b, rows * t_, in, out / t_,
+                         gelu_out, g);
+      return;
+    }
+    const int mine = rows / t_;  // rows: the whole micro-batch's
+    void* full = scratch(5, size_t(rows) * out * es);
+    be_.linear_forward(full, x, W, r_ == 0 ? b : nullptr, rows, in / t_, out);
+    coll_.reduce_scatter_sum_act(y, full, size_t(mine) * out, es, Axis::Tensor);
+    if (gelu_out) be_.gelu_forward(gelu_out, y, size_t(mine) * out, g);
+  }
+  void sequence_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
+                         const void* x, const void* W, int rows, int in, int out,
+                         const void* gelu_pre, Gelu g, float* gelu_db) {
+    const size_t es = be_.act_size();
+    if (role == LinearRole::Column) {  // rows: this rank's Stream rows
+      const size_t n = size_t(rows) * in;
+      void* full = dx ? scratch(5, n * t_ * es) : nullptr;
+      be_.linear_backward(full, dW, db, dy, gathered(x, n), W, rows * t_, in, out / t_);
+      if (dx) {
+        coll_.reduce_scatter_sum_act(dx, full, n, es, Axis::Tensor);
+        if (gelu_pre) be_.gelu_backward(dx, gelu_pre, dx, n, g);
+      }
+      return;
+    }
+    // Row: dy gathered; the bias gradient from rank 0 only (partial over the tensor axis)
+    be_.linear_backward(dx, dW, r_ == 0 ? db : nullptr, gathered(dy, size_t(rows / t_) * out), x,
+                        W, rows, in / t_, out, gelu_pre, g, gelu_db);
+  }
+
   int t_, r_;
+  bool seq_;
 };
 
 }  // namespace

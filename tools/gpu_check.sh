@@ -2,7 +2,7 @@
 # Build, test and measure vitgrid on a GPU node in one go, beside PyTorch + timm.
 #   tools/gpu_check.sh STEP...      (default: build test bench)
 # Steps: build test cputest bench models loader kernels compile scale study large large2 pipeline
-# tpvitb ckpt recompute e2epar profile variants trace (each described where it is handled below).
+# tpvitb ckpt recompute seqpar e2epar profile variants trace (each described where it is handled below).
 # Writes logs under $OUT (default /tmp/vitgrid-gpu). On a node without parallel HDF5 or
 # Boost.ProgramOptions, put their Debian packages in .gpu-deps/ (see README): they are unpacked
 # into /opt/deps and used from there.
@@ -219,6 +219,21 @@ PYEOF
         mpirun -np 2 --bind-to none "$B/bin/vitgrid" bench "${L2[@]}" "${c[@]}" 2>&1 | grep -E "^bench|rror"
       done | tee -a "$OUT/recompute.log"
     fi
+    ;;
+  seqpar)
+    # 1d sequence parallelism (parallel.sequence_parallel) against plain 1d, tensor 2 on 2
+    # GPUs: the large ViT at batch 32 without and with activation checkpointing, ViT-L/16 at 256
+    [ "$NGPU" -ge 2 ] || { echo "seqpar: needs 2 GPUs"; continue; }
+    T2=(inputs/bench_vit_b16.ini --precision.mode=bf16 --parallel.tensor=2 --parallel.tensor_mode=1d)
+    for m in "--model.preset=vit-huge-4096 --data.global_batch=32 --warmup=4 --steps=6" \
+             "--model.preset=vit-huge-4096 --data.global_batch=32 --warmup=4 --steps=6 --model.checkpoint_activations=true" \
+             "--model.preset=vit-large/16 --data.global_batch=256 --warmup=5 --steps=20"; do
+      for sp in false true; do
+        echo "sequence_parallel $sp: $m"
+        mpirun -np 2 --bind-to none "$B/bin/vitgrid" bench "${T2[@]}" $m \
+          --parallel.sequence_parallel=$sp 2>&1 | grep -E "^bench|rror"
+      done
+    done | tee "$OUT/seqpar.log"
     ;;
   pipeline)
     # the large ViT under pipeline parallelism on 4 GPUs: per schedule, images/s, MFU, the

@@ -200,9 +200,8 @@ struct Trainer::Impl {
     const std::string rank_map = grid->rank_map();
     log("vitgrid 0.1.0: %d ranks, grid pipeline %d x data %d x tensor %d (%s)\n",
         grid->world_size(), gs.pipeline, gs.data, gs.tensor,
-        gs.tensor <= 1            ? "none"
-        : gs.sequence_parallel    ? "1d, sequence parallel"
-                                  : tensor_mode_name(gs.mode));
+        gs.tensor <= 1 ? "none"
+                       : gs.sequence_parallel ? "1d, sequence parallel" : tensor_mode_name(gs.mode));
     log.block("---- resolved deck\n" + deck.resolved_text() + "---- rank map\n" + rank_map);
 
     // Backend: each rank drives the GPU of its local rank.

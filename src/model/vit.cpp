@@ -681,7 +681,7 @@ void ViT::block_backward(int l, const DeviceBatch& in, int64_t step, int set, bo
   const int j = l - chunk.first_block;
   Acts::BlockActs& b = ckpt ? a.shared : st.blocks[j];
   const int B = in.count, T = cfg_.tokens(), C = cfg_.hidden, M = cfg_.mlp;
-  const int N = tp_.local_batch(B) * T;  // the Stream's rows, and the Inner's (see forward)
+  const int N = tp_.local_batch(B) * T;  // the Stream's rows; Ni the Inner's (block_forward)
   const ActBlock ib = tp_.act_block(ActLayout::Inner, B, M);
   const int Bi = ib.samples, Ni = Bi * T;
   const size_t Cs = tp_.act_block(ActLayout::Stream, B, C).cols, Ml = ib.cols;

@@ -885,7 +885,8 @@ def t_gpu_data_comm(tmp):
 
 
 def t_gpu_parallel(tmp):
-    """Parallel layouts on GPUs through NCCL: data, tensor (1d, 2d, 2.5d) and pipeline
+    """Parallel layouts on GPUs through NCCL: data, tensor (1d with and without sequence
+    parallelism, 2d, 2.5d) and pipeline
     parallelism and a hybrid give the 1-GPU fp32 loss curve within 1e-4 relative (20 steps);
     data and tensor (1d, 2d) parallelism in bf16 the 1-GPU bf16 curve within 2e-2 (activations
     reduced in bf16 over NCCL). Layouts needing more GPUs than the node has are skipped; 77
@@ -901,6 +902,13 @@ def t_gpu_parallel(tmp):
     layouts = [("dp2", 2, "fp32", []), ("dp4", 4, "fp32", []), ("dp2_bf16", 2, "bf16", []),
                ("1d_t2", 2, "fp32", ["--parallel.tensor=2", "--parallel.tensor_mode=1d"]),
                ("1d_t4", 4, "fp32", ["--parallel.tensor=4", "--parallel.tensor_mode=1d"]),
+               ("1d_t2_seq", 2, "fp32", ["--parallel.tensor=2", "--parallel.tensor_mode=1d",
+                                         "--parallel.sequence_parallel=true"]),
+               ("1d_t2_seq_bf16", 2, "bf16", ["--parallel.tensor=2", "--parallel.tensor_mode=1d",
+                                              "--parallel.sequence_parallel=true"]),
+               ("pipe2_1d_t2_seq", 4, "fp32", ["--parallel.pipeline=2", "--parallel.micro_batches=2",
+                                               "--parallel.tensor=2", "--parallel.tensor_mode=1d",
+                                               "--parallel.sequence_parallel=true"]),
                ("2d_q2", 4, "fp32", ["--parallel.tensor=4", "--parallel.tensor_mode=2d"]),
                ("2.5d_q2_d1", 4, "fp32", ["--parallel.tensor=4", "--parallel.tensor_mode=2.5d",
                                           "--parallel.tensor_depth=1"]),

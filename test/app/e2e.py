@@ -441,18 +441,22 @@ def t_pipeline(tmp):
 
 
 def t_pipeline_hybrid(tmp):
-    """Pipeline x tensor x data parallelism at 8 ranks (P2 x 1d t2 x dp2, P2 x 2d t4) trains
+    """Pipeline x tensor x data parallelism at 8 ranks (P2 x 1d t2 x dp2, the same with sequence
+    parallelism, P2 x 2d t4) trains
     like 1 rank (losses 1e-4 relative; checkpoint tensors 1e-4), and predict through the
     pipeline writes every eval row."""
     common = ["--model.hidden=32", "--model.heads=4", "--model.depth=4", "--parallel.micro_batches=4",
               "--checkpoint.every_steps=20"]
     ref_dir, ref_loss, _ = pipeline_run(tmp, "ref", 1, [], common)
     ref = model_tensors(os.path.join(ref_dir, "checkpoints", "step_00000020.h5"))
-    for sched, mode, t in [("1f1b", "1d", 2), ("gpipe", "2d", 4)]:
+    # (1d+seq: with sequence parallelism, the stages exchange each rank's samples of the stream)
+    for sched, mode, t in [("1f1b", "1d", 2), ("1f1b", "1d+seq", 2), ("gpipe", "2d", 4)]:
         what = f"P=2 {sched} x {mode} tensor={t} x data={8 // (2 * t)}"
+        seq = "true" if mode == "1d+seq" else "false"
         d, loss, _ = pipeline_run(tmp, f"{mode}_{sched}", 8,
                                   ["--parallel.pipeline=2", f"--parallel.schedule={sched}",
-                                   f"--parallel.tensor={t}", f"--parallel.tensor_mode={mode}"], common)
+                                   f"--parallel.tensor={t}", f"--parallel.tensor_mode={mode[:2]}",
+                                   f"--parallel.sequence_parallel={seq}"], common)
         r = rel(loss, ref_loss)
         check(len(loss) == 20 and r <= 1e-4, f"{what}: losses match 1 rank ({r:.2e})")
         compare_checkpoints(what, d, ref)

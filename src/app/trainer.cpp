@@ -192,7 +192,7 @@ struct Trainer::Impl {
     gs.tensor = deck.parallel.tensor;
     gs.mode = gs.tensor > 1 ? parse_tensor_mode(deck.parallel.tensor_mode) : TensorMode::None;
     gs.depth = deck.parallel.tensor_depth;
-    gs.sequence_parallel = deck.parallel.sequence_parallel && gs.mode == TensorMode::D1;
+    gs.sequence_parallel = deck.parallel.sequence_parallel;  // the deck allows it with 1d only
     agreed([&] {
       check_grid_shape(gs, [&] { int n; MPI_Comm_size(world, &n); return n; }());
     });

@@ -724,7 +724,7 @@ void ViT::block_backward(int l, const DeviceBatch& in, int64_t step, int set, bo
                          dkey(in, step, l, kSiteMlpOut, ActLayout::Stream, C, path));
     df = a.ddrop;
   }
-  if (!ckpt && !kept_gelu_output(l)) {
+  if (!ckpt && !cfg_.keep_gelu_output) {  // (a checkpointed block's recompute made g)
     // g = dropout(gelu(h)) again: the same kernels on the same input give the same bits
     be_.gelu_forward(b.g, b.h, NM, cfg_.gelu);
     if (drop_act)

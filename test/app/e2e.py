@@ -455,7 +455,8 @@ def t_pipeline_hybrid(tmp):
         seq = "true" if mode == "1d+seq" else "false"
         d, loss, _ = pipeline_run(tmp, f"{mode}_{sched}", 8,
                                   ["--parallel.pipeline=2", f"--parallel.schedule={sched}",
-                                   f"--parallel.tensor={t}", f"--parallel.tensor_mode={mode[:2]}",
+                                   f"--parallel.tensor={t}",
+                                   f"--parallel.tensor_mode={mode.replace('+seq', '')}",
                                    f"--parallel.sequence_parallel={seq}"], common)
         r = rel(loss, ref_loss)
         check(len(loss) == 20 and r <= 1e-4, f"{what}: losses match 1 rank ({r:.2e})")

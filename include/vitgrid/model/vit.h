@@ -234,9 +234,6 @@ class ViT {
   // than kept from its forward.
   bool checkpointed(int l) const;
   bool checkpointed_in_chunk(int j) const;  // the same by the block's index in its chunk
-  // Block l keeps its GELU output between forward and backward (not when checkpointed: the
-  // recompute makes it anyway).
-  bool kept_gelu_output(int l) const { return cfg_.keep_gelu_output && !checkpointed(l); }
   // Block l's drop path rides on the LayerNorms' residual adds (per-sample factors, no passes
   // over the branches): drop path without dropout, where the strategy's LayerNorms take them.
   bool path_in_layernorm(int l) const;

@@ -191,6 +191,16 @@ __global__ void layernorm_bwd_dx_kernel(T* dx, const T* dy, const T* x, const T*
 // warp order (fixed: deterministic) and writes row blockIdx.x of pg / pb / pd. The block is W
 // warps; sh holds A W C floats that nothing else reads any more. Without DS, accd and pd are
 // not touched (a [1][V] placeholder and null).
+// acc = 0 (register arrays of per-thread partial sums)
+template <int K, int V>
+__device__ __forceinline__ void zero_acc(float (&acc)[K][V]) {
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[k][j] = 0.0f;
+  }
+}
+
 template <int K, int V, int W, bool DS, int KD>
 __device__ __forceinline__ void write_block_partials(float* sh, const float (&accg)[K][V],
                                                      const float (&accb)[K][V],
@@ -443,16 +453,9 @@ __global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K, DS
   constexpr int KD = DS ? K : 1;
   float accg[K][V], accb[K][V];  // this lane's column sums of dy * xhat and dy
   float accd[KD][V];             // with DS: of dx as stored
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-#pragma unroll
-    for (int j = 0; j < V; ++j) accg[k][j] = accb[k][j] = 0.0f;
-  }
-#pragma unroll
-  for (int k = 0; k < KD; ++k) {
-#pragma unroll
-    for (int j = 0; j < V; ++j) accd[k][j] = 0.0f;
-  }
+  zero_acc(accg);
+  zero_acc(accb);
+  zero_acc(accd);
   int s = 0;
 #pragma unroll 1
   for (; row < N; row += step, s ^= 1) {
@@ -601,14 +604,10 @@ __global__ void __launch_bounds__(512) layernorm_bwd_wide_kernel(
     const int p = threadIdx.x + blockDim.x * k;
     gk[k] = p < packs ? __ldg(reinterpret_cast<const uint4*>(gamma + p * V))
                       : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-    for (int j = 0; j < V; ++j) accg[k][j] = accb[k][j] = 0.0f;
   }
-#pragma unroll
-  for (int k = 0; k < KD; ++k) {
-#pragma unroll
-    for (int j = 0; j < V; ++j) accd[k][j] = 0.0f;
-  }
+  zero_acc(accg);
+  zero_acc(accb);
+  zero_acc(accd);
   // the thread's packs of dy, x and dx of row r (zeros past the row)
   auto load = [&](int64_t r, uint4 (&d)[K], uint4 (&xx)[K], uint4 (&o)[K]) {
 #pragma unroll

@@ -33,10 +33,11 @@ class TensorParallel1D final : public TensorParallelBase {
  public:
   TensorParallel1D(const ProcessGrid& grid, Backend& be, Collectives& coll)
       : TensorParallelBase(grid, be, coll, {Axis::Tensor}, false, Axis::Tensor,
-                           seq(grid) ? std::vector<Axis>{Axis::Tensor} : std::vector<Axis>{}),
+                           grid.shape().sequence_parallel ? std::vector<Axis>{Axis::Tensor}
+                                                          : std::vector<Axis>{}),
         t_(grid.size(Axis::Tensor)),
         r_(grid.rank(Axis::Tensor)),
-        seq_(seq(grid)) {}
+        seq_(grid.shape().sequence_parallel) {}
   TensorMode mode() const override { return TensorMode::D1; }
 
   ActBlock act_block(ActLayout l, int batch, int64_t width) const override {
@@ -60,9 +61,6 @@ class TensorParallel1D final : public TensorParallelBase {
   }
 
  private:
-  static bool seq(const ProcessGrid& g) {
-    return g.shape().sequence_parallel && g.size(Axis::Tensor) > 1;
-  }
   // Output rows of a Column Linear: each of `groups` groups split over the tensor axis.
   Shard column_rows(const std::vector<int64_t>& shape, int groups) const {
     const int64_t out = shape[0], og = out / groups;

@@ -222,16 +222,24 @@ PYEOF
     ;;
   seqpar)
     # 1d sequence parallelism (parallel.sequence_parallel) against plain 1d, tensor 2 on 2
-    # GPUs: the large ViT at batch 32 without and with activation checkpointing, ViT-L/16 at 256
+    # GPUs: ViT-L/16 at 256, the large ViT at batch 32 without and with activation
+    # checkpointing. Sequence parallel: its collectives overlapped through copy engines (the
+    # default), through NCCL's SM kernels, and not overlapped (VITGRID_SP_OVERLAP=0)
     [ "$NGPU" -ge 2 ] || { echo "seqpar: needs 2 GPUs"; continue; }
     T2=(inputs/bench_vit_b16.ini --precision.mode=bf16 --parallel.tensor=2 --parallel.tensor_mode=1d)
-    for m in "--model.preset=vit-huge-4096 --data.global_batch=32 --warmup=4 --steps=6" \
-             "--model.preset=vit-huge-4096 --data.global_batch=32 --warmup=4 --steps=6 --model.checkpoint_activations=true" \
-             "--model.preset=vit-large/16 --data.global_batch=256 --warmup=5 --steps=20"; do
-      for sp in false true; do
-        echo "sequence_parallel $sp: $m"
-        mpirun -np 2 --bind-to none "$B/bin/vitgrid" bench "${T2[@]}" $m \
-          --parallel.sequence_parallel=$sp 2>&1 | grep -E "^bench|rror"
+    for m in "--model.preset=vit-large/16 --data.global_batch=256 --warmup=5 --steps=20" \
+             "--model.preset=vit-huge-4096 --data.global_batch=32 --warmup=4 --steps=6" \
+             "--model.preset=vit-huge-4096 --data.global_batch=32 --warmup=4 --steps=6 --model.checkpoint_activations=true"; do
+      for v in "plain:1:--parallel.sequence_parallel=false" \
+               "sp_copy_engine:1:--parallel.sequence_parallel=true" \
+               "sp_sm:1:--parallel.sequence_parallel=true --device.tensor_comm=sm" \
+               "sp_serial:0:--parallel.sequence_parallel=true"; do
+        [ -n "${SEQPAR_QUICK:-}" ] && [ "${v%%:*}" = sp_sm -o "${v%%:*}" = sp_serial ] &&
+          [ "${m#*vit-huge}" != "$m" ] && continue
+        echo "${v%%:*}: $m"
+        VITGRID_SP_OVERLAP=$(echo "$v" | cut -d: -f2) mpirun -np 2 --bind-to none \
+          -x VITGRID_SP_OVERLAP "$B/bin/vitgrid" bench "${T2[@]}" $m $(echo "$v" | cut -d: -f3-) \
+          2>&1 | grep -E "^bench|rror"
       done
     done | tee "$OUT/seqpar.log"
     ;;

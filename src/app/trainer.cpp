@@ -242,9 +242,11 @@ struct Trainer::Impl {
     });
 #ifdef VITGRID_HAVE_CUDA
     if (kind == "cuda")
-      coll = make_nccl_collectives(*grid, *compute_be, deck.device.comm_timeout,
-                                   deck.device.data_comm_ctas, copy_engine,
-                                   deck.device.pipe_comm_ctas);
+      coll = make_nccl_collectives(
+          *grid, *compute_be,
+          {deck.device.comm_timeout, deck.device.data_comm_ctas, copy_engine,
+           deck.device.pipe_comm_ctas, deck.device.tensor_comm_ctas,
+           deck.device.tensor_comm == "copy_engine"});
     else
 #endif
       coll = make_mpi_collectives(*grid);

@@ -54,6 +54,7 @@ class Profiled final : public ProfiledBackend {
   void synchronize() override { b_->synchronize(); }
   void plan_workspace(const WorkspacePlan& p) override { b_->plan_workspace(p); }
   void set_gemm_sm_margin(int sms) override { b_->set_gemm_sm_margin(sms); }
+  int gemm_sm_margin() const override { return b_->gemm_sm_margin(); }
   void set_tune_agreement(ReplicaMax f) override { b_->set_tune_agreement(std::move(f)); }
   int64_t device_allocations() const override { return b_->device_allocations(); }
   int mark() override { return b_->mark(); }

@@ -197,6 +197,10 @@ const std::vector<Field>& schema() {
                "thread blocks (SMs) the data-parallel gradient reduction's NCCL kernels may take from the backward they overlap (0: NCCL's choice)"),
       VG_FIELD(device, pipe_comm_ctas, "0..64",
                "thread blocks (SMs) each asynchronous pipeline message's NCCL kernel may take (the placement used where the grouped one cannot run the schedule at its bubble: interleaved, unless parallel.micro_batches equals parallel.pipeline); its receive waits on them beside the compute, and the GEMMs leave 4 x this many SMs free (0: NCCL's choice, the GEMMs leave 8)"),
+      VG_FIELD(device, tensor_comm_ctas, "0..64",
+               "thread blocks (SMs) of 1d sequence parallelism's overlapped collectives over the tensor axis (each Column Linear's input gathered beside its data-gradient GEMM and its gradient reduce-scattered beside the weight-gradient GEMM; the gathers of the forward and of the Row Linears' output gradients beside the GEMMs of this rank's own rows); the GEMMs meanwhile leave as many SMs free (0: NCCL's choice, the GEMMs leave 8)"),
+      VG_FIELD(device, tensor_comm, "sm|copy_engine",
+               "how 1d sequence parallelism's overlapped collectives move data on GPUs: NCCL's kernels on SMs (sm, device.tensor_comm_ctas), or copy engines (copy_engine: their buffers NCCL symmetric memory, each gather an all-gather and each reduce-scatter an all-to-all and a local sum, under NCCL's zero-CTA policy: no SMs taken from the GEMMs beside them)"),
       VG_FIELD(device, data_comm, "sm|copy_engine",
                "how the data-parallel gradient reduction moves data on GPUs: NCCL's kernels on SMs (sm), or copy engines (copy_engine: the gradients in NCCL symmetric memory, an all-to-all, a local sum and an all-gather under NCCL's zero-CTA policy; fp32 sums; set gemm_sm_margin = 0 with it)"),
       VG_FIELD(device, gemm_sm_margin, "0..64",
@@ -669,6 +673,9 @@ class Parser {
     }
     if (d.device.pipe_comm_ctas < 0 || d.device.pipe_comm_ctas > 64) {
       fail("device.pipe_comm_ctas", "must be between 0 and 64 (0: NCCL's choice)");
+    }
+    if (d.device.tensor_comm_ctas < 0 || d.device.tensor_comm_ctas > 64) {
+      fail("device.tensor_comm_ctas", "must be between 0 and 64 (0: NCCL's choice)");
     }
     if (d.device.gemm_sm_margin < 0 || d.device.gemm_sm_margin > 64) {
       fail("device.gemm_sm_margin", "must be between 0 and 64 (SMs left to the reduction)");

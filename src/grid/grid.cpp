@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
+#include <deque>
 #include <sstream>
 
 #include "vitgrid/core/error.h"
@@ -459,6 +460,35 @@ class MpiCollectives final : public Collectives {
     types_.clear();
   }
 
+  // Overlapped collectives: non-blocking MPI calls, waited for in order.
+  size_t start_overlapped_allgather(void* out, const void* in, size_t n, size_t elem_size,
+                                    Axis a) override {
+    const GatherArgs g = gather_args(out, in, n, elem_size, a);
+    Overlapped& o = open_overlapped(g.type);
+    MPI_CHECK(MPI_Iallgather(g.send, g.count, g.type, out, g.count, g.type, comm(a), &o.req));
+    return overlapped_first_ + overlapped_.size() - 1;
+  }
+  size_t start_overlapped_reduce_scatter_act(void* out, const void* in, size_t n,
+                                             size_t elem_size, Axis a) override {
+    VG_CHECK(elem_size == 4, "the CPU collectives reduce fp32 activations only, got elem_size "
+                                 << elem_size << " on axis " << axis_name(a));
+    VG_CHECK(n <= static_cast<size_t>(INT_MAX), "reduce_scatter block of " << n << " floats");
+    Overlapped& o = open_overlapped(MPI_BYTE);
+    MPI_CHECK(MPI_Ireduce_scatter_block(in, out, static_cast<int>(n), MPI_FLOAT, MPI_SUM,
+                                        comm(a), &o.req));
+    return overlapped_first_ + overlapped_.size() - 1;
+  }
+  void wait_overlapped(size_t ticket) override {
+    VG_CHECK(!overlapped_.empty() && ticket == overlapped_first_,
+             "overlapped collective " << ticket << " waited for out of order (next: "
+                                      << overlapped_first_ << ", open: " << overlapped_.size()
+                                      << ")");
+    MPI_CHECK(MPI_Wait(&overlapped_.front().req, MPI_STATUS_IGNORE));
+    if (overlapped_.front().type != MPI_BYTE) free_type(overlapped_.front().type);
+    overlapped_.pop_front();
+    ++overlapped_first_;
+  }
+
   void reduce_scatter_sum_act(void* out, const void* in, size_t n, size_t elem_size,
                               Axis a) override {
     // fp32 storage only, as in allreduce_sum_act
@@ -647,6 +677,20 @@ class MpiCollectives final : public Collectives {
   }
   std::vector<Move> moves_;
   std::vector<MPI_Datatype> types_;  // of started gathers over 2 GiB
+  // open overlapped collectives, oldest first (ticket overlapped_first_), and the datatype
+  // of a gather over 2 GiB to free once it completed
+  struct Overlapped {
+    MPI_Request req = MPI_REQUEST_NULL;
+    MPI_Datatype type = MPI_BYTE;
+  };
+  Overlapped& open_overlapped(MPI_Datatype type) {
+    VG_CHECK(overlapped_.size() < kMaxOverlapped,
+             "more than " << kMaxOverlapped << " overlapped collectives open");
+    overlapped_.push_back({MPI_REQUEST_NULL, type});
+    return overlapped_.back();
+  }
+  std::deque<Overlapped> overlapped_;
+  size_t overlapped_first_ = 0;
 };
 
 }  // namespace

@@ -911,6 +911,11 @@ def t_gpu_parallel(tmp):
                                          "--parallel.sequence_parallel=true"]),
                ("1d_t2_seq_bf16", 2, "bf16", ["--parallel.tensor=2", "--parallel.tensor_mode=1d",
                                               "--parallel.sequence_parallel=true"]),
+               ("1d_t2_seq_sm", 2, "fp32", ["--parallel.tensor=2", "--parallel.tensor_mode=1d",
+                                            "--parallel.sequence_parallel=true", "--device.tensor_comm=sm"]),
+               ("1d_t2_seq_sm_bf16", 2, "bf16", ["--parallel.tensor=2", "--parallel.tensor_mode=1d",
+                                                 "--parallel.sequence_parallel=true",
+                                                 "--device.tensor_comm=sm"]),
                ("pipe2_1d_t2_seq", 4, "fp32", ["--parallel.pipeline=2", "--parallel.micro_batches=2",
                                                "--parallel.tensor=2", "--parallel.tensor_mode=1d",
                                                "--parallel.sequence_parallel=true"]),
@@ -944,6 +949,14 @@ def t_gpu_parallel(tmp):
         check(r <= tol, f"{name} on {n} GPUs ({mode}): max relative loss difference {r:.2e} <= {tol:g}")
     if ngpu < 2:
         return
+    # sequence parallelism with its collectives not overlapped (each before its GEMMs, on the
+    # compute stream): the 1-GPU curve too
+    d = os.path.join(tmp, "1d_t2_seq_serial")
+    run(2, ["train", DECK, f"--run.out_dir={d}", "--precision.mode=fp32", "--parallel.tensor=2",
+            "--parallel.tensor_mode=1d", "--parallel.sequence_parallel=true"] + model,
+        env={"VITGRID_SP_OVERLAP": "0"})
+    r = rel(losses(d)[1], ref["fp32"])
+    check(r <= 1e-4, f"1d_t2_seq_serial on 2 GPUs (fp32): max relative loss difference {r:.2e} <= 0.0001")
     # NCCL calls return once enqueued: the same layout with every call waiting on the host
     # (VITGRID_NCCL_BLOCKING=1) computes the same bits
     d = os.path.join(tmp, "1d_t2_blocking")
@@ -1006,6 +1019,10 @@ def t_gpu_graphs(tmp):
              ("dp2_overlap", 2, ["--precision.mode=fp32"]),
              ("dp2_zero1", 2, ["--precision.mode=fp32", "--parallel.zero=1"]),
              ("1d_t2", 2, ["--precision.mode=fp32", "--parallel.tensor=2", "--parallel.tensor_mode=1d"]),
+             ("1d_t2_seq", 2, ["--precision.mode=fp32", "--parallel.tensor=2", "--parallel.tensor_mode=1d",
+                               "--parallel.sequence_parallel=true"]),
+             ("1d_t2_seq_sm", 2, ["--precision.mode=fp32", "--parallel.tensor=2", "--parallel.tensor_mode=1d",
+                                  "--parallel.sequence_parallel=true", "--device.tensor_comm=sm"]),
              ("2d_q2_dp", 4, ["--precision.mode=fp32", "--parallel.tensor=4", "--parallel.tensor_mode=2d"])]
     for name, n, extra in cases:
         if n > ngpu:

@@ -393,6 +393,8 @@ TEST(DeckRefusal, DeviceRanges) {
   EXPECT_HAS(refusal(kMinimal, {"--device.deterministic=maybe"}), "device.deterministic");
   EXPECT_HAS(refusal(kMinimal, {"--device.pipe_comm_ctas=65"}),
              "command line: device.pipe_comm_ctas: must be between 0 and 64");
+  EXPECT_HAS(refusal(kMinimal, {"--device.tensor_comm_ctas=-2"}),
+             "command line: device.tensor_comm_ctas: must be between 0 and 64");
   EXPECT_HAS(refusal(kMinimal, {"--device.gemm_sm_margin=65"}),
              "command line: device.gemm_sm_margin: must be between 0 and 64");
 }

@@ -29,12 +29,13 @@ bool enough_gpus() {
 
 std::vector<GridShape> shapes_for(int world) {
   std::vector<GridShape> out;
-  auto add = [&](int p, int d, int t, TensorMode m) {
+  auto add = [&](int p, int d, int t, TensorMode m, bool seq = false) {
     GridShape s;
     s.pipeline = p;
     s.data = d;
     s.tensor = t;
     s.mode = m;
+    s.sequence_parallel = seq;
     try {
       check_grid_shape(s, world);
       out.push_back(s);
@@ -44,6 +45,7 @@ std::vector<GridShape> shapes_for(int world) {
   };
   add(1, world, 1, TensorMode::None);
   add(1, world / 2, 2, TensorMode::D1);
+  add(1, world / 2, 2, TensorMode::D1, true);  // the tensor axis's overlapped collectives
   add(2, world / 2, 1, TensorMode::None);
   add(2, world / 4, 2, TensorMode::D1);
   add(1, world / 4, 4, TensorMode::D2);
@@ -105,6 +107,40 @@ void check_axis(Backend& be, Collectives& coll, const ProcessGrid& grid, Axis a)
   for (size_t i = 0; i < n; ++i)
     ASSERT_EQ(got[i], size * (size - 1) / 2.0f + size * float(r * n + i)) << "reduce_scatter";
 
+  {  // the overlapped pair, both open at once, then the blocking gather into the same buffer
+    // the memory the collectives ask for (copy engines: symmetric windows), else any
+    auto alloc = [&](size_t bytes) {
+      void* p = coll.overlapped_alloc(bytes);
+      return std::make_pair(p ? p : be.alloc(bytes), p != nullptr);
+    };
+    auto [og_p, og_own] = alloc(size * n * sizeof(float));
+    auto [rs_in, rs_own] = alloc(size * n * be.act_size());
+    float* og = static_cast<float*>(og_p);
+    void* rs_out = be.alloc(n * be.act_size());
+    for (size_t i = 0; i < n; ++i) h[i] = r * 100.0f + i;
+    be.copy_to_device(buf, h.data(), n * 4);
+    for (size_t k = 0; k < size * n; ++k) h[k] = float(r + (k % 5));
+    be.copy_to_device(out, h.data(), size * n * 4);
+    be.cast_to_act(rs_in, out, size * n);
+    const size_t tg = coll.start_overlapped_allgather(og, buf, n, sizeof(float), a);
+    const size_t tr = coll.start_overlapped_reduce_scatter_act(rs_out, rs_in, n, be.act_size(), a);
+    ASSERT_EQ(tr, tg + 1);
+    coll.wait_overlapped(tg);
+    coll.wait_overlapped(tr);
+    be.copy_to_host(got.data(), og, size * n * 4);
+    for (int j = 0; j < size; ++j)
+      for (size_t i = 0; i < n; ++i)
+        ASSERT_EQ(got[j * n + i], j * 100.0f + i) << "overlapped allgather";
+    be.cast_to_f32(out, rs_out, n);
+    be.copy_to_host(got.data(), out, n * 4);
+    for (size_t i = 0; i < n; ++i)
+      ASSERT_EQ(got[i], size * (size - 1) / 2.0f + size * float((r * n + i) % 5))
+          << "overlapped reduce_scatter";
+    og_own ? coll.overlapped_release(og) : be.release(og);
+    rs_own ? coll.overlapped_release(rs_in) : be.release(rs_in);
+    be.release(rs_out);
+  }
+
   if (size >= 2) {  // pairs (0,1), (2,3), ...: exchange, sender first on even ranks
     const int peer = r % 2 == 0 ? r + 1 : r - 1;
     if (peer < size) {
@@ -155,19 +191,27 @@ TEST(GpuNccl, CollectivesOnEveryAxis) {
   int world = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   for (const GridShape& s : shapes_for(world)) {
-    ProcessGrid grid(MPI_COMM_WORLD, s);
-    auto be = make_cuda_backend(grid.local_rank(), DType::BF16);
-    auto coll = make_nccl_collectives(grid, *be, 120.0);
-    SCOPED_TRACE("grid p" + std::to_string(s.pipeline) + " d" + std::to_string(s.data) + " t" +
-                 std::to_string(s.tensor));
-    for (Axis a : {Axis::World, Axis::Pipeline, Axis::Data, Axis::Tensor, Axis::TensorRow,
-                   Axis::TensorCol}) {
-      check_axis(*be, *coll, grid, a);
-      // A failed ASSERT on one rank would leave peers waiting in the next collective:
-      // stop here on every rank if any failed.
-      int bad = ::testing::Test::HasFatalFailure() ? 1 : 0, any = 0;
-      MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-      ASSERT_EQ(any, 0) << "a collective failed on some rank";
+    for (bool ce : {false, true}) {  // sequence parallelism: SM and copy-engine collectives
+      if (ce && !s.sequence_parallel) continue;
+      ProcessGrid grid(MPI_COMM_WORLD, s);
+      auto be = make_cuda_backend(grid.local_rank(), DType::BF16);
+      NcclOptions o;
+      o.timeout_s = 120.0;
+      o.tensor_copy_engine = ce;
+      auto coll = make_nccl_collectives(grid, *be, o);
+      SCOPED_TRACE("grid p" + std::to_string(s.pipeline) + " d" + std::to_string(s.data) + " t" +
+                   std::to_string(s.tensor) + (s.sequence_parallel ? " sequence-parallel" : "") +
+                   (ce ? " copy engines" : ""));
+      EXPECT_EQ(coll->overlapped_sms(Axis::Tensor) > 0, s.sequence_parallel && s.tensor > 1 && !ce);
+      for (Axis a : {Axis::World, Axis::Pipeline, Axis::Data, Axis::Tensor, Axis::TensorRow,
+                     Axis::TensorCol}) {
+        check_axis(*be, *coll, grid, a);
+        // A failed ASSERT on one rank would leave peers waiting in the next collective:
+        // stop here on every rank if any failed.
+        int bad = ::testing::Test::HasFatalFailure() ? 1 : 0, any = 0;
+        MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+        ASSERT_EQ(any, 0) << "a collective failed on some rank";
+      }
     }
   }
 }

@@ -254,6 +254,18 @@ TEST(Grid, CollectivesOverEveryAxis) {
       for (size_t k = 0; k < blk; ++k)
         EXPECT_EQ(rs_out[k], 100.0f * sum + size * (my * 10.0f + k)) << "element " << k;
 
+      // the overlapped pair, both open at once
+      std::vector<int> og(2 * size, -1);
+      std::vector<float> ors(blk, -1);
+      const size_t tg = coll->start_overlapped_allgather(og.data(), in, 2, sizeof(int), a);
+      const size_t tr =
+          coll->start_overlapped_reduce_scatter_act(ors.data(), rs_in.data(), blk, 4, a);
+      EXPECT_EQ(tr, tg + 1);
+      coll->wait_overlapped(tg);
+      coll->wait_overlapped(tr);
+      EXPECT_EQ(og, want);
+      EXPECT_EQ(ors, rs_out);
+
       coll->barrier(a);
     }
   }

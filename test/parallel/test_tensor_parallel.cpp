@@ -78,9 +78,11 @@ struct Case {
   int tensor;
   int depth;
   bool seq = false;  // 1d with sequence parallelism
+  bool serial = false;  // ... its collectives not overlapped (VITGRID_SP_OVERLAP=0)
   std::string name() const {
     return std::string(tensor_mode_name(mode)) + " tensor=" + std::to_string(tensor) +
-           " depth=" + std::to_string(depth) + (seq ? " sequence-parallel" : "");
+           " depth=" + std::to_string(depth) + (seq ? " sequence-parallel" : "") +
+           (serial ? " serial" : "");
   }
 };
 
@@ -97,6 +99,7 @@ std::vector<Case> cases() {
   if (w == 2) {
     out.push_back({TensorMode::D1, 2, 1});
     out.push_back({TensorMode::D1, 2, 1, true});
+    out.push_back({TensorMode::D1, 2, 1, true, true});
   }
   if (w == 4) {
     out.push_back({TensorMode::D1, 4, 1});
@@ -195,14 +198,19 @@ struct Rig {
 #ifdef VITGRID_HAVE_CUDA
     if (tensor_parallel && tp_on_cuda()) {
       be = make_backend("cuda", grid->local_rank(), act);
-      coll = make_nccl_collectives(*grid, *be, 120.0);
+      NcclOptions o;
+      o.timeout_s = 120.0;
+      o.tensor_copy_engine = std::getenv("VITGRID_TEST_TENSOR_CE") != nullptr;
+      coll = make_nccl_collectives(*grid, *be, o);
     }
 #endif
     if (!be) {
       be = make_backend("cpu", 0, act);
       coll = make_mpi_collectives(*grid);
     }
+    if (c.serial) setenv("VITGRID_SP_OVERLAP", "0", 1);
     tp = make_tensor_parallel(*grid, *be, *coll);
+    if (c.serial) unsetenv("VITGRID_SP_OVERLAP");
   }
 };
 

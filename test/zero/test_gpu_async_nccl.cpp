@@ -38,7 +38,10 @@ void buckets_match_blocking(bool copy_engine) {
   s.data = world;
   ProcessGrid grid(MPI_COMM_WORLD, s);
   auto be = make_cuda_backend(grid.local_rank(), DType::F32);
-  auto coll = make_nccl_collectives(grid, *be, 120.0, 0, copy_engine);
+  NcclOptions o;
+  o.timeout_s = 120.0;
+  o.data_copy_engine = copy_engine;
+  auto coll = make_nccl_collectives(grid, *be, o);
   const int D = grid.size(Axis::Data), r = grid.rank(Axis::Data);
   const size_t c = 1 << 16, n = c * D, buckets = 4;
   coll->plan_reduce(n, Axis::Data);

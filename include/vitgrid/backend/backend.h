@@ -175,9 +175,10 @@ class Backend {
   virtual void linear_forward(void* y, const void* x, const void* W, const void* b, int N,
                               int in, int out, void* gelu_out = nullptr,
                               Gelu gelu = Gelu::Exact) = 0;
-  // dx[N,in] = dy W (overwritten; skipped when dx is null), dW[out,in] += dy^T x,
-  // db[out] += sum_rows dy (skipped when null). With gelu_pre (x was gelu(gelu_pre)): dx is
-  // the gradient of gelu_pre instead, (dy W) * gelu'(gelu_pre), as gelu_backward would give.
+  // dx[N,in] = dy W (overwritten; skipped when dx is null), dW[out,in] += dy^T x (skipped
+  // when dW is null; x is then not read), db[out] += sum_rows dy (skipped when null). With
+  // gelu_pre (x was gelu(gelu_pre)): dx is the gradient of gelu_pre instead,
+  // (dy W) * gelu'(gelu_pre), as gelu_backward would give.
   // With gelu_db as well: db of the Linear that produced gelu_pre (the column sums of the final
   // dx) is added into gelu_db in the same pass (the GELU backward's) instead of another pass
   // over dx in that Linear's backward.
@@ -190,6 +191,7 @@ class Backend {
   // (device.gemm_sm_margin). CUDA: cuBLASLt's SM count target and the fused GELU GEMMs'
   // persistent grids; the CPU ignores it.
   virtual void set_gemm_sm_margin(int sms) { (void)sms; }
+  virtual int gemm_sm_margin() const { return 0; }
   // Timed choices made alike on every replica: while `max_over_replicas` is set, it replaces
   // v[0..n) by the element-wise maximum of v over the ranks that run the same operations in
   // the same order (the trainer passes the data axis, during training steps), and each timed

@@ -111,6 +111,8 @@ struct DeviceSection {
   bool deterministic = true;     // false: attention backward with atomics (cuDNN)
   int data_comm_ctas = 0;        // NCCL thread blocks of the data axis (0: NCCL's choice)
   int pipe_comm_ctas = 0;        // NCCL thread blocks of each asynchronous pipeline link (0: NCCL's)
+  int tensor_comm_ctas = 0;      // NCCL thread blocks of sequence parallelism's overlapped ones
+  std::string tensor_comm = "copy_engine";  // sm | copy_engine: how those move data
   std::string data_comm = "sm";  // sm | copy_engine: how the data axis's reductions move data
   int gemm_sm_margin = 0;        // SMs the GEMMs leave free while buckets are reduced
   bool cuda_graph = true;        // replay the step's micro-batches as CUDA graphs (see trainer)

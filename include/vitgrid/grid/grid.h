@@ -186,6 +186,46 @@ class Collectives {
   virtual void progress() {}
   virtual void wait_all() {}
 
+  // ---- Overlapped collectives: 1d sequence parallelism's gathers and reduce-scatters over
+  // the tensor axis, run beside the GEMMs that do not need them (Megatron-LM's overlap).
+  // A start_overlapped_* call is ordered after everything this rank enqueued on the backend
+  // before it and returns a ticket at once; wait_overlapped(ticket) orders later backend work
+  // after it (CPU: returns once it completed). Tickets are waited for in the order they were
+  // started, every one of them, and no more than kMaxOverlapped are open at once; the buffers
+  // are not touched in between. Every rank of the axis starts the same sequence. NCCL: a
+  // communicator and a stream of their own for the tensor axis under sequence parallelism, so
+  // they neither queue behind the data axis's buckets nor hold up the compute stream; the
+  // blocking calls elsewhere. The defaults run the blocking calls.
+  static constexpr size_t kMaxOverlapped = 8;
+  // out[size*n] gathers each rank's in[n] in rank order (as allgather; not in place).
+  virtual size_t start_overlapped_allgather(void* out, const void* in, size_t n,
+                                            size_t elem_size, Axis a) {
+    allgather(out, in, n, elem_size, a);
+    return 0;
+  }
+  // out[n] = rank's block of the sum of in[size*n], act-dtype (as reduce_scatter_sum_act).
+  virtual size_t start_overlapped_reduce_scatter_act(void* out, const void* in, size_t n,
+                                                     size_t elem_size, Axis a) {
+    reduce_scatter_sum_act(out, in, n, elem_size, a);
+    return 0;
+  }
+  virtual void wait_overlapped(size_t ticket) { (void)ticket; }
+  // SMs the overlapped collectives of axis a take beside the compute (their kernels' thread
+  // blocks), which the GEMMs running meanwhile leave free; 0 where they do not overlap.
+  virtual int overlapped_sms(Axis a) const {
+    (void)a;
+    return 0;
+  }
+  // Memory for an overlapped gather's output or reduce-scatter's input, where the collectives
+  // need their own (NCCL with copy engines: symmetric memory; a collective over the tensor
+  // axis, every rank asking for the same sizes in the same order); null: any backend memory
+  // serves. Released with overlapped_release, before the collectives are destroyed.
+  virtual void* overlapped_alloc(size_t bytes) {
+    (void)bytes;
+    return nullptr;
+  }
+  virtual void overlapped_release(void* p) { (void)p; }
+
   // ---- CUDA graphs. capture(true) tells the collectives that the backend's stream is being
   // captured: calls enqueue as usual (into the graph) but nothing is handed to the watchdog
   // or waited for. follow(what) hands the work enqueued so far (a launched graph with

@@ -202,6 +202,12 @@ void CudaBackend::release(void* p) {
   CUDA_CHECK(cudaFree(p));  // cudaFree waits for work using p
 }
 
+void CudaBackend::count_memory(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mem_mutex_);
+  current_bytes_ = static_cast<size_t>(static_cast<int64_t>(current_bytes_) + bytes);
+  peak_bytes_ = std::max(peak_bytes_, current_bytes_);
+}
+
 size_t CudaBackend::peak_memory_bytes() const {
   std::lock_guard<std::mutex> lock(mem_mutex_);
   return peak_bytes_;
@@ -940,7 +946,7 @@ void CudaBackend::linear_backward(void* dx, float* dW, float* db, const void* dy
       zero(dx, static_cast<size_t>(N) * in * act_size());
     }
   }
-  if (N > 0 && in > 0 && out > 0) {
+  if (dW && N > 0 && in > 0 && out > 0) {
     GemmSpec s;  // dW[out,in] += dy^T[out,N] x[N,in], accumulated in the fp32 buffer itself
     s.transA = true;
     s.M = out;

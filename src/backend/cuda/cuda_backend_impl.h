@@ -91,6 +91,10 @@ class CudaBackend final : public Backend {
     std::function<void(void*)> release;
   };
   void set_comm_allocator(std::shared_ptr<CommAllocator> a) { comm_alloc_ = std::move(a); }
+  // Device memory others hold for this backend's work (the collectives' symmetric staging
+  // and overlapped buffers): +bytes when allocated, -bytes when freed; counted in the
+  // current and peak memory as alloc() is.
+  void count_memory(int64_t bytes);
   void copy_to_device(void* dst, const void* src_host, size_t bytes) override;
   void copy_to_host(void* dst_host, const void* src, size_t bytes) override;
   void copy(void* dst, const void* src, size_t bytes) override;
@@ -111,6 +115,7 @@ class CudaBackend final : public Backend {
   void plan_workspace(const WorkspacePlan& p) override;
   int64_t device_allocations() const override;
   void set_gemm_sm_margin(int sms) override;
+  int gemm_sm_margin() const override { return gemm_sm_margin_; }
   void set_tune_agreement(ReplicaMax max_over_replicas) override;
 
   void cast_to_act(void* dst_act, const float* src, size_t n) override;
@@ -201,6 +206,9 @@ class CudaBackend final : public Backend {
   // out[c] = the sum of the `parts` consecutive blocks in[parts * c], in block order, on
   // stream st (the copy-engine reduce-scatter's local step)
   void sum_parts_on(cudaStream_t st, float* out, const float* in, size_t c, int parts);
+  // The same for act-dtype parts (summed in fp32, rounded once): the copy-engine
+  // reduce-scatter of the tensor axis's overlapped collectives.
+  void sum_parts_act_on(cudaStream_t st, void* out, const void* in, size_t c, int parts);
   void sum_squares_total(double* out, const float* buf,
                          const std::vector<ParamSlice>& slices) override;
   void clip_factor(float* out, const double* sq, double max_norm, float inv_scale) override;

@@ -1,6 +1,7 @@
 // Elementwise ops (casts, GELU, dropout, add/accumulate/scale), row softmax and the
 // deterministic column-sum reduction, with their backward passes side by side.
 #include <cmath>
+#include <cstdint>
 #include <type_traits>
 
 #include "cuda_backend_impl.h"
@@ -249,6 +250,30 @@ __global__ void add_act_to_f32_kernel(float* out, const T* x, size_t n) {
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
        i += stride)
     out[i] += to_f(x[i]);
+}
+
+// out[i] = sum over p < parts of in[p * c + i] in fp32, in part order, rounded once; V
+// elements per thread and step (packs of V: nv = c / V of them).
+template <class T, int V>
+__global__ void sum_parts_act_kernel(T* out, const T* in, size_t nv, size_t c, int parts) {
+  using P = Pack<T, V>;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < nv;
+       i += stride) {
+    float s[V];
+    const P first = reinterpret_cast<const P*>(in)[i];
+#pragma unroll
+    for (int k = 0; k < V; ++k) s[k] = to_f(first.v[k]);
+    for (int p = 1; p < parts; ++p) {
+      const P v = reinterpret_cast<const P*>(in + p * c)[i];
+#pragma unroll
+      for (int k = 0; k < V; ++k) s[k] += to_f(v.v[k]);
+    }
+    P o;
+#pragma unroll
+    for (int k = 0; k < V; ++k) o.v[k] = from_f<T>(s[k]);
+    reinterpret_cast<P*>(out)[i] = o;
+  }
 }
 
 // One warp per row: max, sum of exponentials, then the normalised values. Rows are read
@@ -526,6 +551,25 @@ void CudaBackend::accumulate(void* y, const void* x, size_t n) { add(y, y, x, n)
 
 void CudaBackend::scale_f32(float* x, size_t n, float s) {
   launch_map(stream_, x, InPtrs<float, 1>{{x}}, n, ScaleOp{s});
+}
+
+void CudaBackend::sum_parts_act_on(cudaStream_t st, void* out, const void* in, size_t c,
+                                   int parts) {
+  if (c == 0) return;
+  dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    constexpr int V = 16 / sizeof(T);
+    const bool vec = c % V == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(in) % 16 == 0;
+    if (vec) {
+      sum_parts_act_kernel<T, V><<<grid_for(c / V, 256), 256, 0, st>>>(
+          static_cast<T*>(out), static_cast<const T*>(in), c / V, c, parts);
+    } else {
+      sum_parts_act_kernel<T, 1><<<grid_for(c, 256), 256, 0, st>>>(
+          static_cast<T*>(out), static_cast<const T*>(in), c, c, parts);
+    }
+    CUDA_CHECK_LAUNCH();
+  });
 }
 
 void CudaBackend::add_act_to_f32(float* out, const void* x, size_t n) {

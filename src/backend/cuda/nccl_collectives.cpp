@@ -72,13 +72,16 @@ struct SymmetricMemory {
     blocks[static_cast<char*>(p)] = {bytes, win};
     return p;
   }
-  void release(void* p) {
+  // returns the block's size
+  size_t release(void* p) {
     std::lock_guard<std::mutex> lock(mu);
     auto it = blocks.find(static_cast<char*>(p));
     VG_CHECK(it != blocks.end(), "release of memory that is not a symmetric window");
     if (comm) NCCL_CHECK(ncclCommWindowDeregister(comm, it->second.second));
+    const size_t bytes = it->second.first;
     blocks.erase(it);
     NCCL_CHECK(ncclMemFree(p));
+    return bytes;
   }
   // whether [p, p + bytes) lies inside one registered block
   bool holds(const void* p, size_t bytes) {
@@ -95,9 +98,8 @@ class NcclCollectives final : public Collectives {
  public:
   // Called by all ranks of the grid's world: communicator creation is collective per axis,
   // and every rank visits the axes in the same order, so creation cannot deadlock.
-  NcclCollectives(const ProcessGrid& grid, CudaBackend& be, double timeout_s, int data_ctas,
-                  bool data_ce, int pipe_ctas)
-      : be_(be), stream_(be.stream()), timeout_s_(timeout_s), pipe_ctas_(pipe_ctas),
+  NcclCollectives(const ProcessGrid& grid, CudaBackend& be, const NcclOptions& o)
+      : be_(be), stream_(be.stream()), timeout_s_(o.timeout_s), pipe_ctas_(o.pipe_ctas),
         pipe_rank_(grid.rank(Axis::Pipeline)) {
     // NVLink multicast (NVLS) must stay off on the target machines; the user may still
     // override it explicitly in the environment.
@@ -111,18 +113,41 @@ class NcclCollectives final : public Collectives {
       ncclUniqueId id;
       if (c.rank() == 0) NCCL_CHECK(ncclGetUniqueId(&id));
       MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, c.get()));
-      // The data axis's reductions overlap the backward: data_ctas > 0 caps the thread blocks
+      // The data axis's reductions overlap the backward: o.data_ctas > 0 caps the thread blocks
       // (SMs) their kernels take from it.
       ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-      if (static_cast<Axis>(a) == Axis::Data && data_ce) {
+      if (static_cast<Axis>(a) == Axis::Data && o.data_copy_engine) {
         config.CTAPolicy = NCCL_CTA_POLICY_ZERO;  // copy engines wherever NCCL can
-      } else if (static_cast<Axis>(a) == Axis::Data && data_ctas > 0) {
+      } else if (static_cast<Axis>(a) == Axis::Data && o.data_ctas > 0) {
         config.minCTAs = 1;
-        config.maxCTAs = data_ctas;
+        config.maxCTAs = o.data_ctas;
       }
       NCCL_CHECK(ncclCommInitRankConfig(&comms_[a], c.size(), id, c.rank(), &config));
     }
-    if (data_ce && comm(Axis::Data)) {
+    // 1d sequence parallelism's overlapped collectives: a communicator split off the tensor
+    // axis's (every rank of it calls) and a stream of their own; o.tensor_ctas > 0 caps their
+    // thread blocks, which the GEMMs beside them leave free; with copy engines (zero-CTA
+    // policy) they take no SMs, and their buffers are symmetric memory over it
+    if (grid.shape().sequence_parallel && comm(Axis::Tensor)) {
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      if (o.tensor_copy_engine) {
+        config.CTAPolicy = NCCL_CTA_POLICY_ZERO;
+      } else if (o.tensor_ctas > 0) {
+        config.minCTAs = 1;
+        config.maxCTAs = o.tensor_ctas;
+      }
+      NCCL_CHECK(ncclCommSplit(comm(Axis::Tensor), 0, grid.rank(Axis::Tensor), &side_comm_,
+                               &config));
+      if (o.tensor_copy_engine) {
+        side_sym_ = std::make_shared<SymmetricMemory>();
+        side_sym_->comm = side_comm_;
+      } else {
+        side_sms_ = o.tensor_ctas > 0 ? o.tensor_ctas : kSideDefaultSms;
+      }
+      CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
+      for (auto& e : side_ev_) CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
+    if (o.data_copy_engine && comm(Axis::Data)) {
       sym_ = std::make_shared<SymmetricMemory>();
       sym_->comm = comm(Axis::Data);
       auto a = std::make_shared<CudaBackend::CommAllocator>();
@@ -152,12 +177,19 @@ class NcclCollectives final : public Collectives {
   }
 
   ~NcclCollectives() override {
+    if (side_stream_) cudaStreamSynchronize(side_stream_);
     cudaStreamSynchronize(comm_stream_);
+    if (side_sym_) {
+      if (side_stage_) own_release(*side_sym_, side_stage_);
+      if (side_recv_) own_release(*side_sym_, side_recv_);
+      std::lock_guard<std::mutex> lock(side_sym_->mu);
+      side_sym_->comm = nullptr;
+    }
     cudaStreamSynchronize(stream_);
     if (sym_) {
       be_.set_comm_allocator(nullptr);
-      if (ce_recv_) sym_->release(ce_recv_);
-      if (ce_shard_) sym_->release(ce_shard_);
+      if (ce_recv_) own_release(*sym_, ce_recv_);
+      if (ce_shard_) own_release(*sym_, ce_shard_);
       std::lock_guard<std::mutex> lock(sym_->mu);
       sym_->comm = nullptr;  // blocks the backend still holds are only freed from now on
     }
@@ -180,6 +212,10 @@ class NcclCollectives final : public Collectives {
       cudaEventDestroy(l->done);
     }
     for (cudaEvent_t e : msg_ev_) cudaEventDestroy(e);
+    if (side_comm_) ncclCommDestroy(side_comm_);  // (after the symmetric windows above)
+    if (side_stream_) cudaStreamDestroy(side_stream_);
+    for (cudaEvent_t e : side_ev_)
+      if (e) cudaEventDestroy(e);
     for (ncclComm_t c : comms_)
       if (c) ncclCommDestroy(c);
     for (auto& e : ticket_ev_) cudaEventDestroy(e.first);
@@ -194,11 +230,11 @@ class NcclCollectives final : public Collectives {
     if (a != Axis::Data || !sym_ || max_n <= ce_n_) return;
     // collective over the data axis (window registration): every rank plans the same buckets
     cudaStreamSynchronize(comm_stream_);
-    if (ce_recv_) sym_->release(ce_recv_);
-    if (ce_shard_) sym_->release(ce_shard_);
+    if (ce_recv_) own_release(*sym_, ce_recv_);
+    if (ce_shard_) own_release(*sym_, ce_shard_);
     const size_t D = static_cast<size_t>(sizes_[static_cast<int>(Axis::Data)]);
-    ce_recv_ = static_cast<float*>(sym_->alloc(max_n * sizeof(float)));
-    ce_shard_ = static_cast<float*>(sym_->alloc((max_n + D - 1) / D * sizeof(float)));
+    ce_recv_ = static_cast<float*>(own_alloc(*sym_, max_n * sizeof(float)));
+    ce_shard_ = static_cast<float*>(own_alloc(*sym_, (max_n + D - 1) / D * sizeof(float)));
     ce_n_ = max_n;
   }
   void start_allreduce_sum(float* buf, size_t n, Axis a) override {
@@ -269,6 +305,73 @@ class NcclCollectives final : public Collectives {
     CUDA_CHECK(cudaStreamWaitEvent(stream_, done_ev_, 0));
     pending_ = false;
     pending_axes_ = 0;
+  }
+
+  // ---- overlapped collectives on the side stream (the tensor axis under sequence
+  // parallelism; elsewhere the blocking calls)
+  size_t start_overlapped_allgather(void* out, const void* in, size_t n, size_t elem_size,
+                                    Axis a) override {
+    if (!side(a)) {
+      allgather(out, in, n, elem_size, a);
+      return open_side(false);
+    }
+    if (skipped()) return open_side(false);
+    const size_t bytes = n * elem_size;
+    if (side_sym_) {  // copy engines: from a staging window into symmetric memory
+      VG_CHECK(side_sym_->holds(out, bytes * sizes_[static_cast<int>(a)]),
+               "overlapped all-gather into memory that overlapped_alloc did not hand out");
+      void* stage = side_buffer(&side_stage_, &side_stage_bytes_, bytes);
+      order_side_after_compute();
+      CUDA_CHECK(cudaMemcpyAsync(stage, in, bytes, cudaMemcpyDeviceToDevice, side_stream_));
+      in = stage;
+    } else {
+      order_side_after_compute();
+    }
+    NCCL_CHECK(ncclAllGather(in, out, bytes, ncclUint8, side_comm_, side_stream_));
+    track(side_stream_, bit(a), "overlapped all-gather");
+    return open_side(true);
+  }
+  size_t start_overlapped_reduce_scatter_act(void* out, const void* in, size_t n,
+                                             size_t elem_size, Axis a) override {
+    const ncclDataType_t t = act_type(elem_size, "start_overlapped_reduce_scatter_act");
+    if (!side(a)) {
+      reduce_scatter_sum_act(out, in, n, elem_size, a);
+      return open_side(false);
+    }
+    if (skipped()) return open_side(false);
+    if (side_sym_) {  // copy engines: an all-to-all of the blocks, their sum in rank order
+      const int parts = sizes_[static_cast<int>(a)];
+      const size_t bytes = n * elem_size * parts;
+      VG_CHECK(side_sym_->holds(in, bytes),
+               "overlapped reduce-scatter of memory that overlapped_alloc did not hand out");
+      void* recv = side_buffer(&side_recv_, &side_recv_bytes_, bytes);
+      order_side_after_compute();
+      NCCL_CHECK(ncclAlltoAll(in, recv, n * elem_size, ncclUint8, side_comm_, side_stream_));
+      be_.sum_parts_act_on(side_stream_, out, recv, n, parts);
+    } else {
+      order_side_after_compute();
+      NCCL_CHECK(ncclReduceScatter(in, out, n, t, ncclSum, side_comm_, side_stream_));
+    }
+    track(side_stream_, bit(a), "overlapped reduce-scatter");
+    return open_side(true);
+  }
+  void wait_overlapped(size_t ticket) override {
+    VG_CHECK(side_first_ < side_next_ && ticket == side_first_,
+             "overlapped collective " << ticket << " waited for out of order (next: "
+                                      << side_first_ << ", started: " << side_next_ << ")");
+    if (side_recorded_[ticket % kMaxOverlapped])
+      CUDA_CHECK(cudaStreamWaitEvent(stream_, side_ev_[ticket % kMaxOverlapped], 0));
+    ++side_first_;
+  }
+  int overlapped_sms(Axis a) const override { return side(a) ? side_sms_ : 0; }
+  void* overlapped_alloc(size_t bytes) override {
+    if (!side_sym_) return nullptr;
+    CUDA_CHECK(cudaStreamSynchronize(side_stream_));
+    return own_alloc(*side_sym_, bytes);  // a collective over the tensor axis (registration)
+  }
+  void overlapped_release(void* p) override {
+    VG_CHECK(side_sym_, "overlapped_release without copy-engine tensor collectives");
+    own_release(*side_sym_, p);
   }
 
   void allreduce_sum(float* buf, size_t n, Axis a) override {
@@ -514,6 +617,44 @@ class NcclCollectives final : public Collectives {
     return ncclFloat;
   }
 
+  // Symmetric memory of the collectives' own, counted in the backend's memory use (its peak
+  // is the reported one).
+  void* own_alloc(SymmetricMemory& m, size_t bytes) {
+    void* p = m.alloc(bytes);
+    be_.count_memory(static_cast<int64_t>(bytes));
+    return p;
+  }
+  void own_release(SymmetricMemory& m, void* p) {
+    be_.count_memory(-static_cast<int64_t>(m.release(p)));
+  }
+  // A staging window of the side communicator of at least `need` bytes (grown while no side
+  // collective runs: the first micro-batch's; a collective over the tensor axis).
+  void* side_buffer(void** p, size_t* have, size_t need) {
+    if (need <= *have) return *p;
+    CUDA_CHECK(cudaStreamSynchronize(side_stream_));
+    if (*p) own_release(*side_sym_, *p);
+    *p = own_alloc(*side_sym_, need);
+    *have = need;
+    return *p;
+  }
+  // Whether axis a's overlapped collectives run on the side stream.
+  bool side(Axis a) const { return a == Axis::Tensor && side_comm_; }
+  // The side stream starts after the compute stream's work enqueued so far.
+  void order_side_after_compute() {
+    CUDA_CHECK(cudaEventRecord(ready_ev_, stream_));
+    CUDA_CHECK(cudaStreamWaitEvent(side_stream_, ready_ev_, 0));
+  }
+  // The ticket of the overlapped collective just started (recorded: an event behind it on the
+  // side stream; else it ran on the compute stream or not at all).
+  size_t open_side(bool recorded) {
+    VG_CHECK(side_next_ - side_first_ < kMaxOverlapped,
+             "more than " << kMaxOverlapped << " overlapped collectives open");
+    const size_t t = side_next_++, slot = t % kMaxOverlapped;
+    side_recorded_[slot] = recorded;
+    if (recorded) CUDA_CHECK(cudaEventRecord(side_ev_[slot], side_stream_));
+    return t;
+  }
+
   // The communication stream starts after the compute stream's work enqueued so far.
   void order_after_compute(Axis a) {
     CUDA_CHECK(cudaEventRecord(ready_ev_, stream_));
@@ -695,6 +836,22 @@ class NcclCollectives final : public Collectives {
   float* ce_shard_ = nullptr;
   size_t ce_n_ = 0;
   cudaStream_t comm_stream_ = nullptr;  // asynchronous reductions
+  // overlapped collectives: the tensor axis's second communicator, its stream, the SMs it
+  // takes, and a ring of tickets (events behind them; whether one was recorded)
+  static constexpr int kSideDefaultSms = 8;  // NCCL's choice: what the GEMMs leave free
+  ncclComm_t side_comm_ = nullptr;
+  cudaStream_t side_stream_ = nullptr;
+  int side_sms_ = 0;
+  std::array<cudaEvent_t, kMaxOverlapped> side_ev_{};
+  std::array<bool, kMaxOverlapped> side_recorded_{};
+  size_t side_first_ = 0, side_next_ = 0;
+  // copy engines: symmetric memory over side_comm_, a gather's staged input, a
+  // reduce-scatter's received blocks
+  std::shared_ptr<SymmetricMemory> side_sym_;
+  void* side_stage_ = nullptr;
+  size_t side_stage_bytes_ = 0;
+  void* side_recv_ = nullptr;
+  size_t side_recv_bytes_ = 0;
   cudaEvent_t ready_ev_ = nullptr;      // compute stream -> communication stream
   cudaEvent_t done_ev_ = nullptr;       // communication stream -> compute stream
   bool pending_ = false;
@@ -725,12 +882,10 @@ class NcclCollectives final : public Collectives {
 }  // namespace
 
 std::unique_ptr<Collectives> make_nccl_collectives(const ProcessGrid& grid, Backend& backend,
-                                                   double timeout_s, int data_ctas,
-                                                   bool data_copy_engine, int pipe_ctas) {
+                                                   const NcclOptions& options) {
   auto* be = dynamic_cast<CudaBackend*>(&backend);
   if (!be) throw UserError("NCCL collectives need the cuda backend (device.backend = cuda)");
-  return std::make_unique<NcclCollectives>(grid, *be, timeout_s, data_ctas, data_copy_engine,
-                                           pipe_ctas);
+  return std::make_unique<NcclCollectives>(grid, *be, options);
 }
 
 }  // namespace vitgrid

@@ -43,18 +43,30 @@ TensorParallelBase::TensorParallelBase(const ProcessGrid& grid, Backend& be, Col
 }
 
 TensorParallelBase::~TensorParallelBase() {
-  for (void* p : scratch_)
-    if (p) be_.release(p);
+  for (size_t i = 0; i < scratch_.size(); ++i) release_scratch(static_cast<int>(i));
 }
 
-void* TensorParallelBase::scratch(int slot, size_t bytes) {
+void TensorParallelBase::release_scratch(int slot) {
+  void* p = scratch_[slot];
+  if (!p) return;
+  if (scratch_overlapped_[slot])
+    coll_.overlapped_release(p);
+  else
+    be_.release(p);
+  scratch_[slot] = nullptr;
+}
+
+void* TensorParallelBase::scratch(int slot, size_t bytes, bool overlapped) {
   if (static_cast<size_t>(slot) >= scratch_.size()) {
     scratch_.resize(slot + 1, nullptr);
     scratch_bytes_.resize(slot + 1, 0);
+    scratch_overlapped_.resize(slot + 1, false);
   }
   if (scratch_bytes_[slot] < bytes) {
-    if (scratch_[slot]) be_.release(scratch_[slot]);
-    scratch_[slot] = be_.alloc(bytes);
+    release_scratch(slot);
+    void* p = overlapped ? coll_.overlapped_alloc(bytes) : nullptr;
+    scratch_overlapped_[slot] = p != nullptr;
+    scratch_[slot] = p ? p : be_.alloc(bytes);
     scratch_bytes_[slot] = bytes;
   }
   return scratch_[slot];

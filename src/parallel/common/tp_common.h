@@ -78,8 +78,10 @@ class TensorParallelBase : public TensorParallel {
   std::vector<Axis> axes_except(std::initializer_list<Axis> except) const;
   std::vector<Axis> batch_axes_split() const;  // batch axes of size > 1
   // Backend scratch buffer `slot`, grown on demand: shapes are fixed after the first
-  // micro-batch, so the step loop stops allocating after step 1.
-  void* scratch(int slot, size_t bytes);
+  // micro-batch, so the step loop stops allocating after step 1. `overlapped`: the slot serves
+  // an overlapped collective's gather output or reduce-scatter input
+  // (Collectives::overlapped_alloc), whenever it is asked for.
+  void* scratch(int slot, size_t bytes, bool overlapped = false);
 
   const ProcessGrid& grid_;
   Backend& be_;
@@ -93,8 +95,10 @@ class TensorParallelBase : public TensorParallel {
 
  private:
   std::vector<std::vector<Axis>> sharded_, partial_;  // per registered parameter
+  void release_scratch(int slot);
   std::vector<void*> scratch_;
   std::vector<size_t> scratch_bytes_;
+  std::vector<bool> scratch_overlapped_;  // from Collectives::overlapped_alloc
 
  public:
   ~TensorParallelBase() override;

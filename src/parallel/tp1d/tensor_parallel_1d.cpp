@@ -20,14 +20,43 @@
 //           the all-reduce; backward: dy_r all-gathered, dx_r = dy W_r, dW_r = dy^T x_r.
 //   The Row bias is replicated with its gradient partial over the tensor axis (each rank adds
 //   its rows' column sums, or rank 0 those of the gathered dy), summed with the LayerNorms'.
+//   The gathers and the backward's reduce-scatter overlap the GEMMs that do not need them, on
+//   Collectives' overlapped path (Megatron-LM's): the Column forward multiplies this rank's
+//   own rows while the others' arrive; its backward gathers x beside the data-gradient GEMM
+//   and reduce-scatters dx beside the weight-gradient GEMM; the Row backward multiplies its
+//   own rows of dy while the others' arrive (dW summed over the row blocks). The GEMMs beside
+//   a collective leave it Collectives::overlapped_sms SMs. VITGRID_SP_OVERLAP=0: each
+//   collective first, then the GEMMs (the same sums, but for dW's order over row blocks).
 // Either way a Linear's `rows` are the rows of its x: Column gets the Stream's, Row the Inner's.
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 
 #include "../common/tp_common.h"
 #include "vitgrid/core/error.h"
 
 namespace vitgrid {
 namespace {
+
+// The GEMMs enqueued in its scope leave `sms` more SMs free (to a collective beside them).
+class SmMargin {
+ public:
+  SmMargin(Backend& be, int sms) : be_(be), old_(be.gemm_sm_margin()) {
+    if (sms > 0) be_.set_gemm_sm_margin(old_ + sms);
+  }
+  ~SmMargin() { be_.set_gemm_sm_margin(old_); }
+  SmMargin(const SmMargin&) = delete;
+  SmMargin& operator=(const SmMargin&) = delete;
+
+ private:
+  Backend& be_;
+  int old_;
+};
+
+bool sp_overlap() {
+  const char* v = std::getenv("VITGRID_SP_OVERLAP");
+  return !v || std::string(v) != "0";
+}
 
 class TensorParallel1D final : public TensorParallelBase {
  public:
@@ -37,7 +66,9 @@ class TensorParallel1D final : public TensorParallelBase {
                                                           : std::vector<Axis>{}),
         t_(grid.size(Axis::Tensor)),
         r_(grid.rank(Axis::Tensor)),
-        seq_(grid.shape().sequence_parallel) {}
+        seq_(grid.shape().sequence_parallel),
+        overlap_(seq_ && sp_overlap()),
+        side_sms_(coll.overlapped_sms(Axis::Tensor)) {}
   TensorMode mode() const override { return TensorMode::D1; }
 
   ActBlock act_block(ActLayout l, int batch, int64_t width) const override {
@@ -108,22 +139,28 @@ class TensorParallel1D final : public TensorParallelBase {
   }
 
   // Sequence parallelism's slots: 4 the gathered x (Column) or dy (Row), 5 the full-row
-  // output of a Row forward or dx of a Column backward. `rows`: the Stream's.
+  // output of a Row forward or dx of a Column backward (the overlapped collectives' memory
+  // when they overlap). `rows`: the Stream's.
+  void* buf(int slot, size_t bytes) { return scratch(slot, bytes, overlap_); }
   void reserve_parallel(LinearRole, int rows, int in, int out, int) override {
     if (!seq_) return;
     const size_t full = size_t(rows) * t_ * std::max(in, out) * be_.act_size();
-    scratch(4, full);
-    scratch(5, full);
+    buf(4, full);
+    buf(5, full);
   }
   void* gathered(const void* local, size_t n) {
     const size_t es = be_.act_size();
-    void* full = scratch(4, n * t_ * es);
+    void* full = buf(4, n * t_ * es);
     coll_.allgather(full, local, n, es, Axis::Tensor);
     return full;
   }
 
   void parallel_forward(LinearRole role, void* y, const void* x, const void* W, const void* b,
                         int rows, int in, int out, void* gelu_out, Gelu g, int) override {
+    if (overlap_) {
+      overlapped_forward(role, y, x, W, b, rows, in, out, gelu_out, g);
+      return;
+    }
     if (seq_) {
       sequence_forward(role, y, x, W, b, rows, in, out, gelu_out, g);
       return;
@@ -139,6 +176,10 @@ class TensorParallel1D final : public TensorParallelBase {
   void parallel_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
                          const void* x, const void* W, int rows, int in, int out, int,
                          const void* gelu_pre, Gelu g, float* gelu_db) override {
+    if (overlap_) {
+      overlapped_backward(role, dx, dW, db, dy, x, W, rows, in, out, gelu_pre, g, gelu_db);
+      return;
+    }
     if (seq_) {
       sequence_backward(role, dx, dW, db, dy, x, W, rows, in, out, gelu_pre, g, gelu_db);
       return;
@@ -165,7 +206,7 @@ class TensorParallel1D final : public TensorParallelBase {
       return;
     }
     const int mine = rows / t_;  // rows: the whole micro-batch's
-    void* full = scratch(5, size_t(rows) * out * es);
+    void* full = buf(5, size_t(rows) * out * es);
     be_.linear_forward(full, x, W, r_ == 0 ? b : nullptr, rows, in / t_, out);
     coll_.reduce_scatter_sum_act(y, full, size_t(mine) * out, es, Axis::Tensor);
     if (gelu_out) be_.gelu_forward(gelu_out, y, size_t(mine) * out, g);
@@ -176,7 +217,7 @@ class TensorParallel1D final : public TensorParallelBase {
     const size_t es = be_.act_size();
     if (role == LinearRole::Column) {  // rows: this rank's Stream rows
       const size_t n = size_t(rows) * in;
-      void* full = dx ? scratch(5, n * t_ * es) : nullptr;
+      void* full = dx ? buf(5, n * t_ * es) : nullptr;
       be_.linear_backward(full, dW, db, dy, gathered(x, n), W, rows * t_, in, out / t_);
       if (dx) {
         coll_.reduce_scatter_sum_act(dx, full, n, es, Axis::Tensor);
@@ -189,8 +230,83 @@ class TensorParallel1D final : public TensorParallelBase {
                         W, rows, in / t_, out, gelu_pre, g, gelu_db);
   }
 
+  // Sequence parallelism with the collectives overlapped (see the top). Row blocks of `rows`
+  // rows each: block k of an Inner buffer is rank k's Stream rows.
+  static const void* at(const void* p, size_t elems, size_t es) {
+    return p ? static_cast<const char*>(p) + elems * es : nullptr;
+  }
+  static void* at(void* p, size_t elems, size_t es) {
+    return p ? static_cast<char*>(p) + elems * es : nullptr;
+  }
+  void overlapped_forward(LinearRole role, void* y, const void* x, const void* W, const void* b,
+                          int rows, int in, int out, void* gelu_out, Gelu g) {
+    if (role == LinearRole::Row) {  // the reduce-scatter needs every row's sums: as before
+      sequence_forward(role, y, x, W, b, rows, in, out, gelu_out, g);
+      return;
+    }
+    const size_t es = be_.act_size(), n = size_t(rows) * in, ny = size_t(rows) * (out / t_);
+    void* full = buf(4, n * t_ * es);
+    const size_t tk = coll_.start_overlapped_allgather(full, x, n, es, Axis::Tensor);
+    {  // this rank's rows from its own x, beside the gather
+      SmMargin m(be_, side_sms_);
+      be_.linear_forward(at(y, r_ * ny, es), x, W, b, rows, in, out / t_,
+                         at(gelu_out, r_ * ny, es), g);
+    }
+    coll_.wait_overlapped(tk);
+    for (int k = 0; k < t_; ++k)
+      if (k != r_)
+        be_.linear_forward(at(y, k * ny, es), at(full, k * n, es), W, b, rows, in, out / t_,
+                           at(gelu_out, k * ny, es), g);
+  }
+  void overlapped_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
+                           const void* x, const void* W, int rows, int in, int out,
+                           const void* gelu_pre, Gelu g, float* gelu_db) {
+    const size_t es = be_.act_size();
+    if (role == LinearRole::Column) {  // rows: this rank's Stream rows
+      const size_t n = size_t(rows) * in;
+      void* xg = buf(4, n * t_ * es);
+      const size_t tx = coll_.start_overlapped_allgather(xg, x, n, es, Axis::Tensor);
+      size_t tdx = 0;
+      {
+        SmMargin m(be_, side_sms_);
+        if (dx) {  // dx's full rows beside the gather, then reduce-scattered beside dW's GEMM
+          void* full = buf(5, n * t_ * es);
+          be_.linear_backward(full, nullptr, nullptr, dy, nullptr, W, rows * t_, in, out / t_);
+          tdx = coll_.start_overlapped_reduce_scatter_act(dx, full, n, es, Axis::Tensor);
+        }
+        coll_.wait_overlapped(tx);
+        be_.linear_backward(nullptr, dW, db, dy, xg, W, rows * t_, in, out / t_);
+      }
+      if (dx) {
+        coll_.wait_overlapped(tdx);
+        if (gelu_pre) be_.gelu_backward(dx, gelu_pre, dx, n, g);
+      }
+      return;
+    }
+    // Row: rows are the whole micro-batch's; dy is this rank's block of them. The bias gradient:
+    // this rank's rows' column sums (partial over the tensor axis).
+    const int mine = rows / t_;
+    const int li = in / t_;
+    const size_t ndy = size_t(mine) * out, nx = size_t(mine) * li;
+    void* dyg = buf(4, ndy * t_ * es);
+    const size_t tk = coll_.start_overlapped_allgather(dyg, dy, ndy, es, Axis::Tensor);
+    auto block = [&](int k, const void* dyk, float* dbk) {
+      be_.linear_backward(at(dx, k * nx, es), dW, dbk, dyk, at(x, k * nx, es), W, mine, li, out,
+                          at(gelu_pre, k * nx, es), g, gelu_db);
+    };
+    {
+      SmMargin m(be_, side_sms_);
+      block(r_, dy, db);
+    }
+    coll_.wait_overlapped(tk);
+    for (int k = 0; k < t_; ++k)
+      if (k != r_) block(k, at(dyg, k * ndy, es), nullptr);
+  }
+
   int t_, r_;
   bool seq_;
+  bool overlap_;   // sequence parallelism's collectives overlapped (VITGRID_SP_OVERLAP)
+  int side_sms_;   // SMs the GEMMs beside them leave free
 };
 
 }  // namespace

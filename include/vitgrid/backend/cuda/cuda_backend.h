@@ -46,7 +46,7 @@ int cuda_device_count();
 // so they are ordered after the ops that produced their inputs and before the ops enqueued
 // after them. Calls return once enqueued (the host does not wait for the GPU); a watchdog
 // thread follows every collective (an event behind it), polls for NCCL async errors and for a
-// collective that stays the oldest incomplete one longer than `timeout_s` seconds, and on
+// collective that stays the oldest incomplete one longer than options.timeout_s seconds, and on
 // either aborts every communicator and the MPI job (never hangs). barrier() waits on the host;
 // VITGRID_NCCL_BLOCKING=1 makes every call wait (debugging).
 // Sets NCCL_NVLS_ENABLE=0 unless the environment sets it (NVLink multicast stays off).
@@ -68,9 +68,22 @@ int cuda_device_count();
 // NCCL's zero-CTA policy, the backend's alloc_comm() hands out NCCL memory registered as
 // symmetric windows over it, and the gradient reductions of such memory run as all-to-all +
 // local sum (+ all-gather), which NCCL moves with copy engines (see nccl_collectives.cpp).
+// Under 1d sequence parallelism (grid.shape().sequence_parallel) the tensor axis's
+// overlapped collectives (grid.h) get a communicator split off its own and a stream of their
+// own; tensor_ctas > 0 (deck device.tensor_comm_ctas) caps their thread blocks.
+// tensor_copy_engine (deck device.tensor_comm = copy_engine): that communicator uses NCCL's
+// zero-CTA policy and overlapped_alloc() hands out symmetric memory over it; a gather copies
+// its input into a staging window and all-gathers into such memory, a reduce-scatter is an
+// all-to-all of such memory and a local sum in rank order (no SMs but the sum's).
+struct NcclOptions {
+  double timeout_s = 600.0;         // device.comm_timeout
+  int data_ctas = 0;                // device.data_comm_ctas
+  bool data_copy_engine = false;    // device.data_comm = copy_engine
+  int pipe_ctas = 0;                // device.pipe_comm_ctas
+  int tensor_ctas = 0;              // device.tensor_comm_ctas
+  bool tensor_copy_engine = false;  // device.tensor_comm = copy_engine
+};
 std::unique_ptr<Collectives> make_nccl_collectives(const ProcessGrid& grid, Backend& backend,
-                                                   double timeout_s, int data_ctas = 0,
-                                                   bool data_copy_engine = false,
-                                                   int pipe_ctas = 0);
+                                                   const NcclOptions& options);
 
 }  // namespace vitgrid

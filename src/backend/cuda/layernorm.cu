@@ -608,8 +608,13 @@ __global__ void __launch_bounds__(512) layernorm_bwd_wide_kernel(
   zero_acc(accg);
   zero_acc(accb);
   zero_acc(accd);
-  // the thread's packs of dy, x and dx of row r (zeros past the row)
-  auto load = [&](int64_t r, uint4 (&d)[K], uint4 (&xx)[K], uint4 (&o)[K]) {
+  // the thread's packs of dy, x and dx of row r (zeros past the row), and the row's
+  // statistics and drop-path factor
+  auto load = [&](int64_t r, uint4 (&d)[K], uint4 (&xx)[K], uint4 (&o)[K], float& mr, float& rsr,
+                  float& frr) {
+    mr = __ldg(mean + r);
+    rsr = __ldg(rstd + r);
+    if constexpr (PF) frr = __ldg(bf + r / bf_rows);
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int p = threadIdx.x + blockDim.x * k;
@@ -626,24 +631,14 @@ __global__ void __launch_bounds__(512) layernorm_bwd_wide_kernel(
   int64_t row = blockIdx.x;
   uint4 cd[K], cx[K], co[K];
   float m = 0.0f, rs = 0.0f, fr = 1.0f;
-  if (row < N) {
-    load(row, cd, cx, co);
-    m = __ldg(mean + row);
-    rs = __ldg(rstd + row);
-    if constexpr (PF) fr = __ldg(bf + row / bf_rows);
-  }
+  if (row < N) load(row, cd, cx, co, m, rs, fr);
   int par = 0;
 #pragma unroll 1
   for (; row < N; row += gridDim.x, par ^= 1) {
     const int64_t next = row + gridDim.x;
     uint4 nd[K], nx[K], no[K];
     float nm = 0.0f, nrs = 0.0f, nfr = 1.0f;
-    if (next < N) {
-      load(next, nd, nx, no);
-      nm = __ldg(mean + next);
-      nrs = __ldg(rstd + next);
-      if constexpr (PF) nfr = __ldg(bf + next / bf_rows);
-    }
+    if (next < N) load(next, nd, nx, no, nm, nrs, nfr);
     float s1 = 0.0f, s2 = 0.0f;
 #pragma unroll
     for (int k = 0; k < K; ++k) {

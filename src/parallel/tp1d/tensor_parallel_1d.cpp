@@ -41,16 +41,19 @@ namespace {
 // The GEMMs enqueued in its scope leave `sms` more SMs free (to a collective beside them).
 class SmMargin {
  public:
-  SmMargin(Backend& be, int sms) : be_(be), old_(be.gemm_sm_margin()) {
-    if (sms > 0) be_.set_gemm_sm_margin(old_ + sms);
+  SmMargin(Backend& be, int sms) : be_(be), old_(be.gemm_sm_margin()), on_(sms > 0) {
+    if (on_) be_.set_gemm_sm_margin(old_ + sms);
   }
-  ~SmMargin() { be_.set_gemm_sm_margin(old_); }
+  ~SmMargin() {
+    if (on_) be_.set_gemm_sm_margin(old_);
+  }
   SmMargin(const SmMargin&) = delete;
   SmMargin& operator=(const SmMargin&) = delete;
 
  private:
   Backend& be_;
   int old_;
+  bool on_;  // (copy-engine collectives take no SMs: nothing to change)
 };
 
 bool sp_overlap() {

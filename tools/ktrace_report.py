@@ -2,8 +2,9 @@
 """Reads the kernel timelines of tools/ktrace (one ktrace.<pid>.tsv per process) and prints,
 per process (GPU), the steady-state step: its wall time, the time some kernel ran (busy), the
 idle gaps, the NCCL kernels' time and how much of it overlapped other kernels, and the time
-per kernel class; then, over the processes of a data-parallel run, how far apart their steps
-end. With --compare DIR2 (e.g. a 1-GPU trace), the kernel classes and the kernels whose time
+per kernel class, the idle time before each kernel (what the GPU waited for), and the copies
+(the copy engines' transfers: time, bytes, and the idle time while one runs); then, over the
+processes of a data-parallel run, how far apart their steps end. With --compare DIR2 (e.g. a 1-GPU trace), the kernel classes and the kernels whose time
 per step changed most between the two, and for a data-parallel run the extra time per step
 split into parts that add up: compute kernels slower beside the communication, waiting for the
 slowest rank's compute, and NCCL kernels alone or idle.
@@ -36,6 +37,18 @@ def kclass(name):
         if rx.search(name):
             return c
     return "elementwise/other"
+
+
+def is_copy(name):
+    return name.startswith("memcpy:")
+
+
+def copy_size(name):
+    """Bytes of a copy record ("memcpy:KIND BYTES")."""
+    try:
+        return int(name.rsplit(" ", 1)[1])
+    except (IndexError, ValueError):
+        return 0
 
 
 def short(name, n=90):
@@ -96,10 +109,10 @@ def analyse(path, rx, skip):
         while i < len(ks) and ks[i][0] < a:
             i += 1
         j = i
-        sk = []
+        sk, cp = [], []
         while j < len(ks) and ks[j][0] < b:
             s, e = ks[j][0], min(ks[j][1], b)
-            sk.append((s, e, ks[j][5]))
+            (cp if is_copy(ks[j][5]) else sk).append((s, e, ks[j][5]))
             j += 1
         wall = b - a
         busy = union([(s, e) for s, e, _ in sk])
@@ -110,15 +123,23 @@ def analyse(path, rx, skip):
             per_class[kclass(n)] += e - s
             per_name[n] += e - s
         gaps = []
+        gap_before = defaultdict(int)  # idle time before each kernel (name)
         last = a
         for s, e, n in sorted(sk):
             if s > last:
                 gaps.append((s - last, last, n))
+                gap_before[n] += s - last
             last = max(last, e)
         if b > last:
             gaps.append((b - last, last, "(step end)"))
+        # copies (copy engines): their time, bytes, and the idle time while one runs
+        copy = union([(s, e) for s, e, _ in cp])
+        copy_bytes = sum(copy_size(n) for _, _, n in cp)
+        idle_copying = union(sorted([(s, e) for s, e, _ in sk] + [(s, e) for s, e, _ in cp])) - busy
         steps.append(dict(wall=wall, busy=busy, nccl=nccl, comp=comp, per_class=per_class,
-                          per_name=per_name, gaps=gaps, end=b, kernels=len(sk)))
+                          per_name=per_name, gaps=gaps, end=b, kernels=len(sk),
+                          gap_before=gap_before, copy=copy, copy_bytes=copy_bytes,
+                          copies=len(cp), idle_copying=idle_copying))
     return steps
 
 
@@ -153,9 +174,10 @@ def dp_split(runs, one):
 
 
 def summarise(steps):
-    keys = set()
+    keys, before = set(), set()
     for st in steps:
         keys |= set(st["per_name"])
+        before |= set(st["gap_before"])
     classes = set()
     for st in steps:
         classes |= set(st["per_class"])
@@ -171,6 +193,11 @@ def summarise(steps):
         big_gaps=med([sum(g for g, _, _ in s["gaps"] if g > 20_000) for s in steps]) / 1e6,
         all_gaps=med([sum(g for g, _, _ in s["gaps"]) for s in steps]) / 1e6,
         worst_gaps=sorted((g for s in steps[-1:] for g in s["gaps"]), reverse=True)[:6],
+        gap_before={k: med([s["gap_before"].get(k, 0) for s in steps]) / 1e6 for k in before},
+        copy=med([s["copy"] for s in steps]) / 1e6,
+        copy_bytes=med([s["copy_bytes"] for s in steps]),
+        copies=med([s["copies"] for s in steps]),
+        idle_copying=med([s["idle_copying"] for s in steps]) / 1e6,
     )
 
 
@@ -192,6 +219,16 @@ def report(d, rx, skip):
             f"{c} {v:.2f}" for c, v in sorted(s["per_class"].items(), key=lambda x: -x[1])))
         print("   largest gaps of the last step (us, after -> before kernel): " + "; ".join(
             f"{g / 1e3:.0f} -> {short(n, 50)}" for g, _, n in s["worst_gaps"]))
+        waits = sorted(s["gap_before"].items(), key=lambda x: -x[1])[:5]
+        if waits:
+            print("   idle time before each kernel (ms/step): " + "; ".join(
+                f"{v:.2f} {short(k, 50)}" for k, v in waits))
+        if s["copies"]:
+            gb = s["copy_bytes"] / 1e9
+            rate = gb / (s["copy"] / 1e3) if s["copy"] else 0.0
+            print(f"   copies (copy engines): {s['copies']:.0f} per step, {s['copy']:.2f} ms, "
+                  f"{gb:.3f} GB ({rate:.0f} GB/s while any runs); the GPU idle while one runs: "
+                  f"{s['idle_copying']:.2f} ms")
     if len(out) > 1:  # the processes of one run: how far apart their steps end
         n = min(len(st) for _, st, _ in out)
         spread = [max(st[i]["end"] for _, st, _ in out) - min(st[i]["end"] for _, st, _ in out)

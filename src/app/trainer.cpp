@@ -193,6 +193,7 @@ struct Trainer::Impl {
     gs.mode = gs.tensor > 1 ? parse_tensor_mode(deck.parallel.tensor_mode) : TensorMode::None;
     gs.depth = deck.parallel.tensor_depth;
     gs.sequence_parallel = deck.parallel.sequence_parallel;  // the deck allows it with 1d only
+    gs.sequence_chunks = deck.parallel.sequence_chunks;
     agreed([&] {
       check_grid_shape(gs, [&] { int n; MPI_Comm_size(world, &n); return n; }());
     });

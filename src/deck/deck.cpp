@@ -126,6 +126,8 @@ const std::vector<Field>& schema() {
       VG_FIELD(parallel, tensor_depth, "", "depth d of the 2.5d layout (tensor = d*q*q)"),
       VG_FIELD(parallel, sequence_parallel, "",
                "1d: split the residual stream's samples over the tensor ranks (Megatron's sequence parallelism): LayerNorms, residual adds, dropout, patch embedding and head on 1/tensor of the micro-batch, each Column Linear's input all-gathered and each Row Linear's output reduce-scattered instead of all-reduced; the micro-batch must divide by tensor"),
+      VG_FIELD(parallel, sequence_chunks, "1..8",
+               "with sequence_parallel: split each overlapped all-gather (before the Column Linears' forward and the Row Linears' backward) and each Row forward's reduce-scatter into this many row chunks, so each GEMM waits only for the chunk it needs and the reduce-scatter of one chunk runs beside the next chunk's GEMMs (1: whole)"),
       VG_FIELD(parallel, micro_batches, "", "pipeline micro-batches per optimizer step"),
       VG_FIELD(parallel, schedule, "gpipe|1f1b|interleaved", "pipeline schedule"),
       VG_FIELD(parallel, chunks, "", "model chunks per stage (interleaved schedule only, >= 2)"),
@@ -726,6 +728,8 @@ class Parser {
     // activations are split by along the batch (see below).
     const int t = p.tensor;
     int q = 1, batch_split = 1;
+    require(p.sequence_chunks >= 1 && p.sequence_chunks <= 8, "parallel.sequence_chunks",
+            "must be between 1 and 8, got " + std::to_string(p.sequence_chunks));
     require(!p.sequence_parallel || (t > 1 && p.tensor_mode == "1d"), "parallel.sequence_parallel",
             "needs 1d tensor parallelism (parallel.tensor > 1, tensor_mode = 1d); got tensor " +
                 std::to_string(t) + ", tensor_mode " + p.tensor_mode);

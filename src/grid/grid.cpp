@@ -181,6 +181,8 @@ void check_grid_shape(const GridShape& s, int world) {
   if (s.pipeline < 1) throw UserError("parallel.pipeline: must be >= 1, got " + num(s.pipeline));
   if (s.tensor < 1) throw UserError("parallel.tensor: must be >= 1, got " + num(s.tensor));
   if (s.data < 1) throw UserError("parallel.data: must be >= 1, got " + num(s.data));
+  if (s.sequence_chunks < 1 || s.sequence_chunks > 8)
+    throw UserError("parallel.sequence_chunks: must be 1..8, got " + num(s.sequence_chunks));
   const std::string mode = tensor_mode_name(s.mode);
   switch (s.mode) {
     case TensorMode::None:

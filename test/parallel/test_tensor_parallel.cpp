@@ -79,10 +79,11 @@ struct Case {
   int depth;
   bool seq = false;  // 1d with sequence parallelism
   bool serial = false;  // ... its collectives not overlapped (VITGRID_SP_OVERLAP=0)
+  int chunks = 1;       // ... in this many row chunks (GridShape::sequence_chunks)
   std::string name() const {
     return std::string(tensor_mode_name(mode)) + " tensor=" + std::to_string(tensor) +
            " depth=" + std::to_string(depth) + (seq ? " sequence-parallel" : "") +
-           (serial ? " serial" : "");
+           (serial ? " serial" : "") + (chunks > 1 ? " chunks=" + std::to_string(chunks) : "");
   }
 };
 
@@ -100,12 +101,14 @@ std::vector<Case> cases() {
     out.push_back({TensorMode::D1, 2, 1});
     out.push_back({TensorMode::D1, 2, 1, true});
     out.push_back({TensorMode::D1, 2, 1, true, true});
+    out.push_back({TensorMode::D1, 2, 1, true, false, 5});  // chunks of unequal rows
   }
   if (w == 4) {
     out.push_back({TensorMode::D1, 4, 1});
     out.push_back({TensorMode::D1, 4, 1, true});
+    out.push_back({TensorMode::D1, 4, 1, true, false, 8});  // more chunks than rows: empty ones
     out.push_back({TensorMode::D1, 2, 1});  // with data = 2 beside it
-    out.push_back({TensorMode::D1, 2, 1, true});
+    out.push_back({TensorMode::D1, 2, 1, true, false, 3});
     out.push_back({TensorMode::D2, 4, 1});
     out.push_back({TensorMode::D2p5, 4, 1});  // q = 2, d = 1
   }
@@ -192,6 +195,7 @@ struct Rig {
     s.mode = c.tensor > 1 ? c.mode : TensorMode::None;
     s.depth = c.depth;
     s.sequence_parallel = c.seq;
+    s.sequence_chunks = c.chunks;
     s.data = n / c.tensor;
     grid = std::make_unique<ProcessGrid>(comm, s);
     (void)tensor_parallel;  // without CUDA every rig is a CPU one

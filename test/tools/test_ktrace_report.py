@@ -18,15 +18,18 @@ kr = load_tool("ktrace_report")
 MS = 1_000_000  # ns
 
 
-def write_trace(path, steps, offset_ns, gemm_ms, nccl=True):
+def write_trace(path, steps, offset_ns, gemm_ms, nccl=True, copy=False):
     """One process: per 10 ms step a GEMM [0, gemm_ms), (optionally) an NCCL kernel
-    [gemm_ms - 1, gemm_ms + 2) on another stream, then the optimizer [gemm_ms + 2.5, + 3.5)."""
+    [gemm_ms - 1, gemm_ms + 2) on another stream, then the optimizer [gemm_ms + 2.5, + 3.5);
+    (optionally) a 2 MB copy [gemm_ms + 1.5, gemm_ms + 3) beside them."""
     with open(path, "w") as f:
         f.write("start\tend\tdevice\tstream\tgraph\tname\n")
         for s in range(steps):
             b = s * 10 * MS + offset_ns
             g = int(gemm_ms * MS)
             f.write(f"{b}\t{b + g}\t0\t7\t1\tnvjet_sm90_tst_128x128_gemm\n")
+            if copy:
+                f.write(f"{b + g + 3 * MS // 2}\t{b + g + 3 * MS}\t0\t11\t1\tmemcpy:PtoP 2000000\n")
             if nccl:
                 f.write(f"{b + g - MS}\t{b + g + 2 * MS}\t0\t9\t1\tncclDevKernel_AllReduce_Sum_f32\n")
             f.write(f"{b + g + 5 * MS // 2}\t{b + g + 7 * MS // 2}\t0\t7\t1\t_ZN7vitgrid4cuda12adamw_kernelEv\n")
@@ -52,6 +55,25 @@ with tempfile.TemporaryDirectory() as tmp:
     check(abs(s["per_class"]["gemm"] - 5.0) < 1e-9 and abs(s["per_class"]["optimizer"] - 1.0) < 1e-9,
           f"per-class times ({s['per_class']})")
     check(abs(s["all_gaps"] - 2.0) < 1e-9, f"idle gaps 2 ms per step ({s['all_gaps']})")
+
+    # the idle time before each kernel: 0.5 ms before the optimizer (after the NCCL kernel),
+    # 1.5 ms after it, before the next step's GEMM
+    check(abs(s["gap_before"]["_ZN7vitgrid4cuda12adamw_kernelEv"] - 0.5) < 1e-9
+          and abs(s["gap_before"]["nvjet_sm90_tst_128x128_gemm"] - 1.5) < 1e-9,
+          f"idle before the optimizer 0.5 ms, before the GEMM 1.5 ms ({s['gap_before']})")
+    # copies are not kernels: the busy time stays, the copy's 1.5 ms and 2 MB are counted, and
+    # 0.5 ms of it runs while no kernel does ([gemm + 2, gemm + 2.5))
+    cpd = os.path.join(tmp, "copy")
+    os.makedirs(cpd)
+    write_trace(os.path.join(cpd, "ktrace.6.tsv"), 12, 0, 5.0, copy=True)
+    c = kr.summarise(kr.analyse(os.path.join(cpd, "ktrace.6.tsv"), rx, 2))
+    check(abs(c["busy"] - 8.0) < 1e-9 and abs(c["copy"] - 1.5) < 1e-9
+          and c["copy_bytes"] == 2_000_000 and abs(c["idle_copying"] - 0.5) < 1e-9,
+          f"copy 1.5 ms, 2 MB, 0.5 ms of idle while it runs, busy 8 ms "
+          f"({c['copy']}, {c['copy_bytes']}, {c['idle_copying']}, {c['busy']})")
+    p = subprocess.run([sys.executable, TOOL, cpd, "--skip", "2"], capture_output=True, text=True)
+    check(p.returncode == 0 and "copies (copy engines): 1 per step, 1.50 ms, 0.002 GB" in p.stdout,
+          f"the report prints the copies (exit {p.returncode}) {p.stdout[-400:]}")
 
     p = subprocess.run([sys.executable, TOOL, dp, "--compare", one, "--skip", "2"],
                        capture_output=True, text=True)

@@ -3,9 +3,11 @@
 //   VITGRID_KTRACE=DIR mpirun -np 4 -x LD_PRELOAD=build/lib/libvitgrid_ktrace.so -x VITGRID_KTRACE
 //     build/bin/vitgrid bench inputs/bench_vit_b16.ini
 // It records every kernel the GPU runs, CUDA graph replays included, through CUPTI's activity
-// API (CONCURRENT_KERNEL: kernels are not serialised) and at exit writes DIR/ktrace.<pid>.tsv,
-// one line per kernel: start and end (ns, the device's timestamps, one clock per node),
-// device, stream, graph id (0: not from a graph) and the kernel's (mangled) name. Unset
+// API (CONCURRENT_KERNEL: kernels are not serialised), and every copy (MEMCPY, MEMCPY2: the
+// copy engines' work, NCCL's copy-engine collectives among it), and at exit writes
+// DIR/ktrace.<pid>.tsv, one line per record: start and end (ns, the device's timestamps, one
+// clock per node), device, stream, graph id (0: not from a graph) and the kernel's (mangled)
+// name, or for a copy "memcpy:KIND BYTES" (KIND: HtoD, DtoH, DtoD, PtoP, ...). Unset
 // VITGRID_KTRACE: records nothing. tools/ktrace_report.py reads the files.
 #include <cupti.h>
 
@@ -30,6 +32,13 @@ std::vector<Kernel>* g_kernels = nullptr;  // leaked on purpose: written at exit
 bool g_on = false;
 constexpr size_t kBufferBytes = 16u << 20;
 
+std::string copy_name(uint8_t kind, uint64_t bytes) {
+  static const char* const kKinds[] = {"Unknown", "HtoD", "DtoH", "HtoA", "AtoH", "AtoA",
+                                       "AtoD",    "DtoA", "DtoD", "HtoH", "PtoP"};
+  const char* k = kind < sizeof(kKinds) / sizeof(kKinds[0]) ? kKinds[kind] : "Unknown";
+  return std::string("memcpy:") + k + " " + std::to_string(bytes);
+}
+
 void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_records) {
   *buffer = static_cast<uint8_t*>(std::aligned_alloc(8, kBufferBytes));
   *size = *buffer ? kBufferBytes : 0;
@@ -40,10 +49,19 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
   CUpti_Activity* r = nullptr;
   std::lock_guard<std::mutex> lock(g_mutex);
   while (cuptiActivityGetNextRecord(buffer, valid, &r) == CUPTI_SUCCESS) {
-    if (r->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) continue;
-    const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(r);
-    g_kernels->push_back(
-        {k->start, k->end, k->deviceId, k->streamId, k->graphId, k->name ? k->name : "?"});
+    if (r->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) {
+      const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(r);
+      g_kernels->push_back(
+          {k->start, k->end, k->deviceId, k->streamId, k->graphId, k->name ? k->name : "?"});
+    } else if (r->kind == CUPTI_ACTIVITY_KIND_MEMCPY) {
+      const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(r);
+      g_kernels->push_back({m->start, m->end, m->deviceId, m->streamId, m->graphId,
+                            copy_name(m->copyKind, m->bytes)});
+    } else if (r->kind == CUPTI_ACTIVITY_KIND_MEMCPY2) {
+      const auto* m = reinterpret_cast<const CUpti_ActivityMemcpyPtoP4*>(r);
+      g_kernels->push_back({m->start, m->end, m->deviceId, m->streamId, m->graphId,
+                            copy_name(m->copyKind, m->bytes)});
+    }
   }
   size_t dropped = 0;
   if (cuptiActivityGetNumDroppedRecords(nullptr, 0, &dropped) == CUPTI_SUCCESS && dropped)
@@ -81,6 +99,9 @@ __attribute__((constructor)) void start_trace() {
     std::fprintf(stderr, "vitgrid_ktrace: CUPTI refused the kernel activity; no trace\n");
     return;
   }
+  if (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY) != CUPTI_SUCCESS ||
+      cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY2) != CUPTI_SUCCESS)
+    std::fprintf(stderr, "vitgrid_ktrace: CUPTI refused the copy activities; kernels only\n");
   g_on = true;
   std::atexit(write_trace);
 }

@@ -57,6 +57,9 @@ struct GridShape {
   // 1d only: the residual stream's samples split over the tensor axis (Megatron's sequence
   // parallelism), gathered before each Column Linear and reduce-scattered after each Row one.
   bool sequence_parallel = false;
+  // ... its overlapped gathers and reduce-scatters split into this many row chunks, each
+  // GEMM waiting only for its own chunk (1..8)
+  int sequence_chunks = 1;
   // Dims of the tensor sub-grid: 1d {t}, 2d {q,q}, 2.5d {d,q,q}, 3d {q,q,q}; none {1}.
   std::vector<int> tensor_dims() const;
   int q() const;  // side of the square / cube (1 for none and 1d)
@@ -196,7 +199,7 @@ class Collectives {
   // communicator and a stream of their own for the tensor axis under sequence parallelism, so
   // they neither queue behind the data axis's buckets nor hold up the compute stream; the
   // blocking calls elsewhere. The defaults run the blocking calls.
-  static constexpr size_t kMaxOverlapped = 8;
+  static constexpr size_t kMaxOverlapped = 16;
   // out[size*n] gathers each rank's in[n] in rank order (as allgather; not in place).
   virtual size_t start_overlapped_allgather(void* out, const void* in, size_t n,
                                             size_t elem_size, Axis a) {

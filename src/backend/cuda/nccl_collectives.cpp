@@ -136,8 +136,8 @@ class NcclCollectives final : public Collectives {
         config.minCTAs = 1;
         config.maxCTAs = o.tensor_ctas;
       }
-      NCCL_CHECK(ncclCommSplit(comm(Axis::Tensor), 0, grid.rank(Axis::Tensor), &side_comm_,
-                               &config));
+      side_rank_ = grid.rank(Axis::Tensor);  // (the split keeps the ranks' order)
+      NCCL_CHECK(ncclCommSplit(comm(Axis::Tensor), 0, side_rank_, &side_comm_, &config));
       if (o.tensor_copy_engine) {
         side_sym_ = std::make_shared<SymmetricMemory>();
         side_sym_->comm = side_comm_;
@@ -180,7 +180,6 @@ class NcclCollectives final : public Collectives {
     if (side_stream_) cudaStreamSynchronize(side_stream_);
     cudaStreamSynchronize(comm_stream_);
     if (side_sym_) {
-      if (side_stage_) own_release(*side_sym_, side_stage_);
       if (side_recv_) own_release(*side_sym_, side_recv_);
       std::lock_guard<std::mutex> lock(side_sym_->mu);
       side_sym_->comm = nullptr;
@@ -317,13 +316,13 @@ class NcclCollectives final : public Collectives {
     }
     if (skipped()) return open_side(false);
     const size_t bytes = n * elem_size;
-    if (side_sym_) {  // copy engines: from a staging window into symmetric memory
+    if (side_sym_) {  // copy engines: in place, from this rank's block of the symmetric output
       VG_CHECK(side_sym_->holds(out, bytes * sizes_[static_cast<int>(a)]),
                "overlapped all-gather into memory that overlapped_alloc did not hand out");
-      void* stage = side_buffer(&side_stage_, &side_stage_bytes_, bytes);
+      void* mine = static_cast<char*>(out) + bytes * side_rank_;
       order_side_after_compute();
-      CUDA_CHECK(cudaMemcpyAsync(stage, in, bytes, cudaMemcpyDeviceToDevice, side_stream_));
-      in = stage;
+      CUDA_CHECK(cudaMemcpyAsync(mine, in, bytes, cudaMemcpyDeviceToDevice, side_stream_));
+      in = mine;
     } else {
       order_side_after_compute();
     }
@@ -840,16 +839,14 @@ class NcclCollectives final : public Collectives {
   // takes, and a ring of tickets (events behind them; whether one was recorded)
   static constexpr int kSideDefaultSms = 8;  // NCCL's choice: what the GEMMs leave free
   ncclComm_t side_comm_ = nullptr;
+  int side_rank_ = 0;
   cudaStream_t side_stream_ = nullptr;
   int side_sms_ = 0;
   std::array<cudaEvent_t, kMaxOverlapped> side_ev_{};
   std::array<bool, kMaxOverlapped> side_recorded_{};
   size_t side_first_ = 0, side_next_ = 0;
-  // copy engines: symmetric memory over side_comm_, a gather's staged input, a
-  // reduce-scatter's received blocks
+  // copy engines: symmetric memory over side_comm_, a reduce-scatter's received blocks
   std::shared_ptr<SymmetricMemory> side_sym_;
-  void* side_stage_ = nullptr;
-  size_t side_stage_bytes_ = 0;
   void* side_recv_ = nullptr;
   size_t side_recv_bytes_ = 0;
   cudaEvent_t ready_ev_ = nullptr;      // compute stream -> communication stream

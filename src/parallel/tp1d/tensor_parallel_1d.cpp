@@ -20,13 +20,16 @@
 //           the all-reduce; backward: dy_r all-gathered, dx_r = dy W_r, dW_r = dy^T x_r.
 //   The Row bias is replicated with its gradient partial over the tensor axis (each rank adds
 //   its rows' column sums, or rank 0 those of the gathered dy), summed with the LayerNorms'.
-//   The gathers and the backward's reduce-scatter overlap the GEMMs that do not need them, on
-//   Collectives' overlapped path (Megatron-LM's): the Column forward multiplies this rank's
-//   own rows while the others' arrive; its backward gathers x beside the data-gradient GEMM
-//   and reduce-scatters dx beside the weight-gradient GEMM; the Row backward multiplies its
-//   own rows of dy while the others' arrive (dW summed over the row blocks). The GEMMs beside
-//   a collective leave it Collectives::overlapped_sms SMs. VITGRID_SP_OVERLAP=0: each
-//   collective first, then the GEMMs (the same sums, but for dW's order over row blocks).
+//   The collectives overlap the GEMMs that do not need them, on Collectives' overlapped path
+//   (Megatron-LM's): the Column forward multiplies this rank's own rows while the others'
+//   arrive; its backward gathers x beside the data-gradient GEMM and reduce-scatters dx beside
+//   the weight-gradient GEMM; the Row backward multiplies its own rows of dy while the others'
+//   arrive (dW summed over the row blocks); the Row forward reduce-scatters its partial sums
+//   chunk by chunk while the next chunk's are computed. The gathers of the Column forward and
+//   the Row backward, and the Row forward's reduce-scatter, go in GridShape::sequence_chunks
+//   row chunks, so a GEMM waits only for the chunk it needs. The GEMMs beside a collective
+//   leave it Collectives::overlapped_sms SMs. VITGRID_SP_OVERLAP=0: each collective whole
+//   first, then the GEMMs (the same sums, but for their order over row blocks).
 // Either way a Linear's `rows` are the rows of its x: Column gets the Stream's, Row the Inner's.
 #include <algorithm>
 #include <cstdlib>
@@ -38,22 +41,29 @@
 namespace vitgrid {
 namespace {
 
-// The GEMMs enqueued in its scope leave `sms` more SMs free (to a collective beside them).
+// Between on() and off() (or its end) the GEMMs enqueued leave `sms` more SMs free (to the
+// collectives beside them).
 class SmMargin {
  public:
-  SmMargin(Backend& be, int sms) : be_(be), old_(be.gemm_sm_margin()), on_(sms > 0) {
-    if (on_) be_.set_gemm_sm_margin(old_ + sms);
-  }
-  ~SmMargin() {
-    if (on_) be_.set_gemm_sm_margin(old_);
-  }
+  SmMargin(Backend& be, int sms) : be_(be), sms_(sms) {}
+  ~SmMargin() { off(); }
   SmMargin(const SmMargin&) = delete;
   SmMargin& operator=(const SmMargin&) = delete;
+  void on() {
+    if (sms_ <= 0 || on_) return;  // (copy-engine collectives take no SMs: nothing to change)
+    old_ = be_.gemm_sm_margin();
+    be_.set_gemm_sm_margin(old_ + sms_);
+    on_ = true;
+  }
+  void off() {
+    if (on_) be_.set_gemm_sm_margin(old_);
+    on_ = false;
+  }
 
  private:
   Backend& be_;
-  int old_;
-  bool on_;  // (copy-engine collectives take no SMs: nothing to change)
+  int sms_, old_ = 0;
+  bool on_ = false;
 };
 
 bool sp_overlap() {
@@ -71,7 +81,10 @@ class TensorParallel1D final : public TensorParallelBase {
         r_(grid.rank(Axis::Tensor)),
         seq_(grid.shape().sequence_parallel),
         overlap_(seq_ && sp_overlap()),
-        side_sms_(coll.overlapped_sms(Axis::Tensor)) {}
+        chunks_(grid.shape().sequence_chunks),
+        side_sms_(coll.overlapped_sms(Axis::Tensor)) {
+    VG_CHECK(chunks_ >= 1 && chunks_ <= kMaxChunks, "sequence_chunks " << chunks_);
+  }
   TensorMode mode() const override { return TensorMode::D1; }
 
   ActBlock act_block(ActLayout l, int batch, int64_t width) const override {
@@ -241,74 +254,139 @@ class TensorParallel1D final : public TensorParallelBase {
   static void* at(void* p, size_t elems, size_t es) {
     return p ? static_cast<char*>(p) + elems * es : nullptr;
   }
+  // Chunk j of a block of `rows` rows: rows [chunk_lo(rows, j), chunk_lo(rows, j + 1)). A
+  // chunked collective holds chunk j of every rank's block together: [j][rank][chunk j's rows].
+  int chunk_lo(int rows, int j) const {
+    return static_cast<int>(static_cast<int64_t>(rows) * j / chunks_);
+  }
+  // Gathers each rank's block of `rows` rows (`width` elements each, this rank's at `local`)
+  // into `full` chunk by chunk; tk[j]: chunk j's ticket (empty chunks have none).
+  void start_chunked_gather(void* full, const void* local, int rows, int width, size_t* tk) {
+    const size_t es = be_.act_size();
+    for (int j = 0; j < chunks_; ++j) {
+      const int lo = chunk_lo(rows, j), n = chunk_lo(rows, j + 1) - lo;
+      if (n > 0)
+        tk[j] = coll_.start_overlapped_allgather(at(full, size_t(lo) * t_ * width, es),
+                                                 at(local, size_t(lo) * width, es),
+                                                 size_t(n) * width, es, Axis::Tensor);
+    }
+  }
+
   void overlapped_forward(LinearRole role, void* y, const void* x, const void* W, const void* b,
                           int rows, int in, int out, void* gelu_out, Gelu g) {
-    if (role == LinearRole::Row) {  // the reduce-scatter needs every row's sums: as before
-      sequence_forward(role, y, x, W, b, rows, in, out, gelu_out, g);
+    if (role == LinearRole::Row) {
+      overlapped_row_forward(y, x, W, b, rows, in, out, gelu_out, g);
       return;
     }
-    const size_t es = be_.act_size(), n = size_t(rows) * in, ny = size_t(rows) * (out / t_);
-    void* full = buf(4, n * t_ * es);
-    const size_t tk = coll_.start_overlapped_allgather(full, x, n, es, Axis::Tensor);
-    {  // this rank's rows from its own x, beside the gather
-      SmMargin m(be_, side_sms_);
-      be_.linear_forward(at(y, r_ * ny, es), x, W, b, rows, in, out / t_,
-                         at(gelu_out, r_ * ny, es), g);
+    // Column: this rank's rows from its own x while the others' arrive, then theirs chunk by
+    // chunk as each arrives
+    const size_t es = be_.act_size();
+    const int ol = out / t_;
+    void* full = buf(4, size_t(rows) * t_ * in * es);
+    size_t tk[kMaxChunks];
+    start_chunked_gather(full, x, rows, in, tk);
+    auto gemm = [&](int k, int lo, int n, const void* xk) {  // y's rows lo.. of block k
+      const size_t o = (size_t(k) * rows + lo) * ol;
+      be_.linear_forward(at(y, o, es), xk, W, b, n, in, ol, at(gelu_out, o, es), g);
+    };
+    SmMargin m(be_, side_sms_);
+    m.on();
+    gemm(r_, 0, rows, x);
+    for (int j = 0; j < chunks_; ++j) {
+      const int lo = chunk_lo(rows, j), n = chunk_lo(rows, j + 1) - lo;
+      if (n == 0) continue;
+      coll_.wait_overlapped(tk[j]);
+      if (j == chunks_ - 1) m.off();  // nothing left in flight
+      for (int k = 0; k < t_; ++k)
+        if (k != r_) gemm(k, lo, n, at(full, (size_t(lo) * t_ + size_t(k) * n) * in, es));
     }
-    coll_.wait_overlapped(tk);
-    for (int k = 0; k < t_; ++k)
-      if (k != r_)
-        be_.linear_forward(at(y, k * ny, es), at(full, k * n, es), W, b, rows, in, out / t_,
-                           at(gelu_out, k * ny, es), g);
+  }
+  // Row: the partial sums of every rank's rows, chunk by chunk, each chunk reduce-scattered
+  // while the next is computed; with one chunk the reduce-scatter needs every row's sums
+  // first (as not overlapped).
+  void overlapped_row_forward(void* y, const void* x, const void* W, const void* b, int rows,
+                              int in, int out, void* gelu_out, Gelu g) {
+    if (chunks_ == 1) {
+      sequence_forward(LinearRole::Row, y, x, W, b, rows, in, out, gelu_out, g);
+      return;
+    }
+    const size_t es = be_.act_size();
+    const int mine = rows / t_, li = in / t_;  // rows: the whole micro-batch's
+    void* full = buf(5, size_t(rows) * out * es);
+    size_t tk[kMaxChunks];
+    SmMargin m(be_, side_sms_);
+    for (int j = 0; j < chunks_; ++j) {
+      const int lo = chunk_lo(mine, j), n = chunk_lo(mine, j + 1) - lo;
+      if (n == 0) continue;
+      for (int k = 0; k < t_; ++k)  // (rank 0's partial sums carry the bias)
+        be_.linear_forward(at(full, (size_t(lo) * t_ + size_t(k) * n) * out, es),
+                           at(x, (size_t(k) * mine + lo) * li, es), W, r_ == 0 ? b : nullptr,
+                           n, li, out);
+      tk[j] = coll_.start_overlapped_reduce_scatter_act(at(y, size_t(lo) * out, es),
+                                                        at(full, size_t(lo) * t_ * out, es),
+                                                        size_t(n) * out, es, Axis::Tensor);
+      m.on();
+    }
+    m.off();
+    for (int j = 0; j < chunks_; ++j)
+      if (chunk_lo(mine, j + 1) > chunk_lo(mine, j)) coll_.wait_overlapped(tk[j]);
+    if (gelu_out) be_.gelu_forward(gelu_out, y, size_t(mine) * out, g);
   }
   void overlapped_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
                            const void* x, const void* W, int rows, int in, int out,
                            const void* gelu_pre, Gelu g, float* gelu_db) {
     const size_t es = be_.act_size();
+    SmMargin m(be_, side_sms_);
     if (role == LinearRole::Column) {  // rows: this rank's Stream rows
       const size_t n = size_t(rows) * in;
       void* xg = buf(4, n * t_ * es);
       const size_t tx = coll_.start_overlapped_allgather(xg, x, n, es, Axis::Tensor);
       size_t tdx = 0;
-      {
-        SmMargin m(be_, side_sms_);
-        if (dx) {  // dx's full rows beside the gather, then reduce-scattered beside dW's GEMM
-          void* full = buf(5, n * t_ * es);
-          be_.linear_backward(full, nullptr, nullptr, dy, nullptr, W, rows * t_, in, out / t_);
-          tdx = coll_.start_overlapped_reduce_scatter_act(dx, full, n, es, Axis::Tensor);
-        }
-        coll_.wait_overlapped(tx);
-        be_.linear_backward(nullptr, dW, db, dy, xg, W, rows * t_, in, out / t_);
+      m.on();
+      if (dx) {  // dx's full rows beside the gather, then reduce-scattered beside dW's GEMM
+        void* full = buf(5, n * t_ * es);
+        be_.linear_backward(full, nullptr, nullptr, dy, nullptr, W, rows * t_, in, out / t_);
+        tdx = coll_.start_overlapped_reduce_scatter_act(dx, full, n, es, Axis::Tensor);
       }
+      coll_.wait_overlapped(tx);
+      be_.linear_backward(nullptr, dW, db, dy, xg, W, rows * t_, in, out / t_);
+      m.off();
       if (dx) {
         coll_.wait_overlapped(tdx);
         if (gelu_pre) be_.gelu_backward(dx, gelu_pre, dx, n, g);
       }
       return;
     }
-    // Row: rows are the whole micro-batch's; dy is this rank's block of them. The bias gradient:
-    // this rank's rows' column sums (partial over the tensor axis).
+    // Row: rows are the whole micro-batch's; dy is this rank's block of them, gathered chunk by
+    // chunk while this rank's own rows are multiplied. The bias gradient: this rank's rows'
+    // column sums (partial over the tensor axis).
     const int mine = rows / t_;
     const int li = in / t_;
-    const size_t ndy = size_t(mine) * out, nx = size_t(mine) * li;
-    void* dyg = buf(4, ndy * t_ * es);
-    const size_t tk = coll_.start_overlapped_allgather(dyg, dy, ndy, es, Axis::Tensor);
-    auto block = [&](int k, const void* dyk, float* dbk) {
-      be_.linear_backward(at(dx, k * nx, es), dW, dbk, dyk, at(x, k * nx, es), W, mine, li, out,
-                          at(gelu_pre, k * nx, es), g, gelu_db);
+    void* dyg = buf(4, size_t(mine) * t_ * out * es);
+    size_t tk[kMaxChunks];
+    start_chunked_gather(dyg, dy, mine, out, tk);
+    auto block = [&](int k, int lo, int n, const void* dyk, float* dbk) {
+      const size_t o = (size_t(k) * mine + lo) * li;
+      be_.linear_backward(at(dx, o, es), dW, dbk, dyk, at(x, o, es), W, n, li, out,
+                          at(gelu_pre, o, es), g, gelu_db);
     };
-    {
-      SmMargin m(be_, side_sms_);
-      block(r_, dy, db);
+    m.on();
+    block(r_, 0, mine, dy, db);
+    for (int j = 0; j < chunks_; ++j) {
+      const int lo = chunk_lo(mine, j), n = chunk_lo(mine, j + 1) - lo;
+      if (n == 0) continue;
+      coll_.wait_overlapped(tk[j]);
+      if (j == chunks_ - 1) m.off();
+      for (int k = 0; k < t_; ++k)
+        if (k != r_) block(k, lo, n, at(dyg, (size_t(lo) * t_ + size_t(k) * n) * out, es), nullptr);
     }
-    coll_.wait_overlapped(tk);
-    for (int k = 0; k < t_; ++k)
-      if (k != r_) block(k, at(dyg, k * ndy, es), nullptr);
   }
 
+  static constexpr int kMaxChunks = 8;
   int t_, r_;
   bool seq_;
   bool overlap_;   // sequence parallelism's collectives overlapped (VITGRID_SP_OVERLAP)
+  int chunks_;     // ... split into this many row chunks (GridShape::sequence_chunks)
   int side_sms_;   // SMs the GEMMs beside them leave free
 };
 

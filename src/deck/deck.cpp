@@ -127,7 +127,7 @@ const std::vector<Field>& schema() {
       VG_FIELD(parallel, sequence_parallel, "",
                "1d: split the residual stream's samples over the tensor ranks (Megatron's sequence parallelism): LayerNorms, residual adds, dropout, patch embedding and head on 1/tensor of the micro-batch, each Column Linear's input all-gathered and each Row Linear's output reduce-scattered instead of all-reduced; the micro-batch must divide by tensor"),
       VG_FIELD(parallel, sequence_chunks, "1..8",
-               "with sequence_parallel: split each overlapped all-gather (before the Column Linears' forward and the Row Linears' backward) and each Row forward's reduce-scatter into this many row chunks, so each GEMM waits only for the chunk it needs and the reduce-scatter of one chunk runs beside the next chunk's GEMMs (1: whole)"),
+               "with sequence_parallel: split each overlapped all-gather (before the Column Linears' forward and the Row Linears' backward) and, with tensor > 2, each Row forward's reduce-scatter into this many row chunks, so each GEMM waits only for the chunk it needs and the reduce-scatter of one chunk runs beside the next chunk's GEMMs (1: whole)"),
       VG_FIELD(parallel, micro_batches, "", "pipeline micro-batches per optimizer step"),
       VG_FIELD(parallel, schedule, "gpipe|1f1b|interleaved", "pipeline schedule"),
       VG_FIELD(parallel, chunks, "", "model chunks per stage (interleaved schedule only, >= 2)"),

@@ -200,7 +200,8 @@ class Collectives {
   // they neither queue behind the data axis's buckets nor hold up the compute stream; the
   // blocking calls elsewhere. The defaults run the blocking calls.
   static constexpr size_t kMaxOverlapped = 16;
-  // out[size*n] gathers each rank's in[n] in rank order (as allgather; not in place).
+  // out[size*n] gathers each rank's in[n] in rank order (as allgather; in may be out's own
+  // block: in place).
   virtual size_t start_overlapped_allgather(void* out, const void* in, size_t n,
                                             size_t elem_size, Axis a) {
     allgather(out, in, n, elem_size, a);

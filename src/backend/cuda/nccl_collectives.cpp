@@ -141,6 +141,10 @@ class NcclCollectives final : public Collectives {
       if (o.tensor_copy_engine) {
         side_sym_ = std::make_shared<SymmetricMemory>();
         side_sym_->comm = side_comm_;
+        if (const char* v = std::getenv("VITGRID_SP_STAGE")) {
+          const std::string m(v);
+          stage_mode_ = m == "side" ? Stage::Side : m == "ce" ? Stage::Ce : Stage::Compute;
+        }
       } else {
         side_sms_ = o.tensor_ctas > 0 ? o.tensor_ctas : kSideDefaultSms;
       }
@@ -316,12 +320,11 @@ class NcclCollectives final : public Collectives {
     }
     if (skipped()) return open_side(false);
     const size_t bytes = n * elem_size;
-    if (side_sym_) {  // copy engines: in place, from this rank's block of the symmetric output
+    void* mine = static_cast<char*>(out) + bytes * side_rank_;
+    if (side_sym_ && in != mine) {  // copy engines: in place, in staged into this rank's block
       VG_CHECK(side_sym_->holds(out, bytes * sizes_[static_cast<int>(a)]),
                "overlapped all-gather into memory that overlapped_alloc did not hand out");
-      void* mine = static_cast<char*>(out) + bytes * side_rank_;
-      order_side_after_compute();
-      CUDA_CHECK(cudaMemcpyAsync(mine, in, bytes, cudaMemcpyDeviceToDevice, side_stream_));
+      stage(mine, in, bytes);
       in = mine;
     } else {
       order_side_after_compute();
@@ -636,6 +639,29 @@ class NcclCollectives final : public Collectives {
     *have = need;
     return *p;
   }
+  // Copies a gather's input into its block of the symmetric output and orders the side stream
+  // after it (VITGRID_SP_STAGE: compute (default): on the compute stream, where it runs at
+  // once at full speed; side: on the side stream, where a copy kernel waits for the SMs that
+  // a GEMM beside it holds; ce: on the side stream, asking the driver for a copy engine)
+  void stage(void* dst, const void* src, size_t bytes) {
+    if (stage_mode_ == Stage::Compute) {
+      CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+      order_side_after_compute();
+      return;
+    }
+    order_side_after_compute();
+    if (stage_mode_ == Stage::Side) {
+      CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, side_stream_));
+      return;
+    }
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    void* dsts[1] = {dst};
+    const void* srcs[1] = {src};
+    size_t sizes[1] = {bytes}, first = 0;
+    CUDA_CHECK(cudaMemcpyBatchAsync(dsts, srcs, sizes, 1, &attr, &first, 1, side_stream_));
+  }
   // Whether axis a's overlapped collectives run on the side stream.
   bool side(Axis a) const { return a == Axis::Tensor && side_comm_; }
   // The side stream starts after the compute stream's work enqueued so far.
@@ -840,6 +866,7 @@ class NcclCollectives final : public Collectives {
   static constexpr int kSideDefaultSms = 8;  // NCCL's choice: what the GEMMs leave free
   ncclComm_t side_comm_ = nullptr;
   int side_rank_ = 0;
+  enum class Stage { Compute, Side, Ce } stage_mode_ = Stage::Compute;  // (stage())
   cudaStream_t side_stream_ = nullptr;
   int side_sms_ = 0;
   std::array<cudaEvent_t, kMaxOverlapped> side_ev_{};

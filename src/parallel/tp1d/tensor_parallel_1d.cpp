@@ -25,11 +25,13 @@
 //   arrive; its backward gathers x beside the data-gradient GEMM and reduce-scatters dx beside
 //   the weight-gradient GEMM; the Row backward multiplies its own rows of dy while the others'
 //   arrive (dW summed over the row blocks); the Row forward reduce-scatters its partial sums
-//   chunk by chunk while the next chunk's are computed. The gathers of the Column forward and
-//   the Row backward, and the Row forward's reduce-scatter, go in GridShape::sequence_chunks
-//   row chunks, so a GEMM waits only for the chunk it needs. The GEMMs beside a collective
-//   leave it Collectives::overlapped_sms SMs. VITGRID_SP_OVERLAP=0: each collective whole
-//   first, then the GEMMs (the same sums, but for their order over row blocks).
+//   chunk by chunk while the next chunk's are computed. With t = 2 both reduce-scatters are
+//   an exchange instead: the peer's rows are computed first and sent while this rank's own
+//   are computed, then added. The gathers of the Column forward and the Row backward, and the
+//   Row forward's chunked reduce-scatter, go in GridShape::sequence_chunks row chunks, so a
+//   GEMM waits only for the chunk it needs. The GEMMs beside a collective leave it
+//   Collectives::overlapped_sms SMs. VITGRID_SP_OVERLAP=0: each collective whole first, then
+//   the GEMMs (the same sums, but for their order over row blocks).
 // Either way a Linear's `rows` are the rows of its x: Column gets the Stream's, Row the Inner's.
 #include <algorithm>
 #include <cstdlib>
@@ -272,6 +274,15 @@ class TensorParallel1D final : public TensorParallelBase {
     }
   }
 
+  // t = 2: a reduce-scatter as an exchange. This rank's block of `ex` ([rank][n]) holds its
+  // partial sums of the peer's rows; gathered in place, the peer's block then holds the peer's
+  // partial sums of this rank's rows (added by the caller): what an all-to-all sends, without
+  // its copy of a rank's own block (a kernel on the SMs beside the GEMMs, in NCCL 2.28).
+  size_t exchange(void* ex, size_t n) {
+    const size_t es = be_.act_size();
+    return coll_.start_overlapped_allgather(ex, at(ex, r_ * n, es), n, es, Axis::Tensor);
+  }
+
   void overlapped_forward(LinearRole role, void* y, const void* x, const void* W, const void* b,
                           int rows, int in, int out, void* gelu_out, Gelu g) {
     if (role == LinearRole::Row) {
@@ -301,17 +312,36 @@ class TensorParallel1D final : public TensorParallelBase {
         if (k != r_) gemm(k, lo, n, at(full, (size_t(lo) * t_ + size_t(k) * n) * in, es));
     }
   }
-  // Row: the partial sums of every rank's rows, chunk by chunk, each chunk reduce-scattered
-  // while the next is computed; with one chunk the reduce-scatter needs every row's sums
-  // first (as not overlapped).
+  // Row: with t = 2 the partial sums of the peer's rows exchanged (see exchange) while this
+  // rank's own are computed; else the partial sums of every rank's rows chunk by chunk, each
+  // chunk reduce-scattered while the next is computed (with one chunk the reduce-scatter needs
+  // every row's sums first, as not overlapped).
   void overlapped_row_forward(void* y, const void* x, const void* W, const void* b, int rows,
                               int in, int out, void* gelu_out, Gelu g) {
+    const size_t es = be_.act_size();
+    const int mine = rows / t_, li = in / t_;  // rows: the whole micro-batch's
+    if (t_ == 2) {  // the peer's rows first, exchanged while this rank's own are computed
+      const int p = 1 - r_;
+      const size_t n = size_t(mine) * out;
+      void* ex = buf(5, n * t_ * es);
+      be_.linear_forward(at(ex, r_ * n, es), at(x, size_t(p) * mine * li, es), W,
+                         r_ == 0 ? b : nullptr, mine, li, out);
+      const size_t tk = exchange(ex, n);
+      {
+        SmMargin m(be_, side_sms_);
+        m.on();
+        be_.linear_forward(y, at(x, size_t(r_) * mine * li, es), W, r_ == 0 ? b : nullptr,
+                           mine, li, out);
+      }
+      coll_.wait_overlapped(tk);
+      be_.accumulate(y, at(ex, p * n, es), n);
+      if (gelu_out) be_.gelu_forward(gelu_out, y, n, g);
+      return;
+    }
     if (chunks_ == 1) {
       sequence_forward(LinearRole::Row, y, x, W, b, rows, in, out, gelu_out, g);
       return;
     }
-    const size_t es = be_.act_size();
-    const int mine = rows / t_, li = in / t_;  // rows: the whole micro-batch's
     void* full = buf(5, size_t(rows) * out * es);
     size_t tk[kMaxChunks];
     SmMargin m(be_, side_sms_);
@@ -342,17 +372,25 @@ class TensorParallel1D final : public TensorParallelBase {
       void* xg = buf(4, n * t_ * es);
       const size_t tx = coll_.start_overlapped_allgather(xg, x, n, es, Axis::Tensor);
       size_t tdx = 0;
+      void* ex = dx ? buf(5, n * t_ * es) : nullptr;
+      const int ol = out / t_, p = 1 - r_;
       m.on();
-      if (dx) {  // dx's full rows beside the gather, then reduce-scattered beside dW's GEMM
-        void* full = buf(5, n * t_ * es);
-        be_.linear_backward(full, nullptr, nullptr, dy, nullptr, W, rows * t_, in, out / t_);
-        tdx = coll_.start_overlapped_reduce_scatter_act(dx, full, n, es, Axis::Tensor);
+      if (dx && t_ == 2) {  // the peer's rows' dx first, exchanged beside this rank's own
+        be_.linear_backward(at(ex, r_ * n, es), nullptr, nullptr,
+                            at(dy, size_t(p) * rows * ol, es), nullptr, W, rows, in, ol);
+        tdx = exchange(ex, n);
+        be_.linear_backward(dx, nullptr, nullptr, at(dy, size_t(r_) * rows * ol, es), nullptr,
+                            W, rows, in, ol);
+      } else if (dx) {  // dx's full rows beside the gather, reduce-scattered beside dW's GEMM
+        be_.linear_backward(ex, nullptr, nullptr, dy, nullptr, W, rows * t_, in, ol);
+        tdx = coll_.start_overlapped_reduce_scatter_act(dx, ex, n, es, Axis::Tensor);
       }
       coll_.wait_overlapped(tx);
-      be_.linear_backward(nullptr, dW, db, dy, xg, W, rows * t_, in, out / t_);
+      be_.linear_backward(nullptr, dW, db, dy, xg, W, rows * t_, in, ol);
       m.off();
       if (dx) {
         coll_.wait_overlapped(tdx);
+        if (t_ == 2) be_.accumulate(dx, at(ex, p * n, es), n);
         if (gelu_pre) be_.gelu_backward(dx, gelu_pre, dx, n, g);
       }
       return;

@@ -916,7 +916,7 @@ def t_gpu_parallel(tmp):
                ("1d_t2_seq_sm_bf16", 2, "bf16", ["--parallel.tensor=2", "--parallel.tensor_mode=1d",
                                                  "--parallel.sequence_parallel=true",
                                                  "--device.tensor_comm=sm"]),
-               # (the default splits its collectives into 4 row chunks; here whole)
+               # (the default splits its gathers into 2 row chunks; here whole)
                ("1d_t2_seq_chunks1", 2, "fp32", ["--parallel.tensor=2", "--parallel.tensor_mode=1d",
                                                  "--parallel.sequence_parallel=true",
                                                  "--parallel.sequence_chunks=1"]),

@@ -651,7 +651,7 @@ TEST(DeckRefusal, SequenceParallelNeeds1dAndDivisibleMicroBatch) {
   const Deck d = parse_deck_text(kMinimal, {"--parallel.sequence_parallel=true",
                                              "--parallel.tensor=2", "--data.global_batch=8"}, 2);
   EXPECT_TRUE(d.parallel.sequence_parallel);
-  EXPECT_EQ(d.parallel.sequence_chunks, 4);
+  EXPECT_EQ(d.parallel.sequence_chunks, 2);
   EXPECT_HAS(refusal(kMinimal, {"--parallel.sequence_chunks=9"}),
              "command line: parallel.sequence_chunks: must be between 1 and 8, got 9");
   EXPECT_HAS(refusal(kMinimal, {"--parallel.sequence_chunks=0"}),

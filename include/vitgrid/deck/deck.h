@@ -46,7 +46,7 @@ struct ParallelSection {
   std::string tensor_mode = "1d";  // 1d | 2d | 2.5d | 3d (ignored when tensor = 1)
   int tensor_depth = 1;            // 2.5d depth
   bool sequence_parallel = false;  // 1d: the residual stream's samples split over tensor ranks
-  int sequence_chunks = 4;         // ... its overlapped collectives in this many row chunks
+  int sequence_chunks = 2;         // ... its overlapped collectives in this many row chunks
   int micro_batches = 1;           // pipeline micro-batches
   std::string schedule = "1f1b";   // gpipe | 1f1b | interleaved
   int chunks = 1;                  // interleaved model chunks per stage

@@ -222,12 +222,13 @@ PYEOF
     ;;
   seqpar)
     # 1d sequence parallelism (parallel.sequence_parallel) against plain 1d, tensor 2 on 2
-    # GPUs: ViT-L/16 at 256, the large ViT at batch 32 without and with activation
+    # GPUs: ViT-L/16 and ViT-B/16 at 256, the large ViT at batch 32 without and with activation
     # checkpointing. Sequence parallel: its collectives overlapped through copy engines (the
     # default), through NCCL's SM kernels, and not overlapped (VITGRID_SP_OVERLAP=0)
     [ "$NGPU" -ge 2 ] || { echo "seqpar: needs 2 GPUs"; continue; }
     T2=(inputs/bench_vit_b16.ini --precision.mode=bf16 --parallel.tensor=2 --parallel.tensor_mode=1d)
     for m in "--model.preset=vit-large/16 --data.global_batch=256 --warmup=5 --steps=20" \
+             "--data.global_batch=256 --warmup=5 --steps=20" \
              "--model.preset=vit-huge-4096 --data.global_batch=32 --warmup=4 --steps=6" \
              "--model.preset=vit-huge-4096 --data.global_batch=32 --warmup=4 --steps=6 --model.checkpoint_activations=true"; do
       for v in "plain:1:--parallel.sequence_parallel=false" \

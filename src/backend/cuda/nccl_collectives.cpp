@@ -317,9 +317,9 @@ class NcclCollectives final : public Collectives {
     if (skipped()) return open_side(false);
     const size_t bytes = n * elem_size;
     void* mine = static_cast<char*>(out) + bytes * side_rank_;
+    VG_CHECK(!side_sym_ || side_sym_->holds(out, bytes * sizes_[static_cast<int>(a)]),
+             "overlapped all-gather into memory that overlapped_alloc did not hand out");
     if (side_sym_ && in != mine) {  // copy engines: in place, in staged into this rank's block
-      VG_CHECK(side_sym_->holds(out, bytes * sizes_[static_cast<int>(a)]),
-               "overlapped all-gather into memory that overlapped_alloc did not hand out");
       stage(mine, in, bytes);
       in = mine;
     } else {

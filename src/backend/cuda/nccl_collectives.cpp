@@ -16,8 +16,9 @@
 // With copy engines on the data axis (device.data_comm = copy_engine), its communicator uses
 // NCCL's zero-CTA policy and the model's gradient buffer is NCCL memory registered as a
 // symmetric window (Backend::alloc_comm); a gradient all-reduce is then an all-to-all (each
-// rank receives every rank's copy of its block), a local sum of those blocks in rank order,
-// and an all-gather of the summed blocks: the two collectives move data with copy engines
+// rank receives every rank's copy of its block), a local sum of those blocks in rank order
+// into the rank's own block, and an all-gather of the summed blocks in place: the two
+// collectives move data with copy engines
 // instead of SMs where NCCL can, and only the short sum kernel takes SMs from the backward.
 // ZeRO-1's reduce-scatter is the first two steps.
 #include <mpi.h>
@@ -100,7 +101,8 @@ class NcclCollectives final : public Collectives {
   // and every rank visits the axes in the same order, so creation cannot deadlock.
   NcclCollectives(const ProcessGrid& grid, CudaBackend& be, const NcclOptions& o)
       : be_(be), stream_(be.stream()), timeout_s_(o.timeout_s), pipe_ctas_(o.pipe_ctas),
-        pipe_rank_(grid.rank(Axis::Pipeline)) {
+        pipe_rank_(grid.rank(Axis::Pipeline)),
+        data_rank_(grid.rank(Axis::Data)) {
     // NVLink multicast (NVLS) must stay off on the target machines; the user may still
     // override it explicitly in the environment.
     setenv("NCCL_NVLS_ENABLE", "0", 0);
@@ -188,7 +190,6 @@ class NcclCollectives final : public Collectives {
     if (sym_) {
       be_.set_comm_allocator(nullptr);
       if (ce_recv_) own_release(*sym_, ce_recv_);
-      if (ce_shard_) own_release(*sym_, ce_shard_);
       std::lock_guard<std::mutex> lock(sym_->mu);
       sym_->comm = nullptr;  // blocks the backend still holds are only freed from now on
     }
@@ -230,22 +231,22 @@ class NcclCollectives final : public Collectives {
     // collective over the data axis (window registration): every rank plans the same buckets
     cudaStreamSynchronize(comm_stream_);
     if (ce_recv_) own_release(*sym_, ce_recv_);
-    if (ce_shard_) own_release(*sym_, ce_shard_);
-    const size_t D = static_cast<size_t>(sizes_[static_cast<int>(Axis::Data)]);
     ce_recv_ = static_cast<float*>(own_alloc(*sym_, max_n * sizeof(float)));
-    ce_shard_ = static_cast<float*>(own_alloc(*sym_, (max_n + D - 1) / D * sizeof(float)));
     ce_n_ = max_n;
   }
   void start_allreduce_sum(float* buf, size_t n, Axis a) override {
     if (ncclComm_t c = comm(a); c && !skipped()) {
       order_after_compute(a);
       if (copy_engine(buf, n, a)) {
-        // all-to-all, the local sum of this rank's block, all-gather of the blocks
+        // all-to-all, the local sum of this rank's block into its place in buf, all-gather
+        // of the blocks in place (no copy of a rank's own block: NCCL 2.28 runs that one as a
+        // kernel beside the backward's GEMMs)
         const int D = sizes_[static_cast<int>(a)];
         const size_t k = n / static_cast<size_t>(D);
+        float* mine = buf + k * static_cast<size_t>(data_rank_);
         NCCL_CHECK(ncclAlltoAll(buf, ce_recv_, k, ncclFloat, c, comm_stream_));
-        be_.sum_parts_on(comm_stream_, ce_shard_, ce_recv_, k, D);
-        NCCL_CHECK(ncclAllGather(ce_shard_, buf, k, ncclFloat, c, comm_stream_));
+        be_.sum_parts_on(comm_stream_, mine, ce_recv_, k, D);
+        NCCL_CHECK(ncclAllGather(mine, buf, k, ncclFloat, c, comm_stream_));
         return;
       }
       NCCL_CHECK(ncclAllReduce(buf, buf, n, ncclFloat, ncclSum, c, comm_stream_));
@@ -826,8 +827,8 @@ class NcclCollectives final : public Collectives {
   std::array<ncclComm_t, static_cast<int>(Axis::Count)> comms_;
   std::array<int, static_cast<int>(Axis::Count)> sizes_{};
   float* barrier_buf_ = nullptr;
-  // copy-engine data collectives: the symmetric memory, the all-to-all's receive buffer and
-  // the summed block (plan_reduce sizes them: ce_n_ elements)
+  // copy-engine data collectives: the symmetric memory and the all-to-all's receive buffer
+  // (plan_reduce sizes it: ce_n_ elements); this rank's place on the data axis
   std::shared_ptr<SymmetricMemory> sym_;
   float* ce_recv_ = nullptr;
   // an open send/recv group (group_begin) and the axes its messages use
@@ -841,8 +842,8 @@ class NcclCollectives final : public Collectives {
   std::atomic<bool> links_open_{false};
   std::vector<cudaEvent_t> msg_ev_;
   size_t msg_n_ = 0;
-  float* ce_shard_ = nullptr;
   size_t ce_n_ = 0;
+  int data_rank_ = 0;
   cudaStream_t comm_stream_ = nullptr;  // asynchronous reductions
   // overlapped collectives: the tensor axis's second communicator, its stream, the SMs it
   // takes, and a ring of tickets (events behind them; whether one was recorded)

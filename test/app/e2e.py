@@ -188,8 +188,9 @@ def t_tensor_parallel(tmp):
     relative, and the final checkpoints hold the same global timm-shaped tensors (1e-4 relative norm over
     the whole model and per tensor; 1d also with sequence parallelism; the k third of qkv.bias within 1e-3 of the qkv.bias norm:
     its gradient is analytically zero, so Adam amplifies rounding noise there, and plain data
-    parallelism differs from 1 rank by ~1e-4 there too). In emulated bf16, 1d and 2d follow
-    the 1-rank bf16 run (losses 5e-3, final parameters 3e-2)."""
+    parallelism differs from 1 rank by ~1e-4 there too). 1d with sequence parallelism and
+    activation checkpointing (2 and 3 row chunks) gives the 1-rank losses too. In emulated
+    bf16, 1d and 2d follow the 1-rank bf16 run (losses 5e-3, final parameters 3e-2)."""
     # Drop path 0.3, not 0.1: at this seed 0.1 makes one fc1 bias gradient of step 1 cancel to
     # 2e-9 (4e5 below the tensor's median), where Adam's eps turns rounding into a 1e-5 update
     # difference on every layout alike (data parallelism included): a coincidence of the data.
@@ -229,6 +230,18 @@ def t_tensor_parallel(tmp):
         # pure data parallelism shows the same ~1e-4 there: loose bound, still catches a layout bug
         check(kbias <= 1e-3, f"{what}: the k bias (zero gradient, Adam-amplified noise) within "
                              f"1e-3 of the qkv.bias norm ({kbias:.2e})")
+    # sequence parallelism with activation checkpointing: the recomputed forward gathers and
+    # exchanges again (2 chunks, the default, and 3), and dropout draws the same masks
+    for chunks in (2, 3):
+        d = os.path.join(tmp, f"seq_ckpt_{chunks}")
+        run(2, ["train", DECK, f"--run.out_dir={d}", "--parallel.tensor=2",
+                "--parallel.tensor_mode=1d", "--parallel.sequence_parallel=true",
+                f"--parallel.sequence_chunks={chunks}", "--model.checkpoint_activations=true"]
+            + common)
+        _, loss = losses(d)
+        check(len(loss) == 20 and rel(loss, ref_loss) <= 1e-4,
+              f"1d+seq tensor=2, {chunks} chunks, activation checkpointing: losses match 1 rank "
+              f"({rel(loss, ref_loss):.2e})")
     # 16-bit activations (emulated bf16 on the CPU backend) with tensor parallelism: 1d and 2d
     # against the 1-rank bf16 run. Activations are reduced in the act dtype, so the layouts
     # round different partial sums to bf16: losses within 5e-3 relative (measured <= 4.4e-4),

@@ -2,7 +2,8 @@
 """Reads the kernel timelines of tools/ktrace (one ktrace.<pid>.tsv per process) and prints,
 per process (GPU), the steady-state step: its wall time, the time some kernel ran (busy), the
 idle gaps, the NCCL kernels' time and how much of it overlapped other kernels, and the time
-per kernel class, the idle time before each kernel (what the GPU waited for), and the copies
+per kernel class, the idle time before each kernel (what the GPU waited for; names demangled
+with c++filt where it is installed), and the copies
 (the copy engines' transfers: time, bytes, and the idle time while one runs); then, over the
 processes of a data-parallel run, how far apart their steps end. With --compare DIR2 (e.g. a 1-GPU trace), the kernel classes and the kernels whose time
 per step changed most between the two, and for a data-parallel run the extra time per step
@@ -18,7 +19,9 @@ import argparse
 import glob
 import os
 import re
+import shutil
 import statistics
+import subprocess
 import sys
 from collections import defaultdict
 
@@ -51,7 +54,27 @@ def copy_size(name):
         return 0
 
 
+_DEMANGLED = {}
+
+
+def demangle(names):
+    """Readable names (c++filt -p: without the parameter lists) for the mangled kernel names
+    among `names`, remembered for short(); nothing where c++filt is missing."""
+    todo = sorted({n for n in names if n.startswith("_Z") and n not in _DEMANGLED})
+    tool = shutil.which("c++filt")
+    if not todo or not tool:
+        return
+    try:
+        out = subprocess.run([tool, "-p"], input="\n".join(todo) + "\n", capture_output=True,
+                             text=True, timeout=30).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return
+    if len(out) == len(todo):
+        _DEMANGLED.update(zip(todo, out))
+
+
 def short(name, n=90):
+    name = _DEMANGLED.get(name, name)
     return name if len(name) <= n else name[: n - 3] + "..."
 
 
@@ -209,6 +232,7 @@ def report(d, rx, skip):
     for f in files:
         steps = analyse(f, rx, skip)
         s = summarise(steps)
+        demangle(list(s["per_name"]) + list(s["gap_before"]) + [n for _, _, n in s["worst_gaps"]])
         out.append((f, steps, s))
         print(f"{os.path.basename(f)}: {len(steps)} steps, median per step: wall {s['wall']:.2f} ms"
               f" | kernels busy {s['busy']:.2f} ({s['kernels']:.0f} kernels) | idle"

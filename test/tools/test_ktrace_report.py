@@ -5,6 +5,7 @@ idle gaps, NCCL time alone and overlapped, per-class time, the spread of step en
 processes, the comparison of two runs, the data-parallel step's split into slower kernels,
 waiting for the slowest rank and the rest, and one clear error for a file that is not a trace."""
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -74,6 +75,9 @@ with tempfile.TemporaryDirectory() as tmp:
     p = subprocess.run([sys.executable, TOOL, cpd, "--skip", "2"], capture_output=True, text=True)
     check(p.returncode == 0 and "copies (copy engines): 1 per step, 1.50 ms, 0.002 GB" in p.stdout,
           f"the report prints the copies (exit {p.returncode}) {p.stdout[-400:]}")
+    if shutil.which("c++filt"):  # kernel names demangled where the tool is there
+        check("0.50 vitgrid::cuda::adamw_kernel" in p.stdout,
+              "the idle time before the optimizer, under its demangled name")
 
     p = subprocess.run([sys.executable, TOOL, dp, "--compare", one, "--skip", "2"],
                        capture_output=True, text=True)

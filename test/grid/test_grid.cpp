@@ -265,6 +265,13 @@ TEST(Grid, CollectivesOverEveryAxis) {
       coll->wait_overlapped(tr);
       EXPECT_EQ(og, want);
       EXPECT_EQ(ors, rs_out);
+      // an overlapped gather in place (sequence parallelism's exchange): my block already in
+      std::vector<int> oip(2 * size, -1);
+      oip[2 * my] = me;
+      oip[2 * my + 1] = 100 + me;
+      coll->wait_overlapped(
+          coll->start_overlapped_allgather(oip.data(), oip.data() + 2 * my, 2, sizeof(int), a));
+      EXPECT_EQ(oip, want);
 
       coll->barrier(a);
     }

@@ -917,25 +917,18 @@ def t_gpu_parallel(tmp):
         d = os.path.join(tmp, f"ref_{mode}")
         run(1, ["train", DECK, f"--run.out_dir={d}", f"--precision.mode={mode}"] + model)
         ref[mode] = losses(d)[1]
+    seq = ["--parallel.tensor=2", "--parallel.tensor_mode=1d", "--parallel.sequence_parallel=true"]
     layouts = [("dp2", 2, "fp32", []), ("dp4", 4, "fp32", []), ("dp2_bf16", 2, "bf16", []),
                ("1d_t2", 2, "fp32", ["--parallel.tensor=2", "--parallel.tensor_mode=1d"]),
                ("1d_t4", 4, "fp32", ["--parallel.tensor=4", "--parallel.tensor_mode=1d"]),
-               ("1d_t2_seq", 2, "fp32", ["--parallel.tensor=2", "--parallel.tensor_mode=1d",
-                                         "--parallel.sequence_parallel=true"]),
-               ("1d_t2_seq_bf16", 2, "bf16", ["--parallel.tensor=2", "--parallel.tensor_mode=1d",
-                                              "--parallel.sequence_parallel=true"]),
-               ("1d_t2_seq_sm", 2, "fp32", ["--parallel.tensor=2", "--parallel.tensor_mode=1d",
-                                            "--parallel.sequence_parallel=true", "--device.tensor_comm=sm"]),
-               ("1d_t2_seq_sm_bf16", 2, "bf16", ["--parallel.tensor=2", "--parallel.tensor_mode=1d",
-                                                 "--parallel.sequence_parallel=true",
-                                                 "--device.tensor_comm=sm"]),
+               ("1d_t2_seq", 2, "fp32", seq),
+               ("1d_t2_seq_bf16", 2, "bf16", seq),
+               ("1d_t2_seq_sm", 2, "fp32", seq + ["--device.tensor_comm=sm"]),
+               ("1d_t2_seq_sm_bf16", 2, "bf16", seq + ["--device.tensor_comm=sm"]),
                # (the default splits its gathers into 2 row chunks; here whole)
-               ("1d_t2_seq_chunks1", 2, "fp32", ["--parallel.tensor=2", "--parallel.tensor_mode=1d",
-                                                 "--parallel.sequence_parallel=true",
-                                                 "--parallel.sequence_chunks=1"]),
-               ("pipe2_1d_t2_seq", 4, "fp32", ["--parallel.pipeline=2", "--parallel.micro_batches=2",
-                                               "--parallel.tensor=2", "--parallel.tensor_mode=1d",
-                                               "--parallel.sequence_parallel=true"]),
+               ("1d_t2_seq_chunks1", 2, "fp32", seq + ["--parallel.sequence_chunks=1"]),
+               ("pipe2_1d_t2_seq", 4, "fp32", ["--parallel.pipeline=2",
+                                               "--parallel.micro_batches=2"] + seq),
                ("2d_q2", 4, "fp32", ["--parallel.tensor=4", "--parallel.tensor_mode=2d"]),
                ("2.5d_q2_d1", 4, "fp32", ["--parallel.tensor=4", "--parallel.tensor_mode=2.5d",
                                           "--parallel.tensor_depth=1"]),
@@ -969,8 +962,7 @@ def t_gpu_parallel(tmp):
     # sequence parallelism with its collectives not overlapped (each before its GEMMs, on the
     # compute stream): the 1-GPU curve too
     d = os.path.join(tmp, "1d_t2_seq_serial")
-    run(2, ["train", DECK, f"--run.out_dir={d}", "--precision.mode=fp32", "--parallel.tensor=2",
-            "--parallel.tensor_mode=1d", "--parallel.sequence_parallel=true"] + model,
+    run(2, ["train", DECK, f"--run.out_dir={d}", "--precision.mode=fp32"] + seq + model,
         env={"VITGRID_SP_OVERLAP": "0"})
     r = rel(losses(d)[1], ref["fp32"])
     check(r <= 1e-4, f"1d_t2_seq_serial on 2 GPUs (fp32): max relative loss difference {r:.2e} <= 0.0001")

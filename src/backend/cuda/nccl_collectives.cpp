@@ -343,7 +343,7 @@ class NcclCollectives final : public Collectives {
       const size_t bytes = n * elem_size * parts;
       VG_CHECK(side_sym_->holds(in, bytes),
                "overlapped reduce-scatter of memory that overlapped_alloc did not hand out");
-      void* recv = side_buffer(&side_recv_, &side_recv_bytes_, bytes);
+      void* recv = side_recv(bytes);
       order_side_after_compute();
       NCCL_CHECK(ncclAlltoAll(in, recv, n * elem_size, ncclUint8, side_comm_, side_stream_));
       be_.sum_parts_act_on(side_stream_, out, recv, n, parts);
@@ -626,15 +626,16 @@ class NcclCollectives final : public Collectives {
   void own_release(SymmetricMemory& m, void* p) {
     be_.count_memory(-static_cast<int64_t>(m.release(p)));
   }
-  // A staging window of the side communicator of at least `need` bytes (grown while no side
-  // collective runs: the first micro-batch's; a collective over the tensor axis).
-  void* side_buffer(void** p, size_t* have, size_t need) {
-    if (need <= *have) return *p;
+  // The reduce-scatter's receive window of the side communicator, at least `need` bytes
+  // (grown while no side collective runs: the first micro-batch's; a collective over the
+  // tensor axis).
+  void* side_recv(size_t need) {
+    if (need <= side_recv_bytes_) return side_recv_;
     CUDA_CHECK(cudaStreamSynchronize(side_stream_));
-    if (*p) own_release(*side_sym_, *p);
-    *p = own_alloc(*side_sym_, need);
-    *have = need;
-    return *p;
+    if (side_recv_) own_release(*side_sym_, side_recv_);
+    side_recv_ = own_alloc(*side_sym_, need);
+    side_recv_bytes_ = need;
+    return side_recv_;
   }
   // Copies a gather's input into its block of the symmetric output, on the compute stream,
   // and orders the side stream after it. There the copy runs at once at full speed: on the

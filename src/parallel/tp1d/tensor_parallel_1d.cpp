@@ -256,22 +256,40 @@ class TensorParallel1D final : public TensorParallelBase {
   static void* at(void* p, size_t elems, size_t es) {
     return p ? static_cast<char*>(p) + elems * es : nullptr;
   }
-  // Chunk j of a block of `rows` rows: rows [chunk_lo(rows, j), chunk_lo(rows, j + 1)). A
-  // chunked collective holds chunk j of every rank's block together: [j][rank][chunk j's rows].
-  int chunk_lo(int rows, int j) const {
-    return static_cast<int>(static_cast<int64_t>(rows) * j / chunks_);
-  }
-  // Gathers each rank's block of `rows` rows (`width` elements each, this rank's at `local`)
-  // into `full` chunk by chunk; tk[j]: chunk j's ticket (empty chunks have none).
-  void start_chunked_gather(void* full, const void* local, int rows, int width, size_t* tk) {
-    const size_t es = be_.act_size();
+  // Calls f(j, lo, n) for each non-empty chunk j of a block of `rows` rows: its rows
+  // [lo, lo + n). A chunked collective holds chunk j of every rank's block together:
+  // [j][rank][chunk j's rows].
+  template <class F>
+  void for_chunks(int rows, F&& f) const {
     for (int j = 0; j < chunks_; ++j) {
-      const int lo = chunk_lo(rows, j), n = chunk_lo(rows, j + 1) - lo;
-      if (n > 0)
-        tk[j] = coll_.start_overlapped_allgather(at(full, size_t(lo) * t_ * width, es),
-                                                 at(local, size_t(lo) * width, es),
-                                                 size_t(n) * width, es, Axis::Tensor);
+      const int lo = static_cast<int>(static_cast<int64_t>(rows) * j / chunks_);
+      const int hi = static_cast<int>(static_cast<int64_t>(rows) * (j + 1) / chunks_);
+      if (hi > lo) f(j, lo, hi - lo);
     }
+  }
+  // Gathers every rank's block of `rows` rows (`width` elements each; this rank's at `local`)
+  // into `full` chunk by chunk while own() runs (this rank's rows, from `local` itself), then
+  // calls peer(k, lo, n, xk) for each other rank k's rows [lo, lo + n) at xk as their chunk
+  // arrives. The GEMMs meanwhile leave the collectives their SMs.
+  template <class Own, class Peer>
+  void gather_beside(void* full, const void* local, int rows, int width, Own&& own,
+                     Peer&& peer) {
+    const size_t es = be_.act_size();
+    size_t tk[kMaxChunks];
+    for_chunks(rows, [&](int j, int lo, int n) {
+      tk[j] = coll_.start_overlapped_allgather(at(full, size_t(lo) * t_ * width, es),
+                                               at(local, size_t(lo) * width, es),
+                                               size_t(n) * width, es, Axis::Tensor);
+    });
+    SmMargin m(be_, side_sms_);
+    m.on();
+    own();
+    for_chunks(rows, [&](int j, int lo, int n) {
+      coll_.wait_overlapped(tk[j]);
+      if (j == chunks_ - 1) m.off();  // nothing left in flight
+      for (int k = 0; k < t_; ++k)
+        if (k != r_) peer(k, lo, n, at(full, (size_t(lo) * t_ + size_t(k) * n) * width, es));
+    });
   }
 
   // t = 2: a reduce-scatter as an exchange. This rank's block of `ex` ([rank][n]) holds its
@@ -293,24 +311,12 @@ class TensorParallel1D final : public TensorParallelBase {
     // chunk as each arrives
     const size_t es = be_.act_size();
     const int ol = out / t_;
-    void* full = buf(4, size_t(rows) * t_ * in * es);
-    size_t tk[kMaxChunks];
-    start_chunked_gather(full, x, rows, in, tk);
     auto gemm = [&](int k, int lo, int n, const void* xk) {  // y's rows lo.. of block k
       const size_t o = (size_t(k) * rows + lo) * ol;
       be_.linear_forward(at(y, o, es), xk, W, b, n, in, ol, at(gelu_out, o, es), g);
     };
-    SmMargin m(be_, side_sms_);
-    m.on();
-    gemm(r_, 0, rows, x);
-    for (int j = 0; j < chunks_; ++j) {
-      const int lo = chunk_lo(rows, j), n = chunk_lo(rows, j + 1) - lo;
-      if (n == 0) continue;
-      coll_.wait_overlapped(tk[j]);
-      if (j == chunks_ - 1) m.off();  // nothing left in flight
-      for (int k = 0; k < t_; ++k)
-        if (k != r_) gemm(k, lo, n, at(full, (size_t(lo) * t_ + size_t(k) * n) * in, es));
-    }
+    gather_beside(buf(4, size_t(rows) * t_ * in * es), x, rows, in,
+                  [&] { gemm(r_, 0, rows, x); }, gemm);
   }
   // Row: with t = 2 the partial sums of the peer's rows exchanged (see exchange) while this
   // rank's own are computed; else the partial sums of every rank's rows chunk by chunk, each
@@ -345,9 +351,7 @@ class TensorParallel1D final : public TensorParallelBase {
     void* full = buf(5, size_t(rows) * out * es);
     size_t tk[kMaxChunks];
     SmMargin m(be_, side_sms_);
-    for (int j = 0; j < chunks_; ++j) {
-      const int lo = chunk_lo(mine, j), n = chunk_lo(mine, j + 1) - lo;
-      if (n == 0) continue;
+    for_chunks(mine, [&](int j, int lo, int n) {
       for (int k = 0; k < t_; ++k)  // (rank 0's partial sums carry the bias)
         be_.linear_forward(at(full, (size_t(lo) * t_ + size_t(k) * n) * out, es),
                            at(x, (size_t(k) * mine + lo) * li, es), W, r_ == 0 ? b : nullptr,
@@ -356,19 +360,18 @@ class TensorParallel1D final : public TensorParallelBase {
                                                         at(full, size_t(lo) * t_ * out, es),
                                                         size_t(n) * out, es, Axis::Tensor);
       m.on();
-    }
+    });
     m.off();
-    for (int j = 0; j < chunks_; ++j)
-      if (chunk_lo(mine, j + 1) > chunk_lo(mine, j)) coll_.wait_overlapped(tk[j]);
+    for_chunks(mine, [&](int j, int, int) { coll_.wait_overlapped(tk[j]); });
     if (gelu_out) be_.gelu_forward(gelu_out, y, size_t(mine) * out, g);
   }
   void overlapped_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
                            const void* x, const void* W, int rows, int in, int out,
                            const void* gelu_pre, Gelu g, float* gelu_db) {
     const size_t es = be_.act_size();
-    SmMargin m(be_, side_sms_);
     if (role == LinearRole::Column) {  // rows: this rank's Stream rows
       const size_t n = size_t(rows) * in;
+      SmMargin m(be_, side_sms_);
       void* xg = buf(4, n * t_ * es);
       const size_t tx = coll_.start_overlapped_allgather(xg, x, n, es, Axis::Tensor);
       size_t tdx = 0;
@@ -400,24 +403,14 @@ class TensorParallel1D final : public TensorParallelBase {
     // column sums (partial over the tensor axis).
     const int mine = rows / t_;
     const int li = in / t_;
-    void* dyg = buf(4, size_t(mine) * t_ * out * es);
-    size_t tk[kMaxChunks];
-    start_chunked_gather(dyg, dy, mine, out, tk);
     auto block = [&](int k, int lo, int n, const void* dyk, float* dbk) {
       const size_t o = (size_t(k) * mine + lo) * li;
       be_.linear_backward(at(dx, o, es), dW, dbk, dyk, at(x, o, es), W, n, li, out,
                           at(gelu_pre, o, es), g, gelu_db);
     };
-    m.on();
-    block(r_, 0, mine, dy, db);
-    for (int j = 0; j < chunks_; ++j) {
-      const int lo = chunk_lo(mine, j), n = chunk_lo(mine, j + 1) - lo;
-      if (n == 0) continue;
-      coll_.wait_overlapped(tk[j]);
-      if (j == chunks_ - 1) m.off();
-      for (int k = 0; k < t_; ++k)
-        if (k != r_) block(k, lo, n, at(dyg, (size_t(lo) * t_ + size_t(k) * n) * out, es), nullptr);
-    }
+    gather_beside(buf(4, size_t(mine) * t_ * out * es), dy, mine, out,
+                  [&] { block(r_, 0, mine, dy, db); },
+                  [&](int k, int lo, int n, const void* dyk) { block(k, lo, n, dyk, nullptr); });
   }
 
   static constexpr int kMaxChunks = 8;

@@ -3,6 +3,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "vitgrid/core/error.h"
 #include "vitgrid/model/vit.h"  // ParamInfo (header-only struct)
@@ -14,11 +15,24 @@ bool contains(const std::vector<Axis>& v, Axis a) {
   return std::find(v.begin(), v.end(), a) != v.end();
 }
 
-// Elements of the parameters whose gradients are partial sums over axis a.
+// The flat ranges [offset, offset + n) of the parameters whose gradients are partial sums over
+// axis a, neighbours merged (a LayerNorm's weight and bias, the Row bias before them): each
+// range one copy into the pack buffer and one back.
+std::vector<std::pair<size_t, size_t>> partial_ranges(const std::vector<ParamInfo>& params,
+                                                      Axis a) {
+  std::vector<std::pair<size_t, size_t>> r;
+  for (const auto& p : params) {
+    if (!contains(p.shard.partial_over, a) || p.numel == 0) continue;
+    if (!r.empty() && r.back().first + r.back().second == p.offset)
+      r.back().second += p.numel;
+    else
+      r.emplace_back(p.offset, p.numel);
+  }
+  return r;
+}
 size_t partial_elems(const std::vector<ParamInfo>& params, Axis a) {
   size_t n = 0;
-  for (const auto& p : params)
-    if (contains(p.shard.partial_over, a)) n += p.numel;
+  for (const auto& r : partial_ranges(params, a)) n += r.second;
   return n;
 }
 }  // namespace
@@ -371,23 +385,25 @@ void TensorParallelBase::reduce_norm_total(double* total) {
 void TensorParallelBase::reduce_replicated_grads(float* grads,
                                                  const std::vector<ParamInfo>& params) {
   for (Axis a : mode_axes_) {
-    const size_t n = partial_elems(params, a);
-    if (n == 0) continue;
+    const auto ranges = partial_ranges(params, a);
+    if (ranges.empty()) continue;
+    if (ranges.size() == 1) {  // one range: summed in place
+      coll_.allreduce_sum(grads + ranges[0].first, ranges[0].second, a);
+      continue;
+    }
     // pack the partial gradients, one allreduce, unpack
-    float* buf = static_cast<float*>(scratch(3, n * sizeof(float)));
+    float* buf = static_cast<float*>(scratch(3, partial_elems(params, a) * sizeof(float)));
     size_t off = 0;
-    for (const auto& p : params)
-      if (contains(p.shard.partial_over, a)) {
-        be_.copy(buf + off, grads + p.offset, p.numel * sizeof(float));
-        off += p.numel;
-      }
-    coll_.allreduce_sum(buf, n, a);
+    for (const auto& r : ranges) {
+      be_.copy(buf + off, grads + r.first, r.second * sizeof(float));
+      off += r.second;
+    }
+    coll_.allreduce_sum(buf, off, a);
     off = 0;
-    for (const auto& p : params)
-      if (contains(p.shard.partial_over, a)) {
-        be_.copy(grads + p.offset, buf + off, p.numel * sizeof(float));
-        off += p.numel;
-      }
+    for (const auto& r : ranges) {
+      be_.copy(grads + r.first, buf + off, r.second * sizeof(float));
+      off += r.second;
+    }
   }
 }
 

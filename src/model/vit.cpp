@@ -105,6 +105,19 @@ uint64_t site_key(int layer, int site) {
 uint64_t step_key(int64_t step) {
   return mix64(kStreamDropout ^ mix64(static_cast<uint64_t>(step)));
 }
+
+// Where sample `lo` of the attention's buffers starts: its output (or output gradient) [B, T,
+// H hd], its qkv (or their gradient) [B, T, 3 H hd] and what it saves for the backward.
+struct AttnParts {
+  AttnParts(const Backend& be, int T, int H, int hd, size_t es)
+      : o(size_t(T) * H * hd * es), saved_b(be.attention_saved_bytes(1, T, H, hd)) {}
+  void* out(void* p, int lo) const { return static_cast<char*>(p) + o * lo; }
+  void* qkv(void* p, int lo) const { return static_cast<char*>(p) + 3 * o * lo; }
+  void* saved(void* p, int lo) const { return static_cast<char*>(p) + saved_b * lo; }
+  // whether parts of n samples start where the backend's attention may start (cuDNN: 16 bytes)
+  bool splits_at(int n) const { return (o * n) % 16 == 0 && (saved_b * n) % 16 == 0; }
+  size_t o, saved_b;
+};
 }  // namespace
 
 ViT::ViT(const ViTConfig& cfg, Backend& be, TensorParallel& tp, int max_batch)
@@ -290,7 +303,9 @@ void ViT::plan_activations() {
   const int Bi = tp_.act_block(ActLayout::Inner, max_batch_, cfg_.mlp).samples;
   const size_t Ni = static_cast<size_t>(Bi) * T;
   const size_t asaved = be_.attention_saved_bytes(Bi, T, H, hd);
-  const size_t aws = be_.attention_workspace_bytes(Bi, T, H, hd);
+  // (the proj Linear may ask for the attention in parts: their shape's graphs built now too)
+  const size_t aws = std::max(be_.attention_workspace_bytes(Bi, T, H, hd),
+                              be_.attention_workspace_bytes(tp_.row_part_samples(Bi), T, H, hd));
 
   // Two passes: measure, then carve. Every piece 256-byte aligned.
   char* base = nullptr;
@@ -570,9 +585,17 @@ void ViT::block_forward(int l, const DeviceBatch& in, int64_t step, bool train, 
   }
   tp_.linear_forward(LinearRole::Column, b.qkv, b.y1, W(kQkvW), W(kQkvB), N, C, 3 * C, nullptr,
                      cfg_.gelu, 3);
-  be_.attention_forward(b.att, b.asaved, b.qkv, Bi, T, H, hd, a.attn_ws);
-  tp_.linear_forward(LinearRole::Row, b.p, b.att, W(kProjW), W(kProjB), Ni, C, C, nullptr,
-                     cfg_.gelu);
+  // the attention of the samples the proj Linear asks for, when it asks (see TensorParallel)
+  const AttnParts ap(be_, T, H, hd, as);
+  auto attention = [&](int lo, int n) {
+    be_.attention_forward(ap.out(b.att, lo), ap.saved(b.asaved, lo), ap.qkv(b.qkv, lo), n, T, H,
+                          hd, a.attn_ws);
+  };
+  if (ap.splits_at(tp_.row_part_samples(Bi)))
+    tp_.row_forward_produced(b.p, b.att, W(kProjW), W(kProjB), Ni, C, C, Bi, attention);
+  else  // (parts the backend cannot start at: the attention whole first, the default)
+    tp_.TensorParallel::row_forward_produced(b.p, b.att, W(kProjW), W(kProjB), Ni, C, C, Bi,
+                                             attention);
   if (drop_res && !in_ln)
     be_.dropout_forward(b.p, b.p, N * Cs, cfg_.dropout,
                         dkey(in, step, l, kSiteProj, ActLayout::Stream, C, path));
@@ -757,9 +780,19 @@ void ViT::block_backward(int l, const DeviceBatch& in, int64_t step, int set, bo
                          dkey(in, step, l, kSiteProj, ActLayout::Stream, C, path));
     dp = a.ddrop;
   }
-  tp_.linear_backward(LinearRole::Row, a.dtmp, G(kProjW), proj_db_ln ? nullptr : G(kProjB), dp,
-                      b.att, W(kProjW), Ni, C, C);
-  be_.attention_backward(a.dqkv, a.dtmp, b.qkv, b.att, b.asaved, Bi, T, H, hd, a.attn_ws);
+  // the attention backward of each part of the samples as proj's dx for them is complete
+  const AttnParts ap(be_, T, H, hd, as);
+  auto attention = [&](int lo, int n) {
+    be_.attention_backward(ap.qkv(a.dqkv, lo), ap.out(a.dtmp, lo), ap.qkv(b.qkv, lo),
+                           ap.out(b.att, lo), ap.saved(b.asaved, lo), n, T, H, hd, a.attn_ws);
+  };
+  float* proj_db = proj_db_ln ? nullptr : G(kProjB);
+  if (ap.splits_at(tp_.row_part_samples(Bi)))
+    tp_.row_backward_consumed(a.dtmp, G(kProjW), proj_db, dp, b.att, W(kProjW), Ni, C, C, Bi,
+                              attention);
+  else
+    tp_.TensorParallel::row_backward_consumed(a.dtmp, G(kProjW), proj_db, dp, b.att, W(kProjW),
+                                              Ni, C, C, Bi, attention);
   tp_.linear_backward(LinearRole::Column, a.dtmp, G(kQkvW), G(kQkvB), a.dqkv, b.y1, W(kQkvW), N,
                       C, 3 * C, 3);
   // dres += LN1 backward: now dres = d r_in[l]

@@ -21,6 +21,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -144,6 +145,29 @@ class TensorParallel {
   // Whether a Row Linear's backward takes gelu_db (the modes whose Column backward sums its
   // bias gradient over the rank's own dy block: none, 1d, 2d, 2.5d).
   virtual bool gelu_bias_in_row_backward() const = 0;
+  // A Row Linear (no bias-GELU) whose input x, `samples` whole samples of rows / samples rows,
+  // is written by produce(lo, n) (samples [lo, lo + n)) in the parts and order the mode asks
+  // for, so that it can send some rows' partial sums while the rest are produced (the model's
+  // attention feeding proj: with 1d sequence parallelism at t = 2 the peer's samples first,
+  // their partial sums exchanged while this rank's samples' attention runs). The backward's
+  // counterpart calls consume(lo, n) once dx's rows of those samples are written (this
+  // rank's first, then the peer's as their dy arrives). The default: produce everything, then
+  // linear_forward; linear_backward, then consume everything. row_part_samples: the smallest
+  // part, in samples (the model plans the attention's workspace for it).
+  using SampleFn = std::function<void(int lo, int n)>;
+  virtual void row_forward_produced(void* y, const void* x, const void* W, const void* b,
+                                    int rows, int in, int out, int samples,
+                                    const SampleFn& produce) {
+    produce(0, samples);
+    linear_forward(LinearRole::Row, y, x, W, b, rows, in, out, nullptr, Gelu::Exact);
+  }
+  virtual void row_backward_consumed(void* dx, float* dW, float* db, const void* dy,
+                                     const void* x, const void* W, int rows, int in, int out,
+                                     int samples, const SampleFn& consume) {
+    linear_backward(LinearRole::Row, dx, dW, db, dy, x, W, rows, in, out);
+    consume(0, samples);
+  }
+  virtual int row_part_samples(int samples) const { return samples; }
   // Fused residual add + LayerNorm over the (global) width C of Stream rows, same contract as
   // Backend::add_layernorm_forward / layernorm_backward; statistics over the whole width.
   // With bf (where layernorm_row_factors()): b's rows times their factors, as the backend's.

@@ -226,7 +226,8 @@ void TensorParallelBase::linear_forward(LinearRole role, void* y, const void* x,
       // partial logits over the hidden axis; the bias is added by hidden rank 0 only, so the
       // sum holds it once
       be_.linear_forward(y, x, W, hr_ == 0 ? b : nullptr, rows, in / hq_, out, nullptr, g);
-      if (hq_ > 1) coll_.allreduce_sum_act(y, static_cast<size_t>(rows) * out, be_.act_size(), hidden_);
+      if (hq_ > 1)
+        coll_.allreduce_sum_act(y, static_cast<size_t>(rows) * out, be_.act_size(), hidden_);
       if (gelu_out) be_.gelu_forward(gelu_out, y, static_cast<size_t>(rows) * out, g);
       return;
     case LinearRole::Replicated:

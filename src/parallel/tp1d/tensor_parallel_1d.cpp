@@ -27,11 +27,15 @@
 //   arrive (dW summed over the row blocks); the Row forward reduce-scatters its partial sums
 //   chunk by chunk while the next chunk's are computed. With t = 2 both reduce-scatters are
 //   an exchange instead: the peer's rows are computed first and sent while this rank's own
-//   are computed, then added. The gathers of the Column forward and the Row backward, and the
-//   Row forward's chunked reduce-scatter, go in GridShape::sequence_chunks row chunks, so a
-//   GEMM waits only for the chunk it needs. The GEMMs beside a collective leave it
-//   Collectives::overlapped_sms SMs. VITGRID_SP_OVERLAP=0: each collective whole first, then
-//   the GEMMs (the same sums, but for their order over row blocks).
+//   are computed, then added. Where the model lets the mode ask for its input in parts (the
+//   proj Linear: row_forward_produced), the peer's samples' attention runs first and this
+//   rank's beside the exchange; backward, this rank's samples' attention backward runs while
+//   the peer's dy arrives (row_backward_consumed). The gathers of the Column forward and the
+//   Row backward, and the Row forward's chunked reduce-scatter, go in
+//   GridShape::sequence_chunks row chunks, so a GEMM waits only for the chunk it needs. The
+//   GEMMs beside a collective leave it Collectives::overlapped_sms SMs. VITGRID_SP_OVERLAP=0:
+//   each collective whole first, then the GEMMs (the same sums, but for their order over row
+//   blocks).
 // Either way a Linear's `rows` are the rows of its x: Column gets the Stream's, Row the Inner's.
 #include <algorithm>
 #include <cstdlib>
@@ -324,26 +328,12 @@ class TensorParallel1D final : public TensorParallelBase {
   // every row's sums first, as not overlapped).
   void overlapped_row_forward(void* y, const void* x, const void* W, const void* b, int rows,
                               int in, int out, void* gelu_out, Gelu g) {
-    const size_t es = be_.act_size();
-    const int mine = rows / t_, li = in / t_;  // rows: the whole micro-batch's
-    if (t_ == 2) {  // the peer's rows first, exchanged while this rank's own are computed
-      const int p = 1 - r_;
-      const size_t n = size_t(mine) * out;
-      void* ex = buf(5, n * t_ * es);
-      be_.linear_forward(at(ex, r_ * n, es), at(x, size_t(p) * mine * li, es), W,
-                         r_ == 0 ? b : nullptr, mine, li, out);
-      const size_t tk = exchange(ex, n);
-      {
-        SmMargin m(be_, side_sms_);
-        m.on();
-        be_.linear_forward(y, at(x, size_t(r_) * mine * li, es), W, r_ == 0 ? b : nullptr,
-                           mine, li, out);
-      }
-      coll_.wait_overlapped(tk);
-      be_.accumulate(y, at(ex, p * n, es), n);
-      if (gelu_out) be_.gelu_forward(gelu_out, y, n, g);
+    if (t_ == 2) {
+      exchange_row_forward(y, x, W, b, rows, in, out, gelu_out, g, [](int) {});
       return;
     }
+    const size_t es = be_.act_size();
+    const int mine = rows / t_, li = in / t_;  // rows: the whole micro-batch's
     if (chunks_ == 1) {
       sequence_forward(LinearRole::Row, y, x, W, b, rows, in, out, gelu_out, g);
       return;
@@ -364,6 +354,62 @@ class TensorParallel1D final : public TensorParallelBase {
     m.off();
     for_chunks(mine, [&](int j, int, int) { coll_.wait_overlapped(tk[j]); });
     if (gelu_out) be_.gelu_forward(gelu_out, y, size_t(mine) * out, g);
+  }
+  // The Row forward at t = 2: the peer's rows' partial sums first (produce(k) writes x's
+  // block k before it is read), exchanged (see exchange) while this rank's own are computed,
+  // then added.
+  template <class Produce>
+  void exchange_row_forward(void* y, const void* x, const void* W, const void* b, int rows,
+                            int in, int out, void* gelu_out, Gelu g, Produce&& produce) {
+    const size_t es = be_.act_size();
+    const int mine = rows / t_, li = in / t_, p = 1 - r_;  // rows: the whole micro-batch's
+    const size_t n = size_t(mine) * out;
+    void* ex = buf(5, n * t_ * es);
+    produce(p);
+    be_.linear_forward(at(ex, r_ * n, es), at(x, size_t(p) * mine * li, es), W,
+                       r_ == 0 ? b : nullptr, mine, li, out);
+    const size_t tk = exchange(ex, n);
+    {
+      SmMargin m(be_, side_sms_);
+      m.on();
+      produce(r_);
+      be_.linear_forward(y, at(x, size_t(r_) * mine * li, es), W, r_ == 0 ? b : nullptr, mine,
+                         li, out);
+    }
+    coll_.wait_overlapped(tk);
+    be_.accumulate(y, at(ex, p * n, es), n);
+    if (gelu_out) be_.gelu_forward(gelu_out, y, n, g);
+  }
+  // x's blocks produced by the caller as they are needed (see TensorParallel): with t = 2 the
+  // exchange above, else everything first.
+  void row_forward_produced(void* y, const void* x, const void* W, const void* b, int rows,
+                            int in, int out, int samples, const SampleFn& produce) override {
+    if (!overlap_ || t_ != 2) {
+      TensorParallelBase::row_forward_produced(y, x, W, b, rows, in, out, samples, produce);
+      return;
+    }
+    const int part = row_part_samples(samples);
+    exchange_row_forward(y, x, W, b, rows, in, out, nullptr, Gelu::Exact,
+                         [&](int k) { produce(k * part, part); });
+  }
+  // dx's blocks handed to the caller as they are complete: this rank's own rows first (while
+  // the others' dy arrives), then the others'.
+  void row_backward_consumed(void* dx, float* dW, float* db, const void* dy, const void* x,
+                             const void* W, int rows, int in, int out, int samples,
+                             const SampleFn& consume) override {
+    if (!overlap_) {
+      TensorParallelBase::row_backward_consumed(dx, dW, db, dy, x, W, rows, in, out, samples,
+                                                consume);
+      return;
+    }
+    const int part = row_part_samples(samples);
+    overlapped_row_backward(dx, dW, db, dy, x, W, rows, in, out, nullptr, Gelu::Exact, nullptr,
+                            [&](int k) { consume(k * part, part); });
+  }
+  int row_part_samples(int samples) const override {
+    if (!overlap_) return samples;
+    VG_CHECK(samples % t_ == 0, samples << " samples over " << t_ << " tensor ranks");
+    return samples / t_;  // block k: rank k's Stream samples
   }
   void overlapped_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
                            const void* x, const void* W, int rows, int in, int out,
@@ -398,9 +444,17 @@ class TensorParallel1D final : public TensorParallelBase {
       }
       return;
     }
-    // Row: rows are the whole micro-batch's; dy is this rank's block of them, gathered chunk by
-    // chunk while this rank's own rows are multiplied. The bias gradient: this rank's rows'
-    // column sums (partial over the tensor axis).
+    overlapped_row_backward(dx, dW, db, dy, x, W, rows, in, out, gelu_pre, g, gelu_db,
+                            [](int) {});
+  }
+  // Row: rows are the whole micro-batch's; dy is this rank's block of them, gathered chunk by
+  // chunk while this rank's own rows are multiplied. The bias gradient: this rank's rows'
+  // column sums (partial over the tensor axis). done(k): dx's block k is written.
+  template <class Done>
+  void overlapped_row_backward(void* dx, float* dW, float* db, const void* dy, const void* x,
+                               const void* W, int rows, int in, int out, const void* gelu_pre,
+                               Gelu g, float* gelu_db, Done&& done) {
+    const size_t es = be_.act_size();
     const int mine = rows / t_;
     const int li = in / t_;
     auto block = [&](int k, int lo, int n, const void* dyk, float* dbk) {
@@ -409,8 +463,13 @@ class TensorParallel1D final : public TensorParallelBase {
                           at(gelu_pre, o, es), g, gelu_db);
     };
     gather_beside(buf(4, size_t(mine) * t_ * out * es), dy, mine, out,
-                  [&] { block(r_, 0, mine, dy, db); },
+                  [&] {
+                    block(r_, 0, mine, dy, db);
+                    done(r_);
+                  },
                   [&](int k, int lo, int n, const void* dyk) { block(k, lo, n, dyk, nullptr); });
+    for (int k = 0; k < t_; ++k)
+      if (k != r_) done(k);
   }
 
   static constexpr int kMaxChunks = 8;

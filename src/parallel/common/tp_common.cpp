@@ -30,9 +30,9 @@ std::vector<std::pair<size_t, size_t>> partial_ranges(const std::vector<ParamInf
   }
   return r;
 }
-size_t partial_elems(const std::vector<ParamInfo>& params, Axis a) {
+size_t elems(const std::vector<std::pair<size_t, size_t>>& ranges) {
   size_t n = 0;
-  for (const auto& r : partial_ranges(params, a)) n += r.second;
+  for (const auto& r : ranges) n += r.second;
   return n;
 }
 }  // namespace
@@ -189,14 +189,15 @@ Shard TensorParallelBase::shard_linear_bias(int64_t out, LinearRole role, int gr
 
 void TensorParallelBase::register_params(const std::vector<ParamInfo>& params) {
   sharded_.clear();
-  partial_.clear();
-  for (const auto& p : params) {
-    sharded_.push_back(p.shard.sharded_over);
-    partial_.push_back(p.shard.partial_over);
-  }
-  // reduce_replicated_grads' pack buffer: the partial gradients of one axis at a time
+  for (const auto& p : params) sharded_.push_back(p.shard.sharded_over);
+  // reduce_replicated_grads' ranges per mode axis, and its pack buffer: the partial gradients
+  // of one axis at a time
+  partial_ranges_.clear();
   size_t most = 0;
-  for (Axis a : mode_axes_) most = std::max(most, partial_elems(params, a));
+  for (Axis a : mode_axes_) {
+    partial_ranges_.push_back(partial_ranges(params, a));
+    most = std::max(most, elems(partial_ranges_.back()));
+  }
   if (most > 0) scratch(3, most * sizeof(float));
 }
 
@@ -385,15 +386,18 @@ void TensorParallelBase::reduce_norm_total(double* total) {
 
 void TensorParallelBase::reduce_replicated_grads(float* grads,
                                                  const std::vector<ParamInfo>& params) {
-  for (Axis a : mode_axes_) {
-    const auto ranges = partial_ranges(params, a);
+  VG_CHECK(params.size() == sharded_.size(),
+           params.size() << " parameters, " << sharded_.size() << " registered");
+  for (size_t i = 0; i < mode_axes_.size(); ++i) {
+    const Axis a = mode_axes_[i];
+    const auto& ranges = partial_ranges_[i];
     if (ranges.empty()) continue;
     if (ranges.size() == 1) {  // one range: summed in place
       coll_.allreduce_sum(grads + ranges[0].first, ranges[0].second, a);
       continue;
     }
     // pack the partial gradients, one allreduce, unpack
-    float* buf = static_cast<float*>(scratch(3, partial_elems(params, a) * sizeof(float)));
+    float* buf = static_cast<float*>(scratch(3, elems(ranges) * sizeof(float)));
     size_t off = 0;
     for (const auto& r : ranges) {
       be_.copy(buf + off, grads + r.first, r.second * sizeof(float));

@@ -6,6 +6,7 @@
 // and the gradient / norm reductions driven by each Shard's axis lists. A mode (none, 1d,
 // 2d/2.5d, 3d) sets the description and implements the Column/Row Linears and act_block.
 #pragma once
+#include <utility>
 #include <vector>
 
 #include "vitgrid/parallel/tensor_parallel.h"
@@ -94,7 +95,9 @@ class TensorParallelBase : public TensorParallel {
   int bsplit_ = 1, bidx_ = 0;  // Stream batch split and this rank's block
 
  private:
-  std::vector<std::vector<Axis>> sharded_, partial_;  // per registered parameter
+  std::vector<std::vector<Axis>> sharded_;  // per registered parameter
+  // per mode axis: the flat ranges of the parameters whose gradients are partial over it
+  std::vector<std::vector<std::pair<size_t, size_t>>> partial_ranges_;
   void release_scratch(int slot);
   std::vector<void*> scratch_;
   std::vector<size_t> scratch_bytes_;

@@ -73,8 +73,8 @@ int cuda_device_count();
 // own; tensor_ctas > 0 (deck device.tensor_comm_ctas) caps their thread blocks.
 // tensor_copy_engine (deck device.tensor_comm = copy_engine): that communicator uses NCCL's
 // zero-CTA policy and overlapped_alloc() hands out symmetric memory over it; a gather copies
-// its input into a staging window and all-gathers into such memory, a reduce-scatter is an
-// all-to-all of such memory and a local sum in rank order (no SMs but the sum's).
+// its input into its own block of such an output and all-gathers in place, a reduce-scatter
+// is an all-to-all of such memory and a local sum in rank order (no SMs but the sum's).
 struct NcclOptions {
   double timeout_s = 600.0;         // device.comm_timeout
   int data_ctas = 0;                // device.data_comm_ctas

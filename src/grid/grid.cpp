@@ -546,11 +546,16 @@ class MpiCollectives final : public Collectives {
   size_t post_send(const void* buf, size_t bytes, int peer, int channel, Axis a) override {
     return post(const_cast<void*>(buf), bytes, peer, channel, a, false);
   }
-  // On the host the buffer is free when the caller posts (its work is done by then): `after`
-  // has nothing left to wait for.
+  // On the host the computes in `after` are done when the caller posts (their fences are
+  // complete), but the sends in it may still be reading the buffer: MPI_Isend reads it until
+  // its request completes (a rendezvous send, long after the call), so a receive posted into
+  // it before then could overwrite the data on its way out. Wait for them first.
   size_t post_recv(void* buf, size_t bytes, int peer, int channel, Axis a,
                    const std::vector<size_t>& after) override {
-    for (size_t t : after) VG_CHECK(t < messages_.size(), "post_recv after ticket " << t << " of " << messages_.size());
+    for (size_t t : after) {
+      VG_CHECK(t < messages_.size(), "post_recv after ticket " << t << " of " << messages_.size());
+      wait_message(t);
+    }
     return post(buf, bytes, peer, channel, a, true);
   }
   void wait_message(size_t t) override {

@@ -3,7 +3,7 @@
 
     e2e.py NAME      NAME in: dp_equivalence, resume_exact, refusals, predict, optimizers,
                      tensor_parallel, pipeline, pipeline_hybrid, pipeline_refusals,
-                     overlap, zero, no_allocations; on GPUs: gpu_matches_cpu, gpu_resume,
+                     overlap, stress, zero, no_allocations; on GPUs: gpu_matches_cpu, gpu_resume,
                      gpu_parallel, gpu_graphs, gpu_tune_agreement
 
 They launch build/bin/vitgrid on 1-4 oversubscribed CPU ranks with the tiny deck beside this
@@ -28,10 +28,13 @@ ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIR
 FAILURES = []
 
 
-def run(np_, args, timeout=240, expect_rc=0, env=None):
-    """mpirun of vitgrid; `env`: extra environment variables, exported to every rank."""
+def run(np_, args, timeout=240, expect_rc=0, env=None, preload=None):
+    """mpirun of vitgrid; `env`: extra environment variables, exported to every rank;
+    `preload`: a library preloaded into the ranks only (not into mpirun)."""
     env = env or {}
     exports = [a for k in env for a in ("-x", k)]
+    if preload:
+        exports += ["-x", f"LD_PRELOAD={preload}"]
     cmd = ["mpirun", "-np", str(np_), "--oversubscribe"] + exports + [VITGRID] + args
     p = subprocess.run(cmd, env=dict(ENV, **env), capture_output=True, text=True, timeout=timeout)
     if expect_rc is not None and p.returncode != expect_rc:
@@ -627,6 +630,84 @@ def t_overlap(tmp):
         run_buckets(np_, ["train", DECK, f"--run.out_dir={d}"] + pm + extra, 0.001)
         r = rel(losses(d)[1], ref)
         check(r <= 1e-4, f"{what}: overlap vs 1 rank {r:.2e} <= 1e-4")
+
+
+class BusyCores:
+    """One busy-looping process per core for the life of the block: the ranks are preempted at
+    arbitrary points, as on a loaded node."""
+
+    def __enter__(self):
+        n = os.cpu_count() or 2
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
+# The stress layouts: the tiny model with more samples per step (8 per micro-batch at M = 8).
+# Message sizes do not matter: the preloaded injector holds every MPI_Isend back (lazy sends),
+# whatever the transport would have done with it.
+STRESS_MODEL = ["--data.global_batch=64", "--checkpoint.every_steps=0", "--run.eval_every=0"]
+
+
+def t_stress(tmp):
+    """Every asynchronous path under load and injected faults of timing: each layout runs three
+    times with a busy process on every core and a different seed of random delays before its
+    MPI calls, every MPI_Isend held back as long as MPI allows (test/common/mpi_delay.c,
+    preloaded); each run must give the 1-rank loss curve within
+    1e-4 relative, and the three runs must equal each other bit for bit (the same reductions in
+    the same order: only the timing differs). Layouts: the interleaved pipeline with
+    asynchronous messages (M = 8 and M = 4 on P = 2, M = 8 on P = 4), 1F1B and GPipe with
+    grouped messages, 1d tensor parallelism with sequence parallelism (overlapped gathers and
+    reduce-scatters), data parallelism with gradient buckets reduced during the backward, and
+    ZeRO-1."""
+    lib = os.environ.get("VG_MPI_DELAY_LIB", "")
+    check(os.path.exists(lib), f"delay injector built ({lib})")
+    if not os.path.exists(lib):
+        return
+    cases = [
+        # (name, ranks, depth, flags, extra environment)
+        ("interleaved P2 V2 M8", 2, 4, ["--parallel.pipeline=2", "--parallel.schedule=interleaved",
+                                        "--parallel.chunks=2", "--parallel.micro_batches=8"], {}),
+        ("interleaved P2 V2 M4", 2, 4, ["--parallel.pipeline=2", "--parallel.schedule=interleaved",
+                                        "--parallel.chunks=2", "--parallel.micro_batches=4"], {}),
+        ("interleaved P4 V2 M8", 4, 8, ["--parallel.pipeline=4", "--parallel.schedule=interleaved",
+                                        "--parallel.chunks=2", "--parallel.micro_batches=8"], {}),
+        ("1f1b P2 M4", 2, 4, ["--parallel.pipeline=2", "--parallel.schedule=1f1b",
+                              "--parallel.micro_batches=4"], {}),
+        ("gpipe P2 M4", 2, 4, ["--parallel.pipeline=2", "--parallel.schedule=gpipe",
+                               "--parallel.micro_batches=4"], {}),
+        ("1d t2 sequence parallel", 2, 4, ["--parallel.tensor=2", "--parallel.tensor_mode=1d",
+                                           "--parallel.sequence_parallel=true",
+                                           "--parallel.sequence_chunks=2"], {}),
+        ("data 2, buckets during the backward", 2, 4, [], {"VITGRID_BUCKET_MB": "0.001"}),
+        ("data 2, ZeRO-1", 2, 4, ["--parallel.zero=1"], {"VITGRID_BUCKET_MB": "0.001"}),
+    ]
+    refs = {}
+    for name, np_, depth, flags, env in cases:
+        common = STRESS_MODEL + [f"--model.depth={depth}"]
+        if depth not in refs:
+            d = os.path.join(tmp, f"ref{depth}")
+            run(1, ["train", DECK, f"--run.out_dir={d}"] + common)
+            refs[depth] = losses(d)[1]
+        ref = refs[depth]
+        curves = []
+        with BusyCores():
+            for seed in (1, 2, 3):
+                d = os.path.join(tmp, f"{name.replace(' ', '_').replace(',', '')}_{seed}")
+                e = dict(env, VG_MPI_DELAY_SEED=str(seed))
+                run(np_, ["train", DECK, f"--run.out_dir={d}"] + common + flags, env=e,
+                    timeout=300, preload=lib)
+                curves.append(losses(d)[1])
+        worst = max(rel(c, ref) for c in curves)
+        check(all(len(c) == len(ref) for c in curves) and worst <= 1e-4,
+              f"{name}: 3 runs under load and injected delays vs 1 rank: worst {worst:.2e} <= 1e-4")
+        same = all(np.array_equal(c, curves[0]) for c in curves[1:])
+        check(same, f"{name}: the 3 runs are bit-identical"
+              + ("" if same else f" (max diff {max(np.max(np.abs(c - curves[0])) for c in curves[1:]):.2e})"))
 
 
 def t_zero(tmp):

@@ -7,7 +7,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <memory>
+#include <new>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -32,6 +34,21 @@ const char* kUsage =
 
 int run_app(int argc, char** argv) {
   MPI_Comm world = MPI_COMM_WORLD;
+  open_error_channel(world);
+  // An exception that escapes anyway (a thread's, a noexcept function's) is reported like a
+  // local fatal error, not with std::terminate's "terminate called" and a backtrace.
+  std::set_terminate([] {
+    std::string what = "an unhandled exception";
+    if (auto e = std::current_exception()) {
+      try {
+        std::rethrow_exception(e);
+      } catch (const std::exception& x) {
+        what = x.what();
+      } catch (...) {
+      }
+    }
+    fail_one(__FILE__, __LINE__, "unhandled: " + what);
+  });
   Log log(world);
   std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty()) {
@@ -96,18 +113,32 @@ int run_app(int argc, char** argv) {
     msg = e.what();
   }
   if (agree_error(world, ok, &msg)) fail_all(world, msg);
-  Trainer trainer(world, deck);
-  if (cmd == "train") return trainer.train();
-  if (cmd == "eval") return trainer.evaluate_only();
-  if (cmd == "bench") {
-    // peak dense TFLOP/s of one device for MFU: H100/H200 bf16/fp16 989, tf32 494, fp32 67
-    if (peak <= 0.0) {
-      const std::string& m = deck.precision.mode;
-      peak = (m == "bf16" || m == "fp16" || m == "fp16-naive") ? 989.0 : (m == "tf32" ? 494.0 : 67.0);
+  // From here on, an error that the code below does not settle where it happens (a
+  // UserError thrown alike on every rank, a failure one rank alone saw, a std::exception of
+  // the standard library) unwinds to here: fail_agreed ends the job with one message and the
+  // same exit code on every rank, never a std::terminate.
+  try {
+    Trainer trainer(world, deck);
+    if (cmd == "train") return trainer.train();
+    if (cmd == "eval") return trainer.evaluate_only();
+    if (cmd == "bench") {
+      // peak dense TFLOP/s of one device for MFU: H100/H200 bf16/fp16 989, tf32 494, fp32 67
+      if (peak <= 0.0) {
+        const std::string& m = deck.precision.mode;
+        peak = (m == "bf16" || m == "fp16" || m == "fp16-naive") ? 989.0 : (m == "tf32" ? 494.0 : 67.0);
+      }
+      return trainer.bench(warmup, steps, peak, profile);
     }
-    return trainer.bench(warmup, steps, peak, profile);
+    return trainer.predict();
+  } catch (const UserError& e) {
+    fail_agreed(e.what(), kExitUserError);
+  } catch (const std::bad_alloc&) {
+    fail_agreed("out of host memory (std::bad_alloc): the deck asks for more memory than this "
+                "node has; reduce data.global_batch, the model or the dataset",
+                kExitUserError);
+  } catch (const std::exception& e) {
+    fail_agreed(std::string("internal error: ") + e.what(), 1);
   }
-  return trainer.predict();
 }
 
 }  // namespace vitgrid

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <thread>
 #include <vector>
 
@@ -55,6 +56,72 @@ void fail_one_with_cleanup(const char* file, int line, const std::string& msg,
   if (cleanup) cleanup();
   if (inited) MPI_Abort(MPI_COMM_WORLD, 1);
   std::abort();
+}
+
+namespace {
+MPI_Comm g_error_comm = MPI_COMM_NULL;
+
+// Waits for a non-blocking request until `deadline` (now_s clock); true if it completed.
+bool wait_until(MPI_Request* r, std::chrono::steady_clock::time_point deadline) {
+  for (;;) {
+    int done = 0;
+    MPI_Test(r, &done, MPI_STATUS_IGNORE);
+    if (done) return true;
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+}  // namespace
+
+void open_error_channel(MPI_Comm world) {
+  if (g_error_comm == MPI_COMM_NULL) MPI_Comm_dup(world, &g_error_comm);
+}
+
+bool unwinding() { return std::uncaught_exceptions() > 0; }
+
+void fail_agreed(const std::string& msg, int code, double wait_s) {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(wait_s * 1000.0));
+  // Only failing ranks call this, so the reduction completes only if every rank failed; then
+  // its result is the lowest of them, whose message is printed.
+  int first = size;
+  bool all = false;
+  if (g_error_comm != MPI_COMM_NULL) {
+    MPI_Request r = MPI_REQUEST_NULL;
+    MPI_Iallreduce(&rank, &first, 1, MPI_INT, MPI_MIN, g_error_comm, &r);
+    all = wait_until(&r, deadline);
+  }
+  if (!all) {
+    // Some rank is elsewhere: this rank's own message, then the job ends.
+    std::fprintf(stderr, "vitgrid: error: %s\n", msg.c_str());
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, code);
+    std::_Exit(code);
+  }
+  std::string text = msg;
+  int len = rank == first ? static_cast<int>(msg.size()) : 0;
+  MPI_Bcast(&len, 1, MPI_INT, first, g_error_comm);
+  std::vector<char> buf(static_cast<size_t>(len) + 1, 0);
+  if (rank == first) std::memcpy(buf.data(), msg.data(), static_cast<size_t>(len));
+  MPI_Bcast(buf.data(), len, MPI_CHAR, first, g_error_comm);
+  text.assign(buf.data(), static_cast<size_t>(len));
+  if (rank == 0) {
+    std::fprintf(stderr, "vitgrid: error: %s\n", text.c_str());
+    std::fflush(stderr);
+  }
+  // Every rank is here with the same verdict: a clean finalize and the same exit code. Files
+  // the unwinding left open are closed by HDF5 inside MPI_Finalize, alike on every rank; should
+  // that not return, the job still ends.
+  std::thread([code] {
+    std::this_thread::sleep_for(std::chrono::seconds(30));
+    std::_Exit(code);
+  }).detach();
+  MPI_Barrier(g_error_comm);
+  MPI_Finalize();
+  std::exit(code);
 }
 
 bool agree_error(MPI_Comm comm, bool ok, std::string* msg) {

@@ -13,6 +13,7 @@ namespace io_detail {
 void H5Id::reset() {
   if (id_ < 0) return;
   std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
+  if (unwinding() && H5Iget_type(id_) == H5I_FILE) return abandon();
   herr_t rc = 0;
   switch (H5Iget_type(id_)) {
     case H5I_FILE: rc = H5Fclose(id_); break;

@@ -45,7 +45,13 @@ class H5Id {
     id_ = -1;
     return t;
   }
+  // Closes the identifier; a file's close is collective. While an error unwinds the stack, a
+  // file is abandoned instead (see abandon()).
   void reset();
+  // Forgets the identifier without closing it: HDF5 closes what is left inside MPI_Finalize,
+  // which only a job whose ranks all failed alike reaches (fail_agreed); a rank that failed
+  // alone never waits in a collective close for ranks that are elsewhere.
+  void abandon() { id_ = -1; }
 
  private:
   hid_t id_ = -1;

@@ -210,10 +210,19 @@ MetricsWriter::MetricsWriter(MPI_Comm comm, const std::string& path, const std::
   H5_CHECK(H5Fflush(m.file, H5F_SCOPE_GLOBAL));
 }
 
-// Called by all ranks of comm: writes the rows still buffered, then closes the file.
+// Called by all ranks of comm: writes the rows still buffered, then closes the file. While an
+// error unwinds the stack it does neither (both are collective, and this rank may be the only
+// one failing): the file keeps the rows flushed so far, and fail_agreed decides the rest.
 MetricsWriter::~MetricsWriter() {
   if (!impl_) return;
   std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
+  if (unwinding()) {
+    for (auto& d : impl_->train) d.abandon();
+    for (auto& d : impl_->eval) d.abandon();
+    impl_->dxpl.abandon();
+    impl_->file.abandon();
+    return;
+  }
   if (impl_->file.valid()) flush();
   for (auto& d : impl_->train) d.reset();
   for (auto& d : impl_->eval) d.reset();

@@ -37,6 +37,28 @@ class UserError : public std::runtime_error {
 [[noreturn]] void fail_one_with_cleanup(const char* file, int line, const std::string& msg,
                                         const std::function<void()>& cleanup, double grace_s);
 
+// ---- errors that escape the work (the app's guard)
+// A UserError thrown where every rank throws it (after io_detail::throw_if_any_failed, a deck
+// check) and an error only one rank saw (a read failure, a full disk) both end up in the
+// app's top-level catch, after the stack has unwound. There the ranks cannot know which case
+// they are in, and a collective on the world communicator could match another rank's
+// unrelated collective. So they meet on a channel of their own:
+//
+// Called by all ranks of `world` once, before any work: a duplicate of world that only
+// fail_agreed() communicates on.
+void open_error_channel(MPI_Comm world);
+// Called by a rank that caught an error the work did not handle. Waits up to `wait_s` seconds
+// for every rank of the world to report one too: then rank 0 prints the lowest failing
+// rank's message once ("vitgrid: error: ...") and every rank exits with `code` after
+// MPI_Finalize. If some rank does not come (it is blocked in a collective waiting for this
+// one, or it finished), this rank prints its own message and ends the job with MPI_Abort
+// (`code`): one message, the same exit code, no hang either way.
+[[noreturn]] void fail_agreed(const std::string& msg, int code, double wait_s = 10.0);
+// True while an exception unwinds the stack: destructors then skip their collective calls
+// (a rank that alone failed would wait in them for ranks that never come, or match their
+// unrelated collectives); fail_agreed() settles how the job ends.
+bool unwinding();
+
 // Called by all ranks of comm: returns true if any rank passed ok=false. The message of the
 // lowest failing rank is returned in *msg on every rank. Never hangs when only some ranks fail,
 // because every rank reaches this call.

@@ -916,10 +916,16 @@ struct Trainer::Impl {
     if (!resumed && !deck.checkpoint.load.empty()) load_checkpoint(deck.checkpoint.load, false);
     if (grid->world_rank() == 0) mkdirs(deck.run.out_dir);
     MPI_Barrier(world);
-    MetricsWriter metrics(world, deck.run.out_dir + "/metrics.h5", deck.resolved_text(),
-                          {grid->shape().pipeline, grid->shape().data, grid->shape().tensor},
-                          grid->shape().tensor > 1 ? tensor_mode_name(grid->shape().mode) : "none",
-                          be->name(), resumed, step);
+    // a metrics.h5 this run cannot continue is refused with one message
+    std::unique_ptr<MetricsWriter> metrics_file;
+    agreed([&] {
+      metrics_file = std::make_unique<MetricsWriter>(
+          world, deck.run.out_dir + "/metrics.h5", deck.resolved_text(),
+          std::vector<int>{grid->shape().pipeline, grid->shape().data, grid->shape().tensor},
+          grid->shape().tensor > 1 ? tensor_mode_name(grid->shape().mode) : "none", be->name(),
+          resumed, step);
+    });
+    MetricsWriter& metrics = *metrics_file;
 
     LrSchedule sched(deck.optim, total_steps, warmup_steps);
     const int64_t G = deck.data.global_batch;

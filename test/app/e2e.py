@@ -3,7 +3,8 @@
 
     e2e.py NAME      NAME in: dp_equivalence, resume_exact, refusals, predict, optimizers,
                      tensor_parallel, pipeline, pipeline_hybrid, pipeline_refusals,
-                     overlap, zero, no_allocations; on GPUs: gpu_matches_cpu, gpu_resume,
+                     overlap, zero, no_allocations, metrics_other_world; on GPUs:
+                     gpu_matches_cpu, gpu_resume,
                      gpu_parallel, gpu_graphs, gpu_tune_agreement
 
 They launch build/bin/vitgrid on 1-4 oversubscribed CPU ranks with the tiny deck beside this
@@ -552,6 +553,61 @@ def t_any_layout(tmp):
         check(worst <= 1e-4, f"{name}: final parameters within {worst:.2e} <= 1e-4")
         # qkv.bias's k third has an analytically zero gradient: Adam amplifies rounding noise
         check(qb <= 1e-3, f"{name}: qkv.bias within {qb:.2e} <= 1e-3 (zero-gradient k part)")
+
+
+def t_metrics_other_world(tmp):
+    """A run stopped at step 10 on 4 ranks (2d) and continued in the same run directory on 2
+    ranks (pipeline 2), as a requeued job on another node count does: it goes on, and
+    metrics.h5 holds steps 1-20 once each, the losses of steps 11-20 within 1e-4 of the
+    uninterrupted 4-rank run, per-rank tables 4 columns wide (NaN in columns 2-3 from step 11),
+    and a segments table naming both layouts; tools/plot_metrics.py reads it."""
+    four = ["--parallel.tensor=4", "--parallel.tensor_mode=2d"]
+    ref = os.path.join(tmp, "ref")
+    run(4, ["train", DECK, f"--run.out_dir={ref}", "--checkpoint.every_steps=10"] + four)
+    _, lref = losses(ref)
+    d = os.path.join(tmp, "d")
+    shutil.copytree(ref, d)
+    os.remove(os.path.join(d, "checkpoints", "step_00000020.h5"))
+    p = run(2, ["train", DECK, f"--run.out_dir={d}", "--checkpoint.every_steps=10",
+                "--checkpoint.resume=auto", "--parallel.pipeline=2", "--parallel.micro_batches=2"])
+    check("resuming" in p.stdout, "the 2-rank run resumed from the 4-rank checkpoint")
+    steps, l = losses(d)
+    check(list(steps) == list(range(1, 21)), f"steps 1..20 once each: {list(steps)}")
+    r = rel(l[10:], lref[10:]) if len(l) == 20 else np.inf
+    check(r <= 1e-4, f"steps 11-20 within {r:.2e} <= 1e-4 of the uninterrupted 4-rank run")
+    with h5py.File(os.path.join(d, "metrics.h5"), "r") as f:
+        st = f["/train/step_time_s"][()]
+        mem = f["/train/device_mem_bytes"][()]
+        ips = f["/train/images_per_s"][()]
+        seg = {k: f["segments"][k][()] for k in f["segments"]}
+        attrs = (int(f.attrs["world_size"]), list(f.attrs["grid"]))
+    for name, t in [("step_time_s", st), ("device_mem_bytes", mem)]:
+        ok = (t.shape == (20, 4) and np.all(np.isfinite(t[:10])) and np.all(t[:10] > 0)
+              and np.all(np.isfinite(t[10:, :2])) and np.all(t[10:, :2] > 0)
+              and np.all(np.isnan(t[10:, 2:])))
+        check(ok, f"/train/{name} {t.shape}: 4 ranks' columns for steps 1-10, 2 then NaN for 11-20")
+    # what a reader does: the slowest rank of each step, NaN columns ignored
+    check(np.allclose(ips, 16 / np.nanmax(st, axis=1), rtol=1e-12),
+          "images_per_s = global batch / the slowest rank's step time (nanmax over the row)")
+    check(list(seg["first_step"]) == [1, 11] and list(seg["world_size"]) == [4, 2]
+          and seg["grid"].tolist() == [[1, 1, 4], [2, 1, 1]]
+          and list(seg["tensor_mode"].astype(str)) == ["2d", "none"],
+          f"segments: {seg}")
+    check(attrs == (2, [2, 1, 1]), f"root attributes name the last layout: {attrs}")
+    png = os.path.join(tmp, "curves.png")
+    q = subprocess.run([sys.executable, os.path.join(HERE, "..", "..", "tools", "plot_metrics.py"),
+                        os.path.join(d, "metrics.h5"), os.path.join(ref, "metrics.h5"), "-o", png],
+                       capture_output=True, text=True)
+    check(q.returncode == 0 and os.path.exists(png) and os.path.getsize(png) > 0,
+          f"plot_metrics.py reads it (rc {q.returncode}) {q.stderr[-500:]}")
+    # a metrics.h5 that cannot be continued: one message, the same exit on every rank
+    with open(os.path.join(d, "metrics.h5"), "wb") as f:
+        f.write(b"not an hdf5 file" * 100)
+    p = run(2, ["train", DECK, f"--run.out_dir={d}", "--checkpoint.resume=auto",
+                "--parallel.pipeline=2", "--parallel.micro_batches=2"], timeout=60, expect_rc=None)
+    out = p.stdout + p.stderr
+    check(p.returncode == 2 and out.count("vitgrid: error:") == 1 and "metrics.h5" in out,
+          f"a garbage metrics.h5 refused: exit {p.returncode}, {out.count('vitgrid: error:')} message(s)")
 
 
 def run_buckets(np_, args, bucket_mb, timeout=240):

@@ -938,7 +938,11 @@ struct Trainer::Impl {
         static_cast<long long>(step), static_cast<long long>(G), grid->size(Axis::Data), A, b,
         deck.optim.name.c_str(), deck.optim.lr, static_cast<long long>(warmup_steps));
     const double t_start = now_s();
-    double t_log = t_start, t_prev = t_start;
+    // Step times: step s took completion(s) - max(completion(s-1), start of enqueue(s)), the
+    // time it held the device (CPU: the host) on its own, so neither an evaluation, a
+    // checkpoint or a metrics write between two steps nor the host running ahead counts.
+    double t_done = -INFINITY;  // completion of the last finished step
+    double log_time = 0.0;      // the slowest rank's step times since the last log line
     int64_t steps_since_log = 0;
     double last_loss = 0.0;
     const int64_t first_step = step;
@@ -950,21 +954,27 @@ struct Trainer::Impl {
       next_hb = next_batch();
       start_upload(*next_hb, slot, step);
     }
-    // Steps are enqueued one ahead of the host's bookkeeping: step k's loss and norm are read
-    // back (finish) while step k+1 computes, so the host never stalls the device.
-    std::deque<PendingStep> inflight;
+    // On an asynchronous backend steps are enqueued one ahead of the host's bookkeeping: step
+    // k's loss and norm are read back (finish) while step k+1 computes, so the host never
+    // stalls the device, and step k is complete when its scalars come back. On a synchronous
+    // one enqueueing computed the step: it is finished at once, so that its completion is
+    // observed then, not after the next step computed too.
+    const size_t ahead = be->asynchronous() ? 1 : 0;
+    std::deque<std::pair<PendingStep, double>> inflight;  // with the start of its enqueue
     auto finish = [&] {
-      const PendingStep p = inflight.front();
+      const PendingStep p = inflight.front().first;
+      const double t_enqueue = inflight.front().second;
       inflight.pop_front();
       double loss = 0.0, gnorm = 0.0;
       finish_step(p, &loss, &gnorm);
       const int64_t k = p.step + 1;  // completed steps
       const double now = now_s();
-      const double dt = now - t_prev;
-      t_prev = now;
+      const double dt = now - std::max(t_done, t_enqueue);
+      t_done = now;
       double dt_max = dt;
       MPI_Allreduce(MPI_IN_PLACE, &dt_max, 1, MPI_DOUBLE, MPI_MAX, world);
       ++steps_since_log;
+      log_time += dt_max;
       if (k == first_step + 1) {
         // the workspace was planned in setup(): a first step that allocates is worth a line
         long long n = static_cast<long long>(be->device_allocations() - allocs_before);
@@ -977,7 +987,8 @@ struct Trainer::Impl {
       metrics.add_train({k, loss, p.lr, gnorm, double(G) / dt_max, double(p.scale), dt,
                          double(be->peak_memory_bytes())});
       if (k % deck.run.log_every == 0 || k == total_steps) {
-        const double ips = double(G) * steps_since_log / std::max(now - t_log, 1e-9);
+        // the steps' own time: evaluations and checkpoints in the interval do not count
+        const double ips = double(G) * steps_since_log / std::max(log_time, 1e-9);
         const double eta = (total_steps - k) * (now - t_start) / double(k - first_step);
         log("step %6lld/%lld | epoch %6.2f | loss %.4f | lr %.3e | %8.1f img/s | %s | ETA "
             "%s%s\n",
@@ -985,13 +996,15 @@ struct Trainer::Impl {
             double(k) * G / train_ds->size(), loss, p.lr, ips,
             fmt_flops(ips * flops_sample).c_str(), fmt_duration(eta).c_str(),
             p.applied ? "" : " | overflow: step skipped");
-        t_log = now;
+        log_time = 0.0;
         steps_since_log = 0;
         metrics.flush();
       }
     };
     while (step < total_steps) {
-      inflight.push_back(enqueue_step(step, sched.at(step + 1), step + 1 < total_steps));
+      const double t_enqueue = now_s();
+      inflight.emplace_back(enqueue_step(step, sched.at(step + 1), step + 1 < total_steps),
+                            t_enqueue);
       ++step;
       const bool last = step == total_steps;
       const bool eval_due = (deck.run.eval_every > 0 && step % deck.run.eval_every == 0) || last;
@@ -999,8 +1012,8 @@ struct Trainer::Impl {
       const bool ckpt_due =
           (deck.checkpoint.every_steps > 0 && step % deck.checkpoint.every_steps == 0) || last ||
           stop;
-      // one step stays in flight; what reads the model after this step waits for all
-      while (inflight.size() > 1 || (!inflight.empty() && (eval_due || ckpt_due))) finish();
+      // `ahead` steps stay in flight; what reads the model after this step waits for all
+      while (inflight.size() > ahead || (!inflight.empty() && (eval_due || ckpt_due))) finish();
       if (eval_due) {
         double el, e1, e5;
         evaluate(&el, &e1, &e5);

@@ -3,8 +3,8 @@
 
     e2e.py NAME      NAME in: dp_equivalence, resume_exact, refusals, predict, optimizers,
                      tensor_parallel, pipeline, pipeline_hybrid, pipeline_refusals,
-                     overlap, zero, no_allocations, metrics_other_world; on GPUs:
-                     gpu_matches_cpu, gpu_resume,
+                     overlap, zero, no_allocations, metrics_other_world, step_times;
+                     on GPUs: gpu_matches_cpu, gpu_resume,
                      gpu_parallel, gpu_graphs, gpu_tune_agreement
 
 They launch build/bin/vitgrid on 1-4 oversubscribed CPU ranks with the tiny deck beside this
@@ -608,6 +608,44 @@ def t_metrics_other_world(tmp):
     out = p.stdout + p.stderr
     check(p.returncode == 2 and out.count("vitgrid: error:") == 1 and "metrics.h5" in out,
           f"a garbage metrics.h5 refused: exit {p.returncode}, {out.count('vitgrid: error:')} message(s)")
+
+
+def t_step_times(tmp):
+    """Each metrics row's step time is what the step took, without the evaluation, checkpoint
+    and metrics writes around it: with an evaluation of 2048 samples and a checkpoint every 5
+    steps, no step time at those steps or right after them leaves [median/10, 10 * median] of
+    the other steps' (the evaluation alone is some 40 steps' worth; a drained queue gives ~0),
+    every time is > 0, images_per_s is the global batch over the slowest rank's time, and the
+    log lines' img/s are the steps' own rate over the interval."""
+    d = os.path.join(tmp, "st")
+    # a larger model than the tiny deck's: a step of some ms, above the machine's jitter
+    p = run(2, ["train", DECK, f"--run.out_dir={d}", "--run.eval_every=5", "--checkpoint.every_steps=5",
+                "--data.synthetic_eval=2048", "--run.eval_samples=2048", "--model.hidden=64",
+                "--model.heads=4", "--model.depth=4", "--model.image_size=16"])
+    with h5py.File(os.path.join(d, "metrics.h5"), "r") as f:
+        steps = f["/train/step"][()]
+        st = f["/train/step_time_s"][()]
+        ips = f["/train/images_per_s"][()]
+    check(list(steps) == list(range(1, 21)) and st.shape == (20, 2), "20 rows of 2 ranks")
+    check(np.all(st > 0), f"every step time > 0 (min {st.min():.3g} s)")
+    slowest = st.max(axis=1)
+    check(np.allclose(ips, 16 / slowest, rtol=1e-12), "images_per_s = 16 / the slowest rank's time")
+    around = [s for s in range(1, 21) if s % 5 == 0 or (s > 1 and (s - 1) % 5 == 0)]
+    others = [s for s in range(2, 21) if s not in around]
+    med = float(np.median(st[[s - 1 for s in others]]))
+    for s in around:
+        t = st[s - 1]
+        check(np.all(t >= med / 10) and np.all(t <= 10 * med),
+              f"step {s}: {', '.join(f'{x * 1e3:.2f}' for x in t)} ms within [{med * 1e2:.2f}, "
+              f"{med * 1e4:.2f}] ms (median of the other steps {med * 1e3:.2f} ms)")
+    # the log line at step k: img/s over steps k-4..k = 5 * 16 / their slowest times
+    logged = {int(m.group(1)): float(m.group(2)) for m in
+              re.finditer(r"^step +(\d+)/20 .*?\| +([\d.]+) img/s", p.stdout, re.M)}
+    check(sorted(logged) == [5, 10, 15, 20], f"log lines at steps {sorted(logged)}")
+    for k, v in sorted(logged.items()):
+        want = 5 * 16 / slowest[k - 5:k].sum()
+        check(abs(v - want) <= 0.05 + 1e-6 * want,
+              f"step {k}: logged {v:.1f} img/s = 80 / the steps' own time ({want:.1f})")
 
 
 def run_buckets(np_, args, bucket_mb, timeout=240):

@@ -199,8 +199,8 @@ struct Trainer::Impl {
     });
     grid = std::make_unique<ProcessGrid>(world, gs);
     const std::string rank_map = grid->rank_map();
-    log("vitgrid 0.1.0: %d ranks, grid pipeline %d x data %d x tensor %d (%s)\n",
-        grid->world_size(), gs.pipeline, gs.data, gs.tensor,
+    log("vitgrid 0.1.0: %d rank%s, grid pipeline %d x data %d x tensor %d (%s)\n",
+        grid->world_size(), grid->world_size() == 1 ? "" : "s", gs.pipeline, gs.data, gs.tensor,
         gs.tensor <= 1 ? "none"
                        : gs.sequence_parallel ? "1d, sequence parallel" : tensor_mode_name(gs.mode));
     log.block("---- resolved deck\n" + deck.resolved_text() + "---- rank map\n" + rank_map);
@@ -1104,16 +1104,32 @@ struct Trainer::Impl {
       attention = cuda_attention_path(*compute_be, micro, cfg.tokens(),
                                       tp->local_heads(cfg.heads), cfg.head_dim());
 #endif
+    // MFU against the peak dense TFLOP/s of one device: --peak-tflops, else on the cuda backend
+    // H100/H200's (bf16/fp16 989, tf32 494, fp32 67). A CPU's peak depends on the machine and
+    // its cores: no MFU unless given.
+    if (peak_tflops <= 0.0 && be->name() == "cuda") {
+      const std::string& m = deck.precision.mode;
+      peak_tflops = (m == "bf16" || m == "fp16" || m == "fp16-naive") ? 989.0
+                    : m == "tf32"                                     ? 494.0
+                                                                      : 67.0;
+    }
+    char mfu[96];
+    if (peak_tflops > 0.0)
+      std::snprintf(mfu, sizeof mfu, "MFU %.2f%% (peak %g TFLOP/s)", 100.0 * per_dev / peak_tflops,
+                    peak_tflops);
+    else
+      std::snprintf(mfu, sizeof mfu,
+                    "MFU n/a (no known peak for the %s backend; give --peak-tflops=X)",
+                    be->name().c_str());
     log("bench | %s | %s | %s | world %d | global batch %lld | step %.2f ms | %.1f img/s | "
-        "%.1f img/s/device | %s/device | MFU %.2f%% (peak %.0f TFLOP/s) | peak mem %.2f GiB "
-        "(%.3f MiB) | zero %d | grad buckets %zu%s | allocs from step 1 %lld | allocs in timed "
-        "steps %lld | attention %s | cuda graphs %lld\n",
+        "%.1f img/s/device | %s/device | %s | peak mem %.2f GiB (%.3f MiB) | zero %d | grad "
+        "buckets %zu%s | allocs from step 1 %lld | allocs in timed steps %lld | attention %s | "
+        "cuda graphs %lld\n",
         deck.model.preset.c_str(), deck.precision.mode.c_str(), be->name().c_str(),
         grid->world_size(), static_cast<long long>(G), dt * 1e3, ips, ips / grid->world_size(),
-        fmt_flops(per_dev * 1e12).c_str(), 100.0 * per_dev / peak_tflops, peak_tflops,
-        mem_max / 1073741824.0, mem_max / 1048576.0, zero ? 1 : 0, reducer->buckets().size(),
-        overlap ? " overlapped" : "", allocs[0], allocs[1], attention.c_str(),
-        static_cast<long long>(graph_captures));
+        fmt_flops(per_dev * 1e12).c_str(), mfu, mem_max / 1073741824.0, mem_max / 1048576.0,
+        zero ? 1 : 0, reducer->buckets().size(), overlap ? " overlapped" : "", allocs[0], allocs[1],
+        attention.c_str(), static_cast<long long>(graph_captures));
     return 0;
   }
 

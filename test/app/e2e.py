@@ -3,8 +3,8 @@
 
     e2e.py NAME      NAME in: dp_equivalence, resume_exact, refusals, predict, optimizers,
                      tensor_parallel, pipeline, pipeline_hybrid, pipeline_refusals,
-                     overlap, zero, no_allocations, metrics_other_world, step_times;
-                     on GPUs: gpu_matches_cpu, gpu_resume,
+                     overlap, zero, no_allocations, metrics_other_world, step_times,
+                     bench_report; on GPUs: gpu_matches_cpu, gpu_resume,
                      gpu_parallel, gpu_graphs, gpu_tune_agreement
 
 They launch build/bin/vitgrid on 1-4 oversubscribed CPU ranks with the tiny deck beside this
@@ -860,6 +860,26 @@ def t_no_allocations(tmp):
         line = next((l for l in p.stdout.splitlines() if l.startswith("bench |")), "")
         check("allocs from step 1 0 | allocs in timed steps 0" in line,
               f"{what} on {np_} ranks: no allocation after setup ({line[line.find('allocs'):]})")
+
+
+def t_bench_report(tmp):
+    """`vitgrid bench` on the CPU backend: no MFU against a GPU's peak (none is known for a CPU)
+    unless --peak-tflops is given, then MFU = per-device FLOP rate / that peak; the log counts
+    "1 rank"."""
+    common = ["bench", DECK, f"--run.out_dir={tmp}", "--warmup=1", "--steps=2"]
+    p = run(1, common)
+    line = next((l for l in p.stdout.splitlines() if l.startswith("bench |")), "")
+    check("MFU n/a" in line and "TFLOP/s)" not in line and "--peak-tflops" in line,
+          f"no MFU without a peak: {line[line.find('MFU'):line.find('| peak mem')]}")
+    check("vitgrid 0.1.0: 1 rank," in p.stdout, "the log says 1 rank")
+    p = run(1, common + ["--peak-tflops=0.01"])
+    line = next((l for l in p.stdout.splitlines() if l.startswith("bench |")), "")
+    m = re.search(r"\| ([\d.]+) GFLOP/s/device \| MFU ([\d.]+)% \(peak 0.01 TFLOP/s\)", line)
+    # the rate is printed to 0.1 GFLOP/s, MFU to 0.01%
+    check(m is not None and abs(float(m.group(2)) / 10 - float(m.group(1))) <= 0.051,
+          f"--peak-tflops=0.01: MFU = rate / 10 GFLOP/s ({line[line.find('| ', 60):line.find('| peak mem')]})")
+    p = run(2, common)
+    check("vitgrid 0.1.0: 2 ranks," in p.stdout, "the log says 2 ranks")
 
 
 def gpus_or_skip():

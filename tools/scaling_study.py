@@ -123,8 +123,8 @@ def launch(args, n, layout, env_extra=None):
 
 
 def result(run):
-    """(img/s, step ms, MFU %, peak memory GiB) of a launch(); exits with its output if it
-    failed."""
+    """(img/s, step ms, MFU % or None, peak memory GiB) of a launch(); exits with its output if
+    it failed."""
     cmd, p, out, err = run
     p.wait()
     out.seek(0)
@@ -136,7 +136,8 @@ def result(run):
     if p.returncode != 0 or line is None:
         sys.exit(f"scaling_study: {' '.join(cmd)} failed:\n{stdout[-2000:]}{stderr[-2000:]}")
     ips = float(re.search(r"\| ([\d.]+) img/s \|", line).group(1))
-    mfu = float(re.search(r"MFU ([\d.]+)%", line).group(1))
+    m = re.search(r"MFU ([\d.]+)%", line)  # none on the CPU backend without --peak-tflops
+    mfu = float(m.group(1)) if m else None
     mem = float(re.search(r"peak mem ([\d.]+) GiB", line).group(1))
     step = float(re.search(r"step ([\d.]+) ms", line).group(1))
     return ips, step, mfu, mem
@@ -225,7 +226,7 @@ def main():
         for ref in (slowest, busy):
             if ref:
                 cols.append(f"{100 * per / ref:.1f}%" if a.layout == "dp" else "")
-        cols += [f"{mfu:.1f}%", f"{mem:.2f}"] + clock_cols(c)
+        cols += [f"{mfu:.1f}%" if mfu is not None else "n/a", f"{mem:.2f}"] + clock_cols(c)
         rows.append("| " + " | ".join(cols) + " |")
         print(rows[-1], flush=True)
     text += "\n".join(rows) + "\n"

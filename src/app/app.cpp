@@ -121,14 +121,7 @@ int run_app(int argc, char** argv) {
     Trainer trainer(world, deck);
     if (cmd == "train") return trainer.train();
     if (cmd == "eval") return trainer.evaluate_only();
-    if (cmd == "bench") {
-      // peak dense TFLOP/s of one device for MFU: H100/H200 bf16/fp16 989, tf32 494, fp32 67
-      if (peak <= 0.0) {
-        const std::string& m = deck.precision.mode;
-        peak = (m == "bf16" || m == "fp16" || m == "fp16-naive") ? 989.0 : (m == "tf32" ? 494.0 : 67.0);
-      }
-      return trainer.bench(warmup, steps, peak, profile);
-    }
+    if (cmd == "bench") return trainer.bench(warmup, steps, peak, profile);  // peak 0: not given
     return trainer.predict();
   } catch (const UserError& e) {
     fail_agreed(e.what(), kExitUserError);

@@ -199,8 +199,8 @@ struct Trainer::Impl {
     });
     grid = std::make_unique<ProcessGrid>(world, gs);
     const std::string rank_map = grid->rank_map();
-    log("vitgrid 0.1.0: %d ranks, grid pipeline %d x data %d x tensor %d (%s)\n",
-        grid->world_size(), gs.pipeline, gs.data, gs.tensor,
+    log("vitgrid 0.1.0: %d rank%s, grid pipeline %d x data %d x tensor %d (%s)\n",
+        grid->world_size(), grid->world_size() == 1 ? "" : "s", gs.pipeline, gs.data, gs.tensor,
         gs.tensor <= 1 ? "none"
                        : gs.sequence_parallel ? "1d, sequence parallel" : tensor_mode_name(gs.mode));
     log.block("---- resolved deck\n" + deck.resolved_text() + "---- rank map\n" + rank_map);
@@ -916,10 +916,16 @@ struct Trainer::Impl {
     if (!resumed && !deck.checkpoint.load.empty()) load_checkpoint(deck.checkpoint.load, false);
     if (grid->world_rank() == 0) mkdirs(deck.run.out_dir);
     MPI_Barrier(world);
-    MetricsWriter metrics(world, deck.run.out_dir + "/metrics.h5", deck.resolved_text(),
-                          {grid->shape().pipeline, grid->shape().data, grid->shape().tensor},
-                          grid->shape().tensor > 1 ? tensor_mode_name(grid->shape().mode) : "none",
-                          be->name(), resumed, step);
+    // a metrics.h5 this run cannot continue is refused with one message
+    std::unique_ptr<MetricsWriter> metrics_file;
+    agreed([&] {
+      metrics_file = std::make_unique<MetricsWriter>(
+          world, deck.run.out_dir + "/metrics.h5", deck.resolved_text(),
+          std::vector<int>{grid->shape().pipeline, grid->shape().data, grid->shape().tensor},
+          grid->shape().tensor > 1 ? tensor_mode_name(grid->shape().mode) : "none", be->name(),
+          resumed, step);
+    });
+    MetricsWriter& metrics = *metrics_file;
 
     LrSchedule sched(deck.optim, total_steps, warmup_steps);
     const int64_t G = deck.data.global_batch;
@@ -932,7 +938,11 @@ struct Trainer::Impl {
         static_cast<long long>(step), static_cast<long long>(G), grid->size(Axis::Data), A, b,
         deck.optim.name.c_str(), deck.optim.lr, static_cast<long long>(warmup_steps));
     const double t_start = now_s();
-    double t_log = t_start, t_prev = t_start;
+    // Step times: step s took completion(s) - max(completion(s-1), start of enqueue(s)), the
+    // time it held the device (CPU: the host) on its own, so neither an evaluation, a
+    // checkpoint or a metrics write between two steps nor the host running ahead counts.
+    double t_done = -INFINITY;  // completion of the last finished step
+    double log_time = 0.0;      // the slowest rank's step times since the last log line
     int64_t steps_since_log = 0;
     double last_loss = 0.0;
     const int64_t first_step = step;
@@ -944,21 +954,27 @@ struct Trainer::Impl {
       next_hb = next_batch();
       start_upload(*next_hb, slot, step);
     }
-    // Steps are enqueued one ahead of the host's bookkeeping: step k's loss and norm are read
-    // back (finish) while step k+1 computes, so the host never stalls the device.
-    std::deque<PendingStep> inflight;
+    // On an asynchronous backend steps are enqueued one ahead of the host's bookkeeping: step
+    // k's loss and norm are read back (finish) while step k+1 computes, so the host never
+    // stalls the device, and step k is complete when its scalars come back. On a synchronous
+    // one enqueueing computed the step: it is finished at once, so that its completion is
+    // observed then, not after the next step computed too.
+    const size_t ahead = be->asynchronous() ? 1 : 0;
+    std::deque<std::pair<PendingStep, double>> inflight;  // with the start of its enqueue
     auto finish = [&] {
-      const PendingStep p = inflight.front();
+      const PendingStep p = inflight.front().first;
+      const double t_enqueue = inflight.front().second;
       inflight.pop_front();
       double loss = 0.0, gnorm = 0.0;
       finish_step(p, &loss, &gnorm);
       const int64_t k = p.step + 1;  // completed steps
       const double now = now_s();
-      const double dt = now - t_prev;
-      t_prev = now;
+      const double dt = now - std::max(t_done, t_enqueue);
+      t_done = now;
       double dt_max = dt;
       MPI_Allreduce(MPI_IN_PLACE, &dt_max, 1, MPI_DOUBLE, MPI_MAX, world);
       ++steps_since_log;
+      log_time += dt_max;
       if (k == first_step + 1) {
         // the workspace was planned in setup(): a first step that allocates is worth a line
         long long n = static_cast<long long>(be->device_allocations() - allocs_before);
@@ -971,7 +987,8 @@ struct Trainer::Impl {
       metrics.add_train({k, loss, p.lr, gnorm, double(G) / dt_max, double(p.scale), dt,
                          double(be->peak_memory_bytes())});
       if (k % deck.run.log_every == 0 || k == total_steps) {
-        const double ips = double(G) * steps_since_log / std::max(now - t_log, 1e-9);
+        // the steps' own time: evaluations and checkpoints in the interval do not count
+        const double ips = double(G) * steps_since_log / std::max(log_time, 1e-9);
         const double eta = (total_steps - k) * (now - t_start) / double(k - first_step);
         log("step %6lld/%lld | epoch %6.2f | loss %.4f | lr %.3e | %8.1f img/s | %s | ETA "
             "%s%s\n",
@@ -979,13 +996,15 @@ struct Trainer::Impl {
             double(k) * G / train_ds->size(), loss, p.lr, ips,
             fmt_flops(ips * flops_sample).c_str(), fmt_duration(eta).c_str(),
             p.applied ? "" : " | overflow: step skipped");
-        t_log = now;
+        log_time = 0.0;
         steps_since_log = 0;
         metrics.flush();
       }
     };
     while (step < total_steps) {
-      inflight.push_back(enqueue_step(step, sched.at(step + 1), step + 1 < total_steps));
+      const double t_enqueue = now_s();
+      inflight.emplace_back(enqueue_step(step, sched.at(step + 1), step + 1 < total_steps),
+                            t_enqueue);
       ++step;
       const bool last = step == total_steps;
       const bool eval_due = (deck.run.eval_every > 0 && step % deck.run.eval_every == 0) || last;
@@ -993,8 +1012,8 @@ struct Trainer::Impl {
       const bool ckpt_due =
           (deck.checkpoint.every_steps > 0 && step % deck.checkpoint.every_steps == 0) || last ||
           stop;
-      // one step stays in flight; what reads the model after this step waits for all
-      while (inflight.size() > 1 || (!inflight.empty() && (eval_due || ckpt_due))) finish();
+      // `ahead` steps stay in flight; what reads the model after this step waits for all
+      while (inflight.size() > ahead || (!inflight.empty() && (eval_due || ckpt_due))) finish();
       if (eval_due) {
         double el, e1, e5;
         evaluate(&el, &e1, &e5);
@@ -1085,16 +1104,32 @@ struct Trainer::Impl {
       attention = cuda_attention_path(*compute_be, micro, cfg.tokens(),
                                       tp->local_heads(cfg.heads), cfg.head_dim());
 #endif
+    // MFU against the peak dense TFLOP/s of one device: --peak-tflops, else on the cuda backend
+    // H100/H200's (bf16/fp16 989, tf32 494, fp32 67). A CPU's peak depends on the machine and
+    // its cores: no MFU unless given.
+    if (peak_tflops <= 0.0 && be->name() == "cuda") {
+      const std::string& m = deck.precision.mode;
+      peak_tflops = (m == "bf16" || m == "fp16" || m == "fp16-naive") ? 989.0
+                    : m == "tf32"                                     ? 494.0
+                                                                      : 67.0;
+    }
+    char mfu[96];
+    if (peak_tflops > 0.0)
+      std::snprintf(mfu, sizeof mfu, "MFU %.2f%% (peak %g TFLOP/s)", 100.0 * per_dev / peak_tflops,
+                    peak_tflops);
+    else
+      std::snprintf(mfu, sizeof mfu,
+                    "MFU n/a (no known peak for the %s backend; give --peak-tflops=X)",
+                    be->name().c_str());
     log("bench | %s | %s | %s | world %d | global batch %lld | step %.2f ms | %.1f img/s | "
-        "%.1f img/s/device | %s/device | MFU %.2f%% (peak %.0f TFLOP/s) | peak mem %.2f GiB "
-        "(%.3f MiB) | zero %d | grad buckets %zu%s | allocs from step 1 %lld | allocs in timed "
-        "steps %lld | attention %s | cuda graphs %lld\n",
+        "%.1f img/s/device | %s/device | %s | peak mem %.2f GiB (%.3f MiB) | zero %d | grad "
+        "buckets %zu%s | allocs from step 1 %lld | allocs in timed steps %lld | attention %s | "
+        "cuda graphs %lld\n",
         deck.model.preset.c_str(), deck.precision.mode.c_str(), be->name().c_str(),
         grid->world_size(), static_cast<long long>(G), dt * 1e3, ips, ips / grid->world_size(),
-        fmt_flops(per_dev * 1e12).c_str(), 100.0 * per_dev / peak_tflops, peak_tflops,
-        mem_max / 1073741824.0, mem_max / 1048576.0, zero ? 1 : 0, reducer->buckets().size(),
-        overlap ? " overlapped" : "", allocs[0], allocs[1], attention.c_str(),
-        static_cast<long long>(graph_captures));
+        fmt_flops(per_dev * 1e12).c_str(), mfu, mem_max / 1073741824.0, mem_max / 1048576.0,
+        zero ? 1 : 0, reducer->buckets().size(), overlap ? " overlapped" : "", allocs[0], allocs[1],
+        attention.c_str(), static_cast<long long>(graph_captures));
     return 0;
   }
 

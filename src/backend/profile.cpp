@@ -19,6 +19,7 @@ class Profiled final : public ProfiledBackend {
   void reset() override { t_.clear(); }
   void set_enabled(bool on) override { on_ = on; }
   std::string name() const override { return b_->name(); }
+  bool asynchronous() const override { return b_->asynchronous(); }
   DType act_dtype() const override { return b_->act_dtype(); }
   size_t act_size() const override { return b_->act_size(); }
   void* alloc(size_t bytes) override { return b_->alloc(bytes); }

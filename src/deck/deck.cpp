@@ -93,7 +93,9 @@ const std::vector<Field>& schema() {
       VG_FIELD(run, seed, "", "seed of every random stream (init, data order, mixup, dropout)"),
       VG_FIELD(run, steps, "", "optimizer steps to train (exactly one of steps / epochs is > 0)"),
       VG_FIELD(run, epochs, "", "epochs to train, alternative to run.steps"),
-      VG_FIELD(run, log_every, "", "optimizer steps between log lines and metrics rows"),
+      VG_FIELD(run, log_every, "",
+               "optimizer steps between log lines; metrics.h5 has a row per step, written to "
+               "the file at each log line, evaluation and the end"),
       VG_FIELD(run, eval_every, "", "optimizer steps between evaluations (0 = only at the end)"),
       VG_FIELD(run, eval_samples, "", "samples used per evaluation (0 = the whole eval split)"),
       // [model]

@@ -3,7 +3,8 @@
 
     e2e.py NAME      NAME in: dp_equivalence, resume_exact, refusals, predict, optimizers,
                      tensor_parallel, pipeline, pipeline_hybrid, pipeline_refusals,
-                     overlap, stress, zero, no_allocations; on GPUs: gpu_matches_cpu, gpu_resume,
+                     overlap, stress, zero, no_allocations, metrics_other_world, step_times,
+                     bench_report; on GPUs: gpu_matches_cpu, gpu_resume,
                      gpu_parallel, gpu_graphs, gpu_tune_agreement
 
 They launch build/bin/vitgrid on 1-4 oversubscribed CPU ranks with the tiny deck beside this
@@ -557,6 +558,99 @@ def t_any_layout(tmp):
         check(qb <= 1e-3, f"{name}: qkv.bias within {qb:.2e} <= 1e-3 (zero-gradient k part)")
 
 
+def t_metrics_other_world(tmp):
+    """A run stopped at step 10 on 4 ranks (2d) and continued in the same run directory on 2
+    ranks (pipeline 2), as a requeued job on another node count does: it goes on, and
+    metrics.h5 holds steps 1-20 once each, the losses of steps 11-20 within 1e-4 of the
+    uninterrupted 4-rank run, per-rank tables 4 columns wide (NaN in columns 2-3 from step 11),
+    and a segments table naming both layouts; tools/plot_metrics.py reads it."""
+    four = ["--parallel.tensor=4", "--parallel.tensor_mode=2d"]
+    ref = os.path.join(tmp, "ref")
+    run(4, ["train", DECK, f"--run.out_dir={ref}", "--checkpoint.every_steps=10"] + four)
+    _, lref = losses(ref)
+    d = os.path.join(tmp, "d")
+    shutil.copytree(ref, d)
+    os.remove(os.path.join(d, "checkpoints", "step_00000020.h5"))
+    p = run(2, ["train", DECK, f"--run.out_dir={d}", "--checkpoint.every_steps=10",
+                "--checkpoint.resume=auto", "--parallel.pipeline=2", "--parallel.micro_batches=2"])
+    check("resuming" in p.stdout, "the 2-rank run resumed from the 4-rank checkpoint")
+    steps, l = losses(d)
+    check(list(steps) == list(range(1, 21)), f"steps 1..20 once each: {list(steps)}")
+    r = rel(l[10:], lref[10:]) if len(l) == 20 else np.inf
+    check(r <= 1e-4, f"steps 11-20 within {r:.2e} <= 1e-4 of the uninterrupted 4-rank run")
+    with h5py.File(os.path.join(d, "metrics.h5"), "r") as f:
+        st = f["/train/step_time_s"][()]
+        mem = f["/train/device_mem_bytes"][()]
+        ips = f["/train/images_per_s"][()]
+        seg = {k: f["segments"][k][()] for k in f["segments"]}
+        attrs = (int(f.attrs["world_size"]), list(f.attrs["grid"]))
+    for name, t in [("step_time_s", st), ("device_mem_bytes", mem)]:
+        ok = (t.shape == (20, 4) and np.all(np.isfinite(t[:10])) and np.all(t[:10] > 0)
+              and np.all(np.isfinite(t[10:, :2])) and np.all(t[10:, :2] > 0)
+              and np.all(np.isnan(t[10:, 2:])))
+        check(ok, f"/train/{name} {t.shape}: 4 ranks' columns for steps 1-10, 2 then NaN for 11-20")
+    # what a reader does: the slowest rank of each step, NaN columns ignored
+    check(np.allclose(ips, 16 / np.nanmax(st, axis=1), rtol=1e-12),
+          "images_per_s = global batch / the slowest rank's step time (nanmax over the row)")
+    check(list(seg["first_step"]) == [1, 11] and list(seg["world_size"]) == [4, 2]
+          and seg["grid"].tolist() == [[1, 1, 4], [2, 1, 1]]
+          and list(seg["tensor_mode"].astype(str)) == ["2d", "none"],
+          f"segments: {seg}")
+    check(attrs == (2, [2, 1, 1]), f"root attributes name the last layout: {attrs}")
+    png = os.path.join(tmp, "curves.png")
+    q = subprocess.run([sys.executable, os.path.join(HERE, "..", "..", "tools", "plot_metrics.py"),
+                        os.path.join(d, "metrics.h5"), os.path.join(ref, "metrics.h5"), "-o", png],
+                       capture_output=True, text=True)
+    check(q.returncode == 0 and os.path.exists(png) and os.path.getsize(png) > 0,
+          f"plot_metrics.py reads it (rc {q.returncode}) {q.stderr[-500:]}")
+    # a metrics.h5 that cannot be continued: one message, the same exit on every rank
+    with open(os.path.join(d, "metrics.h5"), "wb") as f:
+        f.write(b"not an hdf5 file" * 100)
+    p = run(2, ["train", DECK, f"--run.out_dir={d}", "--checkpoint.resume=auto",
+                "--parallel.pipeline=2", "--parallel.micro_batches=2"], timeout=60, expect_rc=None)
+    out = p.stdout + p.stderr
+    check(p.returncode == 2 and out.count("vitgrid: error:") == 1 and "metrics.h5" in out,
+          f"a garbage metrics.h5 refused: exit {p.returncode}, {out.count('vitgrid: error:')} message(s)")
+
+
+def t_step_times(tmp):
+    """Each metrics row's step time is what the step took, without the evaluation, checkpoint
+    and metrics writes around it: with an evaluation of 2048 samples and a checkpoint every 5
+    steps, no step time at those steps or right after them leaves [median/10, 10 * median] of
+    the other steps' (the evaluation alone is some 40 steps' worth; a drained queue gives ~0),
+    every time is > 0, images_per_s is the global batch over the slowest rank's time, and the
+    log lines' img/s are the steps' own rate over the interval."""
+    d = os.path.join(tmp, "st")
+    # a larger model than the tiny deck's: a step of some ms, above the machine's jitter
+    p = run(2, ["train", DECK, f"--run.out_dir={d}", "--run.eval_every=5", "--checkpoint.every_steps=5",
+                "--data.synthetic_eval=2048", "--run.eval_samples=2048", "--model.hidden=64",
+                "--model.heads=4", "--model.depth=4", "--model.image_size=16"])
+    with h5py.File(os.path.join(d, "metrics.h5"), "r") as f:
+        steps = f["/train/step"][()]
+        st = f["/train/step_time_s"][()]
+        ips = f["/train/images_per_s"][()]
+    check(list(steps) == list(range(1, 21)) and st.shape == (20, 2), "20 rows of 2 ranks")
+    check(np.all(st > 0), f"every step time > 0 (min {st.min():.3g} s)")
+    slowest = st.max(axis=1)
+    check(np.allclose(ips, 16 / slowest, rtol=1e-12), "images_per_s = 16 / the slowest rank's time")
+    around = [s for s in range(1, 21) if s % 5 == 0 or (s > 1 and (s - 1) % 5 == 0)]
+    others = [s for s in range(2, 21) if s not in around]
+    med = float(np.median(st[[s - 1 for s in others]]))
+    for s in around:
+        t = st[s - 1]
+        check(np.all(t >= med / 10) and np.all(t <= 10 * med),
+              f"step {s}: {', '.join(f'{x * 1e3:.2f}' for x in t)} ms within [{med * 1e2:.2f}, "
+              f"{med * 1e4:.2f}] ms (median of the other steps {med * 1e3:.2f} ms)")
+    # the log line at step k: img/s over steps k-4..k = 5 * 16 / their slowest times
+    logged = {int(m.group(1)): float(m.group(2)) for m in
+              re.finditer(r"^step +(\d+)/20 .*?\| +([\d.]+) img/s", p.stdout, re.M)}
+    check(sorted(logged) == [5, 10, 15, 20], f"log lines at steps {sorted(logged)}")
+    for k, v in sorted(logged.items()):
+        want = 5 * 16 / slowest[k - 5:k].sum()
+        check(abs(v - want) <= 0.05 + 1e-6 * want,
+              f"step {k}: logged {v:.1f} img/s = 80 / the steps' own time ({want:.1f})")
+
+
 def run_buckets(np_, args, bucket_mb, timeout=240):
     """run() with VITGRID_BUCKET_MB set (gradient bucket size; 0: no overlap)."""
     return run(np_, args, timeout=timeout, env={"VITGRID_BUCKET_MB": str(bucket_mb)})
@@ -847,6 +941,26 @@ def t_no_allocations(tmp):
         line = next((l for l in p.stdout.splitlines() if l.startswith("bench |")), "")
         check("allocs from step 1 0 | allocs in timed steps 0" in line,
               f"{what} on {np_} ranks: no allocation after setup ({line[line.find('allocs'):]})")
+
+
+def t_bench_report(tmp):
+    """`vitgrid bench` on the CPU backend: no MFU against a GPU's peak (none is known for a CPU)
+    unless --peak-tflops is given, then MFU = per-device FLOP rate / that peak; the log counts
+    "1 rank"."""
+    common = ["bench", DECK, f"--run.out_dir={tmp}", "--warmup=1", "--steps=2"]
+    p = run(1, common)
+    line = next((l for l in p.stdout.splitlines() if l.startswith("bench |")), "")
+    check("MFU n/a" in line and "TFLOP/s)" not in line and "--peak-tflops" in line,
+          f"no MFU without a peak: {line[line.find('MFU'):line.find('| peak mem')]}")
+    check("vitgrid 0.1.0: 1 rank," in p.stdout, "the log says 1 rank")
+    p = run(1, common + ["--peak-tflops=0.01"])
+    line = next((l for l in p.stdout.splitlines() if l.startswith("bench |")), "")
+    m = re.search(r"\| ([\d.]+) GFLOP/s/device \| MFU ([\d.]+)% \(peak 0.01 TFLOP/s\)", line)
+    # the rate is printed to 0.1 GFLOP/s, MFU to 0.01%
+    check(m is not None and abs(float(m.group(2)) / 10 - float(m.group(1))) <= 0.051,
+          f"--peak-tflops=0.01: MFU = rate / 10 GFLOP/s ({line[line.find('| ', 60):line.find('| peak mem')]})")
+    p = run(2, common)
+    check("vitgrid 0.1.0: 2 ranks," in p.stdout, "the log says 2 ranks")
 
 
 def gpus_or_skip():

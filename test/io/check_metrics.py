@@ -42,6 +42,12 @@ def main():
         assert np.array_equal(t["loss_scale"][:], np.full(n, 1024.0))
         assert np.array_equal(t["step_time_s"][:], ranks[None, :] + s[:, None])
         assert np.array_equal(t["device_mem_bytes"][:], 1e9 + 1000.0 * ranks[None, :] + s[:, None])
+        # one run wrote it: one segment, from step 1, on p ranks, 1d
+        g = f["segments"]
+        assert np.array_equal(g["first_step"][:], [1]), g["first_step"][:]
+        assert np.array_equal(g["world_size"][:], [p]), g["world_size"][:]
+        assert np.array_equal(g["grid"][:], [[1, p, 1]]), g["grid"][:]
+        assert list(g["tensor_mode"][:].astype(str)) == ["1d"], g["tensor_mode"][:]
         e = f["eval"]
         assert np.array_equal(e["step"][:], evals), e["step"][:]
         assert np.array_equal(e["loss"][:], 2.0 / evals)

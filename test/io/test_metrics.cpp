@@ -1,6 +1,13 @@
 // metrics.h5: rows appended over several flushes, per-rank columns, root attributes, h5py
-// readability mid-run, and append mode cutting the rows a resumed run recomputes.
+// readability mid-run, append mode cutting the rows a resumed run recomputes, runs on other
+// world sizes continuing one file (segments, NaN columns, truncation across segments), and a
+// file with fixed-width per-rank tables continued.
 #include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <tuple>
 
 #include "io_test_util.h"
 #include "vitgrid/io/metrics.h"
@@ -19,8 +26,8 @@ vitgrid::TrainRow train_row(int64_t s, int variant = 0) {
   r.grad_norm = s + 0.5;
   r.images_per_s = 100.0 * s;
   r.loss_scale = 1024.0;
-  r.step_time_s = rank_of() + s;
-  r.device_mem_bytes = 1e9 + 1000.0 * rank_of() + s;
+  r.step_time_s = rank_of() + s + 1000.0 * variant;
+  r.device_mem_bytes = 1e9 + 1000.0 * rank_of() + s + 1e6 * variant;
   return r;
 }
 
@@ -56,11 +63,19 @@ void expect_train(const std::string& path, const std::vector<int64_t>& steps,
     EXPECT_EQ(ips[i], 100.0 * s);
     EXPECT_EQ(ls[i], 1024.0);
     for (size_t r = 0; r < p; ++r) {
-      EXPECT_EQ(st[i * p + r], static_cast<double>(r + s)) << "row " << i << " rank " << r;
-      EXPECT_EQ(mem[i * p + r], 1e9 + 1000.0 * r + s) << "row " << i << " rank " << r;
+      EXPECT_EQ(st[i * p + r], r + s + 1000.0 * variants[i]) << "row " << i << " rank " << r;
+      EXPECT_EQ(mem[i * p + r], 1e9 + 1000.0 * r + s + 1e6 * variants[i])
+          << "row " << i << " rank " << r;
     }
   }
 }
+
+struct Segment {
+  int64_t first_step;
+  int world;
+  std::string mode;
+};
+void expect_segments(const std::string& path, const std::vector<Segment>& segs);
 
 void expect_eval(const std::string& path, const std::vector<int64_t>& steps) {
   EXPECT_EQ(vgtest::read_all<int64_t>(path, "/eval/step", H5T_NATIVE_INT64), steps);
@@ -114,6 +129,7 @@ TEST(Metrics, FlushesColumnsAndAttributes) {
   EXPECT_EQ(vgtest::read_string_attr(path, "version"), "0.1.0");
   EXPECT_EQ(vgtest::read_int_attr(path, "world_size"), std::vector<int>{size_of()});
   EXPECT_EQ(vgtest::read_int_attr(path, "grid"), grid());
+  expect_segments(path, {{1, size_of(), "1d"}});
   std::lock_guard<std::recursive_mutex> lock(vitgrid::hdf5_mutex());
   vitgrid::io_detail::H5Id f(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
   vitgrid::io_detail::H5Id a(H5Aopen(f, "checkpoint_gbps", H5P_DEFAULT));
@@ -136,12 +152,14 @@ TEST(Metrics, AppendCutsRowsAfterResumeStep) {
   if (rank_of() == 0) {
     expect_train(path, {1, 2, 3, 4, 5, 6, 7}, {0, 0, 0, 1, 1, 1, 1});
     expect_eval(path, {2, 6});
+    expect_segments(path, {{1, size_of(), "1d"}, {4, size_of(), "1d"}});
   }
   // resume before the first step: everything is cut
   { vitgrid::MetricsWriter mw(MPI_COMM_WORLD, path, kDeck, grid(), "1d", "cpu", true, 0); }
   if (rank_of() == 0) {
     expect_train(path, {}, {});
     expect_eval(path, {});
+    expect_segments(path, {{1, size_of(), "1d"}});
   }
   // append to a file that does not exist yet: created
   const std::string fresh = tmp / "fresh.h5";
@@ -149,27 +167,288 @@ TEST(Metrics, AppendCutsRowsAfterResumeStep) {
     vitgrid::MetricsWriter mw(MPI_COMM_WORLD, fresh, kDeck, grid(), "1d", "cpu", true, 100);
     mw.add_train(train_row(1));
   }
-  if (rank_of() == 0) expect_train(fresh, {1}, {0});
+  if (rank_of() == 0) {
+    expect_train(fresh, {1}, {0});
+    expect_segments(fresh, {{101, size_of(), "1d"}});
+  }
 }
 
-TEST(Metrics, AppendRefusesOtherWorldSizeAndGarbage) {
-  vgtest::SharedTmpDir tmp;
-  const std::string path = tmp / "metrics.h5";
-  write_six(path, false);
-  if (rank_of() == 0) {
-    // as if written by a run with one more rank
-    std::lock_guard<std::recursive_mutex> lock(vitgrid::hdf5_mutex());
-    vitgrid::io_detail::H5Id f(H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
-    ASSERT_TRUE(f.valid());
-    vitgrid::io_detail::write_attr_int(f, "world_size", size_of() + 1);
+// ---- runs on other world sizes continuing one file
+
+std::vector<int> grid_of(int n) { return {1, n, 1}; }
+
+// A train row as the file should hold it: its step, variant, and the world size of the run
+// that wrote it (its per-rank columns beyond that are NaN).
+struct Row {
+  int64_t step;
+  int variant;
+  int ranks;
+};
+
+void expect_rows(const std::string& path, const std::vector<Row>& rows, size_t width) {
+  const size_t n = rows.size();
+  std::vector<int64_t> steps;
+  std::vector<int> variants;
+  for (const Row& r : rows) steps.push_back(r.step), variants.push_back(r.variant);
+  EXPECT_EQ(vgtest::read_all<int64_t>(path, "/train/step", H5T_NATIVE_INT64), steps);
+  auto loss = vgtest::read_all<double>(path, "/train/loss", H5T_NATIVE_DOUBLE);
+  std::vector<hsize_t> d2, d3;
+  auto st = vgtest::read_all<double>(path, "/train/step_time_s", H5T_NATIVE_DOUBLE, &d2);
+  auto mem = vgtest::read_all<double>(path, "/train/device_mem_bytes", H5T_NATIVE_DOUBLE, &d3);
+  EXPECT_EQ(d2, (std::vector<hsize_t>{n, width}));
+  EXPECT_EQ(d3, (std::vector<hsize_t>{n, width}));
+  ASSERT_EQ(loss.size(), n);
+  ASSERT_EQ(st.size(), n * width);
+  ASSERT_EQ(mem.size(), n * width);
+  for (size_t i = 0; i < n; ++i) {
+    const Row& w = rows[i];
+    EXPECT_EQ(loss[i], train_row(w.step, w.variant).loss) << "row " << i;
+    for (size_t r = 0; r < width; ++r) {
+      const double t = st[i * width + r], m = mem[i * width + r];
+      if (r < static_cast<size_t>(w.ranks)) {
+        EXPECT_EQ(t, r + w.step + 1000.0 * w.variant) << "step " << w.step << " rank " << r;
+        EXPECT_EQ(m, 1e9 + 1000.0 * r + w.step + 1e6 * w.variant)
+            << "step " << w.step << " rank " << r;
+      } else {
+        EXPECT_TRUE(std::isnan(t)) << "step " << w.step << " column " << r << ": " << t;
+        EXPECT_TRUE(std::isnan(m)) << "step " << w.step << " column " << r << ": " << m;
+      }
+    }
+  }
+}
+
+void expect_segments(const std::string& path, const std::vector<Segment>& segs) {
+  std::vector<int64_t> first, world, grid;
+  std::vector<hsize_t> gdims;
+  std::vector<std::string> modes;
+  for (const Segment& g : segs) {
+    first.push_back(g.first_step);
+    world.push_back(g.world);
+    for (int x : grid_of(g.world)) grid.push_back(x);
+    modes.push_back(g.mode);
+  }
+  EXPECT_EQ(vgtest::read_all<int64_t>(path, "/segments/first_step", H5T_NATIVE_INT64), first);
+  EXPECT_EQ(vgtest::read_all<int64_t>(path, "/segments/world_size", H5T_NATIVE_INT64), world);
+  EXPECT_EQ(vgtest::read_all<int64_t>(path, "/segments/grid", H5T_NATIVE_INT64, &gdims), grid);
+  EXPECT_EQ(gdims, (std::vector<hsize_t>{segs.size(), 3}));
+  // fixed-length strings, read as 16-byte NUL-padded names
+  std::lock_guard<std::recursive_mutex> lock(vitgrid::hdf5_mutex());
+  vitgrid::io_detail::H5Id f(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
+  vitgrid::io_detail::H5Id d(H5Dopen2(f, "/segments/tensor_mode", H5P_DEFAULT));
+  ASSERT_TRUE(d.valid());
+  vitgrid::io_detail::H5Id t(H5Tcopy(H5T_C_S1));
+  H5Tset_size(t, 16);
+  std::vector<char> buf(16 * segs.size() + 1, 0);
+  ASSERT_GE(H5Dread(d, t, H5S_ALL, H5S_ALL, H5P_DEFAULT, buf.data()), 0);
+  std::vector<std::string> got;
+  for (size_t i = 0; i < segs.size(); ++i)
+    got.emplace_back(buf.data() + 16 * i, strnlen(buf.data() + 16 * i, 16));
+  EXPECT_EQ(got, modes);
+}
+
+// Runs fn(comm) on the first n ranks (a communicator of their own); the others wait.
+void on_ranks(int n, const std::function<void(MPI_Comm)>& fn) {
+  MPI_Comm c = MPI_COMM_NULL;
+  MPI_Comm_split(MPI_COMM_WORLD, rank_of() < n ? 0 : MPI_UNDEFINED, rank_of(), &c);
+  if (c != MPI_COMM_NULL) {
+    fn(c);
+    MPI_Comm_free(&c);
   }
   MPI_Barrier(MPI_COMM_WORLD);
-  vgtest::expect_user_error_everywhere(
-      [&] { vitgrid::MetricsWriter mw(MPI_COMM_WORLD, path, kDeck, grid(), "1d", "cpu", true, 3); },
-      {path, "written by " + std::to_string(size_of() + 1) + " ranks"});
-  // the refused file is untouched
-  if (rank_of() == 0) expect_train(path, {1, 2, 3, 4, 5, 6}, {0, 0, 0, 0, 0, 0});
+}
 
+// One run of the writer on the first n ranks: resumes after `resume` (fresh when < 0) and
+// writes steps [first, last] as `variant`, with an eval row at `last`.
+void run_on(const std::string& path, int n, const char* mode, int64_t resume, int64_t first,
+            int64_t last, int variant) {
+  on_ranks(n, [&](MPI_Comm c) {
+    vitgrid::MetricsWriter mw(c, path, kDeck, grid_of(n), mode, "cpu", resume >= 0,
+                              std::max<int64_t>(resume, 0));
+    for (int64_t s = first; s <= last; ++s) {
+      mw.add_train(train_row(s, variant));
+      if (s == first + 1) mw.flush();
+    }
+    mw.add_eval(eval_row(last));
+  });
+}
+
+TEST(Metrics, RunsOnOtherWorldSizesContinueTheFile) {
+  const int P = size_of(), h = P / 2;
+  if (P < 2) return;  // needs two world sizes
+  vgtest::SharedTmpDir tmp;
+  const std::string path = tmp / "metrics.h5";
+  const bool root = rank_of() == 0;
+  // h ranks, steps 1-6
+  run_on(path, h, "1d", -1, 1, 6, 0);
+  // P ranks from step 4: the table widens, the rows kept from the h-rank run NaN beyond h
+  run_on(path, P, "2d", 4, 5, 8, 1);
+  if (root) {
+    expect_rows(
+        path,
+        {{1, 0, h}, {2, 0, h}, {3, 0, h}, {4, 0, h}, {5, 1, P}, {6, 1, P}, {7, 1, P}, {8, 1, P}},
+        P);
+    expect_segments(path, {{1, h, "1d"}, {5, P, "2d"}});
+    expect_eval(path, {8});
+    EXPECT_EQ(vgtest::read_int_attr(path, "world_size"), std::vector<int>{P});
+    EXPECT_EQ(vgtest::read_int_attr(path, "grid"), grid_of(P));
+    EXPECT_EQ(vgtest::read_string_attr(path, "tensor_mode"), "2d");
+  }
+  // h ranks from step 6 (inside the P-rank segment): the table stays P wide, NaN beyond h
+  run_on(path, h, "none", 6, 7, 9, 2);
+  if (root) {
+    expect_rows(path,
+                {{1, 0, h},
+                 {2, 0, h},
+                 {3, 0, h},
+                 {4, 0, h},
+                 {5, 1, P},
+                 {6, 1, P},
+                 {7, 2, h},
+                 {8, 2, h},
+                 {9, 2, h}},
+                P);
+    expect_segments(path, {{1, h, "1d"}, {5, P, "2d"}, {7, h, "none"}});
+    expect_eval(path, {9});
+    EXPECT_EQ(vgtest::read_int_attr(path, "world_size"), std::vector<int>{h});
+    EXPECT_EQ(vgtest::read_string_attr(path, "tensor_mode"), "none");
+  }
+  // h ranks from step 2: the cut crosses two segment boundaries into the first segment; no
+  // P-rank segment is left, so the tables narrow to h columns
+  run_on(path, h, "1d", 2, 3, 5, 3);
+  if (root) {
+    expect_rows(path, {{1, 0, h}, {2, 0, h}, {3, 3, h}, {4, 3, h}, {5, 3, h}}, h);
+    expect_segments(path, {{1, h, "1d"}, {3, h, "1d"}});
+    expect_eval(path, {5});
+  }
+  // P ranks from step 5: widened again, the earlier rows' new columns NaN (not what the
+  // narrowed columns held before)
+  run_on(path, P, "2d", 5, 6, 7, 4);
+  if (root) {
+    expect_rows(path, {{1, 0, h}, {2, 0, h}, {3, 3, h}, {4, 3, h}, {5, 3, h}, {6, 4, P}, {7, 4, P}},
+                P);
+    expect_segments(path, {{1, h, "1d"}, {3, h, "1d"}, {6, P, "2d"}});
+    expect_eval(path, {5, 7});
+  }
+  // from step 0 on h ranks: everything cut, one segment
+  run_on(path, h, "1d", 0, 1, 2, 5);
+  if (root) {
+    expect_rows(path, {{1, 5, h}, {2, 5, h}}, h);
+    expect_segments(path, {{1, h, "1d"}});
+    expect_eval(path, {2});
+  }
+}
+
+// A metrics.h5 as written before the segments table: per-rank tables of a fixed width `w`,
+// steps 1-6, root attributes naming a w-rank grid (rank 0, serial HDF5).
+void write_fixed_width_file(const std::string& path, int w) {
+  std::lock_guard<std::recursive_mutex> lock(vitgrid::hdf5_mutex());
+  using vitgrid::io_detail::H5Id;
+  H5Id f(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT));
+  ASSERT_TRUE(f.valid());
+  H5Id lcpl(H5Pcreate(H5P_LINK_CREATE));
+  H5Pset_create_intermediate_group(lcpl, 1);
+  const hsize_t n = 6;
+  auto make = [&](const char* name, bool per_rank, hid_t type, const void* data) {
+    const int nd = per_rank ? 2 : 1;
+    hsize_t dims[2] = {n, static_cast<hsize_t>(w)}, maxd[2] = {H5S_UNLIMITED, dims[1]};
+    hsize_t chunk[2] = {16, dims[1]};
+    H5Id space(H5Screate_simple(nd, dims, maxd));
+    H5Id dcpl(H5Pcreate(H5P_DATASET_CREATE));
+    H5Pset_chunk(dcpl, nd, chunk);
+    H5Pset_alloc_time(dcpl, H5D_ALLOC_TIME_EARLY);  // as a parallel writer's datasets are
+    H5Id d(H5Dcreate2(f, name, type == H5T_NATIVE_INT64 ? H5T_STD_I64LE : H5T_IEEE_F64LE, space,
+                      lcpl, dcpl, H5P_DEFAULT));
+    ASSERT_TRUE(d.valid()) << name;
+    ASSERT_GE(H5Dwrite(d, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data), 0);
+  };
+  std::vector<int64_t> step;
+  std::vector<double> loss, lr, gn, ips, ls, st, mem;
+  for (int64_t s = 1; s <= 6; ++s) {
+    const auto r = train_row(s);
+    step.push_back(s), loss.push_back(r.loss), lr.push_back(r.lr), gn.push_back(r.grad_norm);
+    ips.push_back(r.images_per_s), ls.push_back(r.loss_scale);
+    for (int k = 0; k < w; ++k) st.push_back(k + s), mem.push_back(1e9 + 1000.0 * k + s);
+  }
+  make("train/step", false, H5T_NATIVE_INT64, step.data());
+  make("train/loss", false, H5T_NATIVE_DOUBLE, loss.data());
+  make("train/lr", false, H5T_NATIVE_DOUBLE, lr.data());
+  make("train/grad_norm", false, H5T_NATIVE_DOUBLE, gn.data());
+  make("train/images_per_s", false, H5T_NATIVE_DOUBLE, ips.data());
+  make("train/loss_scale", false, H5T_NATIVE_DOUBLE, ls.data());
+  make("train/step_time_s", true, H5T_NATIVE_DOUBLE, st.data());
+  make("train/device_mem_bytes", true, H5T_NATIVE_DOUBLE, mem.data());
+  const int64_t es[2] = {2, 4};
+  const double el[2] = {eval_row(2).loss, eval_row(4).loss},
+               e1[2] = {eval_row(2).top1, eval_row(4).top1},
+               e5[2] = {eval_row(2).top5, eval_row(4).top5};
+  hsize_t two = 2, unl = H5S_UNLIMITED;
+  for (auto [name, type, data] :
+       {std::tuple<const char*, hid_t, const void*>{"eval/step", H5T_NATIVE_INT64, es},
+        {"eval/loss", H5T_NATIVE_DOUBLE, el},
+        {"eval/top1", H5T_NATIVE_DOUBLE, e1},
+        {"eval/top5", H5T_NATIVE_DOUBLE, e5}}) {
+    H5Id space(H5Screate_simple(1, &two, &unl));
+    H5Id dcpl(H5Pcreate(H5P_DATASET_CREATE));
+    H5Pset_chunk(dcpl, 1, &two);
+    H5Pset_alloc_time(dcpl, H5D_ALLOC_TIME_EARLY);
+    H5Id d(H5Dcreate2(f, name, type == H5T_NATIVE_INT64 ? H5T_STD_I64LE : H5T_IEEE_F64LE, space,
+                      lcpl, dcpl, H5P_DEFAULT));
+    ASSERT_GE(H5Dwrite(d, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data), 0);
+  }
+  vitgrid::io_detail::write_attr_string(f, "deck", kDeck);
+  vitgrid::io_detail::write_attr_int(f, "world_size", w);
+  vitgrid::io_detail::write_attr_ints(f, "grid", grid_of(w));
+  vitgrid::io_detail::write_attr_string(f, "tensor_mode", "2.5d");
+  vitgrid::io_detail::write_attr_string(f, "backend", "cpu");
+  vitgrid::io_detail::write_attr_string(f, "version", "0.1.0");
+}
+
+// Whether the per-rank tables can now take more columns.
+bool columns_unlimited(const std::string& path, const char* dset) {
+  std::lock_guard<std::recursive_mutex> lock(vitgrid::hdf5_mutex());
+  vitgrid::io_detail::H5Id f(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
+  vitgrid::io_detail::H5Id d(H5Dopen2(f, dset, H5P_DEFAULT));
+  vitgrid::io_detail::H5Id space(H5Dget_space(d));
+  hsize_t dims[2] = {0, 0}, maxd[2] = {0, 0};
+  if (H5Sget_simple_extent_ndims(space) != 2) return false;
+  H5Sget_simple_extent_dims(space, dims, maxd);
+  return maxd[1] == H5S_UNLIMITED;
+}
+
+TEST(Metrics, ContinuesAFileWithFixedWidthTables) {
+  const int P = size_of();
+  // written by one rank more than this run, then (P > 1) by one rank fewer
+  for (int w : {P + 1, P - 1}) {
+    if (w < 1) continue;
+    vgtest::SharedTmpDir tmp;
+    const std::string path = tmp / "metrics.h5";
+    if (rank_of() == 0) write_fixed_width_file(path, w);
+    MPI_Barrier(MPI_COMM_WORLD);
+    run_on(path, P, "1d", 4, 5, 7, 1);
+    if (rank_of() != 0) continue;
+    SCOPED_TRACE("fixed width " + std::to_string(w) + ", continued on " + std::to_string(P));
+    expect_rows(path, {{1, 0, w}, {2, 0, w}, {3, 0, w}, {4, 0, w}, {5, 1, P}, {6, 1, P}, {7, 1, P}},
+                std::max(w, P));
+    expect_segments(path, {{1, w, "2.5d"}, {5, P, "1d"}});
+    expect_eval(path, {2, 4, 7});
+    EXPECT_TRUE(columns_unlimited(path, "/train/step_time_s"));
+    EXPECT_TRUE(columns_unlimited(path, "/train/device_mem_bytes"));
+    EXPECT_EQ(vgtest::read_int_attr(path, "world_size"), std::vector<int>{P});
+  }
+  // from step 0: nothing of the old layout is left
+  vgtest::SharedTmpDir tmp;
+  const std::string path = tmp / "metrics.h5";
+  if (rank_of() == 0) write_fixed_width_file(path, P + 1);
+  MPI_Barrier(MPI_COMM_WORLD);
+  run_on(path, P, "1d", 0, 1, 2, 1);
+  if (rank_of() == 0) {
+    expect_rows(path, {{1, 1, P}, {2, 1, P}}, P);
+    expect_segments(path, {{1, P, "1d"}});
+  }
+}
+
+TEST(Metrics, AppendRefusesGarbageAndBrokenSegments) {
+  vgtest::SharedTmpDir tmp;
   const std::string garbage = tmp / "garbage.h5";
   if (rank_of() == 0) {
     FILE* f = std::fopen(garbage.c_str(), "wb");
@@ -180,6 +459,21 @@ TEST(Metrics, AppendRefusesOtherWorldSizeAndGarbage) {
   vgtest::expect_user_error_everywhere(
       [&] { vitgrid::MetricsWriter mw(MPI_COMM_WORLD, garbage, kDeck, grid(), "1d", "cpu", true, 3); },
       {garbage, "not an HDF5 file"});
+
+  // a segments table missing a column
+  const std::string path = tmp / "metrics.h5";
+  write_six(path, false);
+  if (rank_of() == 0) {
+    std::lock_guard<std::recursive_mutex> lock(vitgrid::hdf5_mutex());
+    vitgrid::io_detail::H5Id f(H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT));
+    ASSERT_TRUE(f.valid());
+    ASSERT_GE(H5Ldelete(f, "/segments/grid", H5P_DEFAULT), 0);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  vgtest::expect_user_error_everywhere(
+      [&] { vitgrid::MetricsWriter mw(MPI_COMM_WORLD, path, kDeck, grid(), "1d", "cpu", true, 3); },
+      {path, "/segments/grid", "missing"});
+  if (rank_of() == 0) expect_train(path, {1, 2, 3, 4, 5, 6}, {0, 0, 0, 0, 0, 0});
 }
 
 }  // namespace

@@ -96,6 +96,8 @@ exit $rc
             check(abs(vb - 100 * per / busy) < 0.06,
                   f"{r[0]} rank(s): {vb}% = per-rank {per} / slowest GPU with all busy {busy}")
         check(ranks[0][6] == "100.0%", "efficiency against the first row: 100% there")
+        check(all(r[9] == "n/a" for r in ranks),
+              f"no MFU on CPU ranks (no known peak): {[r[9] for r in ranks]}")
     events = open(log).read().split() if os.path.exists(log) else []
     events = list(zip(events[::2], events[1::2]))
     # alone: start 0, end 0, start 1, end 1; at once: both start before either ends; then the

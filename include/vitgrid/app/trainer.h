@@ -22,7 +22,8 @@ class Trainer {
   int predict();
   // Throughput: `warmup` untimed then `steps` timed training steps on one fixed synthetic
   // batch (no input pipeline in the loop), full optimizer step included. Prints images/s,
-  // step time, model TFLOP/s, MFU against `peak_tflops` per device and peak memory.
+  // step time, model TFLOP/s, MFU against `peak_tflops` per device (0: the GPU's on the cuda
+  // backend, none on the CPU) and peak memory.
   // With `profile`, 3 more steps time every op (synchronised) and print the table.
   int bench(int warmup, int steps, double peak_tflops, bool profile);
 

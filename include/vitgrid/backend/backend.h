@@ -140,6 +140,10 @@ class Backend {
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
   virtual void zero(void* p, size_t bytes) = 0;
   virtual void synchronize() = 0;
+  // Whether ops return before their work is done. CUDA: true, work is enqueued on streams and
+  // completes later (a caller sees it done through a call that returns values, e.g.
+  // readback_wait). CPU: false, every op's work is done when it returns.
+  virtual bool asynchronous() const = 0;
   virtual size_t peak_memory_bytes() const = 0;  // high-water mark of alloc()
 
   // ---- workspace planning: the largest shapes the step will run, known from the deck, so a

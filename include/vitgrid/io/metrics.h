@@ -1,8 +1,17 @@
-// metrics.h5, written collectively while training (DESIGN.md): extendible chunked datasets
+// metrics.h5, written collectively while training: extendible chunked datasets
 //   /train/step /train/loss /train/lr /train/grad_norm /train/images_per_s /train/loss_scale
-//   /train/step_time_s [steps, world] and /train/device_mem_bytes [steps, world] (each rank
-//   writes its own column), /eval/step /eval/loss /eval/top1 /eval/top5;
-//   root attributes deck, world_size, grid, tensor_mode, backend, version.
+//     one row per step (int64 step, float64 values);
+//   /train/step_time_s and /train/device_mem_bytes [steps, width]: rank r's value in column r,
+//     width the largest world size of the file's segments, NaN in the columns beyond the ranks
+//     of the segment a row belongs to;
+//   /eval/step /eval/loss /eval/top1 /eval/top5, one row per evaluation;
+//   /segments/first_step /segments/world_size (int64 [segments]), /segments/grid (int64
+//     [segments, 3]: pipeline, data, tensor), /segments/tensor_mode (16-byte strings): one row
+//     per run that wrote the file, the first one and each resumed one, whatever its layout;
+//     a segment's rows are the steps from its first_step to the next segment's;
+//   root attributes deck, world_size, grid, tensor_mode, backend (the last segment's), version.
+// A file without /segments (written before it existed) is continued too: its per-rank tables
+// are copied into extendible ones and its root attributes become its first segment.
 // Rows are buffered and appended collectively by flush() (every rank must call it).
 #pragma once
 #include <mpi.h>
@@ -28,7 +37,9 @@ struct EvalRow {
 class MetricsWriter {
  public:
   // Called by all ranks. Creates the file, or, when append is true and it exists, opens it and
-  // truncates rows after `resume_step` (so a resumed run continues the same file).
+  // truncates rows (and segments) after `resume_step` (so a resumed run continues the same
+  // file, on any world size). `resume_step`: the steps done before this run (0 for a fresh
+  // one); this run's segment starts at resume_step + 1.
   MetricsWriter(MPI_Comm comm, const std::string& path, const std::string& deck,
                 const std::vector<int>& grid, const std::string& tensor_mode,
                 const std::string& backend, bool append, int64_t resume_step);

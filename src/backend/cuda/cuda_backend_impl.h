@@ -78,6 +78,7 @@ class CudaBackend final : public Backend {
   std::string name() const override { return "cuda"; }
   DType act_dtype() const override { return act_; }
   size_t act_size() const override { return dtype_size(act_); }
+  bool asynchronous() const override { return true; }
   cudaStream_t stream() const { return stream_; }
   int device() const { return device_; }
 

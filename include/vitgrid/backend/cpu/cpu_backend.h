@@ -42,6 +42,7 @@ class CpuBackend final : public Backend {
   std::string name() const override { return "cpu"; }
   DType act_dtype() const override { return act_; }
   size_t act_size() const override { return sizeof(float); }
+  bool asynchronous() const override { return false; }
 
   void* alloc(size_t bytes) override;
   void release(void* p) override;

@@ -828,13 +828,21 @@ struct Trainer::Impl {
         ckpt_write_gbs);
   }
 
-  // Loads parameters (and optimizer state + counters when `full`).
-  void load_checkpoint(const std::string& path, bool full) {
+  // Loads parameters (and optimizer state + counters when `full`) from `path`; with `resume`,
+  // from the newest checkpoint in the directory `path` that can be resumed from (false: the
+  // directory holds none).
+  bool load_checkpoint(std::string path, bool full, bool resume = false) {
     std::vector<float> host;
     auto sh = shards(host, full);
     CheckpointMeta meta;
     const double t0 = now_s();
-    agreed([&] { read_checkpoint(world, path, sh, &meta); });
+    agreed([&] {
+      if (resume)
+        path = resume_checkpoint(world, path, sh, &meta);
+      else
+        read_checkpoint(world, path, sh, &meta);
+    });
+    if (path.empty()) return false;
     const double dt = now_s() - t0;
     const size_t n = model->num_local_params();
     set_params(host.data());
@@ -854,6 +862,7 @@ struct Trainer::Impl {
     ckpt_read_gbs = gb / std::max(dt, 1e-9);
     log("checkpoint %s loaded%s: %.3f GB in %.2f s (%.2f GB/s)\n", path.c_str(),
         full ? " (resuming)" : "", gb, dt, ckpt_read_gbs);
+    return true;
   }
 
   // ---- evaluation over the eval split; returns loss, top1, top5 (fractions)
@@ -904,14 +913,9 @@ struct Trainer::Impl {
     init_params();
     bool resumed = false;
     if (deck.checkpoint.resume == "auto") {
-      const std::string last = latest_checkpoint(world, ckpt_dir());
-      if (!last.empty()) {
-        load_checkpoint(last, true);
-        resumed = true;
-      } else {
-        log("checkpoint.resume = auto: no complete checkpoint in %s, starting fresh\n",
-            ckpt_dir().c_str());
-      }
+      resumed = load_checkpoint(ckpt_dir(), true, true);
+      if (!resumed)
+        log("checkpoint.resume = auto: no checkpoint in %s, starting fresh\n", ckpt_dir().c_str());
     }
     if (!resumed && !deck.checkpoint.load.empty()) load_checkpoint(deck.checkpoint.load, false);
     if (grid->world_rank() == 0) mkdirs(deck.run.out_dir);

@@ -229,27 +229,69 @@ bool read_attr_u64(hid_t obj, const char* name, uint64_t* v) {
   return attr.valid() && H5Aread(attr, H5T_NATIVE_UINT64, v) >= 0;
 }
 
+// The first failure among the ranks (a message naming file and dataset), the same on every
+// rank, or "". Called by all ranks of comm after each step of a read that can fail on one
+// rank only (a damaged block, a short read): no rank goes on to a collective call the others
+// skip.
+std::string first_failure(MPI_Comm comm, bool ok, std::string msg) {
+  return agree_error(comm, ok, &msg) ? msg : std::string();
+}
+
+// Every dataset of the file (model, optim, state), in name order; false if the file's links
+// cannot be walked (damaged metadata). Metadata is read collectively (rank 0 reads and
+// broadcasts), but the verdict is agreed anyway.
+bool all_datasets(hid_t file, std::vector<std::string>* names) {
+  auto visit = [](hid_t g, const char* name, const H5L_info_t* info, void* op) -> herr_t {
+    if (info->type != H5L_TYPE_HARD) return 0;
+    H5Id obj(H5Oopen(g, name, H5P_DEFAULT));
+    if (obj.valid() && H5Iget_type(obj) == H5I_DATASET)
+      static_cast<std::vector<std::string>*>(op)->push_back(name);
+    return 0;
+  };
+  io_detail::H5ErrorSilencer quiet;
+  names->clear();
+  return H5Lvisit(file, H5_INDEX_NAME, H5_ITER_INC, visit, names) >= 0;
+}
+
 // Called by all ranks of comm. Recomputes the checksum of each named dataset of `file` (each
 // rank reading an even block of its rows) and compares it with the stored attribute; returns
-// "" or a message naming the first dataset that fails. One extra read of the data: the price
-// of refusing a corrupted file before any of it is used.
+// "" or a message naming the first dataset that fails, the same on every rank. One extra read
+// of the data: the price of refusing a corrupted file before any of it is used. Nothing here
+// aborts: a file damaged anywhere is an answer, not a crash.
 std::string verify_datasets(MPI_Comm comm, hid_t file, const std::string& what,
                             const std::vector<std::string>& names) {
   int rank = 0, size = 1;
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &size);
   H5Id dxpl = io_detail::collective_dxpl();
+  io_detail::H5ErrorSilencer quiet;
   std::vector<uint64_t> got(names.size(), 0), want(names.size(), 0);
-  std::vector<int> has(names.size(), 1);
   for (size_t n = 0; n < names.size(); ++n) {
-    H5Id d(H5_CHECK(H5Dopen2(file, names[n].c_str(), H5P_DEFAULT)));
-    {
-      io_detail::H5ErrorSilencer quiet;
-      if (!read_attr_u64(d, "checksum", &want[n])) has[n] = 0;
+    const std::string ds = what + ": dataset '/" + names[n] + "'";
+    // metadata: the dataset, its checksum, shape and type
+    H5Id d(H5Dopen2(file, names[n].c_str(), H5P_DEFAULT));
+    bool ok = d.valid();
+    std::string msg = ds + " cannot be opened (damaged metadata?)";
+    if (ok && !read_attr_u64(d, "checksum", &want[n])) {
+      ok = false;
+      msg = ds + " has no checksum (not a vitgrid checkpoint?)";
     }
-    std::vector<hsize_t> dims = io_detail::dataset_dims(d);
-    H5Id type(H5_CHECK(H5Dget_type(d)));
-    const bool f64 = H5Tget_size(type) == 8;
+    std::vector<hsize_t> dims;
+    bool f64 = false;
+    if (ok) {
+      H5Id space(H5Dget_space(d));
+      H5Id type(H5Dget_type(d));
+      const int nd = space.valid() ? H5Sget_simple_extent_ndims(space) : -1;
+      if (nd < 0 || !type.valid() || H5Tget_class(type) != H5T_FLOAT) {
+        ok = false;
+        msg = ds + " is not a floating-point dataset";
+      } else {
+        dims.resize(nd);
+        if (nd > 0) H5Sget_simple_extent_dims(space, dims.data(), nullptr);
+        f64 = H5Tget_size(type) == 8;
+      }
+    }
+    if (std::string bad = first_failure(comm, ok, msg); !bad.empty()) return bad;
     TensorShard s;
     s.global_shape.assign(dims.begin(), dims.end());
     s.offset.assign(dims.size(), 0);
@@ -261,29 +303,32 @@ std::string verify_datasets(MPI_Comm comm, hid_t file, const std::string& what,
     int64_t total = 1;
     for (hsize_t x : dims) total *= static_cast<int64_t>(x);
     if (total == 0) continue;  // an empty dataset has no storage to read; its checksum is 0
+    // data: this rank's rows (a collective read every rank makes)
     const int64_t ne = shard_elements(s);
     auto spaces = shard_spaces(s, ne > 0);
     if (f64) {
       std::vector<double> buf(std::max<int64_t>(ne, 1));
-      H5_CHECK(H5Dread(d, H5T_NATIVE_DOUBLE, spaces.second, spaces.first, dxpl, buf.data()));
-      for_each_global_index(s, [&](size_t k, uint64_t i) {
-        uint64_t bits;
-        std::memcpy(&bits, &buf[k], 8);
-        got[n] += element_hash(i, bits);
-      });
-      if (ne == 0) got[n] = 0;
+      ok = H5Dread(d, H5T_NATIVE_DOUBLE, spaces.second, spaces.first, dxpl, buf.data()) >= 0;
+      if (ok && ne > 0)
+        for_each_global_index(s, [&](size_t k, uint64_t i) {
+          uint64_t bits;
+          std::memcpy(&bits, &buf[k], 8);
+          got[n] += element_hash(i, bits);
+        });
     } else {
       std::vector<float> buf(std::max<int64_t>(ne, 1));
-      H5_CHECK(H5Dread(d, H5T_NATIVE_FLOAT, spaces.second, spaces.first, dxpl, buf.data()));
+      ok = H5Dread(d, H5T_NATIVE_FLOAT, spaces.second, spaces.first, dxpl, buf.data()) >= 0;
       s.data = buf.data();
-      got[n] = ne > 0 ? shard_hash(s) : 0;
+      if (ok && ne > 0) got[n] = shard_hash(s);
     }
+    if (std::string bad = first_failure(comm, ok, ds + " cannot be read (truncated or damaged)");
+        !bad.empty())
+      return bad;
   }
   if (!got.empty())
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, got.data(), static_cast<int>(got.size()),
                             MPI_UINT64_T, MPI_SUM, comm));
   for (size_t n = 0; n < names.size(); ++n) {
-    if (!has[n]) return what + ": dataset '/" + names[n] + "' has no checksum (not a vitgrid checkpoint?)";
     if (got[n] != want[n]) {
       char buf[64];
       std::snprintf(buf, sizeof buf, "%016llx, stored %016llx", static_cast<unsigned long long>(got[n]),
@@ -292,20 +337,6 @@ std::string verify_datasets(MPI_Comm comm, hid_t file, const std::string& what,
     }
   }
   return "";
-}
-
-// Every dataset of the file (model, optim, state), in name order.
-std::vector<std::string> all_datasets(hid_t file) {
-  std::vector<std::string> names;
-  auto visit = [](hid_t g, const char* name, const H5L_info_t* info, void* op) -> herr_t {
-    if (info->type != H5L_TYPE_HARD) return 0;
-    H5Id obj(H5Oopen(g, name, H5P_DEFAULT));
-    if (obj.valid() && H5Iget_type(obj) == H5I_DATASET)
-      static_cast<std::vector<std::string>*>(op)->push_back(name);
-    return 0;
-  };
-  H5_CHECK(H5Lvisit(file, H5_INDEX_NAME, H5_ITER_INC, visit, &names));
-  return names;
 }
 
 }  // namespace
@@ -420,19 +451,22 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
 
 namespace {
 
-// Called by all ranks of comm. Opens `path` for a collective read, refusing (UserError, the
-// same on every rank) a missing, non-HDF5, unreadable or incomplete file.
-H5Id open_complete_checkpoint(MPI_Comm comm, const std::string& path, const std::string& what) {
-  switch (io_detail::probe_file(comm, path)) {
-    case io_detail::FileProbe::missing: throw UserError(what + ": no such file");
-    case io_detail::FileProbe::not_hdf5: throw UserError(what + " is not an HDF5 file");
+// Called by all ranks of comm. Opens `path` for a collective read; a missing, non-HDF5,
+// unreadable or incomplete file gives an invalid handle and *err, the same on every rank.
+H5Id open_complete_checkpoint(MPI_Comm comm, const std::string& path, const std::string& what,
+                              std::string* err) {
+  std::string why;
+  switch (io_detail::probe_file(comm, path, &why)) {
+    case io_detail::FileProbe::missing: *err = what + ": no such file"; return H5Id();
+    case io_detail::FileProbe::not_hdf5: *err = what + " is not an HDF5 file"; return H5Id();
+    case io_detail::FileProbe::damaged: *err = what + " is damaged: " + why; return H5Id();
     case io_detail::FileProbe::ok: break;
   }
   H5Id file = io_detail::open_parallel(comm, path, false);
   // Metadata is read collectively (rank 0 reads, broadcasts), so every rank sees the same
   // answers below; agreeing anyway costs one all-reduce and rules out a hang.
-  io_detail::throw_if_any_failed(comm, file.valid(),
-                                 what + " cannot be opened as HDF5 (truncated or corrupt?)");
+  *err = first_failure(comm, file.valid(), what + " cannot be opened as HDF5 (truncated or corrupt?)");
+  if (!err->empty()) return H5Id();
   bool ok = true;
   std::string msg;
   io_detail::H5ErrorSilencer quiet;
@@ -446,24 +480,37 @@ H5Id open_complete_checkpoint(MPI_Comm comm, const std::string& path, const std:
       msg = what + " is incomplete ('complete' attribute is not 1)";
     }
   }
-  io_detail::throw_if_any_failed(comm, ok, msg);
-  return file;
+  *err = first_failure(comm, ok, msg);
+  return err->empty() ? std::move(file) : H5Id();
 }
 
-}  // namespace
+// Called by all ranks of comm: every dataset of the file, the same list on every rank, or *err.
+std::vector<std::string> agreed_datasets(MPI_Comm comm, hid_t file, const std::string& what,
+                                         std::string* err) {
+  std::vector<std::string> names;
+  bool ok = all_datasets(file, &names);
+  *err = first_failure(comm, ok, what + ": its datasets cannot be listed (damaged metadata)");
+  if (!err->empty()) return {};
+  uint64_t h = 1469598103934665603ull;
+  for (const auto& n : names) h = io_detail::fnv1a(h, n.data(), n.size() + 1);
+  uint64_t lo = 0, hi = 0;
+  MPI_CHECK(MPI_Allreduce(&h, &lo, 1, MPI_UINT64_T, MPI_MIN, comm));
+  MPI_CHECK(MPI_Allreduce(&h, &hi, 1, MPI_UINT64_T, MPI_MAX, comm));
+  if (lo != hi) *err = what + ": its ranks read different dataset lists (damaged metadata)";
+  return names;
+}
 
-// Called by all ranks of comm.
-void read_checkpoint(MPI_Comm comm, const std::string& path, std::vector<TensorShard>& shards,
-                     CheckpointMeta* meta) {
-  std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
+// Called by all ranks of comm: the whole read of read_checkpoint (checks, integrity of every
+// dataset, the shards' hyperslabs, the metadata), returning "" or what is wrong, the same on
+// every rank. The caller's buffers are written only once every check has passed.
+std::string try_read_checkpoint(MPI_Comm comm, const std::string& path,
+                                std::vector<TensorShard>& shards, CheckpointMeta* meta) {
   const std::string what = "checkpoint '" + path + "'";
-  for (const auto& s : shards) check_shard_bounds(s);
-  io_detail::check_same_on_all_ranks(comm, shard_signature(shards), "checkpoint tensor names/shapes");
+  std::string err;
+  H5Id file = open_complete_checkpoint(comm, path, what, &err);
+  if (!err.empty()) return err;
 
-  H5Id file = open_complete_checkpoint(comm, path, what);
-
-  // Check every tensor before reading any, so a bad file fails before touching the caller's
-  // buffers and without collective reads that only some ranks would reach.
+  // Every tensor this run needs, at its shape, before any data is read.
   std::vector<H5Id> dsets;
   {
     bool ok = true;
@@ -483,12 +530,15 @@ void read_checkpoint(MPI_Comm comm, const std::string& path, std::vector<TensorS
         break;
       }
       H5Id type(H5Dget_type(d));
-      if (H5Tget_class(type) != H5T_FLOAT) {
+      H5Id space(H5Dget_space(d));
+      const int nd = space.valid() ? H5Sget_simple_extent_ndims(space) : -1;
+      if (!type.valid() || H5Tget_class(type) != H5T_FLOAT || nd < 0) {
         ok = false;
         msg = what + ": dataset '" + ds + "' is not floating point";
         break;
       }
-      std::vector<hsize_t> dims = io_detail::dataset_dims(d);
+      std::vector<hsize_t> dims(nd);
+      if (nd > 0) H5Sget_simple_extent_dims(space, dims.data(), nullptr);
       if (dims != std::vector<hsize_t>(s.global_shape.begin(), s.global_shape.end())) {
         ok = false;
         msg = what + ": dataset '" + ds + "' has shape " + io_detail::shape_str(dims) +
@@ -497,37 +547,33 @@ void read_checkpoint(MPI_Comm comm, const std::string& path, std::vector<TensorS
       }
       dsets.push_back(std::move(d));
     }
-    if (!ok) dsets.clear();
-    io_detail::throw_if_any_failed(comm, ok, msg);
+    err = first_failure(comm, ok, msg);
+    if (!err.empty()) return err;
   }
 
-  {
-    // integrity before use: every requested tensor and the state against its checksum
-    std::vector<std::string> names;
-    for (const auto& s : shards) names.push_back(s.name);
-    if (meta && io_detail::path_exists(file, "state"))
-      for (const auto& n : all_datasets(file))
-        if (n.rfind("state/", 0) == 0) names.push_back(n);
-    std::string bad = verify_datasets(comm, file, what, names);
-    if (!bad.empty()) {
-      dsets.clear();
-      throw UserError(bad);  // the same verdict on every rank: the sums were all-reduced
-    }
-  }
+  // Integrity before use: every dataset of the file against its checksum, not only the ones
+  // read (a checkpoint that fails anywhere is not one to continue from).
+  const std::vector<std::string> names = agreed_datasets(comm, file, what, &err);
+  if (!err.empty()) return err;
+  err = verify_datasets(comm, file, what, names);
+  if (!err.empty()) return err;
 
   H5Id dxpl = io_detail::collective_dxpl();
+  io_detail::H5ErrorSilencer quiet;
   float dummy = 0.0f;
   for (size_t i = 0; i < shards.size(); ++i) {
     auto& s = shards[i];
     bool active = shard_elements(s) > 0;
     VG_CHECK(!active || s.data, "shard '" << s.name << "' has no buffer");
     auto spaces = shard_spaces(s, active);
-    H5_CHECK(H5Dread(dsets[i], H5T_NATIVE_FLOAT, spaces.second, spaces.first, dxpl,
-                     active ? s.data : &dummy));
+    const bool ok = H5Dread(dsets[i], H5T_NATIVE_FLOAT, spaces.second, spaces.first, dxpl,
+                            active ? s.data : &dummy) >= 0;
+    err = first_failure(comm, ok, what + ": dataset '/" + s.name + "' cannot be read");
+    if (!err.empty()) return err;
   }
   dsets.clear();
 
-  if (!meta) return;
+  if (!meta) return "";
   io_detail::read_attr_string(file, "deck", &meta->deck);
   io_detail::read_attr_ints(file, "grid", &meta->grid);
   io_detail::read_attr_string(file, "tensor_mode", &meta->tensor_mode);
@@ -536,78 +582,151 @@ void read_checkpoint(MPI_Comm comm, const std::string& path, std::vector<TensorS
   if (io_detail::read_attr_ints(file, "world_size", &ws) && ws.size() == 1) meta->world_size = ws[0];
 
   // /state/<name>: every dataset below the group (names may contain '/'), read in full by
-  // every rank. Link iteration goes in name order, the same on every rank.
+  // every rank, in the verified list's (name) order.
   meta->state.clear();
-  if (!io_detail::path_exists(file, "state")) return;
-  H5Id group(H5_CHECK(H5Gopen2(file, "state", H5P_DEFAULT)));
-  std::vector<std::string> names;
-  auto visit = [](hid_t g, const char* name, const H5L_info_t* info, void* op) -> herr_t {
-    if (info->type != H5L_TYPE_HARD) return 0;
-    H5Id obj(H5Oopen(g, name, H5P_DEFAULT));
-    if (obj.valid() && H5Iget_type(obj) == H5I_DATASET)
-      static_cast<std::vector<std::string>*>(op)->push_back(name);
-    return 0;
-  };
-  H5_CHECK(H5Lvisit(group, H5_INDEX_NAME, H5_ITER_INC, visit, &names));
   double ddummy = 0.0;
-  for (const auto& n : names) {
-    H5Id d(H5_CHECK(H5Dopen2(group, n.c_str(), H5P_DEFAULT)));
-    H5Id space(H5_CHECK(H5Dget_space(d)));
-    hssize_t count = H5_CHECK(H5Sget_simple_extent_npoints(space));
-    std::vector<double> v(static_cast<size_t>(count));
-    if (count > 0)
-      H5_CHECK(H5Dread(d, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, dxpl, v.empty() ? &ddummy : v.data()));
-    meta->state[n] = std::move(v);
+  for (const auto& full : names) {
+    if (full.rfind("state/", 0) != 0) continue;
+    H5Id d(H5Dopen2(file, full.c_str(), H5P_DEFAULT));
+    H5Id space(d.valid() ? H5Dget_space(d) : -1);
+    const hssize_t count = space.valid() ? H5Sget_simple_extent_npoints(space) : -1;
+    std::vector<double> v(static_cast<size_t>(std::max<hssize_t>(count, 0)));
+    bool ok = count >= 0;
+    if (ok && count > 0)
+      ok = H5Dread(d, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, dxpl, v.data()) >= 0;
+    else if (ok)
+      ok = H5Dread(d, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, dxpl, &ddummy) >= 0 || count == 0;
+    err = first_failure(comm, ok, what + ": dataset '/" + full + "' cannot be read");
+    if (!err.empty()) return err;
+    meta->state[full.substr(6)] = std::move(v);
   }
+  return "";
+}
+
+// A checkpoint file found in a run's directory.
+struct StepFile {
+  int64_t step;
+  std::string path;
+  bool regular;
+};
+
+}  // namespace
+
+// Called by all ranks of comm.
+void read_checkpoint(MPI_Comm comm, const std::string& path, std::vector<TensorShard>& shards,
+                     CheckpointMeta* meta) {
+  std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
+  for (const auto& s : shards) check_shard_bounds(s);
+  io_detail::check_same_on_all_ranks(comm, shard_signature(shards), "checkpoint tensor names/shapes");
+  const std::string bad = try_read_checkpoint(comm, path, shards, meta);
+  if (!bad.empty()) throw UserError(bad);  // the same verdict on every rank
 }
 
 // Called by all ranks of comm.
 void verify_checkpoint(MPI_Comm comm, const std::string& path) {
   std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
   const std::string what = "checkpoint '" + path + "'";
-  H5Id file = open_complete_checkpoint(comm, path, what);
-  std::string bad = verify_datasets(comm, file, what, all_datasets(file));
-  if (!bad.empty()) throw UserError(bad);
-}
-
-// Called by all ranks of comm.
-std::vector<std::string> list_checkpoints(MPI_Comm comm, const std::string& dir) {
-  int rank = 0;
-  MPI_Comm_rank(comm, &rank);
-  std::string joined;
-  if (rank == 0) {
-    std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
-    // newest first; a file without complete = 1 (a hand-made copy, another tool's partial
-    // write) is left out
-    for (auto& f : list_step_files(dir))
-      if (is_complete_serial(f.second)) joined += f.second + '\n';
+  std::string err;
+  H5Id file = open_complete_checkpoint(comm, path, what, &err);
+  if (err.empty()) {
+    const std::vector<std::string> names = agreed_datasets(comm, file, what, &err);
+    if (err.empty()) err = verify_datasets(comm, file, what, names);
   }
-  int len = static_cast<int>(joined.size());
-  MPI_CHECK(MPI_Bcast(&len, 1, MPI_INT, 0, comm));
-  joined.resize(len);
-  if (len > 0) MPI_CHECK(MPI_Bcast(&joined[0], len, MPI_CHAR, 0, comm));
-  std::vector<std::string> out;
-  size_t a = 0;
-  for (size_t b; (b = joined.find('\n', a)) != std::string::npos; a = b + 1)
-    out.push_back(joined.substr(a, b - a));
-  return out;
+  if (!err.empty()) throw UserError(err);
 }
 
 // Called by all ranks of comm.
-std::string latest_checkpoint(MPI_Comm comm, const std::string& dir, bool verify) {
+std::string resume_checkpoint(MPI_Comm comm, const std::string& dir,
+                              std::vector<TensorShard>& shards, CheckpointMeta* meta) {
+  std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
   int rank = 0;
   MPI_Comm_rank(comm, &rank);
-  for (const auto& path : list_checkpoints(comm, dir)) {
-    if (!verify) return path;
-    try {
-      verify_checkpoint(comm, path);  // agreed on every rank
-      return path;
-    } catch (const UserError& e) {
-      if (rank == 0)
-        std::fprintf(stderr, "vitgrid: warning: %s; trying an older checkpoint\n", e.what());
+  for (const auto& s : shards) check_shard_bounds(s);
+  io_detail::check_same_on_all_ranks(comm, shard_signature(shards), "checkpoint tensor names/shapes");
+  auto warn = [&](const std::string& m) {
+    if (rank != 0) return;
+    std::fprintf(stderr, "vitgrid: warning: checkpoint.resume = auto: %s\n", m.c_str());
+    std::fflush(stderr);
+  };
+
+  // Rank 0 lists the directory: every entry named like a checkpoint, newest first, and the
+  // unfinished writes beside them; the others get the list.
+  std::string listing;  // "<r|n><step> <path>\n" per entry; "!<message>" for a refusal
+  if (rank == 0) {
+    std::error_code ec;
+    const std::filesystem::file_status st = std::filesystem::status(dir, ec);
+    if (std::filesystem::exists(st) && !std::filesystem::is_directory(st)) {
+      listing = "!checkpoint directory '" + dir + "' exists and is not a directory";
+    } else {
+      std::vector<StepFile> found;
+      std::filesystem::directory_iterator it(dir, ec), end;
+      for (; !ec && it != end; it.increment(ec)) {
+        const std::string name = it->path().filename().string();
+        int64_t step = 0;
+        std::error_code e2;
+        if (parse_step_file_name(name, &step))
+          found.push_back({step, join_path(dir, name), it->is_regular_file(e2)});
+        else if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0 &&
+                 parse_step_file_name(name.substr(0, name.size() - 4), &step))
+          warn("ignoring '" + join_path(dir, name) + "', a write that never finished");
+      }
+      std::sort(found.begin(), found.end(),
+                [](const StepFile& a, const StepFile& b) { return a.step > b.step; });
+      for (const auto& f : found)
+        listing += std::string(f.regular ? "r" : "n") + std::to_string(f.step) + " " + f.path + "\n";
     }
   }
-  return "";
+  int len = static_cast<int>(listing.size());
+  MPI_CHECK(MPI_Bcast(&len, 1, MPI_INT, 0, comm));
+  listing.resize(len);
+  if (len > 0) MPI_CHECK(MPI_Bcast(&listing[0], len, MPI_CHAR, 0, comm));
+  if (!listing.empty() && listing[0] == '!') throw UserError(listing.substr(1));
+  std::vector<StepFile> files;
+  for (size_t a = 0, b; (b = listing.find('\n', a)) != std::string::npos; a = b + 1) {
+    const std::string line = listing.substr(a, b - a);
+    const size_t sp = line.find(' ');
+    files.push_back({std::stoll(line.substr(1, sp - 1)), line.substr(sp + 1), line[0] == 'r'});
+  }
+
+  // Newest first, the first that reads whole and fits this model; every one passed over is
+  // named with the reason.
+  std::vector<std::pair<std::string, std::string>> rejected;  // path, reason
+  std::string chosen;
+  for (const StepFile& f : files) {
+    std::string bad = f.regular ? try_read_checkpoint(comm, f.path, shards, meta)
+                                : "checkpoint '" + f.path + "' is not a regular file";
+    if (bad.empty()) {
+      chosen = f.path;
+      break;
+    }
+    warn(bad + "; trying an older checkpoint");
+    rejected.emplace_back(f.path, bad);
+  }
+  if (chosen.empty()) {
+    if (files.empty()) return "";
+    // Starting over would write these names again: never replace a checkpoint that may hold
+    // the only copy of the run's work.
+    std::string msg = "none of the " + std::to_string(files.size()) +
+                      " checkpoint file(s) in '" + dir + "' can be resumed from (";
+    for (size_t i = 0; i < rejected.size(); ++i) msg += (i ? "; " : "") + rejected[i].second;
+    msg += "); starting over would overwrite them: move them away (or give checkpoint.load = "
+           "PATH to start from one of them) and run again";
+    throw UserError("checkpoint.resume = auto: " + msg);
+  }
+  // The rejected ones are newer than the one resumed from: this run writes their steps
+  // again, so they are kept aside under another name instead.
+  if (rank == 0)
+    for (const auto& r : rejected) {
+      std::error_code ec;
+      std::filesystem::rename(r.first, r.first + ".rejected", ec);
+      if (ec)
+        warn("cannot rename '" + r.first + "' to '" + r.first + ".rejected': " + ec.message() +
+             "; this run will write over it");
+      else
+        warn("kept '" + r.first + "' as '" + r.first + ".rejected' (this run writes that step again)");
+    }
+  MPI_CHECK(MPI_Barrier(comm));
+  return chosen;
 }
 
 }  // namespace vitgrid

@@ -83,8 +83,14 @@ H5Id create_parallel(MPI_Comm comm, const std::string& path);
 H5Id open_parallel(MPI_Comm comm, const std::string& path, bool writable);
 
 // Result of probing a path on rank 0, broadcast to all ranks (called by all ranks of comm).
-enum class FileProbe : int { ok = 0, missing = 1, not_hdf5 = 2 };
-FileProbe probe_file(MPI_Comm comm, const std::string& path);
+// `damaged`: an HDF5 file whose metadata cannot all be read (*why says where). Files opened
+// in parallel read their metadata collectively: rank 0 reads, the others wait for its
+// broadcast, and a read that fails on rank 0 leaves them waiting for good inside HDF5. So
+// before any collective open, rank 0 walks the whole file serially: every object header, every
+// attribute, every dataset's storage inside the file (and the chunk indexes of chunked ones).
+// What it could read, the collective open reads too.
+enum class FileProbe : int { ok = 0, missing = 1, not_hdf5 = 2, damaged = 3 };
+FileProbe probe_file(MPI_Comm comm, const std::string& path, std::string* why = nullptr);
 
 // Attributes on an object (collective when the file is parallel: all ranks, same values).
 // Writers replace an existing attribute of the same name.

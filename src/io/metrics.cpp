@@ -388,9 +388,13 @@ MetricsWriter::MetricsWriter(MPI_Comm comm, const std::string& path, const std::
   m.dxpl = io_detail::collective_dxpl();
 
   io_detail::make_dirs(comm, std::filesystem::path(path).parent_path().string(), path);
-  io_detail::FileProbe probe = io_detail::probe_file(comm, path);
+  std::string why;
+  io_detail::FileProbe probe = io_detail::probe_file(comm, path, &why);
   if (append && probe == io_detail::FileProbe::not_hdf5)
     throw UserError("metrics file '" + path + "' exists but is not an HDF5 file; cannot append");
+  if (append && probe == io_detail::FileProbe::damaged)
+    throw UserError("metrics file '" + path + "' is damaged (" + why +
+                    "); cannot append: move it away to continue the run");
 
   // This run is a segment of its own (its layout may differ from the last one's); the
   // per-rank tables are as wide as the largest segment left in the file.

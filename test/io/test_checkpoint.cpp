@@ -244,30 +244,162 @@ TEST(Checkpoint, KeepPrunesOlderAndLeavesNoTmp) {
   }
 }
 
-TEST(Checkpoint, LatestSkipsIncompleteTmpAndGarbage) {
+// Rank 0: a copy of `from` with the byte at `offset` inverted (cut to `offset` bytes when
+// `truncate`).
+void damaged_copy(const std::string& from, const std::string& to, size_t offset, bool truncate = false) {
+  if (rank_of() == 0) {
+    std::filesystem::copy_file(from, to, std::filesystem::copy_options::overwrite_existing);
+    if (truncate) {
+      std::filesystem::resize_file(to, offset);
+    } else {
+      std::fstream f(to, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekg(static_cast<std::streamoff>(offset));
+      char c = 0;
+      f.get(c);
+      f.seekp(static_cast<std::streamoff>(offset));
+      f.put(static_cast<char>(~c));
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// Offset of the first occurrence of `what` in the file at or after `from` (rank 0 reads).
+size_t find_bytes(const std::string& path, const std::string& what, size_t from = 0) {
+  uint64_t at = 0;
+  if (rank_of() == 0) {
+    std::ifstream f(path, std::ios::binary);
+    std::string all((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    const size_t p = all.find(what, from);
+    at = p == std::string::npos ? 0 : p;
+  }
+  MPI_Bcast(&at, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+  return static_cast<size_t>(at);
+}
+
+TEST(Checkpoint, ResumeFallsBackAndKeepsWhatItRejects) {
   vgtest::SharedTmpDir tmp;
-  EXPECT_EQ(vitgrid::latest_checkpoint(MPI_COMM_WORLD, tmp / "does_not_exist"), "");
-  EXPECT_EQ(vitgrid::latest_checkpoint(MPI_COMM_WORLD, tmp.path()), "");
+  ShardSet r = make_read_set();
+  vitgrid::CheckpointMeta m;
+  // nothing to resume from: a missing or empty directory
+  EXPECT_EQ(vitgrid::resume_checkpoint(MPI_COMM_WORLD, tmp / "does_not_exist", r.shards, &m), "");
+  EXPECT_EQ(vitgrid::resume_checkpoint(MPI_COMM_WORLD, tmp.path(), r.shards, &m), "");
 
   ShardSet w = make_write_set();
   vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp.path(), 10, w.shards, make_meta(10));
   std::string p20 = vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp.path(), 20, w.shards, make_meta(20));
-  EXPECT_EQ(vitgrid::latest_checkpoint(MPI_COMM_WORLD, tmp.path()), p20);
+  EXPECT_EQ(vitgrid::resume_checkpoint(MPI_COMM_WORLD, tmp.path(), r.shards, &m), p20);
+  EXPECT_EQ(m.state["step"], std::vector<double>{20.0});
+  for (size_t t = 0; t < kTensors.size(); ++t) expect_shard_values(r.shards[t], t);
 
+  // newer candidates, each unusable in its own way
   make_incomplete_copy(p20, tmp / "step_00000030.h5");
-  if (rank_of() == 0)
-    std::filesystem::copy_file(p20, tmp / "step_00000040.h5.tmp");  // a stray unfinished write
+  if (rank_of() == 0) std::filesystem::copy_file(p20, tmp / "step_00000040.h5.tmp");
   write_garbage(tmp / "step_00000050.h5", 3000);
-  EXPECT_EQ(vitgrid::latest_checkpoint(MPI_COMM_WORLD, tmp.path()), p20);
-
-  // a newer complete one wins, and pruning leaves the incomplete and stray files alone
-  std::string p25 = vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp.path(), 25, w.shards, make_meta(25), 1);
-  EXPECT_EQ(vitgrid::latest_checkpoint(MPI_COMM_WORLD, tmp.path()), p25);
-  if (rank_of() == 0) {
-    EXPECT_EQ(list_dir(tmp.path()),
-              (std::vector<std::string>{"step_00000025.h5", "step_00000030.h5",
-                                        "step_00000040.h5.tmp", "step_00000050.h5"}));
+  // a flipped bit in the data of a tensor this run does not read (the optimizer's): the whole
+  // file is verified, not only what is read
+  {
+    ShardSet m60 = make_write_set();
+    for (auto& s : m60.shards) {
+      int64_t n = 1;
+      for (auto c : s.count) n *= c;
+      if (s.name.rfind("optim/", 0) == 0 && s.data)
+        for (int64_t i = 0; i < n; ++i) s.data[i] = 1234.5f;
+    }
+    std::string p = vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp / "m", 60, m60.shards, make_meta(60));
+    const float v = 1234.5f;
+    damaged_copy(p, tmp / "step_00000060.h5", find_bytes(p, std::string(reinterpret_cast<const char*>(&v), 4)));
   }
+  // an object header of a dataset damaged (HDF5 signatures "OHDR" / "TREE" / "SNOD")
+  for (const char* sig : {"TREE", "SNOD"}) {
+    const size_t at = find_bytes(p20, sig, 64);
+    ASSERT_GT(at, 0u) << sig;
+  }
+  damaged_copy(p20, tmp / "step_00000070.h5", find_bytes(p20, "SNOD", 64) + 1);
+  if (rank_of() == 0) std::filesystem::create_directory(tmp / "step_00000080.h5");
+  MPI_Barrier(MPI_COMM_WORLD);
+
+  ShardSet r2 = make_read_set();
+  EXPECT_EQ(vitgrid::resume_checkpoint(MPI_COMM_WORLD, tmp.path(), r2.shards, &m), p20);
+  for (size_t t = 0; t < kTensors.size(); ++t) expect_shard_values(r2.shards[t], t);
+  if (rank_of() == 0) {
+    // the rejected ones are kept under another name (this run writes their steps again);
+    // the unfinished write is left alone
+    EXPECT_EQ(list_dir(tmp.path()),
+              (std::vector<std::string>{"m", "step_00000010.h5", "step_00000020.h5",
+                                        "step_00000030.h5.rejected", "step_00000040.h5.tmp",
+                                        "step_00000050.h5.rejected", "step_00000060.h5.rejected",
+                                        "step_00000070.h5.rejected", "step_00000080.h5.rejected"}));
+  }
+}
+
+TEST(Checkpoint, ResumeRefusesRatherThanOverwrite) {
+  vgtest::SharedTmpDir tmp;
+  ShardSet w = make_write_set();
+  std::string p10 = vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp / "a", 10, w.shards, make_meta(10));
+  // only incomplete checkpoints (their tensors intact): a fresh start would write over them
+  if (rank_of() == 0) std::filesystem::create_directory(tmp / "b");
+  make_incomplete_copy(p10, tmp / "b/step_00000010.h5");
+  make_incomplete_copy(p10, tmp / "b/step_00000020.h5");
+  auto resume = [&](const std::string& dir, std::vector<vitgrid::TensorShard> shards) {
+    return [dir, shards]() mutable {
+      vitgrid::CheckpointMeta m;
+      vitgrid::resume_checkpoint(MPI_COMM_WORLD, dir, shards, &m);
+    };
+  };
+  ShardSet r = make_read_set();
+  vgtest::expect_user_error_everywhere(
+      resume(tmp / "b", r.shards),
+      {"none of the 2 checkpoint file(s)", "step_00000020.h5' is incomplete",
+       "step_00000010.h5' is incomplete", "would overwrite them"});
+  if (rank_of() == 0) {
+    EXPECT_EQ(list_dir(tmp / "b"), (std::vector<std::string>{"step_00000010.h5", "step_00000020.h5"}));
+  }
+  // a checkpoint of another model (a tensor of another shape): refused, not overwritten
+  ShardSet wrong = make_read_set();
+  add_shard(&wrong, 98, {"model/patch_embed.proj.weight", {5, 7}}, 1, rank_of(), size_of(), false);
+  wrong.shards.erase(wrong.shards.begin());
+  vgtest::expect_user_error_everywhere(
+      resume(tmp / "a", wrong.shards),
+      {"none of the 1 checkpoint file(s)", "has shape [7, 5], expected [5, 7]"});
+  // `checkpoints` is a file
+  write_garbage(tmp / "c", 10);
+  vgtest::expect_user_error_everywhere(resume(tmp / "c", r.shards), {"is not a directory"});
+}
+
+// A checkpoint damaged anywhere (every 61st byte of its first 24 KiB inverted in turn, and
+// cuts at several lengths) is either read whole and right (the byte was unused) or refused
+// with a UserError on every rank; it never aborts or hangs.
+TEST(Checkpoint, DamagedAnywhereIsRefusedNotFatal) {
+  vgtest::SharedTmpDir tmp;
+  ShardSet w = make_write_set();
+  std::string good = vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp / "g", 5, w.shards, make_meta(5));
+  uint64_t size = 0;
+  if (rank_of() == 0) size = std::filesystem::file_size(good);
+  MPI_Bcast(&size, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+  int refused = 0, loaded = 0;
+  auto attempt = [&](const std::string& path) {
+    ShardSet r = make_read_set();
+    vitgrid::CheckpointMeta m;
+    try {
+      vitgrid::read_checkpoint(MPI_COMM_WORLD, path, r.shards, &m);
+      ++loaded;
+      for (size_t t = 0; t < kTensors.size(); ++t) expect_shard_values(r.shards[t], t);
+    } catch (const vitgrid::UserError& e) {
+      ++refused;
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+    }
+  };
+  const size_t span = std::min<size_t>(size, 24 * 1024);
+  for (size_t off = 0; off < span; off += 61) {
+    damaged_copy(good, tmp / "d.h5", off);
+    attempt(tmp / "d.h5");
+  }
+  for (size_t cut : {size_t(0), size_t(512), size_t(4096), span / 2, static_cast<size_t>(size - 1)}) {
+    damaged_copy(good, tmp / "t.h5", cut, true);
+    attempt(tmp / "t.h5");
+  }
+  EXPECT_GT(refused, 10);
+  EXPECT_GT(refused + loaded, static_cast<int>(span / 61));
 }
 
 TEST(Checkpoint, RefusalsAreUserErrorsOnEveryRank) {

@@ -53,23 +53,26 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
 
 // Called by all ranks of comm. Reads each shard's hyperslab from `path` into shard.data; the
 // global shape stored must equal the shard's global_shape. Fills meta (deck, grid, state).
-// Throws UserError naming the file and dataset when the file is missing, incomplete, or a
-// tensor is absent or of the wrong shape.
+// Throws UserError naming the file and dataset when the file is missing, incomplete, damaged
+// anywhere (every dataset is verified against its checksum first, not only those read), or a
+// tensor is absent or of the wrong shape; never aborts on a damaged file.
 void read_checkpoint(MPI_Comm comm, const std::string& path, std::vector<TensorShard>& shards,
                      CheckpointMeta* meta);
 
-// Complete checkpoints in dir, newest first. Called by all ranks (rank 0 looks, bcast).
-std::vector<std::string> list_checkpoints(MPI_Comm comm, const std::string& dir);
-
 // Integrity: every dataset carries a `checksum` attribute (uint64: the sum over elements i, in
 // global row-major order, of mix64(i * 0x9E3779B97F4A7C15 ^ bits(x_i)) mod 2^64, bits the raw
-// IEEE pattern). read_checkpoint verifies the datasets it reads (plus the state) before using
-// them; verify_checkpoint checks all of them. Both throw UserError naming file and dataset.
-// Called by all ranks of comm.
+// IEEE pattern). verify_checkpoint checks all of them; throws UserError naming file and
+// dataset. Called by all ranks of comm.
 void verify_checkpoint(MPI_Comm comm, const std::string& path);
 
-// Newest complete checkpoint in dir that verifies ("" if none): a corrupted newest one is
-// reported on rank 0 and the next older one tried. Called by all ranks.
-std::string latest_checkpoint(MPI_Comm comm, const std::string& dir, bool verify = true);
+// checkpoint.resume = auto. Called by all ranks of comm. Reads (as read_checkpoint) the newest
+// checkpoint in `dir` that is complete, verifies and fits `shards`, and returns its path; ""
+// when `dir` holds no checkpoint file at all (unfinished .tmp writes are named in a warning).
+// Every newer one passed over is named in a warning with the reason, then renamed
+// <name>.rejected, since this run writes that step again. When checkpoint files exist but none
+// can be resumed from, throws UserError naming each and why: a fresh start would overwrite
+// them.
+std::string resume_checkpoint(MPI_Comm comm, const std::string& dir,
+                              std::vector<TensorShard>& shards, CheckpointMeta* meta);
 
 }  // namespace vitgrid

@@ -3,6 +3,8 @@
 // on one process grid loads on any other.
 #include "vitgrid/io/checkpoint.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
@@ -358,9 +360,34 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
   const std::string final_path = join_path(dir, step_file_name(step));
   const std::string tmp = final_path + ".tmp";
   io_detail::make_dirs(comm, dir, final_path);
-
   {
-    H5Id file = io_detail::create_parallel(comm, tmp);
+    // something else under the final name (a directory): the rename at the end would fail
+    int blocked = 0;
+    std::error_code ec;
+    if (rank == 0 && std::filesystem::exists(std::filesystem::symlink_status(final_path, ec)) &&
+        !std::filesystem::is_regular_file(final_path, ec))
+      blocked = 1;
+    MPI_CHECK(MPI_Bcast(&blocked, 1, MPI_INT, 0, comm));
+    if (blocked)
+      throw UserError("checkpoint '" + final_path + "' cannot be written: that name is taken by "
+                      "something that is not a checkpoint file; move it away");
+  }
+
+  // A write can fail on some ranks only (a full disk, a quota, an I/O error: MPI-IO's
+  // aggregators see it, the other ranks do not). The ranks agree after each collective step;
+  // on a failure they stop together, the partial file is removed (its space freed first, so
+  // that the close can finish) and every checkpoint written before stays as it was.
+  io_detail::SoftFailures soft(dir);
+  H5Id file;
+  struct Failed {
+    std::string why;
+  };
+  auto agreed = [&](const char* stage) {
+    const std::string why = soft.agree(comm);
+    if (!why.empty()) throw Failed{why + ", " + stage};
+  };
+  try {
+    file = io_detail::create_parallel(comm, tmp);
     io_detail::throw_if_any_failed(comm, file.valid(),
                                    "checkpoint '" + tmp + "': cannot create the file");
     H5Id dxpl = io_detail::collective_dxpl();
@@ -377,6 +404,7 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
     for (const char* g : {"model", "optim", "state"}) {
       H5Id group(H5_CHECK(H5Gcreate2(file, g, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)));
     }
+    agreed("creating its groups");
 
     // checksums: each rank hashes what it writes; one all-reduce gives every dataset's value
     std::vector<uint64_t> sums(shards.size(), 0);
@@ -391,10 +419,12 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
       auto spaces = shard_spaces(s, s.write);
       H5Id dset(H5_CHECK(H5Dcreate2(file, s.name.c_str(), H5T_IEEE_F32LE, spaces.first, lcpl,
                                     dcpl, H5P_DEFAULT)));
+      agreed("creating a dataset");
       VG_CHECK(!(s.write && shard_elements(s) > 0) || s.data, "shard '" << s.name << "' has no data");
       const float* buf = (s.write && shard_elements(s) > 0) ? s.data : &dummy;
       H5_CHECK(H5Dwrite(dset, H5T_NATIVE_FLOAT, spaces.second, spaces.first, dxpl, buf));
       write_attr_u64(dset, "checksum", sums[si++]);
+      agreed("writing a tensor");
     }
 
     // small state: rank 0 writes, the others select nothing (values are the same everywhere)
@@ -405,6 +435,7 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
       H5Id dset(H5_CHECK(H5Dcreate2(file, ("state/" + kv.first).c_str(), H5T_IEEE_F64LE, fspace,
                                     lcpl, dcpl, H5P_DEFAULT)));
       write_attr_u64(dset, "checksum", values_hash(kv.second));  // same values on every rank
+      agreed("creating the state");
       if (n == 0) continue;
       H5Id mspace(H5_CHECK(H5Screate_simple(1, &n, nullptr)));
       if (rank != 0) {
@@ -413,6 +444,7 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
       }
       H5_CHECK(H5Dwrite(dset, H5T_NATIVE_DOUBLE, mspace, fspace, dxpl,
                         rank == 0 ? kv.second.data() : &ddummy));
+      agreed("writing the state");
     }
 
     io_detail::write_attr_string(file, "deck", meta.deck);
@@ -425,7 +457,29 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
     // Written last. The metadata cache may still reorder what reaches the disk before the
     // close, which is why the file only gets its final name after the close below.
     io_detail::write_attr_int(file, "complete", 1);
-  }  // collective close: every rank's data is in the file once this returns
+    agreed("writing its attributes");
+    H5_CHECK(H5Fflush(file, H5F_SCOPE_GLOBAL));
+    agreed("flushing it");
+  } catch (const Failed& f) {
+    // every object of the file is closed by now (the unwinding); the file's space is freed
+    // before its collective close, whose own failure no longer matters
+    if (rank == 0 && ::truncate(tmp.c_str(), 0) != 0) { /* removed below either way */ }
+    MPI_CHECK(MPI_Barrier(comm));
+    file.reset();
+    soft.agree(comm);
+    if (rank == 0) std::remove(tmp.c_str());
+    MPI_CHECK(MPI_Barrier(comm));
+    throw UserError("checkpoint '" + final_path + "' could not be written (" + f.why +
+                    "); the partial file was removed and earlier checkpoints are kept");
+  }
+  // collective close: every rank's data and the metadata are in the file once it returns
+  file.reset();
+  if (const std::string why = soft.agree(comm); !why.empty()) {
+    if (rank == 0) std::remove(tmp.c_str());
+    MPI_CHECK(MPI_Barrier(comm));
+    throw UserError("checkpoint '" + final_path + "' could not be written (" + why +
+                    ", closing it); the partial file was removed and earlier checkpoints are kept");
+  }
 
   io_detail::publish_file(comm, tmp, final_path);
 

@@ -27,9 +27,9 @@ void H5Id::reset() {
     default: rc = H5Idec_ref(id_); break;
   }
   id_ = -1;
-  // A failed close of a file means its last metadata never reached the disk: fatal, not
-  // something a caller could recover from.
-  if (rc < 0) VG_FAIL("HDF5 close failed");
+  // A failed close of a file means its last metadata never reached the disk: fatal, unless a
+  // SoftFailures scope takes it as an answer (a full disk).
+  if (rc < 0) h5_failed("H5?close", __FILE__, __LINE__);
 }
 
 H5ErrorSilencer::H5ErrorSilencer() {

@@ -9,11 +9,11 @@
 
 #include "vitgrid/core/error.h"
 
-#define H5_CHECK(call)                                                        \
-  ([&]() {                                                                    \
-    auto vg_h5_ = (call);                                                     \
-    if (vg_h5_ < 0) VG_FAIL("HDF5 call failed: " #call);                     \
-    return vg_h5_;                                                            \
+#define H5_CHECK(call)                                                          \
+  ([&]() {                                                                      \
+    auto vg_h5_ = (call);                                                       \
+    if (vg_h5_ < 0) ::vitgrid::io_detail::h5_failed(#call, __FILE__, __LINE__); \
+    return vg_h5_;                                                              \
   }())
 
 namespace vitgrid {
@@ -22,4 +22,33 @@ namespace vitgrid {
 // data loader's thread and the main thread) holds this lock.
 std::recursive_mutex& hdf5_mutex();
 
+namespace io_detail {
+
+// A failed HDF5 call (H5_CHECK): a local fatal error (fail_one), unless a SoftFailures scope
+// is open on this thread, which records it instead.
+void h5_failed(const char* call, const char* file, int line);
+
+// Writing a file that can fail for reasons outside the program (a full disk, a quota, an I/O
+// error) on some ranks only. While the scope is open, failed HDF5 calls are recorded (the
+// first one, with errno) and HDF5's error stack is not printed; the caller goes on making the
+// same calls as the other ranks up to its next agreement point, agree(), where every rank
+// learns whether any failed, and stops together. Called from one thread; scopes do not nest.
+class SoftFailures {
+ public:
+  // `dir`: where the file lives, for the free space in the message.
+  explicit SoftFailures(std::string dir);
+  ~SoftFailures();
+  SoftFailures(const SoftFailures&) = delete;
+  SoftFailures& operator=(const SoftFailures&) = delete;
+  // Called by all ranks of comm: "" when no rank recorded a failure; else the lowest failing
+  // rank's reason ("no space left on device (12.0 MB free on the file system of 'dir')", an
+  // errno text, or the failed call), the same on every rank.
+  std::string agree(MPI_Comm comm);
+
+ private:
+  std::string dir_;
+  void* quiet_;  // the error stack printing, restored on close
+};
+
+}  // namespace io_detail
 }  // namespace vitgrid

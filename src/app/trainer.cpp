@@ -3,6 +3,7 @@
 #include "vitgrid/app/preempt.h"
 
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -828,6 +829,37 @@ struct Trainer::Impl {
         ckpt_write_gbs);
   }
 
+  // Bytes of one checkpoint of this run: every parameter and optimizer state in fp32.
+  double checkpoint_bytes() const {
+    return double(model->num_global_params()) * 4.0 * (1 + (opt ? opt->state().size() : 0));
+  }
+
+  // Called by all ranks before the run writes anything: a run whose out_dir cannot hold one
+  // checkpoint is refused now, not after hours of training (a full disk found mid-write ends
+  // the run too, but only after the work since the last checkpoint).
+  void check_free_space() {
+    int ok = 1;
+    std::string msg;
+    if (grid->world_rank() == 0) {
+      struct statvfs v {};
+      if (::statvfs(deck.run.out_dir.c_str(), &v) == 0) {
+        const double free_b = double(v.f_bavail) * double(v.f_frsize);
+        const double need = checkpoint_bytes() * 1.02 + 262144.0;  // + metadata and metrics
+        if (free_b < need) {
+          ok = 0;
+          char buf[256];
+          std::snprintf(buf, sizeof buf,
+                        "run.out_dir '%s': no space left on device: %.1f MB free on its file "
+                        "system, a checkpoint of this run needs %.1f MB; free space or choose "
+                        "another run.out_dir",
+                        deck.run.out_dir.c_str(), free_b / 1e6, need / 1e6);
+          msg = buf;
+        }
+      }
+    }
+    if (agree_error(world, ok != 0, &msg)) throw UserError(msg);
+  }
+
   // Loads parameters (and optimizer state + counters when `full`) from `path`; with `resume`,
   // from the newest checkpoint in the directory `path` that can be resumed from (false: the
   // directory holds none).
@@ -920,6 +952,7 @@ struct Trainer::Impl {
     if (!resumed && !deck.checkpoint.load.empty()) load_checkpoint(deck.checkpoint.load, false);
     if (grid->world_rank() == 0) mkdirs(deck.run.out_dir);
     MPI_Barrier(world);
+    agreed([&] { check_free_space(); });
     // a metrics.h5 this run cannot continue is refused with one message
     std::unique_ptr<MetricsWriter> metrics_file;
     agreed([&] {

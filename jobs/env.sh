@@ -12,3 +12,12 @@ VITGRID_ROOT=${VITGRID_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 VITGRID_BIN=${VITGRID_BIN:-$VITGRID_ROOT/build/bin/vitgrid}
 # Exit code vitgrid uses after a preemption checkpoint: the batch scripts requeue on it.
 VITGRID_EXIT_REQUEUE=3
+# A SIGTERM that reaches mpirun itself (kill, a scheduler signalling every process): Open MPI
+# waits odls_base_sigkill_timeout seconds, sends SIGTERM to the ranks, which finish their step
+# and write a checkpoint, and kills them the same time later. Its default, 1 s, may cut that
+# checkpoint short (the previous one stays). VITGRID_KILL_GRACE=N gives N seconds; but mpirun
+# then also waits 2N seconds after any rank exits non-zero (an error, a preemption), so it is
+# not set by default. jobs/mpirun.sh turns a SIGTERM of its own into an immediate SIGUSR1.
+if [ -n "${VITGRID_KILL_GRACE:-}" ]; then
+  export OMPI_MCA_odls_base_sigkill_timeout=$VITGRID_KILL_GRACE
+fi

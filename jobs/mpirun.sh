@@ -2,7 +2,7 @@
 # One node, one rank per GPU (or NP CPU ranks), explicit binding.
 #   jobs/mpirun.sh DECK [NP] [--section.key=value ...]
 # NP defaults to the number of GPUs (nvidia-smi -L), else 2. Output goes to the deck's
-# run.out_dir unless --run.out_dir=... is given; the launch log is tee'd there too.
+# run.out_dir unless --run.out_dir=... is given.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 DECK=${1:?usage: jobs/mpirun.sh DECK [NP] [--section.key=value ...]}
@@ -17,5 +17,15 @@ CORES=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 PE=$(( CORES / NP )); [ "$PE" -ge 1 ] || PE=1
 BIND="--map-by slot:PE=$PE --bind-to core"
 [ $(( NP * PE )) -le "$CORES" ] || BIND="--oversubscribe --bind-to none"
-exec mpirun -np "$NP" $BIND -x OMP_NUM_THREADS -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH \
-  "$VITGRID_BIN" train "$DECK" "$@"
+# SIGTERM or SIGINT to this script (kill, a scheduler) becomes SIGUSR1 to mpirun, which sends
+# it on to every rank at once: they finish the step, write a checkpoint and exit 3, and so does
+# this script. (A SIGTERM to mpirun itself: see VITGRID_KILL_GRACE in env.sh.)
+mpirun -np "$NP" $BIND -x OMP_NUM_THREADS -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH \
+  "$VITGRID_BIN" train "$DECK" "$@" &
+MPIRUN=$!
+trap 'kill -USR1 "$MPIRUN" 2>/dev/null || true' TERM INT USR1
+rc=0
+wait "$MPIRUN" || rc=$?
+# a trapped signal ends `wait` early: wait for mpirun itself
+while kill -0 "$MPIRUN" 2>/dev/null; do rc=0; wait "$MPIRUN" || rc=$?; done
+exit "$rc"

@@ -3,6 +3,8 @@
 #include <atomic>
 #include <csignal>
 
+#include "vitgrid/core/watchdog.h"
+
 namespace vitgrid {
 namespace {
 
@@ -30,12 +32,12 @@ PreemptionWatch::~PreemptionWatch() {
   sigaction(SIGUSR1, &g_old_usr1, nullptr);
 }
 
-bool PreemptionWatch::requested(MPI_Comm comm) const {
-  int mine = g_signal.load(std::memory_order_relaxed) != 0, any = 0;
+bool PreemptionWatch::requested(MPI_Comm comm) {
+  int mine = g_signal.load(std::memory_order_relaxed), any = 0;
+  WatchdogWait w("the MPI all-reduce of the preemption signal", "world");
   MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, comm);
+  if (any != 0) agreed_ = any;
   return any != 0;
 }
-
-int PreemptionWatch::signal_seen() { return g_signal.load(std::memory_order_relaxed); }
 
 }  // namespace vitgrid

@@ -21,6 +21,7 @@
 #include "vitgrid/backend/profile.h"
 #include "vitgrid/core/error.h"
 #include "vitgrid/core/log.h"
+#include "vitgrid/core/watchdog.h"
 #include "vitgrid/data/dataset.h"
 #include "vitgrid/grid/grid.h"
 #include "vitgrid/io/checkpoint.h"
@@ -187,6 +188,8 @@ struct Trainer::Impl {
   }
 
   void setup(bool training) {
+    // a rank that stops responding ends the job instead of leaving the others waiting
+    start_watchdog(deck.device.comm_timeout);
     GridShape gs;
     gs.pipeline = deck.parallel.pipeline;
     gs.data = deck.parallel.data;
@@ -493,7 +496,9 @@ struct Trainer::Impl {
   // Called by all ranks: the loss (or any sums) known on the last stage, on every stage.
   void from_last_stage(double* v, int n) {
     const int P = grid->size(Axis::Pipeline);
-    if (P > 1) MPI_Bcast(v, n, MPI_DOUBLE, P - 1, grid->comm(Axis::Pipeline).get());
+    if (P == 1) return;
+    WatchdogWait w("an MPI broadcast from the last stage", "pipeline axis");
+    MPI_Bcast(v, n, MPI_DOUBLE, P - 1, grid->comm(Axis::Pipeline).get());
   }
 
   // Called by all ranks from setup(): whether the step's micro-batches run as CUDA graphs.
@@ -602,6 +607,7 @@ struct Trainer::Impl {
     p.scale = scale;
     if (scaler->enabled()) {  // fp16: the host decides on the overflow verdict
       int f = opt->grads_finite(model->grads()) ? 1 : 0;
+      WatchdogWait w("the MPI all-reduce of the fp16 overflow verdict", "world");
       MPI_Allreduce(MPI_IN_PLACE, &f, 1, MPI_INT, MPI_MIN, world);  // agreed over every axis
       p.applied = scaler->update(f != 0);
     }
@@ -635,6 +641,7 @@ struct Trainer::Impl {
     std::vector<double> v(2 * P, 0.0);
     v[s] = pipe->wait_seconds();
     v[P + s] = pipe->total_seconds();
+    WatchdogWait w("the MPI all-reduce of the pipeline bubble", "world");
     MPI_Allreduce(MPI_IN_PLACE, v.data(), 2 * P, MPI_DOUBLE, MPI_SUM, world);
     const PipelinePlans& pl = pipe->train_plans();
     const double theory = theoretical_bubble(pl.schedule, pl.P, pl.V, pl.M);
@@ -655,6 +662,7 @@ struct Trainer::Impl {
   }
 
   ~Impl() {
+    stop_watchdog();
     if (be) {
       // graphs first: NCCL keeps a communicator used by a captured graph alive (and its
       // destruction waiting) until the graph is gone, and the collectives go before the backend
@@ -818,7 +826,10 @@ struct Trainer::Impl {
     meta.state["seed"] = {double(deck.run.seed)};
     meta.state["loss_scale"] = {double(scaler->scale())};
     meta.state["scaler_good_steps"] = {double(scaler->good_steps())};
-    MPI_Barrier(world);
+    {
+      WatchdogWait w("the MPI barrier before a checkpoint", "world");
+      MPI_Barrier(world);
+    }
     const double t0 = now_s();
     const std::string path =
         write_checkpoint(world, ckpt_dir(), step, sh, meta, deck.checkpoint.keep);
@@ -929,6 +940,7 @@ struct Trainer::Impl {
       }
       ++t;
     }
+    WatchdogWait w("the MPI all-reduce of the evaluation sums", "data axis");
     MPI_Allreduce(MPI_IN_PLACE, s, 4, MPI_DOUBLE, MPI_SUM, grid->comm(Axis::Data).get());
     from_last_stage(s, 3);  // the sums are known on the last stage; the counts everywhere
     const double n = std::max(s[3], 1.0);
@@ -1009,7 +1021,10 @@ struct Trainer::Impl {
       const double dt = now - std::max(t_done, t_enqueue);
       t_done = now;
       double dt_max = dt;
-      MPI_Allreduce(MPI_IN_PLACE, &dt_max, 1, MPI_DOUBLE, MPI_MAX, world);
+      {
+        WatchdogWait w("the MPI all-reduce of the step time", "world");
+        MPI_Allreduce(MPI_IN_PLACE, &dt_max, 1, MPI_DOUBLE, MPI_MAX, world);
+      }
       ++steps_since_log;
       log_time += dt_max;
       if (k == first_step + 1) {
@@ -1064,7 +1079,7 @@ struct Trainer::Impl {
         metrics.flush();
         log("preempted (signal %d) after step %lld: checkpoint written; exiting with %d so the "
             "job script requeues; checkpoint.resume = auto continues from here\n",
-            PreemptionWatch::signal_seen(), static_cast<long long>(step), kExitRequeue);
+            preempt.signal_seen(), static_cast<long long>(step), kExitRequeue);
         return kExitRequeue;
       }
     }

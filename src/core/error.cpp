@@ -1,5 +1,7 @@
 #include "vitgrid/core/error.h"
 
+#include "vitgrid/core/watchdog.h"
+
 #include <unistd.h>
 
 #include <chrono>
@@ -129,6 +131,7 @@ bool agree_error(MPI_Comm comm, bool ok, std::string* msg) {
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &size);
   // lowest failing rank
+  WatchdogWait w("an MPI agreement on errors");
   int mine = ok ? size : rank, first = size;
   MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm);
   if (first == size) return false;

@@ -194,7 +194,7 @@ const std::vector<Field>& schema() {
       VG_FIELD(device, backend, "auto|cuda|cpu",
                "compute backend (auto: cuda when a GPU is present)"),
       VG_FIELD(device, comm_timeout, "",
-               "seconds a GPU collective may stay incomplete before the watchdog aborts the job (NCCL)"),
+               "seconds a rank may wait in one collective or message (MPI on the host, NCCL on GPUs) before the watchdog names it and ends the job: a rank that stopped responding (a frozen process, a lost node) never leaves the others waiting for good"),
       VG_FIELD(device, gemm_tune, "0..16",
                "time this many cuBLASLt algorithms per GEMM shape at its first use and keep the fastest; the data axis's ranks choose together, on the slowest rank's timings (0: the heuristic's choice, bit-reproducible runs)"),
       VG_FIELD(device, data_comm_ctas, "0..64",

@@ -26,6 +26,7 @@
 #include <sstream>
 
 #include "vitgrid/core/error.h"
+#include "vitgrid/core/watchdog.h"
 
 namespace vitgrid {
 
@@ -368,6 +369,7 @@ class MpiCollectives final : public Collectives {
   void allreduce_max(float* buf, size_t n, Axis a) override { allreduce(buf, n, MPI_MAX, a); }
   void allreduce_sum_f64(double* buf, size_t n, Axis a) override {
     if (comm(a) == MPI_COMM_NULL) return;
+    WatchdogWait w("an MPI all-reduce", axis_name(a));
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf, static_cast<int>(n), MPI_DOUBLE, MPI_SUM, comm(a)));
   }
 
@@ -380,6 +382,7 @@ class MpiCollectives final : public Collectives {
   }
 
   void broadcast(void* buf, size_t bytes, int root, Axis a) override {
+    WatchdogWait w("an MPI broadcast", axis_name(a));
     char* p = static_cast<char*>(buf);
     for (size_t off = 0; off < bytes; off += kMaxCount) {
       const int c = static_cast<int>(std::min(kMaxCount, bytes - off));
@@ -388,12 +391,14 @@ class MpiCollectives final : public Collectives {
   }
 
   void allgather(void* out, const void* in, size_t n, size_t elem_size, Axis a) override {
+    WatchdogWait w("an MPI all-gather", axis_name(a));
     const GatherArgs g = gather_args(out, in, n, elem_size, a);
     MPI_CHECK(MPI_Allgather(g.send, g.count, g.type, out, g.count, g.type, comm(a)));
     if (g.type != MPI_BYTE) free_type(g.type);
   }
 
   void reduce_scatter_sum(float* out, const float* in, size_t n, Axis a) override {
+    WatchdogWait w("an MPI reduce-scatter", axis_name(a));
     VG_CHECK(n <= static_cast<size_t>(INT_MAX), "reduce_scatter block of " << n << " floats");
     const int r = grid_.comm(a).rank();
     if (out == in + static_cast<size_t>(r) * n) {
@@ -441,6 +446,7 @@ class MpiCollectives final : public Collectives {
   }
 
   void wait_started(size_t ticket) override {
+    WatchdogWait w("a wait for an overlapped MPI collective");
     VG_CHECK(ticket < reqs_.size(), "wait for collective " << ticket << " of " << reqs_.size());
     MPI_CHECK(MPI_Wait(&reqs_[ticket], MPI_STATUS_IGNORE));
   }
@@ -453,6 +459,7 @@ class MpiCollectives final : public Collectives {
   }
 
   void wait_all() override {
+    WatchdogWait w("a wait for the started MPI collectives");
     if (!reqs_.empty())
       MPI_CHECK(MPI_Waitall(static_cast<int>(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE));
     reqs_.clear();
@@ -485,6 +492,7 @@ class MpiCollectives final : public Collectives {
              "overlapped collective " << ticket << " waited for out of order (next: "
                                       << overlapped_first_ << ", open: " << overlapped_.size()
                                       << ")");
+    WatchdogWait w("a wait for an overlapped MPI collective");
     MPI_CHECK(MPI_Wait(&overlapped_.front().req, MPI_STATUS_IGNORE));
     if (overlapped_.front().type != MPI_BYTE) free_type(overlapped_.front().type);
     overlapped_.pop_front();
@@ -500,6 +508,7 @@ class MpiCollectives final : public Collectives {
   }
 
   void send(const void* buf, size_t bytes, int peer, Axis a) override {
+    WatchdogWait w("an MPI send", axis_name(a));
     const char* p = static_cast<const char*>(buf);
     for_pieces(bytes, [&](size_t off, int c) {
       if (grouping_) {
@@ -512,6 +521,7 @@ class MpiCollectives final : public Collectives {
   }
 
   void recv(void* buf, size_t bytes, int peer, Axis a) override {
+    WatchdogWait w("an MPI receive", axis_name(a));
     char* p = static_cast<char*>(buf);
     for_pieces(bytes, [&](size_t off, int c) {
       if (grouping_) {
@@ -535,6 +545,7 @@ class MpiCollectives final : public Collectives {
     std::vector<MPI_Request> r;
     for (const P2p& q : p2p_) r.push_back(q.req);
     std::vector<MPI_Status> st(r.size());
+    WatchdogWait w("a group of MPI sends and receives");
     if (!r.empty()) MPI_CHECK(MPI_Waitall(static_cast<int>(r.size()), r.data(), st.data()));
     for (size_t i = 0; i < p2p_.size(); ++i)
       if (p2p_[i].peer >= 0) check_count(st[i], p2p_[i].count, p2p_[i].peer, p2p_[i].axis);
@@ -561,6 +572,7 @@ class MpiCollectives final : public Collectives {
   void wait_message(size_t t) override {
     VG_CHECK(t < messages_.size(), "wait for message " << t << " of " << messages_.size());
     Message& m = messages_[t];
+    WatchdogWait w("a wait for an MPI message", axis_name(m.axis));
     for (Part& q : m.parts) {
       MPI_Status st;
       MPI_CHECK(MPI_Wait(&q.req, &st));
@@ -577,7 +589,10 @@ class MpiCollectives final : public Collectives {
     messages_.clear();
   }
 
-  void barrier(Axis a) override { MPI_CHECK(MPI_Barrier(comm(a))); }
+  void barrier(Axis a) override {
+    WatchdogWait w("an MPI barrier", axis_name(a));
+    MPI_CHECK(MPI_Barrier(comm(a)));
+  }
 
  private:
   static constexpr int kTag = 0;
@@ -638,6 +653,7 @@ class MpiCollectives final : public Collectives {
   static void free_type(MPI_Datatype t) { MPI_CHECK(MPI_Type_free(&t)); }
 
   void allreduce(float* buf, size_t n, MPI_Op op, Axis a) {
+    WatchdogWait w("an MPI all-reduce", axis_name(a));
     for (size_t off = 0; off < n; off += kMaxCount) {
       const int c = static_cast<int>(std::min(kMaxCount, n - off));
       MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf + off, c, MPI_FLOAT, op, comm(a)));

@@ -15,6 +15,7 @@
 
 #include "h5_parallel.h"
 #include "vitgrid/core/rng.h"
+#include "vitgrid/core/watchdog.h"
 
 namespace vitgrid {
 
@@ -269,6 +270,7 @@ std::string verify_datasets(MPI_Comm comm, hid_t file, const std::string& what,
   io_detail::H5ErrorSilencer quiet;
   std::vector<uint64_t> got(names.size(), 0), want(names.size(), 0);
   for (size_t n = 0; n < names.size(); ++n) {
+    WatchdogWait w("the collective HDF5 read of a checkpoint tensor (its checksum)");
     const std::string ds = what + ": dataset '/" + names[n] + "'";
     // metadata: the dataset, its checksum, shape and type
     H5Id d(H5Dopen2(file, names[n].c_str(), H5P_DEFAULT));
@@ -416,6 +418,7 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
     size_t si = 0;
     float dummy = 0.0f;
     for (const auto& s : shards) {
+      WatchdogWait w("the collective HDF5 write of a checkpoint tensor");
       auto spaces = shard_spaces(s, s.write);
       H5Id dset(H5_CHECK(H5Dcreate2(file, s.name.c_str(), H5T_IEEE_F32LE, spaces.first, lcpl,
                                     dcpl, H5P_DEFAULT)));
@@ -616,6 +619,7 @@ std::string try_read_checkpoint(MPI_Comm comm, const std::string& path,
   io_detail::H5ErrorSilencer quiet;
   float dummy = 0.0f;
   for (size_t i = 0; i < shards.size(); ++i) {
+    WatchdogWait w("the collective HDF5 read of a checkpoint tensor");
     auto& s = shards[i];
     bool active = shard_elements(s) > 0;
     VG_CHECK(!active || s.data, "shard '" << s.name << "' has no buffer");

@@ -4,7 +4,7 @@
     e2e.py NAME      NAME in: dp_equivalence, resume_exact, refusals, predict, optimizers,
                      tensor_parallel, pipeline, pipeline_hybrid, pipeline_refusals,
                      overlap, stress, zero, no_allocations, metrics_other_world, step_times,
-                     bench_report; on GPUs: gpu_matches_cpu, gpu_resume,
+                     bench_report, signals; on GPUs: gpu_matches_cpu, gpu_resume,
                      gpu_parallel, gpu_graphs, gpu_tune_agreement
 
 They launch build/bin/vitgrid on 1-4 oversubscribed CPU ranks with the tiny deck beside this
@@ -350,6 +350,128 @@ def t_preemption(tmp):
     s2, l2 = losses(d)
     check(list(s2) == list(range(1, steps + 1)), "metrics hold steps 1..60 once each")
     check(np.array_equal(l2, lref), "the preempted-and-resumed run equals the uninterrupted one")
+
+
+def launch_until_step(cmd, step, env=None):
+    """Starts `cmd` (a launcher of vitgrid training with --run.log_every=1) and returns the
+    process and the lines read once the log reached `step`."""
+    p = subprocess.Popen(cmd, env=dict(ENV, **(env or {})), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = []
+    for line in p.stdout:
+        seen.append(line)
+        m = re.match(r"step\s+(\d+)/", line)
+        if m and int(m.group(1)) >= step:
+            break
+    return p, seen
+
+
+def finish(p, seen, timeout):
+    """Waits for a process started by launch_until_step; (exit code or None on a hang, log)."""
+    try:
+        out, _ = p.communicate(timeout=timeout)
+        return p.returncode, "".join(seen) + out
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        return None, "".join(seen) + out
+
+
+def t_signals(tmp):
+    """SIGTERM is as safe as SIGUSR1, and a rank that stops does not hang the job.
+    - SIGTERM to jobs/mpirun.sh (kill, a scheduler): the ranks finish the step, write a complete
+      checkpoint and exit 3, the script too; resume = auto continues bit for bit.
+    - SIGTERM to mpirun itself, with the environment jobs/env.sh sets (Open MPI's kill delay) and
+      a checkpoint that takes seconds to write (delays injected before every MPI call): the
+      checkpoint is complete, no .tmp is left, and the run resumes bit for bit.
+    - kill -STOP of one rank: within device.comm_timeout the others name the call they wait in
+      and end the job (non-zero exit), instead of waiting for good."""
+    steps = 200
+    base = ["--run.steps=%d" % steps, "--checkpoint.every_steps=0", "--run.log_every=1",
+            "--run.eval_every=0"]
+    ref = os.path.join(tmp, "ref")
+    run(2, ["train", DECK, f"--run.out_dir={ref}"] + base)
+    _, lref = losses(ref)
+
+    def resumes_exactly(d, what):
+        ck = [f for f in os.listdir(os.path.join(d, "checkpoints"))]
+        check(len(ck) == 1 and ck[0].endswith(".h5"), f"{what}: one complete checkpoint, nothing else: {ck}")
+        with h5py.File(os.path.join(d, "checkpoints", ck[0]), "r") as f:
+            check(int(f.attrs["complete"]) == 1, f"{what}: the checkpoint is marked complete")
+        run(2, ["train", DECK, f"--run.out_dir={d}", "--checkpoint.resume=auto"] + base)
+        s2, l2 = losses(d)
+        check(list(s2) == list(range(1, steps + 1)) and np.array_equal(l2, lref),
+              f"{what}: resumed run equals the uninterrupted one")
+
+    # SIGTERM to the launch script
+    d = os.path.join(tmp, "script")
+    launcher = os.path.join(os.path.dirname(os.path.dirname(HERE)), "jobs", "mpirun.sh")
+    p, seen = launch_until_step(["bash", launcher, DECK, "2", f"--run.out_dir={d}"] + base, 8)
+    p.send_signal(signal.SIGTERM)
+    rc, out = finish(p, seen, 120)
+    check(rc == 3 and "preempted (signal" in out, f"SIGTERM to jobs/mpirun.sh: exit {rc} == 3, preempted")
+    resumes_exactly(d, "SIGTERM to jobs/mpirun.sh")
+
+    # SIGTERM to mpirun itself with a checkpoint that takes seconds to write (delays before
+    # every MPI call): by default Open MPI kills the ranks 2 s after its own SIGTERM, which may
+    # cut the final checkpoint short, but never costs the one before; with VITGRID_KILL_GRACE
+    # (jobs/env.sh) the final one completes.
+    lib = os.environ.get("VG_MPI_DELAY_LIB", "")
+    check(os.path.exists(lib), f"delay injector built ({lib})")
+    envsh = os.path.join(os.path.dirname(launcher), "env.sh")
+    grace = subprocess.run(["bash", "-c", f"VITGRID_KILL_GRACE=15 source {envsh}"
+                            " && echo $OMPI_MCA_odls_base_sigkill_timeout"],
+                           capture_output=True, text=True, env=ENV).stdout.strip()
+    check(grace == "15", f"jobs/env.sh sets Open MPI's kill delay from VITGRID_KILL_GRACE: {grace!r}")
+    slow = {"VG_MPI_DELAY_P": "1", "VG_MPI_DELAY_US": "20000", "VG_MPI_LAZY_SENDS": "0"}
+    for what, extra_env, every in [("SIGTERM to mpirun", {}, 4),
+                                   ("SIGTERM to mpirun, VITGRID_KILL_GRACE",
+                                    {"OMPI_MCA_odls_base_sigkill_timeout": grace}, 0)]:
+        d = os.path.join(tmp, what.replace(" ", "_").replace(",", ""))
+        flags = [f for f in base if not f.startswith("--checkpoint.every_steps")]
+        cmd = ["mpirun", "-np", "2", "--oversubscribe", "-x", f"LD_PRELOAD={lib}", "-x",
+               "VG_MPI_DELAY_P", "-x", "VG_MPI_DELAY_US", "-x", "VG_MPI_LAZY_SENDS", VITGRID,
+               "train", DECK, f"--run.out_dir={d}", f"--checkpoint.every_steps={every}"] + flags
+        p, seen = launch_until_step(cmd, 6, dict(slow, **extra_env))
+        p.send_signal(signal.SIGTERM)
+        rc, out = finish(p, seen, 120)
+        complete = []
+        for f in sorted(os.listdir(os.path.join(d, "checkpoints"))):
+            if f.endswith(".h5"):
+                with h5py.File(os.path.join(d, "checkpoints", f), "r") as h:
+                    if int(h.attrs.get("complete", 0)) == 1:
+                        complete.append(f)
+        if extra_env:
+            check(rc is not None and "preempted (signal 15)" in out and len(complete) == 1 and
+                  not any(f.endswith(".tmp") for f in os.listdir(os.path.join(d, "checkpoints"))),
+                  f"{what}: the final checkpoint completes (exit {rc}, {complete})")
+        else:
+            check(rc is not None and "step_00000004.h5" in complete,
+                  f"{what}: the job ends (exit {rc}); the earlier checkpoint is intact ({complete})")
+        run(2, ["train", DECK, f"--run.out_dir={d}", "--checkpoint.resume=auto",
+                f"--checkpoint.every_steps={every}"] + flags)
+        s2, l2 = losses(d)
+        check(list(s2) == list(range(1, steps + 1)) and np.array_equal(l2, lref),
+              f"{what}: resumed run equals the uninterrupted one")
+
+    # a frozen rank
+    d = os.path.join(tmp, "frozen")
+    cmd = ["mpirun", "-np", "2", "--oversubscribe", VITGRID, "train", DECK, f"--run.out_dir={d}",
+           "--run.steps=1000000", "--run.log_every=1", "--run.eval_every=0",
+           "--checkpoint.every_steps=0", "--device.comm_timeout=5"]
+    p, seen = launch_until_step(cmd, 3)
+    ranks = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+    check(len(ranks) == 2, f"two rank processes under mpirun: {ranks}")
+    t0 = time.time()
+    if ranks:
+        os.kill(int(ranks[-1]), signal.SIGSTOP)
+    rc, out = finish(p, seen, 90)
+    took = time.time() - t0
+    check(rc not in (None, 0) and "stopped responding" in out and " in the MPI all-reduce" in out
+          or (rc not in (None, 0) and "has waited" in out),
+          f"kill -STOP of a rank: the job ends (exit {rc}) after {took:.0f} s naming the call it waits in")
+    line = [l for l in out.splitlines() if "has waited" in l]
+    print("    " + (line[0] if line else "(no watchdog line)"))
 
 
 def pipeline_run(tmp, name, np_, extra, common):

@@ -107,7 +107,7 @@ struct CheckpointSection {
 
 struct DeviceSection {
   std::string backend = "auto";  // auto | cuda | cpu
-  double comm_timeout = 600.0;   // seconds a collective may stay incomplete (NCCL watchdog)
+  double comm_timeout = 600.0;   // seconds a rank may wait in one collective (the watchdog)
   int gemm_tune = 0;             // cuBLASLt candidates timed per GEMM shape (0/1: heuristic)
   bool deterministic = true;     // false: attention backward with atomics (cuDNN)
   int data_comm_ctas = 0;        // NCCL thread blocks of the data axis (0: NCCL's choice)

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "vitgrid/core/error.h"
+#include "vitgrid/core/watchdog.h"
 #include "vitgrid/model/vit.h"  // ParamInfo (header-only struct)
 
 namespace vitgrid {
@@ -321,8 +322,10 @@ void TensorParallelBase::layernorm_backward(void* dx, float* dgamma, float* dbet
 
 void TensorParallelBase::sum_over_batch(double* v, int n) {
   // host doubles: MPI on the axis communicator (valid whatever the backend)
-  for (Axis a : batch_axes_split())
+  for (Axis a : batch_axes_split()) {
+    WatchdogWait w("an MPI all-reduce of per-sample sums", axis_name(a));
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, MPI_SUM, grid_.comm(a).get()));
+  }
 }
 
 void TensorParallelBase::sum_over_batch_device(double* v, int n) {
@@ -366,6 +369,7 @@ void TensorParallelBase::reduce_param_norms(std::vector<double>& sq) {
       any = any || contains(sharded_[i], a);
     }
     if (!any) continue;  // the same verdict on every rank of the axis: same parameter list
+    WatchdogWait w("the MPI all-reduce of sharded parameter norms", axis_name(a));
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_DOUBLE,
                             MPI_SUM, grid_.comm(a).get()));
     for (size_t i = 0; i < sq.size(); ++i)

@@ -57,8 +57,8 @@ H5Id parallel_fapl(MPI_Comm comm) {
   H5_CHECK(H5Pset_all_coll_metadata_ops(fapl, true));
   H5_CHECK(H5Pset_coll_metadata_write(fapl, true));
   // Objects of 64 KiB and more start on 1 MiB boundaries, so big tensors line up with file
-  // system stripes and no two writers share a stripe at a tensor's edge. Small metadata and
-  // metrics chunks stay packed.
+  // system stripes and no two writers share a stripe at a tensor's edge. Small metadata stays
+  // packed.
   H5_CHECK(H5Pset_alignment(fapl, 64 * 1024, 1024 * 1024));
   return fapl;
 }

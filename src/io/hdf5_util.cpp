@@ -59,7 +59,7 @@ SoftFailures::~SoftFailures() {
   g_soft = SoftState();
 }
 
-std::string SoftFailures::agree(MPI_Comm comm) {
+std::string SoftFailures::take() {
   std::string msg;
   if (g_soft.failed) {
     // errno survives HDF5's and MPI-IO's error paths often enough; the free space decides
@@ -79,10 +79,24 @@ std::string SoftFailures::agree(MPI_Comm comm) {
     else
       msg = std::string("HDF5 call failed: ") + g_soft.call + (have ? std::string("; ") + space : "");
   }
-  const bool ok = !g_soft.failed;
   g_soft.failed = false;
   errno = 0;
+  return msg;
+}
+
+std::string SoftFailures::agree(MPI_Comm comm) {
+  std::string msg = take();
+  const bool ok = msg.empty();
   return agree_error(comm, ok, &msg) ? msg : std::string();
+}
+
+bool SoftFailures::failed() const { return g_soft.failed; }
+
+void SoftFailures::fail(int err, const char* what) {
+  if (g_soft.failed) return;
+  g_soft.failed = true;
+  g_soft.call = what;
+  g_soft.err = err;
 }
 
 }  // namespace io_detail

@@ -1,12 +1,39 @@
-// metrics.h5 (layout: vitgrid/io/metrics.h): one shared file, appended collectively while the
-// run goes on and flushed after every append so plotting tools (h5py) can read it mid-run.
+// metrics.h5 (layout: vitgrid/io/metrics.h): one file, written by rank 0 alone through the
+// serial (sec2) driver while the run goes on, and flushed after every append so plotting tools
+// (h5py) can read it mid-run. The other ranks send rank 0 their per-rank values (an
+// MPI_Gather at each flush) and never touch HDF5 for it.
+//
+// Why rank 0 alone: the metrics are a few hundred bytes per step, so parallel I/O buys
+// nothing, and a parallel-HDF5 write that fails on one rank (a full disk) leaves the ranks in
+// different collectives inside HDF5 (a flush waits for good in MPI_Barrier on one rank and
+// MPI_Bcast on another); no check between HDF5 calls can prevent a divergence inside one call.
+// Here every public call is rank 0's serial work followed by one agreement on the writer's
+// communicator (agree_error): a failure on rank 0 (cannot create or open, damaged file, a
+// write or flush that fails) becomes the same UserError on every rank. While rank 0 writes, an
+// io_detail::SoftFailures scope records a failed HDF5 call instead of aborting. Before it
+// writes, rank 0 reserves the blocks the write may need (reserve()): a write that fails
+// half-way leaves HDF5 metadata pointing at bytes never written (a damaged file), so on a full
+// disk or a quota the write is refused before it starts and the file stays as the last flush
+// left it. A write that fails all the same (a file system that cannot reserve) is agreed alike;
+// rank 0 then closes the file without writing to it again (close_file).
+#include "vitgrid/io/metrics.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
 #include "h5_parallel.h"
-#include "vitgrid/io/metrics.h"
+#include "vitgrid/core/watchdog.h"
 
 namespace vitgrid {
 
@@ -37,12 +64,23 @@ constexpr Column kEval[] = {
 };
 constexpr size_t kNumTrain = sizeof(kTrain) / sizeof(kTrain[0]);
 constexpr size_t kNumEval = sizeof(kEval) / sizeof(kEval[0]);
+// the per-rank tables, in kTrain and in the values each rank sends rank 0
+constexpr size_t kStepTime = 6, kDeviceMem = 7;
 
 // The segments table: a row per run that wrote the file (the first one and each resumed one).
 enum Seg : size_t { kSegFirstStep, kSegWorld, kSegGrid, kSegMode, kNumSeg };
 constexpr const char* kSegPath[kNumSeg] = {"segments/first_step", "segments/world_size",
                                            "segments/grid", "segments/tensor_mode"};
 constexpr hsize_t kModeBytes = 16;  // fixed-length tensor mode names ("none", "2.5d", ...)
+
+// Room rank 0 reserves beyond the chunks and index nodes a write adds: object headers that
+// grow, a global heap collection (4 KiB), blocks HDF5's aggregators take ahead.
+constexpr hsize_t kHeadroom = 16 * 1024;
+// What a new file's groups, datasets and first segment row take (about 30 KiB).
+constexpr hsize_t kNewFileBytes = 64 * 1024;
+// A chunk's share of its dataset's chunk index: a B-tree node (2-3 KiB) when the index starts
+// or splits.
+constexpr hsize_t kPerChunkIndex = 4 * 1024;
 
 // The fixed-length string type of /segments/tensor_mode (h5py reads it as bytes, S16).
 H5Id mode_type() {
@@ -60,14 +98,59 @@ bool columns_extendible(hid_t dset) {
   return maxd[1] == H5S_UNLIMITED;
 }
 
+// Bytes the file may grow by when `dset` (chunked) takes the extent `to` and its new cells are
+// written: the chunks that appear, each allocated whole when first written, and their index
+// entries.
+hsize_t chunk_growth(hid_t dset, const std::vector<hsize_t>& to) {
+  const std::vector<hsize_t> from = io_detail::dataset_dims(dset);
+  H5Id dcpl(H5_CHECK(H5Dget_create_plist(dset)));
+  H5Id type(H5_CHECK(H5Dget_type(dset)));
+  hsize_t chunk[2] = {1, 1};
+  const int nd = std::min(H5_CHECK(H5Pget_chunk(dcpl, 2, chunk)), 2);
+  if (nd < 1 || static_cast<size_t>(nd) != to.size() || from.size() != to.size()) return 0;
+  auto chunks = [&](const std::vector<hsize_t>& d) {
+    hsize_t c = 1;
+    for (int k = 0; k < nd; ++k) c *= (d[k] + chunk[k] - 1) / std::max<hsize_t>(chunk[k], 1);
+    return c;
+  };
+  const hsize_t a = chunks(from), b = chunks(to);
+  if (b <= a) return 0;
+  hsize_t bytes = H5Tget_size(type);
+  for (int k = 0; k < nd; ++k) bytes *= chunk[k];
+  return (b - a) * (bytes + kPerChunkIndex);
+}
+
+// Rank 0's file access: the serial (sec2) driver, without file locks (HDF5 1.10 would hold an
+// exclusive lock while the file is open, and readers such as h5py open it mid-run).
+H5Id writer_fapl() {
+  H5Id fapl(H5_CHECK(H5Pcreate(H5P_FILE_ACCESS)));
+  H5_CHECK(H5Pset_file_locking(fapl, false, true));
+  return fapl;
+}
+
+// A refusal found by rank 0 (a dataset missing or of the wrong shape): its message, agreed
+// like a failed write.
+struct Refused {
+  std::string msg;
+};
+// Rank 0 stops its work at the first failed HDF5 call (recorded by the SoftFailures scope).
+struct Stopped {};
+
 }  // namespace
 
 struct MetricsWriter::Impl {
   MPI_Comm comm = MPI_COMM_NULL;
   int rank = 0, world = 1;
   std::string path;
+  std::string dir;  // the file's directory, for the free space
+  // A failure agreed by every rank: the writer writes nothing more, and its calls throw it.
+  bool failed = false;
+  std::string failure;
+  std::vector<TrainRow> train_buf;
+  std::vector<EvalRow> eval_buf;
+
+  // ---- rank 0 only: the file and what it holds
   H5Id file;
-  H5Id dxpl;
   H5Id train[kNumTrain];
   H5Id eval[kNumEval];
   H5Id seg[kNumSeg];
@@ -81,8 +164,46 @@ struct MetricsWriter::Impl {
   int old_world = 0;
   std::vector<int> old_grid;
   std::string old_mode;
-  std::vector<TrainRow> train_buf;
-  std::vector<EvalRow> eval_buf;
+  io_detail::SoftFailures* soft = nullptr;  // open while rank 0 works (root_work)
+
+  // Rank 0: runs `work` under the HDF5 lock in a SoftFailures scope; returns "" or the
+  // message every rank will throw ("metrics file '...': <what> (<reason>)", or a refusal).
+  // On a failure the file is closed (and removed if `work` set remove_on_failure: a file it
+  // created).
+  template <class F>
+  std::string root_work(const char* what, F&& work);
+  bool remove_on_failure = false;
+  // Rank 0: the first failed HDF5 call ends the work.
+  void stop_if_failed() {
+    if (soft->failed()) throw Stopped{};
+  }
+  // Rank 0, before a write that may grow the file by `bytes`: makes sure the file system holds
+  // the blocks it may need, so that no write of HDF5's meets a full disk or a quota half-way
+  // (a flush that fails there leaves metadata pointing at bytes never written, and HDF5 1.10
+  // cannot close the file cleanly after it). fallocate, keeping the file's size, over the
+  // whole file (the holes of a file written in parallel are filled when a chunk is rewritten)
+  // and `bytes` plus kHeadroom beyond its end; where the file system cannot reserve
+  // (EOPNOTSUPP), its free space is checked instead (statvfs, blind to quotas). When the room
+  // is not there it records ENOSPC (or EDQUOT) and stops: the file stays as the last flush
+  // left it.
+  void reserve(hsize_t bytes);
+  // Rank 0: the free space check alone (what reserve() falls back to), for a file that does
+  // not exist yet: records ENOSPC and stops when the file system has less free than `bytes`
+  // plus kHeadroom.
+  void check_free(hsize_t bytes);
+  hsize_t reserved_end = 0;  // blocks up to here may be reserved beyond the file's end
+  // Rank 0: frees the blocks reserved beyond the end of the file, once it is flushed or
+  // closed.
+  void release_reservation();
+  // Rank 0: closes every handle of the file, reporting no error (HDF5's error stack quiet);
+  // false if a close failed. Never collective. After a failure (`detach`), nothing more
+  // reaches the file: HDF5's descriptor is pointed at an anonymous memory file first, and the
+  // cache HDF5 1.10 leaves unflushable after a failed flush is flushed there, so that the
+  // close succeeds (a failed close leaves the library to crash when it terminates).
+  bool close_file(bool detach = false);
+  // Called by all ranks after rank 0's work: agrees on rank 0's `err` ("" when it succeeded);
+  // on a failure the writer is failed on every rank and the same UserError is thrown.
+  void settle(const std::string& err);
 
   // An empty extendible dataset: 1-D, or 2-D with `cols` columns (more may be added when
   // cols_unlimited).
@@ -95,7 +216,9 @@ struct MetricsWriter::Impl {
   H5Id extendible_copy(H5Id old, const char* p);
   std::vector<int64_t> read_ints(hid_t dset);
   void set_rows(hid_t dset, hsize_t rows);
-  void truncate_after(int64_t resume_step);
+  // The rows (and segments) a resume after `resume_step` keeps: a prefix of each table.
+  hsize_t kept_rows(hid_t step_dset, int64_t resume_step);
+  void truncate_to(hsize_t train_keep, hsize_t eval_keep, hsize_t seg_keep);
   void continue_old_layout();
   void add_segment(int64_t first_step, int64_t world_size, const std::vector<int>& grid,
                    const std::string& mode);
@@ -104,14 +227,132 @@ struct MetricsWriter::Impl {
   void write_root_attributes(const std::string& deck, const std::vector<int>& grid,
                              const std::string& tensor_mode, const std::string& backend);
   // Writes rows [row0, row0 + n) x columns [col0, col0 + cols) of `dset` (2-D; 1-D: rows
-  // only) from rank 0's row-major `buf`; collective, the other ranks select nothing.
-  void write_from_root(hid_t dset, hid_t memtype, hsize_t row0, hsize_t n, hsize_t col0,
-                       hsize_t cols, const void* buf);
-  // Extends `dset` by n rows and writes them. 1-D: rank 0 writes (all ranks hold the same
-  // values). Per-rank: each rank writes its own column of the new rows, and rank 0 fills the
-  // columns beyond this run's ranks with NaN.
+  // only) from the row-major `buf`.
+  void write_block(hid_t dset, hid_t memtype, hsize_t row0, hsize_t n, hsize_t col0, hsize_t cols,
+                   const void* buf);
+  // Extends `dset` (1-D) by n rows and writes them.
   void append(hid_t dset, const Column& c, hsize_t old_rows, hsize_t n, const void* buf);
+  // Writes the buffered rows; `per_rank`: every rank's step times then device memory
+  // (rank-major, as gathered).
+  void write_rows(const std::vector<double>& per_rank);
 };
+
+template <class F>
+std::string MetricsWriter::Impl::root_work(const char* what, F&& work) {
+  std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
+  io_detail::SoftFailures scope(dir);
+  soft = &scope;
+  std::string err;
+  try {
+    work();
+  } catch (const Refused& r) {
+    err = r.msg;
+  } catch (const Stopped&) {
+  } catch (const std::exception& e) {  // agreed too: the other ranks wait in settle()
+    err = "metrics file '" + path + "': " + what + " (" + e.what() + ")";
+  }
+  const std::string why = scope.take();
+  if (err.empty() && !why.empty()) err = "metrics file '" + path + "': " + what + " (" + why + ")";
+  if (!err.empty()) {
+    close_file(true);
+    if (remove_on_failure) std::remove(path.c_str());
+  }
+  release_reservation();  // held for one write only (the flush made the file's size final)
+  remove_on_failure = false;
+  soft = nullptr;
+  return err;
+}
+
+void MetricsWriter::Impl::reserve(hsize_t bytes) {
+  // test hook: skip the reservation, so that the write itself meets the full disk (what a file
+  // system that cannot reserve, or a copy-on-write one, may still do)
+  const char* skip = std::getenv("VITGRID_TEST_METRICS_NO_RESERVE");
+  if (skip && *skip == '1') return;
+  bytes += kHeadroom;
+  int err = 0;
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  struct stat st {};
+  if (fd < 0 || fstat(fd, &st) != 0) {
+    err = errno;
+  } else {
+    const off_t end = st.st_size + static_cast<off_t>(bytes);
+    // released after the write, whatever a failing fallocate left allocated beyond the end
+    reserved_end = std::max<hsize_t>(reserved_end, static_cast<hsize_t>(end));
+    if (fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, end) != 0) {
+      err = errno;
+      // a file system that cannot reserve: the free space decides
+      if (err == EOPNOTSUPP || err == ENOSYS || err == EINVAL) {
+        ::close(fd);
+        check_free(bytes - kHeadroom);
+        return;
+      }
+    }
+  }
+  if (fd >= 0) ::close(fd);
+  if (err != 0) {
+    soft->fail(err, "reserving room for the write");
+    throw Stopped{};
+  }
+}
+
+void MetricsWriter::Impl::check_free(hsize_t bytes) {
+  struct statvfs v {};
+  if (statvfs(dir.c_str(), &v) == 0 &&
+      double(v.f_bavail) * double(v.f_frsize) < double(bytes + kHeadroom)) {
+    soft->fail(ENOSPC, "checking the free space before writing");
+    throw Stopped{};
+  }
+}
+
+void MetricsWriter::Impl::release_reservation() {
+  if (reserved_end == 0) return;
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  struct stat st {};
+  // past the reserved end by a block or more: a block the range ends inside is not freed
+  if (fd >= 0 && fstat(fd, &st) == 0 && static_cast<hsize_t>(st.st_size) < reserved_end)
+    (void)fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, st.st_size,
+                    static_cast<off_t>(reserved_end) - st.st_size + (1 << 20));
+  if (fd >= 0) ::close(fd);
+  reserved_end = 0;
+}
+
+bool MetricsWriter::Impl::close_file(bool detach) {
+  if (!file.valid()) return true;
+  std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
+  io_detail::H5ErrorSilencer quiet;
+  if (detach) {
+    H5Id fapl(H5Fget_access_plist(file));
+    void* handle = nullptr;
+    const int mem = memfd_create("vitgrid-metrics-discard", MFD_CLOEXEC);
+    if (fapl.valid() && H5Pget_driver(fapl) == H5FD_SEC2 && mem >= 0 &&
+        H5Fget_vfd_handle(file, H5P_DEFAULT, &handle) >= 0 && handle &&
+        dup2(mem, *static_cast<int*>(handle)) >= 0) {
+      // the first flush fails on the state the failed one left, and mends it
+      H5Fflush(file, H5F_SCOPE_LOCAL);
+      H5Fflush(file, H5F_SCOPE_LOCAL);
+    }
+    if (mem >= 0) ::close(mem);
+  }
+  bool ok = true;
+  auto close_all = [&](H5Id* ids, size_t n) {
+    for (size_t i = 0; i < n; ++i)
+      if (ids[i].valid()) ok = H5Dclose(ids[i].release()) >= 0 && ok;
+  };
+  close_all(train, kNumTrain);
+  close_all(eval, kNumEval);
+  close_all(seg, kNumSeg);
+  ok = H5Fclose(file.release()) >= 0 && ok;
+  release_reservation();
+  return ok;
+}
+
+void MetricsWriter::Impl::settle(const std::string& err) {
+  std::string msg = err;
+  if (!agree_error(comm, err.empty(), &msg)) return;
+  failed = true;
+  failure = msg;
+  throw UserError(msg);
+}
 
 H5Id MetricsWriter::Impl::make(const char* p, hid_t type, bool two_d, hsize_t cols,
                                bool cols_unlimited, hsize_t chunk_rows) {
@@ -130,8 +371,8 @@ H5Id MetricsWriter::Impl::make(const char* p, hid_t type, bool two_d, hsize_t co
 }
 
 void MetricsWriter::Impl::create_datasets() {
-  // Chunks stay under the 64 KiB alignment threshold (see parallel_fapl), so they pack
-  // densely instead of each starting on a 1 MiB boundary; 1024 rows is ~150 flushes' worth.
+  // Small chunks: 1024 rows is ~150 flushes' worth, and a per-rank table's chunk stays at
+  // 4096 cells (32 KiB) whatever the world size.
   const hsize_t rows_1d = 1024;
   const hsize_t rows_2d = std::max<hsize_t>(1, 4096 / static_cast<hsize_t>(world));
   for (size_t i = 0; i < kNumTrain; ++i)
@@ -158,7 +399,7 @@ std::vector<int64_t> MetricsWriter::Impl::read_ints(hid_t dset) {
   for (hsize_t d : dims) n *= d;
   std::vector<int64_t> v(n);
   int64_t dummy = 0;
-  H5_CHECK(H5Dread(dset, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, dxpl, n ? v.data() : &dummy));
+  H5_CHECK(H5Dread(dset, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, n ? v.data() : &dummy));
   return v;
 }
 
@@ -169,75 +410,66 @@ H5Id MetricsWriter::Impl::extendible_copy(H5Id old, const char* p) {
   const std::vector<hsize_t> dims = io_detail::dataset_dims(old);
   std::vector<double> v(dims[0] * dims[1]);
   double dummy = 0;
-  H5_CHECK(H5Dread(old, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, dxpl, v.empty() ? &dummy : v.data()));
+  H5_CHECK(H5Dread(old, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT,
+                   v.empty() ? &dummy : v.data()));
   old.reset();
+  stop_if_failed();
   const std::string tmp = std::string(p) + ".extendible";
   H5Id d =
       make(tmp.c_str(), H5T_IEEE_F64LE, true, dims[1], true, std::max<hsize_t>(1, 4096 / dims[1]));
   H5_CHECK(H5Dset_extent(d, dims.data()));
-  write_from_root(d, H5T_NATIVE_DOUBLE, 0, dims[0], 0, dims[1], v.empty() ? &dummy : v.data());
+  write_block(d, H5T_NATIVE_DOUBLE, 0, dims[0], 0, dims[1], v.empty() ? &dummy : v.data());
   H5_CHECK(H5Ldelete(file, p, H5P_DEFAULT));
   H5_CHECK(H5Lmove(file, tmp.c_str(), file, p, H5P_DEFAULT, H5P_DEFAULT));
+  stop_if_failed();
   return d;
 }
 
 void MetricsWriter::Impl::open_datasets() {
   // every dataset must be there, extendible, 2-D where per-rank
-  bool ok = true;
-  std::string msg;
   auto open = [&](const Column& c, H5Id* out) {
-    if (!ok) return;
-    if (!io_detail::path_exists(file, c.path)) {
-      ok = false;
-      msg = "metrics file '" + path + "': dataset '/" + c.path + "' is missing; cannot append";
-      return;
-    }
+    if (!io_detail::path_exists(file, c.path))
+      throw Refused{"metrics file '" + path + "': dataset '/" + c.path +
+                    "' is missing; cannot append"};
     io_detail::H5ErrorSilencer quiet;
     H5Id d(H5Dopen2(file, c.path, H5P_DEFAULT));
     std::vector<hsize_t> dims = d.valid() ? io_detail::dataset_dims(d) : std::vector<hsize_t>();
     size_t nd = c.per_rank ? 2 : 1;
-    if (!d.valid() || dims.size() != nd || (c.per_rank && dims[1] == 0)) {
-      ok = false;
-      msg = "metrics file '" + path + "': dataset '/" + c.path + "' has shape " +
-            io_detail::shape_str(dims) + ", not one this run can append to";
-      return;
-    }
+    if (!d.valid() || dims.size() != nd || (c.per_rank && dims[1] == 0))
+      throw Refused{"metrics file '" + path + "': dataset '/" + c.path + "' has shape " +
+                    io_detail::shape_str(dims) + ", not one this run can append to"};
     *out = std::move(d);
   };
   for (size_t i = 0; i < kNumTrain; ++i) open(kTrain[i], &train[i]);
   for (size_t i = 0; i < kNumEval; ++i) open(kEval[i], &eval[i]);
-  io_detail::throw_if_any_failed(comm, ok, msg);
   for (size_t i = 0; i < kNumTrain; ++i) {
     if (!kTrain[i].per_rank) continue;
     width = io_detail::dataset_dims(train[i])[1];
     fixed_width = fixed_width || !columns_extendible(train[i]);
   }
+  stop_if_failed();
 }
 
 void MetricsWriter::Impl::open_segments() {
   has_segments = io_detail::path_exists(file, "segments");
   if (has_segments) {
-    bool ok = true;
-    std::string msg;
     hsize_t n = 0;
-    for (size_t i = 0; i < kNumSeg && ok; ++i) {
+    for (size_t i = 0; i < kNumSeg; ++i) {
       io_detail::H5ErrorSilencer quiet;
       H5Id d(io_detail::path_exists(file, kSegPath[i]) ? H5Dopen2(file, kSegPath[i], H5P_DEFAULT)
                                                        : -1);
       std::vector<hsize_t> dims = d.valid() ? io_detail::dataset_dims(d) : std::vector<hsize_t>();
       if (i == 0 && !dims.empty()) n = dims[0];
       const bool good = i == kSegGrid ? dims.size() == 2 && dims[1] == 3 : dims.size() == 1;
-      if (!d.valid() || !good || dims[0] != n) {
-        ok = false;
-        msg = "metrics file '" + path + "': dataset '/" + kSegPath[i] + "' is " +
-              (d.valid() ? "of shape " + io_detail::shape_str(dims) : std::string("missing")) +
-              ", not one this run can append to";
-      } else {
-        seg[i] = std::move(d);
-      }
+      if (!d.valid() || !good || dims[0] != n)
+        throw Refused{
+            "metrics file '" + path + "': dataset '/" + kSegPath[i] + "' is " +
+            (d.valid() ? "of shape " + io_detail::shape_str(dims) : std::string("missing")) +
+            ", not one this run can append to"};
+      seg[i] = std::move(d);
     }
-    io_detail::throw_if_any_failed(comm, ok, msg);
     seg_world = read_ints(seg[kSegWorld]);
+    stop_if_failed();
     return;
   }
   // A file without segments (an older vitgrid's) was written by one layout, which its root
@@ -245,40 +477,41 @@ void MetricsWriter::Impl::open_segments() {
   // per-rank tables (their writer made them world_size wide).
   const bool ok = io_detail::read_attr_ints(file, "grid", &old_grid) && old_grid.size() == 3 &&
                   io_detail::read_attr_string(file, "tensor_mode", &old_mode);
-  io_detail::throw_if_any_failed(
-      comm, ok,
-      "metrics file '" + path +
-          "' has neither /segments nor the root attributes grid and tensor_mode; cannot append");
+  if (!ok)
+    throw Refused{"metrics file '" + path +
+                  "' has neither /segments nor the root attributes grid and tensor_mode; cannot "
+                  "append"};
   old_world = static_cast<int>(width);
 }
 
 void MetricsWriter::Impl::set_rows(hid_t dset, hsize_t rows) {
   std::vector<hsize_t> dims = io_detail::dataset_dims(dset);
   dims[0] = rows;
-  H5_CHECK(H5Dset_extent(dset, dims.data()));  // collective: same new extent on every rank
+  H5_CHECK(H5Dset_extent(dset, dims.data()));
 }
 
-void MetricsWriter::Impl::truncate_after(int64_t resume_step) {
-  // Rows logged after the checkpoint we resume from were recomputed by this run: cut them so
-  // the file holds each step once. Steps only grow within a file, so the rows to keep are a
-  // prefix: up to the first step beyond resume_step. So are the segments, by their first
-  // step: one that began after resume_step has no row left.
-  auto kept_rows = [&](hid_t step_dset) -> hsize_t {
-    const std::vector<int64_t> steps = read_ints(step_dset);
-    auto it = std::find_if(steps.begin(), steps.end(), [&](int64_t s) { return s > resume_step; });
-    return static_cast<hsize_t>(it - steps.begin());
-  };
-  train_rows = kept_rows(train[0]);
-  eval_rows = kept_rows(eval[0]);
+// Rows logged after the checkpoint we resume from were recomputed by this run: cut them so the
+// file holds each step once. Steps only grow within a file, so the rows to keep are a prefix:
+// up to the first step beyond resume_step. So are the segments, by their first step: one that
+// began after resume_step has no row left.
+hsize_t MetricsWriter::Impl::kept_rows(hid_t step_dset, int64_t resume_step) {
+  const std::vector<int64_t> steps = read_ints(step_dset);
+  auto it = std::find_if(steps.begin(), steps.end(), [&](int64_t s) { return s > resume_step; });
+  return static_cast<hsize_t>(it - steps.begin());
+}
+
+void MetricsWriter::Impl::truncate_to(hsize_t train_keep, hsize_t eval_keep, hsize_t seg_keep) {
+  train_rows = train_keep;
+  eval_rows = eval_keep;
   for (auto& d : train) set_rows(d, train_rows);
   for (auto& d : eval) set_rows(d, eval_rows);
   if (has_segments) {
-    const hsize_t segs = kept_rows(seg[kSegFirstStep]);
-    seg_world.resize(segs);
-    for (auto& d : seg) set_rows(d, segs);
+    seg_world.resize(seg_keep);
+    for (auto& d : seg) set_rows(d, seg_keep);
   } else if (train_rows > 0) {
     seg_world = {old_world};  // the old layout's rows are kept (continue_old_layout)
   }
+  stop_if_failed();
 }
 
 // A file without segments, after its rows were cut: fixed-width per-rank tables made
@@ -290,6 +523,7 @@ void MetricsWriter::Impl::continue_old_layout() {
       if (kTrain[i].per_rank) train[i] = extendible_copy(std::move(train[i]), kTrain[i].path);
   if (has_segments) return;
   create_segments();
+  stop_if_failed();
   if (train_rows > 0) {
     seg_world.clear();
     add_segment(read_ints(train[0]).at(0), old_world, old_grid, old_mode);
@@ -304,10 +538,11 @@ void MetricsWriter::Impl::add_segment(int64_t first_step, int64_t world_size,
   std::memcpy(m, mode.data(), std::min<size_t>(mode.size(), kModeBytes));
   H5Id mt = mode_type();
   for (auto& d : seg) set_rows(d, n + 1);
-  write_from_root(seg[kSegFirstStep], H5T_NATIVE_INT64, n, 1, 0, 0, &first_step);
-  write_from_root(seg[kSegWorld], H5T_NATIVE_INT64, n, 1, 0, 0, &world_size);
-  write_from_root(seg[kSegGrid], H5T_NATIVE_INT64, n, 1, 0, 3, g);
-  write_from_root(seg[kSegMode], mt, n, 1, 0, 0, m);
+  write_block(seg[kSegFirstStep], H5T_NATIVE_INT64, n, 1, 0, 0, &first_step);
+  write_block(seg[kSegWorld], H5T_NATIVE_INT64, n, 1, 0, 0, &world_size);
+  write_block(seg[kSegGrid], H5T_NATIVE_INT64, n, 1, 0, 3, g);
+  write_block(seg[kSegMode], mt, n, 1, 0, 0, m);
+  stop_if_failed();
   seg_world.push_back(world_size);
 }
 
@@ -319,13 +554,15 @@ void MetricsWriter::Impl::set_width(hsize_t w) {
     if (w > width && train_rows > 0) {
       // the earlier segments had no rank in the new columns
       std::vector<double> nan(train_rows * (w - width), NAN);
-      write_from_root(train[i], H5T_NATIVE_DOUBLE, 0, train_rows, width, w - width, nan.data());
+      write_block(train[i], H5T_NATIVE_DOUBLE, 0, train_rows, width, w - width, nan.data());
     }
+    stop_if_failed();
   }
   width = w;
 }
 
-void MetricsWriter::Impl::write_root_attributes(const std::string& deck, const std::vector<int>& grid,
+void MetricsWriter::Impl::write_root_attributes(const std::string& deck,
+                                                const std::vector<int>& grid,
                                                 const std::string& tensor_mode,
                                                 const std::string& backend) {
   io_detail::write_attr_string(file, "deck", deck);
@@ -334,123 +571,220 @@ void MetricsWriter::Impl::write_root_attributes(const std::string& deck, const s
   io_detail::write_attr_string(file, "tensor_mode", tensor_mode);
   io_detail::write_attr_string(file, "backend", backend);
   io_detail::write_attr_string(file, "version", kVersion);
+  stop_if_failed();
 }
 
-void MetricsWriter::Impl::write_from_root(hid_t dset, hid_t memtype, hsize_t row0, hsize_t n,
-                                          hsize_t col0, hsize_t cols, const void* buf) {
+void MetricsWriter::Impl::write_block(hid_t dset, hid_t memtype, hsize_t row0, hsize_t n,
+                                      hsize_t col0, hsize_t cols, const void* buf) {
   H5Id fspace(H5_CHECK(H5Dget_space(dset)));
   const bool two_d = H5_CHECK(H5Sget_simple_extent_ndims(fspace)) == 2;
   const hsize_t count = n * (two_d ? cols : 1);
+  if (count == 0) return;
   H5Id mspace(H5_CHECK(H5Screate_simple(1, &count, nullptr)));
-  if (rank == 0 && count > 0) {
-    const hsize_t off[2] = {row0, col0}, cnt[2] = {n, cols};
-    H5_CHECK(H5Sselect_hyperslab(fspace, H5S_SELECT_SET, off, nullptr, cnt, nullptr));
-  } else {
-    H5_CHECK(H5Sselect_none(fspace));
-    H5_CHECK(H5Sselect_none(mspace));
-  }
-  H5_CHECK(H5Dwrite(dset, memtype, mspace, fspace, dxpl, buf));
+  const hsize_t off[2] = {row0, col0}, cnt[2] = {n, cols};
+  H5_CHECK(H5Sselect_hyperslab(fspace, H5S_SELECT_SET, off, nullptr, cnt, nullptr));
+  H5_CHECK(H5Dwrite(dset, memtype, mspace, fspace, H5P_DEFAULT, buf));
 }
 
 void MetricsWriter::Impl::append(hid_t dset, const Column& c, hsize_t old_rows, hsize_t n,
                                  const void* buf) {
-  const hid_t memtype = c.is_int ? H5T_NATIVE_INT64 : H5T_NATIVE_DOUBLE;
-  if (!c.per_rank) {
-    set_rows(dset, old_rows + n);
-    write_from_root(dset, memtype, old_rows, n, 0, 0, buf);
-    return;
-  }
-  hsize_t dims[2] = {old_rows + n, width};
-  H5_CHECK(H5Dset_extent(dset, dims));  // collective: same new extent on every rank
-  H5Id fspace(H5_CHECK(H5Dget_space(dset)));
-  H5Id mspace(H5_CHECK(H5Screate_simple(1, &n, nullptr)));
-  hsize_t off[2] = {old_rows, static_cast<hsize_t>(rank)}, cnt[2] = {n, 1};
-  H5_CHECK(H5Sselect_hyperslab(fspace, H5S_SELECT_SET, off, nullptr, cnt, nullptr));
-  H5_CHECK(H5Dwrite(dset, memtype, mspace, fspace, dxpl, buf));
-  const hsize_t w = static_cast<hsize_t>(world);
-  if (width > w) {  // an earlier segment had more ranks: no rank of this run in those columns
-    std::vector<double> nan(n * (width - w), NAN);
-    write_from_root(dset, H5T_NATIVE_DOUBLE, old_rows, n, w, width - w, nan.data());
-  }
+  set_rows(dset, old_rows + n);
+  write_block(dset, c.is_int ? H5T_NATIVE_INT64 : H5T_NATIVE_DOUBLE, old_rows, n, 0, 0, buf);
+  stop_if_failed();
 }
 
-// Called by all ranks of comm.
+void MetricsWriter::Impl::write_rows(const std::vector<double>& per_rank) {
+  const hsize_t nt = train_buf.size(), ne = eval_buf.size();
+  // what the new rows may add to the file
+  hsize_t need = 0;
+  for (size_t i = 0; i < kNumTrain; ++i)
+    need += chunk_growth(train[i], kTrain[i].per_rank ? std::vector<hsize_t>{train_rows + nt, width}
+                                                      : std::vector<hsize_t>{train_rows + nt});
+  for (size_t i = 0; i < kNumEval; ++i) need += chunk_growth(eval[i], {eval_rows + ne});
+  stop_if_failed();
+  reserve(need);
+
+  if (nt > 0) {
+    std::vector<int64_t> step(nt);
+    std::vector<double> col(nt);
+    for (hsize_t i = 0; i < nt; ++i) step[i] = train_buf[i].step;
+    append(train[0], kTrain[0], train_rows, nt, step.data());
+    double TrainRow::*fields[] = {&TrainRow::loss, &TrainRow::lr, &TrainRow::grad_norm,
+                                  &TrainRow::images_per_s, &TrainRow::loss_scale};
+    for (size_t f = 0; f < 5; ++f) {
+      for (hsize_t i = 0; i < nt; ++i) col[i] = train_buf[i].*fields[f];
+      append(train[f + 1], kTrain[f + 1], train_rows, nt, col.data());
+    }
+    // The per-rank tables: rank r's values (gathered) in column r, NaN in the columns beyond
+    // this run's ranks (an earlier segment had more).
+    const hsize_t w = static_cast<hsize_t>(world);
+    std::vector<double> block(nt * width);
+    for (size_t t = 0; t < 2; ++t) {
+      for (hsize_t i = 0; i < nt; ++i)
+        for (hsize_t r = 0; r < width; ++r)
+          block[i * width + r] = r < w ? per_rank[r * 2 * nt + t * nt + i] : NAN;
+      const size_t k = t == 0 ? kStepTime : kDeviceMem;
+      hsize_t dims[2] = {train_rows + nt, width};
+      H5_CHECK(H5Dset_extent(train[k], dims));
+      write_block(train[k], H5T_NATIVE_DOUBLE, train_rows, nt, 0, width, block.data());
+      stop_if_failed();
+    }
+    train_rows += nt;
+  }
+  if (ne > 0) {
+    std::vector<int64_t> step(ne);
+    std::vector<double> col(ne);
+    for (hsize_t i = 0; i < ne; ++i) step[i] = eval_buf[i].step;
+    append(eval[0], kEval[0], eval_rows, ne, step.data());
+    double EvalRow::*fields[] = {&EvalRow::loss, &EvalRow::top1, &EvalRow::top5};
+    for (size_t f = 0; f < 3; ++f) {
+      for (hsize_t i = 0; i < ne; ++i) col[i] = eval_buf[i].*fields[f];
+      append(eval[f + 1], kEval[f + 1], eval_rows, ne, col.data());
+    }
+    eval_rows += ne;
+  }
+  // Push data and metadata to the file so a reader opening it now sees a consistent file.
+  H5_CHECK(H5Fflush(file, H5F_SCOPE_GLOBAL));
+}
+
+// Called by all ranks of comm: rank 0 opens or creates the file and writes this run's segment;
+// the others only take part in the agreements.
 MetricsWriter::MetricsWriter(MPI_Comm comm, const std::string& path, const std::string& deck,
                              const std::vector<int>& grid, const std::string& tensor_mode,
                              const std::string& backend, bool append, int64_t resume_step)
     : impl_(std::make_unique<Impl>()) {
-  std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
   Impl& m = *impl_;
   m.comm = comm;
   m.path = path;
   MPI_Comm_rank(comm, &m.rank);
   MPI_Comm_size(comm, &m.world);
-  m.dxpl = io_detail::collective_dxpl();
+  const std::string parent = std::filesystem::path(path).parent_path().string();
+  m.dir = parent.empty() ? "." : parent;
 
-  io_detail::make_dirs(comm, std::filesystem::path(path).parent_path().string(), path);
+  io_detail::make_dirs(comm, parent, path);
   std::string why;
-  io_detail::FileProbe probe = io_detail::probe_file(comm, path, &why);
+  io_detail::FileProbe probe;
+  {
+    // rank 0 reads the file (serially) inside probe_file
+    std::unique_lock<std::recursive_mutex> lock(hdf5_mutex(), std::defer_lock);
+    if (m.rank == 0) lock.lock();
+    probe = io_detail::probe_file(comm, path, &why);
+  }
   if (append && probe == io_detail::FileProbe::not_hdf5)
     throw UserError("metrics file '" + path + "' exists but is not an HDF5 file; cannot append");
   if (append && probe == io_detail::FileProbe::damaged)
     throw UserError("metrics file '" + path + "' is damaged (" + why +
                     "); cannot append: move it away to continue the run");
 
-  // This run is a segment of its own (its layout may differ from the last one's); the
-  // per-rank tables are as wide as the largest segment left in the file.
-  auto new_width = [&] {
-    int64_t w = m.world;
-    for (int64_t s : m.seg_world) w = std::max(w, s);
-    return static_cast<hsize_t>(w);
-  };
-  if (append && probe == io_detail::FileProbe::ok) {
-    m.file = io_detail::open_parallel(comm, path, true);
-    io_detail::throw_if_any_failed(comm, m.file.valid(),
-                                   "metrics file '" + path + "' cannot be opened for appending");
-    m.open_datasets();
-    m.open_segments();
-    // Every cut first, then a flush, then the writes: a cut through a chunk rewrites that
-    // chunk (its cut-off part set to the fill value) from HDF5's chunk cache when the file is
-    // flushed, while collective writes go straight to the file; a write between the two
-    // would be undone.
-    m.truncate_after(resume_step);
-    const hsize_t w = new_width();
-    if (w < m.width && !m.fixed_width) m.set_width(w);
-    H5_CHECK(H5Fflush(m.file, H5F_SCOPE_GLOBAL));
-    m.continue_old_layout();
-  } else {
-    m.file = io_detail::create_parallel(comm, path);
-    io_detail::throw_if_any_failed(comm, m.file.valid(),
-                                   "metrics file '" + path + "': cannot create the file");
-    m.create_datasets();
-    m.create_segments();
+  const bool appending = append && probe == io_detail::FileProbe::ok;
+  std::string err;
+  if (m.rank == 0) {
+    // This run is a segment of its own (its layout may differ from the last one's); the
+    // per-rank tables are as wide as the largest segment left in the file.
+    auto new_width = [&] {
+      int64_t w = m.world;
+      for (int64_t s : m.seg_world) w = std::max(w, s);
+      return static_cast<hsize_t>(w);
+    };
+    // the attributes' values (strings on the global heap) and this run's segment row
+    const hsize_t attr_bytes = 2 * (deck.size() + tensor_mode.size() + backend.size() + 64) + 4096;
+    if (appending) {
+      err = m.root_work("cannot append to it", [&] {
+        H5Id fapl = writer_fapl();
+        m.file = H5Id(H5_CHECK(H5Fopen(path.c_str(), H5F_ACC_RDWR, fapl)));
+        m.stop_if_failed();
+        m.open_datasets();
+        m.open_segments();
+        const hsize_t train_keep = m.kept_rows(m.train[0], resume_step);
+        const hsize_t eval_keep = m.kept_rows(m.eval[0], resume_step);
+        const hsize_t seg_keep =
+            m.has_segments ? m.kept_rows(m.seg[kSegFirstStep], resume_step) : 0;
+        m.stop_if_failed();
+        // Room for everything this call writes, checked before the first change: widened
+        // tables, tables copied into extendible ones, the segment row, the attributes.
+        std::vector<int64_t> kept_worlds(
+            m.seg_world.begin(),
+            m.seg_world.begin() + std::min<size_t>(seg_keep, m.seg_world.size()));
+        int64_t w_after = m.world;
+        for (int64_t s : (m.has_segments ? kept_worlds : std::vector<int64_t>{m.old_world}))
+          w_after = std::max(w_after, s);
+        hsize_t need = attr_bytes;
+        for (size_t i = 0; i < kNumTrain; ++i) {
+          if (!kTrain[i].per_rank) continue;
+          const hsize_t w = std::max<hsize_t>(m.width, static_cast<hsize_t>(w_after));
+          // a copy: the kept rows, and up to a chunk (4096 cells) more on each side
+          need += m.fixed_width ? (train_keep * w + 2 * 4096) * sizeof(double) + kPerChunkIndex
+                                : chunk_growth(m.train[i], {train_keep, w});
+        }
+        if (m.has_segments) {
+          for (size_t i = 0; i < kNumSeg; ++i)
+            need += chunk_growth(m.seg[i], i == kSegGrid ? std::vector<hsize_t>{seg_keep + 1, 3}
+                                                         : std::vector<hsize_t>{seg_keep + 1});
+        } else {
+          need += kNewFileBytes;
+        }
+        m.stop_if_failed();
+        m.reserve(need);
+
+        m.truncate_to(train_keep, eval_keep, seg_keep);
+        const hsize_t w = new_width();
+        if (w < m.width && !m.fixed_width) m.set_width(w);
+        m.continue_old_layout();
+        m.add_segment(resume_step + 1, m.world, grid, tensor_mode);
+        m.set_width(new_width());
+        m.write_root_attributes(deck, grid, tensor_mode, backend);
+        H5_CHECK(H5Fflush(m.file, H5F_SCOPE_GLOBAL));
+      });
+    } else {
+      err = m.root_work("cannot create the file", [&] {
+        // H5Fcreate writes the superblock at once (and HDF5 1.10 leaks what a failed create
+        // made): the free space first, the room reserved once the file exists
+        m.check_free(kNewFileBytes + attr_bytes);
+        H5Id fapl = writer_fapl();
+        std::error_code ec;
+        const bool existed = std::filesystem::exists(path, ec);
+        m.file = H5Id(H5_CHECK(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl)));
+        // this call's own file (or what it made of an older one): nothing of it is worth keeping
+        m.remove_on_failure = m.file.valid() || !existed;
+        m.stop_if_failed();
+        m.reserve(kNewFileBytes + attr_bytes);
+        m.create_datasets();
+        m.create_segments();
+        m.stop_if_failed();
+        m.add_segment(resume_step + 1, m.world, grid, tensor_mode);
+        m.set_width(new_width());
+        m.write_root_attributes(deck, grid, tensor_mode, backend);
+        H5_CHECK(H5Fflush(m.file, H5F_SCOPE_GLOBAL));
+      });
+    }
   }
-  m.add_segment(resume_step + 1, m.world, grid, tensor_mode);
-  m.set_width(new_width());
-  m.write_root_attributes(deck, grid, tensor_mode, backend);
-  H5_CHECK(H5Fflush(m.file, H5F_SCOPE_GLOBAL));
+  m.settle(err);
 }
 
-// Called by all ranks of comm: writes the rows still buffered, then closes the file. While an
-// error unwinds the stack it does neither (both are collective, and this rank may be the only
-// one failing): the file keeps the rows flushed so far, and fail_agreed decides the rest.
+// Called by all ranks of comm: writes the rows still buffered (collective: rank 0 gathers),
+// then rank 0 closes the file. While an error unwinds the stack there is no flush (this rank
+// may be the only one failing, and the others would never come to the gather): rank 0 closes
+// its file as the last flush left it (a serial file: no other rank takes part), the rows
+// buffered since are lost, and fail_agreed decides the rest.
 MetricsWriter::~MetricsWriter() {
   if (!impl_) return;
-  std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
-  if (unwinding()) {
-    for (auto& d : impl_->train) d.abandon();
-    for (auto& d : impl_->eval) d.abandon();
-    for (auto& d : impl_->seg) d.abandon();
-    impl_->dxpl.abandon();
-    impl_->file.abandon();
-    return;
+  Impl& m = *impl_;
+  if (!unwinding() && !m.failed) {
+    try {
+      flush();
+    } catch (const UserError& e) {
+      // agreed on every rank; a destructor cannot throw
+      if (m.rank == 0) {
+        std::fprintf(stderr, "vitgrid: warning: %s\n", e.what());
+        std::fflush(stderr);
+      }
+    }
   }
-  if (impl_->file.valid()) flush();
-  for (auto& d : impl_->train) d.reset();
-  for (auto& d : impl_->eval) d.reset();
-  for (auto& d : impl_->seg) d.reset();
-  impl_->dxpl.reset();
-  impl_->file.reset();
+  if (m.rank == 0 && !m.close_file() && !unwinding() && !m.failed) {
+    std::fprintf(stderr, "vitgrid: warning: metrics file '%s': closing it failed\n",
+                 m.path.c_str());
+    std::fflush(stderr);
+  }
 }
 
 void MetricsWriter::add_train(const TrainRow& r) { impl_->train_buf.push_back(r); }
@@ -458,55 +792,47 @@ void MetricsWriter::add_eval(const EvalRow& r) { impl_->eval_buf.push_back(r); }
 
 // Called by all ranks of comm, each having added the same number of rows.
 void MetricsWriter::flush() {
-  std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
   Impl& m = *impl_;
-  // Row counts must agree, or the extents below would differ between ranks: check with one
-  // small all-reduce rather than corrupting the file or hanging.
+  // Row counts must agree, or the gather below would not match between ranks: check with one
+  // small all-reduce rather than hanging.
   uint64_t counts[2] = {m.train_buf.size(), m.eval_buf.size()};
   uint64_t h = io_detail::fnv1a(1469598103934665603ull, counts, sizeof(counts));
   io_detail::check_same_on_all_ranks(m.comm, h, "metrics row counts");
   if (counts[0] == 0 && counts[1] == 0) return;
+  if (m.failed) throw UserError(m.failure);
 
-  if (counts[0] > 0) {
-    const hsize_t n = counts[0];
-    std::vector<int64_t> step(n);
-    std::vector<double> col(n);
-    for (hsize_t i = 0; i < n; ++i) step[i] = m.train_buf[i].step;
-    m.append(m.train[0], kTrain[0], m.train_rows, n, step.data());
-    double TrainRow::*fields[] = {&TrainRow::loss,         &TrainRow::lr,
-                                  &TrainRow::grad_norm,    &TrainRow::images_per_s,
-                                  &TrainRow::loss_scale,   &TrainRow::step_time_s,
-                                  &TrainRow::device_mem_bytes};
-    for (size_t f = 0; f < 7; ++f) {
-      for (hsize_t i = 0; i < n; ++i) col[i] = m.train_buf[i].*fields[f];
-      m.append(m.train[f + 1], kTrain[f + 1], m.train_rows, n, col.data());
-    }
-    m.train_rows += n;
-    m.train_buf.clear();
+  // Each rank's step times, then its device memory; rank 0 receives them rank after rank.
+  const size_t n = counts[0];
+  std::vector<double> mine(2 * n), all;
+  for (size_t i = 0; i < n; ++i) {
+    mine[i] = m.train_buf[i].step_time_s;
+    mine[n + i] = m.train_buf[i].device_mem_bytes;
   }
-  if (counts[1] > 0) {
-    const hsize_t n = counts[1];
-    std::vector<int64_t> step(n);
-    std::vector<double> col(n);
-    for (hsize_t i = 0; i < n; ++i) step[i] = m.eval_buf[i].step;
-    m.append(m.eval[0], kEval[0], m.eval_rows, n, step.data());
-    double EvalRow::*fields[] = {&EvalRow::loss, &EvalRow::top1, &EvalRow::top5};
-    for (size_t f = 0; f < 3; ++f) {
-      for (hsize_t i = 0; i < n; ++i) col[i] = m.eval_buf[i].*fields[f];
-      m.append(m.eval[f + 1], kEval[f + 1], m.eval_rows, n, col.data());
-    }
-    m.eval_rows += n;
-    m.eval_buf.clear();
+  if (m.rank == 0) all.resize(2 * n * static_cast<size_t>(m.world));
+  if (n > 0) {
+    WatchdogWait w("the MPI gather of the metrics rows");
+    MPI_CHECK(MPI_Gather(mine.data(), static_cast<int>(2 * n), MPI_DOUBLE, all.data(),
+                         static_cast<int>(2 * n), MPI_DOUBLE, 0, m.comm));
   }
-  // Push data and metadata to the file so a reader opening it now sees a consistent file.
-  H5_CHECK(H5Fflush(m.file, H5F_SCOPE_GLOBAL));
+  std::string err;
+  if (m.rank == 0) err = m.root_work("cannot write", [&] { m.write_rows(all); });
+  m.train_buf.clear();
+  m.eval_buf.clear();
+  m.settle(err);
 }
 
-// Called by all ranks of comm with the same name and value.
+// Called by all ranks of comm; rank 0's value is written.
 void MetricsWriter::set_attribute(const std::string& name, double value) {
-  std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
-  io_detail::write_attr_double(impl_->file, name, value);
-  H5_CHECK(H5Fflush(impl_->file, H5F_SCOPE_GLOBAL));
+  Impl& m = *impl_;
+  if (m.failed) throw UserError(m.failure);
+  std::string err;
+  if (m.rank == 0)
+    err = m.root_work("cannot write", [&] {
+      m.reserve(2 * name.size() + 4096);
+      io_detail::write_attr_double(m.file, name, value);
+      H5_CHECK(H5Fflush(m.file, H5F_SCOPE_GLOBAL));
+    });
+  m.settle(err);
 }
 
 }  // namespace vitgrid

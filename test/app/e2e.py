@@ -4,7 +4,7 @@
     e2e.py NAME      NAME in: dp_equivalence, resume_exact, refusals, predict, optimizers,
                      tensor_parallel, pipeline, pipeline_hybrid, pipeline_refusals,
                      overlap, stress, zero, no_allocations, metrics_other_world, step_times,
-                     bench_report, signals; on GPUs: gpu_matches_cpu, gpu_resume,
+                     bench_report, signals, full_disk (root: a tmpfs); on GPUs: gpu_matches_cpu, gpu_resume,
                      gpu_parallel, gpu_graphs, gpu_tune_agreement
 
 They launch build/bin/vitgrid on 1-4 oversubscribed CPU ranks with the tiny deck beside this
@@ -328,7 +328,15 @@ def t_preemption(tmp):
     run(2, ["train", DECK, f"--run.out_dir={ref}", f"--run.steps={steps}", "--checkpoint.every_steps=0"])
     _, lref = losses(ref)
     d = os.path.join(tmp, "pre")
-    cmd = ["mpirun", "-np", "2", "--oversubscribe", VITGRID, "train", DECK, f"--run.out_dir={d}",
+    # A tiny deck's step takes about a millisecond, less than the signal takes to reach the
+    # ranks through mpirun: the preempted run is paced by the delay injector (a sleep of up to
+    # 1 ms before each MPI call; the messages themselves are untouched, so are the results).
+    lib = os.environ.get("VG_MPI_DELAY_LIB", "")
+    pace = (["-x", f"LD_PRELOAD={lib}", "-x", "VG_MPI_DELAY_P=1", "-x", "VG_MPI_DELAY_US=1000",
+             "-x", "VG_MPI_LAZY_SENDS=0"] if os.path.exists(lib) else [])
+    check(bool(pace), f"delay injector built ({lib})")
+    cmd = ["mpirun", "-np", "2", "--oversubscribe"] + pace + [
+           VITGRID, "train", DECK, f"--run.out_dir={d}",
            f"--run.steps={steps}", "--checkpoint.every_steps=0", "--run.log_every=1"]
     p = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
@@ -472,6 +480,125 @@ def t_signals(tmp):
           f"kill -STOP of a rank: the job ends (exit {rc}) after {took:.0f} s naming the call it waits in")
     line = [l for l in out.splitlines() if "has waited" in l]
     print("    " + (line[0] if line else "(no watchdog line)"))
+
+
+def run_bounded(np_, args, timeout):
+    """mpirun of vitgrid in a session of its own: (exit code, output), the exit code None when
+    it ran past `timeout` seconds (a hang); then every process of the job is killed."""
+    cmd = ["mpirun", "-np", str(np_), "--oversubscribe", VITGRID] + args
+    p = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+        return p.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        return None, out
+
+
+def fill_disk(path):
+    """Writes `path` until the file system holds no byte more."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        n = 1 << 16
+        while n > 0:
+            try:
+                while os.write(fd, b"\0" * n) == n:
+                    pass
+            except OSError:
+                pass
+            n //= 2
+    finally:
+        os.close(fd)
+
+
+def t_full_disk(tmp):
+    """A full disk (a 3 MiB tmpfs as run.out_dir; root only, else skipped with 77): the quickstart
+    deck on 2 ranks, a checkpoint every 10 steps, runs out of space at the step-20 checkpoint and
+    ends with exit 2 and one message naming that file, the step-10 checkpoint intact and no
+    partial file left; a resume with the disk filled up ends within the timeout with exit 2 and
+    one message (metrics.h5 is written by rank 0 alone, and a write that cannot be done is the
+    same error on every rank: it no longer hangs in HDF5's collectives, nor aborts), metrics.h5
+    still readable with its rows; with room again the resume completes steps 11-40, each step
+    once in metrics.h5."""
+    if os.geteuid() != 0:
+        print("skip: mounting a tmpfs needs root")
+        sys.exit(77)
+    mnt = os.path.join(tmp, "fs")
+    os.makedirs(mnt)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3M", "tmpfs", mnt]).returncode != 0:
+        print("skip: mount -t tmpfs failed")
+        sys.exit(77)
+    try:
+        out = os.path.join(mnt, "run")
+        ckdir = os.path.join(out, "checkpoints")
+        deck = os.path.join(HERE, "..", "..", "inputs", "quickstart.ini")
+        args = ["train", deck, f"--run.out_dir={out}", "--run.steps=40", "--checkpoint.every_steps=10",
+                "--checkpoint.keep=0", "--run.eval_every=0", "--run.log_every=10"]
+        metrics = os.path.join(out, "metrics.h5")
+
+        def errors(text):
+            return [line for line in text.splitlines() if "vitgrid: error:" in line]
+
+        def step10_intact(what):
+            left = sorted(os.listdir(ckdir)) if os.path.isdir(ckdir) else []
+            check(left == ["step_00000010.h5"], f"{what}: only step_00000010.h5 in checkpoints/: {left}")
+            try:
+                with h5py.File(os.path.join(ckdir, "step_00000010.h5"), "r") as f:
+                    complete = int(f.attrs["complete"])
+                    whole = all(f["model"][k][()].size > 0 for k in f["model"])
+            except Exception as e:  # noqa: BLE001
+                complete, whole = f"unreadable: {e}", False
+            check(complete == 1 and whole, f"{what}: step_00000010.h5 reads whole, complete = {complete}")
+
+        def metrics_steps():
+            try:
+                with h5py.File(metrics, "r") as f:
+                    return [int(x) for x in f["/train/step"][()]]
+            except Exception as e:  # noqa: BLE001
+                return f"unreadable: {e}"
+
+        # (1) the step-20 checkpoint does not fit
+        rc, text = run_bounded(2, args, 240)
+        e = errors(text)
+        check(rc == 2, f"run 1: exit code {rc} == 2")
+        check(len(e) == 1, f"run 1: one error line ({len(e)}): {e}")
+        check(bool(e) and "no space left on device" in e[0] and "step_00000020.h5" in e[0],
+              f"run 1: the message says no space left on device and names step_00000020.h5: {e[:1]}")
+        step10_intact("run 1")
+        check(metrics_steps() == list(range(1, 21)), f"run 1: metrics.h5 holds steps 1..20: {metrics_steps()}")
+
+        # (2) the disk filled up: the resume ends, one message, nothing lost or damaged
+        filler = os.path.join(mnt, "filler")
+        fill_disk(filler)
+        rc, text = run_bounded(2, args + ["--checkpoint.resume=auto"], 120)
+        e = errors(text)
+        if rc is None:
+            print(text[-3000:])
+        check(rc == 2, f"run 2 (full disk): exit code {rc} == 2 (None: still running after 120 s)")
+        check(len(e) == 1 and "no space left on device" in e[0] and mnt in e[0],
+              f"run 2: one message, saying no space left on device and naming a file under out_dir: {e}")
+        steps = metrics_steps()
+        check(isinstance(steps, list) and steps[:10] == list(range(1, 11)),
+              f"run 2: metrics.h5 readable, its rows 1..10 kept: {steps}")
+        step10_intact("run 2")
+
+        # (3) room again (the filler gone, the file system grown to hold a second checkpoint)
+        os.remove(filler)
+        subprocess.run(["mount", "-o", "remount,size=32M", mnt], check=True)
+        rc, text = run_bounded(2, args + ["--checkpoint.resume=auto"], 240)
+        if rc != 0:
+            print(text[-3000:])
+        check(rc == 0 and "resuming" in text, f"run 3: resumed and completed (exit code {rc})")
+        check(metrics_steps() == list(range(1, 41)), f"run 3: metrics.h5 holds steps 1..40 once each: "
+              f"{metrics_steps()}")
+        with h5py.File(metrics, "r") as f:
+            first = [int(x) for x in f["/segments/first_step"][()]]
+        check(first[-1] == 11, f"run 3: its segment starts at step 11: {first}")
+    finally:
+        if subprocess.run(["umount", mnt]).returncode != 0:
+            subprocess.run(["umount", "-l", mnt])
 
 
 def pipeline_run(tmp, name, np_, extra, common):

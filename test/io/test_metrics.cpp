@@ -1,11 +1,20 @@
-// metrics.h5: rows appended over several flushes, per-rank columns, root attributes, h5py
-// readability mid-run, append mode cutting the rows a resumed run recomputes, runs on other
-// world sizes continuing one file (segments, NaN columns, truncation across segments), and a
-// file with fixed-width per-rank tables continued.
+// metrics.h5 (written by rank 0 from every rank's rows): rows appended over several flushes,
+// per-rank columns, root attributes, h5py readability mid-run, append mode cutting the rows a
+// resumed run recomputes, runs on other world sizes continuing one file (segments, NaN
+// columns, truncation across segments), a file with fixed-width per-rank tables continued,
+// and a full file system at creation, at a flush and at a resume: the same UserError on every
+// rank, the file as the last flush left it, the ranks still in step (MetricsFullDisk: root
+// only, its own ctest entries).
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mount.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <tuple>
 
@@ -474,6 +483,170 @@ TEST(Metrics, AppendRefusesGarbageAndBrokenSegments) {
       [&] { vitgrid::MetricsWriter mw(MPI_COMM_WORLD, path, kDeck, grid(), "1d", "cpu", true, 3); },
       {path, "/segments/grid", "missing"});
   if (rank_of() == 0) expect_train(path, {1, 2, 3, 4, 5, 6}, {0, 0, 0, 0, 0, 0});
+}
+
+// ---- a full file system (root only: a small tmpfs; skipped otherwise)
+
+// A tmpfs of `size` mounted by rank 0 on a fresh directory for the life of the object, seen by
+// every rank (they share the host). ok() is false on every rank when this process is not root
+// or the mount fails.
+class SmallFs {
+ public:
+  explicit SmallFs(const char* size) {
+    char buf[256] = {0};
+    int ok = 0;
+    if (rank_of() == 0 && geteuid() == 0) {
+      std::snprintf(buf, sizeof(buf), "%s/vg_fullfs_XXXXXX",
+                    std::filesystem::temp_directory_path().c_str());
+      if (mkdtemp(buf)) {
+        const std::string opts = std::string("size=") + size;
+        ok = mount("tmpfs", buf, "tmpfs", 0, opts.c_str()) == 0;
+        if (!ok) rmdir(buf);
+      }
+    }
+    MPI_Bcast(&ok, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    MPI_Bcast(buf, sizeof(buf), MPI_CHAR, 0, MPI_COMM_WORLD);
+    ok_ = ok != 0;
+    dir_ = buf;
+  }
+  ~SmallFs() {
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (rank_of() == 0 && ok_) {
+      umount2(dir_.c_str(), MNT_DETACH);
+      rmdir(dir_.c_str());
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  bool ok() const { return ok_; }
+  std::string operator/(const std::string& name) const { return dir_ + "/" + name; }
+  // Rank 0 writes a filler file until no byte more fits; every rank returns once it is full.
+  void fill() {
+    if (rank_of() == 0) {
+      const int fd = ::open(filler().c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+      EXPECT_GE(fd, 0);
+      std::vector<char> zeros(1 << 16, 0);
+      for (size_t n = zeros.size(); fd >= 0 && n > 0; n /= 2)
+        while (::write(fd, zeros.data(), n) == static_cast<ssize_t>(n)) {
+        }
+      if (fd >= 0) ::close(fd);
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  void free_filler() {
+    if (rank_of() == 0) std::remove(filler().c_str());
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+
+ private:
+  std::string filler() const { return dir_ + "/filler"; }
+  bool ok_ = false;
+  std::string dir_;
+};
+
+// After a failure: the ranks are still in step (a barrier, then a writer elsewhere works).
+void expect_ranks_in_step() {
+  MPI_Barrier(MPI_COMM_WORLD);
+  vgtest::SharedTmpDir tmp;
+  const std::string path = tmp / "metrics.h5";
+  write_six(path, false);
+  if (rank_of() == 0) expect_train(path, {1, 2, 3, 4, 5, 6}, {0, 0, 0, 0, 0, 0});
+}
+
+TEST(MetricsFullDisk, CreationFailsAlikeOnEveryRank) {
+  SmallFs fs("1m");
+  if (!fs.ok()) {
+    GTEST_SKIP() << "needs root to mount a tmpfs";
+  }
+  fs.fill();
+  const std::string path = fs / "run/metrics.h5";
+  vgtest::expect_user_error_everywhere(
+      [&] {
+        vitgrid::MetricsWriter mw(MPI_COMM_WORLD, path, kDeck, grid(), "1d", "cpu", false, 0);
+      },
+      {"metrics file '" + path + "'", "cannot create the file", "no space left on device"});
+  // the file it could not write is not left behind
+  if (rank_of() == 0) {
+    EXPECT_FALSE(std::filesystem::exists(path));
+  }
+  expect_ranks_in_step();
+}
+
+TEST(MetricsFullDisk, FlushFailsAlikeOnEveryRankAndTheFileStays) {
+  SmallFs fs("1m");
+  if (!fs.ok()) {
+    GTEST_SKIP() << "needs root to mount a tmpfs";
+  }
+  const std::string path = fs / "metrics.h5";
+  const std::vector<std::string> no_space = {"metrics file '" + path + "': cannot write",
+                                             "no space left on device"};
+  {
+    vitgrid::MetricsWriter mw(MPI_COMM_WORLD, path, kDeck, grid(), "1d", "cpu", false, 0);
+    for (int64_t s = 1; s <= 3; ++s) mw.add_train(train_row(s));
+    mw.add_eval(eval_row(2));
+    mw.flush();
+    fs.fill();
+    for (int64_t s = 4; s <= 5; ++s) mw.add_train(train_row(s));
+    mw.add_eval(eval_row(4));
+    vgtest::expect_user_error_everywhere([&] { mw.flush(); }, no_space);
+    // failed for good: the same error from every later call, nothing more written
+    mw.add_train(train_row(6));
+    vgtest::expect_user_error_everywhere([&] { mw.flush(); }, no_space);
+    vgtest::expect_user_error_everywhere([&] { mw.set_attribute("checkpoint_gbps", 1.5); },
+                                         no_space);
+  }  // destroyed on every rank without an exception unwinding: no flush, no hang
+  MPI_Barrier(MPI_COMM_WORLD);
+  // the file is as the last flush left it
+  if (rank_of() == 0) {
+    expect_train(path, {1, 2, 3}, {0, 0, 0});
+    expect_eval(path, {2});
+    expect_segments(path, {{1, size_of(), "1d"}});
+  }
+  // a resume on the full disk is refused before the file is touched
+  vgtest::expect_user_error_everywhere(
+      [&] { vitgrid::MetricsWriter mw(MPI_COMM_WORLD, path, kDeck, grid(), "1d", "cpu", true, 2); },
+      {"metrics file '" + path + "': cannot append to it", "no space left on device"});
+  if (rank_of() == 0) {
+    expect_train(path, {1, 2, 3}, {0, 0, 0});
+    expect_segments(path, {{1, size_of(), "1d"}});
+  }
+  // with room again the resume continues the file
+  fs.free_filler();
+  {
+    vitgrid::MetricsWriter mw(MPI_COMM_WORLD, path, kDeck, grid(), "1d", "cpu", true, 2);
+    for (int64_t s = 3; s <= 4; ++s) mw.add_train(train_row(s, 1));
+  }
+  if (rank_of() == 0) {
+    expect_train(path, {1, 2, 3, 4}, {0, 0, 1, 1});
+    expect_eval(path, {2});
+    expect_segments(path, {{1, size_of(), "1d"}, {3, size_of(), "1d"}});
+  }
+  expect_ranks_in_step();
+}
+
+// A write that meets the full disk all the same (the room is not reserved first: a file system
+// that cannot reserve, or a copy-on-write one): the same UserError on every rank, and rank 0's
+// HDF5 stays usable (HDF5 1.10 cannot close a file after a failed flush; a failed close would
+// crash the process when the library terminates).
+TEST(MetricsFullDisk, WriteFailingInsideHdf5FailsAlikeOnEveryRank) {
+  SmallFs fs("1m");
+  if (!fs.ok()) {
+    GTEST_SKIP() << "needs root to mount a tmpfs";
+  }
+  const std::string path = fs / "metrics.h5";
+  setenv("VITGRID_TEST_METRICS_NO_RESERVE", "1", 1);
+  {
+    vitgrid::MetricsWriter mw(MPI_COMM_WORLD, path, kDeck, grid(), "1d", "cpu", false, 0);
+    for (int64_t s = 1; s <= 3; ++s) mw.add_train(train_row(s));
+    mw.flush();
+    fs.fill();
+    // past the first chunk of every table: new chunks, which do not fit
+    for (int64_t s = 4; s <= 5000; ++s) mw.add_train(train_row(s));
+    vgtest::expect_user_error_everywhere(
+        [&] { mw.flush(); },
+        {"metrics file '" + path + "': cannot write", "no space left on device"});
+  }
+  unsetenv("VITGRID_TEST_METRICS_NO_RESERVE");
+  expect_ranks_in_step();
 }
 
 }  // namespace

@@ -44,6 +44,15 @@ class SoftFailures {
   // rank's reason ("no space left on device (12.0 MB free on the file system of 'dir')", an
   // errno text, or the failed call), the same on every rank.
   std::string agree(MPI_Comm comm);
+  // This rank alone, for a file only it writes: its reason ("" when none was recorded), as
+  // agree() words it; the record is cleared. The caller shares it with the other ranks.
+  std::string take();
+  // Whether a failure was recorded since the last agree() or take(): a writer that alone
+  // writes its file stops there.
+  bool failed() const;
+  // Records a failure found without an HDF5 call, as a failed call with errno `err` would be
+  // (e.g. ENOSPC from a free-space check made before writing).
+  void fail(int err, const char* what);
 
  private:
   std::string dir_;

@@ -11,12 +11,19 @@
 // error always knows where the offending string came from.
 #include "vitgrid/deck/deck.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <boost/program_options.hpp>
 #include <cctype>
+#include <cerrno>
 #include <charconv>
+#include <climits>
 #include <cmath>
-#include <fstream>
+#include <cstdio>
+#include <cstring>
 #include <limits>
 #include <set>
 #include <sstream>
@@ -248,6 +255,14 @@ std::string lower(std::string s) {
   return s;
 }
 
+// User text quoted in a message, cut short: a mistyped 1 MB line must not become a 1 MB
+// message.
+std::string clip(const std::string& s) {
+  constexpr size_t kShown = 100;
+  if (s.size() <= kShown + 20) return s;
+  return s.substr(0, kShown) + "... (" + std::to_string(s.size()) + " characters)";
+}
+
 std::vector<std::string> split(const std::string& s, char sep) {
   std::vector<std::string> out;
   size_t start = 0;
@@ -345,6 +360,22 @@ class Parser {
     if (!cond) fail(key, msg);
   }
 
+  // A deck is text: a NUL or other control byte means a binary file (or a corrupted one), and
+  // would also cut the message short where it is printed as a C string. Tabs are blanks; a
+  // carriage return may end a line (CRLF files).
+  void check_text(const std::string& raw, int lineno) const {
+    for (size_t i = 0; i < raw.size(); ++i) {
+      const unsigned char c = static_cast<unsigned char>(raw[i]);
+      const bool control = c < 0x20 || c == 0x7f;
+      if (!control || c == '\t' || (c == '\r' && i + 1 == raw.size())) continue;
+      char hex[8];
+      std::snprintf(hex, sizeof hex, "0x%02x", c);
+      throw UserError(source_ + ":" + std::to_string(lineno) + ": control character " + hex +
+                      " at column " + std::to_string(i + 1) +
+                      " (the deck must be a text file; is this a binary file?)");
+    }
+  }
+
   // ---- pass 1: our scan of the INI text (lines, sections, unknown keys, duplicates)
   void scan_ini(const std::string& text) {
     std::istringstream in(text);
@@ -353,6 +384,7 @@ class Parser {
     std::map<std::string, int> seen;
     while (std::getline(in, raw)) {
       ++lineno;
+      check_text(raw, lineno);
       std::string s = raw;
       // Boost's config-file grammar: '#' starts a comment anywhere on the line.
       size_t hash = s.find('#');
@@ -361,22 +393,22 @@ class Parser {
       if (s.empty()) continue;
       const std::string at = source_ + ":" + std::to_string(lineno) + ": ";
       if (s.front() == '[') {
-        if (s.back() != ']') throw UserError(at + "malformed section header '" + s + "'");
+        if (s.back() != ']') throw UserError(at + "malformed section header '" + clip(s) + "'");
         section = trim(s.substr(1, s.size() - 2));
         bool known = std::any_of(std::begin(kSections), std::end(kSections),
                                  [&](const char* x) { return section == x; });
-        if (!known) throw UserError(at + "unknown section [" + section + "]");
+        if (!known) throw UserError(at + "unknown section [" + clip(section) + "]");
         continue;
       }
       size_t eq = s.find('=');
       if (eq == std::string::npos)
-        throw UserError(at + "expected 'key = value' or '[section]', got '" + s + "'");
+        throw UserError(at + "expected 'key = value' or '[section]', got '" + clip(s) + "'");
       std::string key = trim(s.substr(0, eq));
       std::string value = trim(s.substr(eq + 1));
       if (key.empty()) throw UserError(at + "missing key before '='");
-      if (section.empty()) throw UserError(at + "key '" + key + "' outside any [section]");
+      if (section.empty()) throw UserError(at + "key '" + clip(key) + "' outside any [section]");
       std::string name = section + "." + key;
-      if (!find_field(name)) throw UserError(at + "unknown key '" + name + "'");
+      if (!find_field(name)) throw UserError(at + "unknown key '" + clip(name) + "'");
       auto prev = seen.find(name);
       if (prev != seen.end())
         throw UserError(at + name + ": given twice (first at line " + std::to_string(prev->second) +
@@ -420,7 +452,7 @@ class Parser {
     for (size_t i = 0; i < args.size(); ++i) {
       const std::string& a = args[i];
       if (a.rfind("--", 0) != 0 || a.size() == 2)
-        throw UserError("command line: expected --section.key=value, got '" + a + "'");
+        throw UserError("command line: expected --section.key=value, got '" + clip(a) + "'");
       std::string name, value;
       size_t eq = a.find('=');
       if (eq != std::string::npos) {
@@ -428,18 +460,23 @@ class Parser {
         value = a.substr(eq + 1);
       } else {
         name = a.substr(2);
-        if (!find_field(name)) throw UserError("command line: unknown key '" + name + "'");
+        if (!find_field(name)) throw UserError("command line: unknown key '" + clip(name) + "'");
         if (i + 1 >= args.size())
           throw UserError("command line: " + name + ": missing value (use --" + name + "=VALUE)");
         value = args[++i];
       }
-      if (!find_field(name)) throw UserError("command line: unknown key '" + name + "'");
+      if (!find_field(name)) throw UserError("command line: unknown key '" + clip(name) + "'");
       if (!seen.insert(name).second) throw UserError("command line: " + name + ": given twice");
       // The resolved deck is INI text: a value it cannot carry would not read back the same.
       if (value.find('#') != std::string::npos || value.find('\n') != std::string::npos)
         throw UserError("command line: " + name +
                         ": '#' and newlines are not allowed in values (the deck format treats '#' "
                         "as a comment)");
+      if (std::any_of(value.begin(), value.end(), [](char ch) {
+            const unsigned char c = static_cast<unsigned char>(ch);
+            return (c < 0x20 && c != '\t') || c == 0x7f;
+          }))
+        throw UserError("command line: " + name + ": control characters are not allowed in values");
       value = trim(value);
       // Boost's adjacent form has no spelling for an empty value ("--k=" is refused), so an
       // empty value travels as the next token instead.
@@ -477,7 +514,7 @@ class Parser {
     if (p == presets.end()) {
       std::string names;
       for (const auto& kv : presets) names += (names.empty() ? "" : ", ") + kv.first;
-      fail("model.preset", "unknown preset '" + preset_ + "' (known: " + names + ")");
+      fail("model.preset", "unknown preset '" + clip(preset_) + "' (known: " + names + ")");
     }
     d->model.preset = preset_;
     if (preset_ == "custom") return;
@@ -501,7 +538,7 @@ class Parser {
     const Field* f = find_field(name);
     void* p = f->member(*d);
     auto bad = [&](const char* what) {
-      fail(name, std::string("expected ") + what + ", got '" + v + "'");
+      fail(name, std::string("expected ") + what + ", got '" + clip(v) + "'");
     };
     switch (f->kind) {
       case Kind::Int:
@@ -530,7 +567,7 @@ class Parser {
       case Kind::String: {
         std::string* s = static_cast<std::string*>(p);
         if (*f->choices && !accepts(f->choices, v))
-          fail(name, "expected one of " + display_choices(f->choices) + ", got '" + v + "'");
+          fail(name, "expected one of " + display_choices(f->choices) + ", got '" + clip(v) + "'");
         *s = v;
         break;
       }
@@ -925,17 +962,63 @@ const std::map<std::string, ModelPreset>& model_presets() {
 
 Deck parse_deck_text(const std::string& text, const std::vector<std::string>& overrides,
                      int world_size, const std::string& source_name) {
+  // Editors on Windows start UTF-8 files with a byte-order mark; it is no part of the first
+  // line ("[run]" must still read as a section header).
+  static const std::string kBom = "\xEF\xBB\xBF";
+  if (text.compare(0, kBom.size(), kBom) == 0)
+    return Parser(source_name, world_size).run(text.substr(kBom.size()), overrides);
   return Parser(source_name, world_size).run(text, overrides);
 }
 
 Deck parse_deck(const std::string& deck_path, const std::vector<std::string>& overrides,
                 int world_size) {
-  std::ifstream in(deck_path, std::ios::binary);
-  if (!in) throw UserError("deck '" + deck_path + "': cannot open the file");
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) throw UserError("deck '" + deck_path + "': read error");
-  return parse_deck_text(text.str(), overrides, world_size, deck_path);
+  return parse_deck_text(read_deck_file(deck_path), overrides, world_size, deck_path);
+}
+
+std::string read_deck_file(const std::string& deck_path) {
+  const std::string at = "deck '" + deck_path + "': ";
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever (every
+  // rank hangs before any check); the type is checked on the open descriptor, so no name can
+  // change under us between the check and the read.
+  const int fd = ::open(deck_path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) throw UserError(at + "cannot open the file: " + std::strerror(errno));
+  struct FdCloser {
+    int fd;
+    ~FdCloser() { ::close(fd); }
+  } closer{fd};
+  struct stat st;
+  if (::fstat(fd, &st) != 0) throw UserError(at + "cannot stat the file: " + std::strerror(errno));
+  // A directory opens fine and reads as nothing, which would surface as a confusing "set
+  // run.steps" about a deck that was never read.
+  if (S_ISDIR(st.st_mode)) throw UserError(at + "is a directory, not a deck file");
+  if (!S_ISREG(st.st_mode))
+    throw UserError(at + "is not a regular file (" + file_type_name(st.st_mode) +
+                    "); every rank reads the deck, so it must be a file");
+  if (st.st_size > kMaxDeckBytes)
+    throw UserError(at + "is " + std::to_string((long long)st.st_size) +
+                    " bytes; a deck is a small text file (at most " +
+                    std::to_string(kMaxDeckBytes) + " bytes)");
+  std::string text((size_t)st.st_size, '\0');
+  size_t got = 0;
+  while (got < text.size()) {
+    const ssize_t r = ::read(fd, &text[got], text.size() - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) throw UserError(at + "read error: " + std::strerror(errno));
+    if (r == 0) break;  // shrank while we read: parse what is there
+    got += (size_t)r;
+  }
+  text.resize(got);
+  return text;
+}
+
+std::string file_type_name(unsigned mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISREG(mode)) return "a regular file";
+  return "not a regular file";
 }
 
 std::string Deck::resolved_text() const {

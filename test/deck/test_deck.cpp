@@ -1,6 +1,7 @@
 // The input deck: parsing, presets, overrides, the resolved round trip, and one test per
 // refusal, each checking that the message names the key and where it came from.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -710,6 +711,80 @@ TEST(DeckRefusal, DatasetNeedsPath) {
             "data.dataset = cifar10");
   EXPECT_EQ(refusal("[run]\nsteps = 1\n[data]\ndataset = hdf5\npath =\n"),
             "deck.ini:5: data.path: must name the HDF5 file for data.dataset = hdf5");
+}
+
+// ---- the deck file itself
+
+TEST(DeckFile, ByteOrderMarkIsSkipped) {
+  // "[run]" after a UTF-8 BOM is still the first section header
+  Deck d = parse_deck_text("\xEF\xBB\xBF[run]\nsteps = 4\n", {}, 1);
+  EXPECT_EQ(d.run.steps, 4);
+}
+
+TEST(DeckFile, ControlCharactersAreRefusedWithTheLine) {
+  EXPECT_EQ(refusal(std::string("[run]\nsteps = 1\nout_dir = a\0b\n", 30)),
+            "deck.ini:3: control character 0x00 at column 12 (the deck must be a text file; is "
+            "this a binary file?)");
+  EXPECT_HAS(refusal("[run]\x01\nsteps = 1\n"), "deck.ini:1: control character 0x01");
+  // tabs are blanks, a CR may end a line
+  EXPECT_EQ(refusal("[run]\r\nsteps\t=\t1\r\n"), "<accepted>");
+  EXPECT_HAS(refusal({"[run]\nsteps = 1\n"}, {"--run.out_dir=a\x01"}),
+             "command line: run.out_dir: control characters");
+}
+
+TEST(DeckFile, LongTextIsClippedInMessages) {
+  const std::string key(5000, 'k');
+  const std::string msg = refusal("[run]\n" + key + " = 1\n");
+  EXPECT_HAS(msg, "deck.ini:2: unknown key 'run.kkkk");
+  EXPECT_HAS(msg, "... (5004 characters)");
+  EXPECT_LT(msg.size(), 300u);
+  EXPECT_LT(refusal("[run]\nsteps = " + std::string(100000, '9') + "\n").size(), 300u);
+}
+
+class DeckFiles : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/vg_deck_files_XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  static std::string read_refusal(const std::string& path) {
+    try {
+      read_deck_file(path);
+    } catch (const UserError& e) {
+      return e.what();
+    }
+    return "<accepted>";
+  }
+  fs::path dir_;
+};
+
+TEST_F(DeckFiles, DirectoryIsNamedAsSuch) {
+  EXPECT_EQ(read_refusal(dir_.string()),
+            "deck '" + dir_.string() + "': is a directory, not a deck file");
+}
+
+TEST_F(DeckFiles, FifoIsRefusedWithoutBlocking) {
+  // Opening a FIFO with no writer blocks forever; the refusal must come at once.
+  const std::string fifo = (dir_ / "deck.ini").string();
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_EQ(read_refusal(fifo), "deck '" + fifo +
+                                    "': is not a regular file (a FIFO); every rank reads the "
+                                    "deck, so it must be a file");
+  EXPECT_HAS(read_refusal("/dev/zero"), "is not a regular file (a character device)");
+}
+
+TEST_F(DeckFiles, MissingAndOversizedDecks) {
+  EXPECT_EQ(read_refusal((dir_ / "none.ini").string()),
+            "deck '" + (dir_ / "none.ini").string() +
+                "': cannot open the file: No such file or directory");
+  const fs::path big = dir_ / "big.ini";
+  { std::ofstream(big) << "[run]\nsteps = 1\n"; }
+  fs::resize_file(big, kMaxDeckBytes + 1);
+  EXPECT_HAS(read_refusal(big.string()), "a deck is a small text file");
+  fs::resize_file(big, 16);
+  EXPECT_EQ(read_deck_file(big.string()), "[run]\nsteps = 1\n");
 }
 
 // ---- check_deck_paths

@@ -140,9 +140,17 @@ struct Deck {
 // where it came from ("deck.ini:12" or "command line"). Pure: no MPI, no file writes.
 Deck parse_deck(const std::string& deck_path, const std::vector<std::string>& overrides,
                 int world_size);
-// Same from INI text (tests).
+// Same from INI text (tests). A leading UTF-8 byte-order mark is skipped.
 Deck parse_deck_text(const std::string& text, const std::vector<std::string>& overrides,
                      int world_size, const std::string& source_name = "deck");
+// The deck file's text. Throws UserError naming the file when it cannot be opened or read, is
+// a directory, is not a regular file (a FIFO would block every rank forever) or is larger than
+// kMaxDeckBytes.
+std::string read_deck_file(const std::string& deck_path);
+constexpr long long kMaxDeckBytes = 16ll << 20;
+// "a FIFO", "a directory", "a character device", ... for an st_mode (messages).
+std::string file_type_name(unsigned mode);
+
 
 // Checks that touch the file system (dataset paths exist, out_dir holds no other run unless
 // resuming). Throws UserError. Called on every rank by the app (same answer everywhere).

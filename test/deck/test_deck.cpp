@@ -856,8 +856,9 @@ class DeckPaths : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
   static void touch(const fs::path& p) { std::ofstream(p) << "x"; }
-  Deck deck(const std::vector<std::string>& extra) {
-    std::vector<std::string> ov = {"--run.out_dir=" + (dir_ / "run").string()};
+  Deck deck(const std::vector<std::string>& extra) { return deck_in((dir_ / "run").string(), extra); }
+  static Deck deck_in(const std::string& out_dir, const std::vector<std::string>& extra = {}) {
+    std::vector<std::string> ov = {"--run.out_dir=" + out_dir};
     ov.insert(ov.end(), extra.begin(), extra.end());
     return parse_deck_text(kMinimal, ov, 1, "paths.ini");
   }
@@ -924,6 +925,85 @@ TEST_F(DeckPaths, ExistingRunInOutDir) {
   // resuming, or not training, is fine
   EXPECT_EQ(refusal_of(deck({"--checkpoint.resume=auto"}), true), "<accepted>");
   EXPECT_EQ(refusal_of(deck({}), false), "<accepted>");
+}
+
+}  // namespace
+}  // namespace vitgrid
+
+namespace vitgrid {
+namespace {
+
+// run.out_dir is created and written to at check time, so an unusable one is refused with the
+// OS's reason before any work (it used to end in an uncaught exception after setup).
+TEST_F(DeckPaths, OutDirIsCreatedAndProbed) {
+  const fs::path fresh = dir_ / "a" / "b";
+  EXPECT_EQ(refusal_of(deck_in(fresh.string()), true), "<accepted>");
+  EXPECT_TRUE(fs::is_directory(fresh));
+  EXPECT_TRUE(fs::is_empty(fresh));  // the probe file is gone
+  // predict writes predictions.h5: checked too; eval writes nothing
+  const fs::path p = dir_ / "p";
+  EXPECT_EQ(refusal_of(deck_in(p.string()), false), "<accepted>");
+  EXPECT_FALSE(fs::exists(p));
+  try {
+    check_deck_paths(deck_in(p.string()), false, true);
+  } catch (const UserError& e) {
+    ADD_FAILURE() << e.what();
+  }
+  EXPECT_TRUE(fs::is_directory(p));
+}
+
+TEST_F(DeckPaths, UnusableOutDirNamesKeyAndReason) {
+  touch(dir_ / "file");
+  const std::string under_file = (dir_ / "file" / "x").string();
+  EXPECT_EQ(refusal_of(deck_in(under_file), true),
+            "paths.ini: run.out_dir: '" + under_file + "' cannot be created: Not a directory");
+  const std::string long_name = (dir_ / std::string(300, 'a')).string();
+  EXPECT_EQ(refusal_of(deck_in(long_name), true),
+            "paths.ini: run.out_dir: '" + long_name + "' cannot be created: File name too long");
+  // /proc cannot take new entries, not even from root (whom permission bits do not stop)
+  EXPECT_HAS(refusal_of(deck_in("/proc/vitgrid_x"), true),
+             "run.out_dir: '/proc/vitgrid_x' cannot be created: ");
+  EXPECT_HAS(refusal_of(deck_in("/proc"), true),
+             "run.out_dir: '/proc' is not writable (creating a file in it failed: ");
+  const fs::path ck = dir_ / "run";
+  fs::create_directories(ck);
+  touch(ck / "checkpoints");
+  EXPECT_HAS(refusal_of(deck({"--checkpoint.resume=auto"}), true),
+             "checkpoints' exists and is not a directory");
+}
+
+TEST_F(DeckPaths, ReadOnlyOutDirForUsersWhomBitsStop) {
+  // A 0555 directory: refused for an ordinary user; root may still write it, and then the
+  // probe rightly accepts it. Either way the verdict is what creating a file really does.
+  const fs::path ro = dir_ / "ro";
+  fs::create_directories(ro);
+  fs::permissions(ro, fs::perms::owner_read | fs::perms::owner_exec | fs::perms::group_read |
+                          fs::perms::group_exec | fs::perms::others_read | fs::perms::others_exec);
+  const std::string got = refusal_of(deck_in(ro.string()), true);
+  if (geteuid() == 0)
+    EXPECT_EQ(got, "<accepted>");
+  else
+    EXPECT_EQ(got, "paths.ini: run.out_dir: '" + ro.string() +
+                       "' is not writable (creating a file in it failed: Permission denied)");
+  fs::permissions(ro, fs::perms::owner_all);
+}
+
+TEST_F(DeckPaths, DataFilesMustBeRegularFiles) {
+  EXPECT_EQ(refusal_of(deck({"--data.dataset=hdf5", "--data.path=/dev/zero"}), true),
+            "paths.ini: data.path: HDF5 dataset '/dev/zero' is not a regular file (a character "
+            "device)");
+  const fs::path fifo = dir_ / "fifo.h5";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_HAS(refusal_of(deck({"--data.dataset=hdf5", "--data.path=" + fifo.string()}), true),
+             "' is not a regular file (a FIFO)");
+  EXPECT_HAS(refusal_of(deck({"--checkpoint.load=" + fifo.string()}), false),
+             "checkpoint.load: checkpoint '" + fifo.string() + "' is not a regular file (a FIFO)");
+  const fs::path c = dir_ / "cifar";
+  fs::create_directories(c);
+  ASSERT_EQ(mkfifo((c / "test_batch.bin").c_str(), 0600), 0);
+  EXPECT_EQ(refusal_of(deck({"--data.dataset=cifar10", "--data.path=" + c.string()}), false),
+            "paths.ini: data.path: CIFAR-10 file '" + (c / "test_batch.bin").string() +
+                "' is not a regular file (a FIFO)");
 }
 
 }  // namespace

@@ -167,10 +167,14 @@ constexpr long long kMaxDeckBytes = 16ll << 20;
 // "a FIFO", "a directory", "a character device", ... for an st_mode (messages).
 std::string file_type_name(unsigned mode);
 
-
-// Checks that touch the file system (dataset paths exist, out_dir holds no other run unless
-// resuming). Throws UserError. Called on every rank by the app (same answer everywhere).
-void check_deck_paths(const Deck& d, bool training);
+// Checks that touch the file system (dataset paths exist and are regular files, out_dir holds
+// no other run unless resuming). With writes_out_dir (train, predict), run.out_dir is created if
+// missing and must accept a new file (a probe file is created and removed). Throws UserError.
+// Called on every rank by the app (same answer everywhere).
+void check_deck_paths(const Deck& d, bool training, bool writes_out_dir);
+inline void check_deck_paths(const Deck& d, bool training) {
+  check_deck_paths(d, training, training);
+}
 
 // Markdown table of every key: section, key, type, default, meaning.
 std::string deck_reference();

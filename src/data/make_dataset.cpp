@@ -7,7 +7,11 @@
 //   3. else the train file itself, with a warning printed once (rank 0): evaluating on the
 //      training data still measures fit, but it is not a held-out score.
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <cstdio>
+
+#include <set>
 #include <string>
 
 #include "vitgrid/core/error.h"
@@ -52,6 +56,24 @@ std::unique_ptr<Dataset> make_dataset(const Deck& deck, bool train) {
     ds = make_hdf5_images(train ? d.path : hdf5_eval_file(d));
   } else {
     throw UserError("data.dataset = " + d.dataset + " is not one of synthetic, cifar10, hdf5");
+  }
+  // Once per process: the train and the eval split may be the same file.
+  static std::set<std::string> warned;
+  const std::string w = ds->warning();
+  if (!w.empty() && warned.insert(w).second) Log()("warning: %s\n", w.c_str());
+  // The training sampler holds a permutation of the split, 8 bytes per sample, on every rank,
+  // allocated by the loader's thread where a failure could not be agreed on: check it here.
+  if (train) {
+    const double perm = 8.0 * double(ds->size());
+    const double phys = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
+    if (phys > 0 && perm > phys / 2) {
+      char buf[160];
+      std::snprintf(buf, sizeof buf, "%.1f GiB on every rank, more than half this host's %.1f GiB",
+                    perm / 1073741824.0, phys / 1073741824.0);
+      throw UserError(std::string(d.dataset == "synthetic" ? "data.synthetic_train" : "data.path") +
+                      ": " + ds->describe() + " has " + std::to_string(ds->size()) +
+                      " samples: the sampler's permutation of them takes " + buf);
+    }
   }
   if (ds->image_size() != deck.model.image_size)
     throw UserError("model.image_size = " + std::to_string(deck.model.image_size) + " but " +

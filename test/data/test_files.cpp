@@ -1,6 +1,7 @@
 // File-backed datasets (CIFAR-10 binaries, packed HDF5) and make_dataset from a deck: round
 // trips and the refusals of malformed input, each naming the file and what is wrong.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <fstream>
 #include <numeric>
@@ -281,4 +282,67 @@ TEST(MakeDataset, FromDeck) {
   EXPECT_EQ(vitgrid::make_dataset(deck, false)->size(), 4);  // falls back, with a warning
   deck.data.dataset = "tfrecord";
   expect_user_error([&] { vitgrid::make_dataset(deck, true); }, {"data.dataset", "tfrecord"});
+}
+
+// Without the num_classes attribute the count is the largest label + 1, and the dataset says
+// so (make_dataset prints it) instead of deciding silently; with it, nothing to say.
+TEST(Hdf5Images, InferredClassCountIsReported) {
+  TempDir dir;
+  H5Spec s;
+  s.n = 4;
+  s.h = s.w = 3;
+  auto images = pattern_images(4, 3);
+  vgtest::write_h5(dir.file("noattr.h5"), s, images, {0, 2, 1, 2});
+  auto ds = vitgrid::make_hdf5_images(dir.file("noattr.h5"));
+  EXPECT_EQ(ds->num_classes(), 3);
+  const std::string w = ds->warning();
+  EXPECT_NE(w.find("noattr.h5"), std::string::npos) << w;
+  EXPECT_NE(w.find("num_classes"), std::string::npos) << w;
+  EXPECT_NE(w.find("largest label + 1 = 3"), std::string::npos) << w;
+  EXPECT_NE(w.find("f.attrs['num_classes']"), std::string::npos) << w;
+  s.num_classes_attr = 3;
+  vgtest::write_h5(dir.file("attr.h5"), s, images, {0, 2, 1, 2});
+  EXPECT_EQ(vitgrid::make_hdf5_images(dir.file("attr.h5"))->warning(), "");
+}
+
+// A FIFO or a device named as a data file is refused as such; the reader would otherwise block
+// on the FIFO or read /dev/zero forever.
+TEST(DataFiles, NotRegularFilesAreRefused) {
+  TempDir dir;
+  ASSERT_EQ(mkfifo(dir.file("fifo.h5").c_str(), 0600), 0);
+  expect_user_error([&] { vitgrid::make_hdf5_images(dir.file("fifo.h5")); },
+                    {"fifo.h5", "not a regular file"});
+  expect_user_error([&] { vitgrid::make_hdf5_images("/dev/zero"); },
+                    {"/dev/zero", "not a regular file"});
+  expect_user_error([&] { vitgrid::make_hdf5_images(dir.path()); }, {"is a directory"});
+  vgtest::write_fake_cifar(dir.path(), 1);
+  std::remove(dir.file("test_batch.bin").c_str());
+  ASSERT_EQ(mkfifo(dir.file("test_batch.bin").c_str(), 0600), 0);
+  expect_user_error([&] { vitgrid::make_cifar10(dir.path(), false); },
+                    {"test_batch.bin", "not a regular file"});
+}
+
+// A header that claims more samples than the file has bytes (a corrupted or hand-made file:
+// here /images and /labels declared with 2^40 entries and never written) is refused before a
+// label buffer is sized from the claim (8 TiB: std::bad_alloc, or the OOM killer).
+TEST(Hdf5Images, ImplausibleSampleCountIsRefused) {
+  TempDir dir;
+  const std::string path = dir.file("huge.h5");
+  hid_t f = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+  const hsize_t n = hsize_t(1) << 40;
+  hsize_t dims[4] = {n, 2, 2, 3}, chunk[4] = {1, 2, 2, 3};
+  hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
+  H5Pset_chunk(dcpl, 4, chunk);
+  hid_t sp = H5Screate_simple(4, dims, nullptr);
+  H5Dclose(H5Dcreate2(f, "images", H5T_STD_U8LE, sp, H5P_DEFAULT, dcpl, H5P_DEFAULT));
+  H5Sclose(sp);
+  hsize_t lchunk = 1024;
+  H5Pset_chunk(dcpl, 1, &lchunk);
+  hid_t lsp = H5Screate_simple(1, &n, nullptr);
+  H5Dclose(H5Dcreate2(f, "labels", H5T_STD_I64LE, lsp, H5P_DEFAULT, dcpl, H5P_DEFAULT));
+  H5Sclose(lsp);
+  H5Pclose(dcpl);
+  H5Fclose(f);
+  expect_user_error([&] { vitgrid::make_hdf5_images(path); },
+                    {"huge.h5", std::to_string(n) + " samples", "bytes"});
 }

@@ -1,7 +1,10 @@
 // File-backed datasets (CIFAR-10 binaries, packed HDF5) and make_dataset from a deck: round
 // trips and the refusals of malformed input, each naming the file and what is wrong.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <fstream>
 #include <numeric>
@@ -345,4 +348,40 @@ TEST(Hdf5Images, ImplausibleSampleCountIsRefused) {
   H5Fclose(f);
   expect_user_error([&] { vitgrid::make_hdf5_images(path); },
                     {"huge.h5", std::to_string(n) + " samples", "bytes"});
+}
+
+// The sampler's permutation (8 bytes a sample, every rank) is checked against the memory a
+// rank may have before the loader's thread allocates it, where a std::bad_alloc could not be
+// agreed on. In a child process whose address space is limited to 1 GiB (ulimit -v), a split of
+// 2^27 samples (1 GiB of permutation) is refused; the parent's limits stay as they were.
+TEST(MakeDataset, SamplerPermutationMustFitTheAddressSpace) {
+  vitgrid::Deck deck;
+  deck.data.dataset = "synthetic";
+  deck.data.synthetic_train = int64_t(1) << 27;
+  deck.model.image_size = 8;
+  deck.model.num_classes = 4;
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    struct rlimit rl;
+    getrlimit(RLIMIT_AS, &rl);
+    rl.rlim_cur = rlim_t(1) << 30;
+    if (setrlimit(RLIMIT_AS, &rl) != 0) _exit(3);
+    try {
+      vitgrid::make_dataset(deck, false);  // eval holds no permutation: fine
+      vitgrid::make_dataset(deck, true);
+    } catch (const vitgrid::UserError& e) {
+      const std::string m = e.what();
+      _exit(m.find("data.synthetic_train") != std::string::npos &&
+                    m.find("permutation") != std::string::npos &&
+                    m.find("address-space limit") != std::string::npos
+                ? 0
+                : 2);
+    }
+    _exit(1);  // accepted
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: accepted, 2: wrong message, 3: setrlimit failed";
 }

@@ -485,6 +485,9 @@ class Hdf5ImageDataset final : public Dataset {
     }
     {
       std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
+      // A damaged chunk (its compressed bytes corrupted) is only found here, mid-run: one
+      // message naming the file, the samples and HDF5's reason, not a page of library trace.
+      QuietHdf5Errors quiet;
       H5Handle fspace(H5Dget_space(images_), H5Sclose);
       if (fspace.id < 0) throw std::runtime_error("HDF5 images " + path_ + ": H5Dget_space failed");
       for (size_t a = 0; a < uniq.size();) {
@@ -496,8 +499,13 @@ class Hdf5ImageDataset final : public Dataset {
         if (H5Sselect_hyperslab(fspace.id, H5S_SELECT_SET, start, nullptr, count, nullptr) < 0)
           throw std::runtime_error("HDF5 images " + path_ + ": hyperslab selection failed");
         if (H5Dread(images_, H5T_NATIVE_UCHAR, mspace.id, fspace.id, H5P_DEFAULT, dst + a * img_) <
-            0)
-          throw std::runtime_error("HDF5 images " + path_ + ": reading /images failed");
+            0) {
+          const std::string d = hdf5_error_detail();
+          throw std::runtime_error("HDF5 images " + path_ + ": reading /images samples " +
+                                   std::to_string(uniq[a]) + ".." + std::to_string(uniq[e - 1]) +
+                                   " failed" + (d.empty() ? std::string() : " (" + d + ")") +
+                                   ": the file is damaged");
+        }
         a = e;
       }
     }

@@ -385,3 +385,53 @@ TEST(MakeDataset, SamplerPermutationMustFitTheAddressSpace) {
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0) << "1: accepted, 2: wrong message, 3: setrlimit failed";
 }
+
+// A compressed chunk whose bytes are damaged is found only when a batch reads it: the error
+// names the file, the samples and HDF5's reason, and HDF5's own error stack stays quiet (it
+// printed a page of "HDF5-DIAG" trace before the message).
+TEST(Hdf5Images, DamagedCompressedChunkIsNamed) {
+  TempDir dir;
+  H5Spec s;
+  s.n = 8;
+  s.h = s.w = 8;
+  s.chunked = true;
+  s.chunk_images = 2;
+  s.gzip = 6;
+  s.num_classes_attr = 4;
+  const std::string path = dir.file("gz.h5");
+  vgtest::write_h5(path, s, pattern_images(8, 8), {0, 1, 2, 3, 0, 1, 2, 3});
+  // where chunk 1 (samples 2 and 3) lies, from the library
+  haddr_t addr = HADDR_UNDEF;
+  hsize_t bytes = 0;
+  {
+    hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+    hid_t d = H5Dopen2(f, "images", H5P_DEFAULT);
+    hsize_t start[4] = {2, 0, 0, 0};
+    unsigned mask = 0;
+    ASSERT_GE(H5Dget_chunk_info_by_coord(d, start, &mask, &addr, &bytes), 0);
+    H5Dclose(d);
+    H5Fclose(f);
+  }
+  ASSERT_NE(addr, HADDR_UNDEF);
+  ASSERT_GT(bytes, 8u);
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp((std::streamoff)addr + 2);  // past the zlib header: the deflate stream itself
+    for (int k = 0; k < 6; ++k) f.put((char)0xff);
+  }
+  auto ds = vitgrid::make_hdf5_images(path);  // the header is intact: opens fine
+  std::vector<uint8_t> img(8 * 8 * 3 * 2);
+  int32_t lab[2];
+  int64_t idx[2] = {2, 3};
+  testing::internal::CaptureStderr();
+  std::string what;
+  try {
+    ds->read(idx, 2, img.data(), lab);
+  } catch (const std::exception& e) {
+    what = e.what();
+  }
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(what.find("gz.h5: reading /images samples 2..3 failed"), std::string::npos) << what;
+  EXPECT_NE(what.find("the file is damaged"), std::string::npos) << what;
+  EXPECT_EQ(err.find("HDF5-DIAG"), std::string::npos) << err;
+}

@@ -246,6 +246,21 @@ class Hdf5ImageDataset final : public Dataset {
     }
     images_ = images.release();
     file_ = file.release();
+    // Decode the first and the last sample now, as the direct path compares them: filter
+    // parameters damaged in the header, or a last chunk cut short, fail every read of the run,
+    // and here every rank still agrees on the refusal. (A chunk damaged in the middle is only
+    // found when a batch reads it.)
+    try {
+      for (int64_t i : {int64_t{0}, n_ - 1}) {
+        std::vector<uint8_t> probe(img_);
+        read_hdf5(&i, 1, probe.data());
+      }
+    } catch (const std::exception& e) {
+      H5Dclose(images_);
+      H5Fclose(file_);
+      images_ = file_ = -1;
+      throw UserError(e.what());
+    }
   }
 
   ~Hdf5ImageDataset() override {

@@ -389,8 +389,9 @@ TEST(MakeDataset, SamplerPermutationMustFitTheAddressSpace) {
 // A compressed chunk whose bytes are damaged is found only when a batch reads it: the error
 // names the file, the samples and HDF5's reason, and HDF5's own error stack stays quiet (it
 // printed a page of "HDF5-DIAG" trace before the message).
-TEST(Hdf5Images, DamagedCompressedChunkIsNamed) {
-  TempDir dir;
+namespace {
+// An 8-sample gzip file of 2-sample chunks whose chunk `chunk` has its deflate stream damaged.
+std::string gzip_file_with_damaged_chunk(const TempDir& dir, const std::string& name, int chunk) {
   H5Spec s;
   s.n = 8;
   s.h = s.w = 8;
@@ -398,28 +399,31 @@ TEST(Hdf5Images, DamagedCompressedChunkIsNamed) {
   s.chunk_images = 2;
   s.gzip = 6;
   s.num_classes_attr = 4;
-  const std::string path = dir.file("gz.h5");
+  const std::string path = dir.file(name);
   vgtest::write_h5(path, s, pattern_images(8, 8), {0, 1, 2, 3, 0, 1, 2, 3});
-  // where chunk 1 (samples 2 and 3) lies, from the library
+  // where the chunk lies, from the library
   haddr_t addr = HADDR_UNDEF;
   hsize_t bytes = 0;
-  {
-    hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
-    hid_t d = H5Dopen2(f, "images", H5P_DEFAULT);
-    hsize_t start[4] = {2, 0, 0, 0};
-    unsigned mask = 0;
-    ASSERT_GE(H5Dget_chunk_info_by_coord(d, start, &mask, &addr, &bytes), 0);
-    H5Dclose(d);
-    H5Fclose(f);
-  }
-  ASSERT_NE(addr, HADDR_UNDEF);
-  ASSERT_GT(bytes, 8u);
-  {
-    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp((std::streamoff)addr + 2);  // past the zlib header: the deflate stream itself
-    for (int k = 0; k < 6; ++k) f.put((char)0xff);
-  }
-  auto ds = vitgrid::make_hdf5_images(path);  // the header is intact: opens fine
+  hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  hid_t d = H5Dopen2(f, "images", H5P_DEFAULT);
+  hsize_t start[4] = {hsize_t(2 * chunk), 0, 0, 0};
+  unsigned mask = 0;
+  H5Dget_chunk_info_by_coord(d, start, &mask, &addr, &bytes);
+  H5Dclose(d);
+  H5Fclose(f);
+  EXPECT_NE(addr, HADDR_UNDEF);
+  EXPECT_GT(bytes, 8u);
+  std::fstream io(path, std::ios::in | std::ios::out | std::ios::binary);
+  io.seekp((std::streamoff)addr + 2);  // past the zlib header: the deflate stream itself
+  for (int k = 0; k < 6; ++k) io.put((char)0xff);
+  return path;
+}
+}  // namespace
+
+TEST(Hdf5Images, DamagedCompressedChunkIsNamed) {
+  TempDir dir;
+  const std::string path = gzip_file_with_damaged_chunk(dir, "gz.h5", 1);  // samples 2 and 3
+  auto ds = vitgrid::make_hdf5_images(path);  // the header and chunks 0 and 3 are intact
   std::vector<uint8_t> img(8 * 8 * 3 * 2);
   int32_t lab[2];
   int64_t idx[2] = {2, 3};
@@ -434,4 +438,15 @@ TEST(Hdf5Images, DamagedCompressedChunkIsNamed) {
   EXPECT_NE(what.find("gz.h5: reading /images samples 2..3 failed"), std::string::npos) << what;
   EXPECT_NE(what.find("the file is damaged"), std::string::npos) << what;
   EXPECT_EQ(err.find("HDF5-DIAG"), std::string::npos) << err;
+}
+
+// The first and the last sample are decoded when the file is opened (as the direct path
+// compares them): damage there, or filter parameters that cannot decode at all, is refused at
+// setup, where every rank agrees, instead of on one rank in the middle of the run.
+TEST(Hdf5Images, UndecodableFirstOrLastChunkIsRefusedAtOpen) {
+  TempDir dir;
+  expect_user_error([&] { vitgrid::make_hdf5_images(gzip_file_with_damaged_chunk(dir, "first.h5", 0)); },
+                    {"first.h5", "samples 0..0", "the file is damaged"});
+  expect_user_error([&] { vitgrid::make_hdf5_images(gzip_file_with_damaged_chunk(dir, "last.h5", 3)); },
+                    {"last.h5", "samples 7..7", "the file is damaged"});
 }

@@ -813,9 +813,10 @@ TEST(DeckRefusal, SizesBeyondAnythingPlausible) {
 }
 
 TEST(DeckRefusal, ParallelProductsDoNotWrap) {
-  // 65536 x 65536 wraps a 32-bit int to 0, which "divides" any world size
-  EXPECT_HAS(refusal(kMinimal, {"--parallel.pipeline=65536", "--parallel.tensor=1"}, 1),
-             "parallel.pipeline: parallel.pipeline (65536) x parallel.tensor (1) does not divide");
+  // 2^30 stages x tensor 4 is 2^32: 0 in 32-bit ints, and world % 0 is a division by zero
+  EXPECT_HAS(refusal(kMinimal, {"--parallel.pipeline=1073741824", "--parallel.tensor=4"}, 4),
+             "parallel.pipeline: parallel.pipeline (1073741824) x parallel.tensor (4) does not "
+             "divide the world size (4 ranks)");
   EXPECT_HAS(refusal(kMinimal, {"--parallel.schedule=interleaved", "--parallel.chunks=2147483647"}),
              "parallel.chunks: 2147483647 chunks per stage exceed model.depth (7 blocks)");
 }

@@ -11,7 +11,6 @@
 #include <unistd.h>
 
 #include <cstdio>
-
 #include <set>
 #include <string>
 

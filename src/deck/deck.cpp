@@ -976,7 +976,7 @@ class Parser {
            micro_s + " x " + std::to_string(heads) + " heads x " + tokens + " gives " +
                (att_rows < 0 ? "more" : std::to_string(att_rows)) +
                " attention rows, more than the kernels' limit of " + std::to_string(INT_MAX));
-    // one head's attention matrix for the micro-batch, in fp32
+    // the attention matrices of every head for the micro-batch, in fp32
     const int64_t att_bytes = product({micro, heads, T, T, 4});
     if (too_big(att_bytes))
       fail(blame({"model.image_size", "model.patch_size", "model.heads", "data.global_batch"}),

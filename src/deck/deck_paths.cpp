@@ -42,8 +42,8 @@ void require_file(const Deck& d, const std::string& key, const std::string& path
   ::close(fd);
 }
 
-// The run directory must be usable before any work starts, or the first checkpoint or the
-// metrics file fails after setup (today: an uncaught exception on some ranks). Tried for real
+// The run directory must be usable before any work starts: otherwise the metrics file or the
+// first checkpoint fails after setup, where the ranks no longer agree on errors. Tried for real
 // rather than judged from permission bits: root passes every access() check yet cannot write
 // under /proc or on a read-only mount, and ACLs or quotas are invisible to the bits. The
 // directory is created (with its parents) if missing and kept: every rank runs this at once,

@@ -57,8 +57,9 @@ class Cifar10Dataset final : public Dataset {
   void load(const std::string& path) {
     struct stat st;
     if (stat(path.c_str(), &st) != 0)
-      throw UserError(errno == ENOENT ? "CIFAR-10: missing file " + path
-                                      : "CIFAR-10: cannot use " + path + ": " + std::strerror(errno));
+      throw UserError(errno == ENOENT
+                          ? "CIFAR-10: missing file " + path
+                          : "CIFAR-10: cannot use " + path + ": " + std::strerror(errno));
     if (!S_ISREG(st.st_mode))  // a FIFO would block the read, a device never end
       throw UserError("CIFAR-10: " + path + " is not a regular file");
     const size_t bytes = (size_t)st.st_size;

@@ -681,8 +681,7 @@ class Parser {
     at_most("data.grad_accum", dt.grad_accum, static_cast<double>(kMaxGlobalBatch));
     positive("data.synthetic_train", static_cast<double>(dt.synthetic_train));
     positive("data.synthetic_eval", static_cast<double>(dt.synthetic_eval));
-    at_most("data.global_batch", static_cast<double>(dt.global_batch), kMaxGlobalBatch,
-            " samples");
+    at_most("data.global_batch", static_cast<double>(dt.global_batch), kMaxGlobalBatch, " samples");
     // The sampler holds a permutation of the train split, 8 bytes per sample, on every rank.
     at_most("data.synthetic_train", static_cast<double>(dt.synthetic_train), kMaxSyntheticSamples,
             " samples");
@@ -959,8 +958,8 @@ class Parser {
       return std::string(buf) + " bytes";
     };
     auto too_big = [&](int64_t v) { return v < 0 || v > kMaxRankBytes; };
-    const std::string limit = " per rank, more than any machine holds (" +
-                              bytes(kMaxRankBytes) + ")";
+    const std::string limit =
+        " per rank, more than any machine holds (" + bytes(kMaxRankBytes) + ")";
 
     // The kernels take row counts as 32-bit ints: micro-batch x tokens rows in every Linear,
     // x heads in the attention's softmax.
@@ -996,7 +995,8 @@ class Parser {
     if (too_big(state_rank))
       fail(blame({"model.hidden", "model.depth", "model.mlp_ratio", "model.num_classes",
                   "model.image_size", "model.preset"}),
-           "the model has " + (params < 0 ? std::string("more than 2^63") : std::to_string(params)) +
+           "the model has " +
+               (params < 0 ? std::string("more than 2^63") : std::to_string(params)) +
                " parameters (model.hidden " + std::to_string(H) + ", model.depth " +
                std::to_string(m.depth) + ", MLP width " + std::to_string(M) +
                ", model.num_classes " + std::to_string(K) + "): their training state takes " +
@@ -1005,7 +1005,8 @@ class Parser {
     // Activations a stage keeps per micro-batch: ~8 hidden-wide and 2 MLP-wide fp32 tensors
     // per block (a lower estimate: enough to tell the absurd).
     const int64_t stage_blocks = (m.depth + p.pipeline - 1) / p.pipeline;
-    const int64_t acts = product({micro, T, sum({product({8, H}), product({2, M})}), 4, stage_blocks});
+    const int64_t acts =
+        product({micro, T, sum({product({8, H}), product({2, M})}), 4, stage_blocks});
     if (too_big(acts))
       fail(blame({"data.global_batch", "model.image_size", "model.patch_size", "model.hidden",
                   "model.depth"}),
@@ -1021,13 +1022,13 @@ class Parser {
     const int64_t soft = product({per_rank, K, 4});
     if (too_big(images) || too_big(device_images))
       fail(blame({"data.global_batch", "model.image_size"}),
-           "the per-rank batch of " + std::to_string(per_rank) + " images of " +
-               std::to_string(S) + "x" + std::to_string(S) + " pixels takes " +
+           "the per-rank batch of " + std::to_string(per_rank) + " images of " + std::to_string(S) +
+               "x" + std::to_string(S) + " pixels takes " +
                (device_images < 0 ? "more than 2^63 bytes" : bytes(device_images)) + limit);
     if (too_big(soft))
       fail(blame({"model.num_classes", "data.global_batch"}),
-           "the per-rank batch of " + std::to_string(per_rank) + " samples x " +
-               std::to_string(K) + " classes of soft targets takes " +
+           "the per-rank batch of " + std::to_string(per_rank) + " samples x " + std::to_string(K) +
+               " classes of soft targets takes " +
                (soft < 0 ? "more than 2^63 bytes" : bytes(soft)) + limit);
   }
 

@@ -60,13 +60,13 @@ void require_writable_dir(const Deck& d, const std::string& key, const std::stri
   if (!S_ISDIR(st.st_mode)) throw UserError(named + " exists and is not a directory");
   char host[256] = {0};
   ::gethostname(host, sizeof host - 1);
-  const std::string probe = (fs::path(dir) / (".vitgrid-probe-" + std::string(host) + "-" +
-                                              std::to_string(::getpid())))
-                                .string();
+  const std::string probe =
+      (fs::path(dir) / (".vitgrid-probe-" + std::string(host) + "-" + std::to_string(::getpid())))
+          .string();
   const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0)
-    throw UserError(named + " is not writable (creating a file in it failed: " +
-                    std::strerror(errno) + ")");
+    throw UserError(
+        named + " is not writable (creating a file in it failed: " + std::strerror(errno) + ")");
   const bool wrote = ::write(fd, "x", 1) == 1;
   const int write_errno = errno;
   ::close(fd);
@@ -127,7 +127,8 @@ void check_deck_paths(const Deck& d, bool training, bool writes_out_dir) {
   // After the inputs: a run refused for its data creates no directory.
   if (writes_out_dir) {
     require_writable_dir(d, "run.out_dir", d.run.out_dir);
-    if (training && fs::exists(out / "checkpoints", ec) && !fs::is_directory(out / "checkpoints", ec))
+    if (training && fs::exists(out / "checkpoints", ec) &&
+        !fs::is_directory(out / "checkpoints", ec))
       throw UserError(at(d) + "run.out_dir: '" + (out / "checkpoints").string() +
                       "' exists and is not a directory (checkpoints are written there)");
   }

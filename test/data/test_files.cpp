@@ -445,8 +445,10 @@ TEST(Hdf5Images, DamagedCompressedChunkIsNamed) {
 // setup, where every rank agrees, instead of on one rank in the middle of the run.
 TEST(Hdf5Images, UndecodableFirstOrLastChunkIsRefusedAtOpen) {
   TempDir dir;
-  expect_user_error([&] { vitgrid::make_hdf5_images(gzip_file_with_damaged_chunk(dir, "first.h5", 0)); },
-                    {"first.h5", "samples 0..0", "the file is damaged"});
-  expect_user_error([&] { vitgrid::make_hdf5_images(gzip_file_with_damaged_chunk(dir, "last.h5", 3)); },
-                    {"last.h5", "samples 7..7", "the file is damaged"});
+  expect_user_error(
+      [&] { vitgrid::make_hdf5_images(gzip_file_with_damaged_chunk(dir, "first.h5", 0)); },
+      {"first.h5", "samples 0..0", "the file is damaged"});
+  expect_user_error(
+      [&] { vitgrid::make_hdf5_images(gzip_file_with_damaged_chunk(dir, "last.h5", 3)); },
+      {"last.h5", "samples 7..7", "the file is damaged"});
 }

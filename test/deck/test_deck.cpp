@@ -795,19 +795,26 @@ TEST(DeckRefusal, SizesBeyondAnythingPlausible) {
   EXPECT_EQ(refusal(kMinimal, {"--data.synthetic_train=8589934592"}),
             "command line: data.synthetic_train: must be at most 1073741824 samples, got "
             "8589934592");
-  EXPECT_HAS(refusal(kMinimal, {"--data.synthetic_eval=2000000000"}), "data.synthetic_eval: must be at most");
-  EXPECT_HAS(refusal(kMinimal, {"--model.hidden=131072", "--model.heads=1"}), "model.hidden: must be at most 65536");
-  EXPECT_HAS(refusal(kMinimal, {"--model.depth=100000"}), "model.depth: must be at most 1024 blocks");
+  EXPECT_HAS(refusal(kMinimal, {"--data.synthetic_eval=2000000000"}),
+             "data.synthetic_eval: must be at most");
+  EXPECT_HAS(refusal(kMinimal, {"--model.hidden=131072", "--model.heads=1"}),
+             "model.hidden: must be at most 65536");
+  EXPECT_HAS(refusal(kMinimal, {"--model.depth=100000"}),
+             "model.depth: must be at most 1024 blocks");
   // mlp_ratio is converted to an int width: refused before that conversion overflows
   EXPECT_HAS(refusal(kMinimal, {"--model.mlp_ratio=1e300"}), "model.mlp_ratio: must be at most 64");
-  EXPECT_HAS(refusal(kMinimal, {"--model.num_classes=2147483647"}), "model.num_classes: must be at most");
+  EXPECT_HAS(refusal(kMinimal, {"--model.num_classes=2147483647"}),
+             "model.num_classes: must be at most");
   EXPECT_HAS(refusal(kMinimal, {"--data.global_batch=9223372036854775807"}),
              "data.global_batch: must be at most 16777216 samples");
-  EXPECT_HAS(refusal(kMinimal, {"--data.crop_padding=33"}), "data.crop_padding: must be at most 32");
+  EXPECT_HAS(refusal(kMinimal, {"--data.crop_padding=33"}),
+             "data.crop_padding: must be at most 32");
   EXPECT_HAS(refusal(kMinimal, {"--data.workers=100000"}), "data.workers: must be at most 256");
-  EXPECT_HAS(refusal(kMinimal, {"--data.prefetch=2147483647"}), "data.prefetch: must be at most 64");
+  EXPECT_HAS(refusal(kMinimal, {"--data.prefetch=2147483647"}),
+             "data.prefetch: must be at most 64");
   EXPECT_HAS(refusal("[run]\nepochs = 1e300\n"), "deck.ini:2: run.epochs: must be at most 1000000");
-  EXPECT_HAS(refusal(kMinimal, {"--optim.warmup_epochs=1e300"}), "optim.warmup_epochs: must be at most");
+  EXPECT_HAS(refusal(kMinimal, {"--optim.warmup_epochs=1e300"}),
+             "optim.warmup_epochs: must be at most");
   // the largest values are still accepted on their own
   EXPECT_EQ(refusal(kMinimal, {"--data.synthetic_train=1073741824"}), "<accepted>");
 }
@@ -823,13 +830,13 @@ TEST(DeckRefusal, ParallelProductsDoNotWrap) {
 
 TEST(DeckRefusal, DerivedSizesAreOverflowChecked) {
   // 8192 / 1 pixels: 67108865 tokens; 8 samples x 2 heads x T^2 x 4 bytes = 2.9e17
-  EXPECT_EQ(refusal(kMinimal, {"--model.preset=custom", "--model.image_size=8192",
-                               "--model.patch_size=1", "--model.hidden=16", "--model.heads=2",
-                               "--data.global_batch=8"}),
-            "command line: model.image_size: the attention scores of the micro-batch of 8 samples "
-            "x 2 heads x 67108865 tokens (model.image_size 8192 / model.patch_size 1, squared, + "
-            "1) squared take 2.88e+17 bytes per rank, more than any machine holds (1.13e+15 "
-            "bytes)");
+  EXPECT_EQ(
+      refusal(kMinimal, {"--model.preset=custom", "--model.image_size=8192", "--model.patch_size=1",
+                         "--model.hidden=16", "--model.heads=2", "--data.global_batch=8"}),
+      "command line: model.image_size: the attention scores of the micro-batch of 8 samples "
+      "x 2 heads x 67108865 tokens (model.image_size 8192 / model.patch_size 1, squared, + "
+      "1) squared take 2.88e+17 bytes per rank, more than any machine holds (1.13e+15 "
+      "bytes)");
   // the Linear layers' rows: 2^24 samples x 197 tokens > 2^31 (named: the batch, the key set
   // here, not the preset's image size)
   EXPECT_HAS(refusal("[run]\nsteps = 1\n[model]\npreset = vit-base/16\n",
@@ -857,7 +864,9 @@ class DeckPaths : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
   static void touch(const fs::path& p) { std::ofstream(p) << "x"; }
-  Deck deck(const std::vector<std::string>& extra) { return deck_in((dir_ / "run").string(), extra); }
+  Deck deck(const std::vector<std::string>& extra) {
+    return deck_in((dir_ / "run").string(), extra);
+  }
   static Deck deck_in(const std::string& out_dir, const std::vector<std::string>& extra = {}) {
     std::vector<std::string> ov = {"--run.out_dir=" + out_dir};
     ov.insert(ov.end(), extra.begin(), extra.end());

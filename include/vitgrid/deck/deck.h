@@ -138,16 +138,16 @@ struct Deck {
 // every size derived from them (tokens, parameters, activation and batch bytes) from
 // overflowing. Sizes derived from several keys are checked against kMaxRankBytes (per rank)
 // and the kernels' 32-bit row counts.
-constexpr int kMaxImageSize = 8192;               // model.image_size, pixels
-constexpr int kMaxHidden = 65536;                 // model.hidden
-constexpr int kMaxDepth = 1024;                   // model.depth
-constexpr double kMaxMlpRatio = 64;               // model.mlp_ratio
-constexpr int kMaxClasses = 1 << 24;              // model.num_classes
-constexpr int64_t kMaxGlobalBatch = 1 << 24;      // data.global_batch, grad_accum, micro_batches
-constexpr int64_t kMaxSyntheticSamples = 1 << 30; // data.synthetic_train / synthetic_eval
-constexpr int kMaxPrefetch = 64;                  // data.prefetch, batches
-constexpr int kMaxWorkers = 256;                  // data.workers, threads
-constexpr double kMaxEpochs = 1e6;                // run.epochs, optim.warmup_epochs
+constexpr int kMaxImageSize = 8192;                  // model.image_size, pixels
+constexpr int kMaxHidden = 65536;                    // model.hidden
+constexpr int kMaxDepth = 1024;                      // model.depth
+constexpr double kMaxMlpRatio = 64;                  // model.mlp_ratio
+constexpr int kMaxClasses = 1 << 24;                 // model.num_classes
+constexpr int64_t kMaxGlobalBatch = 1 << 24;         // data.global_batch, grad_accum, micro_batches
+constexpr int64_t kMaxSyntheticSamples = 1 << 30;    // data.synthetic_train / synthetic_eval
+constexpr int kMaxPrefetch = 64;                     // data.prefetch, batches
+constexpr int kMaxWorkers = 256;                     // data.workers, threads
+constexpr double kMaxEpochs = 1e6;                   // run.epochs, optim.warmup_epochs
 constexpr int64_t kMaxRankBytes = int64_t(1) << 50;  // 1 PiB: no machine holds more per rank
 
 // Parses `deck_path` then `overrides` (each "--section.key=value"), applies the model preset

@@ -105,7 +105,8 @@ int run_app(int argc, char** argv) {
   try {
     std::vector<std::string> overrides(args.begin() + 2, args.end());
     deck = parse_deck(args[1], overrides, world_size);
-    check_deck_paths(deck, cmd == "train");  // bench writes nothing
+    // train writes metrics and checkpoints, predict predictions.h5; eval and bench nothing
+    check_deck_paths(deck, cmd == "train", cmd == "train" || cmd == "predict");
     if ((cmd == "eval" || cmd == "predict") && deck.checkpoint.load.empty())
       throw UserError("checkpoint.load: '" + cmd + "' needs a checkpoint (--checkpoint.load=PATH)");
   } catch (const UserError& e) {

@@ -3,6 +3,7 @@
 // memory at construction (150 MB for train) and converted once to HWC, so read() is a copy.
 #include <sys/stat.h>
 
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -55,8 +56,12 @@ class Cifar10Dataset final : public Dataset {
  private:
   void load(const std::string& path) {
     struct stat st;
-    if (stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode))
-      throw UserError("CIFAR-10: missing file " + path);
+    if (stat(path.c_str(), &st) != 0)
+      throw UserError(errno == ENOENT
+                          ? "CIFAR-10: missing file " + path
+                          : "CIFAR-10: cannot use " + path + ": " + std::strerror(errno));
+    if (!S_ISREG(st.st_mode))  // a FIFO would block the read, a device never end
+      throw UserError("CIFAR-10: " + path + " is not a regular file");
     const size_t bytes = (size_t)st.st_size;
     if (bytes == 0 || bytes % kRecord != 0)
       throw UserError("CIFAR-10: " + path + " has " + std::to_string(bytes) +

@@ -97,7 +97,12 @@ class Hdf5ImageDataset final : public Dataset {
  public:
   explicit Hdf5ImageDataset(const std::string& path) : path_(path) {
     struct stat st;
-    if (stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) throw bad("no such file");
+    if (stat(path.c_str(), &st) != 0)
+      throw bad(errno == ENOENT ? std::string("no such file")
+                                : std::string("cannot use the file: ") + std::strerror(errno));
+    // A FIFO or a device (/dev/zero) is no image file, and HDF5 would block on or read it forever.
+    if (!S_ISREG(st.st_mode))
+      throw bad(S_ISDIR(st.st_mode) ? "is a directory, not a file" : "not a regular file");
 
     std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
     QuietHdf5Errors quiet;
@@ -149,7 +154,19 @@ class Hdf5ImageDataset final : public Dataset {
       if ((int64_t)n != n_)
         throw bad("/labels has " + std::to_string(n) + " entries but /images has " +
                   std::to_string(n_));
-      std::vector<int64_t> l(n);
+      // The shape comes from the file: a corrupted header can claim any N. Every image needs
+      // S*S*3 bytes somewhere, so a count the file could never hold is refused before the
+      // label buffer is sized from it (filters may compress, but not below a byte per image).
+      if (n > (hsize_t)st.st_size)
+        throw bad("/labels and /images claim " + std::to_string(n) + " samples but the file has " +
+                  std::to_string((long long)st.st_size) + " bytes (corrupted header?)");
+      std::vector<int64_t> l;
+      try {
+        l.resize(n);
+        labels_.reserve(n);
+      } catch (const std::bad_alloc&) {
+        throw bad("cannot allocate memory for " + std::to_string(n) + " labels");
+      }
       // HDF5 converts any stored integer type to int64 on the way in
       if (H5Dread(labels.id, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, l.data()) < 0)
         throw bad("cannot read /labels");
@@ -178,6 +195,13 @@ class Hdf5ImageDataset final : public Dataset {
         throw bad("/labels holds label " + std::to_string(K_ - 1) +
                   " but attribute num_classes = " + std::to_string(k));
       K_ = (int)k;
+    } else {
+      // The labels only bound the class count from below: a split that lacks the last classes
+      // would build a smaller head than the data set has, or fail the model.num_classes check
+      // with a count the user never wrote down.
+      warning_ = "HDF5 images " + path_ + " has no root attribute num_classes: the class count " +
+                 "is inferred from /labels as the largest label + 1 = " + std::to_string(K_) +
+                 "; set the attribute to state it (h5py: f.attrs['num_classes'] = K)";
     }
 
     // Where the pixels are: direct reads if possible, else the library with a chunk cache.
@@ -222,6 +246,21 @@ class Hdf5ImageDataset final : public Dataset {
     }
     images_ = images.release();
     file_ = file.release();
+    // Decode the first and the last sample now, as the direct path compares them: filter
+    // parameters damaged in the header, or a last chunk cut short, fail every read of the run,
+    // and here every rank still agrees on the refusal. (A chunk damaged in the middle is only
+    // found when a batch reads it.)
+    try {
+      for (int64_t i : {int64_t{0}, n_ - 1}) {
+        std::vector<uint8_t> probe(img_);
+        read_hdf5(&i, 1, probe.data());
+      }
+    } catch (const std::exception& e) {
+      H5Dclose(images_);
+      H5Fclose(file_);
+      images_ = file_ = -1;
+      throw UserError(e.what());
+    }
   }
 
   ~Hdf5ImageDataset() override {
@@ -241,6 +280,8 @@ class Hdf5ImageDataset final : public Dataset {
            std::to_string(S_) + ", classes=" + std::to_string(K_) + ", " + layout_ + ", " + io_ +
            ")";
   }
+
+  std::string warning() const override { return warning_; }
 
   // Indices may repeat (a Mixup partner that is also in the batch) and come in any order.
   void read(const int64_t* idx, int n, uint8_t* images, int32_t* labels) override {
@@ -459,6 +500,9 @@ class Hdf5ImageDataset final : public Dataset {
     }
     {
       std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
+      // A damaged chunk (its compressed bytes corrupted) is only found here, mid-run: one
+      // message naming the file, the samples and HDF5's reason, not a page of library trace.
+      QuietHdf5Errors quiet;
       H5Handle fspace(H5Dget_space(images_), H5Sclose);
       if (fspace.id < 0) throw std::runtime_error("HDF5 images " + path_ + ": H5Dget_space failed");
       for (size_t a = 0; a < uniq.size();) {
@@ -470,8 +514,13 @@ class Hdf5ImageDataset final : public Dataset {
         if (H5Sselect_hyperslab(fspace.id, H5S_SELECT_SET, start, nullptr, count, nullptr) < 0)
           throw std::runtime_error("HDF5 images " + path_ + ": hyperslab selection failed");
         if (H5Dread(images_, H5T_NATIVE_UCHAR, mspace.id, fspace.id, H5P_DEFAULT, dst + a * img_) <
-            0)
-          throw std::runtime_error("HDF5 images " + path_ + ": reading /images failed");
+            0) {
+          const std::string d = hdf5_error_detail();
+          throw std::runtime_error("HDF5 images " + path_ + ": reading /images samples " +
+                                   std::to_string(uniq[a]) + ".." + std::to_string(uniq[e - 1]) +
+                                   " failed" + (d.empty() ? std::string() : " (" + d + ")") +
+                                   ": the file is damaged");
+        }
         a = e;
       }
     }
@@ -494,6 +543,7 @@ class Hdf5ImageDataset final : public Dataset {
   size_t chunk_bytes_ = 0;             // chunked: bytes per (uncompressed) chunk
   std::vector<uint64_t> chunk_addr_;   // file offset of each chunk's first image
   std::vector<int32_t> labels_;
+  std::string warning_;  // num_classes inferred
 };
 
 }  // namespace

@@ -6,8 +6,12 @@
 //      exists, that file;
 //   3. else the train file itself, with a warning printed once (rank 0): evaluating on the
 //      training data still measures fit, but it is not a held-out score.
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <cstdio>
+#include <set>
 #include <string>
 
 #include "vitgrid/core/error.h"
@@ -52,6 +56,32 @@ std::unique_ptr<Dataset> make_dataset(const Deck& deck, bool train) {
     ds = make_hdf5_images(train ? d.path : hdf5_eval_file(d));
   } else {
     throw UserError("data.dataset = " + d.dataset + " is not one of synthetic, cifar10, hdf5");
+  }
+  // Once per process: the train and the eval split may be the same file.
+  static std::set<std::string> warned;
+  const std::string w = ds->warning();
+  if (!w.empty() && warned.insert(w).second) Log()("warning: %s\n", w.c_str());
+  // The training sampler holds a permutation of the split, 8 bytes per sample, on every rank,
+  // allocated by the loader's thread where a failure could not be agreed on: check it here
+  // against the memory a rank can have, the host's or the process limit (ulimit -v), if lower.
+  if (train) {
+    const double perm = 8.0 * double(ds->size());
+    double mem = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
+    const char* what = "this host's";
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&
+        (mem <= 0 || double(rl.rlim_cur) < mem)) {
+      mem = double(rl.rlim_cur);
+      what = "the process's address-space limit of";
+    }
+    if (mem > 0 && perm > mem / 2) {
+      char buf[200];
+      std::snprintf(buf, sizeof buf, "%.1f GiB on every rank, more than half %s %.1f GiB",
+                    perm / 1073741824.0, what, mem / 1073741824.0);
+      throw UserError(std::string(d.dataset == "synthetic" ? "data.synthetic_train" : "data.path") +
+                      ": " + ds->describe() + " has " + std::to_string(ds->size()) +
+                      " samples: the sampler's permutation of them takes " + buf);
+    }
   }
   if (ds->image_size() != deck.model.image_size)
     throw UserError("model.image_size = " + std::to_string(deck.model.image_size) + " but " +

@@ -11,12 +11,19 @@
 // error always knows where the offending string came from.
 #include "vitgrid/deck/deck.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <boost/program_options.hpp>
 #include <cctype>
+#include <cerrno>
 #include <charconv>
+#include <climits>
 #include <cmath>
-#include <fstream>
+#include <cstdio>
+#include <cstring>
 #include <limits>
 #include <set>
 #include <sstream>
@@ -250,6 +257,14 @@ std::string lower(std::string s) {
   return s;
 }
 
+// User text quoted in a message, cut short: a mistyped 1 MB line must not become a 1 MB
+// message.
+std::string clip(const std::string& s) {
+  constexpr size_t kShown = 100;
+  if (s.size() <= kShown + 20) return s;
+  return s.substr(0, kShown) + "... (" + std::to_string(s.size()) + " characters)";
+}
+
 std::vector<std::string> split(const std::string& s, char sep) {
   std::vector<std::string> out;
   size_t start = 0;
@@ -347,6 +362,22 @@ class Parser {
     if (!cond) fail(key, msg);
   }
 
+  // A deck is text: a NUL or other control byte means a binary file (or a corrupted one), and
+  // would also cut the message short where it is printed as a C string. Tabs are blanks; a
+  // carriage return may end a line (CRLF files).
+  void check_text(const std::string& raw, int lineno) const {
+    for (size_t i = 0; i < raw.size(); ++i) {
+      const unsigned char c = static_cast<unsigned char>(raw[i]);
+      const bool control = c < 0x20 || c == 0x7f;
+      if (!control || c == '\t' || (c == '\r' && i + 1 == raw.size())) continue;
+      char hex[8];
+      std::snprintf(hex, sizeof hex, "0x%02x", c);
+      throw UserError(source_ + ":" + std::to_string(lineno) + ": control character " + hex +
+                      " at column " + std::to_string(i + 1) +
+                      " (the deck must be a text file; is this a binary file?)");
+    }
+  }
+
   // ---- pass 1: our scan of the INI text (lines, sections, unknown keys, duplicates)
   void scan_ini(const std::string& text) {
     std::istringstream in(text);
@@ -355,6 +386,7 @@ class Parser {
     std::map<std::string, int> seen;
     while (std::getline(in, raw)) {
       ++lineno;
+      check_text(raw, lineno);
       std::string s = raw;
       // Boost's config-file grammar: '#' starts a comment anywhere on the line.
       size_t hash = s.find('#');
@@ -363,22 +395,22 @@ class Parser {
       if (s.empty()) continue;
       const std::string at = source_ + ":" + std::to_string(lineno) + ": ";
       if (s.front() == '[') {
-        if (s.back() != ']') throw UserError(at + "malformed section header '" + s + "'");
+        if (s.back() != ']') throw UserError(at + "malformed section header '" + clip(s) + "'");
         section = trim(s.substr(1, s.size() - 2));
         bool known = std::any_of(std::begin(kSections), std::end(kSections),
                                  [&](const char* x) { return section == x; });
-        if (!known) throw UserError(at + "unknown section [" + section + "]");
+        if (!known) throw UserError(at + "unknown section [" + clip(section) + "]");
         continue;
       }
       size_t eq = s.find('=');
       if (eq == std::string::npos)
-        throw UserError(at + "expected 'key = value' or '[section]', got '" + s + "'");
+        throw UserError(at + "expected 'key = value' or '[section]', got '" + clip(s) + "'");
       std::string key = trim(s.substr(0, eq));
       std::string value = trim(s.substr(eq + 1));
       if (key.empty()) throw UserError(at + "missing key before '='");
-      if (section.empty()) throw UserError(at + "key '" + key + "' outside any [section]");
+      if (section.empty()) throw UserError(at + "key '" + clip(key) + "' outside any [section]");
       std::string name = section + "." + key;
-      if (!find_field(name)) throw UserError(at + "unknown key '" + name + "'");
+      if (!find_field(name)) throw UserError(at + "unknown key '" + clip(name) + "'");
       auto prev = seen.find(name);
       if (prev != seen.end())
         throw UserError(at + name + ": given twice (first at line " + std::to_string(prev->second) +
@@ -422,7 +454,7 @@ class Parser {
     for (size_t i = 0; i < args.size(); ++i) {
       const std::string& a = args[i];
       if (a.rfind("--", 0) != 0 || a.size() == 2)
-        throw UserError("command line: expected --section.key=value, got '" + a + "'");
+        throw UserError("command line: expected --section.key=value, got '" + clip(a) + "'");
       std::string name, value;
       size_t eq = a.find('=');
       if (eq != std::string::npos) {
@@ -430,18 +462,23 @@ class Parser {
         value = a.substr(eq + 1);
       } else {
         name = a.substr(2);
-        if (!find_field(name)) throw UserError("command line: unknown key '" + name + "'");
+        if (!find_field(name)) throw UserError("command line: unknown key '" + clip(name) + "'");
         if (i + 1 >= args.size())
           throw UserError("command line: " + name + ": missing value (use --" + name + "=VALUE)");
         value = args[++i];
       }
-      if (!find_field(name)) throw UserError("command line: unknown key '" + name + "'");
+      if (!find_field(name)) throw UserError("command line: unknown key '" + clip(name) + "'");
       if (!seen.insert(name).second) throw UserError("command line: " + name + ": given twice");
       // The resolved deck is INI text: a value it cannot carry would not read back the same.
       if (value.find('#') != std::string::npos || value.find('\n') != std::string::npos)
         throw UserError("command line: " + name +
                         ": '#' and newlines are not allowed in values (the deck format treats '#' "
                         "as a comment)");
+      if (std::any_of(value.begin(), value.end(), [](char ch) {
+            const unsigned char c = static_cast<unsigned char>(ch);
+            return (c < 0x20 && c != '\t') || c == 0x7f;
+          }))
+        throw UserError("command line: " + name + ": control characters are not allowed in values");
       value = trim(value);
       // Boost's adjacent form has no spelling for an empty value ("--k=" is refused), so an
       // empty value travels as the next token instead.
@@ -479,7 +516,7 @@ class Parser {
     if (p == presets.end()) {
       std::string names;
       for (const auto& kv : presets) names += (names.empty() ? "" : ", ") + kv.first;
-      fail("model.preset", "unknown preset '" + preset_ + "' (known: " + names + ")");
+      fail("model.preset", "unknown preset '" + clip(preset_) + "' (known: " + names + ")");
     }
     d->model.preset = preset_;
     if (preset_ == "custom") return;
@@ -503,7 +540,7 @@ class Parser {
     const Field* f = find_field(name);
     void* p = f->member(*d);
     auto bad = [&](const char* what) {
-      fail(name, std::string("expected ") + what + ", got '" + v + "'");
+      fail(name, std::string("expected ") + what + ", got '" + clip(v) + "'");
     };
     switch (f->kind) {
       case Kind::Int:
@@ -532,7 +569,7 @@ class Parser {
       case Kind::String: {
         std::string* s = static_cast<std::string*>(p);
         if (*f->choices && !accepts(f->choices, v))
-          fail(name, "expected one of " + display_choices(f->choices) + ", got '" + v + "'");
+          fail(name, "expected one of " + display_choices(f->choices) + ", got '" + clip(v) + "'");
         *s = v;
         break;
       }
@@ -572,6 +609,18 @@ class Parser {
     auto unit_interval = [&](const char* key, double v) {  // [0,1)
       if (!(v >= 0 && v < 1)) fail(key, std::string("must be in [0,1), got ") + shortest(v));
     };
+    // Upper bounds where a larger value can only be a typo (an extra digit, a value meant for
+    // another key). They also keep every size derived from these keys, in the checks below and
+    // in the layers after the deck, far from integer overflow.
+    auto at_most = [&](const char* key, double v, double max, const char* unit = "") {
+      // integers as integers: "got 1000000", not "got 1e+06"
+      auto text = [](double x) {
+        return x == std::floor(x) && std::fabs(x) < 9007199254740992.0
+                   ? std::to_string(static_cast<int64_t>(x))
+                   : shortest(x);
+      };
+      if (v > max) fail(key, "must be at most " + text(max) + unit + ", got " + text(v));
+    };
 
     // [run]
     non_negative("run.steps", static_cast<double>(d.run.steps));
@@ -582,6 +631,8 @@ class Parser {
                             ") are both set; set only one");
     if (d.run.steps == 0 && d.run.epochs == 0)
       fail("run.steps", "set run.steps or run.epochs to a positive value");
+    // (the step count derived from epochs must fit 64 bits whatever the dataset size)
+    at_most("run.epochs", d.run.epochs, kMaxEpochs);
     positive("run.log_every", d.run.log_every);
     non_negative("run.eval_every", d.run.eval_every);
     non_negative("run.eval_samples", static_cast<double>(d.run.eval_samples));
@@ -598,6 +649,11 @@ class Parser {
     positive("model.heads", m.heads);
     positive("model.mlp_ratio", m.mlp_ratio);
     positive("model.num_classes", m.num_classes);
+    at_most("model.image_size", m.image_size, kMaxImageSize, " pixels");
+    at_most("model.hidden", m.hidden, kMaxHidden);
+    at_most("model.depth", m.depth, kMaxDepth, " blocks");
+    at_most("model.mlp_ratio", m.mlp_ratio, kMaxMlpRatio);  // before mlp_hidden() converts it
+    at_most("model.num_classes", m.num_classes, kMaxClasses);
     unit_interval("model.dropout", m.dropout);
     unit_interval("model.drop_path", m.drop_path);
     require(m.image_size % m.patch_size == 0, "model.patch_size",
@@ -624,11 +680,23 @@ class Parser {
                   " for data.dataset = " + dt.dataset);
     positive("data.global_batch", static_cast<double>(dt.global_batch));
     positive("data.grad_accum", dt.grad_accum);
+    at_most("data.grad_accum", dt.grad_accum, static_cast<double>(kMaxGlobalBatch));
     positive("data.synthetic_train", static_cast<double>(dt.synthetic_train));
     positive("data.synthetic_eval", static_cast<double>(dt.synthetic_eval));
+    at_most("data.global_batch", static_cast<double>(dt.global_batch), kMaxGlobalBatch, " samples");
+    // The sampler holds a permutation of the train split, 8 bytes per sample, on every rank.
+    at_most("data.synthetic_train", static_cast<double>(dt.synthetic_train), kMaxSyntheticSamples,
+            " samples");
+    at_most("data.synthetic_eval", static_cast<double>(dt.synthetic_eval), kMaxSyntheticSamples,
+            " samples");
     non_negative("data.crop_padding", dt.crop_padding);
+    // a crop of padding alone sees no image
+    at_most("data.crop_padding", dt.crop_padding, m.image_size,
+            " (model.image_size; a wider padding crops nothing but zeros)");
     non_negative("data.prefetch", dt.prefetch);
+    at_most("data.prefetch", dt.prefetch, kMaxPrefetch, " batches");  // each one held in memory
     non_negative("data.workers", dt.workers);
+    at_most("data.workers", dt.workers, kMaxWorkers, " threads");
     require(
         dt.mean.size() == 3, "data.mean",
         "needs 3 comma-separated values (one per channel), got " + std::to_string(dt.mean.size()));
@@ -652,6 +720,7 @@ class Parser {
     unit_interval("optim.momentum", o.momentum);
     non_negative("optim.warmup_steps", static_cast<double>(o.warmup_steps));
     non_negative("optim.warmup_epochs", o.warmup_epochs);
+    at_most("optim.warmup_epochs", o.warmup_epochs, kMaxEpochs);
     if (o.warmup_steps > 0 && o.warmup_epochs > 0)
       fail("optim.warmup_steps", "optim.warmup_steps and optim.warmup_epochs (" +
                                      where("optim.warmup_epochs") + ") are both set; set only one");
@@ -694,6 +763,7 @@ class Parser {
     positive("parallel.tensor", p.tensor);
     positive("parallel.tensor_depth", p.tensor_depth);
     positive("parallel.micro_batches", p.micro_batches);
+    at_most("parallel.micro_batches", p.micro_batches, static_cast<double>(kMaxGlobalBatch));
     positive("parallel.chunks", p.chunks);
     require(p.zero == 0 || p.zero == 1, "parallel.zero",
             "must be 0 or 1, got " + std::to_string(p.zero));
@@ -714,7 +784,8 @@ class Parser {
     require(world_ % p.tensor == 0, "parallel.tensor",
             std::to_string(p.tensor) + " does not divide the world size (" +
                 std::to_string(world_) + " ranks)");
-    require(world_ % (p.pipeline * p.tensor) == 0, "parallel.pipeline",
+    // (64-bit product: a huge pipeline count must be refused, not wrap around)
+    require(world_ % (static_cast<int64_t>(p.pipeline) * p.tensor) == 0, "parallel.pipeline",
             "parallel.pipeline (" + std::to_string(p.pipeline) + ") x parallel.tensor (" +
                 std::to_string(p.tensor) + ") does not divide the world size (" +
                 std::to_string(world_) + " ranks)");
@@ -806,6 +877,10 @@ class Parser {
     else
       require(p.chunks == 1, "parallel.chunks",
               "must be 1 unless parallel.schedule = interleaved, got " + std::to_string(p.chunks));
+    require(p.chunks <= m.depth, "parallel.chunks",
+            std::to_string(p.chunks) + " chunks per stage exceed model.depth (" +
+                std::to_string(m.depth) + " blocks)");
+    // p.pipeline divides the world size and p.chunks <= model.depth, so this cannot overflow
     const int stages = p.pipeline * p.chunks;
     require(stages <= m.depth, "parallel.pipeline",
             std::to_string(stages) + " pipeline stages x chunks exceed model.depth (" +
@@ -835,6 +910,128 @@ class Parser {
               "entries sum to " + std::to_string(sum) + " but model.depth is " +
                   std::to_string(m.depth));
     }
+    check_derived_sizes(d, per_rank, micro);
+  }
+
+  // The first of `keys` the deck or the command line set (the likeliest culprit of a size
+  // derived from all of them), else the first.
+  std::string blame(std::initializer_list<const char*> keys) const {
+    for (const char* k : keys) {
+      auto it = origins_.find(k);
+      if (it != origins_.end() &&
+          (it->second.kind == Origin::Deck || it->second.kind == Origin::CommandLine))
+        return k;
+    }
+    return *keys.begin();
+  }
+
+  // a * b * ... in 64 bits; -1 when it overflows (every factor is >= 0 here).
+  static int64_t product(std::initializer_list<int64_t> factors) {
+    int64_t r = 1;
+    for (int64_t f : factors)
+      if (__builtin_mul_overflow(r, f, &r)) return -1;
+    return r;
+  }
+  static int64_t sum(std::initializer_list<int64_t> terms) {
+    int64_t r = 0;
+    for (int64_t t : terms)
+      if (t < 0 || __builtin_add_overflow(r, t, &r)) return -1;
+    return r;
+  }
+
+  // Sizes derived from several keys, each within its own bound above: computed with overflow
+  // checks and refused, naming a key that feeds them, when they overflow, exceed the 32-bit row
+  // counts the kernels take, or exceed what any machine holds (kMaxRankBytes per rank).
+  // Nothing is allocated before this passes, so an absurd deck never reaches an allocation
+  // whose size has wrapped around.
+  void check_derived_sizes(const Deck& d, int64_t per_rank, int64_t micro) const {
+    const ModelSection& m = d.model;
+    const ParallelSection& p = d.parallel;
+    const int64_t S = m.image_size, P = m.patch_size, H = m.hidden, M = m.mlp_hidden();
+    const int64_t K = m.num_classes, heads = m.heads;
+    const int64_t T = (S / P) * (S / P) + 1;  // <= 8192^2 + 1
+    const std::string tokens = std::to_string(T) + " tokens (model.image_size " +
+                               std::to_string(S) + " / model.patch_size " + std::to_string(P) +
+                               ", squared, + 1)";
+    const std::string micro_s = "the micro-batch of " + std::to_string(micro) + " samples";
+    auto bytes = [](int64_t b) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%.3g", double(b));
+      return std::string(buf) + " bytes";
+    };
+    auto too_big = [&](int64_t v) { return v < 0 || v > kMaxRankBytes; };
+    const std::string limit =
+        " per rank, more than any machine holds (" + bytes(kMaxRankBytes) + ")";
+
+    // The kernels take row counts as 32-bit ints: micro-batch x tokens rows in every Linear,
+    // x heads in the attention's softmax.
+    const int64_t rows = product({micro, T}), att_rows = product({micro, heads, T});
+    if (rows < 0 || rows > INT_MAX)
+      fail(blame({"model.image_size", "model.patch_size", "data.global_batch",
+                  "parallel.micro_batches"}),
+           micro_s + " x " + tokens + " gives " + (rows < 0 ? "more" : std::to_string(rows)) +
+               " activation rows, more than the kernels' limit of " + std::to_string(INT_MAX));
+    if (att_rows < 0 || att_rows > INT_MAX)
+      fail(blame({"model.heads", "model.image_size", "model.patch_size", "data.global_batch",
+                  "parallel.micro_batches"}),
+           micro_s + " x " + std::to_string(heads) + " heads x " + tokens + " gives " +
+               (att_rows < 0 ? "more" : std::to_string(att_rows)) +
+               " attention rows, more than the kernels' limit of " + std::to_string(INT_MAX));
+    // the attention matrices of every head for the micro-batch, in fp32
+    const int64_t att_bytes = product({micro, heads, T, T, 4});
+    if (too_big(att_bytes))
+      fail(blame({"model.image_size", "model.patch_size", "model.heads", "data.global_batch"}),
+           "the attention scores of " + micro_s + " x " + std::to_string(heads) + " heads x " +
+               tokens + " squared take " +
+               (att_bytes < 0 ? "more than 2^63 bytes" : bytes(att_bytes)) + limit);
+
+    // Parameters: patch embedding, cls and position, per block two norms, qkv, proj and the
+    // MLP, the final norm and the head. Training keeps ~16 bytes per parameter (fp32 weights,
+    // gradients and two optimizer moments), over pipeline x tensor ranks.
+    const int64_t block = sum({product({4, H}), product({3, H, H}), product({3, H}),
+                               product({H, H}), H, product({2, H, M}), M, H});
+    const int64_t params = sum({product({3, P, P, H}), H, H, product({T, H}),
+                                product({m.depth, block}), product({2, H}), product({H, K}), K});
+    const int64_t state = product({params, 16});
+    const int64_t state_rank = state < 0 ? -1 : state / (int64_t(p.pipeline) * p.tensor);
+    if (too_big(state_rank))
+      fail(blame({"model.hidden", "model.depth", "model.mlp_ratio", "model.num_classes",
+                  "model.image_size", "model.preset"}),
+           "the model has " +
+               (params < 0 ? std::string("more than 2^63") : std::to_string(params)) +
+               " parameters (model.hidden " + std::to_string(H) + ", model.depth " +
+               std::to_string(m.depth) + ", MLP width " + std::to_string(M) +
+               ", model.num_classes " + std::to_string(K) + "): their training state takes " +
+               (state_rank < 0 ? "more than 2^63 bytes" : bytes(state_rank)) + limit);
+
+    // Activations a stage keeps per micro-batch: ~8 hidden-wide and 2 MLP-wide fp32 tensors
+    // per block (a lower estimate: enough to tell the absurd).
+    const int64_t stage_blocks = (m.depth + p.pipeline - 1) / p.pipeline;
+    const int64_t acts =
+        product({micro, T, sum({product({8, H}), product({2, M})}), 4, stage_blocks});
+    if (too_big(acts))
+      fail(blame({"data.global_batch", "model.image_size", "model.patch_size", "model.hidden",
+                  "model.depth"}),
+           "the activations of " + micro_s + " x " + tokens + " x model.hidden " +
+               std::to_string(H) + " in " + std::to_string(stage_blocks) +
+               " blocks per stage take " + (acts < 0 ? "more than 2^63 bytes" : bytes(acts)) +
+               limit);
+
+    // The batch on the host (uint8 images, Mixup partners) and on the device (fp32 images),
+    // and Mixup's soft targets.
+    const int64_t images = product({per_rank, S, S, 3, d.data.mixup_alpha > 0 ? 2 : 1});
+    const int64_t device_images = product({per_rank, S, S, 3, 4});
+    const int64_t soft = product({per_rank, K, 4});
+    if (too_big(images) || too_big(device_images))
+      fail(blame({"data.global_batch", "model.image_size"}),
+           "the per-rank batch of " + std::to_string(per_rank) + " images of " + std::to_string(S) +
+               "x" + std::to_string(S) + " pixels takes " +
+               (device_images < 0 ? "more than 2^63 bytes" : bytes(device_images)) + limit);
+    if (too_big(soft))
+      fail(blame({"model.num_classes", "data.global_batch"}),
+           "the per-rank batch of " + std::to_string(per_rank) + " samples x " + std::to_string(K) +
+               " classes of soft targets takes " +
+               (soft < 0 ? "more than 2^63 bytes" : bytes(soft)) + limit);
   }
 
   void divisible_by_q(const char* key, int value, int div, const char* divname,
@@ -927,17 +1124,63 @@ const std::map<std::string, ModelPreset>& model_presets() {
 
 Deck parse_deck_text(const std::string& text, const std::vector<std::string>& overrides,
                      int world_size, const std::string& source_name) {
+  // Editors on Windows start UTF-8 files with a byte-order mark; it is no part of the first
+  // line ("[run]" must still read as a section header).
+  static const std::string kBom = "\xEF\xBB\xBF";
+  if (text.compare(0, kBom.size(), kBom) == 0)
+    return Parser(source_name, world_size).run(text.substr(kBom.size()), overrides);
   return Parser(source_name, world_size).run(text, overrides);
 }
 
 Deck parse_deck(const std::string& deck_path, const std::vector<std::string>& overrides,
                 int world_size) {
-  std::ifstream in(deck_path, std::ios::binary);
-  if (!in) throw UserError("deck '" + deck_path + "': cannot open the file");
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) throw UserError("deck '" + deck_path + "': read error");
-  return parse_deck_text(text.str(), overrides, world_size, deck_path);
+  return parse_deck_text(read_deck_file(deck_path), overrides, world_size, deck_path);
+}
+
+std::string read_deck_file(const std::string& deck_path) {
+  const std::string at = "deck '" + deck_path + "': ";
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever (every
+  // rank hangs before any check); the type is checked on the open descriptor, so no name can
+  // change under us between the check and the read.
+  const int fd = ::open(deck_path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) throw UserError(at + "cannot open the file: " + std::strerror(errno));
+  struct FdCloser {
+    int fd;
+    ~FdCloser() { ::close(fd); }
+  } closer{fd};
+  struct stat st;
+  if (::fstat(fd, &st) != 0) throw UserError(at + "cannot stat the file: " + std::strerror(errno));
+  // A directory opens fine and reads as nothing, which would surface as a confusing "set
+  // run.steps" about a deck that was never read.
+  if (S_ISDIR(st.st_mode)) throw UserError(at + "is a directory, not a deck file");
+  if (!S_ISREG(st.st_mode))
+    throw UserError(at + "is not a regular file (" + file_type_name(st.st_mode) +
+                    "); every rank reads the deck, so it must be a file");
+  if (st.st_size > kMaxDeckBytes)
+    throw UserError(at + "is " + std::to_string((long long)st.st_size) +
+                    " bytes; a deck is a small text file (at most " +
+                    std::to_string(kMaxDeckBytes) + " bytes)");
+  std::string text((size_t)st.st_size, '\0');
+  size_t got = 0;
+  while (got < text.size()) {
+    const ssize_t r = ::read(fd, &text[got], text.size() - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) throw UserError(at + "read error: " + std::strerror(errno));
+    if (r == 0) break;  // shrank while we read: parse what is there
+    got += (size_t)r;
+  }
+  text.resize(got);
+  return text;
+}
+
+std::string file_type_name(unsigned mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISREG(mode)) return "a regular file";
+  return "not a regular file";
 }
 
 std::string Deck::resolved_text() const {

@@ -3,8 +3,9 @@
 
     e2e.py NAME      NAME in: dp_equivalence, resume_exact, refusals, predict, optimizers,
                      tensor_parallel, pipeline, pipeline_hybrid, pipeline_refusals,
-                     overlap, stress, zero, no_allocations, metrics_other_world, step_times,
-                     bench_report, signals, full_disk (root: a tmpfs); on GPUs: gpu_matches_cpu, gpu_resume,
+                     bad_input, overlap, stress, zero, no_allocations, metrics_other_world,
+                     step_times, bench_report, signals, full_disk (root: a tmpfs); on GPUs:
+                     gpu_matches_cpu, gpu_resume,
                      gpu_parallel, gpu_graphs, gpu_tune_agreement
 
 They launch build/bin/vitgrid on 1-4 oversubscribed CPU ranks with the tiny deck beside this
@@ -768,6 +769,116 @@ def t_pipeline_refusals(tmp):
     out = p.stdout + p.stderr
     check(p.returncode != 0 and "injected failure" in out,
           f"a stage failing at step 3 ends the job (exit {p.returncode}) with its message")
+
+
+CRASH_SIGNS = ("terminate called", "Signal:", "Aborted", "Segmentation fault", "*** Process received",
+               "what():")
+
+
+def run_bounded(np_, args, timeout=60):
+    """mpirun of vitgrid in a process group of its own, killed whole on timeout (a rank blocked
+    on a FIFO must not outlive the test). Returns (exit code or None on timeout, output)."""
+    cmd = ["mpirun", "-np", str(np_), "--oversubscribe", VITGRID] + args
+    p = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+        return p.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        return None, out
+
+
+def refused(what, rc, out, names):
+    """A clean refusal: exit 2 (agreed on every rank), one message naming `names`, no crash trace."""
+    n = out.count("vitgrid: error:")
+    crash = [c for c in CRASH_SIGNS if c in out]
+    msg = [ln for ln in out.splitlines() if "vitgrid: error:" in ln]
+    check(rc == 2 and n == 1 and all(k in out for k in names) and not crash,
+          f"{what}: exit {rc}, {n} message(s), names {names}, crash signs {crash}: "
+          f"{msg[0][:200] if msg else out[-300:]}")
+
+
+def t_bad_input(tmp):
+    """Bad input found by the fault probe: each is refused at deck-check time with exit 2 and
+    one message naming the key or the file (they used to end in std::terminate, a wrapped-around
+    allocation, a hang or a misleading message), and the accepted oddities run."""
+    common = ["--run.steps=2", "--checkpoint.every_steps=0"]
+    # run.out_dir that cannot be used
+    plain = os.path.join(tmp, "plain")
+    with open(plain, "w") as f:
+        f.write("x")
+    long_dir = os.path.join(tmp, "a" * 300)
+    out_dirs = [("/proc/vitgrid_x", "cannot be created"), ("/proc", "not writable"),
+                (plain + "/x", "Not a directory"), (long_dir, "File name too long")]
+    if os.geteuid() != 0:  # permission bits stop only ordinary users
+        ro = os.path.join(tmp, "ro")
+        os.mkdir(ro, 0o555)
+        out_dirs.append((ro, "Permission denied"))
+    for d, why in out_dirs:
+        rc, out = run_bounded(2, ["train", DECK, f"--run.out_dir={d}"] + common)
+        refused(f"train run.out_dir={d[:40]}", rc, out, ["run.out_dir", why])
+    # predict writes predictions.h5 into out_dir: checked before the model is even built
+    rc, out = run_bounded(2, ["predict", DECK, f"--checkpoint.load={plain}", "--run.out_dir=/proc/x"])
+    refused("predict run.out_dir=/proc/x", rc, out, ["run.out_dir", "/proc/x"])
+
+    # sizes: a std::bad_alloc and an allocation of a wrapped-around size before
+    for extra, key in [(["--data.synthetic_train=8589934592"], "data.synthetic_train"),
+                       (["--model.image_size=1000000"], "model.image_size"),
+                       (["--model.image_size=8192", "--model.patch_size=1"], "model.image_size"),
+                       (["--model.mlp_ratio=1e300"], "model.mlp_ratio"),
+                       (["--run.epochs=1e300", "--run.steps=0"], "run.epochs")]:
+        rc, out = run_bounded(2, ["train", DECK, f"--run.out_dir={tmp}/sz"] + extra)
+        refused(" ".join(extra), rc, out, [key])
+
+    # the deck file: a FIFO blocked every rank forever, a directory read as an empty deck
+    fifo = os.path.join(tmp, "deck.fifo")
+    os.mkfifo(fifo)
+    rc, out = run_bounded(2, ["train", fifo] + common, timeout=60)
+    refused("FIFO as the deck", rc, out, [fifo, "not a regular file"])
+    rc, out = run_bounded(2, ["train", tmp] + common)
+    refused("directory as the deck", rc, out, [tmp, "is a directory"])
+    nul = os.path.join(tmp, "nul.ini")
+    with open(DECK, "rb") as f, open(nul, "wb") as g:
+        g.write(f.read().replace(b"seed = 7", b"seed = 7\x00"))
+    rc, out = run_bounded(2, ["train", nul] + common)
+    refused("NUL byte in the deck", rc, out, ["nul.ini:", "control character 0x00"])
+    # a BOM (Windows editors) is accepted
+    bom = os.path.join(tmp, "bom.ini")
+    with open(DECK, "rb") as f, open(bom, "wb") as g:
+        g.write(b"\xef\xbb\xbf" + f.read())
+    rc, out = run_bounded(2, ["train", bom, f"--run.out_dir={tmp}/bom"] + common)
+    check(rc == 0 and "vitgrid: error:" not in out, f"deck starting with a UTF-8 BOM runs (exit {rc})")
+
+    # data paths that are no regular files
+    for path in ["/dev/zero", fifo]:
+        rc, out = run_bounded(2, ["train", DECK, f"--run.out_dir={tmp}/dz", "--data.dataset=hdf5",
+                                  f"--data.path={path}"] + common)
+        refused(f"data.path={path}", rc, out, ["data.path", path, "not a regular file"])
+    cifar = os.path.join(tmp, "cifar")
+    os.mkdir(cifar)
+    for name in [f"data_batch_{i}.bin" for i in range(1, 6)]:
+        with open(os.path.join(cifar, name), "wb") as f:
+            f.write(bytes(3073))
+    os.mkfifo(os.path.join(cifar, "test_batch.bin"))
+    rc, out = run_bounded(2, ["train", DECK, f"--run.out_dir={tmp}/cf", "--data.dataset=cifar10",
+                              f"--data.path={cifar}", "--model.image_size=32", "--model.num_classes=10"]
+                          + common)
+    refused("CIFAR-10 test_batch.bin is a FIFO", rc, out, ["data.path", "test_batch.bin", "not a regular file"])
+
+    # an HDF5 image file without num_classes: used, with one warning saying how the count was found
+    h5 = os.path.join(tmp, "noattr.h5")
+    rng = np.random.default_rng(0)
+    with h5py.File(h5, "w") as f:
+        f["images"] = rng.integers(0, 256, size=(32, 8, 8, 3), dtype=np.uint8)
+        f["labels"] = np.arange(32) % 4
+    rc, out = run_bounded(2, ["train", DECK, f"--run.out_dir={tmp}/h5", "--data.dataset=hdf5",
+                              f"--data.path={h5}", f"--data.eval_path={h5}"] + common)
+    warns = [ln for ln in out.splitlines() if "num_classes" in ln and "warning" in ln]
+    check(rc == 0 and len(warns) == 1 and "largest label + 1 = 4" in warns[0]
+          and "f.attrs['num_classes']" in warns[0],
+          f"HDF5 file without num_classes: exit {rc}, {len(warns)} warning(s): {warns[:1]}")
 
 
 def t_any_layout(tmp):

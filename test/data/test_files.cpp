@@ -1,6 +1,10 @@
 // File-backed datasets (CIFAR-10 binaries, packed HDF5) and make_dataset from a deck: round
 // trips and the refusals of malformed input, each naming the file and what is wrong.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <fstream>
 #include <numeric>
@@ -281,4 +285,170 @@ TEST(MakeDataset, FromDeck) {
   EXPECT_EQ(vitgrid::make_dataset(deck, false)->size(), 4);  // falls back, with a warning
   deck.data.dataset = "tfrecord";
   expect_user_error([&] { vitgrid::make_dataset(deck, true); }, {"data.dataset", "tfrecord"});
+}
+
+// Without the num_classes attribute the count is the largest label + 1, and the dataset says
+// so (make_dataset prints it) instead of deciding silently; with it, nothing to say.
+TEST(Hdf5Images, InferredClassCountIsReported) {
+  TempDir dir;
+  H5Spec s;
+  s.n = 4;
+  s.h = s.w = 3;
+  auto images = pattern_images(4, 3);
+  vgtest::write_h5(dir.file("noattr.h5"), s, images, {0, 2, 1, 2});
+  auto ds = vitgrid::make_hdf5_images(dir.file("noattr.h5"));
+  EXPECT_EQ(ds->num_classes(), 3);
+  const std::string w = ds->warning();
+  EXPECT_NE(w.find("noattr.h5"), std::string::npos) << w;
+  EXPECT_NE(w.find("num_classes"), std::string::npos) << w;
+  EXPECT_NE(w.find("largest label + 1 = 3"), std::string::npos) << w;
+  EXPECT_NE(w.find("f.attrs['num_classes']"), std::string::npos) << w;
+  s.num_classes_attr = 3;
+  vgtest::write_h5(dir.file("attr.h5"), s, images, {0, 2, 1, 2});
+  EXPECT_EQ(vitgrid::make_hdf5_images(dir.file("attr.h5"))->warning(), "");
+}
+
+// A FIFO or a device named as a data file is refused as such; the reader would otherwise block
+// on the FIFO or read /dev/zero forever.
+TEST(DataFiles, NotRegularFilesAreRefused) {
+  TempDir dir;
+  ASSERT_EQ(mkfifo(dir.file("fifo.h5").c_str(), 0600), 0);
+  expect_user_error([&] { vitgrid::make_hdf5_images(dir.file("fifo.h5")); },
+                    {"fifo.h5", "not a regular file"});
+  expect_user_error([&] { vitgrid::make_hdf5_images("/dev/zero"); },
+                    {"/dev/zero", "not a regular file"});
+  expect_user_error([&] { vitgrid::make_hdf5_images(dir.path()); }, {"is a directory"});
+  vgtest::write_fake_cifar(dir.path(), 1);
+  std::remove(dir.file("test_batch.bin").c_str());
+  ASSERT_EQ(mkfifo(dir.file("test_batch.bin").c_str(), 0600), 0);
+  expect_user_error([&] { vitgrid::make_cifar10(dir.path(), false); },
+                    {"test_batch.bin", "not a regular file"});
+}
+
+// A header that claims more samples than the file has bytes (a corrupted or hand-made file:
+// here /images and /labels declared with 2^40 entries and never written) is refused before a
+// label buffer is sized from the claim (8 TiB: std::bad_alloc, or the OOM killer).
+TEST(Hdf5Images, ImplausibleSampleCountIsRefused) {
+  TempDir dir;
+  const std::string path = dir.file("huge.h5");
+  hid_t f = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+  const hsize_t n = hsize_t(1) << 40;
+  hsize_t dims[4] = {n, 2, 2, 3}, chunk[4] = {1, 2, 2, 3};
+  hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
+  H5Pset_chunk(dcpl, 4, chunk);
+  hid_t sp = H5Screate_simple(4, dims, nullptr);
+  H5Dclose(H5Dcreate2(f, "images", H5T_STD_U8LE, sp, H5P_DEFAULT, dcpl, H5P_DEFAULT));
+  H5Sclose(sp);
+  hsize_t lchunk = 1024;
+  H5Pset_chunk(dcpl, 1, &lchunk);
+  hid_t lsp = H5Screate_simple(1, &n, nullptr);
+  H5Dclose(H5Dcreate2(f, "labels", H5T_STD_I64LE, lsp, H5P_DEFAULT, dcpl, H5P_DEFAULT));
+  H5Sclose(lsp);
+  H5Pclose(dcpl);
+  H5Fclose(f);
+  expect_user_error([&] { vitgrid::make_hdf5_images(path); },
+                    {"huge.h5", std::to_string(n) + " samples", "bytes"});
+}
+
+// The sampler's permutation (8 bytes a sample, every rank) is checked against the memory a
+// rank may have before the loader's thread allocates it, where a std::bad_alloc could not be
+// agreed on. In a child process whose address space is limited to 1 GiB (ulimit -v), a split of
+// 2^27 samples (1 GiB of permutation) is refused; the parent's limits stay as they were.
+TEST(MakeDataset, SamplerPermutationMustFitTheAddressSpace) {
+  vitgrid::Deck deck;
+  deck.data.dataset = "synthetic";
+  deck.data.synthetic_train = int64_t(1) << 27;
+  deck.model.image_size = 8;
+  deck.model.num_classes = 4;
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    struct rlimit rl;
+    getrlimit(RLIMIT_AS, &rl);
+    rl.rlim_cur = rlim_t(1) << 30;
+    if (setrlimit(RLIMIT_AS, &rl) != 0) _exit(3);
+    try {
+      vitgrid::make_dataset(deck, false);  // eval holds no permutation: fine
+      vitgrid::make_dataset(deck, true);
+    } catch (const vitgrid::UserError& e) {
+      const std::string m = e.what();
+      _exit(m.find("data.synthetic_train") != std::string::npos &&
+                    m.find("permutation") != std::string::npos &&
+                    m.find("address-space limit") != std::string::npos
+                ? 0
+                : 2);
+    }
+    _exit(1);  // accepted
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: accepted, 2: wrong message, 3: setrlimit failed";
+}
+
+// A compressed chunk whose bytes are damaged is found only when a batch reads it: the error
+// names the file, the samples and HDF5's reason, and HDF5's own error stack stays quiet (it
+// printed a page of "HDF5-DIAG" trace before the message).
+namespace {
+// An 8-sample gzip file of 2-sample chunks whose chunk `chunk` has its deflate stream damaged.
+std::string gzip_file_with_damaged_chunk(const TempDir& dir, const std::string& name, int chunk) {
+  H5Spec s;
+  s.n = 8;
+  s.h = s.w = 8;
+  s.chunked = true;
+  s.chunk_images = 2;
+  s.gzip = 6;
+  s.num_classes_attr = 4;
+  const std::string path = dir.file(name);
+  vgtest::write_h5(path, s, pattern_images(8, 8), {0, 1, 2, 3, 0, 1, 2, 3});
+  // where the chunk lies, from the library
+  haddr_t addr = HADDR_UNDEF;
+  hsize_t bytes = 0;
+  hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  hid_t d = H5Dopen2(f, "images", H5P_DEFAULT);
+  hsize_t start[4] = {hsize_t(2 * chunk), 0, 0, 0};
+  unsigned mask = 0;
+  H5Dget_chunk_info_by_coord(d, start, &mask, &addr, &bytes);
+  H5Dclose(d);
+  H5Fclose(f);
+  EXPECT_NE(addr, HADDR_UNDEF);
+  EXPECT_GT(bytes, 8u);
+  std::fstream io(path, std::ios::in | std::ios::out | std::ios::binary);
+  io.seekp((std::streamoff)addr + 2);  // past the zlib header: the deflate stream itself
+  for (int k = 0; k < 6; ++k) io.put((char)0xff);
+  return path;
+}
+}  // namespace
+
+TEST(Hdf5Images, DamagedCompressedChunkIsNamed) {
+  TempDir dir;
+  const std::string path = gzip_file_with_damaged_chunk(dir, "gz.h5", 1);  // samples 2 and 3
+  auto ds = vitgrid::make_hdf5_images(path);  // the header and chunks 0 and 3 are intact
+  std::vector<uint8_t> img(8 * 8 * 3 * 2);
+  int32_t lab[2];
+  int64_t idx[2] = {2, 3};
+  testing::internal::CaptureStderr();
+  std::string what;
+  try {
+    ds->read(idx, 2, img.data(), lab);
+  } catch (const std::exception& e) {
+    what = e.what();
+  }
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(what.find("gz.h5: reading /images samples 2..3 failed"), std::string::npos) << what;
+  EXPECT_NE(what.find("the file is damaged"), std::string::npos) << what;
+  EXPECT_EQ(err.find("HDF5-DIAG"), std::string::npos) << err;
+}
+
+// The first and the last sample are decoded when the file is opened (as the direct path
+// compares them): damage there, or filter parameters that cannot decode at all, is refused at
+// setup, where every rank agrees, instead of on one rank in the middle of the run.
+TEST(Hdf5Images, UndecodableFirstOrLastChunkIsRefusedAtOpen) {
+  TempDir dir;
+  expect_user_error(
+      [&] { vitgrid::make_hdf5_images(gzip_file_with_damaged_chunk(dir, "first.h5", 0)); },
+      {"first.h5", "samples 0..0", "the file is damaged"});
+  expect_user_error(
+      [&] { vitgrid::make_hdf5_images(gzip_file_with_damaged_chunk(dir, "last.h5", 3)); },
+      {"last.h5", "samples 7..7", "the file is damaged"});
 }

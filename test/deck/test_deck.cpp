@@ -1,6 +1,7 @@
 // The input deck: parsing, presets, overrides, the resolved round trip, and one test per
 // refusal, each checking that the message names the key and where it came from.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -712,6 +713,146 @@ TEST(DeckRefusal, DatasetNeedsPath) {
             "deck.ini:5: data.path: must name the HDF5 file for data.dataset = hdf5");
 }
 
+// ---- the deck file itself
+
+TEST(DeckFile, ByteOrderMarkIsSkipped) {
+  // "[run]" after a UTF-8 BOM is still the first section header
+  Deck d = parse_deck_text("\xEF\xBB\xBF[run]\nsteps = 4\n", {}, 1);
+  EXPECT_EQ(d.run.steps, 4);
+}
+
+TEST(DeckFile, ControlCharactersAreRefusedWithTheLine) {
+  EXPECT_EQ(refusal(std::string("[run]\nsteps = 1\nout_dir = a\0b\n", 30)),
+            "deck.ini:3: control character 0x00 at column 12 (the deck must be a text file; is "
+            "this a binary file?)");
+  EXPECT_HAS(refusal("[run]\x01\nsteps = 1\n"), "deck.ini:1: control character 0x01");
+  // tabs are blanks, a CR may end a line
+  EXPECT_EQ(refusal("[run]\r\nsteps\t=\t1\r\n"), "<accepted>");
+  EXPECT_HAS(refusal({"[run]\nsteps = 1\n"}, {"--run.out_dir=a\x01"}),
+             "command line: run.out_dir: control characters");
+}
+
+TEST(DeckFile, LongTextIsClippedInMessages) {
+  const std::string key(5000, 'k');
+  const std::string msg = refusal("[run]\n" + key + " = 1\n");
+  EXPECT_HAS(msg, "deck.ini:2: unknown key 'run.kkkk");
+  EXPECT_HAS(msg, "... (5004 characters)");
+  EXPECT_LT(msg.size(), 300u);
+  EXPECT_LT(refusal("[run]\nsteps = " + std::string(100000, '9') + "\n").size(), 300u);
+}
+
+class DeckFiles : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/vg_deck_files_XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  static std::string read_refusal(const std::string& path) {
+    try {
+      read_deck_file(path);
+    } catch (const UserError& e) {
+      return e.what();
+    }
+    return "<accepted>";
+  }
+  fs::path dir_;
+};
+
+TEST_F(DeckFiles, DirectoryIsNamedAsSuch) {
+  EXPECT_EQ(read_refusal(dir_.string()),
+            "deck '" + dir_.string() + "': is a directory, not a deck file");
+}
+
+TEST_F(DeckFiles, FifoIsRefusedWithoutBlocking) {
+  // Opening a FIFO with no writer blocks forever; the refusal must come at once.
+  const std::string fifo = (dir_ / "deck.ini").string();
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_EQ(read_refusal(fifo), "deck '" + fifo +
+                                    "': is not a regular file (a FIFO); every rank reads the "
+                                    "deck, so it must be a file");
+  EXPECT_HAS(read_refusal("/dev/zero"), "is not a regular file (a character device)");
+}
+
+TEST_F(DeckFiles, MissingAndOversizedDecks) {
+  EXPECT_EQ(read_refusal((dir_ / "none.ini").string()),
+            "deck '" + (dir_ / "none.ini").string() +
+                "': cannot open the file: No such file or directory");
+  const fs::path big = dir_ / "big.ini";
+  { std::ofstream(big) << "[run]\nsteps = 1\n"; }
+  fs::resize_file(big, kMaxDeckBytes + 1);
+  EXPECT_HAS(read_refusal(big.string()), "a deck is a small text file");
+  fs::resize_file(big, 16);
+  EXPECT_EQ(read_deck_file(big.string()), "[run]\nsteps = 1\n");
+}
+
+// ---- sizes: bounds of single keys, then sizes derived from several, in 64-bit arithmetic
+
+TEST(DeckRefusal, SizesBeyondAnythingPlausible) {
+  EXPECT_EQ(refusal(kMinimal, {"--model.image_size=1000000"}),
+            "command line: model.image_size: must be at most 8192 pixels, got 1000000");
+  EXPECT_EQ(refusal(kMinimal, {"--data.synthetic_train=8589934592"}),
+            "command line: data.synthetic_train: must be at most 1073741824 samples, got "
+            "8589934592");
+  EXPECT_HAS(refusal(kMinimal, {"--data.synthetic_eval=2000000000"}),
+             "data.synthetic_eval: must be at most");
+  EXPECT_HAS(refusal(kMinimal, {"--model.hidden=131072", "--model.heads=1"}),
+             "model.hidden: must be at most 65536");
+  EXPECT_HAS(refusal(kMinimal, {"--model.depth=100000"}),
+             "model.depth: must be at most 1024 blocks");
+  // mlp_ratio is converted to an int width: refused before that conversion overflows
+  EXPECT_HAS(refusal(kMinimal, {"--model.mlp_ratio=1e300"}), "model.mlp_ratio: must be at most 64");
+  EXPECT_HAS(refusal(kMinimal, {"--model.num_classes=2147483647"}),
+             "model.num_classes: must be at most");
+  EXPECT_HAS(refusal(kMinimal, {"--data.global_batch=9223372036854775807"}),
+             "data.global_batch: must be at most 16777216 samples");
+  EXPECT_HAS(refusal(kMinimal, {"--data.crop_padding=33"}),
+             "data.crop_padding: must be at most 32");
+  EXPECT_HAS(refusal(kMinimal, {"--data.workers=100000"}), "data.workers: must be at most 256");
+  EXPECT_HAS(refusal(kMinimal, {"--data.prefetch=2147483647"}),
+             "data.prefetch: must be at most 64");
+  EXPECT_HAS(refusal("[run]\nepochs = 1e300\n"), "deck.ini:2: run.epochs: must be at most 1000000");
+  EXPECT_HAS(refusal(kMinimal, {"--optim.warmup_epochs=1e300"}),
+             "optim.warmup_epochs: must be at most");
+  // the largest values are still accepted on their own
+  EXPECT_EQ(refusal(kMinimal, {"--data.synthetic_train=1073741824"}), "<accepted>");
+}
+
+TEST(DeckRefusal, ParallelProductsDoNotWrap) {
+  // 2^30 stages x tensor 4 is 2^32: 0 in 32-bit ints, and world % 0 is a division by zero
+  EXPECT_HAS(refusal(kMinimal, {"--parallel.pipeline=1073741824", "--parallel.tensor=4"}, 4),
+             "parallel.pipeline: parallel.pipeline (1073741824) x parallel.tensor (4) does not "
+             "divide the world size (4 ranks)");
+  EXPECT_HAS(refusal(kMinimal, {"--parallel.schedule=interleaved", "--parallel.chunks=2147483647"}),
+             "parallel.chunks: 2147483647 chunks per stage exceed model.depth (7 blocks)");
+}
+
+TEST(DeckRefusal, DerivedSizesAreOverflowChecked) {
+  // 8192 / 1 pixels: 67108865 tokens; 8 samples x 2 heads x T^2 x 4 bytes = 2.9e17
+  EXPECT_EQ(
+      refusal(kMinimal, {"--model.preset=custom", "--model.image_size=8192", "--model.patch_size=1",
+                         "--model.hidden=16", "--model.heads=2", "--data.global_batch=8"}),
+      "command line: model.image_size: the attention scores of the micro-batch of 8 samples "
+      "x 2 heads x 67108865 tokens (model.image_size 8192 / model.patch_size 1, squared, + "
+      "1) squared take 2.88e+17 bytes per rank, more than any machine holds (1.13e+15 "
+      "bytes)");
+  // the Linear layers' rows: 2^24 samples x 197 tokens > 2^31 (named: the batch, the key set
+  // here, not the preset's image size)
+  EXPECT_HAS(refusal("[run]\nsteps = 1\n[model]\npreset = vit-base/16\n",
+                     {"--data.global_batch=16777216"}),
+             "command line: data.global_batch: the micro-batch of 16777216 samples x 197 tokens");
+  // 65536 wide, 1024 deep, MLP x 64: 5.8e14 parameters, 9.3e15 bytes of training state
+  const std::string huge = refusal(kMinimal, {"--model.hidden=65536", "--model.depth=1024",
+                                              "--model.mlp_ratio=64", "--model.heads=64"});
+  EXPECT_HAS(huge, "command line: model.hidden: the model has ");
+  EXPECT_HAS(huge, "parameters (model.hidden 65536, model.depth 1024, MLP width 4194304");
+  EXPECT_HAS(huge, "per rank, more than any machine holds");
+  // the largest presets are fine
+  EXPECT_EQ(refusal(kMinimal, {"--model.preset=vit-huge-4096", "--data.global_batch=4096"}),
+            "<accepted>");
+}
+
 // ---- check_deck_paths
 
 class DeckPaths : public ::testing::Test {
@@ -724,7 +865,10 @@ class DeckPaths : public ::testing::Test {
   void TearDown() override { fs::remove_all(dir_); }
   static void touch(const fs::path& p) { std::ofstream(p) << "x"; }
   Deck deck(const std::vector<std::string>& extra) {
-    std::vector<std::string> ov = {"--run.out_dir=" + (dir_ / "run").string()};
+    return deck_in((dir_ / "run").string(), extra);
+  }
+  static Deck deck_in(const std::string& out_dir, const std::vector<std::string>& extra = {}) {
+    std::vector<std::string> ov = {"--run.out_dir=" + out_dir};
     ov.insert(ov.end(), extra.begin(), extra.end());
     return parse_deck_text(kMinimal, ov, 1, "paths.ini");
   }
@@ -791,6 +935,85 @@ TEST_F(DeckPaths, ExistingRunInOutDir) {
   // resuming, or not training, is fine
   EXPECT_EQ(refusal_of(deck({"--checkpoint.resume=auto"}), true), "<accepted>");
   EXPECT_EQ(refusal_of(deck({}), false), "<accepted>");
+}
+
+}  // namespace
+}  // namespace vitgrid
+
+namespace vitgrid {
+namespace {
+
+// run.out_dir is created and written to at check time, so an unusable one is refused with the
+// OS's reason before any work (it used to end in an uncaught exception after setup).
+TEST_F(DeckPaths, OutDirIsCreatedAndProbed) {
+  const fs::path fresh = dir_ / "a" / "b";
+  EXPECT_EQ(refusal_of(deck_in(fresh.string()), true), "<accepted>");
+  EXPECT_TRUE(fs::is_directory(fresh));
+  EXPECT_TRUE(fs::is_empty(fresh));  // the probe file is gone
+  // predict writes predictions.h5: checked too; eval writes nothing
+  const fs::path p = dir_ / "p";
+  EXPECT_EQ(refusal_of(deck_in(p.string()), false), "<accepted>");
+  EXPECT_FALSE(fs::exists(p));
+  try {
+    check_deck_paths(deck_in(p.string()), false, true);
+  } catch (const UserError& e) {
+    ADD_FAILURE() << e.what();
+  }
+  EXPECT_TRUE(fs::is_directory(p));
+}
+
+TEST_F(DeckPaths, UnusableOutDirNamesKeyAndReason) {
+  touch(dir_ / "file");
+  const std::string under_file = (dir_ / "file" / "x").string();
+  EXPECT_EQ(refusal_of(deck_in(under_file), true),
+            "paths.ini: run.out_dir: '" + under_file + "' cannot be created: Not a directory");
+  const std::string long_name = (dir_ / std::string(300, 'a')).string();
+  EXPECT_EQ(refusal_of(deck_in(long_name), true),
+            "paths.ini: run.out_dir: '" + long_name + "' cannot be created: File name too long");
+  // /proc cannot take new entries, not even from root (whom permission bits do not stop)
+  EXPECT_HAS(refusal_of(deck_in("/proc/vitgrid_x"), true),
+             "run.out_dir: '/proc/vitgrid_x' cannot be created: ");
+  EXPECT_HAS(refusal_of(deck_in("/proc"), true),
+             "run.out_dir: '/proc' is not writable (creating a file in it failed: ");
+  const fs::path ck = dir_ / "run";
+  fs::create_directories(ck);
+  touch(ck / "checkpoints");
+  EXPECT_HAS(refusal_of(deck({"--checkpoint.resume=auto"}), true),
+             "checkpoints' exists and is not a directory");
+}
+
+TEST_F(DeckPaths, ReadOnlyOutDirForUsersWhomBitsStop) {
+  // A 0555 directory: refused for an ordinary user; root may still write it, and then the
+  // probe rightly accepts it. Either way the verdict is what creating a file really does.
+  const fs::path ro = dir_ / "ro";
+  fs::create_directories(ro);
+  fs::permissions(ro, fs::perms::owner_read | fs::perms::owner_exec | fs::perms::group_read |
+                          fs::perms::group_exec | fs::perms::others_read | fs::perms::others_exec);
+  const std::string got = refusal_of(deck_in(ro.string()), true);
+  if (geteuid() == 0)
+    EXPECT_EQ(got, "<accepted>");
+  else
+    EXPECT_EQ(got, "paths.ini: run.out_dir: '" + ro.string() +
+                       "' is not writable (creating a file in it failed: Permission denied)");
+  fs::permissions(ro, fs::perms::owner_all);
+}
+
+TEST_F(DeckPaths, DataFilesMustBeRegularFiles) {
+  EXPECT_EQ(refusal_of(deck({"--data.dataset=hdf5", "--data.path=/dev/zero"}), true),
+            "paths.ini: data.path: HDF5 dataset '/dev/zero' is not a regular file (a character "
+            "device)");
+  const fs::path fifo = dir_ / "fifo.h5";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_HAS(refusal_of(deck({"--data.dataset=hdf5", "--data.path=" + fifo.string()}), true),
+             "' is not a regular file (a FIFO)");
+  EXPECT_HAS(refusal_of(deck({"--checkpoint.load=" + fifo.string()}), false),
+             "checkpoint.load: checkpoint '" + fifo.string() + "' is not a regular file (a FIFO)");
+  const fs::path c = dir_ / "cifar";
+  fs::create_directories(c);
+  ASSERT_EQ(mkfifo((c / "test_batch.bin").c_str(), 0600), 0);
+  EXPECT_EQ(refusal_of(deck({"--data.dataset=cifar10", "--data.path=" + c.string()}), false),
+            "paths.ini: data.path: CIFAR-10 file '" + (c / "test_batch.bin").string() +
+                "' is not a regular file (a FIFO)");
 }
 
 }  // namespace

@@ -26,6 +26,9 @@ class Dataset {
   // against other datasets' reads (HDF5 access is serialised in-process).
   virtual void read(const int64_t* idx, int n, uint8_t* images, int32_t* labels) = 0;
   virtual std::string describe() const = 0;
+  // Something about how the data was read that the user should hear (make_dataset prints it
+  // once, on rank 0), or "".
+  virtual std::string warning() const { return std::string(); }
 };
 
 // The embedded synthetic dataset: class-conditional images a small ViT can learn but not
@@ -36,7 +39,8 @@ std::unique_ptr<Dataset> make_synthetic(uint64_t seed, bool train, int64_t n, in
 // Throws UserError naming the missing or malformed file.
 std::unique_ptr<Dataset> make_cifar10(const std::string& dir, bool train);
 // Packed HDF5 image file: /images uint8 [N,S,S,3], /labels int [N] (any integer type), root
-// attribute num_classes. Throws UserError naming the file and dataset when malformed.
+// attribute num_classes (without it: the largest label + 1, and warning() says so). Throws
+// UserError naming the file and dataset when malformed.
 std::unique_ptr<Dataset> make_hdf5_images(const std::string& path);
 // From the deck (data.dataset, data.path, data.eval_path, synthetic sizes).
 std::unique_ptr<Dataset> make_dataset(const Deck& deck, bool train);

@@ -134,19 +134,47 @@ struct Deck {
   std::string resolved_text() const;
 };
 
+// Upper bounds of the deck's sizes: a larger value can only be a typo, and the bounds keep
+// every size derived from them (tokens, parameters, activation and batch bytes) from
+// overflowing. Sizes derived from several keys are checked against kMaxRankBytes (per rank)
+// and the kernels' 32-bit row counts.
+constexpr int kMaxImageSize = 8192;                  // model.image_size, pixels
+constexpr int kMaxHidden = 65536;                    // model.hidden
+constexpr int kMaxDepth = 1024;                      // model.depth
+constexpr double kMaxMlpRatio = 64;                  // model.mlp_ratio
+constexpr int kMaxClasses = 1 << 24;                 // model.num_classes
+constexpr int64_t kMaxGlobalBatch = 1 << 24;         // data.global_batch, grad_accum, micro_batches
+constexpr int64_t kMaxSyntheticSamples = 1 << 30;    // data.synthetic_train / synthetic_eval
+constexpr int kMaxPrefetch = 64;                     // data.prefetch, batches
+constexpr int kMaxWorkers = 256;                     // data.workers, threads
+constexpr double kMaxEpochs = 1e6;                   // run.epochs, optim.warmup_epochs
+constexpr int64_t kMaxRankBytes = int64_t(1) << 50;  // 1 PiB: no machine holds more per rank
+
 // Parses `deck_path` then `overrides` (each "--section.key=value"), applies the model preset
 // (keys set in the deck or on the command line win over the preset), derives parallel.data
 // from world_size and checks every rule. Throws UserError with one message naming the key and
 // where it came from ("deck.ini:12" or "command line"). Pure: no MPI, no file writes.
 Deck parse_deck(const std::string& deck_path, const std::vector<std::string>& overrides,
                 int world_size);
-// Same from INI text (tests).
+// Same from INI text (tests). A leading UTF-8 byte-order mark is skipped.
 Deck parse_deck_text(const std::string& text, const std::vector<std::string>& overrides,
                      int world_size, const std::string& source_name = "deck");
+// The deck file's text. Throws UserError naming the file when it cannot be opened or read, is
+// a directory, is not a regular file (a FIFO would block every rank forever) or is larger than
+// kMaxDeckBytes.
+std::string read_deck_file(const std::string& deck_path);
+constexpr long long kMaxDeckBytes = 16ll << 20;
+// "a FIFO", "a directory", "a character device", ... for an st_mode (messages).
+std::string file_type_name(unsigned mode);
 
-// Checks that touch the file system (dataset paths exist, out_dir holds no other run unless
-// resuming). Throws UserError. Called on every rank by the app (same answer everywhere).
-void check_deck_paths(const Deck& d, bool training);
+// Checks that touch the file system (dataset paths exist and are regular files, out_dir holds
+// no other run unless resuming). With writes_out_dir (train, predict), run.out_dir is created if
+// missing and must accept a new file (a probe file is created and removed). Throws UserError.
+// Called on every rank by the app (same answer everywhere).
+void check_deck_paths(const Deck& d, bool training, bool writes_out_dir);
+inline void check_deck_paths(const Deck& d, bool training) {
+  check_deck_paths(d, training, training);
+}
 
 // Markdown table of every key: section, key, type, default, meaning.
 std::string deck_reference();

@@ -105,8 +105,13 @@ int run_app(int argc, char** argv) {
   try {
     std::vector<std::string> overrides(args.begin() + 2, args.end());
     deck = parse_deck(args[1], overrides, world_size);
-    // train writes metrics and checkpoints, predict predictions.h5; eval and bench nothing
-    check_deck_paths(deck, cmd == "train", cmd == "train" || cmd == "predict");
+    // train writes metrics and checkpoints, predict predictions.h5; eval and bench nothing.
+    // One rank tries run.out_dir for real (the others learn its verdict below): one file
+    // created in it at any scale, not one per rank.
+    int world_rank = 0;
+    MPI_Comm_rank(world, &world_rank);
+    check_deck_paths(deck, cmd == "train",
+                     (cmd == "train" || cmd == "predict") && world_rank == 0);
     if ((cmd == "eval" || cmd == "predict") && deck.checkpoint.load.empty())
       throw UserError("checkpoint.load: '" + cmd + "' needs a checkpoint (--checkpoint.load=PATH)");
   } catch (const UserError& e) {

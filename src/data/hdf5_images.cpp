@@ -462,8 +462,8 @@ class Hdf5ImageDataset final : public Dataset {
                                  : ::preadv(fd_, v, cnt, (off_t)off);
       if (r < 0) {
         if (errno == EINTR) continue;
-        throw std::runtime_error("HDF5 images " + path_ + ": reading /images at byte " +
-                                 std::to_string(off) + " failed: " + std::strerror(errno));
+        throw UserError("HDF5 images " + path_ + ": reading /images at byte " +
+                        std::to_string(off) + " failed: " + std::strerror(errno));
       }
       if (r == 0)
         throw bad("/images ends early at byte " + std::to_string(off) +
@@ -516,10 +516,10 @@ class Hdf5ImageDataset final : public Dataset {
         if (H5Dread(images_, H5T_NATIVE_UCHAR, mspace.id, fspace.id, H5P_DEFAULT, dst + a * img_) <
             0) {
           const std::string d = hdf5_error_detail();
-          throw std::runtime_error("HDF5 images " + path_ + ": reading /images samples " +
-                                   std::to_string(uniq[a]) + ".." + std::to_string(uniq[e - 1]) +
-                                   " failed" + (d.empty() ? std::string() : " (" + d + ")") +
-                                   ": the file is damaged");
+          throw UserError("HDF5 images " + path_ + ": reading /images samples " +
+                          std::to_string(uniq[a]) + ".." + std::to_string(uniq[e - 1]) +
+                          " failed" + (d.empty() ? std::string() : " (" + d + ")") +
+                          ": the file is damaged");
         }
         a = e;
       }

@@ -46,9 +46,9 @@ void require_file(const Deck& d, const std::string& key, const std::string& path
 // first checkpoint fails after setup, where the ranks no longer agree on errors. Tried for real
 // rather than judged from permission bits: root passes every access() check yet cannot write
 // under /proc or on a read-only mount, and ACLs or quotas are invisible to the bits. The
-// directory is created (with its parents) if missing and kept: every rank runs this at once,
-// so removing it again would race with the others' probes. Each rank probes with a file of
-// its own name (host and pid: ranks may share a file system across hosts).
+// directory is created (with its parents) if missing and kept. The app probes on one rank
+// only; the probe file's name is its own anyway (host and pid), so that several jobs starting
+// in one directory never remove each other's.
 void require_writable_dir(const Deck& d, const std::string& key, const std::string& dir) {
   const std::string named = at(d) + key + ": '" + dir + "'";
   std::error_code ec;

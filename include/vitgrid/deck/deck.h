@@ -170,7 +170,8 @@ std::string file_type_name(unsigned mode);
 // Checks that touch the file system (dataset paths exist and are regular files, out_dir holds
 // no other run unless resuming). With writes_out_dir (train, predict), run.out_dir is created if
 // missing and must accept a new file (a probe file is created and removed). Throws UserError.
-// Called on every rank by the app (same answer everywhere).
+// Called on every rank by the app, which agrees on the verdict; it probes run.out_dir on one
+// rank only (writes_out_dir false elsewhere).
 void check_deck_paths(const Deck& d, bool training, bool writes_out_dir);
 inline void check_deck_paths(const Deck& d, bool training) {
   check_deck_paths(d, training, training);

@@ -107,6 +107,10 @@ class Hdf5ImageDataset final : public Dataset {
     std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
     QuietHdf5Errors quiet;
     if (H5Fis_hdf5(path.c_str()) <= 0) throw bad("not an HDF5 file");
+    // damaged metadata can crash the HDF5 library, not only fail in it: walked in a process of
+    // its own first
+    if (const std::string why = io_detail::hdf5_metadata_problem_isolated(path); !why.empty())
+      throw bad("damaged: " + why);
     H5Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
     if (file.id < 0) {
       const std::string d = hdf5_error_detail();

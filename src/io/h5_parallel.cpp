@@ -81,98 +81,6 @@ H5Id open_parallel(MPI_Comm comm, const std::string& path, bool writable) {
   return H5Id(H5Fopen(path.c_str(), writable ? H5F_ACC_RDWR : H5F_ACC_RDONLY, fapl));
 }
 
-namespace {
-
-// Rank 0's serial walk (probe_file): "" or where the metadata cannot be read.
-struct WalkState {
-  hsize_t file_size = 0;
-  std::string why;
-};
-
-herr_t check_attribute(hid_t obj, const char* name, const H5A_info_t*, void* op) {
-  auto* w = static_cast<WalkState*>(op);
-  H5Id attr(H5Aopen(obj, name, H5P_DEFAULT));
-  H5Id type(attr.valid() ? H5Aget_type(attr) : -1);
-  H5Id space(attr.valid() ? H5Aget_space(attr) : -1);
-  const hssize_t n = space.valid() ? H5Sget_simple_extent_npoints(space) : -1;
-  bool ok = type.valid() && n >= 0;
-  if (ok && H5Tis_variable_str(type) > 0) {
-    std::vector<char*> p(static_cast<size_t>(n) + 1, nullptr);
-    H5Id mtype(H5Tcopy(H5T_C_S1));
-    H5Tset_size(mtype, H5T_VARIABLE);
-    H5Tset_cset(mtype, H5Tget_cset(type));
-    ok = H5Aread(attr, mtype, p.data()) >= 0;
-    for (char* q : p)
-      if (q) H5free_memory(q);
-  } else if (ok) {
-    std::vector<char> buf(static_cast<size_t>(n) * H5Tget_size(type) + 16);
-    ok = H5Aread(attr, type, buf.data()) >= 0;
-  }
-  if (ok) return 0;
-  w->why = std::string("attribute '") + name + "' cannot be read";
-  return -1;
-}
-
-herr_t check_object(hid_t g, const char* name, const H5L_info_t* info, void* op) {
-  auto* w = static_cast<WalkState*>(op);
-  if (info->type != H5L_TYPE_HARD) return 0;
-  H5Id obj(H5Oopen(g, name, H5P_DEFAULT));
-  if (!obj.valid()) {
-    w->why = std::string("object '/") + name + "' cannot be opened";
-    return -1;
-  }
-  if (H5Aiterate2(obj, H5_INDEX_NAME, H5_ITER_INC, nullptr, check_attribute, w) < 0) {
-    if (w->why.empty()) w->why = std::string("the attributes of '/") + name + "' cannot be listed";
-    w->why = std::string("'/") + name + "': " + w->why;
-    return -1;
-  }
-  if (H5Iget_type(obj) != H5I_DATASET) return 0;
-  H5Id space(H5Dget_space(obj));
-  H5Id type(H5Dget_type(obj));
-  H5Id dcpl(H5Dget_create_plist(obj));
-  const hssize_t n = space.valid() ? H5Sget_simple_extent_npoints(space) : -1;
-  if (n < 0 || !type.valid() || !dcpl.valid()) {
-    w->why = std::string("dataset '/") + name + "' has an unreadable shape or type";
-    return -1;
-  }
-  const H5D_layout_t layout = H5Pget_layout(dcpl);
-  if (layout == H5D_CONTIGUOUS) {
-    const haddr_t at = H5Dget_offset(obj);
-    const hsize_t bytes = H5Dget_storage_size(obj);
-    if (at != HADDR_UNDEF && (at > w->file_size || bytes > w->file_size - at)) {
-      w->why = std::string("dataset '/") + name + "' extends past the end of the file (truncated?)";
-      return -1;
-    }
-  } else if (layout == H5D_CHUNKED) {
-    // the chunk index is metadata too: read the dataset (chunked ones are small: metrics)
-    const size_t bytes = static_cast<size_t>(n) * H5Tget_size(type);
-    if (bytes <= (size_t(64) << 20)) {
-      std::vector<char> buf(bytes + 16);
-      if (H5Dread(obj, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, buf.data()) < 0) {
-        w->why = std::string("dataset '/") + name + "' cannot be read";
-        return -1;
-      }
-    }
-  }
-  return 0;
-}
-
-std::string walk_metadata(const std::string& path) {
-  WalkState w;
-  struct stat st;
-  if (stat(path.c_str(), &st) != 0) return "cannot stat";
-  w.file_size = static_cast<hsize_t>(st.st_size);
-  H5Id file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
-  if (!file.valid()) return "cannot be opened (truncated or damaged metadata)";
-  if (H5Aiterate2(file, H5_INDEX_NAME, H5_ITER_INC, nullptr, check_attribute, &w) < 0)
-    return w.why.empty() ? "its root attributes cannot be listed" : w.why;
-  if (H5Lvisit(file, H5_INDEX_NAME, H5_ITER_INC, check_object, &w) < 0)
-    return w.why.empty() ? "its objects cannot be walked (damaged metadata)" : w.why;
-  return "";
-}
-
-}  // namespace
-
 FileProbe probe_file(MPI_Comm comm, const std::string& path, std::string* why) {
   int rank = 0;
   MPI_Comm_rank(comm, &rank);
@@ -189,7 +97,7 @@ FileProbe probe_file(MPI_Comm comm, const std::string& path, std::string* why) {
       if (H5Fis_hdf5(path.c_str()) <= 0) {
         result = static_cast<int>(FileProbe::not_hdf5);
       } else {
-        reason = walk_metadata(path);
+        reason = hdf5_metadata_problem_isolated(path);
         if (!reason.empty()) result = static_cast<int>(FileProbe::damaged);
       }
     }

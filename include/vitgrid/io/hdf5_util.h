@@ -24,6 +24,14 @@ std::recursive_mutex& hdf5_mutex();
 
 namespace io_detail {
 
+// "" when every piece of the file's metadata can be read serially (every object header,
+// attribute, contiguous dataset's storage inside the file, chunked dataset's chunk index), else
+// where it cannot. The isolated form walks in a process of its own (vitgrid-h5check, beside
+// the running executable): HDF5 1.10 can crash, not only fail, on crafted metadata, and a
+// damaged file is an answer, not a reason to crash the job. Without the checker it walks here.
+std::string hdf5_metadata_problem(const std::string& path);
+std::string hdf5_metadata_problem_isolated(const std::string& path);
+
 // A failed HDF5 call (H5_CHECK): a local fatal error (fail_one), unless a SoftFailures scope
 // is open on this thread, which records it instead.
 void h5_failed(const char* call, const char* file, int line);

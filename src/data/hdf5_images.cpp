@@ -41,21 +41,6 @@
 namespace vitgrid {
 namespace {
 
-// Turns HDF5's automatic error-stack printing off while probing a user file (a malformed file
-// is reported once, as a UserError, not as a page of library traces) and restores it after.
-class QuietHdf5Errors {
- public:
-  QuietHdf5Errors() {
-    H5Eget_auto2(H5E_DEFAULT, &func_, &data_);
-    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
-  }
-  ~QuietHdf5Errors() { H5Eset_auto2(H5E_DEFAULT, func_, data_); }
-
- private:
-  H5E_auto2_t func_ = nullptr;
-  void* data_ = nullptr;
-};
-
 // The innermost message on HDF5's current error stack ("truncated file: eof = ..."), or "".
 std::string hdf5_error_detail() {
   std::string detail;
@@ -105,7 +90,7 @@ class Hdf5ImageDataset final : public Dataset {
       throw bad(S_ISDIR(st.st_mode) ? "is a directory, not a file" : "not a regular file");
 
     std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
-    QuietHdf5Errors quiet;
+    io_detail::H5ErrorSilencer quiet;
     if (H5Fis_hdf5(path.c_str()) <= 0) throw bad("not an HDF5 file");
     // damaged metadata can crash the HDF5 library, not only fail in it: walked in a process of
     // its own first
@@ -506,7 +491,7 @@ class Hdf5ImageDataset final : public Dataset {
       std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
       // A damaged chunk (its compressed bytes corrupted) is only found here, mid-run: one
       // message naming the file, the samples and HDF5's reason, not a page of library trace.
-      QuietHdf5Errors quiet;
+      io_detail::H5ErrorSilencer quiet;
       H5Handle fspace(H5Dget_space(images_), H5Sclose);
       if (fspace.id < 0) throw std::runtime_error("HDF5 images " + path_ + ": H5Dget_space failed");
       for (size_t a = 0; a < uniq.size();) {

@@ -32,13 +32,6 @@ void H5Id::reset() {
   if (rc < 0) h5_failed("H5?close", __FILE__, __LINE__);
 }
 
-H5ErrorSilencer::H5ErrorSilencer() {
-  H5Eget_auto2(H5E_DEFAULT, &func_, &data_);
-  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
-}
-
-H5ErrorSilencer::~H5ErrorSilencer() { H5Eset_auto2(H5E_DEFAULT, func_, data_); }
-
 H5Id parallel_fapl(MPI_Comm comm) {
   H5Id fapl(H5_CHECK(H5Pcreate(H5P_FILE_ACCESS)));
   // MPI-IO hints: collective buffering gathers the many small, strided hyperslab pieces of a

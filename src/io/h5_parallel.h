@@ -57,20 +57,6 @@ class H5Id {
   hid_t id_ = -1;
 };
 
-// Turns off HDF5's automatic error-stack printing for its lifetime: used around probes whose
-// failure is an expected answer (a missing attribute, a file that is not HDF5).
-class H5ErrorSilencer {
- public:
-  H5ErrorSilencer();
-  ~H5ErrorSilencer();
-  H5ErrorSilencer(const H5ErrorSilencer&) = delete;
-  H5ErrorSilencer& operator=(const H5ErrorSilencer&) = delete;
-
- private:
-  H5E_auto2_t func_ = nullptr;
-  void* data_ = nullptr;
-};
-
 // File access list for one shared file on `comm`: MPI-IO driver with tuning hints, collective
 // metadata reads and writes, aligned large objects.
 H5Id parallel_fapl(MPI_Comm comm);

@@ -36,11 +36,6 @@ struct SoftState {
 };
 thread_local SoftState g_soft;
 
-struct SavedAuto {
-  H5E_auto2_t func;
-  void* data;
-};
-
 // A handle closed with the matching H5?close (the io layer's H5Id lives above this library).
 class Hid {
  public:
@@ -64,20 +59,6 @@ class Hid {
 
  private:
   hid_t id_;
-};
-
-// HDF5's error stack unprinted for its lifetime: a failed read is an answer here.
-class H5ErrorQuiet {
- public:
-  H5ErrorQuiet() {
-    H5Eget_auto2(H5E_DEFAULT, &func_, &data_);
-    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
-  }
-  ~H5ErrorQuiet() { H5Eset_auto2(H5E_DEFAULT, func_, data_); }
-
- private:
-  H5E_auto2_t func_ = nullptr;
-  void* data_ = nullptr;
 };
 
 // The serial walk: "" or where the metadata cannot be read.
@@ -163,7 +144,7 @@ herr_t check_object(hid_t g, const char* name, const H5L_info_t* info, void* op)
 }
 
 std::string walk_metadata(const std::string& path) {
-  H5ErrorQuiet quiet;
+  H5ErrorSilencer quiet;
   WalkState w;
   struct stat st;
   if (stat(path.c_str(), &st) != 0) return "cannot stat";
@@ -179,6 +160,13 @@ std::string walk_metadata(const std::string& path) {
 
 
 }  // namespace
+
+H5ErrorSilencer::H5ErrorSilencer() {
+  H5Eget_auto2(H5E_DEFAULT, &func_, &data_);
+  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+}
+
+H5ErrorSilencer::~H5ErrorSilencer() { H5Eset_auto2(H5E_DEFAULT, func_, data_); }
 
 std::string hdf5_metadata_problem(const std::string& path) { return walk_metadata(path); }
 
@@ -273,18 +261,9 @@ SoftFailures::SoftFailures(std::string dir) : dir_(std::move(dir)) {
   g_soft = SoftState();
   g_soft.open = true;
   errno = 0;
-  auto* saved = new SavedAuto{nullptr, nullptr};
-  H5Eget_auto2(H5E_DEFAULT, &saved->func, &saved->data);
-  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
-  quiet_ = saved;
 }
 
-SoftFailures::~SoftFailures() {
-  auto* saved = static_cast<SavedAuto*>(quiet_);
-  H5Eset_auto2(H5E_DEFAULT, saved->func, saved->data);
-  delete saved;
-  g_soft = SoftState();
-}
+SoftFailures::~SoftFailures() { g_soft = SoftState(); }
 
 std::string SoftFailures::take() {
   std::string msg;

@@ -376,7 +376,9 @@ def launch_until_step(cmd, step, env=None):
 
 
 def finish(p, seen, timeout):
-    """Waits for a process started by launch_until_step; (exit code or None on a hang, log)."""
+    """Waits for a process started in a session of its own (launch_until_step, run_bounded), `seen`
+    the lines already read: (exit code, or None when it ran past `timeout` and was killed whole,
+    output)."""
     try:
         out, _ = p.communicate(timeout=timeout)
         return p.returncode, "".join(seen) + out
@@ -481,21 +483,6 @@ def t_signals(tmp):
           f"kill -STOP of a rank: the job ends (exit {rc}) after {took:.0f} s naming the call it waits in")
     line = [l for l in out.splitlines() if "has waited" in l]
     print("    " + (line[0] if line else "(no watchdog line)"))
-
-
-def run_bounded(np_, args, timeout):
-    """mpirun of vitgrid in a session of its own: (exit code, output), the exit code None when
-    it ran past `timeout` seconds (a hang); then every process of the job is killed."""
-    cmd = ["mpirun", "-np", str(np_), "--oversubscribe", VITGRID] + args
-    p = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=timeout)
-        return p.returncode, out
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        return None, out
 
 
 def fill_disk(path):
@@ -781,13 +768,7 @@ def run_bounded(np_, args, timeout=60):
     cmd = ["mpirun", "-np", str(np_), "--oversubscribe", VITGRID] + args
     p = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=timeout)
-        return p.returncode, out
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        return None, out
+    return finish(p, [], timeout)
 
 
 def refused(what, rc, out, names):

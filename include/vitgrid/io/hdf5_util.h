@@ -24,6 +24,20 @@ std::recursive_mutex& hdf5_mutex();
 
 namespace io_detail {
 
+// Turns off HDF5's automatic error-stack printing for its lifetime: used around probes whose
+// failure is an expected answer (a missing attribute, a file that is not HDF5).
+class H5ErrorSilencer {
+ public:
+  H5ErrorSilencer();
+  ~H5ErrorSilencer();
+  H5ErrorSilencer(const H5ErrorSilencer&) = delete;
+  H5ErrorSilencer& operator=(const H5ErrorSilencer&) = delete;
+
+ private:
+  H5E_auto2_t func_ = nullptr;
+  void* data_ = nullptr;
+};
+
 // "" when every piece of the file's metadata can be read serially (every object header,
 // attribute, contiguous dataset's storage inside the file, chunked dataset's chunk index), else
 // where it cannot. The isolated form walks in a process of its own (vitgrid-h5check, beside
@@ -64,7 +78,7 @@ class SoftFailures {
 
  private:
   std::string dir_;
-  void* quiet_;  // the error stack printing, restored on close
+  H5ErrorSilencer quiet_;
 };
 
 }  // namespace io_detail

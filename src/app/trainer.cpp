@@ -834,7 +834,7 @@ struct Trainer::Impl {
     const std::string path =
         write_checkpoint(world, ckpt_dir(), step, sh, meta, deck.checkpoint.keep);
     const double dt = now_s() - t0;
-    const double gb = double(model->num_global_params()) * 4.0 * (1 + st.size()) / 1e9;
+    const double gb = checkpoint_bytes() / 1e9;
     ckpt_write_gbs = gb / std::max(dt, 1e-9);
     log("checkpoint %s written: %.3f GB in %.2f s (%.2f GB/s)\n", path.c_str(), gb, dt,
         ckpt_write_gbs);
@@ -848,27 +848,19 @@ struct Trainer::Impl {
   // Called by all ranks before the run writes anything: a run whose out_dir cannot hold one
   // checkpoint is refused now, not after hours of training (a full disk found mid-write ends
   // the run too, but only after the work since the last checkpoint).
+  // Rank 0 looks; agreed() gives its verdict to every rank.
   void check_free_space() {
-    int ok = 1;
-    std::string msg;
-    if (grid->world_rank() == 0) {
-      struct statvfs v {};
-      if (::statvfs(deck.run.out_dir.c_str(), &v) == 0) {
-        const double free_b = double(v.f_bavail) * double(v.f_frsize);
-        const double need = checkpoint_bytes() * 1.02 + 262144.0;  // + metadata and metrics
-        if (free_b < need) {
-          ok = 0;
-          char buf[256];
-          std::snprintf(buf, sizeof buf,
-                        "run.out_dir '%s': no space left on device: %.1f MB free on its file "
-                        "system, a checkpoint of this run needs %.1f MB; free space or choose "
-                        "another run.out_dir",
-                        deck.run.out_dir.c_str(), free_b / 1e6, need / 1e6);
-          msg = buf;
-        }
-      }
-    }
-    if (agree_error(world, ok != 0, &msg)) throw UserError(msg);
+    struct statvfs v {};
+    if (grid->world_rank() != 0 || ::statvfs(deck.run.out_dir.c_str(), &v) != 0) return;
+    const double free_b = double(v.f_bavail) * double(v.f_frsize);
+    const double need = checkpoint_bytes() * 1.02 + 262144.0;  // + metadata and metrics
+    if (free_b >= need) return;
+    char buf[256];
+    std::snprintf(buf, sizeof buf,
+                  "run.out_dir '%s': no space left on device: %.1f MB free on its file system, a "
+                  "checkpoint of this run needs %.1f MB; free space or choose another run.out_dir",
+                  deck.run.out_dir.c_str(), free_b / 1e6, need / 1e6);
+    throw UserError(buf);
   }
 
   // Loads parameters (and optimizer state + counters when `full`) from `path`; with `resume`,

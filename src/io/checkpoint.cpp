@@ -50,7 +50,8 @@ bool parse_step_file_name(const std::string& name, int64_t* step) {
   return true;
 }
 
-// Rank 0 only (serial sec2 driver): is `path` an HDF5 file whose root says complete = 1?
+// Rank 0 only (serial sec2 driver): is `path` an HDF5 file whose root says complete = 1? (Its
+// metadata walked first in the checker process: see hdf5_metadata_problem_isolated.)
 bool is_complete_serial(const std::string& path) {
   io_detail::H5ErrorSilencer quiet;
   if (H5Fis_hdf5(path.c_str()) <= 0) return false;
@@ -492,7 +493,9 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
       // (a run restarted from an older checkpoint): it is the one this run resumes from.
       std::vector<std::string> complete;
       for (auto& f : list_step_files(dir))
-        if (f.second != final_path && is_complete_serial(f.second)) complete.push_back(f.second);
+        if (f.second != final_path && io_detail::hdf5_metadata_problem_isolated(f.second).empty() &&
+            is_complete_serial(f.second))
+          complete.push_back(f.second);
       for (size_t i = static_cast<size_t>(keep) - 1; i < complete.size(); ++i) {
         std::error_code ec;
         std::filesystem::remove(complete[i], ec);

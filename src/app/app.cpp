@@ -110,8 +110,7 @@ int run_app(int argc, char** argv) {
     // created in it at any scale, not one per rank.
     int world_rank = 0;
     MPI_Comm_rank(world, &world_rank);
-    check_deck_paths(deck, cmd == "train",
-                     (cmd == "train" || cmd == "predict") && world_rank == 0);
+    check_deck_paths(deck, cmd == "train", (cmd == "train" || cmd == "predict") && world_rank == 0);
     if ((cmd == "eval" || cmd == "predict") && deck.checkpoint.load.empty())
       throw UserError("checkpoint.load: '" + cmd + "' needs a checkpoint (--checkpoint.load=PATH)");
   } catch (const UserError& e) {
@@ -132,9 +131,10 @@ int run_app(int argc, char** argv) {
   } catch (const UserError& e) {
     fail_agreed(e.what(), kExitUserError);
   } catch (const std::bad_alloc&) {
-    fail_agreed("out of host memory (std::bad_alloc): the deck asks for more memory than this "
-                "node has; reduce data.global_batch, the model or the dataset",
-                kExitUserError);
+    fail_agreed(
+        "out of host memory (std::bad_alloc): the deck asks for more memory than this "
+        "node has; reduce data.global_batch, the model or the dataset",
+        kExitUserError);
   } catch (const std::exception& e) {
     fail_agreed(std::string("internal error: ") + e.what(), 1);
   }

@@ -46,8 +46,8 @@ int64_t now_ns() {
   std::fprintf(stderr,
                "vitgrid: error: rank %d on %s has waited %.0f s in %s%s%s (device.comm_timeout = "
                "%.0f s): a rank of the job stopped responding; ending the job\n",
-               rank, host, waited, g_what.load(), where[0] ? " on the " : "",
-               where[0] ? where : "", timeout);
+               rank, host, waited, g_what.load(), where[0] ? " on the " : "", where[0] ? where : "",
+               timeout);
   std::fflush(stderr);
   int level = MPI_THREAD_SINGLE;
   MPI_Query_thread(&level);

@@ -506,9 +506,8 @@ class Hdf5ImageDataset final : public Dataset {
             0) {
           const std::string d = hdf5_error_detail();
           throw UserError("HDF5 images " + path_ + ": reading /images samples " +
-                          std::to_string(uniq[a]) + ".." + std::to_string(uniq[e - 1]) +
-                          " failed" + (d.empty() ? std::string() : " (" + d + ")") +
-                          ": the file is damaged");
+                          std::to_string(uniq[a]) + ".." + std::to_string(uniq[e - 1]) + " failed" +
+                          (d.empty() ? std::string() : " (" + d + ")") + ": the file is damaged");
         }
         a = e;
       }

@@ -331,8 +331,10 @@ std::string verify_datasets(MPI_Comm comm, hid_t file, const std::string& what,
       return bad;
   }
   if (!got.empty())
-    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, got.data(), static_cast<int>(got.size()),
-                            MPI_UINT64_T, MPI_SUM, comm));
+    watched("an MPI all-reduce of the checkpoint I/O", [&] {
+      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, got.data(), static_cast<int>(got.size()), MPI_UINT64_T,
+                              MPI_SUM, comm));
+    });
   for (size_t n = 0; n < names.size(); ++n) {
     if (got[n] != want[n]) {
       char buf[64];
@@ -370,9 +372,11 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
     if (rank == 0 && std::filesystem::exists(std::filesystem::symlink_status(final_path, ec)) &&
         !std::filesystem::is_regular_file(final_path, ec))
       blocked = 1;
-    MPI_CHECK(MPI_Bcast(&blocked, 1, MPI_INT, 0, comm));
+    watched("an MPI broadcast of the checkpoint I/O",
+            [&] { MPI_CHECK(MPI_Bcast(&blocked, 1, MPI_INT, 0, comm)); });
     if (blocked)
-      throw UserError("checkpoint '" + final_path + "' cannot be written: that name is taken by "
+      throw UserError("checkpoint '" + final_path +
+                      "' cannot be written: that name is taken by "
                       "something that is not a checkpoint file; move it away");
   }
 
@@ -414,8 +418,10 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
     for (size_t i = 0; i < shards.size(); ++i)
       if (shards[i].write && shard_elements(shards[i]) > 0) sums[i] = shard_hash(shards[i]);
     if (!sums.empty())
-      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sums.data(), static_cast<int>(sums.size()),
-                              MPI_UINT64_T, MPI_SUM, comm));
+      watched("an MPI all-reduce of the checkpoint I/O", [&] {
+        MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sums.data(), static_cast<int>(sums.size()),
+                                MPI_UINT64_T, MPI_SUM, comm));
+      });
     size_t si = 0;
     float dummy = 0.0f;
     for (const auto& s : shards) {
@@ -467,12 +473,13 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
   } catch (const Failed& f) {
     // every object of the file is closed by now (the unwinding); the file's space is freed
     // before its collective close, whose own failure no longer matters
-    if (rank == 0 && ::truncate(tmp.c_str(), 0) != 0) { /* removed below either way */ }
-    MPI_CHECK(MPI_Barrier(comm));
+    if (rank == 0 && ::truncate(tmp.c_str(), 0) != 0) { /* removed below either way */
+    }
+    watched("an MPI barrier of the checkpoint I/O", [&] { MPI_CHECK(MPI_Barrier(comm)); });
     file.reset();
     soft.agree(comm);
     if (rank == 0) std::remove(tmp.c_str());
-    MPI_CHECK(MPI_Barrier(comm));
+    watched("an MPI barrier of the checkpoint I/O", [&] { MPI_CHECK(MPI_Barrier(comm)); });
     throw UserError("checkpoint '" + final_path + "' could not be written (" + f.why +
                     "); the partial file was removed and earlier checkpoints are kept");
   }
@@ -480,7 +487,7 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
   file.reset();
   if (const std::string why = soft.agree(comm); !why.empty()) {
     if (rank == 0) std::remove(tmp.c_str());
-    MPI_CHECK(MPI_Barrier(comm));
+    watched("an MPI barrier of the checkpoint I/O", [&] { MPI_CHECK(MPI_Barrier(comm)); });
     throw UserError("checkpoint '" + final_path + "' could not be written (" + why +
                     ", closing it); the partial file was removed and earlier checkpoints are kept");
   }
@@ -504,7 +511,9 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
                        complete[i].c_str(), ec.message().c_str());
       }
     }
-    MPI_CHECK(MPI_Barrier(comm));  // nobody lists the directory while rank 0 prunes it
+    watched("an MPI barrier of the checkpoint I/O", [&] {
+      MPI_CHECK(MPI_Barrier(comm));
+    });  // nobody lists the directory while rank 0 prunes it
   }
   return final_path;
 }
@@ -517,15 +526,22 @@ H5Id open_complete_checkpoint(MPI_Comm comm, const std::string& path, const std:
                               std::string* err) {
   std::string why;
   switch (io_detail::probe_file(comm, path, &why)) {
-    case io_detail::FileProbe::missing: *err = what + ": no such file"; return H5Id();
-    case io_detail::FileProbe::not_hdf5: *err = what + " is not an HDF5 file"; return H5Id();
-    case io_detail::FileProbe::damaged: *err = what + " is damaged: " + why; return H5Id();
+    case io_detail::FileProbe::missing:
+      *err = what + ": no such file";
+      return H5Id();
+    case io_detail::FileProbe::not_hdf5:
+      *err = what + " is not an HDF5 file";
+      return H5Id();
+    case io_detail::FileProbe::damaged:
+      *err = what + " is damaged: " + why;
+      return H5Id();
     case io_detail::FileProbe::ok: break;
   }
   H5Id file = io_detail::open_parallel(comm, path, false);
   // Metadata is read collectively (rank 0 reads, broadcasts), so every rank sees the same
   // answers below; agreeing anyway costs one all-reduce and rules out a hang.
-  *err = first_failure(comm, file.valid(), what + " cannot be opened as HDF5 (truncated or corrupt?)");
+  *err =
+      first_failure(comm, file.valid(), what + " cannot be opened as HDF5 (truncated or corrupt?)");
   if (!err->empty()) return H5Id();
   bool ok = true;
   std::string msg;
@@ -554,8 +570,10 @@ std::vector<std::string> agreed_datasets(MPI_Comm comm, hid_t file, const std::s
   uint64_t h = 1469598103934665603ull;
   for (const auto& n : names) h = io_detail::fnv1a(h, n.data(), n.size() + 1);
   uint64_t lo = 0, hi = 0;
-  MPI_CHECK(MPI_Allreduce(&h, &lo, 1, MPI_UINT64_T, MPI_MIN, comm));
-  MPI_CHECK(MPI_Allreduce(&h, &hi, 1, MPI_UINT64_T, MPI_MAX, comm));
+  watched("an MPI all-reduce of the checkpoint I/O",
+          [&] { MPI_CHECK(MPI_Allreduce(&h, &lo, 1, MPI_UINT64_T, MPI_MIN, comm)); });
+  watched("an MPI all-reduce of the checkpoint I/O",
+          [&] { MPI_CHECK(MPI_Allreduce(&h, &hi, 1, MPI_UINT64_T, MPI_MAX, comm)); });
   if (lo != hi) *err = what + ": its ranks read different dataset lists (damaged metadata)";
   return names;
 }
@@ -678,7 +696,8 @@ void read_checkpoint(MPI_Comm comm, const std::string& path, std::vector<TensorS
                      CheckpointMeta* meta) {
   std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
   for (const auto& s : shards) check_shard_bounds(s);
-  io_detail::check_same_on_all_ranks(comm, shard_signature(shards), "checkpoint tensor names/shapes");
+  io_detail::check_same_on_all_ranks(comm, shard_signature(shards),
+                                     "checkpoint tensor names/shapes");
   const std::string bad = try_read_checkpoint(comm, path, shards, meta);
   if (!bad.empty()) throw UserError(bad);  // the same verdict on every rank
 }
@@ -703,7 +722,8 @@ std::string resume_checkpoint(MPI_Comm comm, const std::string& dir,
   int rank = 0;
   MPI_Comm_rank(comm, &rank);
   for (const auto& s : shards) check_shard_bounds(s);
-  io_detail::check_same_on_all_ranks(comm, shard_signature(shards), "checkpoint tensor names/shapes");
+  io_detail::check_same_on_all_ranks(comm, shard_signature(shards),
+                                     "checkpoint tensor names/shapes");
   auto warn = [&](const std::string& m) {
     if (rank != 0) return;
     std::fprintf(stderr, "vitgrid: warning: checkpoint.resume = auto: %s\n", m.c_str());
@@ -734,13 +754,17 @@ std::string resume_checkpoint(MPI_Comm comm, const std::string& dir,
       std::sort(found.begin(), found.end(),
                 [](const StepFile& a, const StepFile& b) { return a.step > b.step; });
       for (const auto& f : found)
-        listing += std::string(f.regular ? "r" : "n") + std::to_string(f.step) + " " + f.path + "\n";
+        listing +=
+            std::string(f.regular ? "r" : "n") + std::to_string(f.step) + " " + f.path + "\n";
     }
   }
   int len = static_cast<int>(listing.size());
-  MPI_CHECK(MPI_Bcast(&len, 1, MPI_INT, 0, comm));
+  watched("an MPI broadcast of the checkpoint I/O",
+          [&] { MPI_CHECK(MPI_Bcast(&len, 1, MPI_INT, 0, comm)); });
   listing.resize(len);
-  if (len > 0) MPI_CHECK(MPI_Bcast(&listing[0], len, MPI_CHAR, 0, comm));
+  if (len > 0)
+    watched("an MPI broadcast of the checkpoint I/O",
+            [&] { MPI_CHECK(MPI_Bcast(&listing[0], len, MPI_CHAR, 0, comm)); });
   if (!listing.empty() && listing[0] == '!') throw UserError(listing.substr(1));
   std::vector<StepFile> files;
   for (size_t a = 0, b; (b = listing.find('\n', a)) != std::string::npos; a = b + 1) {
@@ -767,11 +791,12 @@ std::string resume_checkpoint(MPI_Comm comm, const std::string& dir,
     if (files.empty()) return "";
     // Starting over would write these names again: never replace a checkpoint that may hold
     // the only copy of the run's work.
-    std::string msg = "none of the " + std::to_string(files.size()) +
-                      " checkpoint file(s) in '" + dir + "' can be resumed from (";
+    std::string msg = "none of the " + std::to_string(files.size()) + " checkpoint file(s) in '" +
+                      dir + "' can be resumed from (";
     for (size_t i = 0; i < rejected.size(); ++i) msg += (i ? "; " : "") + rejected[i].second;
-    msg += "); starting over would overwrite them: move them away (or give checkpoint.load = "
-           "PATH to start from one of them) and run again";
+    msg +=
+        "); starting over would overwrite them: move them away (or give checkpoint.load = "
+        "PATH to start from one of them) and run again";
     throw UserError("checkpoint.resume = auto: " + msg);
   }
   // The rejected ones are newer than the one resumed from: this run writes their steps
@@ -784,9 +809,10 @@ std::string resume_checkpoint(MPI_Comm comm, const std::string& dir,
         warn("cannot rename '" + r.first + "' to '" + r.first + ".rejected': " + ec.message() +
              "; this run will write over it");
       else
-        warn("kept '" + r.first + "' as '" + r.first + ".rejected' (this run writes that step again)");
+        warn("kept '" + r.first + "' as '" + r.first +
+             ".rejected' (this run writes that step again)");
     }
-  MPI_CHECK(MPI_Barrier(comm));
+  watched("an MPI barrier of the checkpoint I/O", [&] { MPI_CHECK(MPI_Barrier(comm)); });
   return chosen;
 }
 

@@ -9,9 +9,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <chrono>
 #include <string>
 #include <vector>
 
@@ -43,13 +43,27 @@ class Hid {
   ~Hid() {
     if (id_ < 0) return;
     switch (H5Iget_type(id_)) {
-      case H5I_FILE: H5Fclose(id_); break;
-      case H5I_DATASET: H5Dclose(id_); break;
-      case H5I_DATASPACE: H5Sclose(id_); break;
-      case H5I_DATATYPE: H5Tclose(id_); break;
-      case H5I_ATTR: H5Aclose(id_); break;
-      case H5I_GENPROP_LST: H5Pclose(id_); break;
-      default: H5Oclose(id_); break;
+      case H5I_FILE:
+        H5Fclose(id_);
+        break;
+      case H5I_DATASET:
+        H5Dclose(id_);
+        break;
+      case H5I_DATASPACE:
+        H5Sclose(id_);
+        break;
+      case H5I_DATATYPE:
+        H5Tclose(id_);
+        break;
+      case H5I_ATTR:
+        H5Aclose(id_);
+        break;
+      case H5I_GENPROP_LST:
+        H5Pclose(id_);
+        break;
+      default:
+        H5Oclose(id_);
+        break;
     }
   }
   Hid(const Hid&) = delete;
@@ -158,7 +172,6 @@ std::string walk_metadata(const std::string& path) {
   return "";
 }
 
-
 }  // namespace
 
 H5ErrorSilencer::H5ErrorSilencer() {
@@ -214,7 +227,9 @@ std::string hdf5_metadata_problem_isolated(const std::string& path) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   bool timed_out = false;
   for (;;) {
-    struct pollfd p {fds[0], POLLIN, 0};
+    struct pollfd p {
+      fds[0], POLLIN, 0
+    };
     const int left = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(
                                           deadline - std::chrono::steady_clock::now())
                                           .count());
@@ -283,7 +298,8 @@ std::string SoftFailures::take() {
     else if (g_soft.err == EIO || g_soft.err == EROFS || g_soft.err == EACCES)
       msg = std::strerror(g_soft.err);
     else
-      msg = std::string("HDF5 call failed: ") + g_soft.call + (have ? std::string("; ") + space : "");
+      msg =
+          std::string("HDF5 call failed: ") + g_soft.call + (have ? std::string("; ") + space : "");
   }
   g_soft.failed = false;
   errno = 0;

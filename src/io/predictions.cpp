@@ -3,6 +3,7 @@
 #include <filesystem>
 
 #include "h5_parallel.h"
+#include "vitgrid/core/watchdog.h"
 #include "vitgrid/io/metrics.h"
 
 namespace vitgrid {
@@ -14,6 +15,7 @@ void write_predictions(MPI_Comm comm, const std::string& path, const std::string
                        int64_t total, int num_classes, int64_t first_index,
                        const std::vector<float>& logits, const std::vector<int32_t>& labels) {
   std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
+  WatchdogWait w("the collective HDF5 write of predictions.h5");
   const hsize_t rows = labels.size();
   const hsize_t k = static_cast<hsize_t>(num_classes);
   VG_CHECK(total >= 0 && num_classes > 0, "predictions: total " << total << ", classes " << num_classes);

@@ -113,7 +113,8 @@ static void retire(MPI_Request* r) {
 int MPI_Isend(const void* buf, int count, MPI_Datatype type, int dest, int tag, MPI_Comm comm,
               MPI_Request* req) {
   delay();
-  if (!lazy_on() || g_nlazy == VG_MAX_LAZY) return PMPI_Isend(buf, count, type, dest, tag, comm, req);
+  if (!lazy_on() || g_nlazy == VG_MAX_LAZY)
+    return PMPI_Isend(buf, count, type, dest, tag, comm, req);
   int rc = PMPI_Send_init(buf, count, type, dest, tag, comm, req);
   if (rc != MPI_SUCCESS) return rc;
   g_lazy[g_nlazy] = *req;
@@ -210,8 +211,8 @@ int MPI_Iallgather(const void* in, int scount, MPI_Datatype stype, void* out, in
   start_lazy();
   return PMPI_Iallgather(in, scount, stype, out, rcount, rtype, comm, req);
 }
-int MPI_Ireduce_scatter_block(const void* in, void* out, int count, MPI_Datatype type,
-                              MPI_Op op, MPI_Comm comm, MPI_Request* req) {
+int MPI_Ireduce_scatter_block(const void* in, void* out, int count, MPI_Datatype type, MPI_Op op,
+                              MPI_Comm comm, MPI_Request* req) {
   delay();
   start_lazy();
   return PMPI_Ireduce_scatter_block(in, out, count, type, op, comm, req);
@@ -228,8 +229,8 @@ int MPI_Allgather(const void* in, int scount, MPI_Datatype stype, void* out, int
   start_lazy();
   return PMPI_Allgather(in, scount, stype, out, rcount, rtype, comm);
 }
-int MPI_Reduce_scatter_block(const void* in, void* out, int count, MPI_Datatype type,
-                             MPI_Op op, MPI_Comm comm) {
+int MPI_Reduce_scatter_block(const void* in, void* out, int count, MPI_Datatype type, MPI_Op op,
+                             MPI_Comm comm) {
   delay();
   start_lazy();
   return PMPI_Reduce_scatter_block(in, out, count, type, op, comm);

@@ -246,7 +246,8 @@ TEST(Checkpoint, KeepPrunesOlderAndLeavesNoTmp) {
 
 // Rank 0: a copy of `from` with the byte at `offset` inverted (cut to `offset` bytes when
 // `truncate`).
-void damaged_copy(const std::string& from, const std::string& to, size_t offset, bool truncate = false) {
+void damaged_copy(const std::string& from, const std::string& to, size_t offset,
+                  bool truncate = false) {
   if (rank_of() == 0) {
     std::filesystem::copy_file(from, to, std::filesystem::copy_options::overwrite_existing);
     if (truncate) {
@@ -305,9 +306,11 @@ TEST(Checkpoint, ResumeFallsBackAndKeepsWhatItRejects) {
       if (s.name.rfind("optim/", 0) == 0 && s.data)
         for (int64_t i = 0; i < n; ++i) s.data[i] = 1234.5f;
     }
-    std::string p = vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp / "m", 60, m60.shards, make_meta(60));
+    std::string p =
+        vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp / "m", 60, m60.shards, make_meta(60));
     const float v = 1234.5f;
-    damaged_copy(p, tmp / "step_00000060.h5", find_bytes(p, std::string(reinterpret_cast<const char*>(&v), 4)));
+    damaged_copy(p, tmp / "step_00000060.h5",
+                 find_bytes(p, std::string(reinterpret_cast<const char*>(&v), 4)));
   }
   // an object header of a dataset damaged (HDF5 signatures "OHDR" / "TREE" / "SNOD")
   for (const char* sig : {"TREE", "SNOD"}) {
@@ -335,7 +338,8 @@ TEST(Checkpoint, ResumeFallsBackAndKeepsWhatItRejects) {
 TEST(Checkpoint, ResumeRefusesRatherThanOverwrite) {
   vgtest::SharedTmpDir tmp;
   ShardSet w = make_write_set();
-  std::string p10 = vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp / "a", 10, w.shards, make_meta(10));
+  std::string p10 =
+      vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp / "a", 10, w.shards, make_meta(10));
   // only incomplete checkpoints (their tensors intact): a fresh start would write over them
   if (rank_of() == 0) std::filesystem::create_directory(tmp / "b");
   make_incomplete_copy(p10, tmp / "b/step_00000010.h5");
@@ -352,7 +356,8 @@ TEST(Checkpoint, ResumeRefusesRatherThanOverwrite) {
       {"none of the 2 checkpoint file(s)", "step_00000020.h5' is incomplete",
        "step_00000010.h5' is incomplete", "would overwrite them"});
   if (rank_of() == 0) {
-    EXPECT_EQ(list_dir(tmp / "b"), (std::vector<std::string>{"step_00000010.h5", "step_00000020.h5"}));
+    EXPECT_EQ(list_dir(tmp / "b"),
+              (std::vector<std::string>{"step_00000010.h5", "step_00000020.h5"}));
   }
   // a checkpoint of another model (a tensor of another shape): refused, not overwritten
   ShardSet wrong = make_read_set();
@@ -372,7 +377,8 @@ TEST(Checkpoint, ResumeRefusesRatherThanOverwrite) {
 TEST(Checkpoint, DamagedAnywhereIsRefusedNotFatal) {
   vgtest::SharedTmpDir tmp;
   ShardSet w = make_write_set();
-  std::string good = vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp / "g", 5, w.shards, make_meta(5));
+  std::string good =
+      vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp / "g", 5, w.shards, make_meta(5));
   uint64_t size = 0;
   if (rank_of() == 0) size = std::filesystem::file_size(good);
   MPI_Bcast(&size, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
@@ -394,7 +400,8 @@ TEST(Checkpoint, DamagedAnywhereIsRefusedNotFatal) {
     damaged_copy(good, tmp / "d.h5", off);
     attempt(tmp / "d.h5");
   }
-  for (size_t cut : {size_t(0), size_t(512), size_t(4096), span / 2, static_cast<size_t>(size - 1)}) {
+  for (size_t cut :
+       {size_t(0), size_t(512), size_t(4096), span / 2, static_cast<size_t>(size - 1)}) {
     damaged_copy(good, tmp / "t.h5", cut, true);
     attempt(tmp / "t.h5");
   }

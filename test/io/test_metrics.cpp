@@ -466,7 +466,9 @@ TEST(Metrics, AppendRefusesGarbageAndBrokenSegments) {
   }
   MPI_Barrier(MPI_COMM_WORLD);
   vgtest::expect_user_error_everywhere(
-      [&] { vitgrid::MetricsWriter mw(MPI_COMM_WORLD, garbage, kDeck, grid(), "1d", "cpu", true, 3); },
+      [&] {
+        vitgrid::MetricsWriter mw(MPI_COMM_WORLD, garbage, kDeck, grid(), "1d", "cpu", true, 3);
+      },
       {garbage, "not an HDF5 file"});
 
   // a segments table missing a column

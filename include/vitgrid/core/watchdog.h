@@ -30,4 +30,11 @@ class WatchdogWait {
   bool outer_;
 };
 
+// Runs `call` (one blocking communication call) under a WatchdogWait named `what`.
+template <class F>
+decltype(auto) watched(const char* what, F&& call) {
+  WatchdogWait w(what);
+  return call();
+}
+
 }  // namespace vitgrid

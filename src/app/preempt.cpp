@@ -34,7 +34,7 @@ PreemptionWatch::~PreemptionWatch() {
 
 bool PreemptionWatch::requested(MPI_Comm comm) {
   int mine = g_signal.load(std::memory_order_relaxed), any = 0;
-  WatchdogWait w("the MPI all-reduce of the preemption signal", "world");
+  WatchdogWait w("the MPI all-reduce of the preemption signal");
   MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, comm);
   if (any != 0) agreed_ = any;
   return any != 0;

@@ -497,7 +497,7 @@ struct Trainer::Impl {
   void from_last_stage(double* v, int n) {
     const int P = grid->size(Axis::Pipeline);
     if (P == 1) return;
-    WatchdogWait w("an MPI broadcast from the last stage", "pipeline axis");
+    WatchdogWait w("an MPI broadcast from the last stage", "pipeline");
     MPI_Bcast(v, n, MPI_DOUBLE, P - 1, grid->comm(Axis::Pipeline).get());
   }
 
@@ -607,7 +607,7 @@ struct Trainer::Impl {
     p.scale = scale;
     if (scaler->enabled()) {  // fp16: the host decides on the overflow verdict
       int f = opt->grads_finite(model->grads()) ? 1 : 0;
-      WatchdogWait w("the MPI all-reduce of the fp16 overflow verdict", "world");
+      WatchdogWait w("the MPI all-reduce of the fp16 overflow verdict");
       MPI_Allreduce(MPI_IN_PLACE, &f, 1, MPI_INT, MPI_MIN, world);  // agreed over every axis
       p.applied = scaler->update(f != 0);
     }
@@ -641,7 +641,7 @@ struct Trainer::Impl {
     std::vector<double> v(2 * P, 0.0);
     v[s] = pipe->wait_seconds();
     v[P + s] = pipe->total_seconds();
-    WatchdogWait w("the MPI all-reduce of the pipeline bubble", "world");
+    WatchdogWait w("the MPI all-reduce of the pipeline bubble");
     MPI_Allreduce(MPI_IN_PLACE, v.data(), 2 * P, MPI_DOUBLE, MPI_SUM, world);
     const PipelinePlans& pl = pipe->train_plans();
     const double theory = theoretical_bubble(pl.schedule, pl.P, pl.V, pl.M);
@@ -827,7 +827,7 @@ struct Trainer::Impl {
     meta.state["loss_scale"] = {double(scaler->scale())};
     meta.state["scaler_good_steps"] = {double(scaler->good_steps())};
     {
-      WatchdogWait w("the MPI barrier before a checkpoint", "world");
+      WatchdogWait w("the MPI barrier before a checkpoint");
       MPI_Barrier(world);
     }
     const double t0 = now_s();
@@ -932,7 +932,7 @@ struct Trainer::Impl {
       }
       ++t;
     }
-    WatchdogWait w("the MPI all-reduce of the evaluation sums", "data axis");
+    WatchdogWait w("the MPI all-reduce of the evaluation sums", "data");
     MPI_Allreduce(MPI_IN_PLACE, s, 4, MPI_DOUBLE, MPI_SUM, grid->comm(Axis::Data).get());
     from_last_stage(s, 3);  // the sums are known on the last stage; the counts everywhere
     const double n = std::max(s[3], 1.0);
@@ -1014,7 +1014,7 @@ struct Trainer::Impl {
       t_done = now;
       double dt_max = dt;
       {
-        WatchdogWait w("the MPI all-reduce of the step time", "world");
+        WatchdogWait w("the MPI all-reduce of the step time");
         MPI_Allreduce(MPI_IN_PLACE, &dt_max, 1, MPI_DOUBLE, MPI_MAX, world);
       }
       ++steps_since_log;

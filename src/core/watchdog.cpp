@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <string>
 #include <thread>
 
 namespace vitgrid {
@@ -43,11 +44,13 @@ int64_t now_ns() {
   int rank = -1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   const char* where = g_where.load();
+  // the axis, when the call runs on one ("world" is the whole job)
+  const bool axis = where[0] && std::string(where) != "world";
   std::fprintf(stderr,
-               "vitgrid: error: rank %d on %s has waited %.0f s in %s%s%s (device.comm_timeout = "
+               "vitgrid: error: rank %d on %s has waited %.0f s in %s%s%s%s (device.comm_timeout = "
                "%.0f s): a rank of the job stopped responding; ending the job\n",
-               rank, host, waited, g_what.load(), where[0] ? " on the " : "", where[0] ? where : "",
-               timeout);
+               rank, host, waited, g_what.load(), axis ? " on the " : "", axis ? where : "",
+               axis ? " axis" : "", timeout);
   std::fflush(stderr);
   int level = MPI_THREAD_SINGLE;
   MPI_Query_thread(&level);

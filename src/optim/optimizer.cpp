@@ -125,7 +125,7 @@ std::vector<double> Optimizer::piece_norms(const float* buf, const std::vector<P
   std::vector<double> sq(plain_.size(), 0.0);
   for (size_t i = 0; i < part.size(); ++i) sq[zparam_[i]] += part[i];
   // a parameter may straddle pieces of several ranks: whole-parameter sums
-  WatchdogWait w("the MPI all-reduce of the parameter norms", "data axis");
+  WatchdogWait w("the MPI all-reduce of the parameter norms", "data");
   MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sq.data(), static_cast<int>(sq.size()), MPI_DOUBLE,
                           MPI_SUM, data_comm_));
   return sq;
@@ -245,7 +245,7 @@ void Optimizer::gather_pieces_to_host(const float* device, bool flat, float* hos
   for (size_t b = 0; b < shards_.buckets.size(); ++b) {
     const size_t c = shards_.piece_n(b);
     VG_CHECK(c <= static_cast<size_t>(INT_MAX), "bucket piece of " << c << " floats");
-    WatchdogWait w("the MPI all-gather of the optimizer state", "data axis");
+    WatchdogWait w("the MPI all-gather of the optimizer state", "data");
     MPI_CHECK(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, host + shards_.buckets[b].offset,
                             static_cast<int>(c), MPI_FLOAT, data_comm_));
   }

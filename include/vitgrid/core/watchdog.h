@@ -16,8 +16,9 @@ void start_watchdog(double timeout_s);
 // Stops it (joins the thread); safe without a start.
 void stop_watchdog();
 
-// Marks the calling thread as blocked in a communication call for its lifetime: `what` and
-// `where` name the call (both must outlive the wait: string literals, axis names). Nested
+// Marks the calling thread as blocked in a communication call for its lifetime: `what` names
+// the call, `where` the axis it runs on ("" or "world": the whole job); both must outlive the
+// wait (string literals, axis_name()). Nested
 // waits keep the outermost. Costs two relaxed atomic stores when nothing is wrong.
 class WatchdogWait {
  public:

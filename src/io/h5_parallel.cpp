@@ -98,11 +98,11 @@ FileProbe probe_file(MPI_Comm comm, const std::string& path, std::string* why) {
     }
   }
   int msg[2] = {result, static_cast<int>(reason.size())};
-  watched("an MPI broadcast of the HDF5 I/O",
+  watched("the MPI broadcast of rank 0's look at an HDF5 file",
           [&] { MPI_CHECK(MPI_Bcast(msg, 2, MPI_INT, 0, comm)); });
   reason.resize(static_cast<size_t>(msg[1]));
   if (msg[1] > 0)
-    watched("an MPI broadcast of the HDF5 I/O",
+    watched("the MPI broadcast of rank 0's look at an HDF5 file",
             [&] { MPI_CHECK(MPI_Bcast(&reason[0], msg[1], MPI_CHAR, 0, comm)); });
   if (why) *why = reason;
   return static_cast<FileProbe>(msg[0]);
@@ -280,9 +280,9 @@ uint64_t fnv1a(uint64_t h, const void* data, size_t n) {
 
 void check_same_on_all_ranks(MPI_Comm comm, uint64_t h, const char* what) {
   uint64_t lo = 0, hi = 0;
-  watched("an MPI all-reduce of the HDF5 I/O",
+  watched("the MPI all-reduce that checks the ranks call HDF5 alike",
           [&] { MPI_CHECK(MPI_Allreduce(&h, &lo, 1, MPI_UINT64_T, MPI_MIN, comm)); });
-  watched("an MPI all-reduce of the HDF5 I/O",
+  watched("the MPI all-reduce that checks the ranks call HDF5 alike",
           [&] { MPI_CHECK(MPI_Allreduce(&h, &hi, 1, MPI_UINT64_T, MPI_MAX, comm)); });
   if (lo != hi) VG_FAIL(what << " differ between ranks (collective HDF5 calls need identical arguments)");
 }

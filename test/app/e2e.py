@@ -397,30 +397,50 @@ def t_signals(tmp):
       checkpoint is complete, no .tmp is left, and the run resumes bit for bit.
     - kill -STOP of one rank: within device.comm_timeout the others name the call they wait in
       and end the job (non-zero exit), instead of waiting for good."""
-    steps = 200
-    base = ["--run.steps=%d" % steps, "--checkpoint.every_steps=0", "--run.log_every=1",
-            "--run.eval_every=0"]
-    ref = os.path.join(tmp, "ref")
-    run(2, ["train", DECK, f"--run.out_dir={ref}"] + base)
-    _, lref = losses(ref)
+    # The interrupted runs are long (still running whenever the signal comes) with a constant
+    # learning rate (the schedule does not depend on run.steps); each resumes to 10 steps past
+    # its checkpoint and is compared with an uninterrupted run of that length.
+    # (a model a few times the tiny deck's: a step of milliseconds, so that a signal lands within
+    # a few dozen steps)
+    base = ["--run.log_every=1", "--run.eval_every=0", "--optim.schedule=constant",
+            "--model.hidden=64", "--model.heads=4", "--model.depth=4"]
+    long_run = ["--run.steps=1000000"] + base
 
-    def resumes_exactly(d, what):
-        ck = [f for f in os.listdir(os.path.join(d, "checkpoints"))]
-        check(len(ck) == 1 and ck[0].endswith(".h5"), f"{what}: one complete checkpoint, nothing else: {ck}")
-        with h5py.File(os.path.join(d, "checkpoints", ck[0]), "r") as f:
-            check(int(f.attrs["complete"]) == 1, f"{what}: the checkpoint is marked complete")
-        run(2, ["train", DECK, f"--run.out_dir={d}", "--checkpoint.resume=auto"] + base)
+    def complete_checkpoints(d):
+        done = []
+        for f in sorted(os.listdir(os.path.join(d, "checkpoints"))):
+            if f.endswith(".h5"):
+                with h5py.File(os.path.join(d, "checkpoints", f), "r") as h:
+                    if int(h.attrs.get("complete", 0)) == 1:
+                        done.append(f)
+        return done
+
+    def resumes_exactly(d, what, flags=("--checkpoint.every_steps=0",)):
+        done = complete_checkpoints(d)
+        check(bool(done), f"{what}: a complete checkpoint to resume from: {done}")
+        if not done:
+            return
+        end = int(done[-1][5:13]) + 10
+        run(2, ["train", DECK, f"--run.out_dir={d}", "--checkpoint.resume=auto",
+                f"--run.steps={end}"] + base + list(flags))
+        ref = os.path.join(tmp, f"ref{end}")
+        if not os.path.exists(ref):
+            run(2, ["train", DECK, f"--run.out_dir={ref}", f"--run.steps={end}",
+                    "--checkpoint.every_steps=0"] + base)
         s2, l2 = losses(d)
-        check(list(s2) == list(range(1, steps + 1)) and np.array_equal(l2, lref),
-              f"{what}: resumed run equals the uninterrupted one")
+        check(list(s2) == list(range(1, end + 1)) and np.array_equal(l2, losses(ref)[1]),
+              f"{what}: resumed to step {end}, equal to an uninterrupted run")
 
     # SIGTERM to the launch script
     d = os.path.join(tmp, "script")
     launcher = os.path.join(os.path.dirname(os.path.dirname(HERE)), "jobs", "mpirun.sh")
-    p, seen = launch_until_step(["bash", launcher, DECK, "2", f"--run.out_dir={d}"] + base, 8)
+    p, seen = launch_until_step(["bash", launcher, DECK, "2", f"--run.out_dir={d}",
+                                 "--checkpoint.every_steps=0"] + long_run, 8)
     p.send_signal(signal.SIGTERM)
     rc, out = finish(p, seen, 120)
     check(rc == 3 and "preempted (signal" in out, f"SIGTERM to jobs/mpirun.sh: exit {rc} == 3, preempted")
+    ck = os.listdir(os.path.join(d, "checkpoints"))
+    check(len(ck) == 1 and ck[0].endswith(".h5"), f"SIGTERM to jobs/mpirun.sh: one checkpoint, nothing else: {ck}")
     resumes_exactly(d, "SIGTERM to jobs/mpirun.sh")
 
     # SIGTERM to mpirun itself with a checkpoint that takes seconds to write (delays before
@@ -439,31 +459,38 @@ def t_signals(tmp):
                                    ("SIGTERM to mpirun, VITGRID_KILL_GRACE",
                                     {"OMPI_MCA_odls_base_sigkill_timeout": grace}, 0)]:
         d = os.path.join(tmp, what.replace(" ", "_").replace(",", ""))
-        flags = [f for f in base if not f.startswith("--checkpoint.every_steps")]
+        flags = [f"--checkpoint.every_steps={every}"]
         cmd = ["mpirun", "-np", "2", "--oversubscribe", "-x", f"LD_PRELOAD={lib}", "-x",
                "VG_MPI_DELAY_P", "-x", "VG_MPI_DELAY_US", "-x", "VG_MPI_LAZY_SENDS", VITGRID,
-               "train", DECK, f"--run.out_dir={d}", f"--checkpoint.every_steps={every}"] + flags
+               "train", DECK, f"--run.out_dir={d}"] + long_run + flags
         p, seen = launch_until_step(cmd, 6, dict(slow, **extra_env))
         p.send_signal(signal.SIGTERM)
         rc, out = finish(p, seen, 120)
-        complete = []
-        for f in sorted(os.listdir(os.path.join(d, "checkpoints"))):
-            if f.endswith(".h5"):
-                with h5py.File(os.path.join(d, "checkpoints", f), "r") as h:
-                    if int(h.attrs.get("complete", 0)) == 1:
-                        complete.append(f)
+        done = complete_checkpoints(d)
         if extra_env:
-            check(rc is not None and "preempted (signal 15)" in out and len(complete) == 1 and
+            check(rc is not None and "preempted (signal 15)" in out and len(done) >= 1 and
                   not any(f.endswith(".tmp") for f in os.listdir(os.path.join(d, "checkpoints"))),
-                  f"{what}: the final checkpoint completes (exit {rc}, {complete})")
+                  f"{what}: the final checkpoint completes (exit {rc}, {done})")
         else:
-            check(rc is not None and "step_00000004.h5" in complete,
-                  f"{what}: the job ends (exit {rc}); the earlier checkpoint is intact ({complete})")
-        run(2, ["train", DECK, f"--run.out_dir={d}", "--checkpoint.resume=auto",
-                f"--checkpoint.every_steps={every}"] + flags)
-        s2, l2 = losses(d)
-        check(list(s2) == list(range(1, steps + 1)) and np.array_equal(l2, lref),
-              f"{what}: resumed run equals the uninterrupted one")
+            check(rc is not None and "step_00000004.h5" in done,
+                  f"{what}: the job ends (exit {rc}); the earlier checkpoints are intact ({done})")
+        resumes_exactly(d, what, flags)
+
+    # SIGUSR1 to one rank that is not rank 0: every rank stops, and the log (rank 0's) names
+    # the signal another rank received
+    d = os.path.join(tmp, "one_rank")
+    cmd = ["mpirun", "-np", "2", "--oversubscribe", VITGRID, "train", DECK,
+           f"--run.out_dir={d}", "--checkpoint.every_steps=0"] + long_run
+    p, seen = launch_until_step(cmd, 5)
+    ranks = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+    rank1 = [r for r in ranks if "OMPI_COMM_WORLD_RANK=1" in
+             open(f"/proc/{r}/environ", "rb").read().decode(errors="replace").replace("\0", " ")]
+    check(len(rank1) == 1, f"found rank 1's process among {ranks}")
+    if rank1:
+        os.kill(int(rank1[0]), signal.SIGUSR1)
+    rc, out = finish(p, seen, 120)
+    check(rc == 3 and "preempted (signal 10)" in out,
+          f"SIGUSR1 to rank 1 alone: exit {rc} == 3, the log names signal 10")
 
     # a frozen rank, stopped at three moments (the survivor waits in a different call each time)
     for k, at in enumerate((3, 7, 12)):

@@ -412,6 +412,9 @@ class Backend {
   virtual double seconds_between(int a, int b) = 0;
   virtual void clear_marks() = 0;
 
+  // The device's JPEG decoder (backend/image_decoder.h), created on first use; null where the
+  // backend has none (the CPU backend: the loader decodes with libjpeg-turbo).
+  virtual class ImageDecoder* image_decoder() { return nullptr; }
   // ---- input batches, copied while the previous batch computes. A slot is a host staging
   // area (page-locked on CUDA) plus the device buffer the caller uploads it into.
   // staging(slot, bytes) returns the slot's host area once its previous upload has read it;

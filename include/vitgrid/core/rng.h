@@ -68,7 +68,9 @@ enum RngStream : uint64_t {
   kStreamAugment = 3,   // crop / flip per (step, global sample)
   kStreamMixup = 4,     // lambda and partner per (step, global sample)
   kStreamDropout = 5,   // dropout masks per (step, micro, layer site, global element)
-  kStreamSynthetic = 6  // the synthetic dataset's images
+  kStreamSynthetic = 6, // the synthetic dataset's images
+  kStreamCrop = 7,      // RandomResizedCrop draws per global sample
+  kStreamCutmix = 8     // CutMix box and the Mixup/CutMix switch per global sample
 };
 
 }  // namespace vitgrid

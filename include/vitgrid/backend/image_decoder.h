@@ -1,0 +1,43 @@
+// Batched image decoding on the device (the CUDA backend: nvJPEG, with the hardware JPEG engine
+// where the GPU has one, A100/H100, else nvJPEG's hybrid/CUDA decoder), each image's crop box
+// resampled to S x S with Pillow's antialiased filter (data/image_transform.h: resample()) and
+// optionally mirrored, written as uint8 HWC into the device batch. Decoding, crop, resize and
+// flip of a batch run on the decoder's own stream so they overlap the previous step's compute.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace vitgrid {
+
+struct DecodeJob {
+  const uint8_t* data = nullptr;  // the JPEG bitstream in host memory (pinned staging)
+  size_t size = 0;
+  double x0 = 0, y0 = 0, x1 = 0, y1 = 0;  // source box (data/image_transform.h Box)
+  int flip = 0;
+  int slot = 0;  // output image index: out + slot * S * S * 3
+};
+
+class ImageDecoder {
+ public:
+  virtual ~ImageDecoder() = default;
+  // Whether the device decoder takes this JPEG (from its header: data/image_decode.h
+  // peek_image); the others are decoded on the CPU by the loader. nvJPEG's hardware engine
+  // takes baseline 4:4:4, 4:2:2, 4:2:0, 4:4:0 and grayscale; CMYK/YCCK, progressive and PNG go
+  // to the CPU (or to nvJPEG's hybrid decoder where that is the backend in use).
+  virtual bool accepts(int components, bool progressive, int sub_h, int sub_v) const = 0;
+  // Enqueues decoding of jobs[0..n) on the decoder's stream, then the crop/resize/flip of each
+  // into out_dev (device, [*, S, S, 3] uint8). The host bitstreams must stay untouched until
+  // join() has been called and the backend's compute stream has passed that point. Returns the
+  // indices (into jobs) of images the decoder could not parse or decode (corrupt bitstreams:
+  // the caller decodes them on the CPU or replaces them); they are not written.
+  virtual std::vector<int> decode_async(const DecodeJob* jobs, int n, int S, int interp,
+                                        uint8_t* out_dev) = 0;
+  // The backend's compute stream waits for everything decode_async enqueued so far.
+  virtual void join() = 0;
+  // "nvJPEG hardware engine" / "nvJPEG hybrid (CUDA)": recorded in the run's outputs.
+  virtual std::string describe() const = 0;
+};
+
+}  // namespace vitgrid

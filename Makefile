@@ -23,7 +23,8 @@ export OPENBLAS_NUM_THREADS ?= 1
 APT_PACKAGES := build-essential cmake pkg-config openmpi-bin libopenmpi-dev \
   libhdf5-openmpi-dev hdf5-tools libboost-program-options-dev libopenblas-dev \
   libgtest-dev libbenchmark-dev python3 python3-numpy python3-h5py python3-torch \
-  python3-matplotlib
+  python3-matplotlib libprotobuf-dev protobuf-compiler python3-protobuf python3-pil \
+  python3-crcmod libjpeg62-turbo-dev libpng-dev
 
 .PHONY: deps build run test bench format clean help
 
@@ -45,7 +46,8 @@ deps:
 	@# CUTLASS, only where CUDA is (never fails)
 	@if [ -x /usr/local/cuda/bin/nvcc ] || command -v nvcc >/dev/null 2>&1; then \
 	  bash tools/fetch_cudnn_frontend.sh $(BUILD)/_deps/cudnn_frontend || true; \
-	  bash tools/fetch_cutlass.sh $(BUILD)/_deps/cutlass || true; fi
+	  bash tools/fetch_cutlass.sh $(BUILD)/_deps/cutlass || true; \
+	  bash tools/fetch_nvjpeg.sh $(BUILD)/_deps/nvjpeg || true; fi
 
 $(BUILD)/CMakeCache.txt:
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)

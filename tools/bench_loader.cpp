@@ -1,14 +1,22 @@
-// Input-pipeline throughput on its own: how many images per second one rank's loader delivers
-// (dataset read + augmentation and Mixup draws; the normalise/crop/flip itself runs on the
-// device in Backend::prepare_images, so it is timed separately here on the CPU reference).
-//   bench_loader DECK [--batches=N] [--section.key=value ...]
+// Input-pipeline throughput on its own: how many images per second one rank's loader delivers.
+// Raw sources: dataset read + augmentation and Mixup draws (the normalise/crop/flip runs on the
+// device in Backend::prepare_images, timed separately here on the CPU reference). Encoded
+// sources (JPEG): read, header, RandomResizedCrop draw, then
+//   --decode=host    libjpeg-turbo decode + crop + resize + flip on the loader's workers
+//   --decode=device  the device's batched decoder (nvJPEG) for the JPEGs it takes, the rest on
+//                    the host; each batch is complete on the device before the next is counted
+//   bench_loader DECK [--batches=N] [--decode=host|device] [--section.key=value ...]
 // Compare with what the GPU consumes (vitgrid bench's img/s per rank).
 #include <mpi.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <string>
 #include <vector>
 
+#include "vitgrid/backend/backend.h"
+#include "vitgrid/backend/image_decoder.h"
 #include "vitgrid/core/error.h"
 #include "vitgrid/core/log.h"
 #include "vitgrid/data/dataset.h"
@@ -19,50 +27,79 @@ int main(int argc, char** argv) {
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   int rc = 0;
   try {
-    if (argc < 2) throw vitgrid::UserError("usage: bench_loader DECK [--batches=N] [overrides]");
+    if (argc < 2)
+      throw vitgrid::UserError("usage: bench_loader DECK [--batches=N] [--decode=host|device] [overrides]");
     int batches = 20;
+    std::string decode = "host";
     std::vector<std::string> over;
     for (int i = 2; i < argc; ++i) {
       std::string a = argv[i];
       if (a.rfind("--batches=", 0) == 0)
         batches = std::stoi(a.substr(10));
+      else if (a.rfind("--decode=", 0) == 0)
+        decode = a.substr(9);
       else
         over.push_back(a);
     }
     vitgrid::Deck d = vitgrid::parse_deck(argv[1], over, 1);
     std::shared_ptr<vitgrid::Dataset> ds = vitgrid::make_dataset(d, true);
-    vitgrid::LoaderConfig c;
-    c.seed = d.run.seed;
+    const int S = ds->image_size();
+    vitgrid::LoaderConfig c = vitgrid::make_loader_config(d, true, 0, 1, d.data.workers);
     c.global_batch = d.data.global_batch / d.data.grad_accum;
-    c.crop_padding = d.data.crop_padding;
-    c.hflip = d.data.hflip;
-    c.mixup_alpha = d.data.mixup_alpha;
-    c.num_classes = d.model.num_classes;
-    c.prefetch = d.data.prefetch;
-    c.workers = d.data.workers;
+    c.grad_accum = 1;
+    std::unique_ptr<vitgrid::Backend> be;
+    vitgrid::ImageDecoder* dec = nullptr;
+    uint8_t* out = nullptr;
+    if (decode == "device") {
+      be = vitgrid::make_backend("cuda", 0, vitgrid::DType::F32);
+      dec = be->image_decoder();
+      if (!dec) throw vitgrid::UserError("--decode=device: the backend has no JPEG decoder");
+      c.real.device_accepts = [dec](int comps, bool prog, int sh, int sv) {
+        return dec->accepts(comps, prog, sh, sv);
+      };
+      out = static_cast<uint8_t*>(be->alloc(static_cast<size_t>(c.global_batch) * S * S * 3));
+    }
     vitgrid::DataLoader loader(ds, c);
-    loader.next();  // the first batch includes thread start-up
+    int64_t bad = 0;
+    // one batch through the device's decoder, complete on the device before the next
+    auto to_device = [&](const vitgrid::HostBatch& hb) {
+      vitgrid::decode_batch_on_device(*dec, loader, hb, S, c.real.interp, out, nullptr, nullptr,
+                                      c.num_classes, &bad);
+      dec->join();
+      be->synchronize();
+    };
+    auto first = loader.next();  // the first batch includes thread start-up
+    if (dec) to_device(*first);
     const double t0 = vitgrid::now_s();
-    int64_t n = 0;
+    int64_t n = 0, on_device = 0;
     std::shared_ptr<const vitgrid::HostBatch> last;
     for (int i = 0; i < batches; ++i) {
       last = loader.next();
+      if (dec) to_device(*last);
       n += last->count;
+      on_device += static_cast<int64_t>(last->views.size());
     }
     const double dt = vitgrid::now_s() - t0;
-    // the CPU reference of the device-side preparation, for scale
-    const int S = ds->image_size();
-    std::vector<float> out(static_cast<size_t>(last->count) * 3 * S * S);
-    const double t1 = vitgrid::now_s();
-    vitgrid::prepare_images_reference(out.data(), last->images.data(),
-                                      last->partners.empty() ? nullptr : last->partners.data(),
-                                      last->aug.data(), last->count, S, d.data.crop_padding,
-                                      d.data.mean.data(), d.data.std.data());
-    const double dp = vitgrid::now_s() - t1;
-    std::printf("loader | %s | %dx%d | batch %lld | workers %d | mixup %.2f | %.0f img/s | CPU "
-                "prepare_images reference %.0f img/s\n",
-                ds->describe().c_str(), S, S, static_cast<long long>(c.global_batch), c.workers,
-                c.mixup_alpha, n / dt, last->count / dp);
+    if (ds->encoded()) {
+      std::printf("input | %s | %dx%d | batch %lld | workers %d | decode %s | %.1f%% on the device "
+                  "| %.0f img/s\n",
+                  ds->describe().c_str(), S, S, static_cast<long long>(c.global_batch), c.workers,
+                  dec ? dec->describe().c_str() : "host (libjpeg-turbo)",
+                  100.0 * on_device / std::max<int64_t>(1, n), n / dt);
+    } else {
+      // the CPU reference of the device-side preparation, for scale
+      std::vector<float> ref(static_cast<size_t>(last->count) * 3 * S * S);
+      const double t1 = vitgrid::now_s();
+      vitgrid::prepare_images_reference(ref.data(), last->images.data(), last->aug.data(),
+                                        last->count, S, d.data.crop_padding, d.data.mean.data(),
+                                        d.data.std.data());
+      const double dp = vitgrid::now_s() - t1;
+      std::printf("loader | %s | %dx%d | batch %lld | workers %d | mixup %.2f | %.0f img/s | CPU "
+                  "prepare_images reference %.0f img/s\n",
+                  ds->describe().c_str(), S, S, static_cast<long long>(c.global_batch), c.workers,
+                  c.mix.mixup_alpha, n / dt, last->count / dp);
+    }
+    if (out) be->release(out);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_loader: %s\n", e.what());
     rc = 2;

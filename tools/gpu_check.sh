@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build, test and measure vitgrid on a GPU node in one go, beside PyTorch + timm.
 #   tools/gpu_check.sh STEP...      (default: build test bench)
-# Steps: build test cputest bench models loader kernels compile scale study large large2 pipeline
-# tpvitb ckpt recompute seqpar e2epar profile variants trace (each described where it is handled below).
+# Steps: build test cputest bench models loader jpeg kernels compile scale study large large2
+# pipeline tpvitb ckpt recompute seqpar e2epar profile variants trace (each described where it is handled below).
 # Writes logs under $OUT (default /tmp/vitgrid-gpu). On a node without parallel HDF5 or
 # Boost.ProgramOptions, put their Debian packages in .gpu-deps/ (see README): they are unpacked
 # into /opt/deps and used from there.
@@ -313,6 +313,57 @@ PYEOF
   profile)
     mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --precision.mode=bf16 --profile 2>&1 \
       | grep -E "^\||^bench|^profile|rror" | tee "$OUT/profile.log"
+    ;;
+  jpeg)
+    # Real-image input: an ImageNet-like set of photo-like JPEGs (tools/make_jpeg_dataset.py,
+    # JPEG_N train images, mean ~400 x 350 px, q90) as an ImageFolder tree, packed (jpeg_h5) and
+    # as TFRecord shards (test/data/write_tfrecord.py); the input pipeline alone (one rank, the
+    # node's cores per GPU) on the host and on the device, beside torchvision's DataLoader and
+    # GPU decode_jpeg; then training from the JPEGs against the same model on synthetic data.
+    D=${DATA:-/tmp/vitgrid-data}
+    N=${JPEG_N:-20000}
+    CORES=$(( $(nproc) / NGPU ))
+    if [ ! -d "$D/jpeg/train" ]; then
+      "$PY" tools/make_jpeg_dataset.py "$D/jpeg" --train "$N" --val $((N / 10)) --classes 100 2>&1 | tail -1
+      "$B/bin/vitgrid_dataset" pack "$D/jpeg" "$D/jpeg.h5" 2>&1 | tail -1
+      # the independent writer needs python protobuf and a CRC32C: wheels from .gpu-deps where
+      # this python lacks them, kept apart from its own packages
+      TPY=()
+      if ! "$PY" -c "import google.protobuf; import crcmod" 2>/dev/null && ls .gpu-deps/*.whl >/dev/null 2>&1; then
+        "$PY" -m pip install -q --no-deps --no-index --find-links .gpu-deps --target /opt/deps/py protobuf crc32c 2>&1 | tail -1
+        TPY=(env PYTHONPATH=/opt/deps/py)
+      fi
+      "${TPY[@]}" "$PY" test/data/write_tfrecord.py "$D/jpeg" "$D/jpeg-tfr" --shards 16 --val-shards 2 2>&1 | tail -1
+    fi
+    J=(--model.num_classes=100 --data.hflip=true --data.interpolation=bilinear --data.workers=$CORES)
+    {
+      for src in "folder $D/jpeg" "tfrecord $D/jpeg-tfr" "jpeg_h5 $D/jpeg.h5"; do
+        set -- $src
+        for where in host device; do
+          "$B/bin/bench_loader" inputs/bench_vit_b16.ini --data.dataset=$1 --data.path=$2 \
+            --data.index_dir="$D/idx" "${J[@]}" --decode=$where --batches=${JPEG_BATCHES:-60} 2>&1 | grep -E "^input|rror"
+        done
+      done
+      "$PY" tools/bench_input_peers.py "$D/jpeg/train" --workers $CORES 2>&1 | grep -E "^peer|Error"
+    } | tee "$OUT/jpeg_input.log"
+    # training: the same model on the JPEG set (decoded on the device) and on synthetic data
+    {
+      for m in vit-base/16 vit-base/32; do
+        for src in "synthetic" "folder --data.path=$D/jpeg" "jpeg_h5 --data.path=$D/jpeg.h5"; do
+          set -- $src
+          mpirun -np 1 --bind-to none "$B/bin/vitgrid" train inputs/bench_vit_b16.ini --model.preset=$m \
+            --data.dataset=$1 ${2:-} "${J[@]}" --run.steps=${JPEG_STEPS:-60} --run.out_dir="$D/run-$1" \
+            --run.eval_samples=512 --checkpoint.every_steps=0 2>&1 | grep -E "decoded on|rror" | head -2
+          "$PY" - "$D/run-$1/metrics.h5" "$m $1" <<'PYEOF'
+import sys, h5py, numpy as np
+with h5py.File(sys.argv[1], "r") as f:
+    ips = np.asarray(f["/train/images_per_s"])[10:]
+print(f"train | {sys.argv[2]} | median {np.median(ips):.0f} img/s over steps 11-{len(ips) + 10}")
+PYEOF
+          rm -rf "$D/run-$1"
+        done
+      done
+    } | tee "$OUT/jpeg_train.log"
     ;;
   *) echo "unknown step $s"; exit 2 ;;
   esac

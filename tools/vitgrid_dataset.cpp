@@ -11,22 +11,42 @@
 //   vitgrid_dataset synthetic OUT_PREFIX --train N --eval M --size S --classes K --seed X
 //       -> the same two files holding exactly the bytes make_synthetic generates, so other
 //          tools (PyTorch references, plots) can train on the data vitgrid trains on.
+//   vitgrid_dataset pack SRC OUT.h5 [--source folder|tfrecord] [--eval-fraction F]
+//                   [--label-offset N]
+//       -> OUT_train.h5 and OUT_val.h5 in the packed JPEG layout (data.dataset = jpeg_h5):
+//          /jpeg uint8 [total] contiguous, /offsets int64 [N+1], /labels int64 [N],
+//          /classes strings [K], root attributes num_classes and source. SRC is an ImageFolder
+//          tree or a TFRecord directory (shards train-* / validation-*: detected, or named by
+//          --source). The encoded bytes are copied unchanged, streamed in bounded memory: a first
+//          pass sizes /jpeg (file sizes; TFRecord records are read), the second writes it.
+//          TFRecord labels are 1-based as build_imagenet_data.py writes them: the default label
+//          offset there is -1 (pass --label-offset 0 for 0-based shards).
+//   vitgrid_dataset verify SRC [--eval-fraction F] [--label-offset N] [--threads T]
+//       decodes every image of SRC (folder, TFRecord directory or packed .h5) with the CPU
+//       decoder and lists each one that fails with the reason, then a count; exit 1 if any did.
 //
 // A serial tool: one process, HDF5's default sec2 driver, no MPI needed.
 #include <hdf5.h>
+#include <sys/stat.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "vitgrid/core/error.h"
 #include "vitgrid/data/dataset.h"
+#include "vitgrid/data/image_decode.h"
+#include "vitgrid/data/image_source.h"
 
 namespace {
 
@@ -39,7 +59,14 @@ constexpr int64_t kWriteImages = 1024;  // images read from the source per write
                "  vitgrid_dataset cifar10 DIR OUT_PREFIX\n"
                "  vitgrid_dataset synthetic OUT_PREFIX --train N --eval M --size S --classes K "
                "--seed X\n"
-               "writes OUT_PREFIX_train.h5 and OUT_PREFIX_eval.h5 (packed HDF5 images)\n");
+               "writes OUT_PREFIX_train.h5 and OUT_PREFIX_eval.h5 (packed HDF5 images)\n"
+               "  vitgrid_dataset pack SRC OUT.h5 [--source folder|tfrecord] [--eval-fraction F]\n"
+               "                  [--label-offset N]\n"
+               "writes OUT_train.h5 and OUT_val.h5 (packed JPEG files) from an ImageFolder tree\n"
+               "or a TFRecord directory\n"
+               "  vitgrid_dataset verify SRC [--eval-fraction F] [--label-offset N] [--threads T]\n"
+               "decodes every image of a folder tree, TFRecord directory or packed .h5; lists\n"
+               "those that fail; exit 1 if any\n");
   std::exit(2);
 }
 
@@ -114,6 +141,345 @@ int64_t parse_int(const std::string& flag, const char* v, int64_t lo) {
   return x;
 }
 
+double parse_double(const std::string& flag, const char* v) {
+  char* end = nullptr;
+  errno = 0;
+  const double x = std::strtod(v, &end);
+  if (errno || end == v || *end) usage((flag + " needs a number, got '" + v + "'").c_str());
+  return x;
+}
+
+// ---- pack / verify: sources of encoded images
+
+namespace fs = std::filesystem;
+
+bool has_shards(const std::string& dir) {
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string n = it->path().filename().string();
+    if (n.rfind("train-", 0) == 0 || n.rfind("validation-", 0) == 0) return true;
+  }
+  return false;
+}
+
+struct SourceArgs {
+  std::string src, kind;  // kind: folder | tfrecord | jpeg_h5 ("" = detect)
+  double eval_fraction = 0.0;
+  bool label_offset_set = false;
+  int label_offset = 0;
+};
+
+std::string detect_kind(const SourceArgs& a) {
+  if (!a.kind.empty()) return a.kind;
+  std::error_code ec;
+  if (fs::is_directory(a.src, ec)) return has_shards(a.src) ? "tfrecord" : "folder";
+  return "jpeg_h5";
+}
+
+std::unique_ptr<vitgrid::ImageSource> open_source(const SourceArgs& a, const std::string& kind,
+                                                  bool train) {
+  vitgrid::ImageSourceOptions o;
+  o.train = train;
+  o.eval_fraction = a.eval_fraction;
+  // build_imagenet_data.py writes 1-based labels
+  o.label_offset = a.label_offset_set ? a.label_offset : (kind == "tfrecord" ? -1 : 0);
+  o.num_classes = 0;  // TFRecord: unknown; found from the labels
+  if (kind == "tfrecord") return vitgrid::open_tfrecord(a.src, o);  // indexes in memory only
+  if (kind == "folder") return vitgrid::open_image_folder(a.src, o);
+  return vitgrid::open_jpeg_h5(a.src, o);
+}
+
+// Parses the options after the positional arguments of pack / verify.
+void parse_source_options(int argc, char** argv, int first, SourceArgs& a, int* threads) {
+  for (int i = first; i < argc; i += 2) {
+    const std::string f = argv[i];
+    if (i + 1 >= argc) usage((f + " needs a value").c_str());
+    const char* v = argv[i + 1];
+    if (f == "--source" && !threads) {
+      a.kind = v;
+      if (a.kind != "folder" && a.kind != "tfrecord")
+        usage(("--source is folder or tfrecord, got '" + a.kind + "'").c_str());
+    } else if (f == "--eval-fraction") {
+      a.eval_fraction = parse_double(f, v);
+      if (!(a.eval_fraction >= 0.0 && a.eval_fraction < 1.0))
+        usage("--eval-fraction must be in [0, 1)");
+    } else if (f == "--label-offset") {
+      char* end = nullptr;
+      errno = 0;
+      const long x = std::strtol(v, &end, 10);
+      if (errno || end == v || *end)
+        usage(("--label-offset needs an integer, got '" + std::string(v) + "'").c_str());
+      a.label_offset = (int)x;
+      a.label_offset_set = true;
+    } else if (f == "--threads" && threads) {
+      *threads = (int)parse_int(f, v, 1);
+    } else {
+      usage(("unknown option " + f).c_str());
+    }
+  }
+}
+
+// HDF5 handles closed on scope exit.
+struct H5Id {
+  hid_t id;
+  herr_t (*close)(hid_t);
+  ~H5Id() {
+    if (id >= 0) close(id);
+  }
+};
+
+struct SplitPlan {
+  std::vector<int64_t> offsets;  // N+1
+  std::vector<int64_t> labels;   // N
+};
+
+// First pass: the size of every sample (folder: file sizes, the labels come in the second
+// pass; else each sample is read, which gives its label too).
+SplitPlan plan_split(const vitgrid::ImageSource& src, const std::string& kind) {
+  SplitPlan p;
+  const int64_t n = src.size();
+  p.offsets.assign((size_t)n + 1, 0);
+  p.labels.assign((size_t)n, 0);
+  std::vector<uint8_t> bytes;
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t size = 0;
+    int32_t label = 0;
+    if (kind == "folder") {
+      struct stat st;
+      const std::string path = src.where(i);
+      if (stat(path.c_str(), &st) != 0)
+        throw vitgrid::UserError(path + ": cannot stat: " + std::strerror(errno));
+      size = (int64_t)st.st_size;
+      label = -1;  // filled by the second pass
+    } else {
+      src.read(i, bytes, label);
+      size = (int64_t)bytes.size();
+    }
+    p.offsets[(size_t)i + 1] = p.offsets[(size_t)i] + size;
+    p.labels[(size_t)i] = label;
+    if ((i + 1) % 50000 == 0)
+      std::fprintf(stderr, "vitgrid_dataset: sized %lld of %lld\n", (long long)(i + 1),
+                   (long long)n);
+  }
+  return p;
+}
+
+// Second pass: writes the packed file (under `path`, a temporary name the caller renames).
+void write_jpeg_h5(const vitgrid::ImageSource& src, SplitPlan& p, int64_t K,
+                   const std::vector<std::string>& classes, const std::string& source,
+                   const std::string& path) {
+  const int64_t n = src.size();
+  const hsize_t total = (hsize_t)p.offsets.back();
+  H5Id file{H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose};
+  if (file.id < 0) throw vitgrid::UserError("cannot create " + path);
+  H5Id fspace{H5Screate_simple(1, &total, nullptr), H5Sclose};
+  H5Id dcpl{H5Pcreate(H5P_DATASET_CREATE), H5Pclose};
+  H5_OK(H5Pset_layout(dcpl.id, H5D_CONTIGUOUS));
+  H5_OK(H5Pset_fill_time(dcpl.id, H5D_FILL_TIME_NEVER));  // every byte is written below
+  H5Id djpeg{
+      H5Dcreate2(file.id, "jpeg", H5T_STD_U8LE, fspace.id, H5P_DEFAULT, dcpl.id, H5P_DEFAULT),
+      H5Dclose};
+  H5_OK(djpeg.id);
+
+  // Streams the bytes in slabs of up to kSlab bytes (one image may exceed it alone).
+  constexpr size_t kSlab = (size_t)64 << 20;
+  std::vector<uint8_t> slab, bytes;
+  hsize_t slab_start = 0;
+  auto flush = [&] {
+    if (slab.empty()) return;
+    hsize_t start = slab_start, count = slab.size();
+    H5_OK(H5Sselect_hyperslab(fspace.id, H5S_SELECT_SET, &start, nullptr, &count, nullptr));
+    H5Id mspace{H5Screate_simple(1, &count, nullptr), H5Sclose};
+    H5_OK(H5Dwrite(djpeg.id, H5T_NATIVE_UCHAR, mspace.id, fspace.id, H5P_DEFAULT, slab.data()));
+    slab_start += count;
+    slab.clear();
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t label = 0;
+    src.read(i, bytes, label);
+    const int64_t want = p.offsets[(size_t)i + 1] - p.offsets[(size_t)i];
+    if (p.labels[(size_t)i] < 0) p.labels[(size_t)i] = label;
+    if ((int64_t)bytes.size() != want || label != p.labels[(size_t)i])
+      throw vitgrid::UserError(src.where(i) + ": changed while being packed (" +
+                               std::to_string(bytes.size()) + " bytes, " + std::to_string(want) +
+                               " before)");
+    if (!slab.empty() && slab.size() + bytes.size() > kSlab) flush();
+    slab.insert(slab.end(), bytes.begin(), bytes.end());
+    if ((i + 1) % 50000 == 0)
+      std::fprintf(stderr, "vitgrid_dataset: packed %lld of %lld\n", (long long)(i + 1),
+                   (long long)n);
+  }
+  flush();
+
+  auto write_1d = [&](const char* name, const std::vector<int64_t>& v) {
+    hsize_t d = v.size();
+    H5Id sp{H5Screate_simple(1, &d, nullptr), H5Sclose};
+    H5Id ds{H5Dcreate2(file.id, name, H5T_STD_I64LE, sp.id, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+            H5Dclose};
+    H5_OK(ds.id);
+    H5_OK(H5Dwrite(ds.id, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()));
+  };
+  write_1d("offsets", p.offsets);
+  write_1d("labels", p.labels);
+  {
+    hsize_t d = (hsize_t)K;
+    H5Id sp{H5Screate_simple(1, &d, nullptr), H5Sclose};
+    H5Id st{H5Tcopy(H5T_C_S1), H5Tclose};
+    H5_OK(H5Tset_size(st.id, H5T_VARIABLE));
+    H5_OK(H5Tset_cset(st.id, H5T_CSET_UTF8));
+    H5Id ds{H5Dcreate2(file.id, "classes", st.id, sp.id, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+            H5Dclose};
+    H5_OK(ds.id);
+    std::vector<const char*> ptr;
+    for (const std::string& c : classes) ptr.push_back(c.c_str());
+    H5_OK(H5Dwrite(ds.id, st.id, H5S_ALL, H5S_ALL, H5P_DEFAULT, ptr.data()));
+  }
+  H5Id scalar{H5Screate(H5S_SCALAR), H5Sclose};
+  {
+    H5Id a{H5Acreate2(file.id, "num_classes", H5T_STD_I64LE, scalar.id, H5P_DEFAULT, H5P_DEFAULT),
+           H5Aclose};
+    H5_OK(H5Awrite(a.id, H5T_NATIVE_INT64, &K));
+  }
+  {
+    H5Id st{H5Tcopy(H5T_C_S1), H5Tclose};
+    H5_OK(H5Tset_size(st.id, source.size() + 1));
+    H5Id a{H5Acreate2(file.id, "source", st.id, scalar.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose};
+    H5_OK(H5Awrite(a.id, st.id, source.c_str()));
+  }
+  H5Dclose(djpeg.id);  // before the file: its close then flushes everything
+  djpeg.id = -1;
+  const herr_t rc = H5Fclose(file.id);
+  file.id = -1;
+  if (rc < 0) throw vitgrid::UserError("cannot finish " + path + " (disk full?)");
+}
+
+int pack(int argc, char** argv) {
+  if (argc < 4 || argv[2][0] == '-' || argv[3][0] == '-') usage("pack takes SRC and OUT.h5");
+  SourceArgs a;
+  a.src = argv[2];
+  const std::string out = argv[3];
+  parse_source_options(argc, argv, 4, a, nullptr);
+  if (out.size() < 4 || out.compare(out.size() - 3, 3, ".h5") != 0)
+    usage("pack's output must be named X.h5 (it writes X_train.h5 and X_val.h5)");
+  const std::string stem = out.substr(0, out.size() - 3);
+  std::error_code ec;
+  if (!fs::is_directory(a.src, ec))
+    throw vitgrid::UserError(a.src +
+                             ": not a directory (pack reads an ImageFolder tree or a "
+                             "TFRecord directory)");
+  const std::string kind = detect_kind(a);
+  auto train = open_source(a, kind, true);
+  auto eval = open_source(a, kind, false);
+  std::fprintf(stderr, "vitgrid_dataset: packing %s\n  and %s\n", train->describe().c_str(),
+               eval->describe().c_str());
+  SplitPlan ptrain = plan_split(*train, kind), peval = plan_split(*eval, kind);
+  int64_t K = train->num_classes();
+  std::vector<std::string> classes = train->class_names();
+  if (kind == "tfrecord") {  // the shards do not say: the largest label + 1
+    K = 0;
+    for (const SplitPlan* p : {&ptrain, &peval})
+      for (int64_t l : p->labels) K = std::max(K, l + 1);
+  }
+  if ((int64_t)classes.size() != K) {  // no names (TFRecord): the label numbers
+    classes.clear();
+    for (int64_t k = 0; k < K; ++k) classes.push_back(std::to_string(k));
+  }
+  const std::string src_attr = kind + " " + fs::absolute(a.src, ec).string();
+  const std::string tmp_train = stem + "_train.h5.tmp", tmp_val = stem + "_val.h5.tmp";
+  try {
+    write_jpeg_h5(*train, ptrain, K, classes, src_attr + " split=train", tmp_train);
+    write_jpeg_h5(*eval, peval, K, classes, src_attr + " split=val", tmp_val);
+  } catch (...) {
+    std::remove(tmp_train.c_str());
+    std::remove(tmp_val.c_str());
+    throw;
+  }
+  if (std::rename(tmp_train.c_str(), (stem + "_train.h5").c_str()) != 0 ||
+      std::rename(tmp_val.c_str(), (stem + "_val.h5").c_str()) != 0)
+    throw vitgrid::UserError("cannot rename " + tmp_train + " / " + tmp_val + ": " +
+                             std::strerror(errno));
+  std::printf(
+      "vitgrid_dataset: wrote %s_train.h5 (%lld images, %lld bytes) and %s_val.h5 (%lld "
+      "images, %lld bytes), %lld classes, from %s\n",
+      stem.c_str(), (long long)train->size(), (long long)ptrain.offsets.back(), stem.c_str(),
+      (long long)eval->size(), (long long)peval.offsets.back(), (long long)K, kind.c_str());
+  return 0;
+}
+
+int verify(int argc, char** argv) {
+  if (argc < 3 || argv[2][0] == '-') usage("verify takes SRC");
+  SourceArgs a;
+  a.src = argv[2];
+  int threads = (int)std::max(1u, std::min(8u, std::thread::hardware_concurrency()));
+  parse_source_options(argc, argv, 3, a, &threads);
+  const std::string kind = detect_kind(a);
+  std::vector<std::unique_ptr<vitgrid::ImageSource>> splits;
+  splits.push_back(open_source(a, kind, true));
+  // the eval split too, unless it is the same set (a folder without train/ and val/ and no
+  // hold-out) or absent (a single packed file)
+  const bool same_set =
+      kind == "folder" && splits[0]->describe().find("(no held-out split)") != std::string::npos;
+  if (!same_set) {
+    try {
+      splits.push_back(open_source(a, kind, false));
+    } catch (const vitgrid::UserError& e) {
+      if (kind != "jpeg_h5") throw;
+      std::fprintf(stderr, "vitgrid_dataset: no eval split checked: %s\n", e.what());
+    }
+  }
+  int64_t checked = 0, failed = 0;
+  for (const auto& src : splits) {
+    std::fprintf(stderr, "vitgrid_dataset: verifying %s\n", src->describe().c_str());
+    const int64_t n = src->size();
+    std::atomic<int64_t> next{0}, done{0};
+    std::mutex mu;
+    std::vector<std::pair<int64_t, std::string>> bad;
+    auto work = [&] {
+      std::vector<uint8_t> bytes;
+      vitgrid::DecodedImage img;
+      for (int64_t i; (i = next.fetch_add(1)) < n;) {
+        std::string why;
+        try {
+          int32_t label = 0;
+          src->read(i, bytes, label);
+          vitgrid::peek_image(bytes.data(), bytes.size());
+          vitgrid::decode_image(bytes.data(), bytes.size(), img);
+        } catch (const std::exception& e) {
+          why = e.what();
+          if (why.empty()) why = "unknown error";
+        }
+        if (!why.empty()) {
+          std::string w;
+          try {
+            w = src->where(i);
+          } catch (const std::exception&) {
+            w = "sample " + std::to_string(i);
+          }
+          std::lock_guard<std::mutex> lock(mu);
+          bad.emplace_back(i, w + ": " + why);
+        }
+        const int64_t d = done.fetch_add(1) + 1;
+        if (d % 50000 == 0) {
+          std::lock_guard<std::mutex> lock(mu);
+          std::fprintf(stderr, "vitgrid_dataset: decoded %lld of %lld\n", (long long)d,
+                       (long long)n);
+        }
+      }
+    };
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) pool.emplace_back(work);
+    for (auto& t : pool) t.join();
+    std::sort(bad.begin(), bad.end());
+    for (const auto& b : bad) std::printf("%s\n", b.second.c_str());
+    checked += n;
+    failed += (int64_t)bad.size();
+  }
+  std::printf("vitgrid_dataset: verify: %lld images checked, %lld could not be decoded\n",
+              (long long)checked, (long long)failed);
+  std::fflush(stdout);
+  return failed ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -153,8 +519,12 @@ int main(int argc, char** argv) {
       std::printf("vitgrid_dataset: wrote %s_train.h5 (%lld) and %s_eval.h5 (%lld), %lldx%lld, %lld classes, seed %lld\n",
                   prefix.c_str(), (long long)ntrain, prefix.c_str(), (long long)neval, (long long)size,
                   (long long)size, (long long)classes, (long long)seed);
+    } else if (mode == "pack") {
+      return pack(argc, argv);
+    } else if (mode == "verify") {
+      return verify(argc, argv);
     } else {
-      usage(("unknown mode '" + mode + "' (cifar10 | synthetic)").c_str());
+      usage(("unknown mode '" + mode + "' (cifar10 | synthetic | pack | verify)").c_str());
     }
   } catch (const vitgrid::UserError& e) {
     std::fprintf(stderr, "vitgrid_dataset: error: %s\n", e.what());

@@ -18,11 +18,13 @@
 #include <tuple>
 
 #include "vitgrid/backend/backend.h"
+#include "vitgrid/backend/image_decoder.h"
 #include "vitgrid/backend/profile.h"
 #include "vitgrid/core/error.h"
 #include "vitgrid/core/log.h"
 #include "vitgrid/core/watchdog.h"
 #include "vitgrid/data/dataset.h"
+#include "vitgrid/data/image_source.h"
 #include "vitgrid/grid/grid.h"
 #include "vitgrid/io/checkpoint.h"
 #include "vitgrid/io/metrics.h"
@@ -115,13 +117,24 @@ struct Trainer::Impl {
   // device-side batch buffers (planned once)
   // Input upload slots: 0 and 1 alternate in training (the next micro-batch is copied while
   // the current one computes), 2 serves eval / predict. Each device buffer holds one rank
-  // batch as [images | partners | labels | position | soft targets | aug], at offsets off_*
+  // batch as [labels | position | soft targets | aug | images], at offsets off_*
   // (position: the step it trains in and its first sample's stream position, which key the
-  // dropout masks: DeviceBatch::position).
+  // dropout masks: DeviceBatch::position). With the device's JPEG decoder the images part is
+  // the decoder's: it decodes the batch's views there and copies the host-decoded rest.
   static constexpr int kUploadSlots = 3, kEvalSlot = 2;
   void* d_raw[kUploadSlots] = {nullptr, nullptr, nullptr};
-  size_t off_partner = 0, off_labels = 0, off_position = 0, off_soft = 0, off_aug = 0,
+  size_t off_labels = 0, off_position = 0, off_soft = 0, off_aug = 0, off_images = 0,
          raw_bytes = 0;
+  ImageDecoder* decoder = nullptr;  // the device's JPEG decoder, when it decodes (data.decode)
+  int decode_interp = 1;            // its resize filter (data.interpolation)
+  DataLoader* loader = nullptr;     // the loader feeding start_upload (host decode fallback)
+  int64_t bad_images = 0;           // undecodable images this rank replaced so far
+  // Binds `loader` for a scope (the loaders live on the stack of train / evaluate / bench).
+  struct LoaderScope {
+    DataLoader*& slot;
+    LoaderScope(DataLoader*& s, DataLoader& l) : slot(s) { slot = &l; }
+    ~LoaderScope() { slot = nullptr; }
+  };
   void* d_images = nullptr;
   // The training step's device scalars (one allocation), read back a step late: the loss sum
   // over the step's samples, the squared gradient norm (loss-scaled) and the factor the
@@ -274,6 +287,17 @@ struct Trainer::Impl {
         cfg.tokens(), cfg.hidden, cfg.depth, cfg.heads, cfg.mlp, cfg.classes, micro,
         model->activation_bytes() / 1048576.0);
 
+    if (deck.data.dataset == "tfrecord") {
+      // every rank indexes its share of the shards that lack an index; agreed() then waits
+      // for all of them (its agreement is collective) before any rank opens the source
+      int r = 0, n = 1;
+      MPI_Comm_rank(world, &r);
+      MPI_Comm_size(world, &n);
+      agreed([&] {
+        if (training) tfrecord_build_indexes(deck.data.path, tfrecord_index_dir(deck), true, r, n);
+        tfrecord_build_indexes(deck.data.path, tfrecord_index_dir(deck), false, r, n);
+      });
+    }
     agreed([&] {
       if (training) train_ds = make_dataset(deck, true);
       eval_ds = make_dataset(deck, false);
@@ -315,16 +339,17 @@ struct Trainer::Impl {
     const bool fp16 = deck.precision.mode == "fp16" || deck.precision.mode == "fp16-naive";
     scaler = std::make_unique<LossScaler>(deck.precision, fp16);
 
-    // batch upload buffers (partners and soft targets only with Mixup)
+    // batch upload buffers (soft targets only with Mixup / CutMix)
     const size_t img = static_cast<size_t>(cfg.image) * cfg.image * 3;
-    const bool mixup = deck.data.mixup_alpha > 0;
+    const bool mixup = deck.data.mixup_alpha > 0 || deck.data.cutmix_alpha > 0;
     auto align = [](size_t n) { return (n + 255) / 256 * 256; };
-    off_partner = align(b * img);
-    off_labels = off_partner + (mixup ? align(b * img) : 0);
+    off_labels = 0;
     off_position = off_labels + align(b * sizeof(int32_t));
     off_soft = off_position + align(2 * sizeof(int64_t));
     off_aug = off_soft + (mixup ? align(static_cast<size_t>(b) * cfg.classes * sizeof(float)) : 0);
-    raw_bytes = off_aug + align(b * sizeof(SampleAug));
+    off_images = off_aug + align(b * sizeof(SampleAug));
+    raw_bytes = off_images + align(b * img);
+    setup_decoder();
     for (void*& p : d_raw) p = be->alloc(raw_bytes);
     for (int k = 0; k < kUploadSlots; ++k) be->staging(k, raw_bytes);
     d_images = be->alloc(static_cast<size_t>(b) * 3 * cfg.image * cfg.image * be->act_size());
@@ -580,7 +605,7 @@ struct Trainer::Impl {
       const auto hb = std::move(next_hb);
       const int cur = slot;
       const bool first = m == 0, last = m == A - 1;
-      be->wait_uploads();  // outside the graph: the copy stream is not captured
+      wait_inputs();  // outside the graph: the copy and decoder streams are not captured
       run_body({cur, first, last, !hb->soft.empty(), grad_scale}, [&] {
         if (first) {
           // the parameters the last update changed, gathered while the forward runs (each
@@ -595,6 +620,7 @@ struct Trainer::Impl {
         if (last) finish_gradients(scale);
       });
       be->release_slot(cur);
+      if (decoder) decoder->release_output();
       if (!last || more) {  // the next micro-batch, during this one
         next_hb = next_batch();
         slot ^= 1;
@@ -677,54 +703,73 @@ struct Trainer::Impl {
   }
 
   LoaderConfig loader_config(bool train) const {
-    LoaderConfig c;
-    c.seed = deck.run.seed;
-    c.global_batch = deck.data.global_batch;
-    c.grad_accum = deck.data.grad_accum;
-    c.data_rank = grid->rank(Axis::Data);
-    c.data_size = grid->size(Axis::Data);
-    c.crop_padding = deck.data.crop_padding;
-    c.hflip = deck.data.hflip;
-    c.mixup_alpha = deck.data.mixup_alpha;
+    // auto workers: this rank's share of the node's cores (a CPU-backend rank computes on one)
+    const int workers =
+        deck.data.workers > 0
+            ? deck.data.workers
+            : std::max(1, std::min<int>(16, static_cast<int>(std::thread::hardware_concurrency()) /
+                                                std::max(1, grid->local_size())));
+    LoaderConfig c = make_loader_config(deck, train, grid->rank(Axis::Data),
+                                        grid->size(Axis::Data), workers);
     c.num_classes = cfg.classes;
-    c.prefetch = deck.data.prefetch;
-    // auto: this rank's share of the node's cores (a CPU-backend rank computes on one)
-    c.workers = deck.data.workers > 0
-                    ? deck.data.workers
-                    : std::max(1, std::min<int>(16, static_cast<int>(std::thread::hardware_concurrency()) /
-                                                       std::max(1, grid->local_size())));
-    c.train = train;
-    c.eval_samples = deck.run.eval_samples;
+    if (decoder) {
+      const ImageDecoder* dec = decoder;
+      c.real.device_accepts = [dec](int comps, bool prog, int sh, int sv) {
+        return dec->accepts(comps, prog, sh, sv);
+      };
+    }
     return c;
+  }
+
+  // JPEGs on the device where the backend has a decoder (data.decode = auto | device) and the
+  // dataset holds encoded images; only the stage holding the patch embedding reads images.
+  void setup_decoder() {
+    const Dataset* ds = train_ds ? train_ds.get() : eval_ds.get();
+    if (!ds || !ds->encoded() || deck.data.decode == "host" || !model->layout().embed) return;
+    decoder = be->image_decoder();
+    decode_interp = make_loader_config(deck, true, 0, 1, 1).real.interp;
+    if (!decoder && deck.data.decode == "device")
+      throw UserError("data.decode = device, but the " + be->name() +
+                      " backend has no JPEG decoder (data.decode = auto decodes on the host)");
+    if (decoder) log("data: JPEGs decoded on the device: %s\n", decoder->describe().c_str());
   }
 
   // Copies a host batch, which trains in optimizer step `step` (eval: any), into upload slot
   // `slot` and starts its transfer to the device; the slot's previous batch must have been
-  // consumed (release_slot) before.
+  // consumed (release_slot) before. With the device's decoder, its views are decoded into the
+  // slot's images (and the host-decoded images copied there) on the decoder's stream.
   void start_upload(const HostBatch& hb, int slot, int64_t step) {
     if (hb.count == 0) return;
     const size_t img = static_cast<size_t>(cfg.image) * cfg.image * 3;
     char* h = static_cast<char*>(be->staging(slot, raw_bytes));
-    size_t end = off_aug + hb.count * sizeof(SampleAug);
+    size_t end = off_aug;
     std::memcpy(h + off_labels, hb.labels.data(), hb.count * sizeof(int32_t));
     const int64_t position[2] = {step, hb.first_position};
     std::memcpy(h + off_position, position, sizeof(position));
     if (!hb.soft.empty()) std::memcpy(h + off_soft, hb.soft.data(), hb.soft.size() * sizeof(float));
+    bad_images += hb.bad;
     // Only the stage holding the patch embedding reads images (every stage of a pipeline
     // loads the same batch, which keeps the loaders' cursors in step without talking).
     if (model->layout().embed) {
-      std::memcpy(h, hb.images.data(), hb.count * img);
-      if (!hb.partners.empty()) std::memcpy(h + off_partner, hb.partners.data(), hb.count * img);
       std::memcpy(h + off_aug, hb.aug.data(), hb.count * sizeof(SampleAug));
-    } else {
-      end = off_aug;
+      end = off_images;
+      if (decoder) {
+        decode_batch_on_device(*decoder, *loader, hb, cfg.image, decode_interp,
+                               static_cast<uint8_t*>(d_raw[slot]) + off_images,
+                               reinterpret_cast<int32_t*>(h + off_labels),
+                               hb.soft.empty() ? nullptr : reinterpret_cast<float*>(h + off_soft),
+                               cfg.classes, &bad_images);
+      } else {
+        std::memcpy(h + off_images, hb.images.data(), hb.count * img);
+        end = off_images + hb.count * img;
+      }
     }
     be->upload_async(slot, d_raw[slot], end);
   }
 
   // The device batch of an upload started with start_upload(hb, slot), once the caller made
-  // the device wait for it (Backend::wait_uploads): the images prepared (crop, flip,
-  // normalise, Mixup) on the device.
+  // the device wait for it (Backend::wait_uploads, and the decoder's join()): the images
+  // prepared (crop, flip, normalise, mixing) on the device.
   DeviceBatch prepare_batch(const HostBatch& hb, int slot) {
     DeviceBatch db;
     db.count = hb.count;
@@ -735,21 +780,29 @@ struct Trainer::Impl {
     db.position = reinterpret_cast<const int64_t*>(d + off_position);
     db.soft = hb.soft.empty() ? nullptr : reinterpret_cast<const float*>(d + off_soft);
     if (!model->layout().embed) return db;
-    const bool mix = !hb.partners.empty();
-    // eval batches carry dx = dy = pad: the crop of the padded image is the image itself
-    const int pad = deck.data.crop_padding;
-    be->prepare_images(d_images, d, mix ? d + off_partner : nullptr, d + off_aug, hb.count,
-                       cfg.image, pad, deck.data.mean.data(), deck.data.std.data());
+    // eval batches carry dx = dy = pad: the crop of the padded image is the image itself;
+    // encoded images were cropped while decoded
+    const int pad = train_ds && train_ds->encoded() ? 0 : eval_ds && eval_ds->encoded() ? 0 : deck.data.crop_padding;
+    be->prepare_images(d_images, d + off_images, d + off_aug, hb.count, cfg.image, pad,
+                       deck.data.mean.data(), deck.data.std.data());
     db.images = d_images;
     return db;
+  }
+
+  // The device waits for the uploads started so far and for the decoder's work (outside a
+  // captured graph: neither the copy stream nor the decoder's is captured).
+  void wait_inputs() {
+    be->wait_uploads();
+    if (decoder) decoder->join();
   }
 
   // Eval / predict: one batch at a time through the eval slot (its previous batch's work
   // was enqueued before this call, so releasing the slot here covers it).
   DeviceBatch upload(const HostBatch& hb) {
     be->release_slot(kEvalSlot);
+    if (decoder) decoder->release_output();
     start_upload(hb, kEvalSlot, 0);
-    be->wait_uploads();
+    wait_inputs();
     return prepare_batch(hb, kEvalSlot);
   }
 
@@ -908,6 +961,7 @@ struct Trainer::Impl {
     be->set_tune_agreement(nullptr);
     if (gather) gather->gather_now(model->compute_copy());  // the last update's, all of them
     DataLoader loader(eval_ds, loader_config(false));
+    LoaderScope bound(this->loader, loader);
     double s[4] = {0, 0, 0, 0};
     int64_t t = 0;
     const int64_t E = deck.data.global_batch / deck.data.grad_accum;
@@ -972,6 +1026,7 @@ struct Trainer::Impl {
     const int64_t G = deck.data.global_batch;
     const int A = deck.data.grad_accum;
     DataLoader loader(train_ds, loader_config(true), step);
+    LoaderScope bound(this->loader, loader);
     const double flops_sample = cfg.train_flops_per_sample();
     log("training %lld steps (%.2f epochs) from step %lld: global batch %lld = %d data x %d "
         "accumulation x %d per rank; %s, lr %.3g, warmup %lld\n",
@@ -1029,7 +1084,7 @@ struct Trainer::Impl {
       }
       last_loss = loss;
       metrics.add_train({k, loss, p.lr, gnorm, double(G) / dt_max, double(p.scale), dt,
-                         double(be->peak_memory_bytes())});
+                         double(be->peak_memory_bytes()), double(bad_images)});
       if (k % deck.run.log_every == 0 || k == total_steps) {
         // the steps' own time: evaluations and checkpoints in the interval do not count
         const double ips = double(G) * steps_since_log / std::max(log_time, 1e-9);
@@ -1095,6 +1150,7 @@ struct Trainer::Impl {
     const int64_t G = deck.data.global_batch;
     // one real batch from the loader, reused: times the model, not the input pipeline
     DataLoader loader(train_ds, loader_config(true), 0);
+    LoaderScope bound(this->loader, loader);
     auto hb = loader.next();
     LrSchedule sched(deck.optim, warmup + steps, 0);
     next_batch = [&hb] { return hb; };

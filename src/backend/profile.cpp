@@ -315,11 +315,11 @@ class Profiled final : public ProfiledBackend {
       add("attention_backward", t0);
     }
   }
-  void prepare_images(void* out, const uint8_t* images, const uint8_t* partners, const void* aug,
+  void prepare_images(void* out, const uint8_t* images, const void* aug,
                       int B, int S, int pad, const float* mean3_host,
                       const float* std3_host) override {
     const double t0 = now_s();
-    b_->prepare_images(out, images, partners, aug, B, S, pad, mean3_host, std3_host);
+    b_->prepare_images(out, images, aug, B, S, pad, mean3_host, std3_host);
     if (on_) {
       b_->synchronize();
       add("prepare_images", t0);

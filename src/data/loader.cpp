@@ -13,8 +13,10 @@
 #include <thread>
 #include <vector>
 
+#include "views.h"
 #include "vitgrid/core/error.h"
 #include "vitgrid/data/dataset.h"
+#include "vitgrid/data/image_source.h"
 
 namespace vitgrid {
 
@@ -75,6 +77,9 @@ struct DataLoader::Impl {
   }
   std::shared_ptr<HostBatch> make_train(const Sampler& sampler, int64_t k);
   std::shared_ptr<HostBatch> make_eval(int64_t t);
+  void read_views(HostBatch& hb, const int64_t* idx, const Sampler* sampler);
+  void mix(HostBatch& hb, const Sampler& sampler) const;
+  ViewScratch host_scratch;  // decode_on_host (the consumer's thread)
 };
 
 // Reads samples idx[0..n) into images/labels with `workers` threads, each a contiguous part
@@ -105,6 +110,91 @@ void read_parallel(Dataset& ds, const int64_t* idx, int n, uint8_t* images, int3
     if (e) std::rethrow_exception(e);
 }
 
+// The views of an encoded dataset's samples idx[0..count) at positions first_position + j
+// (train: RandomResizedCrop and flip of that position; eval: the eval view), with `workers`
+// threads, each a contiguous part whose bitstreams for the device are merged in slot order.
+void DataLoader::Impl::read_views(HostBatch& hb, const int64_t* idx, const Sampler* sampler) {
+  const ImageSource& src = *ds->encoded();
+  const int n = hb.count, S = ds->image_size();
+  const size_t img = (size_t)S * S * 3;
+  const int w = std::max(1, std::min(cfg.workers, n));
+  struct Part {
+    std::vector<uint8_t> encoded;
+    std::vector<EncodedView> views;
+    int bad = 0;
+    std::exception_ptr error;
+  };
+  std::vector<Part> parts(w);
+  auto work = [&](int t) {
+    Part& part = parts[t];
+    try {
+      thread_local ViewScratch scratch;
+      const int a = (int)((int64_t)n * t / w), b = (int)((int64_t)n * (t + 1) / w);
+      for (int j = a; j < b; ++j) {
+        const int64_t pos = hb.first_position + j;
+        ViewTarget to;
+        to.slot = j;
+        to.out = hb.images.data() + j * img;
+        to.encoded = &part.encoded;
+        to.views = cfg.real.device_accepts ? &part.views : nullptr;
+        const bool flip = cfg.train && cfg.hflip && sampler->flip_at(pos);
+        hb.labels[j] = cut_view(src, cfg.real, cfg.seed, cfg.train, flip, idx[j],
+                                cfg.train ? pos : idx[j], S, to, &part.bad, scratch);
+      }
+    } catch (...) {
+      part.error = std::current_exception();
+    }
+  };
+  if (w == 1) {
+    work(0);
+  } else {
+    std::vector<std::thread> pool;
+    for (int t = 0; t < w; ++t) pool.emplace_back(work, t);
+    for (auto& th : pool) th.join();
+  }
+  hb.encoded.clear();
+  hb.views.clear();
+  hb.bad = 0;
+  for (Part& part : parts) {
+    if (part.error) std::rethrow_exception(part.error);
+    for (EncodedView v : part.views) {
+      v.offset += hb.encoded.size();
+      hb.views.push_back(v);
+    }
+    hb.encoded.insert(hb.encoded.end(), part.encoded.begin(), part.encoded.end());
+    hb.bad += part.bad;
+  }
+}
+
+// Mixup / CutMix: sample j is mixed with j ^ 1 (positions 2k and 2k+1: first_position and the
+// batch size are even), with the draw of its unit (the optimizer step's global batch, the pair,
+// or the sample: never the rank's share, so that no layout or accumulation changes a draw), and
+// its soft target is lam * own label + (1 - lam) * the partner's.
+void DataLoader::Impl::mix(HostBatch& hb, const Sampler& sampler) const {
+  const int S = ds->image_size();
+  hb.soft.assign((size_t)hb.count * K, 0.0f);
+  for (int j = 0; j < hb.count; ++j) {
+    const int64_t pos = hb.first_position + j;
+    const int64_t unit = cfg.mix.mode == MixMode::Batch  ? pos / cfg.global_batch
+                         : cfg.mix.mode == MixMode::Pair ? pos / 2
+                                                          : pos;
+    const MixDraw d = sampler.mix_at(unit, cfg.mix, S);
+    SampleAug& a = hb.aug[j];
+    const int partner = j ^ 1;
+    if (d.lam != 1.0f || d.cut) {
+      a.partner = partner;
+      a.lam = d.cut ? 1.0f : d.lam;
+      a.target_lam = d.lam;
+      if (d.cut) {
+        a.cut_x0 = (int16_t)d.x0, a.cut_y0 = (int16_t)d.y0;
+        a.cut_x1 = (int16_t)d.x1, a.cut_y1 = (int16_t)d.y1;
+      }
+    }
+    hb.soft[(size_t)j * K + hb.labels[j]] += d.lam;
+    hb.soft[(size_t)j * K + hb.labels[partner]] += 1.0f - d.lam;
+  }
+}
+
 std::shared_ptr<HostBatch> DataLoader::Impl::make_train(const Sampler& sampler, int64_t k) {
   const int A = cfg.grad_accum;
   auto hb = new_batch();
@@ -113,32 +203,24 @@ std::shared_ptr<HostBatch> DataLoader::Impl::make_train(const Sampler& sampler, 
   hb->count = b;
   hb->first_position = hb->step * cfg.global_batch + hb->micro * E + (int64_t)cfg.data_rank * b;
   const size_t img = (size_t)ds->image_size() * ds->image_size() * 3;
-  const bool mixup = cfg.mixup_alpha > 0.0;
-  std::vector<int64_t> idx(b), pidx;
-  hb->aug.resize(b);
+  const bool encoded = ds->encoded() != nullptr;
+  std::vector<int64_t> idx(b);
+  hb->aug.assign(b, SampleAug());
   for (int j = 0; j < b; ++j) {
     const int64_t pos = hb->first_position + j;
     idx[j] = sampler.index_at(pos);
-    hb->aug[j] = sampler.augment_at(pos, cfg.crop_padding, cfg.hflip, cfg.mixup_alpha);
+    // encoded images are cropped and flipped while they are decoded
+    if (!encoded) hb->aug[j] = sampler.augment_at(pos, cfg.crop_padding, cfg.hflip);
   }
   hb->images.resize(b * img);
   hb->labels.resize(b);
-  read_parallel(*ds, idx.data(), b, hb->images.data(), hb->labels.data(), cfg.workers);
+  if (encoded)
+    read_views(*hb, idx.data(), &sampler);
+  else
+    read_parallel(*ds, idx.data(), b, hb->images.data(), hb->labels.data(), cfg.workers);
   check_labels(hb->labels);
-  if (mixup) {
-    pidx.resize(b);
-    for (int j = 0; j < b; ++j) pidx[j] = sampler.partner_at(hb->first_position + j);
-    std::vector<int32_t> plabels(b);
-    hb->partners.resize(b * img);
-    read_parallel(*ds, pidx.data(), b, hb->partners.data(), plabels.data(), cfg.workers);
-    check_labels(plabels);
-    hb->soft.assign((size_t)b * K, 0.0f);
-    for (int j = 0; j < b; ++j) {
-      const float lam = hb->aug[j].lam;
-      hb->soft[(size_t)j * K + hb->labels[j]] += lam;
-      hb->soft[(size_t)j * K + plabels[j]] += 1.0f - lam;
-    }
-  }
+  if (cfg.mix.on()) mix(*hb, sampler);
+  else hb->soft.clear();
   return hb;
 }
 
@@ -156,11 +238,15 @@ std::shared_ptr<HostBatch> DataLoader::Impl::make_eval(int64_t t) {
   std::vector<int64_t> idx(n);
   for (int j = 0; j < n; ++j) idx[j] = hb->first_position + j;  // eval order is the split order
   SampleAug centre;  // no augmentation: the crop at (pad, pad) is the original image
-  centre.dx = centre.dy = cfg.crop_padding;
+  if (!ds->encoded()) centre.dx = centre.dy = cfg.crop_padding;
   hb->aug.assign(n, centre);
   hb->images.resize(n * img);
   hb->labels.resize(n);
-  if (n > 0) read_parallel(*ds, idx.data(), n, hb->images.data(), hb->labels.data(), cfg.workers);
+  hb->soft.clear();
+  if (n > 0 && ds->encoded())
+    read_views(*hb, idx.data(), nullptr);
+  else if (n > 0)
+    read_parallel(*ds, idx.data(), n, hb->images.data(), hb->labels.data(), cfg.workers);
   check_labels(hb->labels);
   return hb;
 }
@@ -207,6 +293,9 @@ DataLoader::DataLoader(std::shared_ptr<Dataset> ds, const LoaderConfig& cfg, int
   m.E = cfg.global_batch / cfg.grad_accum;
   m.b = (int)(m.E / cfg.data_size);
   m.K = cfg.num_classes > 0 ? cfg.num_classes : m.ds->num_classes();
+  if (cfg.train && cfg.mix.on() && m.b % 2 != 0)
+    throw UserError("Mixup / CutMix mix the samples of a pair, so the per-rank batch " +
+                    std::to_string(m.b) + " must be even");
   if (!cfg.train) {
     m.eval_n = cfg.eval_samples > 0 ? std::min(cfg.eval_samples, m.ds->size()) : m.ds->size();
     m.eval_batches = (m.eval_n + m.E - 1) / m.E;  // same on every rank: depends on E only
@@ -239,6 +328,12 @@ std::shared_ptr<const HostBatch> DataLoader::next() {
 }
 
 int DataLoader::per_rank_batch() const { return impl_->b; }
+
+int32_t DataLoader::decode_on_host(const EncodedView& v, uint8_t* out, int* bad) {
+  Impl& m = *impl_;
+  return decode_view_on_host(*m.ds->encoded(), m.cfg.real, m.cfg.seed, m.cfg.train, v,
+                             m.ds->image_size(), out, bad, m.host_scratch);
+}
 
 int64_t DataLoader::batches_per_eval() const { return impl_->eval_batches; }
 

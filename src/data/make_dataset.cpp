@@ -17,6 +17,8 @@
 #include "vitgrid/core/error.h"
 #include "vitgrid/core/log.h"
 #include "vitgrid/data/dataset.h"
+#include "vitgrid/data/image_source.h"
+#include "vitgrid/data/image_transform.h"
 #include "vitgrid/deck/deck.h"
 
 namespace vitgrid {
@@ -40,7 +42,46 @@ std::string hdf5_eval_file(const DataSection& d) {
   return d.path;
 }
 
+int interp_of(const DataSection& d) {
+  return static_cast<int>(d.interpolation == "bilinear" ? Interp::Bilinear : Interp::Bicubic);
+}
+
 }  // namespace
+
+std::string tfrecord_index_dir(const Deck& deck) {
+  return deck.data.index_dir.empty() ? deck.run.out_dir + "/tfrecord-index" : deck.data.index_dir;
+}
+
+LoaderConfig make_loader_config(const Deck& deck, bool train, int data_rank, int data_size,
+                                int workers) {
+  const DataSection& d = deck.data;
+  LoaderConfig c;
+  c.seed = deck.run.seed;
+  c.global_batch = d.global_batch;
+  c.grad_accum = d.grad_accum;
+  c.data_rank = data_rank;
+  c.data_size = data_size;
+  c.crop_padding = d.crop_padding;
+  c.hflip = d.hflip;
+  c.mix.mixup_alpha = d.mixup_alpha;
+  c.mix.cutmix_alpha = d.cutmix_alpha;
+  c.mix.prob = d.mixup_prob;
+  c.mix.switch_prob = d.mixup_switch_prob;
+  c.mix.mode = d.mixup_mode == "pair" ? MixMode::Pair : d.mixup_mode == "elem" ? MixMode::Elem : MixMode::Batch;
+  c.num_classes = deck.model.num_classes;
+  c.prefetch = d.prefetch;
+  c.workers = workers;
+  c.train = train;
+  c.eval_samples = deck.run.eval_samples;
+  c.real.scale_lo = d.rrc_scale[0];
+  c.real.scale_hi = d.rrc_scale[1];
+  c.real.ratio_lo = d.rrc_ratio[0];
+  c.real.ratio_hi = d.rrc_ratio[1];
+  c.real.interp = interp_of(d);
+  c.real.crop_pct = d.crop_pct;
+  c.real.dct_scale = d.dct_scale;
+  return c;
+}
 
 std::unique_ptr<Dataset> make_dataset(const Deck& deck, bool train) {
   const DataSection& d = deck.data;
@@ -54,8 +95,22 @@ std::unique_ptr<Dataset> make_dataset(const Deck& deck, bool train) {
   } else if (d.dataset == "hdf5") {
     if (d.path.empty()) throw UserError("data.path must name the HDF5 image file");
     ds = make_hdf5_images(train ? d.path : hdf5_eval_file(d));
+  } else if (d.dataset == "tfrecord" || d.dataset == "folder" || d.dataset == "jpeg_h5") {
+    ImageSourceOptions o;
+    o.train = train;
+    o.label_offset = d.label_offset;
+    o.eval_fraction = d.eval_fraction;
+    o.index_dir = tfrecord_index_dir(deck);
+    o.eval_path = d.eval_path;
+    o.num_classes = deck.model.num_classes;
+    std::unique_ptr<ImageSource> src = d.dataset == "tfrecord" ? open_tfrecord(d.path, o)
+                                       : d.dataset == "folder" ? open_image_folder(d.path, o)
+                                                               : open_jpeg_h5(d.path, o);
+    ds = make_encoded_dataset(std::move(src), deck.model.image_size,
+                              interp_of(d), d.crop_pct);
   } else {
-    throw UserError("data.dataset = " + d.dataset + " is not one of synthetic, cifar10, hdf5");
+    throw UserError("data.dataset = " + d.dataset +
+                    " is not one of synthetic, cifar10, hdf5, tfrecord, folder, jpeg_h5");
   }
   // Once per process: the train and the eval split may be the same file.
   static std::set<std::string> warned;
@@ -83,7 +138,7 @@ std::unique_ptr<Dataset> make_dataset(const Deck& deck, bool train) {
                       " samples: the sampler's permutation of them takes " + buf);
     }
   }
-  if (ds->image_size() != deck.model.image_size)
+  if (!ds->encoded() && ds->image_size() != deck.model.image_size)
     throw UserError("model.image_size = " + std::to_string(deck.model.image_size) + " but " +
                     ds->describe() + " holds " + std::to_string(ds->image_size()) + "x" +
                     std::to_string(ds->image_size()) + " images");

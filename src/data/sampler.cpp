@@ -20,12 +20,13 @@ inline uint64_t below(uint64_t word, uint64_t n) {
 // Uniform double in (0, 1) with 53 bits.
 inline double open01(uint64_t word) { return ((double)(word >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
 
-// Counters of stream kStreamMixup per position: [0] partner, then the two Gamma draws of the
+// Counters of stream kStreamMixup per mixing unit: [0] unused, then the two Gamma draws of the
 // Beta sample, each with room for kGammaTries rejection attempts (3 words per attempt).
 constexpr uint64_t kMixupPerPos = 256;
 constexpr uint64_t kGammaTries = 40;
 constexpr uint64_t kGammaX = 1, kGammaY = 1 + 3 * kGammaTries + 8;
-// Counters of stream kStreamAugment per position: dx, dy, flip.
+// Counters of stream kStreamAugment per position: dx, dy, flip; of kStreamCutmix per mixing
+// unit: mix or not, Mixup or CutMix, box centre y, x.
 constexpr uint64_t kAugPerPos = 4;
 
 // Gamma(a, 1) by Marsaglia-Tsang, every uniform taken from (seed, key, first + k). For a < 1
@@ -80,26 +81,56 @@ int64_t Sampler::index_at(int64_t pos) const {
   return perm_[(size_t)(pos % n_)];
 }
 
-SampleAug Sampler::augment_at(int64_t pos, int pad, bool hflip, double mixup_alpha) const {
+SampleAug Sampler::augment_at(int64_t pos, int pad, bool hflip) const {
   SampleAug a;
   const uint64_t base = (uint64_t)pos * kAugPerPos;
   if (pad > 0) {
     a.dx = (int32_t)below(rng_u64(seed_, kStreamAugment, base + 0), (uint64_t)(2 * pad + 1));
     a.dy = (int32_t)below(rng_u64(seed_, kStreamAugment, base + 1), (uint64_t)(2 * pad + 1));
   }
-  if (hflip) a.flip = (int32_t)(rng_u64(seed_, kStreamAugment, base + 2) >> 63);
-  if (mixup_alpha > 0.0) {
-    // lam ~ Beta(alpha, alpha) = X / (X + Y), X, Y ~ Gamma(alpha) on distinct counters
-    const uint64_t mb = (uint64_t)pos * kMixupPerPos;
-    double x = gamma_draw(seed_, kStreamMixup, mb + kGammaX, mixup_alpha);
-    double y = gamma_draw(seed_, kStreamMixup, mb + kGammaY, mixup_alpha);
-    a.lam = (x + y) > 0.0 ? (float)(x / (x + y)) : 0.5f;
-  }
+  if (hflip) a.flip = flip_at(pos) ? 1 : 0;
   return a;
 }
 
-int64_t Sampler::partner_at(int64_t pos) const {
-  return (int64_t)below(rng_u64(seed_, kStreamMixup, (uint64_t)pos * kMixupPerPos), (uint64_t)n_);
+bool Sampler::flip_at(int64_t pos) const {
+  return (rng_u64(seed_, kStreamAugment, (uint64_t)pos * kAugPerPos + 2) >> 63) != 0;
+}
+
+// timm's Mixup._params_per_batch / _params_per_elem and rand_bbox, every uniform drawn from
+// (seed, unit): counter block unit * kMixupPerPos of kStreamMixup holds the two Gamma draws of
+// lam; kStreamCutmix holds [0] whether to mix at all (prob), [1] Mixup or CutMix, [2], [3] the
+// box centre.
+MixDraw Sampler::mix_at(int64_t unit, const MixConfig& mix, int S) const {
+  MixDraw d;
+  if (!mix.on()) return d;
+  const uint64_t cb = (uint64_t)unit * kAugPerPos;
+  if (open01(rng_u64(seed_, kStreamCutmix, cb + 0)) >= mix.prob) return d;
+  bool cut = mix.mixup_alpha <= 0.0;
+  if (mix.mixup_alpha > 0.0 && mix.cutmix_alpha > 0.0)
+    cut = open01(rng_u64(seed_, kStreamCutmix, cb + 1)) < mix.switch_prob;
+  const double alpha = cut ? mix.cutmix_alpha : mix.mixup_alpha;
+  const uint64_t mb = (uint64_t)unit * kMixupPerPos;
+  const double x = gamma_draw(seed_, kStreamMixup, mb + kGammaX, alpha);
+  const double y = gamma_draw(seed_, kStreamMixup, mb + kGammaY, alpha);
+  const double lam = (x + y) > 0.0 ? x / (x + y) : 0.5;
+  if (!cut) {
+    d.lam = (float)lam;
+    return d;
+  }
+  // rand_bbox: a box of side S * sqrt(1 - lam) centred at a uniform pixel, clipped to the image;
+  // lam becomes the share of the image outside the box (timm's correct_lam).
+  const double rat = std::sqrt(1.0 - lam);
+  const int cw = (int)(S * rat), ch = (int)(S * rat);
+  const int cy = (int)below(rng_u64(seed_, kStreamCutmix, cb + 2), (uint64_t)S);
+  const int cx = (int)below(rng_u64(seed_, kStreamCutmix, cb + 3), (uint64_t)S);
+  auto clip = [S](int v) { return v < 0 ? 0 : (v > S ? S : v); };
+  d.cut = true;
+  d.y0 = clip(cy - ch / 2);
+  d.y1 = clip(cy + ch / 2);
+  d.x0 = clip(cx - cw / 2);
+  d.x1 = clip(cx + cw / 2);
+  d.lam = (float)(1.0 - double(d.x1 - d.x0) * double(d.y1 - d.y0) / (double(S) * S));
+  return d;
 }
 
 }  // namespace vitgrid

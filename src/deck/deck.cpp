@@ -107,7 +107,8 @@ const std::vector<Field>& schema() {
       VG_FIELD(run, eval_samples, "", "samples used per evaluation (0 = the whole eval split)"),
       // [model]
       VG_FIELD(model, preset, "",
-               "vit-tiny/16 | vit-small/16 | vit-base/16 | vit-large/16 | vit-lite-7/4 | "
+               "vit-tiny/16 | vit-small/16 | vit-base/16 | vit-base/32 | vit-large/16 | "
+               "vit-large/32 | vit-lite-7/4 | "
                "vit-huge-4096 | custom; fills the model keys not given explicitly"),
       VG_FIELD(model, image_size, "", "input image side in pixels"),
       VG_FIELD(model, patch_size, "", "patch side in pixels (divides image_size)"),
@@ -151,9 +152,9 @@ const std::vector<Field>& schema() {
       VG_FIELD(parallel, data, "",
                "data-parallel replicas; derived as world / (pipeline * tensor), 0 = derive"),
       // [data]
-      VG_FIELD(data, dataset, "synthetic|cifar10|hdf5", "dataset kind"),
-      VG_FIELD(data, path, "", "CIFAR-10 binary directory (cifar10) or HDF5 file (hdf5)"),
-      VG_FIELD(data, eval_path, "", "HDF5 eval file (default: the eval split of data.path)"),
+      VG_FIELD(data, dataset, "synthetic|cifar10|hdf5|tfrecord|folder|jpeg_h5", "dataset kind: raw images (synthetic, cifar10, hdf5) or encoded JPEGs (tfrecord shards, an ImageFolder tree, packed jpeg_h5)"),
+      VG_FIELD(data, path, "", "CIFAR-10 binary directory, HDF5 file, TFRecord shard directory, ImageFolder root or jpeg_h5 file"),
+      VG_FIELD(data, eval_path, "", "hdf5 / jpeg_h5 eval file (default: the eval split of data.path)"),
       VG_FIELD(data, global_batch, "", "samples per optimizer step over all replicas"),
       VG_FIELD(data, grad_accum, "", "gradient accumulation steps per optimizer step"),
       VG_FIELD(data, synthetic_train, "", "synthetic train split size"),
@@ -163,9 +164,22 @@ const std::vector<Field>& schema() {
       VG_FIELD(data, mean, "", "per-channel normalisation mean, 3 comma-separated floats"),
       VG_FIELD(data, std, "", "per-channel normalisation std, 3 comma-separated floats > 0"),
       VG_FIELD(data, mixup_alpha, "", "Mixup Beta(alpha, alpha) parameter (0 = off)"),
+      VG_FIELD(data, cutmix_alpha, "", "CutMix Beta(alpha, alpha) parameter (0 = off)"),
+      VG_FIELD(data, mixup_prob, "", "probability that a batch / pair / sample is mixed at all"),
+      VG_FIELD(data, mixup_switch_prob, "", "with Mixup and CutMix both on: probability of CutMix"),
+      VG_FIELD(data, mixup_mode, "batch|pair|elem", "one mixing draw per global batch, per pair of samples, or per sample (timm's modes; the partner is the other sample of the pair: positions 2k and 2k+1)"),
       VG_FIELD(data, label_smoothing, "", "label smoothing in [0,1)"),
       VG_FIELD(data, prefetch, "", "batches prepared ahead by the background thread"),
       VG_FIELD(data, workers, "", "threads reading one batch's samples (0 = auto: cores per rank, at most 16)"),
+      VG_FIELD(data, label_offset, "", "added to stored labels (encoded sources; default -1 for tfrecord, whose labels are 1-based, else 0)"),
+      VG_FIELD(data, eval_fraction, "", "folder without train/ and val/: the held-out share of each class for evaluation"),
+      VG_FIELD(data, index_dir, "", "where missing TFRecord indexes (DALI's tfrecord2idx format) are written (default: RUN_DIR/tfrecord-index)"),
+      VG_FIELD(data, rrc_scale, "", "RandomResizedCrop area range, 2 comma-separated floats"),
+      VG_FIELD(data, rrc_ratio, "", "RandomResizedCrop aspect-ratio range, 2 comma-separated floats"),
+      VG_FIELD(data, interpolation, "bilinear|bicubic", "resize filter of the crops (Pillow's, antialiased)"),
+      VG_FIELD(data, crop_pct, "", "eval: the short side is resized to image_size / crop_pct, then centre-cropped"),
+      VG_FIELD(data, dct_scale, "", "CPU decoding: decode at 1/2, 1/4 or 1/8 scale (DCT domain) when the crop stays >= 2x the output"),
+      VG_FIELD(data, decode, "auto|host|device", "where JPEGs are decoded: on the device (nvJPEG) where the backend can, or on the host (libjpeg-turbo)"),
       // [optim]
       VG_FIELD(optim, name, "adamw|lamb|sgd", "optimizer"),
       VG_FIELD(optim, lr, "", "peak learning rate (> 0)"),
@@ -673,11 +687,26 @@ class Parser {
 
     // [data] (alone)
     DataSection& dt = d.data;
-    if (dt.dataset == "cifar10" || dt.dataset == "hdf5")
+    if (dt.dataset != "synthetic")
       require(!dt.path.empty(), "data.path",
-              "must name the " +
-                  std::string(dt.dataset == "cifar10" ? "CIFAR-10 directory" : "HDF5 file") +
+              "must name the " + std::string(dt.dataset == "cifar10"    ? "CIFAR-10 directory"
+                                             : dt.dataset == "hdf5"     ? "HDF5 file"
+                                             : dt.dataset == "tfrecord" ? "TFRecord shard directory"
+                                             : dt.dataset == "folder"   ? "ImageFolder root"
+                                                                        : "jpeg_h5 file") +
                   " for data.dataset = " + dt.dataset);
+    if (dt.label_offset == DataSection::kLabelOffsetAuto) dt.label_offset = dt.dataset == "tfrecord" ? -1 : 0;
+    require(std::abs(dt.label_offset) <= 1000000 - 1, "data.label_offset",
+            "must be within +-999999, got " + std::to_string(dt.label_offset));
+    require(dt.eval_fraction >= 0.0 && dt.eval_fraction < 1.0, "data.eval_fraction",
+            "must be in [0, 1), got " + shortest(dt.eval_fraction));
+    require(dt.rrc_scale.size() == 2 && dt.rrc_scale[0] > 0 && dt.rrc_scale[0] <= dt.rrc_scale[1] &&
+                dt.rrc_scale[1] <= 1.0f,
+            "data.rrc_scale", "needs 2 values 0 < lo <= hi <= 1");
+    require(dt.rrc_ratio.size() == 2 && dt.rrc_ratio[0] > 0 && dt.rrc_ratio[0] <= dt.rrc_ratio[1],
+            "data.rrc_ratio", "needs 2 values 0 < lo <= hi");
+    require(dt.crop_pct > 0.0 && dt.crop_pct <= 1.0, "data.crop_pct",
+            "must be in (0, 1], got " + shortest(dt.crop_pct));
     positive("data.global_batch", static_cast<double>(dt.global_batch));
     positive("data.grad_accum", dt.grad_accum);
     at_most("data.grad_accum", dt.grad_accum, static_cast<double>(kMaxGlobalBatch));
@@ -705,6 +734,11 @@ class Parser {
         "needs 3 comma-separated values (one per channel), got " + std::to_string(dt.std.size()));
     for (float s : dt.std) require(s > 0, "data.std", "entries must be > 0, got " + shortest(s));
     non_negative("data.mixup_alpha", dt.mixup_alpha);
+    non_negative("data.cutmix_alpha", dt.cutmix_alpha);
+    require(dt.mixup_prob >= 0.0 && dt.mixup_prob <= 1.0, "data.mixup_prob",
+            "must be in [0, 1], got " + shortest(dt.mixup_prob));
+    require(dt.mixup_switch_prob >= 0.0 && dt.mixup_switch_prob <= 1.0, "data.mixup_switch_prob",
+            "must be in [0, 1], got " + shortest(dt.mixup_switch_prob));
     unit_interval("data.label_smoothing", dt.label_smoothing);
 
     // [optim]
@@ -860,6 +894,10 @@ class Parser {
             std::to_string(p.micro_batches) + " does not divide the per-rank batch " +
                 std::to_string(per_rank) + " (data.global_batch " +
                 std::to_string(dt.global_batch) + " / (" + product + " without micro-batches))");
+    // Mixing pairs the samples at stream positions 2k and 2k+1: a rank's batch must hold both.
+    require(!(dt.mixup_alpha > 0 || dt.cutmix_alpha > 0) || per_rank % 2 == 0, "data.global_batch",
+            "Mixup / CutMix mix the samples of a pair, so the per-rank batch " +
+                std::to_string(per_rank) + " (data.global_batch / (parallel.data x data.grad_accum)) must be even");
     const int64_t micro = per_rank / p.micro_batches;
     require(micro % batch_split == 0, "data.global_batch",
             "the micro-batch of " + std::to_string(micro) + " samples (" +
@@ -1017,9 +1055,9 @@ class Parser {
                " blocks per stage take " + (acts < 0 ? "more than 2^63 bytes" : bytes(acts)) +
                limit);
 
-    // The batch on the host (uint8 images, Mixup partners) and on the device (fp32 images),
-    // and Mixup's soft targets.
-    const int64_t images = product({per_rank, S, S, 3, d.data.mixup_alpha > 0 ? 2 : 1});
+    // The batch on the host (uint8 images) and on the device (fp32 images), and Mixup's soft
+    // targets.
+    const int64_t images = product({per_rank, S, S, 3});
     const int64_t device_images = product({per_rank, S, S, 3, 4});
     const int64_t soft = product({per_rank, K, 4});
     if (too_big(images) || too_big(device_images))
@@ -1113,6 +1151,8 @@ const std::map<std::string, ModelPreset>& model_presets() {
       {"vit-small/16", {224, 16, 384, 12, 6, 4.0, 1000}},
       {"vit-base/16", {224, 16, 768, 12, 12, 4.0, 1000}},
       {"vit-large/16", {224, 16, 1024, 24, 16, 4.0, 1000}},
+      {"vit-base/32", {224, 32, 768, 12, 12, 4.0, 1000}},
+      {"vit-large/32", {224, 32, 1024, 24, 16, 4.0, 1000}},
       {"vit-lite-7/4", {32, 4, 256, 7, 4, 2.0, 10}},
       // the hybrid-parallel guide's large ViT
       {"vit-huge-4096", {224, 16, 4096, 32, 64, 4.0, 1000}},

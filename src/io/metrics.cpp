@@ -55,6 +55,7 @@ constexpr Column kTrain[] = {
     {"train/lr", false, false},           {"train/grad_norm", false, false},
     {"train/images_per_s", false, false}, {"train/loss_scale", false, false},
     {"train/step_time_s", true, false},   {"train/device_mem_bytes", true, false},
+    {"train/bad_images", true, false},
 };
 constexpr Column kEval[] = {
     {"eval/step", false, true},
@@ -64,8 +65,9 @@ constexpr Column kEval[] = {
 };
 constexpr size_t kNumTrain = sizeof(kTrain) / sizeof(kTrain[0]);
 constexpr size_t kNumEval = sizeof(kEval) / sizeof(kEval[0]);
-// the per-rank tables, in kTrain and in the values each rank sends rank 0
-constexpr size_t kStepTime = 6, kDeviceMem = 7;
+// the per-rank tables, in kTrain and in the values each rank sends rank 0 (in this order)
+constexpr size_t kPerRank[] = {6, 7, 8};
+constexpr size_t kNumPerRank = sizeof(kPerRank) / sizeof(kPerRank[0]);
 
 // The segments table: a row per run that wrote the file (the first one and each resumed one).
 enum Seg : size_t { kSegFirstStep, kSegWorld, kSegGrid, kSegMode, kNumSeg };
@@ -619,11 +621,11 @@ void MetricsWriter::Impl::write_rows(const std::vector<double>& per_rank) {
     // this run's ranks (an earlier segment had more).
     const hsize_t w = static_cast<hsize_t>(world);
     std::vector<double> block(nt * width);
-    for (size_t t = 0; t < 2; ++t) {
+    for (size_t t = 0; t < kNumPerRank; ++t) {
       for (hsize_t i = 0; i < nt; ++i)
         for (hsize_t r = 0; r < width; ++r)
-          block[i * width + r] = r < w ? per_rank[r * 2 * nt + t * nt + i] : NAN;
-      const size_t k = t == 0 ? kStepTime : kDeviceMem;
+          block[i * width + r] = r < w ? per_rank[r * kNumPerRank * nt + t * nt + i] : NAN;
+      const size_t k = kPerRank[t];
       hsize_t dims[2] = {train_rows + nt, width};
       H5_CHECK(H5Dset_extent(train[k], dims));
       write_block(train[k], H5T_NATIVE_DOUBLE, train_rows, nt, 0, width, block.data());
@@ -801,18 +803,20 @@ void MetricsWriter::flush() {
   if (counts[0] == 0 && counts[1] == 0) return;
   if (m.failed) throw UserError(m.failure);
 
-  // Each rank's step times, then its device memory; rank 0 receives them rank after rank.
+  // Each rank's step times, then its device memory, then its replaced images; rank 0
+  // receives them rank after rank.
   const size_t n = counts[0];
-  std::vector<double> mine(2 * n), all;
+  std::vector<double> mine(kNumPerRank * n), all;
   for (size_t i = 0; i < n; ++i) {
     mine[i] = m.train_buf[i].step_time_s;
     mine[n + i] = m.train_buf[i].device_mem_bytes;
+    mine[2 * n + i] = m.train_buf[i].bad_images;
   }
-  if (m.rank == 0) all.resize(2 * n * static_cast<size_t>(m.world));
+  if (m.rank == 0) all.resize(kNumPerRank * n * static_cast<size_t>(m.world));
   if (n > 0) {
     WatchdogWait w("the MPI gather of the metrics rows");
-    MPI_CHECK(MPI_Gather(mine.data(), static_cast<int>(2 * n), MPI_DOUBLE, all.data(),
-                         static_cast<int>(2 * n), MPI_DOUBLE, 0, m.comm));
+    MPI_CHECK(MPI_Gather(mine.data(), static_cast<int>(kNumPerRank * n), MPI_DOUBLE, all.data(),
+                         static_cast<int>(kNumPerRank * n), MPI_DOUBLE, 0, m.comm));
   }
   std::string err;
   if (m.rank == 0) err = m.root_work("cannot write", [&] { m.write_rows(all); });

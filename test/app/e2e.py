@@ -4,8 +4,8 @@
     e2e.py NAME      NAME in: dp_equivalence, resume_exact, refusals, predict, optimizers,
                      tensor_parallel, pipeline, pipeline_hybrid, pipeline_refusals,
                      bad_input, overlap, stress, zero, no_allocations, metrics_other_world,
-                     step_times, bench_report, signals, full_disk (root: a tmpfs); on GPUs:
-                     gpu_matches_cpu, gpu_resume,
+                     step_times, bench_report, signals, full_disk (root: a tmpfs),
+                     jpeg_layouts; on GPUs: gpu_matches_cpu, gpu_resume, gpu_jpeg,
                      gpu_parallel, gpu_graphs, gpu_tune_agreement
 
 They launch build/bin/vitgrid on 1-4 oversubscribed CPU ranks with the tiny deck beside this
@@ -74,7 +74,9 @@ def t_dp_equivalence(tmp):
               f"np={np_} accum={accum}: 20 steps recorded")
         if ref is None:
             ref = loss
-            check(loss[-1] < loss[0], f"loss decreases ({loss[0]:.4f} -> {loss[-1]:.4f})")
+            # Mixup's per-step noise is as large as 20 steps' progress: compare 5-step means
+            a, b = loss[:5].mean(), loss[-5:].mean()
+            check(b < a, f"loss decreases (mean of steps 1-5 {a:.4f} -> 16-20 {b:.4f})")
         else:
             r = rel(loss, ref)
             check(r <= 1e-4, f"np={np_} accum={accum}: max relative loss difference {r:.2e} <= 1e-4")
@@ -924,6 +926,104 @@ def t_any_layout(tmp):
         check(worst <= 1e-4, f"{name}: final parameters within {worst:.2e} <= 1e-4")
         # qkv.bias's k third has an analytically zero gradient: Adam amplifies rounding noise
         check(qb <= 1e-3, f"{name}: qkv.bias within {qb:.2e} <= 1e-3 (zero-gradient k part)")
+
+
+def jpeg_sources(tmp, bad=True, classes=4, train=12, val=4, forms=("folder", "tfrecord", "jpeg_h5")):
+    """An ImageFolder tree of photo-like JPEGs (test/data/make_jpeg_tree.py: grayscale, CMYK,
+    progressive, 4:4:4/4:2:2, a PNG named .JPEG and, with `bad`, a truncated file), the same
+    images as TFRecord shards written independently (test/data/write_tfrecord.py) and packed
+    by vitgrid_dataset pack. Returns {source: data.path}."""
+    data = os.path.join(HERE, "..", "data")
+    tree, tfr, packed = (os.path.join(tmp, n) for n in ("tree", "tfr", "packed.h5"))
+    py = os.environ.get("VG_PYTHON3", sys.executable)
+    subprocess.run([py, os.path.join(data, "make_jpeg_tree.py"), tree, "--classes", str(classes),
+                    "--train", str(train), "--val", str(val)] + ([] if bad else ["--no-bad"]),
+                   check=True)
+    if "tfrecord" in forms:
+        subprocess.run([py, os.path.join(data, "write_tfrecord.py"), tree, tfr, "--shards", "3"],
+                       check=True)
+    if "jpeg_h5" in forms:
+        tool = os.path.join(os.path.dirname(VITGRID), "vitgrid_dataset")
+        subprocess.run([tool, "pack", tree, packed], check=True, capture_output=True)
+    return {"folder": tree, "tfrecord": tfr, "jpeg_h5": packed}
+
+
+JPEG_DECK = ["--model.image_size=32", "--model.patch_size=8", "--model.num_classes=4",
+             "--data.crop_padding=0", "--data.mixup_alpha=0.8", "--data.cutmix_alpha=1.0",
+             "--data.mixup_mode=pair", "--data.global_batch=16", "--run.eval_samples=0",
+             "--checkpoint.every_steps=0", "--run.steps=12", "--run.eval_every=6"]
+
+
+def t_jpeg_layouts(tmp):
+    """Training on JPEGs (RandomResizedCrop, flip, Mixup + CutMix, a truncated file replaced):
+    the same deck on 1 rank, on 4 data ranks, on pipeline 2 x tensor 2 and with accumulation
+    follows the 1-rank loss curve within 1e-4; the three sources (folder, TFRecord shards,
+    jpeg_h5) give the identical curve; the replaced image is counted in metrics.h5; the
+    TFRecord indexes land in the run directory, never beside the shards."""
+    src = jpeg_sources(tmp)
+    curves = {}
+    for name, np_, extra in [("folder_1", 1, []), ("folder_dp4", 4, []),
+                             ("folder_accum", 2, ["--data.grad_accum=2"]),
+                             ("folder_pp2_tp2", 4, ["--parallel.pipeline=2", "--parallel.tensor=2",
+                                                    "--parallel.micro_batches=2"]),
+                             ("tfrecord_1", 1, []), ("jpeg_h5_2", 2, [])]:
+        kind = name.split("_")[0] if not name.startswith("jpeg_h5") else "jpeg_h5"
+        d = os.path.join(tmp, name)
+        run(np_, ["train", DECK, f"--run.out_dir={d}", f"--data.dataset={kind}",
+                  f"--data.path={src[kind]}"] + JPEG_DECK + extra, timeout=400)
+        steps, loss = losses(d)
+        check(list(steps) == list(range(1, 13)), f"{name}: 12 steps recorded")
+        curves[name] = loss
+        with h5py.File(os.path.join(d, "metrics.h5"), "r") as f:
+            bad = np.asarray(f["/train/bad_images"])
+            ev = np.asarray(f["/eval/top1"])
+        # every rank of the stage holding the embedding reads the images; the truncated file
+        # (one per epoch of 48 train images; 12 steps x 16 = 4 epochs) is replaced once per
+        # epoch, by the data rank whose positions hold it
+        if name in ("folder_1", "tfrecord_1"):
+            check(bad[-1].sum() == 4, f"{name}: 4 replaced images counted ({bad[-1].sum()})")
+        check(len(ev) == 2, f"{name}: 2 evaluations on the val split")
+    ref = curves["folder_1"]
+    check(np.all(np.isfinite(ref)), "folder_1: finite losses")
+    for name, c in curves.items():
+        if name == "folder_1":
+            continue
+        r = rel(c, ref)
+        check(r <= 1e-4, f"{name}: max relative loss difference to folder_1 {r:.2e} <= 1e-4")
+    check(np.array_equal(curves["tfrecord_1"], ref), "tfrecord on 1 rank: the identical curve")
+    idx = os.path.join(tmp, "tfrecord_1", "tfrecord-index")
+    check(os.path.isdir(idx) and len(os.listdir(idx)) == 4,
+          "tfrecord: 4 indexes written in the run directory")
+    check(not any(f.endswith(".idx") for f in os.listdir(src["tfrecord"])),
+          "tfrecord: nothing written beside the shards")
+    # vitgrid_dataset verify names the truncated file and exits 1; a clean tree passes
+    tool = os.path.join(os.path.dirname(VITGRID), "vitgrid_dataset")
+    p = subprocess.run([tool, "verify", src["folder"]], capture_output=True, text=True)
+    check(p.returncode == 1 and "_train_00006.JPEG" in p.stdout + p.stderr,
+          f"verify lists the truncated file and exits 1 (exit {p.returncode})")
+
+
+def t_gpu_jpeg(tmp):
+    """On a GPU: JPEGs decoded on the device (nvJPEG) train along the curve of the same deck
+    decoded on the host (libjpeg-turbo) within 2e-2 (the decoders' pixels differ slightly),
+    on 1 GPU and on 2 GPUs (data parallel) within 1e-4 of 1 GPU. Skipped (77) without a GPU."""
+    ngpu = gpus_or_skip()
+    src = jpeg_sources(tmp, classes=4, train=24, val=8, forms=("folder",))
+    curves = {}
+    lay = [(1, "device"), (1, "host")] + ([(2, "device")] if ngpu >= 2 else [])
+    for np_, where in lay:
+        d = os.path.join(tmp, f"{where}{np_}")
+        p = run(np_, ["train", DECK, f"--run.out_dir={d}", "--data.dataset=folder",
+                      f"--data.path={src['folder']}", "--device.backend=cuda",
+                      f"--data.decode={where}", "--data.dct_scale=false"] + JPEG_DECK)
+        if where == "device":
+            check("decoded on the device" in p.stdout, f"{where}{np_}: the device decoder is used")
+        curves[(np_, where)] = losses(d)[1]
+    r = rel(curves[(1, "device")], curves[(1, "host")])
+    check(r <= 2e-2, f"device vs host decoding: max relative loss difference {r:.2e} <= 2e-2")
+    if (2, "device") in curves:
+        r = rel(curves[(2, "device")], curves[(1, "device")])
+        check(r <= 1e-4, f"2 GPUs vs 1 GPU (device decoding): {r:.2e} <= 1e-4")
 
 
 def t_metrics_other_world(tmp):

@@ -56,38 +56,63 @@ std::vector<double> ref_prepare_one(const uint8_t* img, const SampleAug& a, int 
   return out;
 }
 
-TEST(CpuVit, PrepareImagesCropPadFlipNormaliseMixup) {
-  const int B = 3, S = 7, pad = 2;
+SampleAug make_aug(int dx, int dy, int flip, float lam = 1.0f, int partner = -1) {
+  SampleAug a;
+  a.dx = dx, a.dy = dy, a.flip = flip, a.lam = lam, a.partner = partner;
+  return a;
+}
+
+TEST(CpuVit, PrepareImagesCropPadFlipNormaliseMixupCutmix) {
+  const int B = 4, S = 7, pad = 2;
   const float mean[3] = {0.485f, 0.456f, 0.406f}, stdv[3] = {0.229f, 0.224f, 0.225f};
   CpuBackend be;
-  auto img = random_images(B, S, 1), par = random_images(B, S, 2);
-  std::vector<SampleAug> aug = {{0, 4, 1, 0.7f}, {3, 1, 0, 0.2f}, {2, 2, 0, 1.0f}};
+  auto img = random_images(B, S, 1);
+  std::vector<SampleAug> aug = {make_aug(0, 4, 1), make_aug(3, 1, 0), make_aug(2, 2, 0),
+                                make_aug(1, 0, 1)};
   std::vector<float> out((size_t)B * 3 * S * S);
   const size_t per = (size_t)3 * S * S;
+  auto one = [&](int b) {
+    return ref_prepare_one(img.data() + (size_t)b * S * S * 3, aug[b], S, pad, mean, stdv);
+  };
 
-  // Without partners: lam is ignored.
-  be.prepare_images(out.data(), img.data(), nullptr, aug.data(), B, S, pad, mean, stdv);
+  // Unmixed: lam is ignored without a partner.
+  aug[0].lam = 0.3f;
+  be.prepare_images(out.data(), img.data(), aug.data(), B, S, pad, mean, stdv);
   std::vector<double> ref;
   for (int b = 0; b < B; ++b) {
-    auto r = ref_prepare_one(img.data() + (size_t)b * S * S * 3, aug[b], S, pad, mean, stdv);
+    auto r = one(b);
     ref.insert(ref.end(), r.begin(), r.end());
   }
   EXPECT_TRUE(all_close(out, ref, 1e-5, 1e-5));
 
-  // With partners: the partner is cropped and flipped alike, then mixed after normalising.
-  be.prepare_images(out.data(), img.data(), par.data(), aug.data(), B, S, pad, mean, stdv);
+  // Mixup of the pair (0, 1): each mixed with the other, prepared with the other's own crop
+  // and flip. CutMix of the pair (2, 3): the partner's pixels inside the box only.
+  aug[0].lam = 0.7f, aug[0].partner = 1;
+  aug[1].lam = 0.2f, aug[1].partner = 0;
+  for (int b : {2, 3}) {
+    aug[b].partner = b ^ 1;
+    aug[b].cut_x0 = 1, aug[b].cut_x1 = 5, aug[b].cut_y0 = 2, aug[b].cut_y1 = 4;
+  }
+  be.prepare_images(out.data(), img.data(), aug.data(), B, S, pad, mean, stdv);
   for (int b = 0; b < B; ++b) {
-    auto r1 = ref_prepare_one(img.data() + (size_t)b * S * S * 3, aug[b], S, pad, mean, stdv);
-    auto r2 = ref_prepare_one(par.data() + (size_t)b * S * S * 3, aug[b], S, pad, mean, stdv);
-    for (size_t i = 0; i < per; ++i)
-      ref[b * per + i] = aug[b].lam * r1[i] + (1.0 - aug[b].lam) * r2[i];
+    auto r1 = one(b), r2 = one(b ^ 1);
+    for (int c = 0; c < 3; ++c)
+      for (int y = 0; y < S; ++y)
+        for (int x = 0; x < S; ++x) {
+          const size_t i = ((size_t)c * S + y) * S + x;
+          const bool box = b >= 2 && x >= 1 && x < 5 && y >= 2 && y < 4;
+          ref[b * per + i] = b >= 2 ? (box ? r2[i] : r1[i]) : aug[b].lam * r1[i] + (1.0 - aug[b].lam) * r2[i];
+        }
   }
   EXPECT_TRUE(all_close(out, ref, 1e-5, 1e-5));
 
-  // Crop offsets beyond the padding are refused.
+  // Crop offsets beyond the padding, and partners outside the batch, are refused.
   aug[1].dx = 2 * pad + 1;
-  EXPECT_THROW(be.prepare_images(out.data(), img.data(), nullptr, aug.data(), B, S, pad, mean,
-                                 stdv),
+  EXPECT_THROW(be.prepare_images(out.data(), img.data(), aug.data(), B, S, pad, mean, stdv),
+               vitgrid::UserError);
+  aug[1].dx = 0;
+  aug[1].partner = B;
+  EXPECT_THROW(be.prepare_images(out.data(), img.data(), aug.data(), B, S, pad, mean, stdv),
                vitgrid::UserError);
 }
 

@@ -283,8 +283,11 @@ TEST(MakeDataset, FromDeck) {
   deck.data.eval_path.clear();
   std::remove(dir.file("d_eval.h5").c_str());
   EXPECT_EQ(vitgrid::make_dataset(deck, false)->size(), 4);  // falls back, with a warning
+  // an encoded source named at a file that is not what it needs
   deck.data.dataset = "tfrecord";
-  expect_user_error([&] { vitgrid::make_dataset(deck, true); }, {"data.dataset", "tfrecord"});
+  expect_user_error([&] { vitgrid::make_dataset(deck, true); }, {"TFRecord directory", "not a directory"});
+  deck.data.dataset = "webdataset";
+  expect_user_error([&] { vitgrid::make_dataset(deck, true); }, {"data.dataset", "webdataset"});
 }
 
 // Without the num_classes attribute the count is the largest label + 1, and the dataset says

@@ -18,6 +18,7 @@ using vitgrid::Dataset;
 using vitgrid::HostBatch;
 using vitgrid::LoaderConfig;
 using vitgrid::Sampler;
+using vitgrid::SampleAug;
 
 namespace {
 
@@ -83,7 +84,6 @@ TEST(Loader, TrainPositionsLabelsAndImages) {
       ASSERT_EQ(hb->count, b);
       EXPECT_EQ(hb->first_position, step * G + m * (G / A) + r * b);
       ASSERT_EQ(hb->images.size(), b * kImg);
-      EXPECT_TRUE(hb->partners.empty());
       EXPECT_TRUE(hb->soft.empty());
       for (int j = 0; j < b; ++j) {
         int64_t pos = hb->first_position + j, k = s.index_at(pos);
@@ -91,11 +91,12 @@ TEST(Loader, TrainPositionsLabelsAndImages) {
         ds->read(&k, 1, img.data(), &label);
         EXPECT_EQ(hb->labels[j], label);
         EXPECT_TRUE(std::equal(img.begin(), img.end(), hb->images.begin() + j * kImg));
-        auto a = s.augment_at(pos, 2, true, 0.0);
+        auto a = s.augment_at(pos, 2, true);
         EXPECT_EQ(hb->aug[j].dx, a.dx);
         EXPECT_EQ(hb->aug[j].dy, a.dy);
         EXPECT_EQ(hb->aug[j].flip, a.flip);
         EXPECT_EQ(hb->aug[j].lam, 1.0f);
+        EXPECT_EQ(hb->aug[j].partner, -1);
       }
     }
 }
@@ -119,12 +120,15 @@ TEST(Loader, ResumesAtStartStep) {
 TEST(Loader, LayoutIndependent) {
   auto ds = small_synthetic(50);
   const int64_t G = 32;
-  using Key = std::tuple<int64_t, int32_t, int, int, int, float, size_t>;  // pos, label, aug, image hash
+  // pos, label, aug, the partner's position, the image hash
+  using Key = std::tuple<int64_t, int32_t, int, int, int, float, int64_t, size_t>;
   auto collect = [&](int D, int A) {
     std::vector<std::set<Key>> per_step(4);
     for (int r = 0; r < D; ++r) {
       auto cfg = train_cfg(G, A, D, r);
-      cfg.mixup_alpha = 0.4;
+      cfg.mix.mixup_alpha = 0.4;
+      cfg.mix.cutmix_alpha = 1.0;
+      cfg.mix.mode = vitgrid::MixMode::Elem;
       DataLoader dl(ds, cfg);
       for (int s = 0; s < 4; ++s)
         for (int m = 0; m < A; ++m) {
@@ -132,9 +136,12 @@ TEST(Loader, LayoutIndependent) {
           EXPECT_EQ(hb->step, s);
           for (int j = 0; j < hb->count; ++j) {
             std::string bytes(hb->images.begin() + j * kImg, hb->images.begin() + (j + 1) * kImg);
-            bytes.append(hb->partners.begin() + j * kImg, hb->partners.begin() + (j + 1) * kImg);
-            per_step[s].insert(Key{hb->first_position + j, hb->labels[j], hb->aug[j].dx, hb->aug[j].dy,
-                                   hb->aug[j].flip, hb->aug[j].lam, std::hash<std::string>()(bytes)});
+            const SampleAug& a = hb->aug[j];
+            const int64_t partner = a.partner < 0 ? -1 : hb->first_position + a.partner;
+            bytes.append(reinterpret_cast<const char*>(&hb->soft[j * 10]), 10 * sizeof(float));
+            per_step[s].insert(Key{hb->first_position + j, hb->labels[j], a.dx, a.dy, a.flip,
+                                   a.lam + a.cut_x0 + 100 * a.cut_y1, partner,
+                                   std::hash<std::string>()(bytes)});
           }
         }
     }
@@ -150,33 +157,49 @@ TEST(Loader, LayoutIndependent) {
   EXPECT_EQ(collect(2, 4), ref);
 }
 
-TEST(Loader, MixupPartnersAndSoftTargets) {
+// Mixing pairs positions 2k and 2k+1: each is the other's partner, with the draw of its unit
+// (mode batch: the micro-batch, pair: the pair, elem: the sample), and its soft target is
+// target_lam * own label + (1 - target_lam) * the partner's.
+TEST(Loader, MixupCutmixPairsAndSoftTargets) {
   auto ds = small_synthetic(20);
-  auto cfg = train_cfg(8, 1, 1, 0);
-  cfg.mixup_alpha = 1.0;
-  DataLoader dl(ds, cfg);
-  Sampler s(cfg.seed, 20);
-  std::vector<uint8_t> img(kImg);
-  for (int k = 0; k < 3; ++k) {
-    auto hb = dl.next();
-    ASSERT_EQ(hb->partners.size(), 8 * kImg);
-    ASSERT_EQ(hb->soft.size(), 8u * 10);
-    for (int j = 0; j < 8; ++j) {
-      int64_t pos = hb->first_position + j, p = s.partner_at(pos);
-      int32_t pl;
-      ds->read(&p, 1, img.data(), &pl);
-      EXPECT_TRUE(std::equal(img.begin(), img.end(), hb->partners.begin() + j * kImg));
-      const float lam = hb->aug[j].lam;
-      EXPECT_EQ(lam, s.augment_at(pos, 2, true, 1.0).lam);
-      float sum = 0;
-      for (int c = 0; c < 10; ++c) {
-        float want = (c == hb->labels[j] ? lam : 0.0f) + (c == pl ? 1.0f - lam : 0.0f);
-        EXPECT_FLOAT_EQ(hb->soft[j * 10 + c], want);
-        sum += hb->soft[j * 10 + c];
+  for (auto mode : {vitgrid::MixMode::Batch, vitgrid::MixMode::Pair, vitgrid::MixMode::Elem}) {
+    auto cfg = train_cfg(8, 1, 1, 0);
+    cfg.mix.mixup_alpha = 1.0;
+    cfg.mix.cutmix_alpha = 1.0;
+    cfg.mix.mode = mode;
+    DataLoader dl(ds, cfg);
+    Sampler s(cfg.seed, 20);
+    for (int k = 0; k < 3; ++k) {
+      auto hb = dl.next();
+      ASSERT_EQ(hb->soft.size(), 8u * 10);
+      for (int j = 0; j < 8; ++j) {
+        const int64_t pos = hb->first_position + j;
+        const int64_t unit = mode == vitgrid::MixMode::Batch ? pos / 8  // the global batch
+                             : mode == vitgrid::MixMode::Pair ? pos / 2 : pos;
+        const vitgrid::MixDraw d = s.mix_at(unit, cfg.mix, 8);
+        const SampleAug& a = hb->aug[j];
+        EXPECT_EQ(a.partner, j ^ 1);
+        EXPECT_EQ(a.target_lam, d.lam);
+        EXPECT_EQ(a.lam, d.cut ? 1.0f : d.lam);
+        EXPECT_EQ(a.cut_x1 - a.cut_x0, d.x1 - d.x0);
+        if (mode != vitgrid::MixMode::Elem) {  // both of a pair share the draw
+          EXPECT_EQ(a.target_lam, hb->aug[j ^ 1].target_lam);
+          EXPECT_EQ(a.cut_y0, hb->aug[j ^ 1].cut_y0);
+        }
+        float sum = 0;
+        for (int c = 0; c < 10; ++c) {
+          float want = (c == hb->labels[j] ? d.lam : 0.0f) + (c == hb->labels[j ^ 1] ? 1.0f - d.lam : 0.0f);
+          EXPECT_FLOAT_EQ(hb->soft[j * 10 + c], want);
+          sum += hb->soft[j * 10 + c];
+        }
+        EXPECT_NEAR(sum, 1.0f, 1e-6);
       }
-      EXPECT_NEAR(sum, 1.0f, 1e-6);
     }
   }
+  // an odd per-rank batch cannot hold its pairs
+  auto odd = train_cfg(6, 2, 1, 0);
+  odd.mix.mixup_alpha = 1.0;
+  EXPECT_THROW(DataLoader(ds, odd), vitgrid::UserError);
 }
 
 // Every eval sample exactly once over the ranks; every rank runs the same number of batches.
@@ -192,7 +215,7 @@ TEST(Loader, EvalCoversEachSampleOnce) {
       auto cfg = train_cfg(G, A, D, r);
       cfg.train = false;
       cfg.eval_samples = limit;
-      cfg.mixup_alpha = 0.5;  // ignored in eval
+      cfg.mix.mixup_alpha = 0.5;  // ignored in eval
       DataLoader dl(ds, cfg);
       EXPECT_EQ(dl.per_rank_batch(), b);
       EXPECT_EQ(dl.batches_per_eval(), want_batches);
@@ -202,7 +225,6 @@ TEST(Loader, EvalCoversEachSampleOnce) {
         EXPECT_LE(hb->count, b);
         EXPECT_GE(hb->count, 0);
         EXPECT_EQ(hb->images.size(), hb->count * kImg);
-        EXPECT_TRUE(hb->partners.empty());
         EXPECT_TRUE(hb->soft.empty());
         std::vector<uint8_t> img(kImg);
         for (int j = 0; j < hb->count; ++j) {
@@ -283,7 +305,7 @@ TEST(Loader, RefusesBadConfig) {
 // any of them reaches the consumer.
 TEST(Loader, ParallelReadsMatchSerial) {
   auto cfg = train_cfg(64, 1, 1, 0);
-  cfg.mixup_alpha = 0.4;
+  cfg.mix.mixup_alpha = 0.4;
   auto one = cfg, four = cfg;
   one.workers = 1;
   four.workers = 4;
@@ -291,7 +313,6 @@ TEST(Loader, ParallelReadsMatchSerial) {
   for (int k = 0; k < 3; ++k) {
     auto x = a.next(), y = b.next();
     EXPECT_EQ(x->images, y->images);
-    EXPECT_EQ(x->partners, y->partners);
     EXPECT_EQ(x->labels, y->labels);
     EXPECT_EQ(x->soft, y->soft);
   }

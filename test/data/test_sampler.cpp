@@ -46,13 +46,19 @@ TEST(Sampler, PureFunctionOfSeedAndPosition) {
   int differ = 0;
   for (int64_t p = 0; p < N; ++p) differ += a.index_at(p) != c.index_at(p);
   EXPECT_GT(differ, N / 2);
+  vitgrid::MixConfig mix;
+  mix.mixup_alpha = 0.8;
+  mix.cutmix_alpha = 1.0;
   for (int64_t p : pos) {
-    SampleAug x = a.augment_at(p, 4, true, 0.8), y = b.augment_at(p, 4, true, 0.8);
+    SampleAug x = a.augment_at(p, 4, true), y = b.augment_at(p, 4, true);
     EXPECT_EQ(x.dx, y.dx);
     EXPECT_EQ(x.dy, y.dy);
     EXPECT_EQ(x.flip, y.flip);
-    EXPECT_EQ(x.lam, y.lam);
-    EXPECT_EQ(a.partner_at(p), b.partner_at(p));
+    vitgrid::MixDraw u = a.mix_at(p, mix, 32), v = b.mix_at(p, mix, 32);
+    EXPECT_EQ(u.lam, v.lam);
+    EXPECT_EQ(u.cut, v.cut);
+    EXPECT_EQ(u.x0, v.x0);
+    EXPECT_EQ(u.y1, v.y1);
   }
 }
 
@@ -62,7 +68,7 @@ TEST(Sampler, AugmentRanges) {
   std::vector<int> hx(2 * pad + 1, 0), hy(2 * pad + 1, 0);
   int flips = 0;
   for (int64_t p = 0; p < n; ++p) {
-    SampleAug a = s.augment_at(p, pad, true, 0.0);
+    SampleAug a = s.augment_at(p, pad, true);
     ASSERT_GE(a.dx, 0);
     ASSERT_LE(a.dx, 2 * pad);
     ASSERT_GE(a.dy, 0);
@@ -71,7 +77,7 @@ TEST(Sampler, AugmentRanges) {
     hy[a.dy]++;
     flips += a.flip;
     EXPECT_EQ(a.lam, 1.0f);
-    SampleAug none = s.augment_at(p, 0, false, 0.0);
+    SampleAug none = s.augment_at(p, 0, false);
     EXPECT_EQ(none.dx, 0);
     EXPECT_EQ(none.dy, 0);
     EXPECT_EQ(none.flip, 0);
@@ -85,7 +91,7 @@ TEST(Sampler, AugmentRanges) {
   // dx and dy are not the same draw
   int same = 0;
   for (int64_t p = 0; p < 1000; ++p) {
-    SampleAug a = s.augment_at(p, pad, true, 0.0);
+    SampleAug a = s.augment_at(p, pad, true);
     same += a.dx == a.dy;
   }
   EXPECT_LT(same, 250);  // 1/7 expected
@@ -99,7 +105,9 @@ TEST(Sampler, MixupBetaMoments) {
     const int n = 20000;
     double sum = 0, sq = 0;
     for (int64_t p = 0; p < n; ++p) {
-      float lam = s.augment_at(p, 0, false, c.alpha).lam;
+      vitgrid::MixConfig mix;
+      mix.mixup_alpha = c.alpha;
+      float lam = s.mix_at(p, mix, 32).lam;
       ASSERT_GE(lam, 0.0f);
       ASSERT_LE(lam, 1.0f);
       sum += lam;
@@ -111,20 +119,49 @@ TEST(Sampler, MixupBetaMoments) {
   }
   // Beta(1,1) is uniform: each tenth of [0,1] gets ~10%
   std::vector<int> hist(10, 0);
-  for (int64_t p = 0; p < 20000; ++p) hist[std::min(9, (int)(s.augment_at(p, 0, false, 1.0).lam * 10))]++;
+  vitgrid::MixConfig one;
+  one.mixup_alpha = 1.0;
+  for (int64_t p = 0; p < 20000; ++p) hist[std::min(9, (int)(s.mix_at(p, one, 32).lam * 10))]++;
   for (int h : hist) EXPECT_NEAR(h, 2000, 200);
 }
 
-TEST(Sampler, PartnerUniform) {
-  const int64_t N = 10;
-  Sampler s(3, N);
-  std::vector<int> hist(N, 0);
-  for (int64_t p = 0; p < 20000; ++p) {
-    int64_t k = s.partner_at(p);
-    ASSERT_GE(k, 0);
-    ASSERT_LT(k, N);
-    hist[k]++;
+// timm's CutMix: with both alphas, CutMix is chosen with switch_prob; its box is the clipped
+// square of side S * sqrt(1 - lam) around a uniform centre and the label share is corrected to
+// the area outside the box; mixup_prob leaves the rest unmixed.
+TEST(Sampler, CutmixBoxesAndSwitch) {
+  Sampler s(11, 100);
+  const int S = 32, n = 20000;
+  vitgrid::MixConfig mix;
+  mix.mixup_alpha = 0.8;
+  mix.cutmix_alpha = 1.0;
+  mix.switch_prob = 0.3;
+  mix.prob = 0.9;
+  int cut = 0, none = 0;
+  double centre_x = 0;
+  for (int64_t u = 0; u < n; ++u) {
+    vitgrid::MixDraw d = s.mix_at(u, mix, S);
+    if (d.lam == 1.0f && !d.cut) {
+      ++none;
+      continue;
+    }
+    if (!d.cut) continue;
+    ++cut;
+    ASSERT_GE(d.x0, 0);
+    ASSERT_LE(d.x1, S);
+    ASSERT_LE(d.x0, d.x1);
+    ASSERT_LE(d.y0, d.y1);
+    // the box is at most S * sqrt(1 - lam0) wide, so the corrected share is >= lam0 ... and
+    // it is exactly the area outside the box
+    EXPECT_FLOAT_EQ(d.lam, (float)(1.0 - double(d.x1 - d.x0) * (d.y1 - d.y0) / (S * S)));
+    EXPECT_EQ(d.x1 - d.x0 <= S, true);
+    centre_x += 0.5 * (d.x0 + d.x1);
   }
-  for (int h : hist) EXPECT_NEAR(h, 2000, 200);
+  EXPECT_NEAR(none, 0.1 * n, 4 * std::sqrt(0.09 * n));                 // 1 - prob
+  EXPECT_NEAR(cut, 0.9 * 0.3 * n, 4 * std::sqrt(0.27 * 0.73 * n));     // prob * switch
+  EXPECT_NEAR(centre_x / cut, S / 2.0, 1.0);  // clipped boxes around uniform centres
+  // CutMix alone: every mixed unit is a box
+  vitgrid::MixConfig only;
+  only.cutmix_alpha = 1.0;
+  for (int64_t u = 0; u < 1000; ++u) EXPECT_TRUE(s.mix_at(u, only, S).cut);
   EXPECT_THROW(Sampler(1, 0), std::invalid_argument);
 }

@@ -426,7 +426,7 @@ TEST(DeckRefusal, EnumStringsAreValidated) {
       {"precision", "mode", "fp8", "fp32|tf32|bf16|fp16|fp16-naive"},
       {"optim", "name", "adam", "adamw|lamb|sgd"},
       {"optim", "schedule", "step", "cosine|linear|constant"},
-      {"data", "dataset", "imagenet", "synthetic|cifar10|hdf5"},
+      {"data", "dataset", "imagenet", "synthetic|cifar10|hdf5|tfrecord|folder|jpeg_h5"},
       {"parallel", "tensor_mode", "4d", "1d|2d|2.5d|3d"},
       {"parallel", "schedule", "zb", "gpipe|1f1b|interleaved"},
       {"parallel", "partition", "even", "uniform|balanced|list:n0,n1,..."},

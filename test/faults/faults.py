@@ -5,7 +5,8 @@
                           and the usual suspects (unknown keys, bad types, extreme numbers,
                           impossible layouts, missing files, garbage, long lines, NUL bytes)
     faults.py deck_fuzz   seeded mutations of test/app/tiny.ini and inputs/*.ini
-    faults.py data_fuzz   seeded byte mutations of small HDF5 image files and CIFAR-10 binaries
+    faults.py data_fuzz   seeded byte mutations of small HDF5 image files, CIFAR-10 binaries and
+                          JPEG sources (an ImageFolder tree, TFRecord shards, a jpeg_h5 pair)
     faults.py ckpt_fuzz   seeded byte mutations of a real checkpoint, loaded by eval (and, one
                           case in four, resumed from by train)
 
@@ -783,12 +784,34 @@ def data_fuzz(tmp, rep):
         with h5py.File(p, "r") as f:
             off = f["images"].id.get_offset()
         hot[k] = (0, off if off else 4096)
+    jpeg = make_jpeg_sources(tmp)
     def one(i):
         rnd = case_rng("data", i)
-        kind = rnd.choice(list(bases) + ["cifar10", "cifar10"])
+        kind = rnd.choice(list(bases) + ["cifar10", "cifar10"] + list(jpeg) * 2)
         d = os.path.join(tmp, f"d{i}")
         os.makedirs(d)
-        if kind == "cifar10":
+        if kind in jpeg:
+            # one file of a JPEG source mutated: an image (bad ones are replaced and counted),
+            # a TFRecord shard (framing and CRCs), or the packed file (HDF5 metadata or bytes)
+            base = jpeg[kind]
+            if os.path.isdir(base):
+                shutil.rmtree(d)
+                shutil.copytree(base, d)
+                files = sorted(os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs)
+                target = rnd.choice(files)
+                path = d
+            else:
+                for split in ("_train.h5", "_val.h5"):
+                    shutil.copy(base[:-3] + split, os.path.join(d, "p" + split))
+                target = os.path.join(d, rnd.choice(["p_train.h5", "p_val.h5"]))
+                path = os.path.join(d, "p.h5")
+            mutated, what = mutate_bytes(read(target, "rb"), rnd)
+            write(target, mutated)
+            args = [f"--data.dataset={kind}", f"--data.path={path}", "--model.image_size=32",
+                    "--model.patch_size=8", "--model.num_classes=2", "--data.crop_padding=0",
+                    f"--data.index_dir={d}/idx"]
+            what = f"{os.path.relpath(target, d)}: {what}"
+        elif kind == "cifar10":
             shutil.rmtree(d)
             shutil.copytree(cifar, d)
             name = rnd.choice([f"data_batch_{k}.bin" for k in range(1, 6)] + ["test_batch.bin"])
@@ -813,6 +836,20 @@ def data_fuzz(tmp, rep):
         return kind, cls, reason, run, f"seed {SEED} case {i}: {what}", [saved]
 
     execute(rep, one)
+
+
+def make_jpeg_sources(tmp):
+    """A small JPEG set in the three forms vitgrid reads: an ImageFolder tree (the generator of
+    test/data), TFRecord shards (the independent writer) and the packed pair (vitgrid_dataset)."""
+    tree, tfr, packed = (os.path.join(tmp, n) for n in ("jpeg_tree", "jpeg_tfr", "jpeg_packed.h5"))
+    py = os.environ.get("VG_PYTHON3", sys.executable)
+    subprocess.run([py, os.path.join(SRC, "test", "data", "make_jpeg_tree.py"), tree, "--classes", "2",
+                    "--train", "5", "--val", "2", "--no-bad"], check=True, capture_output=True)
+    subprocess.run([py, os.path.join(SRC, "test", "data", "write_tfrecord.py"), tree, tfr, "--shards", "2"],
+                   check=True, capture_output=True)
+    subprocess.run([os.path.join(os.path.dirname(VITGRID), "vitgrid_dataset"), "pack", tree, packed],
+                   check=True, capture_output=True)
+    return {"folder": tree, "tfrecord": tfr, "jpeg_h5": packed}
 
 
 def keep_input(tmp, i, path, cls):

@@ -724,27 +724,29 @@ TEST_P(GpuBackend, VitGlue) {
   {
   const int B = 3, S = 12, pad = 2;
   std::uniform_int_distribution<int> px(0, 255);
-  std::vector<uint8_t> img(size_t(B) * S * S * 3), par(img.size());
+  std::vector<uint8_t> img(size_t(B) * S * S * 3);
   for (auto& v : img) v = uint8_t(px(rng));
-  for (auto& v : par) v = uint8_t(px(rng));
-  struct Aug { int32_t dx, dy, flip; float lam; };  // data::SampleAug layout
-  std::vector<Aug> aug = {{0, 4, 1, 0.7f}, {3, 1, 0, 1.0f}, {4, 0, 1, 0.25f}};
-  const float mean3[3] = {0.485f, 0.456f, 0.406f}, std3[3] = {0.229f, 0.224f, 0.225f};
+  // data::SampleAug layout: dx, dy, flip, lam, partner, CutMix box, target share
+  struct Aug { int32_t dx, dy, flip; float lam; int32_t partner; int16_t x0, y0, x1, y1; float t; };
+  static_assert(sizeof(Aug) == 32, "SampleAug layout");
   for (int mix = 0; mix < 2; ++mix) {
+    // mix: sample 0 Mixup with 2, sample 2 CutMix with 0, sample 1 alone
+    std::vector<Aug> aug = {{0, 4, 1, 0.7f, mix ? 2 : -1, 0, 0, 0, 0, 0.7f},
+                            {3, 1, 0, 1.0f, -1, 0, 0, 0, 0, 1.0f},
+                            {4, 0, 1, 1.0f, mix ? 0 : -1, 2, 3, 9, 7, 0.6f}};
+    const float mean3[3] = {0.485f, 0.456f, 0.406f}, std3[3] = {0.229f, 0.224f, 0.225f};
     Vec r[2];
     for (int k = 0; k < 2; ++k) {
       Dev* d = k ? gpu.get() : cpu.get();
       auto* di = static_cast<uint8_t*>(d->raw(img.size()));
-      auto* dp = static_cast<uint8_t*>(d->raw(par.size()));
       void* da = d->raw(aug.size() * sizeof(Aug));
       d->be->copy_to_device(di, img.data(), img.size());
-      d->be->copy_to_device(dp, par.data(), par.size());
       d->be->copy_to_device(da, aug.data(), aug.size() * sizeof(Aug));
       void* out = d->nan_act(size_t(B) * 3 * S * S);
-      d->be->prepare_images(out, di, mix ? dp : nullptr, da, B, S, pad, mean3, std3);
+      d->be->prepare_images(out, di, da, B, S, pad, mean3, std3);
       r[k] = d->get_act(out, size_t(B) * 3 * S * S);
     }
-    SCOPED_TRACE(mix ? "mixup" : "no mixup");
+    SCOPED_TRACE(mix ? "mixup and cutmix" : "no mixing");
     EXPECT_CLOSE(r[1], r[0], dt == DType::F32 ? 1e-6 : tol());
   }
   }

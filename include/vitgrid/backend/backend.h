@@ -313,13 +313,13 @@ class Backend {
   // ---- ViT-specific glue
   // Input pipeline on the device: out[B,3,S,S] (act dtype) from uint8 HWC images[B,S,S,3]:
   // zero-pad by `pad`, crop at (aug.dx, aug.dy), flip when aug.flip, normalise with
-  // mean3/std3 (host arrays, 0-255 images scaled to [0,1] first) and, when partners is not
-  // null, mix lam * image + (1 - lam) * partner (the partner cropped and flipped alike).
-  // aug is a device array of SampleAug {int dx, dy, flip; float lam} (data/dataset.h).
+  // mean3/std3 (host arrays, 0-255 images scaled to [0,1] first) and, when aug.partner >= 0,
+  // mix with that image of the batch (prepared with its own aug): its pixels inside the CutMix
+  // box [cut_x0, cut_x1) x [cut_y0, cut_y1), lam * image + (1 - lam) * partner outside.
+  // aug is a device array of SampleAug (data/dataset.h, 32 bytes); null: centre, no mixing.
   // Must match data::prepare_images_reference.
-  virtual void prepare_images(void* out, const uint8_t* images, const uint8_t* partners,
-                              const void* aug, int B, int S, int pad, const float* mean3_host,
-                              const float* std3_host) = 0;
+  virtual void prepare_images(void* out, const uint8_t* images, const void* aug, int B, int S,
+                              int pad, const float* mean3_host, const float* std3_host) = 0;
   // images[B,3,S,S] (act dtype, normalised) -> patches[B*(S/P)^2, 3*P*P] in the order of a
   // conv weight [C,3,P,P] flattened (channel, row, col), patches row-major over the image.
   virtual void patchify(void* patches, const void* images, int B, int S, int P) = 0;

@@ -15,6 +15,7 @@ struct DecodeJob {
   const uint8_t* data = nullptr;  // the JPEG bitstream in host memory (pinned staging)
   size_t size = 0;
   double x0 = 0, y0 = 0, x1 = 0, y1 = 0;  // source box (data/image_transform.h Box)
+  int mode = 0;  // data/image_transform.h BoxMode: 0 Pillow, 1 CropThenResize, 2 ResizeThenCrop
   int flip = 0;
   int slot = 0;  // output image index: out + slot * S * S * 3
 };
@@ -34,8 +35,19 @@ class ImageDecoder {
   // the caller decodes them on the CPU or replaces them); they are not written.
   virtual std::vector<int> decode_async(const DecodeJob* jobs, int n, int S, int interp,
                                         uint8_t* out_dev) = 0;
-  // The backend's compute stream waits for everything decode_async enqueued so far.
+  // Enqueues copies of already decoded S x S x 3 images (host memory, e.g. the loader's host
+  // decodes of the images the device does not take) to out_dev + slots[k] * S * S * 3 on the
+  // decoder's stream, so that the batch's images are written by the decoder alone. The host
+  // images must stay untouched until join() (the call may copy them to pinned memory first).
+  virtual void copy_async(const uint8_t* const* host_images, const int* slots, int n, int S,
+                          uint8_t* out_dev) = 0;
+  // The backend's compute stream waits for everything decode_async and copy_async enqueued.
   virtual void join() = 0;
+  // The writes into out_dev of later decode_async / copy_async calls wait for the work enqueued
+  // on the backend's compute stream so far: call it once the last reader of an output buffer
+  // that a later batch overwrites has been enqueued (as Backend::release_slot for uploads).
+  // Decoding itself does not wait. The default does nothing (decoders that write at once).
+  virtual void release_output() {}
   // "nvJPEG hardware engine" / "nvJPEG hybrid (CUDA)": recorded in the run's outputs.
   virtual std::string describe() const = 0;
 };

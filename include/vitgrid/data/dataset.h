@@ -7,6 +7,7 @@
 // partner sample) are functions of (seed, stream position), so they do not depend on the grid.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -14,6 +15,7 @@
 namespace vitgrid {
 
 struct Deck;
+class ImageSource;
 
 // A labelled image set held as uint8 HWC images.
 class Dataset {
@@ -29,6 +31,10 @@ class Dataset {
   // Something about how the data was read that the user should hear (make_dataset prints it
   // once, on rank 0), or "".
   virtual std::string warning() const { return std::string(); }
+  // Datasets of encoded images (tfrecord, folder, jpeg_h5) return their source: the loader
+  // then cuts each sample's view itself (RandomResizedCrop + flip at its stream position, or the
+  // eval view), decoding on the host or leaving it to the device. read() gives the eval view.
+  virtual const ImageSource* encoded() const { return nullptr; }
 };
 
 // The embedded synthetic dataset: class-conditional images a small ViT can learn but not
@@ -42,14 +48,71 @@ std::unique_ptr<Dataset> make_cifar10(const std::string& dir, bool train);
 // attribute num_classes (without it: the largest label + 1, and warning() says so). Throws
 // UserError naming the file and dataset when malformed.
 std::unique_ptr<Dataset> make_hdf5_images(const std::string& path);
-// From the deck (data.dataset, data.path, data.eval_path, synthetic sizes).
+// A dataset of encoded images of `source`, S x S eval views (read()); K from the source.
+std::unique_ptr<Dataset> make_encoded_dataset(std::unique_ptr<ImageSource> source, int image_size,
+                                              int interp, double crop_pct);
+// From the deck (data.dataset, data.path, data.eval_path, synthetic sizes). A tfrecord source
+// needs its shards' indexes: the app builds the missing ones first (tfrecord_build_indexes on
+// every rank, then a barrier) in tfrecord_index_dir(deck).
 std::unique_ptr<Dataset> make_dataset(const Deck& deck, bool train);
+std::string tfrecord_index_dir(const Deck& deck);
 
-// Per-sample augmentation decided on the host, applied by Backend::prepare_images.
+// How the views of encoded images are cut (LoaderConfig::real): RandomResizedCrop for
+// training, resize + centre crop for evaluation (data/image_transform.h).
+struct RealImageConfig {
+  double scale_lo = 0.08, scale_hi = 1.0, ratio_lo = 0.75, ratio_hi = 4.0 / 3.0;
+  int interp = 1;          // data/image_transform.h Interp: 0 bilinear, 1 bicubic
+  double crop_pct = 0.875;
+  bool dct_scale = true;   // host decoding may downscale in the DCT domain
+  // Whether the device's decoder takes a JPEG with this header (backend/image_decoder.h
+  // accepts()); null: every image is decoded on the host.
+  std::function<bool(int components, bool progressive, int sub_h, int sub_v)> device_accepts;
+};
+
+
+// Per-sample augmentation decided on the host, applied by Backend::prepare_images. Mixing
+// (Mixup, CutMix) pairs the samples at stream positions 2k and 2k+1, which a micro-batch of an
+// even per-rank size always holds together: the partner is the other sample of the pair, with
+// its own crop and flip, as timm mixes a batch with its flipped self.
 struct SampleAug {
   int32_t dx = 0, dy = 0;  // crop offset in [0, 2*pad] into the zero-padded image
   int32_t flip = 0;        // horizontal flip
-  float lam = 1.0f;        // Mixup weight of the sample (1 - lam of the partner)
+  float lam = 1.0f;        // Mixup: weight of this sample's pixels (1 - lam of the partner's)
+  int32_t partner = -1;    // index in the batch of the sample mixed in; -1: not mixed
+  // CutMix box [x0, x1) x [y0, y1) in output pixels, filled with the partner's pixels (empty
+  // without CutMix).
+  int16_t cut_x0 = 0, cut_y0 = 0, cut_x1 = 0, cut_y1 = 0;
+  float target_lam = 1.0f;  // this sample's share of the soft target (host only)
+};
+static_assert(sizeof(SampleAug) == 32, "SampleAug is mirrored by the device kernels");
+
+// Mixup / CutMix as timm's Mixup: with probability `prob` a unit (the step's global batch in
+// mode batch, a pair of positions in mode pair, a position in mode elem) is mixed; with both
+// alphas set, CutMix is chosen with probability switch_prob; lam ~ Beta(alpha, alpha); CutMix's
+// box covers a (1 - lam) share of the image, centred uniformly and clipped, and lam is then
+// corrected to the box's actual area.
+enum class MixMode : int { Batch = 0, Pair = 1, Elem = 2 };
+struct MixConfig {
+  double mixup_alpha = 0.0, cutmix_alpha = 0.0;
+  double prob = 1.0, switch_prob = 0.5;
+  MixMode mode = MixMode::Batch;
+  bool on() const { return mixup_alpha > 0.0 || cutmix_alpha > 0.0; }
+};
+struct MixDraw {
+  float lam = 1.0f;  // the share of this sample's label (after CutMix's correction)
+  bool cut = false;
+  int x0 = 0, y0 = 0, x1 = 0, y1 = 0;  // CutMix box in an S x S image
+};
+
+// A sample the device's decoder will decode (HostBatch::views): its bytes are
+// encoded[offset, offset + size); box and flip as data/image_transform.h.
+struct EncodedView {
+  int slot = 0;  // index in the batch
+  size_t offset = 0, size = 0;
+  double x0 = 0, y0 = 0, x1 = 0, y1 = 0;
+  int mode = 0;  // data/image_transform.h BoxMode
+  int flip = 0;
+  int64_t index = 0, position = 0;  // dataset index and stream position (for the CPU fallback)
 };
 
 // One micro-batch on the host, ready to copy to the device.
@@ -58,11 +121,13 @@ struct HostBatch {
   int micro = 0;
   int count = 0;                   // samples in this batch (eval's last batch may be short)
   int64_t first_position = 0;      // global stream position of sample 0 (dropout counters)
-  std::vector<uint8_t> images;     // [count, S, S, 3]
-  std::vector<uint8_t> partners;   // Mixup partners [count, S, S, 3] (empty without Mixup)
+  std::vector<uint8_t> images;     // [count, S, S, 3]; slots in `views` are left for the device
   std::vector<SampleAug> aug;      // [count]
   std::vector<int32_t> labels;     // [count]
-  std::vector<float> soft;         // Mixup soft targets [count, K] (empty without Mixup)
+  std::vector<float> soft;         // mixed soft targets [count, K] (empty without mixing)
+  std::vector<uint8_t> encoded;    // bitstreams of `views`, back to back
+  std::vector<EncodedView> views;  // samples for the device's decoder (empty: all decoded)
+  int bad = 0;                     // undecodable samples replaced in this batch
 };
 
 struct LoaderConfig {
@@ -72,13 +137,20 @@ struct LoaderConfig {
   int data_rank = 0, data_size = 1;
   int crop_padding = 0;
   bool hflip = false;
-  double mixup_alpha = 0.0;
+  MixConfig mix;
   int num_classes = 0;
   int prefetch = 2;
   int workers = 1;          // threads reading one batch's samples in parallel (0: auto)
   bool train = true;        // false: sequential eval order, no augmentation
   int64_t eval_samples = 0; // eval: how many samples (0 = all)
+  // Sources of encoded images (Dataset::encoded()): the views cut from each image.
+  RealImageConfig real;
 };
+
+// The loader's configuration from the deck (data.*, run.seed, run.eval_samples) for data rank
+// `data_rank` of `data_size` with `workers` threads; device_accepts is left to the caller.
+LoaderConfig make_loader_config(const Deck& deck, bool train, int data_rank, int data_size,
+                                int workers);
 
 // Which dataset indices, augmentation and Mixup draws make up a micro-batch: pure functions,
 // tested for layout independence.
@@ -88,8 +160,11 @@ class Sampler {
   // Dataset index at global stream position pos.
   int64_t index_at(int64_t pos) const;
   int64_t epoch_of(int64_t pos) const { return pos / n_; }
-  SampleAug augment_at(int64_t pos, int pad, bool hflip, double mixup_alpha) const;
-  int64_t partner_at(int64_t pos) const;  // Mixup partner dataset index
+  // Crop offset and flip of the sample at pos (lam 1, no partner).
+  SampleAug augment_at(int64_t pos, int pad, bool hflip) const;
+  bool flip_at(int64_t pos) const;
+  // The mixing draw of `unit` (see MixConfig) for S x S images.
+  MixDraw mix_at(int64_t unit, const MixConfig& mix, int S) const;
 
  private:
   uint64_t seed_;
@@ -110,6 +185,10 @@ class DataLoader {
   // The next micro-batch; nullptr when an eval pass is exhausted.
   std::shared_ptr<const HostBatch> next();
   int per_rank_batch() const;  // b
+  // A view of the batch that the device's decoder refused after all, decoded on the host into
+  // out (S x S x 3; replaced like any undecodable sample, *bad counting it): returns its label.
+  // Call from the consumer's thread only.
+  int32_t decode_on_host(const EncodedView& v, uint8_t* out, int* bad);
   int64_t batches_per_eval() const;  // eval: micro-batches this rank will deliver
 
  private:
@@ -117,10 +196,19 @@ class DataLoader {
   std::unique_ptr<Impl> impl_;
 };
 
+// A batch's images through the device's JPEG decoder (backend/image_decoder.h) into out_dev
+// ([count, S, S, 3] uint8): its views decoded there, the host-decoded images copied there;
+// views the device refuses are decoded on the host by `loader` (the batch's loader), and when
+// one is replaced, labels[] and soft[] (the batch's, as uploaded; may be null) follow. *bad
+// counts replacements. The device work is enqueued on the decoder's stream: join() it.
+void decode_batch_on_device(class ImageDecoder& dec, DataLoader& loader, const HostBatch& hb,
+                            int S, int interp, uint8_t* out_dev, int32_t* labels, float* soft,
+                            int K, int64_t* bad);
+
 // The reference (CPU) image preparation that Backend::prepare_images must reproduce:
-// out[count,3,S,S] fp32 = normalise(crop/flip(img)) mixed with the partner by lam.
-void prepare_images_reference(float* out, const uint8_t* img, const uint8_t* partner,
-                              const SampleAug* aug, int count, int S, int pad,
-                              const float* mean3, const float* std3);
+// out[count,3,S,S] fp32 = normalise(crop/flip(img)), mixed with the partner sample of the batch
+// (its own crop and flip) inside the CutMix box or by lam.
+void prepare_images_reference(float* out, const uint8_t* img, const SampleAug* aug, int count,
+                              int S, int pad, const float* mean3, const float* std3);
 
 }  // namespace vitgrid

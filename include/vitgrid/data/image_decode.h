@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "vitgrid/data/image_transform.h"
+
 namespace vitgrid {
 
 // Not an image we can decode (corrupt, truncated, unknown format). The caller names the file.
@@ -54,7 +56,46 @@ struct DecodedImage {
 // limits decoding to the rows and columns needed; the result may be larger (aligned to iMCUs).
 // Throws DecodeError on corrupt or truncated data (libjpeg warnings about premature end of data
 // are errors here: a truncated file is refused, not half-decoded).
+// Policy on damaged JPEGs: libjpeg's warnings are errors (premature end of data, bad Huffman
+// codes, resync: the pixels would be garbage), except "extraneous bytes before marker 0xd9"
+// (junk before the end-of-image marker: the pixels are whole). A region decode reads the
+// entropy-coded data only as far as the region's last row when the file ends with an EOI
+// marker; a file without one is decoded to its end, so a truncated file is refused whatever the
+// region (corrupt data below the region of a complete file goes unnoticed).
 void decode_image(const uint8_t* data, size_t size, DecodedImage& out, int scale_denom = 1,
                   const DecodeRegion* region = nullptr);
+
+// Buffers reused across decode_crop_resize() calls by one thread: once grown to the largest
+// image seen they are not reallocated (libjpeg-turbo itself still allocates its pools per call).
+struct DecodeScratch {
+  std::vector<uint8_t> pixels;  // the decoded region, RGB rows
+  std::vector<uint8_t> row;     // one CMYK / RGBA row before conversion
+  ResampleScratch resample;
+};
+
+// The DCT-domain scale decode_crop_resize() uses for `box` (source pixels) and an S x S output
+// with dct_scale on: the largest d in {2, 4, 8} with box_w / d >= 2 S and box_h / d >= 2 S, else
+// 1. libjpeg-turbo's 1/d scaling is a reduced-size IDCT per 8x8 block (a low-pass within a
+// block, with some aliasing at block edges); keeping a further reduction of at least 2x in
+// Pillow's antialiased filter afterwards makes Pillow's filter, not the IDCT, shape every output
+// pixel (each still averages >= 2d source pixels per axis), which bounds the deviation from the
+// exact path (measured in test/data/test_image_decode.cpp, DctScaleClose).
+int dct_scale_denom(const Box& box, int S);
+
+// The CPU path of one sample: decodes only the rows and columns of `data` that the resample of
+// `box` reads (a CropThenResize box itself; with the filter's support around it otherwise),
+// at 1/dct_scale_denom() when dct_scale, and writes the S x S RGB result (mirrored when flip) to
+// out. With dct_scale off (or d = 1) the result equals, bit for bit, Pillow's
+//   CropThenResize: img.convert("RGB").crop(box).resize((S, S), interp)  (torchvision's
+//                   F.resized_crop: RandomResizedCrop),
+//   ResizeThenCrop: img.convert("RGB").resize((rw, rh), interp).crop(window)  (Resize +
+//                   CenterCrop: the eval transform),
+//   Pillow:         img.convert("RGB").resize((S, S), interp, box=box),
+// then the flip. At d > 1 the box is mapped to the scaled image (x / d) and resampled as a
+// Pillow box there (CropThenResize: within the scaled pixels covering the crop).
+// `info` is peek_image() of the same bytes. Throws DecodeError as decode_image().
+void decode_crop_resize(const uint8_t* data, size_t size, const ImageInfo& info, Box box, int S,
+                        Interp interp, bool flip, bool dct_scale, uint8_t* out /* S*S*3 */,
+                        DecodeScratch& scratch);
 
 }  // namespace vitgrid

@@ -50,11 +50,28 @@ struct ImageSourceOptions {
   double eval_fraction = 0.0;    // folder without train/ and val/: held-out share per class
   std::string index_dir;         // tfrecord: where missing indexes are written (run dir / cache)
   std::string eval_path;         // jpeg_h5: eval file (default: path's X_train.h5 -> X_val.h5)
+  // The deck's model.num_classes. TFRecord shards do not record the class count: with K > 0 a
+  // label outside [0, K) after label_offset is refused by read() (UserError naming the shard
+  // and the record's offset) and num_classes() is K; with 0 only negative labels are refused
+  // and num_classes() is 0 (unknown: the tool's pack finds it from the labels). The folder
+  // and jpeg_h5 sources know their class count and ignore it.
+  int num_classes = 0;
 };
 
 // Throw UserError naming what is wrong (missing directory, no shards, ...).
 std::unique_ptr<ImageSource> open_tfrecord(const std::string& dir, const ImageSourceOptions& o);
 std::unique_ptr<ImageSource> open_image_folder(const std::string& root, const ImageSourceOptions& o);
 std::unique_ptr<ImageSource> open_jpeg_h5(const std::string& path, const ImageSourceOptions& o);
+
+// Builds the missing (or invalid) TFRecord indexes of one split (train: train-*, else
+// validation-*) of `dir` into `index_dir`, scanning each shard once (framing and both CRCs
+// checked). This process takes the shards k (in sorted order) with k % parts == part, so the
+// app calls it on every rank with (rank, world) and then a barrier before open_tfrecord: each
+// shard is scanned once in the job instead of once per rank. Indexes are written under a
+// temporary name and renamed (never half-written), only into index_dir (never beside the
+// data); with index_dir empty it does nothing. Throws UserError naming the shard and record
+// offset on bad data (the caller agrees on errors across ranks before its barrier). No MPI.
+void tfrecord_build_indexes(const std::string& dir, const std::string& index_dir, bool train,
+                            int part, int parts);
 
 }  // namespace vitgrid

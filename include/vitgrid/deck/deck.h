@@ -58,21 +58,37 @@ struct ParallelSection {
 };
 
 struct DataSection {
-  std::string dataset = "synthetic";  // synthetic | cifar10 | hdf5
-  std::string path;                   // directory (cifar10) or file (hdf5)
-  std::string eval_path;              // hdf5 eval file (optional; default: path's eval split)
+  // raw images: synthetic | cifar10 | hdf5; encoded images (JPEG): tfrecord | folder | jpeg_h5
+  std::string dataset = "synthetic";
+  std::string path;                   // directory (cifar10, tfrecord, folder) or file (hdf5, jpeg_h5)
+  std::string eval_path;              // hdf5 / jpeg_h5 eval file (optional; default: path's eval split)
   int64_t global_batch = 128;
   int grad_accum = 1;
   int64_t synthetic_train = 4096;  // synthetic train split size
   int64_t synthetic_eval = 1024;
-  int crop_padding = 4;  // random crop with this zero padding (0 = off)
+  int crop_padding = 4;  // random crop with this zero padding (0 = off; raw images only)
   bool hflip = true;
   std::vector<float> mean = {0.4914f, 0.4822f, 0.4465f};
   std::vector<float> std = {0.2470f, 0.2435f, 0.2616f};
   double mixup_alpha = 0.0;     // 0 = off
+  double cutmix_alpha = 0.0;    // 0 = off
+  double mixup_prob = 1.0;      // probability that a unit is mixed at all
+  double mixup_switch_prob = 0.5;  // with both alphas: probability of CutMix
+  std::string mixup_mode = "batch";  // batch | pair | elem
   double label_smoothing = 0.0;
   int prefetch = 2;             // batches prepared ahead by the background thread
   int workers = 0;              // threads reading a batch's samples (0 = auto: cores per rank, <= 8)
+  // encoded images
+  static constexpr int kLabelOffsetAuto = -1000000;
+  int label_offset = kLabelOffsetAuto;  // added to stored labels; auto: -1 tfrecord, else 0
+  double eval_fraction = 0.0;   // folder without train/ and val/: held-out share per class
+  std::string index_dir;        // tfrecord indexes written here (default: RUN_DIR/tfrecord-index)
+  std::vector<float> rrc_scale = {0.08f, 1.0f};        // RandomResizedCrop area range
+  std::vector<float> rrc_ratio = {0.75f, 1.3333333f};  // RandomResizedCrop aspect range
+  std::string interpolation = "bicubic";  // bilinear | bicubic
+  double crop_pct = 0.875;      // eval: resize the short side to image_size / crop_pct, centre crop
+  bool dct_scale = true;        // CPU decoding: DCT-domain downscaling of crops >= 2x the output
+  std::string decode = "auto";  // auto | host | device: where JPEGs are decoded
 };
 
 struct OptimSection {
@@ -185,7 +201,8 @@ struct ModelPreset {
   double mlp_ratio;
   int num_classes;
 };
-// "vit-tiny/16", "vit-small/16", "vit-base/16", "vit-large/16", "vit-lite-7/4", "vit-huge-4096"
+// "vit-tiny/16", "vit-small/16", "vit-base/16", "vit-base/32", "vit-large/16", "vit-large/32",
+// "vit-lite-7/4", "vit-huge-4096"
 // (the hybrid-parallel guide's large ViT), "custom" (no preset).
 const std::map<std::string, ModelPreset>& model_presets();
 

@@ -34,6 +34,7 @@ struct TrainRow {
   double loss, lr, grad_norm, images_per_s, loss_scale;
   double step_time_s;       // this rank's
   double device_mem_bytes;  // this rank's
+  double bad_images = 0;    // this rank's undecodable images replaced so far (encoded sources)
 };
 struct EvalRow {
   int64_t step;

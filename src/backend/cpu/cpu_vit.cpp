@@ -20,9 +20,8 @@ inline float* f(void* p) { return static_cast<float*>(p); }
 
 // ---- input pipeline
 
-void CpuBackend::prepare_images(void* out_, const uint8_t* images, const uint8_t* partners,
-                                const void* aug_, int B, int S, int pad, const float* mean3,
-                                const float* std3) {
+void CpuBackend::prepare_images(void* out_, const uint8_t* images, const void* aug_, int B,
+                                int S, int pad, const float* mean3, const float* std3) {
   float* out = f(out_);
   const SampleAug* aug = static_cast<const SampleAug*>(aug_);
   const size_t plane = (size_t)S * S;
@@ -36,26 +35,41 @@ void CpuBackend::prepare_images(void* out_, const uint8_t* images, const uint8_t
                         : img[((size_t)py * S + px) * 3 + c] * (1.0f / 255.0f);
     return (v - mean3[c]) / std3[c];
   };
+  // Without an aug array (evaluation) every sample is the centre crop, unflipped, unmixed.
+  auto aug_of = [&](int b) {
+    SampleAug a;
+    if (aug) return aug[b];
+    a.dx = a.dy = pad;
+    return a;
+  };
   for (int b = 0; b < B; ++b) {
-    // Without an aug array (evaluation) every sample is the centre crop, unflipped, unmixed.
-    const SampleAug a = aug ? aug[b] : SampleAug{pad, pad, 0, 1.0f};
-    if (a.dx < 0 || a.dx > 2 * pad || a.dy < 0 || a.dy > 2 * pad) {
+    const SampleAug a = aug_of(b);
+    if (a.dx < 0 || a.dx > 2 * pad || a.dy < 0 || a.dy > 2 * pad || a.partner >= B) {
       std::ostringstream os;
-      os << "prepare_images: crop offset (" << a.dx << ", " << a.dy << ") of sample " << b
-         << " outside [0, " << 2 * pad << "]";
+      os << "prepare_images: crop offset (" << a.dx << ", " << a.dy << ") or partner " << a.partner
+         << " of sample " << b << " outside [0, " << 2 * pad << "] / [0, " << B << ")";
       throw UserError(os.str());
     }
     const uint8_t* img = images + (size_t)b * plane * 3;
-    const uint8_t* par = partners ? partners + (size_t)b * plane * 3 : nullptr;
+    const bool mixed = a.partner >= 0;
+    const SampleAug pa = mixed ? aug_of(a.partner) : a;
+    const uint8_t* par = mixed ? images + (size_t)a.partner * plane * 3 : nullptr;
     const float lam = a.lam, lam1 = 1.0f - a.lam;
     for (int c = 0; c < 3; ++c) {
       float* o = out + ((size_t)b * 3 + c) * plane;
       for (int y = 0; y < S; ++y) {
-        const int py = a.dy + y - pad;
+        const int py = a.dy + y - pad, ppy = pa.dy + y - pad;
+        const bool row_in_box = y >= a.cut_y0 && y < a.cut_y1;
         for (int x = 0; x < S; ++x) {
           const int px = a.dx + (a.flip ? S - 1 - x : x) - pad;
           float v = pixel(img, c, py, px);
-          if (par && lam != 1.0f) v = lam * v + lam1 * pixel(par, c, py, px);
+          if (par) {
+            const float w = pixel(par, c, ppy, pa.dx + (pa.flip ? S - 1 - x : x) - pad);
+            if (row_in_box && x >= a.cut_x0 && x < a.cut_x1)
+              v = w;
+            else if (lam != 1.0f)
+              v = lam * v + lam1 * w;
+          }
           o[(size_t)y * S + x] = v;
         }
       }

@@ -10,6 +10,9 @@
 
 #include "cuda_backend_impl.h"
 #include "gemm_gelu.h"
+#ifdef VITGRID_HAVE_NVJPEG
+#include "nvjpeg_decoder.h"
+#endif
 #include "vitgrid/backend/cuda/cuda_backend.h"
 
 namespace vitgrid {
@@ -84,6 +87,7 @@ CudaBackend::~CudaBackend() {
   cudaSetDevice(device_);
   if (stream_) cudaStreamSynchronize(stream_);
   cudnn_attention_.reset();  // cuDNN graphs and handle, while their stream still exists
+  image_decoder_.reset();    // its join events target stream_; it counts memory here
   for (cudaEvent_t e : marks_) cudaEventDestroy(e);
   release_upload_slots();
   release_graphs();
@@ -106,6 +110,18 @@ CudaBackend::~CudaBackend() {
   if (host_pinned_) cudaFreeHost(host_pinned_);
   if (lt_) cublasLtDestroy(lt_);
   if (stream_) cudaStreamDestroy(stream_);
+}
+
+ImageDecoder* CudaBackend::image_decoder() {
+#ifdef VITGRID_HAVE_NVJPEG
+  if (!image_decoder_tried_) {
+    image_decoder_tried_ = true;
+    cuda::NvjpegDecoderOptions o;
+    o.count_memory = [this](int64_t bytes) { count_memory(bytes); };
+    image_decoder_ = cuda::make_nvjpeg_decoder(device_, stream_, o);
+  }
+#endif
+  return image_decoder_.get();
 }
 
 // ---------------------------------------------------------------- memory

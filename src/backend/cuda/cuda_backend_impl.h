@@ -17,6 +17,7 @@
 #include "vitgrid/backend/backend.h"
 #include "vitgrid/backend/cuda/cuda_backend.h"
 #include "vitgrid/backend/cuda/cuda_check.h"
+#include "vitgrid/backend/image_decoder.h"
 
 namespace vitgrid {
 
@@ -182,10 +183,11 @@ class CudaBackend final : public Backend {
                           const void* saved, int B, int T, int H, int hd,
                           void* workspace) override;
 
-  void prepare_images(void* out, const uint8_t* images, const uint8_t* partners,
-                      const void* aug, int B, int S, int pad, const float* mean3_host,
-                      const float* std3_host) override;
+  void prepare_images(void* out, const uint8_t* images, const void* aug, int B, int S,
+                      int pad, const float* mean3_host, const float* std3_host) override;
   void patchify(void* patches, const void* images, int B, int S, int P) override;
+  // nvJPEG + the resize kernels (nvjpeg_decoder.cpp), made on first use; null without nvJPEG
+  ImageDecoder* image_decoder() override;
   void embed_tokens(void* x, const void* patch_tokens, const void* cls, const void* pos, int B,
                     int T, int C) override;
   void embed_tokens_backward(void* dpatch_tokens, float* dcls, float* dpos, const void* dx,
@@ -426,6 +428,8 @@ class CudaBackend final : public Backend {
   // The cuDNN path (graph cache and handle), made on first use by attention_route().
   cuda::CudnnAttention* cudnn_attention() const;
   mutable std::unique_ptr<cuda::CudnnAttention, cuda::CudnnAttentionDelete> cudnn_attention_;
+  std::unique_ptr<ImageDecoder> image_decoder_;
+  bool image_decoder_tried_ = false;
 };
 
 }  // namespace vitgrid

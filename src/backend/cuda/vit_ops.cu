@@ -10,13 +10,16 @@
 namespace vitgrid {
 namespace cuda {
 
-// Mirror of data::SampleAug {int32 dx, dy, flip; float lam} (data/dataset.h); the backend
-// layer may not include the data layer, so the layout is restated and pinned here.
+// Mirror of data::SampleAug (data/dataset.h); the backend layer may not include the data
+// layer, so the layout is restated and pinned here.
 struct AugDev {
   int32_t dx, dy, flip;
   float lam;
+  int32_t partner;
+  int16_t cut_x0, cut_y0, cut_x1, cut_y1;
+  float target_lam;
 };
-static_assert(sizeof(AugDev) == 16, "SampleAug layout");
+static_assert(sizeof(AugDev) == 32, "SampleAug layout");
 
 struct Norm3 {
   float mean[3], std[3];
@@ -38,18 +41,28 @@ __device__ __forceinline__ float prep_pixel(const uint8_t* img, int b, int c, in
 // arithmetic is 32-bit per row instead of 64-bit divisions per element (which made this
 // elementwise pass ~10x slower than its memory traffic).
 template <class T>
-__global__ void prepare_images_kernel(T* out, const uint8_t* images, const uint8_t* partners,
-                                      const AugDev* aug, int S, int pad, Norm3 nm) {
+__global__ void prepare_images_kernel(T* out, const uint8_t* images, const AugDev* aug, int S,
+                                      int pad, Norm3 nm) {
   const int b = static_cast<int>(blockIdx.x / static_cast<unsigned>(S));
   const int y = static_cast<int>(blockIdx.x % static_cast<unsigned>(S));
   const AugDev a = aug[b];
+  const bool mixed = a.partner >= 0;
+  const AugDev pa = mixed ? aug[a.partner] : a;
+  const bool row_in_box = y >= a.cut_y0 && y < a.cut_y1;
   const int64_t plane = static_cast<int64_t>(S) * S;
   T* o = out + static_cast<int64_t>(b) * 3 * plane + static_cast<int64_t>(y) * S;
   for (int x = threadIdx.x; x < S; x += blockDim.x) {
+    const bool in_box = row_in_box && x >= a.cut_x0 && x < a.cut_x1;
 #pragma unroll
     for (int c = 0; c < 3; ++c) {
       float v = prep_pixel(images, b, c, y, x, S, pad, a, nm);
-      if (partners) v = a.lam * v + (1.0f - a.lam) * prep_pixel(partners, b, c, y, x, S, pad, a, nm);
+      if (mixed) {
+        const float w = prep_pixel(images, a.partner, c, y, x, S, pad, pa, nm);
+        if (in_box)
+          v = w;
+        else if (a.lam != 1.0f)
+          v = a.lam * v + (1.0f - a.lam) * w;
+      }
       o[c * plane + x] = from_f<T>(v);
     }
   }
@@ -264,8 +277,8 @@ __global__ void topk_kernel(float* c1, float* c5, const T* logits, const int32_t
 
 using namespace cuda;
 
-void CudaBackend::prepare_images(void* out, const uint8_t* images, const uint8_t* partners,
-                                 const void* aug, int B, int S, int pad,
+void CudaBackend::prepare_images(void* out, const uint8_t* images, const void* aug, int B,
+                                 int S, int pad,
                                  const float* mean3_host, const float* std3_host) {
   if (B <= 0) return;
   Norm3 nm;
@@ -277,7 +290,7 @@ void CudaBackend::prepare_images(void* out, const uint8_t* images, const uint8_t
     using T = typename decltype(tag)::type;
     const unsigned rows = static_cast<unsigned>(B) * static_cast<unsigned>(S);
     prepare_images_kernel<<<rows, std::min(256, (S + 31) / 32 * 32), 0, stream_>>>(
-        static_cast<T*>(out), images, partners, static_cast<const AugDev*>(aug), S, pad, nm);
+        static_cast<T*>(out), images, static_cast<const AugDev*>(aug), S, pad, nm);
     CUDA_CHECK_LAUNCH();
   });
 }

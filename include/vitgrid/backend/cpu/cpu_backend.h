@@ -107,9 +107,8 @@ class CpuBackend final : public Backend {
                           const void* saved, int B, int T, int H, int hd,
                           void* workspace) override;
 
-  void prepare_images(void* out, const uint8_t* images, const uint8_t* partners,
-                      const void* aug, int B, int S, int pad, const float* mean3_host,
-                      const float* std3_host) override;
+  void prepare_images(void* out, const uint8_t* images, const void* aug, int B, int S,
+                      int pad, const float* mean3_host, const float* std3_host) override;
   void patchify(void* patches, const void* images, int B, int S, int P) override;
   void embed_tokens(void* x, const void* patch_tokens, const void* cls, const void* pos, int B,
                     int T, int C) override;

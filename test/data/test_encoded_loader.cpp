@@ -1,0 +1,247 @@
+// The loader over encoded images (JPEG sources): the three sources give identical batches for
+// the same images, every layout (data ranks x accumulation) sees the same samples, views,
+// mixing and soft targets, undecodable images are replaced the same way everywhere, and views
+// left for the device decode on the host to the same pixels.
+//
+// Data: test/data/make_jpeg_tree.py writes an ImageFolder tree (with grayscale, CMYK,
+// progressive, 4:4:4, 4:2:2, PNG-named-.JPEG and, for the bad-data case, a truncated file);
+// test/data/write_tfrecord.py writes the same images as TFRecord shards (protobuf + crcmod, no
+// vitgrid code); h5py writes them as a jpeg_h5 pair (the documented layout).
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "vitgrid/core/error.h"
+#include "vitgrid/data/dataset.h"
+#include "vitgrid/data/image_source.h"
+
+using vitgrid::DataLoader;
+using vitgrid::Dataset;
+using vitgrid::HostBatch;
+using vitgrid::LoaderConfig;
+
+namespace {
+
+constexpr int kS = 32, kClasses = 3;
+
+std::string env(const char* k, const char* dflt) {
+  const char* v = std::getenv(k);
+  return v && *v ? v : dflt;
+}
+
+void sh(const std::string& cmd) {
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+}
+
+class EncodedLoader : public ::testing::Test {
+ protected:
+  static std::string dir_;
+  static void SetUpTestSuite() {
+    char tmpl[] = "/tmp/vg_encoded_XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    const std::string py = env("VG_PYTHON3", "/usr/bin/python3");
+    const std::string src = env("VITGRID_SOURCE_DIR", VG_SOURCE_DIR);
+    auto run = [](const std::string& c) {
+      if (std::system(c.c_str()) != 0) throw std::runtime_error("failed: " + c);
+    };
+    run(py + " " + src + "/test/data/make_jpeg_tree.py " + dir_ + "/tree --classes 3 --train 10 --val 4 --no-bad");
+    run(py + " " + src + "/test/data/make_jpeg_tree.py " + dir_ + "/bad --classes 3 --train 10 --val 4 --bad");
+    run(py + " " + src + "/test/data/write_tfrecord.py " + dir_ + "/tree " + dir_ + "/tfr --shards 3");
+    // jpeg_h5 with h5py: the layout of include/vitgrid/data/image_source.h, written here
+    // independently of vitgrid_dataset pack
+    const std::string pack =
+        "import h5py, numpy as np, os, sys\n"
+        "root, out = sys.argv[1], sys.argv[2]\n"
+        "classes = sorted(os.listdir(os.path.join(root, 'train')))\n"
+        "for split, name in (('train', '_train.h5'), ('val', '_val.h5')):\n"
+        "    data, labels = [], []\n"
+        "    for k, c in enumerate(classes):\n"
+        "        for f in sorted(os.listdir(os.path.join(root, split, c))):\n"
+        "            data.append(open(os.path.join(root, split, c, f), 'rb').read()); labels.append(k)\n"
+        "    off = np.cumsum([0] + [len(d) for d in data]).astype(np.int64)\n"
+        "    with h5py.File(out + name, 'w') as h:\n"
+        "        h.create_dataset('jpeg', data=np.frombuffer(b''.join(data), np.uint8))\n"
+        "        h.create_dataset('offsets', data=off)\n"
+        "        h.create_dataset('labels', data=np.array(labels, np.int64))\n"
+        "        h.create_dataset('classes', data=np.array(classes, dtype=h5py.string_dtype()))\n"
+        "        h.attrs['num_classes'] = len(classes); h.attrs['source'] = root\n";
+    FILE* f = std::fopen((dir_ + "/pack.py").c_str(), "w");
+    std::fputs(pack.c_str(), f);
+    std::fclose(f);
+    run(py + " " + dir_ + "/pack.py " + dir_ + "/tree " + dir_ + "/packed");
+  }
+  static void TearDownTestSuite() { std::system(("rm -rf " + dir_).c_str()); }
+
+  static std::shared_ptr<Dataset> open(const std::string& kind, bool train = true,
+                                       const std::string& tree = "tree") {
+    vitgrid::ImageSourceOptions o;
+    o.train = train;
+    o.num_classes = kClasses;
+    o.index_dir = dir_ + "/index";
+    std::unique_ptr<vitgrid::ImageSource> s;
+    if (kind == "folder") s = vitgrid::open_image_folder(dir_ + "/" + tree, o);
+    if (kind == "tfrecord") {
+      o.label_offset = -1;
+      for (int part = 0; part < 2; ++part)
+        vitgrid::tfrecord_build_indexes(dir_ + "/tfr", o.index_dir, train, part, 2);
+      s = vitgrid::open_tfrecord(dir_ + "/tfr", o);
+    }
+    if (kind == "jpeg_h5") s = vitgrid::open_jpeg_h5(dir_ + "/packed.h5", o);
+    return vitgrid::make_encoded_dataset(std::move(s), kS, 1, 0.875);
+  }
+
+  static LoaderConfig cfg(int64_t G, int A, int D, int r) {
+    LoaderConfig c;
+    c.seed = 99;
+    c.global_batch = G;
+    c.grad_accum = A;
+    c.data_size = D;
+    c.data_rank = r;
+    c.hflip = true;
+    c.num_classes = kClasses;
+    c.workers = 2;
+    c.mix.mixup_alpha = 0.8;
+    c.mix.cutmix_alpha = 1.0;
+    c.mix.mode = vitgrid::MixMode::Pair;
+    return c;
+  }
+};
+std::string EncodedLoader::dir_;
+
+std::string image_of(const HostBatch& hb, int j) {
+  const size_t n = (size_t)kS * kS * 3;
+  return std::string(hb.images.begin() + j * n, hb.images.begin() + (j + 1) * n);
+}
+
+}  // namespace
+
+TEST_F(EncodedLoader, ThreeSourcesGiveIdenticalBatches) {
+  auto folder = open("folder"), tfr = open("tfrecord"), h5 = open("jpeg_h5");
+  ASSERT_EQ(folder->size(), 30);
+  EXPECT_EQ(tfr->size(), 30);
+  EXPECT_EQ(h5->size(), 30);
+  DataLoader a(folder, cfg(8, 1, 1, 0)), b(tfr, cfg(8, 1, 1, 0)), c(h5, cfg(8, 1, 1, 0));
+  for (int k = 0; k < 8; ++k) {  // 64 positions: every image at least twice, crossing epochs
+    auto x = a.next(), y = b.next(), z = c.next();
+    EXPECT_EQ(x->labels, y->labels);
+    EXPECT_EQ(x->labels, z->labels);
+    EXPECT_TRUE(x->images == y->images && x->images == z->images) << "batch " << k;
+    EXPECT_EQ(x->soft, y->soft);
+    EXPECT_EQ(x->soft, z->soft);
+    EXPECT_EQ(x->bad, 0);
+  }
+  // the eval split too (the eval view: resize + centre crop)
+  auto fe = open("folder", false), te = open("tfrecord", false), he = open("jpeg_h5", false);
+  ASSERT_EQ(fe->size(), 12);
+  auto ec = cfg(8, 1, 1, 0);
+  ec.train = false;
+  DataLoader ea(fe, ec), eb(te, ec), ee(he, ec);
+  while (auto x = ea.next()) {
+    auto y = eb.next(), z = ee.next();
+    ASSERT_TRUE(y && z);
+    EXPECT_EQ(x->labels, y->labels);
+    EXPECT_TRUE(x->images == y->images && x->images == z->images);
+  }
+}
+
+// Every (data ranks, accumulation) layout delivers the same samples at the same stream
+// positions: the same view pixels, labels, partners and soft targets.
+TEST_F(EncodedLoader, LayoutIndependent) {
+  auto ds = open("folder");
+  const int64_t G = 16;
+  using Key = std::tuple<int64_t, int32_t, int64_t, size_t>;  // pos, label, partner pos, hash
+  auto collect = [&](int D, int A) {
+    std::set<Key> keys;
+    for (int r = 0; r < D; ++r) {
+      DataLoader dl(ds, cfg(G, A, D, r));
+      for (int s = 0; s < 3; ++s)
+        for (int m = 0; m < A; ++m) {
+          auto hb = dl.next();
+          for (int j = 0; j < hb->count; ++j) {
+            const auto& a = hb->aug[j];
+            std::string bytes = image_of(*hb, j);
+            bytes.append(reinterpret_cast<const char*>(&hb->soft[j * kClasses]), kClasses * 4);
+            const float f[] = {float(a.dx), float(a.dy), float(a.flip), a.lam, a.target_lam,
+                               float(a.cut_x0), float(a.cut_y0), float(a.cut_x1), float(a.cut_y1)};
+            bytes.append(reinterpret_cast<const char*>(f), sizeof(f));
+            keys.insert(Key{hb->first_position + j, hb->labels[j],
+                            a.partner < 0 ? -1 : hb->first_position + a.partner,
+                            std::hash<std::string>()(bytes)});
+          }
+        }
+    }
+    return keys;
+  };
+  auto ref = collect(1, 1);
+  ASSERT_EQ(ref.size(), 3u * G);
+  EXPECT_EQ(collect(4, 1), ref);
+  EXPECT_EQ(collect(2, 2), ref);
+  EXPECT_EQ(collect(2, 4), ref);
+}
+
+// A truncated JPEG is replaced by the next decodable image, with the same position's crop, on
+// every layout, and counted.
+TEST_F(EncodedLoader, UndecodableImagesAreReplacedTheSameWayEverywhere) {
+  auto bad = open("folder", true, "bad");
+  ASSERT_EQ(bad->size(), 30);
+  auto run = [&](int D) {
+    std::map<int64_t, std::string> seen;
+    int replaced = 0;
+    for (int r = 0; r < D; ++r) {
+      auto c = cfg(10, 1, D, r);
+      c.mix = vitgrid::MixConfig();
+      DataLoader dl(bad, c);
+      for (int s = 0; s < 6; ++s) {  // 60 positions: two epochs, each holding the bad file
+        auto hb = dl.next();
+        replaced += hb->bad;
+        for (int j = 0; j < hb->count; ++j)
+          seen[hb->first_position + j] = image_of(*hb, j) + std::to_string(hb->labels[j]);
+      }
+    }
+    return std::make_pair(seen, replaced);
+  };
+  auto one = run(1), two = run(2);
+  EXPECT_EQ(one.second, 2);  // once per epoch
+  EXPECT_EQ(two.second, 2);
+  EXPECT_EQ(one.first, two.first);
+}
+
+// With a device decoder, the views it takes carry their bytes, box and flip: decoding them on
+// the host (DataLoader::decode_on_host, the fallback) gives the all-host loader's pixels.
+TEST_F(EncodedLoader, DeviceViewsDecodeOnTheHostToTheSamePixels) {
+  auto ds = open("folder");
+  auto host_cfg = cfg(10, 1, 1, 0), dev_cfg = host_cfg;
+  host_cfg.real.dct_scale = dev_cfg.real.dct_scale = false;
+  int taken = 0, offered = 0;
+  dev_cfg.real.device_accepts = [&](int comps, bool progressive, int, int) {
+    ++offered;
+    return comps == 3 && !progressive;
+  };
+  DataLoader host(ds, host_cfg), dev(ds, dev_cfg);
+  for (int k = 0; k < 3; ++k) {
+    auto h = host.next(), d = dev.next();
+    EXPECT_EQ(h->labels, d->labels);
+    std::set<int> slots;
+    for (const auto& v : d->views) {
+      ++taken;
+      slots.insert(v.slot);
+      ASSERT_LE(v.offset + v.size, d->encoded.size());
+      std::vector<uint8_t> out((size_t)kS * kS * 3);
+      int bad = 0;
+      EXPECT_EQ(dev.decode_on_host(v, out.data(), &bad), d->labels[v.slot]);
+      EXPECT_EQ(bad, 0);
+      EXPECT_EQ(std::string(out.begin(), out.end()), image_of(*h, v.slot)) << "slot " << v.slot;
+    }
+    for (int j = 0; j < d->count; ++j)  // the rest was decoded on the host, as before
+      if (!slots.count(j)) EXPECT_EQ(image_of(*d, j), image_of(*h, j));
+  }
+  EXPECT_GT(taken, 0);
+  EXPECT_GT(offered, taken);  // grayscale, CMYK, progressive and PNG stay on the host
+}

@@ -67,6 +67,9 @@ constexpr size_t kNumTrain = sizeof(kTrain) / sizeof(kTrain[0]);
 constexpr size_t kNumEval = sizeof(kEval) / sizeof(kEval[0]);
 // the per-rank tables, in kTrain and in the values each rank sends rank 0 (in this order)
 constexpr size_t kPerRank[] = {6, 7, 8};
+// kTrain[i >= kFirstAddedTrain] came after the first files were written: appending to a file
+// without them adds them (NaN in the earlier rows)
+constexpr size_t kFirstAddedTrain = 8;
 constexpr size_t kNumPerRank = sizeof(kPerRank) / sizeof(kPerRank[0]);
 
 // The segments table: a row per run that wrote the file (the first one and each resumed one).
@@ -442,12 +445,32 @@ void MetricsWriter::Impl::open_datasets() {
                     io_detail::shape_str(dims) + ", not one this run can append to"};
     *out = std::move(d);
   };
-  for (size_t i = 0; i < kNumTrain; ++i) open(kTrain[i], &train[i]);
+  // Columns newer than the file (written by an older vitgrid) are added, NaN in its rows.
+  std::vector<size_t> added;
+  for (size_t i = 0; i < kNumTrain; ++i) {
+    if (i >= kFirstAddedTrain && !io_detail::path_exists(file, kTrain[i].path)) {
+      added.push_back(i);
+      continue;
+    }
+    open(kTrain[i], &train[i]);
+  }
   for (size_t i = 0; i < kNumEval; ++i) open(kEval[i], &eval[i]);
   for (size_t i = 0; i < kNumTrain; ++i) {
-    if (!kTrain[i].per_rank) continue;
+    if (!kTrain[i].per_rank || !train[i].valid()) continue;
     width = io_detail::dataset_dims(train[i])[1];
     fixed_width = fixed_width || !columns_extendible(train[i]);
+  }
+  const hsize_t rows = io_detail::dataset_dims(train[0])[0];
+  for (size_t i : added) {
+    const hsize_t w = kTrain[i].per_rank ? width : 1;
+    train[i] = make(kTrain[i].path, H5T_IEEE_F64LE, kTrain[i].per_rank, w, true,
+                    std::max<hsize_t>(1, 4096 / std::max<hsize_t>(w, 1)));
+    const hsize_t dims[2] = {rows, w};
+    H5_CHECK(H5Dset_extent(train[i], dims));
+    if (rows > 0) {
+      std::vector<double> nan(rows * w, NAN);
+      write_block(train[i], H5T_NATIVE_DOUBLE, 0, rows, 0, w, nan.data());
+    }
   }
   stop_if_failed();
 }

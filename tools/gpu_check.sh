@@ -322,7 +322,7 @@ PYEOF
     # GPU decode_jpeg; then training from the JPEGs against the same model on synthetic data.
     D=${DATA:-/tmp/vitgrid-data}
     N=${JPEG_N:-20000}
-    CORES=$(( $(nproc) / NGPU ))
+    CORES=$(( $(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) / NGPU ))
     if [ ! -d "$D/jpeg/train" ]; then
       "$PY" tools/make_jpeg_dataset.py "$D/jpeg" --train "$N" --val $((N / 10)) --classes 100 2>&1 | tail -1
       "$B/bin/vitgrid_dataset" pack "$D/jpeg" "$D/jpeg.h5" 2>&1 | tail -1
@@ -346,19 +346,23 @@ PYEOF
       done
       "$PY" tools/bench_input_peers.py "$D/jpeg/train" --workers $CORES 2>&1 | grep -E "^peer|Error"
     } | tee "$OUT/jpeg_input.log"
-    # training: the same model on the JPEG set (decoded on the device) and on synthetic data
+    # training: the same model on the JPEG set (decoded on the device) and on one batch reused
+    # (vitgrid bench: the model alone, no input pipeline)
     {
       for m in vit-base/16 vit-base/32; do
-        for src in "synthetic" "folder --data.path=$D/jpeg" "jpeg_h5 --data.path=$D/jpeg.h5"; do
+        mpirun -np 1 --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --model.preset=$m \
+          --model.num_classes=100 --warmup=5 --steps=30 2>&1 | grep -E "^bench|rror"
+        for src in "folder --data.path=$D/jpeg" "jpeg_h5 --data.path=$D/jpeg.h5"; do
           set -- $src
           mpirun -np 1 --bind-to none "$B/bin/vitgrid" train inputs/bench_vit_b16.ini --model.preset=$m \
-            --data.dataset=$1 ${2:-} "${J[@]}" --run.steps=${JPEG_STEPS:-60} --run.out_dir="$D/run-$1" \
-            --run.eval_samples=512 --checkpoint.every_steps=0 2>&1 | grep -E "decoded on|rror" | head -2
+            --data.dataset=$1 $2 "${J[@]}" --run.steps=${JPEG_STEPS:-50} --run.out_dir="$D/run-$1" \
+            --run.eval_samples=512 --checkpoint.every_steps=0 2>&1 | grep -E "rror" | head -2
           "$PY" - "$D/run-$1/metrics.h5" "$m $1" <<'PYEOF'
 import sys, h5py, numpy as np
 with h5py.File(sys.argv[1], "r") as f:
     ips = np.asarray(f["/train/images_per_s"])[10:]
-print(f"train | {sys.argv[2]} | median {np.median(ips):.0f} img/s over steps 11-{len(ips) + 10}")
+    bad = np.asarray(f["/train/bad_images"])[-1]
+print(f"train | {sys.argv[2]} | median {np.median(ips):.0f} img/s over steps 11-{len(ips) + 10} | replaced {int(np.nansum(bad))}")
 PYEOF
           rm -rf "$D/run-$1"
         done

@@ -620,7 +620,7 @@ struct Trainer::Impl {
         if (last) finish_gradients(scale);
       });
       be->release_slot(cur);
-      if (decoder) decoder->release_output();
+      if (decoder) decoder->release_output(static_cast<uint8_t*>(d_raw[cur]) + off_images);
       if (!last || more) {  // the next micro-batch, during this one
         next_hb = next_batch();
         slot ^= 1;
@@ -800,7 +800,7 @@ struct Trainer::Impl {
   // was enqueued before this call, so releasing the slot here covers it).
   DeviceBatch upload(const HostBatch& hb) {
     be->release_slot(kEvalSlot);
-    if (decoder) decoder->release_output();
+    if (decoder) decoder->release_output(static_cast<uint8_t*>(d_raw[kEvalSlot]) + off_images);
     start_upload(hb, kEvalSlot, 0);
     wait_inputs();
     return prepare_batch(hb, kEvalSlot);

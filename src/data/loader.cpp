@@ -80,6 +80,9 @@ struct DataLoader::Impl {
   void read_views(HostBatch& hb, const int64_t* idx, const Sampler* sampler);
   void mix(HostBatch& hb, const Sampler& sampler) const;
   ViewScratch host_scratch;  // decode_on_host (the consumer's thread)
+  // the workers' buffers, kept across batches (a worker's decode buffers grow to the largest
+  // image once instead of being allocated and page-faulted for every batch)
+  std::vector<std::unique_ptr<ViewScratch>> scratch;
 };
 
 // Reads samples idx[0..n) into images/labels with `workers` threads, each a contiguous part
@@ -125,10 +128,11 @@ void DataLoader::Impl::read_views(HostBatch& hb, const int64_t* idx, const Sampl
     std::exception_ptr error;
   };
   std::vector<Part> parts(w);
+  while ((int)scratch.size() < w) scratch.push_back(std::make_unique<ViewScratch>());
   auto work = [&](int t) {
     Part& part = parts[t];
+    ViewScratch& mine = *scratch[t];
     try {
-      thread_local ViewScratch scratch;
       const int a = (int)((int64_t)n * t / w), b = (int)((int64_t)n * (t + 1) / w);
       for (int j = a; j < b; ++j) {
         const int64_t pos = hb.first_position + j;
@@ -139,7 +143,7 @@ void DataLoader::Impl::read_views(HostBatch& hb, const int64_t* idx, const Sampl
         to.views = cfg.real.device_accepts ? &part.views : nullptr;
         const bool flip = cfg.train && cfg.hflip && sampler->flip_at(pos);
         hb.labels[j] = cut_view(src, cfg.real, cfg.seed, cfg.train, flip, idx[j],
-                                cfg.train ? pos : idx[j], S, to, &part.bad, scratch);
+                                cfg.train ? pos : idx[j], S, to, &part.bad, mine);
       }
     } catch (...) {
       part.error = std::current_exception();

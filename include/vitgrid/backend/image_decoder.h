@@ -43,11 +43,12 @@ class ImageDecoder {
                           uint8_t* out_dev) = 0;
   // The backend's compute stream waits for everything decode_async and copy_async enqueued.
   virtual void join() = 0;
-  // The writes into out_dev of later decode_async / copy_async calls wait for the work enqueued
-  // on the backend's compute stream so far: call it once the last reader of an output buffer
-  // that a later batch overwrites has been enqueued (as Backend::release_slot for uploads).
-  // Decoding itself does not wait. The default does nothing (decoders that write at once).
-  virtual void release_output() {}
+  // Later writes into out_dev (decode_async / copy_async with that output buffer) wait for the
+  // work enqueued on the backend's compute stream so far: call it once the last reader of the
+  // buffer has been enqueued (as Backend::release_slot for uploads). Writes into other buffers
+  // do not wait, so the next batch is decoded into the other slot while this one computes.
+  // Decoding itself never waits. The default does nothing (decoders that write at once).
+  virtual void release_output(const uint8_t* out_dev) { (void)out_dev; }
   // "nvJPEG hardware engine" / "nvJPEG hybrid (CUDA)": recorded in the run's outputs.
   virtual std::string describe() const = 0;
 };

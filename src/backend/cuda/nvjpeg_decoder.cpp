@@ -144,7 +144,6 @@ class NvjpegDecoder final : public ImageDecoder {
       NVJPEG_CHECK(nvjpegJpegStateCreate(handle_, &s.state));
       CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
     }
-    CUDA_CHECK(cudaEventCreateWithFlags(&released_, cudaEventDisableTiming));
     return true;
   }
 
@@ -158,7 +157,7 @@ class NvjpegDecoder final : public ImageDecoder {
       if (s.jobs_host) cudaFreeHost(s.jobs_host);
       if (s.staging) cudaFreeHost(s.staging);
     }
-    if (released_) cudaEventDestroy(released_);
+    for (Release& r : released_) cudaEventDestroy(r.event);
     release_buffer(reinterpret_cast<void**>(&decoded_), &decoded_cap_);
     release_buffer(reinterpret_cast<void**>(&tmp_), &tmp_cap_);
     size_t jobs_bytes = jobs_dev_cap_ * sizeof(ResizeJob);
@@ -241,7 +240,7 @@ class NvjpegDecoder final : public ImageDecoder {
     }
     CUDA_CHECK(cudaMemcpyAsync(jobs_dev_, slot.jobs_host, m * sizeof(ResizeJob),
                                cudaMemcpyHostToDevice, stream_));
-    wait_release();
+    wait_release(out_dev);
     launch_resize(jobs_dev_, m, S, interp, kcap_h, kcap_v, max_rows, stream_);
     finish(slot);
     std::sort(refused.begin(), refused.end());
@@ -261,7 +260,7 @@ class NvjpegDecoder final : public ImageDecoder {
       CUDA_CHECK(cudaMallocHost(&slot.staging, slot.staging_bytes));
     }
     for (int k = 0; k < n; ++k) std::memcpy(slot.staging + k * img, host_images[k], img);
-    wait_release();
+    wait_release(out_dev);
     // consecutive slots go in one copy
     for (int k = 0; k < n;) {
       int e = k + 1;
@@ -278,9 +277,15 @@ class NvjpegDecoder final : public ImageDecoder {
     if (last_ >= 0) CUDA_CHECK(cudaStreamWaitEvent(join_, slots_[last_].done, 0));
   }
 
-  void release_output() override {
-    CUDA_CHECK(cudaEventRecord(released_, join_));
-    release_pending_ = true;
+  void release_output(const uint8_t* out_dev) override {
+    Release* r = release_of(out_dev);
+    if (!r) {
+      released_.push_back(Release{out_dev, nullptr, false});
+      r = &released_.back();
+      CUDA_CHECK(cudaEventCreateWithFlags(&r->event, cudaEventDisableTiming));
+    }
+    CUDA_CHECK(cudaEventRecord(r->event, join_));
+    r->pending = true;
   }
 
   std::string describe() const override {
@@ -337,10 +342,23 @@ class NvjpegDecoder final : public ImageDecoder {
     last_ = cur_;
   }
 
-  void wait_release() {
-    if (!release_pending_) return;
-    CUDA_CHECK(cudaStreamWaitEvent(stream_, released_, 0));
-    release_pending_ = false;
+  // Writes into out_dev wait for the last release of that buffer (its last reader), not for
+  // the other buffers' readers: batch k+1 is written while batch k computes.
+  void wait_release(const uint8_t* out_dev) {
+    Release* r = release_of(out_dev);
+    if (!r || !r->pending) return;
+    CUDA_CHECK(cudaStreamWaitEvent(stream_, r->event, 0));
+    r->pending = false;
+  }
+  struct Release {
+    const uint8_t* out = nullptr;
+    cudaEvent_t event = nullptr;
+    bool pending = false;
+  };
+  Release* release_of(const uint8_t* out_dev) {
+    for (Release& r : released_)
+      if (r.out == out_dev) return &r;
+    return nullptr;
   }
 
   // Header checks; fills the image's size and the resize geometry. False: refused.
@@ -509,8 +527,7 @@ class NvjpegDecoder final : public ImageDecoder {
   cudaStream_t stream_ = nullptr;
   Slot slots_[kSlots];
   int next_ = 0, cur_ = 0, last_ = -1;
-  cudaEvent_t released_ = nullptr;
-  bool release_pending_ = false;
+  std::vector<Release> released_;  // per output buffer (a few: the trainer's upload slots)
   uint8_t* decoded_ = nullptr;  // planar RGB of the batch's images
   size_t decoded_cap_ = 0;
   uint8_t* tmp_ = nullptr;      // the horizontal pass's rows

@@ -61,15 +61,21 @@ int main(int argc, char** argv) {
     }
     vitgrid::DataLoader loader(ds, c);
     int64_t bad = 0;
+    double host_s = 0.0, wait_s = 0.0;  // in the decoder's calls; waiting for the device
     // one batch through the device's decoder, complete on the device before the next
     auto to_device = [&](const vitgrid::HostBatch& hb) {
+      const double t0 = vitgrid::now_s();
       vitgrid::decode_batch_on_device(*dec, loader, hb, S, c.real.interp, out, nullptr, nullptr,
                                       c.num_classes, &bad);
       dec->join();
+      const double t1 = vitgrid::now_s();
       be->synchronize();
+      host_s += t1 - t0;
+      wait_s += vitgrid::now_s() - t1;
     };
     auto first = loader.next();  // the first batch includes thread start-up
     if (dec) to_device(*first);
+    host_s = wait_s = 0.0;
     const double t0 = vitgrid::now_s();
     int64_t n = 0, on_device = 0;
     std::shared_ptr<const vitgrid::HostBatch> last;
@@ -81,11 +87,15 @@ int main(int argc, char** argv) {
     }
     const double dt = vitgrid::now_s() - t0;
     if (ds->encoded()) {
+      char timing[128] = "";
+      if (dec)
+        std::snprintf(timing, sizeof timing, " | per batch: %.1f ms in the decoder's calls, %.1f ms waiting for the device",
+                      1e3 * host_s / batches, 1e3 * wait_s / batches);
       std::printf("input | %s | %dx%d | batch %lld | workers %d | decode %s | %.1f%% on the device "
-                  "| %.0f img/s\n",
+                  "| %.0f img/s%s\n",
                   ds->describe().c_str(), S, S, static_cast<long long>(c.global_batch), c.workers,
                   dec ? dec->describe().c_str() : "host (libjpeg-turbo)",
-                  100.0 * on_device / std::max<int64_t>(1, n), n / dt);
+                  100.0 * on_device / std::max<int64_t>(1, n), n / dt, timing);
     } else {
       // the CPU reference of the device-side preparation, for scale
       std::vector<float> ref(static_cast<size_t>(last->count) * 3 * S * S);

@@ -2,7 +2,10 @@
 // resize + centre crop, torchvision's semantics) cut from a source's JPEG/PNG bytes, decoded on
 // the host (libjpeg-turbo) or left for the device's batched decoder.
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
+#include <mutex>
+#include <set>
 #include <string>
 
 #include "views.h"
@@ -26,6 +29,17 @@ bool device_takes(const RealImageConfig& cfg, const ImageInfo& info, const uint8
   for (size_t k = n - tail; k + 1 < n; ++k)
     if (p[k] == 0xFF && p[k + 1] == 0xD9) return true;
   return false;
+}
+
+// A file that cannot be decoded is named once per process, by the rank that met it (any data
+// rank may: the replacements themselves are counted per rank in metrics.h5).
+void warn_once(const std::string& what) {
+  static std::mutex mu;
+  static std::set<std::string> seen;
+  std::lock_guard<std::mutex> lock(mu);
+  if (seen.size() < 1000 && seen.insert(what).second)
+    std::fprintf(stderr, "warning: %s: cannot be decoded; replaced by the next image that can\n",
+                 what.c_str());
 }
 
 Box view_box(const RealImageConfig& cfg, uint64_t seed, bool train, int64_t position, int W, int H,
@@ -97,8 +111,10 @@ int32_t cut_view(const ImageSource& src, const RealImageConfig& cfg, uint64_t se
       }
       return label;
     } catch (const DecodeError& e) {
-      if (first_error.empty()) first_error = src.where(i) + ": " + e.what();
+      const std::string what = src.where(i) + ": " + e.what();
+      if (first_error.empty()) first_error = what;
       ++*bad;
+      warn_once(what);
     }
   }
   throw UserError(src.describe() + ": " + std::to_string(kMaxReplacements + 1) +

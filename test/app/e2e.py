@@ -977,8 +977,11 @@ def t_jpeg_layouts(tmp):
                              ("tfrecord_1", 1, []), ("jpeg_h5_2", 2, [])]:
         kind = name.split("_")[0] if not name.startswith("jpeg_h5") else "jpeg_h5"
         d = os.path.join(tmp, name)
-        run(np_, ["train", DECK, f"--run.out_dir={d}", f"--data.dataset={kind}",
-                  f"--data.path={src[kind]}"] + JPEG_DECK + extra, timeout=400)
+        p = run(np_, ["train", DECK, f"--run.out_dir={d}", f"--data.dataset={kind}",
+                      f"--data.path={src[kind]}"] + JPEG_DECK + extra, timeout=400)
+        if name == "folder_1":
+            check("n00001000_train_00006.JPEG" in p.stderr and "cannot be decoded" in p.stderr,
+                  "folder_1: the truncated file is named in a warning")
         steps, loss = losses(d)
         check(list(steps) == list(range(1, 13)), f"{name}: 12 steps recorded")
         curves[name] = loss

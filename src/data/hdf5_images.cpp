@@ -34,6 +34,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "h5_handle.h"
 #include "vitgrid/core/error.h"
 #include "vitgrid/data/dataset.h"
 #include "vitgrid/io/hdf5_util.h"
@@ -53,23 +54,6 @@ std::string hdf5_error_detail() {
       &detail);
   return detail;
 }
-
-// Closes an HDF5 handle on scope exit (the caller holds hdf5_mutex()).
-struct H5Handle {
-  hid_t id = -1;
-  herr_t (*close)(hid_t) = nullptr;
-  H5Handle(hid_t i, herr_t (*c)(hid_t)) : id(i), close(c) {}
-  ~H5Handle() {
-    if (id >= 0) close(id);
-  }
-  H5Handle(const H5Handle&) = delete;
-  H5Handle& operator=(const H5Handle&) = delete;
-  hid_t release() {
-    hid_t i = id;
-    id = -1;
-    return i;
-  }
-};
 
 bool is_prime(size_t x) {
   if (x < 2) return false;

@@ -23,24 +23,13 @@
 #include <string>
 #include <vector>
 
+#include "h5_handle.h"
 #include "vitgrid/core/error.h"
 #include "vitgrid/data/image_source.h"
 #include "vitgrid/io/hdf5_util.h"
 
 namespace vitgrid {
 namespace {
-
-// Closes an HDF5 handle on scope exit (the caller holds hdf5_mutex()).
-struct H5Handle {
-  hid_t id = -1;
-  herr_t (*close)(hid_t) = nullptr;
-  H5Handle(hid_t i, herr_t (*c)(hid_t)) : id(i), close(c) {}
-  ~H5Handle() {
-    if (id >= 0) close(id);
-  }
-  H5Handle(const H5Handle&) = delete;
-  H5Handle& operator=(const H5Handle&) = delete;
-};
 
 bool ends_with(const std::string& s, const std::string& t) {
   return s.size() >= t.size() && s.compare(s.size() - t.size(), t.size(), t) == 0;

@@ -781,8 +781,8 @@ struct Trainer::Impl {
     db.soft = hb.soft.empty() ? nullptr : reinterpret_cast<const float*>(d + off_soft);
     if (!model->layout().embed) return db;
     // eval batches carry dx = dy = pad: the crop of the padded image is the image itself;
-    // encoded images were cropped while decoded
-    const int pad = train_ds && train_ds->encoded() ? 0 : eval_ds && eval_ds->encoded() ? 0 : deck.data.crop_padding;
+    // encoded images were cropped while decoded (no padding)
+    const int pad = eval_ds->encoded() ? 0 : deck.data.crop_padding;
     be->prepare_images(d_images, d + off_images, d + off_aug, hb.count, cfg.image, pad,
                        deck.data.mean.data(), deck.data.std.data());
     db.images = d_images;

@@ -2,6 +2,8 @@
 
 #include "vitgrid/app/preempt.h"
 
+#include "vitgrid_commit.h"  // generated at build time (src/app/CMakeLists.txt)
+
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -9,10 +11,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
 #include <map>
+#include <set>
 #include <sstream>
 #include <thread>
 #include <tuple>
@@ -657,6 +661,45 @@ struct Trainer::Impl {
     *gnorm = p.applied ? std::sqrt(r->grad_sq) / p.scale : NAN;
   }
 
+  // Called by all ranks: which job wrote the file, from where and how (root attributes,
+  // rewritten by each run that continues the file): job_id (SLURM, PBS, LSF or Flux; "" when
+  // launched outside a scheduler), nodes (the hosts of the ranks, sorted), command_line (rank
+  // 0's), commit (of the source the binary was built from).
+  void record_job(MetricsWriter& metrics) {
+    std::string job;
+    for (const char* k : {"SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID"})
+      if (const char* v = std::getenv(k)) {
+        job = v;
+        if (const char* a = std::getenv("SLURM_ARRAY_TASK_ID")) job += std::string("_") + a;
+        break;
+      }
+    char host[256] = {0};
+    gethostname(host, sizeof host - 1);
+    int world_size = 1;
+    MPI_Comm_size(world, &world_size);
+    std::vector<char> all(static_cast<size_t>(world_size) * sizeof host);
+    {
+      WatchdogWait w("the MPI gather of the host names");
+      MPI_Gather(host, sizeof host, MPI_CHAR, all.data(), sizeof host, MPI_CHAR, 0, world);
+    }
+    std::set<std::string> hosts;
+    for (int r = 0; r < world_size; ++r) hosts.insert(std::string(all.data() + r * sizeof host));
+    std::string nodes;
+    for (const auto& h : hosts) nodes += (nodes.empty() ? "" : ",") + h;
+    std::string cmd;
+    if (FILE* f = std::fopen("/proc/self/cmdline", "rb")) {
+      char buf[4096];
+      const size_t n = std::fread(buf, 1, sizeof buf, f);
+      std::fclose(f);
+      for (size_t i = 0; i < n; ++i) cmd += buf[i] ? buf[i] : ' ';
+      while (!cmd.empty() && cmd.back() == ' ') cmd.pop_back();
+    }
+    metrics.set_attribute("job_id", job);
+    metrics.set_attribute("nodes", nodes);
+    metrics.set_attribute("command_line", cmd);
+    metrics.set_attribute("commit", VITGRID_COMMIT);
+  }
+
   // Called by all ranks: the measured bubble of each stage (device time outside its forward /
   // backward ops over the time of the steps so far, summed over the stage's ranks), logged beside the
   // schedule's theoretical bubble; with `metrics`, also stored as root attributes
@@ -1021,6 +1064,7 @@ struct Trainer::Impl {
           resumed, step);
     });
     MetricsWriter& metrics = *metrics_file;
+    record_job(metrics);
 
     LrSchedule sched(deck.optim, total_steps, warmup_steps);
     const int64_t G = deck.data.global_batch;

@@ -849,6 +849,20 @@ void MetricsWriter::flush() {
 }
 
 // Called by all ranks of comm; rank 0's value is written.
+void MetricsWriter::set_attribute(const std::string& name, const std::string& value) {
+  Impl& m = *impl_;
+  if (m.failed) throw UserError(m.failure);
+  std::string err;
+  if (m.rank == 0)
+    err = m.root_work("cannot write", [&] {
+      m.reserve(2 * (name.size() + value.size()) + 4096);
+      io_detail::write_attr_string(m.file, name, value);
+      H5_CHECK(H5Fflush(m.file, H5F_SCOPE_GLOBAL));
+    });
+  m.settle(err);
+}
+
+// Called by all ranks of comm; rank 0's value is written.
 void MetricsWriter::set_attribute(const std::string& name, double value) {
   Impl& m = *impl_;
   if (m.failed) throw UserError(m.failure);

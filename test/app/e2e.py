@@ -75,7 +75,17 @@ def t_dp_equivalence(tmp):
     for np_, accum in [(1, 1), (2, 1), (4, 1), (1, 4), (2, 2)]:
         d = os.path.join(tmp, f"dp{np_}_acc{accum}")
         run(np_, ["train", DECK, f"--run.out_dir={d}", f"--data.grad_accum={accum}",
-                  "--checkpoint.every_steps=0", "--model.drop_path=0.3"])
+                  "--checkpoint.every_steps=0", "--model.drop_path=0.3"],
+            env={"SLURM_JOB_ID": "4242"} if np_ == 2 and accum == 1 else None)
+        if np_ == 2 and accum == 1:
+            # which job wrote the file, from where and how
+            with h5py.File(os.path.join(d, "metrics.h5"), "r") as f:
+                a = {k: (v.decode() if isinstance(v, bytes) else str(v)) for k, v in f.attrs.items()}
+            check(a.get("job_id") == "4242", f"metrics.h5 records the job id ({a.get('job_id')!r})")
+            check(a.get("nodes") == os.uname().nodename, f"... the nodes ({a.get('nodes')!r})")
+            check("vitgrid train" in a.get("command_line", "") and "--data.grad_accum=1" in a.get("command_line", ""),
+                  f"... the command line ({a.get('command_line')!r})")
+            check(len(a.get("commit", "")) >= 7, f"... the commit ({a.get('commit')!r})")
         steps, loss = losses(d)
         check(len(loss) == 20 and list(steps) == list(range(1, 21)),
               f"np={np_} accum={accum}: 20 steps recorded")

@@ -69,6 +69,7 @@ class MetricsWriter {
   // A named scalar attribute on the root (e.g. checkpoint bandwidth, peak memory). Called by
   // all ranks; rank 0's value is written.
   void set_attribute(const std::string& name, double value);
+  void set_attribute(const std::string& name, const std::string& value);
 
  private:
   struct Impl;

@@ -4,6 +4,7 @@
 // thread falls behind. A failure in the thread (a read error) is handed to the consumer by
 // next() in the order it happened, after the batches finished before it.
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -115,7 +116,10 @@ void read_parallel(Dataset& ds, const int64_t* idx, int n, uint8_t* images, int3
 
 // The views of an encoded dataset's samples idx[0..count) at positions first_position + j
 // (train: RandomResizedCrop and flip of that position; eval: the eval view), with `workers`
-// threads, each a contiguous part whose bitstreams for the device are merged in slot order.
+// threads taking samples one at a time (images differ in size several times over, so equal
+// shares would leave threads waiting for the slowest). The result does not depend on which
+// thread took which sample: images go to their slots, views are sorted by slot (their bytes
+// stay where their thread appended them), and the error reported is that of the first sample.
 void DataLoader::Impl::read_views(HostBatch& hb, const int64_t* idx, const Sampler* sampler) {
   const ImageSource& src = *ds->encoded();
   const int n = hb.count, S = ds->image_size();
@@ -125,16 +129,17 @@ void DataLoader::Impl::read_views(HostBatch& hb, const int64_t* idx, const Sampl
     std::vector<uint8_t> encoded;
     std::vector<EncodedView> views;
     int bad = 0;
+    int error_at = -1;  // the sample whose error stopped this thread
     std::exception_ptr error;
   };
   std::vector<Part> parts(w);
   while ((int)scratch.size() < w) scratch.push_back(std::make_unique<ViewScratch>());
+  std::atomic<int> next{0};
   auto work = [&](int t) {
     Part& part = parts[t];
     ViewScratch& mine = *scratch[t];
-    try {
-      const int a = (int)((int64_t)n * t / w), b = (int)((int64_t)n * (t + 1) / w);
-      for (int j = a; j < b; ++j) {
+    for (int j = next++; j < n; j = next++) {
+      try {
         const int64_t pos = hb.first_position + j;
         ViewTarget to;
         to.slot = j;
@@ -144,9 +149,11 @@ void DataLoader::Impl::read_views(HostBatch& hb, const int64_t* idx, const Sampl
         const bool flip = cfg.train && cfg.hflip && sampler->flip_at(pos);
         hb.labels[j] = cut_view(src, cfg.real, cfg.seed, cfg.train, flip, idx[j],
                                 cfg.train ? pos : idx[j], S, to, &part.bad, mine);
+      } catch (...) {
+        part.error = std::current_exception();
+        part.error_at = j;
+        return;
       }
-    } catch (...) {
-      part.error = std::current_exception();
     }
   };
   if (w == 1) {
@@ -156,11 +163,15 @@ void DataLoader::Impl::read_views(HostBatch& hb, const int64_t* idx, const Sampl
     for (int t = 0; t < w; ++t) pool.emplace_back(work, t);
     for (auto& th : pool) th.join();
   }
+  // Every sample before the lowest failing one was taken (the counter only grows) and read.
+  const Part* failed = nullptr;
+  for (const Part& part : parts)
+    if (part.error && (!failed || part.error_at < failed->error_at)) failed = &part;
+  if (failed) std::rethrow_exception(failed->error);
   hb.encoded.clear();
   hb.views.clear();
   hb.bad = 0;
   for (Part& part : parts) {
-    if (part.error) std::rethrow_exception(part.error);
     for (EncodedView v : part.views) {
       v.offset += hb.encoded.size();
       hb.views.push_back(v);
@@ -168,6 +179,8 @@ void DataLoader::Impl::read_views(HostBatch& hb, const int64_t* idx, const Sampl
     hb.encoded.insert(hb.encoded.end(), part.encoded.begin(), part.encoded.end());
     hb.bad += part.bad;
   }
+  std::sort(hb.views.begin(), hb.views.end(),
+            [](const EncodedView& a, const EncodedView& b) { return a.slot < b.slot; });
 }
 
 // Mixup / CutMix: sample j is mixed with j ^ 1 (positions 2k and 2k+1: first_position and the

@@ -24,14 +24,14 @@ APT_PACKAGES := build-essential cmake pkg-config openmpi-bin libopenmpi-dev \
   libhdf5-openmpi-dev hdf5-tools libboost-program-options-dev libopenblas-dev \
   libgtest-dev libbenchmark-dev python3 python3-numpy python3-h5py python3-torch \
   python3-matplotlib libprotobuf-dev protobuf-compiler python3-protobuf python3-pil \
-  python3-crcmod libjpeg62-turbo-dev libpng-dev
+  python3-crcmod libjpeg62-turbo-dev libpng-dev slurm-wlm slurm-wlm-basic-plugins munge libpmix2
 
-.PHONY: deps build run test bench format clean help
+.PHONY: deps pydeps build run test bench format clean help
 
 help:
 	@echo "make run    install what is missing, build, train $(DECK) on $(NP) ranks"
 	@echo "make test   build and run every test (ctest)"
-	@echo "make deps | build | bench | format | clean"
+	@echo "make deps | pydeps | build | bench | format | clean"
 
 deps:
 	@missing=""; for p in $(APT_PACKAGES); do \
@@ -48,6 +48,12 @@ deps:
 	  bash tools/fetch_cudnn_frontend.sh $(BUILD)/_deps/cudnn_frontend || true; \
 	  bash tools/fetch_cutlass.sh $(BUILD)/_deps/cutlass || true; \
 	  bash tools/fetch_nvjpeg.sh $(BUILD)/_deps/nvjpeg || true; fi
+
+# The Python tools' modules for the python3 first on PATH (pyenv, conda, a venv); Debian's
+# /usr/bin/python3 gets them from apt above, and a tool that misses a module under another
+# python3 runs again under /usr/bin/python3 (tools/tool_deps.py).
+pydeps:
+	python3 -m pip install -r tools/requirements.txt
 
 $(BUILD)/CMakeCache.txt:
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)

@@ -8,8 +8,12 @@ export NCCL_NVLS_ENABLE=0
 if [ "$(id -u)" = "0" ]; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 fi
-VITGRID_ROOT=${VITGRID_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
-VITGRID_BIN=${VITGRID_BIN:-$VITGRID_ROOT/build/bin/vitgrid}
+# The checkout (or installed prefix): VITGRID_HOME, else the folder above this file.
+# (VITGRID_ROOT, its former name, is still read.)
+VITGRID_HOME=${VITGRID_HOME:-${VITGRID_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}
+VITGRID_ROOT=$VITGRID_HOME
+export VITGRID_HOME
+VITGRID_BIN=${VITGRID_BIN:-$VITGRID_HOME/build/bin/vitgrid}
 # Exit code vitgrid uses after a preemption checkpoint: the batch scripts requeue on it.
 VITGRID_EXIT_REQUEUE=3
 # A SIGTERM that reaches mpirun itself (kill, a scheduler signalling every process): Open MPI

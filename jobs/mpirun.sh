@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
 # One node, one rank per GPU (or NP CPU ranks), explicit binding.
-#   jobs/mpirun.sh DECK [NP] [--section.key=value ...]
-# NP defaults to the number of GPUs (nvidia-smi -L), else 2. Output goes to the deck's
-# run.out_dir unless --run.out_dir=... is given.
+#   jobs/mpirun.sh [--dry-run] DECK [NP] [--section.key=value ...]
+# NP defaults to the number of GPUs (nvidia-smi -L), else 2. Output goes to --run.out_dir=...
+# when given, else VITGRID_RUN_DIR when set, else the deck's run.out_dir. --dry-run (or
+# VITGRID_DRY_RUN=1) prints the resolved mpirun command and exits 0.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
-DECK=${1:?usage: jobs/mpirun.sh DECK [NP] [--section.key=value ...]}
+DRY=${VITGRID_DRY_RUN:-0}
+ARGS=()
+OUT_DIR=
+for a in "$@"; do
+  case $a in
+    --dry-run|--print) DRY=1 ;;
+    -h|--help) echo "usage: jobs/mpirun.sh [--dry-run] DECK [NP] [--section.key=value ...]"; exit 0 ;;
+    --run.out_dir=*) OUT_DIR=1; ARGS+=("$a") ;;
+    *) ARGS+=("$a") ;;
+  esac
+done
+set -- "${ARGS[@]}"
+DECK=${1:?usage: jobs/mpirun.sh [--dry-run] DECK [NP] [--section.key=value ...]}
 shift
+if [ -z "$OUT_DIR" ] && [ -n "${VITGRID_RUN_DIR:-}" ]; then set -- "$@" --run.out_dir="$VITGRID_RUN_DIR"; fi
 if [[ ${1:-} =~ ^[0-9]+$ ]]; then NP=$1; shift; else
   NP=$(nvidia-smi -L 2>/dev/null | wc -l || true); [ "${NP:-0}" -gt 0 ] || NP=2
 fi
@@ -20,8 +34,10 @@ BIND="--map-by slot:PE=$PE --bind-to core"
 # SIGTERM or SIGINT to this script (kill, a scheduler) becomes SIGUSR1 to mpirun, which sends
 # it on to every rank at once: they finish the step, write a checkpoint and exit 3, and so does
 # this script. (A SIGTERM to mpirun itself: see VITGRID_KILL_GRACE in env.sh.)
-mpirun -np "$NP" $BIND -x OMP_NUM_THREADS -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH \
-  "$VITGRID_BIN" train "$DECK" "$@" &
+CMD=(mpirun -np "$NP" $BIND -x OMP_NUM_THREADS -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH
+     "$VITGRID_BIN" train "$DECK" "$@")
+if [ "$DRY" = "1" ]; then echo "vitgrid: command:$(printf ' %q' "${CMD[@]}")"; exit 0; fi
+"${CMD[@]}" &
 MPIRUN=$!
 trap 'kill -USR1 "$MPIRUN" 2>/dev/null || true' TERM INT USR1
 rc=0

@@ -14,12 +14,19 @@ Prints one line per path: path, batch, workers, img/s."""
 import argparse
 import os
 import time
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-import torchvision
-from torchvision import transforms as T
-from torchvision.transforms import v2
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tool_deps  # noqa: E402
+# third-party modules: checked after argument parsing (tool_deps.require), so --help needs none
+try:
+    import torch
+    import torchvision
+    from torchvision import transforms as T
+    from torchvision.transforms import v2
+except ImportError:
+    pass
 
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
@@ -75,13 +82,14 @@ def bench_gpu_decode(root, a):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("root")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--workers", type=int, default=os.cpu_count())
     ap.add_argument("--batches", type=int, default=40)
     ap.add_argument("--paths", default="dataloader,gpu_decode")
     a = ap.parse_args()
+    tool_deps.require("bench_input_peers", "torch", "torchvision", "PIL")
     for path in a.paths.split(","):
         ips = {"dataloader": bench_dataloader, "gpu_decode": bench_gpu_decode}[path](a.root, a)
         print(f"peer | {path} | batch {a.batch} | workers {a.workers} | {ips:.0f} img/s", flush=True)

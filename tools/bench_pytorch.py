@@ -12,14 +12,21 @@ Prints one line: model, precision, mode, world, img/s (global), img/s per GPU, s
 memory (GiB, torch.cuda.max_memory_allocated)."""
 import argparse
 import os
+import sys
 import time
 
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tool_deps  # noqa: E402
+# third-party modules: checked after argument parsing (tool_deps.require), so --help needs none
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError:
+    pass
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="vit_base_patch16_224")
     ap.add_argument("--batch", type=int, default=256, help="per GPU")
     ap.add_argument("--img", type=int, default=224)
@@ -36,6 +43,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=30)
     a = ap.parse_args()
+    tool_deps.require("bench_pytorch", "torch", "timm")
     import timm
 
     rank, world = 0, 1

@@ -14,13 +14,14 @@ import argparse
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tool_deps  # noqa: E402
+# third-party modules: checked after argument parsing (tool_deps.require), so --help needs none
 try:
     import h5py
     import numpy as np
-except ImportError as err:  # pragma: no cover - environment problem, not a checkpoint problem
-    print(f"inspect_checkpoint: needs h5py and numpy ({err})", file=sys.stderr)
-    sys.exit(1)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+except ImportError:
+    pass
 from checkpoint_hash import checksum  # noqa: E402
 
 
@@ -53,6 +54,7 @@ def main():
     ap.add_argument("checkpoint")
     ap.add_argument("--deck", action="store_true", help="print the stored deck and exit")
     a = ap.parse_args()
+    tool_deps.require("inspect_checkpoint", "h5py", "numpy")
     path = a.checkpoint
 
     try:

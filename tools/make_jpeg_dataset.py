@@ -18,8 +18,14 @@ import os
 import random
 import sys
 
-import numpy as np
-from PIL import Image, ImageDraw
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tool_deps  # noqa: E402
+# third-party modules: checked after argument parsing (tool_deps.require), so --help needs none
+try:
+    import numpy as np
+    from PIL import Image, ImageDraw
+except ImportError:
+    pass
 
 _PHOTOS = None
 
@@ -109,6 +115,7 @@ def main():
     ap.add_argument("--workers", type=int, default=os.cpu_count())
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
+    tool_deps.require("make_jpeg_dataset", "numpy", "PIL")
     jobs = []
     for split, n in (("train", a.train), ("val", a.val)):
         for i in range(n):

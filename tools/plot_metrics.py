@@ -11,12 +11,18 @@ import argparse
 import os
 import sys
 
-import h5py
-import matplotlib
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tool_deps  # noqa: E402
+# third-party modules: checked after argument parsing (tool_deps.require), so --help needs none
+try:
+    import h5py
+    import matplotlib
+    import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:
+    pass
 
 
 def text(v):
@@ -51,6 +57,7 @@ def main():
     ap.add_argument("files", nargs="+")
     ap.add_argument("-o", "--output", default="metrics.png")
     a = ap.parse_args()
+    tool_deps.require("plot_metrics", "h5py", "numpy", "matplotlib")
     fig, ax = plt.subplots(2, 3, figsize=(15, 7))
     for path in a.files:
         try:

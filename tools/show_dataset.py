@@ -6,10 +6,17 @@ per class (PNG with Pillow, otherwise binary PPM).
     show_dataset.py FILE.h5 [--out sheet.png] [--per-class 8] [--classes 10] [--scale 2]
 """
 import argparse
+import os
 import sys
 
-import h5py
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tool_deps  # noqa: E402
+# third-party modules: checked after argument parsing (tool_deps.require), so --help needs none
+try:
+    import h5py
+    import numpy as np
+except ImportError:
+    pass
 
 
 def main():
@@ -21,6 +28,7 @@ def main():
     ap.add_argument("--scale", type=int, default=2)
     ap.add_argument("--scan", type=int, default=4096, help="samples scanned to fill the sheet")
     a = ap.parse_args()
+    tool_deps.require("show_dataset", "h5py", "numpy")
 
     with h5py.File(a.file, "r") as f:
         if "images" not in f or "labels" not in f:

@@ -20,10 +20,14 @@ import os
 import struct
 import sys
 
-import h5py
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tool_deps  # noqa: E402
+# third-party modules: checked after argument parsing (tool_deps.require), so --help needs none
+try:
+    import h5py
+    import numpy as np
+except ImportError:
+    pass
 from checkpoint_hash import checksum  # noqa: E402
 
 VERSION = "0.1.0"
@@ -37,7 +41,7 @@ def die(msg):
 
 
 # ---- safetensors (https://github.com/huggingface/safetensors: u64 header size, JSON header, data)
-_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+_ST_DTYPES = {"F32": "float32", "F16": "float16", "F64": "float64"}  # numpy dtype names
 
 
 def read_safetensors(path):
@@ -227,6 +231,9 @@ def main():
     e.add_argument("checkpoint")
     e.add_argument("out")
     a = ap.parse_args()
+    # torch only for .pth/.pt files (safetensors is read and written here)
+    torch_file = any(str(p).endswith((".pth", ".pt")) for p in vars(a).values())
+    tool_deps.require("timm_convert", "h5py", "numpy", *(["torch"] if torch_file else []))
     (cmd_import if a.cmd == "import" else cmd_export)(a)
 
 

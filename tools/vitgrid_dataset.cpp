@@ -52,9 +52,10 @@ namespace {
 
 constexpr int64_t kWriteImages = 1024;  // images read from the source per write (bounded memory)
 
-[[noreturn]] void usage(const char* msg) {
+// Usage on stderr with exit 2 after an error; on stdout with exit 0 for --help.
+[[noreturn]] void usage(const char* msg, std::FILE* out = stderr, int code = 2) {
   if (msg && *msg) std::fprintf(stderr, "vitgrid_dataset: %s\n", msg);
-  std::fprintf(stderr,
+  std::fprintf(out,
                "usage:\n"
                "  vitgrid_dataset cifar10 DIR OUT_PREFIX\n"
                "  vitgrid_dataset synthetic OUT_PREFIX --train N --eval M --size S --classes K "
@@ -67,7 +68,7 @@ constexpr int64_t kWriteImages = 1024;  // images read from the source per write
                "  vitgrid_dataset verify SRC [--eval-fraction F] [--label-offset N] [--threads T]\n"
                "decodes every image of a folder tree, TFRecord directory or packed .h5; lists\n"
                "those that fail; exit 1 if any\n");
-  std::exit(2);
+  std::exit(code);
 }
 
 #define H5_OK(call)                                                              \
@@ -484,6 +485,8 @@ int verify(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   if (argc < 2) usage("");
+  for (int i = 1; i < argc; ++i)
+    if (std::strcmp(argv[i], "-h") == 0 || std::strcmp(argv[i], "--help") == 0) usage("", stdout, 0);
   const std::string mode = argv[1];
   try {
     if (mode == "cifar10") {

@@ -72,6 +72,12 @@ int run_app(int argc, char** argv) {
     log("vitgrid: error: unknown command '%s'\n%s", cmd.c_str(), kUsage);
     return kExitUserError;
   }
+  // `vitgrid train --help` (anywhere after the command): the usage, exit 0
+  if (std::find(args.begin() + 1, args.end(), "--help") != args.end() ||
+      std::find(args.begin() + 1, args.end(), "-h") != args.end()) {
+    log("%s", kUsage);
+    return 0;
+  }
   if (args.size() < 2 || args[1].rfind("--", 0) == 0) {
     log("vitgrid: error: '%s' needs a deck file\n%s", cmd.c_str(), kUsage);
     return kExitUserError;

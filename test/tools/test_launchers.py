@@ -3,7 +3,9 @@
 real mpirun (exit 0, the run's metrics written), and it splits the node's cores among the
 ranks even with OMP_NUM_THREADS=1 in the environment (jobs/env.sh sets it; GNU nproc honours
 it, which once bound every rank to a single core): through a stand-in mpirun that records
-its arguments, 1 rank gets PE = every core this process may use.
+its arguments, 1 rank gets PE = every core this process may use. The batch scripts' --dry-run
+(no SLURM needed): the node shape from SLURM_GPUS_ON_NODE / SLURM_CPUS_ON_NODE, one
+--run.out_dir (the override's, else VITGRID_RUN_DIR's), VITGRID_SRUN_MPI.
 Run by ctest with VITGRID_BIN and VITGRID_SOURCE_DIR set."""
 import os
 import stat
@@ -45,5 +47,32 @@ with tempfile.TemporaryDirectory() as d:
     want = f"slot:PE={cores}"
     check(p.returncode == 0 and want in got and "core" in got,
           f"1 rank with OMP_NUM_THREADS=1 set: bound to all {cores} cores ({want} in {got})")
+
+
+def dry(script, *args, **extra):
+    e = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+    e.update(extra)
+    p = subprocess.run(["bash", os.path.join(ROOT, "jobs", script), "--dry-run", *args],
+                       capture_output=True, text=True, env=e, timeout=60)
+    line = [l for l in p.stdout.splitlines() if l.startswith("vitgrid: command:")]
+    return p.returncode, (line[0].split()[2:] if line else []), p.stdout + p.stderr
+
+
+rc, cmd, out = dry("slurm_1node.sbatch", DECK, "--run.out_dir=/x/run", "--run.steps=3",
+                   SLURM_GPUS_ON_NODE="4", SLURM_CPUS_ON_NODE="64", SLURM_JOB_ID="7",
+                   VITGRID_SRUN_MPI="pmi2")
+outs = [a for a in cmd if a.startswith("--run.out_dir=")]
+check(rc == 0 and outs == ["--run.out_dir=/x/run"] and "--ntasks-per-node=4" in cmd
+      and "--cpus-per-task=16" in cmd and "--mpi=pmi2" in cmd and "--checkpoint.resume=auto" in cmd,
+      f"slurm_1node.sbatch --dry-run, 4 GPUs, 64 CPUs, --run.out_dir given: exit {rc}, {cmd}")
+rc, cmd, out = dry("slurm_multinode.sbatch", DECK, PATH="/usr/bin:/bin", SLURM_CPUS_ON_NODE="8",
+                   SLURM_JOB_ID="8", SLURM_JOB_NAME="vg", SLURM_NNODES="2", VITGRID_RUN_DIR="/y/run")
+outs = [a for a in cmd if a.startswith("--run.out_dir=")]
+check(rc == 0 and outs == ["--run.out_dir=/y/run"] and "--ntasks-per-node=8" in cmd
+      and "--cpus-per-task=1" in cmd and "--nodes=2" in cmd and "CPU only" in out,
+      f"slurm_multinode.sbatch --dry-run, CPU-only 8-CPU nodes, VITGRID_RUN_DIR: exit {rc}, {cmd}")
+rc, cmd, out = dry("mpirun.sh", DECK, "2", "--run.steps=3")
+check(rc == 0 and cmd[:3] == ["mpirun", "-np", "2"] and cmd[-1] == "--run.steps=3",
+      f"mpirun.sh --dry-run: exit {rc}, {cmd}")
 
 finish()

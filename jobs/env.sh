@@ -25,3 +25,22 @@ VITGRID_EXIT_REQUEUE=3
 if [ -n "${VITGRID_KILL_GRACE:-}" ]; then
   export OMPI_MCA_odls_base_sigkill_timeout=$VITGRID_KILL_GRACE
 fi
+
+# The launch scripts' own arguments: vg_launcher_args USAGE "$@" sets DRY (1 with --dry-run,
+# --print or VITGRID_DRY_RUN=1), OUT_DIR (the value of a --run.out_dir=DIR override, kept in
+# the arguments) and ARGS (everything but the script's flags); -h / --help prints USAGE.
+vg_launcher_args() {
+  local usage=$1 a
+  shift
+  DRY=${VITGRID_DRY_RUN:-0}
+  ARGS=()
+  OUT_DIR=
+  for a in "$@"; do
+    case $a in
+      --dry-run|--print) DRY=1 ;;
+      -h|--help) echo "$usage"; exit 0 ;;
+      --run.out_dir=*) OUT_DIR=${a#--run.out_dir=}; ARGS+=("$a") ;;
+      *) ARGS+=("$a") ;;
+    esac
+  done
+}

@@ -6,17 +6,7 @@
 # VITGRID_DRY_RUN=1) prints the resolved mpirun command and exits 0.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
-DRY=${VITGRID_DRY_RUN:-0}
-ARGS=()
-OUT_DIR=
-for a in "$@"; do
-  case $a in
-    --dry-run|--print) DRY=1 ;;
-    -h|--help) echo "usage: jobs/mpirun.sh [--dry-run] DECK [NP] [--section.key=value ...]"; exit 0 ;;
-    --run.out_dir=*) OUT_DIR=1; ARGS+=("$a") ;;
-    *) ARGS+=("$a") ;;
-  esac
-done
+vg_launcher_args "usage: jobs/mpirun.sh [--dry-run] DECK [NP] [--section.key=value ...]" "$@"
 set -- "${ARGS[@]}"
 DECK=${1:?usage: jobs/mpirun.sh [--dry-run] DECK [NP] [--section.key=value ...]}
 shift

@@ -17,17 +17,7 @@ export VITGRID_HOME=${VITGRID_HOME:-$(dirname "$HERE")}
 source "$VITGRID_HOME/jobs/env.sh"
 
 usage="usage: jobs/srun.sh [--dry-run] DECK [--section.key=value ...]"
-DRY=${VITGRID_DRY_RUN:-0}
-ARGS=()
-OUT_DIR=
-for a in "$@"; do
-  case $a in
-    --dry-run|--print) DRY=1 ;;
-    -h|--help) echo "$usage"; exit 0 ;;
-    --run.out_dir=*) OUT_DIR=${a#--run.out_dir=}; ARGS+=("$a") ;;
-    *) ARGS+=("$a") ;;
-  esac
-done
+vg_launcher_args "$usage" "$@"
 [ "${#ARGS[@]}" -ge 1 ] || { echo "$usage" >&2; exit 2; }
 DECK=${ARGS[0]}
 OVERRIDES=("${ARGS[@]:1}")

@@ -44,3 +44,16 @@ vg_launcher_args() {
     esac
   done
 }
+
+# Runs the launcher command "$@" (mpirun or srun) in the background and waits for it; a
+# SIGUSR1, SIGTERM or SIGINT to the calling script goes on to it as SIGUSR1, which it forwards
+# to every rank (they finish the step, write a checkpoint and exit 3). Sets RC to its exit code.
+vg_run_forwarding_signals() {
+  "$@" &
+  local pid=$!
+  trap "kill -USR1 $pid 2>/dev/null || true" USR1 TERM INT
+  RC=0
+  wait "$pid" || RC=$?
+  # a trapped signal ends `wait` early: wait for the launcher itself
+  while kill -0 "$pid" 2>/dev/null; do RC=0; wait "$pid" || RC=$?; done
+}

@@ -27,11 +27,5 @@ BIND="--map-by slot:PE=$PE --bind-to core"
 CMD=(mpirun -np "$NP" $BIND -x OMP_NUM_THREADS -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH
      "$VITGRID_BIN" train "$DECK" "$@")
 if [ "$DRY" = "1" ]; then echo "vitgrid: command:$(printf ' %q' "${CMD[@]}")"; exit 0; fi
-"${CMD[@]}" &
-MPIRUN=$!
-trap 'kill -USR1 "$MPIRUN" 2>/dev/null || true' TERM INT USR1
-rc=0
-wait "$MPIRUN" || rc=$?
-# a trapped signal ends `wait` early: wait for mpirun itself
-while kill -0 "$MPIRUN" 2>/dev/null; do rc=0; wait "$MPIRUN" || rc=$?; done
-exit "$rc"
+vg_run_forwarding_signals "${CMD[@]}"
+exit "$RC"

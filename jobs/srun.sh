@@ -70,13 +70,8 @@ if [ "$DRY" = "1" ]; then exit 0; fi
 # SIGUSR1/SIGTERM to this script (scancel --signal=USR1 --batch, the end of the time limit)
 # goes on to srun, which forwards it to every rank: they finish the step, write a checkpoint
 # and exit 3. (--signal=USR1@120 and plain scancel --signal=USR1 reach the ranks directly.)
-"${CMD[@]}" &
-SRUN=$!
-trap 'kill -USR1 "$SRUN" 2>/dev/null || true' USR1 TERM INT
-rc=0
-wait "$SRUN" || rc=$?
-# a trapped signal ends `wait` early: wait for srun itself
-while kill -0 "$SRUN" 2>/dev/null; do rc=0; wait "$SRUN" || rc=$?; done
+vg_run_forwarding_signals "${CMD[@]}"
+rc=$RC
 if [ "$rc" = "$VITGRID_EXIT_REQUEUE" ] && [ "${VITGRID_REQUEUE:-0}" = "1" ]; then
   echo "vitgrid: preempted after a checkpoint (exit $rc); requeueing job ${SLURM_JOB_ID}"
   scontrol requeue "$SLURM_JOB_ID"

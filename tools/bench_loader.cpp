@@ -65,9 +65,9 @@ int main(int argc, char** argv) {
     // one batch through the device's decoder, complete on the device before the next
     auto to_device = [&](const vitgrid::HostBatch& hb) {
       const double t0 = vitgrid::now_s();
-      vitgrid::decode_batch_on_device(*dec, loader, hb, S, c.real.interp, out, nullptr, nullptr,
-                                      c.num_classes, &bad);
-      dec->join();
+      vitgrid::decode_batch_on_device(*dec, hb, S, c.real.interp, out);
+      vitgrid::finish_batch_on_device(*dec, loader, hb, S, c.num_classes, out, &bad,
+                                      [](const std::vector<int32_t>&, const std::vector<float>&) {});
       const double t1 = vitgrid::now_s();
       be->synchronize();
       host_s += t1 - t0;

@@ -609,7 +609,7 @@ struct Trainer::Impl {
       const auto hb = std::move(next_hb);
       const int cur = slot;
       const bool first = m == 0, last = m == A - 1;
-      wait_inputs();  // outside the graph: the copy and decoder streams are not captured
+      wait_inputs(*hb, cur);  // outside the graph: the copy and decoder streams are not captured
       run_body({cur, first, last, !hb->soft.empty(), grad_scale}, [&] {
         if (first) {
           // the parameters the last update changed, gathered while the forward runs (each
@@ -797,11 +797,8 @@ struct Trainer::Impl {
       std::memcpy(h + off_aug, hb.aug.data(), hb.count * sizeof(SampleAug));
       end = off_images;
       if (decoder) {
-        decode_batch_on_device(*decoder, *loader, hb, cfg.image, decode_interp,
-                               static_cast<uint8_t*>(d_raw[slot]) + off_images,
-                               reinterpret_cast<int32_t*>(h + off_labels),
-                               hb.soft.empty() ? nullptr : reinterpret_cast<float*>(h + off_soft),
-                               cfg.classes, &bad_images);
+        decode_batch_on_device(*decoder, hb, cfg.image, decode_interp,
+                               static_cast<uint8_t*>(d_raw[slot]) + off_images);
       } else {
         std::memcpy(h + off_images, hb.images.data(), hb.count * img);
         end = off_images + hb.count * img;
@@ -832,11 +829,22 @@ struct Trainer::Impl {
     return db;
   }
 
-  // The device waits for the uploads started so far and for the decoder's work (outside a
-  // captured graph: neither the copy stream nor the decoder's is captured).
-  void wait_inputs() {
+  // The device waits for the uploads started so far and for the decoder's work on batch hb
+  // (outside a captured graph: neither the copy stream nor the decoder's is captured). Images
+  // the decoder refused are decoded on the host now; when one had to be replaced by another
+  // image, the labels and soft targets already uploaded are corrected (rare: a bitstream that
+  // passed its header checks, then failed on the device and on the host).
+  void wait_inputs(const HostBatch& hb, int slot) {
     be->wait_uploads();
-    if (decoder) decoder->join();
+    if (!decoder || !model->layout().embed || hb.count == 0) return;
+    uint8_t* d = static_cast<uint8_t*>(d_raw[slot]);
+    finish_batch_on_device(
+        *decoder, *loader, hb, cfg.image, cfg.classes, d + off_images, &bad_images,
+        [&](const std::vector<int32_t>& labels, const std::vector<float>& soft) {
+          be->synchronize();  // the slot's upload has landed: overwrite its labels and targets
+          be->copy_to_device(d + off_labels, labels.data(), labels.size() * sizeof(int32_t));
+          if (!soft.empty()) be->copy_to_device(d + off_soft, soft.data(), soft.size() * sizeof(float));
+        });
   }
 
   // Eval / predict: one batch at a time through the eval slot (its previous batch's work
@@ -845,7 +853,7 @@ struct Trainer::Impl {
     be->release_slot(kEvalSlot);
     if (decoder) decoder->release_output(static_cast<uint8_t*>(d_raw[kEvalSlot]) + off_images);
     start_upload(hb, kEvalSlot, 0);
-    wait_inputs();
+    wait_inputs(hb, kEvalSlot);
     return prepare_batch(hb, kEvalSlot);
   }
 

@@ -1,7 +1,7 @@
 // A batch's images through the device's JPEG decoder: the views it takes decoded there, the
-// images the loader decoded on the host copied there, and views the device refuses after all
-// (bitstreams it cannot parse) decoded on the host, their labels and soft targets following a
-// replacement.
+// images the loader decoded on the host copied there; views the device refuses after all
+// (bitstreams it cannot decode) are decoded on the host, their labels and soft targets
+// following a replacement.
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -12,13 +12,11 @@
 
 namespace vitgrid {
 
-void decode_batch_on_device(ImageDecoder& dec, DataLoader& loader, const HostBatch& hb, int S,
-                            int interp, uint8_t* out_dev, int32_t* labels, float* soft, int K,
-                            int64_t* bad) {
+void decode_batch_on_device(ImageDecoder& dec, const HostBatch& hb, int S, int interp,
+                            uint8_t* out_dev) {
   const size_t img = static_cast<size_t>(S) * S * 3;
   std::vector<DecodeJob> jobs(hb.views.size());
-  std::vector<const uint8_t*> src(hb.count, nullptr);  // host images by slot
-  for (int j = 0; j < hb.count; ++j) src[j] = hb.images.data() + j * img;
+  std::vector<char> on_device(hb.count, 0);
   for (size_t k = 0; k < jobs.size(); ++k) {
     const EncodedView& v = hb.views[k];
     DecodeJob& job = jobs[k];
@@ -28,44 +26,63 @@ void decode_batch_on_device(ImageDecoder& dec, DataLoader& loader, const HostBat
     job.mode = v.mode;
     job.flip = v.flip;
     job.slot = v.slot;
-    src[v.slot] = nullptr;
+    on_device[v.slot] = 1;
   }
-  const std::vector<int> refused =
-      jobs.empty() ? std::vector<int>()
-                   : dec.decode_async(jobs.data(), static_cast<int>(jobs.size()), S, interp, out_dev);
-  // kept alive until join(): copy_async may read it later
-  static thread_local std::vector<uint8_t> fixed;
-  fixed.resize(refused.size() * img);
+  if (!jobs.empty()) dec.decode_async(jobs.data(), static_cast<int>(jobs.size()), S, interp, out_dev);
+  std::vector<const uint8_t*> host;
+  std::vector<int> slots;
+  for (int j = 0; j < hb.count; ++j)
+    if (!on_device[j]) {
+      host.push_back(hb.images.data() + j * img);
+      slots.push_back(j);
+    }
+  if (!slots.empty())
+    dec.copy_async(host.data(), slots.data(), static_cast<int>(slots.size()), S, out_dev);
+}
+
+void finish_batch_on_device(
+    ImageDecoder& dec, DataLoader& loader, const HostBatch& hb, int S, int K, uint8_t* out_dev,
+    int64_t* bad,
+    const std::function<void(const std::vector<int32_t>&, const std::vector<float>&)>& relabel) {
+  const std::vector<int> refused = dec.join();
+  if (refused.empty()) return;
+  const size_t img = static_cast<size_t>(S) * S * 3;
+  std::vector<uint8_t> fixed(refused.size() * img);
+  std::vector<const uint8_t*> host;
+  std::vector<int32_t> labels = hb.labels;
+  bool changed = false;
   for (size_t k = 0; k < refused.size(); ++k) {
-    const EncodedView& v = hb.views[refused[k]];
+    const int slot = refused[k];
+    const auto v = std::find_if(hb.views.begin(), hb.views.end(),
+                                [slot](const EncodedView& e) { return e.slot == slot; });
+    if (v == hb.views.end()) throw std::logic_error("the decoder refused a slot it was not given");
     int n_bad = 0;
-    const int32_t label = loader.decode_on_host(v, fixed.data() + k * img, &n_bad);
+    const int32_t label = loader.decode_on_host(*v, fixed.data() + k * img, &n_bad);
     *bad += n_bad;
-    src[v.slot] = fixed.data() + k * img;
-    if (!labels || label == labels[v.slot]) continue;
-    if (label < 0 || label >= K)
-      throw UserError("label " + std::to_string(label) + " outside [0, " + std::to_string(K) + ")");
-    labels[v.slot] = label;
-    // the soft targets of the sample and of its partner name the replacement's label
-    for (int j : {v.slot, v.slot ^ 1}) {
-      if (!soft || j >= hb.count) continue;
+    host.push_back(fixed.data() + k * img);
+    if (label != labels[slot]) {
+      if (label < 0 || label >= K)
+        throw UserError("label " + std::to_string(label) + " outside [0, " + std::to_string(K) + ")");
+      labels[slot] = label;
+      changed = true;
+    }
+  }
+  dec.copy_async(host.data(), refused.data(), static_cast<int>(refused.size()), S, out_dev);
+  if (!dec.join().empty()) throw std::logic_error("the decoder refused a copy");
+  if (!changed) return;
+  // a replacement: the soft targets of every mixed sample follow its and its partner's labels
+  std::vector<float> soft;
+  if (!hb.soft.empty()) {
+    soft.assign(static_cast<size_t>(hb.count) * K, 0.0f);
+    for (int j = 0; j < hb.count; ++j) {
       const SampleAug& a = hb.aug[j];
-      float* row = soft + static_cast<size_t>(j) * K;
-      std::fill(row, row + K, 0.0f);
+      float* row = soft.data() + static_cast<size_t>(j) * K;
       const float own = a.partner >= 0 ? a.target_lam : 1.0f;
       row[labels[j]] += own;
       if (a.partner >= 0) row[labels[a.partner]] += 1.0f - own;
     }
   }
-  std::vector<const uint8_t*> host;
-  std::vector<int> slots;
-  for (int j = 0; j < hb.count; ++j)
-    if (src[j]) {
-      host.push_back(src[j]);
-      slots.push_back(j);
-    }
-  if (!slots.empty())
-    dec.copy_async(host.data(), slots.data(), static_cast<int>(slots.size()), S, out_dev);
+  relabel(labels, soft);
 }
 
 }  // namespace vitgrid

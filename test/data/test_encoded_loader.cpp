@@ -10,7 +10,11 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <functional>
 #include <map>
 #include <set>
@@ -18,6 +22,7 @@
 #include <tuple>
 #include <vector>
 
+#include "vitgrid/backend/image_decoder.h"
 #include "vitgrid/core/error.h"
 #include "vitgrid/data/dataset.h"
 #include "vitgrid/data/image_source.h"
@@ -244,4 +249,135 @@ TEST_F(EncodedLoader, DeviceViewsDecodeOnTheHostToTheSamePixels) {
   }
   EXPECT_GT(taken, 0);
   EXPECT_GT(offered, taken);  // grayscale, CMYK, progressive and PNG stay on the host
+}
+
+namespace {
+
+// An ImageDecoder on host memory, for the CPU: it "decodes" a view with a loader's host path
+// when join() is called, refuses the bitstreams that path cannot decode (as nvJPEG refuses a
+// corrupt one) and, to exercise the plain fallback, every third job as well.
+class HostFakeDecoder final : public vitgrid::ImageDecoder {
+ public:
+  HostFakeDecoder(DataLoader& decoder_loader, const HostBatch*& batch)
+      : loader_(decoder_loader), batch_(batch) {}
+  bool accepts(int, bool, int, int) const override { return true; }
+  void decode_async(const vitgrid::DecodeJob* jobs, int n, int S, int, uint8_t* out) override {
+    for (int k = 0; k < n; ++k) pending_.push_back({jobs[k].slot, S, out, nullptr});
+  }
+  void copy_async(const uint8_t* const* host, const int* slots, int n, int S, uint8_t* out) override {
+    for (int k = 0; k < n; ++k) pending_.push_back({slots[k], S, out, host[k]});
+  }
+  std::vector<int> join() override {
+    std::vector<int> refused;
+    for (const Work& w : pending_) {
+      const size_t img = (size_t)w.S * w.S * 3;
+      uint8_t* dst = w.out + w.slot * img;
+      if (w.host) {
+        std::copy(w.host, w.host + img, dst);
+        continue;
+      }
+      const vitgrid::EncodedView* v = nullptr;
+      for (const auto& e : batch_->views)
+        if (e.slot == w.slot) v = &e;
+      if (!v) throw std::logic_error("a job for a slot without a view");
+      std::vector<uint8_t> tmp(img);
+      int bad = 0;
+      loader_.decode_on_host(*v, tmp.data(), &bad);
+      if (bad || ++jobs_ % 3 == 0) {
+        refused.push_back(w.slot);
+        continue;
+      }
+      std::copy(tmp.begin(), tmp.end(), dst);
+    }
+    pending_.clear();
+    std::sort(refused.begin(), refused.end());
+    return refused;
+  }
+  std::string describe() const override { return "host fake"; }
+
+ private:
+  struct Work {
+    int slot, S;
+    uint8_t* out;
+    const uint8_t* host;
+  };
+  DataLoader& loader_;
+  const HostBatch*& batch_;
+  std::vector<Work> pending_;
+  int jobs_ = 0;
+};
+
+}  // namespace
+
+// The device path's bookkeeping (data/device_decode.cpp) with a decoder that refuses views:
+// the refused ones are decoded on the host, a truncated file is replaced as the all-host loader
+// replaces it, and the labels and soft targets handed back for re-upload are the all-host
+// loader's. Every image of the batch ends up as the all-host loader's.
+TEST_F(EncodedLoader, RefusedDeviceViewsEndAsTheHostLoadersBatch) {
+  // the truncated JPEG ends with an EOI marker here, so the loader offers it to the device,
+  // which refuses it, as nvJPEG refuses a corrupt bitstream that passed the header checks
+  namespace fs = std::filesystem;
+  const fs::path tree = fs::path(dir_) / "bad_eoi";
+  fs::remove_all(tree);
+  fs::copy(fs::path(dir_) / "bad", tree, fs::copy_options::recursive);
+  int cut = 0;
+  for (const auto& e : fs::recursive_directory_iterator(tree / "train")) {
+    if (!e.is_regular_file()) continue;
+    std::ifstream in(e.path(), std::ios::binary);
+    const std::string b((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (b.size() < 4 || b.compare(0, 2, "\xff\xd8") != 0 || b.compare(b.size() - 2, 2, "\xff\xd9") == 0)
+      continue;
+    std::ofstream(e.path(), std::ios::binary | std::ios::app) << "\xff\xd9";
+    ++cut;
+  }
+  ASSERT_EQ(cut, 1);
+  {  // and the last image of the first class is cut the same way: its replacement (the next
+     // index) is of the second class, so labels and soft targets must follow
+    std::vector<fs::path> first_class;
+    for (const auto& e : fs::directory_iterator(tree / "train" / "n00001000")) first_class.push_back(e.path());
+    std::sort(first_class.begin(), first_class.end());
+    ASSERT_FALSE(first_class.empty());
+    std::ifstream in(first_class.back(), std::ios::binary);
+    std::string b((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    in.close();
+    ASSERT_EQ(b.compare(0, 2, "\xff\xd8"), 0);
+    b = b.substr(0, b.size() / 2) + "\xff\xd9";
+    std::ofstream(first_class.back(), std::ios::binary | std::ios::trunc) << b;
+  }
+  auto bad = open("folder", true, "bad_eoi");
+  auto host_cfg = cfg(10, 1, 1, 0), dev_cfg = host_cfg;
+  host_cfg.real.dct_scale = dev_cfg.real.dct_scale = false;
+  dev_cfg.real.device_accepts = [](int, bool, int, int) { return true; };
+  DataLoader host(bad, host_cfg), dev(bad, dev_cfg), fake_side(bad, dev_cfg);
+  const HostBatch* current = nullptr;
+  HostFakeDecoder dec(fake_side, current);
+  int64_t replaced = 0, relabelled = 0, views = 0, host_replaced = 0;
+  for (int s = 0; s < 12; ++s) {  // 120 positions: four epochs, each holding the truncated file
+    auto h = host.next(), d = dev.next();
+    current = d.get();
+    host_replaced += h->bad;
+    replaced += d->bad;  // replacements the device loader made on the host, if any
+    views += (int64_t)d->views.size();
+    std::vector<uint8_t> out((size_t)d->count * kS * kS * 3, 0);
+    vitgrid::decode_batch_on_device(dec, *d, kS, 0, out.data());
+    std::vector<int32_t> labels = d->labels;
+    std::vector<float> soft = d->soft;
+    vitgrid::finish_batch_on_device(
+        dec, dev, *d, kS, kClasses, out.data(), &replaced,
+        [&](const std::vector<int32_t>& l, const std::vector<float>& f) {
+          ++relabelled;
+          labels = l;
+          soft = f;
+        });
+    EXPECT_EQ(labels, h->labels) << "step " << s;
+    ASSERT_EQ(soft.size(), h->soft.size());
+    for (size_t i = 0; i < soft.size(); ++i) ASSERT_EQ(soft[i], h->soft[i]) << "step " << s << " " << i;
+    for (int j = 0; j < d->count; ++j) EXPECT_EQ(image_of(*h, j), std::string(out.begin() + j * kS * kS * 3, out.begin() + (j + 1) * kS * kS * 3)) << "step " << s << " slot " << j;
+  }
+  EXPECT_GT(views, 60);           // most images went to the "device"
+  // the two cut files, once per epoch each, except where the crop lies above the cut (the host
+  // decodes only the rows it needs): the same on both paths
+  EXPECT_GT(host_replaced, 3);
+  EXPECT_EQ(replaced, host_replaced);
+  EXPECT_GT(relabelled, 0);       // at least one replacement came from another class
 }

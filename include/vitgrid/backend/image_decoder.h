@@ -28,21 +28,22 @@ class ImageDecoder {
   // takes baseline 4:4:4, 4:2:2, 4:2:0, 4:4:0 and grayscale; CMYK/YCCK, progressive and PNG go
   // to the CPU (or to nvJPEG's hybrid decoder where that is the backend in use).
   virtual bool accepts(int components, bool progressive, int sub_h, int sub_v) const = 0;
-  // Enqueues decoding of jobs[0..n) on the decoder's stream, then the crop/resize/flip of each
-  // into out_dev (device, [*, S, S, 3] uint8). The host bitstreams must stay untouched until
-  // join() has been called and the backend's compute stream has passed that point. Returns the
-  // indices (into jobs) of images the decoder could not parse or decode (corrupt bitstreams:
-  // the caller decodes them on the CPU or replaces them); they are not written.
-  virtual std::vector<int> decode_async(const DecodeJob* jobs, int n, int S, int interp,
-                                        uint8_t* out_dev) = 0;
+  // Enqueues decoding of jobs[0..n), then the crop/resize/flip of each into out_dev (device,
+  // [*, S, S, 3] uint8), on the decoder's own thread and stream: the call returns at once. The
+  // host bitstreams must stay untouched until join() has returned.
+  virtual void decode_async(const DecodeJob* jobs, int n, int S, int interp,
+                            uint8_t* out_dev) = 0;
   // Enqueues copies of already decoded S x S x 3 images (host memory, e.g. the loader's host
-  // decodes of the images the device does not take) to out_dev + slots[k] * S * S * 3 on the
-  // decoder's stream, so that the batch's images are written by the decoder alone. The host
-  // images must stay untouched until join() (the call may copy them to pinned memory first).
+  // decodes of the images the device does not take) to out_dev + slots[k] * S * S * 3 after the
+  // work enqueued before, so that the batch's images are written by the decoder alone. The
+  // host images must stay untouched until join().
   virtual void copy_async(const uint8_t* const* host_images, const int* slots, int n, int S,
                           uint8_t* out_dev) = 0;
-  // The backend's compute stream waits for everything decode_async and copy_async enqueued.
-  virtual void join() = 0;
+  // Waits until everything decode_async and copy_async were given has been enqueued on the
+  // device, makes the backend's compute stream wait for it, and returns the output slots of the
+  // images the decoder could not decode (corrupt bitstreams, in order; not written): the caller
+  // decodes those on the host and copies them (copy_async, then join() again).
+  virtual std::vector<int> join() = 0;
   // Later writes into out_dev (decode_async / copy_async with that output buffer) wait for the
   // work enqueued on the backend's compute stream so far: call it once the last reader of the
   // buffer has been enqueued (as Backend::release_slot for uploads). Writes into other buffers

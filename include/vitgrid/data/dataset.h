@@ -197,13 +197,19 @@ class DataLoader {
 };
 
 // A batch's images through the device's JPEG decoder (backend/image_decoder.h) into out_dev
-// ([count, S, S, 3] uint8): its views decoded there, the host-decoded images copied there;
-// views the device refuses are decoded on the host by `loader` (the batch's loader), and when
-// one is replaced, labels[] and soft[] (the batch's, as uploaded; may be null) follow. *bad
-// counts replacements. The device work is enqueued on the decoder's stream: join() it.
-void decode_batch_on_device(class ImageDecoder& dec, DataLoader& loader, const HostBatch& hb,
-                            int S, int interp, uint8_t* out_dev, int32_t* labels, float* soft,
-                            int K, int64_t* bad);
+// ([count, S, S, 3] uint8): its views decoded there, the host-decoded images copied there.
+// Returns at once (the decoder works on its own thread and stream); the batch must stay alive
+// until finish_batch_on_device().
+void decode_batch_on_device(class ImageDecoder& dec, const HostBatch& hb, int S, int interp,
+                            uint8_t* out_dev);
+// Before the batch is consumed: waits for the decoder (its join()), decodes on the host the
+// views it refused (`loader`: the batch's loader), and copies them. When one of them had to be
+// replaced by another image, relabel(labels, soft) gets the batch's corrected labels and soft
+// targets (empty without mixing) for the caller to upload. *bad counts replacements.
+void finish_batch_on_device(
+    class ImageDecoder& dec, DataLoader& loader, const HostBatch& hb, int S, int K,
+    uint8_t* out_dev, int64_t* bad,
+    const std::function<void(const std::vector<int32_t>&, const std::vector<float>&)>& relabel);
 
 // The reference (CPU) image preparation that Backend::prepare_images must reproduce:
 // out[count,3,S,S] fp32 = normalise(crop/flip(img)), mixed with the partner sample of the batch

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and measure vitgrid on a GPU node in one go, beside PyTorch + timm.
 #   tools/gpu_check.sh STEP...      (default: build test bench)
-# Steps: build test cputest bench models loader jpeg kernels compile scale study large large2
+# Steps: build test cputest bench models loader jpeg recipes kernels compile scale study large large2
 # pipeline tpvitb ckpt recompute seqpar e2epar profile variants trace (each described where it is handled below).
 # Writes logs under $OUT (default /tmp/vitgrid-gpu). On a node without parallel HDF5 or
 # Boost.ProgramOptions, put their Debian packages in .gpu-deps/ (see README): they are unpacked
@@ -336,7 +336,7 @@ PYEOF
       "${TPY[@]}" "$PY" test/data/write_tfrecord.py "$D/jpeg" "$D/jpeg-tfr" --shards 16 --val-shards 2 2>&1 | tail -1
     fi
     J=(--model.num_classes=100 --data.hflip=true --data.interpolation=bilinear --data.workers=$CORES)
-    {
+    if [[ " ${JPEG_PARTS:-input train} " == *" input "* ]]; then
       for src in "folder $D/jpeg" "tfrecord $D/jpeg-tfr" "jpeg_h5 $D/jpeg.h5"; do
         set -- $src
         for where in host device; do
@@ -345,29 +345,48 @@ PYEOF
         done
       done
       "$PY" tools/bench_input_peers.py "$D/jpeg/train" --workers $CORES 2>&1 | grep -E "^peer|Error"
-    } | tee "$OUT/jpeg_input.log"
+    fi | tee "$OUT/jpeg_input.log"
     # training: the same model on the JPEG set (decoded on the device) and on one batch reused
-    # (vitgrid bench: the model alone, no input pipeline)
-    {
-      for m in vit-base/16 vit-base/32; do
-        mpirun -np 1 --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --model.preset=$m \
-          --model.num_classes=100 --warmup=5 --steps=30 2>&1 | grep -E "^bench|rror"
-        for src in "folder --data.path=$D/jpeg" "jpeg_h5 --data.path=$D/jpeg.h5"; do
-          set -- $src
-          mpirun -np 1 --bind-to none "$B/bin/vitgrid" train inputs/bench_vit_b16.ini --model.preset=$m \
-            --data.dataset=$1 $2 "${J[@]}" --run.steps=${JPEG_STEPS:-50} --run.out_dir="$D/run-$1" \
-            --run.eval_samples=512 --checkpoint.every_steps=0 2>&1 | grep -E "rror" | head -2
-          "$PY" - "$D/run-$1/metrics.h5" "$m $1" <<'PYEOF'
-import sys, h5py, numpy as np
-with h5py.File(sys.argv[1], "r") as f:
-    ips = np.asarray(f["/train/images_per_s"])[10:]
-    bad = np.asarray(f["/train/bad_images"])[-1]
-print(f"train | {sys.argv[2]} | median {np.median(ips):.0f} img/s over steps 11-{len(ips) + 10} | replaced {int(np.nansum(bad))}")
-PYEOF
-          rm -rf "$D/run-$1"
+    # (vitgrid bench: the model alone, no input pipeline), 256 images per GPU, on 1 GPU and on
+    # all of the node's
+    NPS="1"; [ "$NGPU" -gt 1 ] && NPS="1 $NGPU"
+    if [[ " ${JPEG_PARTS:-input train} " == *" train "* ]]; then
+      for np in $NPS; do
+        G=(--data.global_batch=$((256 * np)))
+        for m in ${JPEG_MODELS:-vit-base/16 vit-base/32}; do
+          mpirun -np $np --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --model.preset=$m \
+            --model.num_classes=100 "${G[@]}" --warmup=5 --steps=30 2>&1 | grep -E "^bench|rror" | sed "s/^/$np GPU | /"
+          for src in ${JPEG_TRAIN_SOURCES:-folder jpeg_h5}; do
+            case $src in folder) P=$D/jpeg ;; jpeg_h5) P=$D/jpeg.h5 ;; tfrecord) P=$D/jpeg-tfr ;; esac
+            mpirun -np $np --bind-to none "$B/bin/vitgrid" train inputs/bench_vit_b16.ini --model.preset=$m \
+              --data.dataset=$src --data.path=$P --data.index_dir="$D/idx" "${J[@]}" "${G[@]}" \
+              --run.steps=${JPEG_STEPS:-50} --run.out_dir="$D/run-$src" \
+              --run.eval_samples=512 --checkpoint.every_steps=0 2>&1 | grep -E "rror" | head -2
+            "$PY" tools/run_rate.py "$D/run-$src/metrics.h5" --skip 10 --label "$np GPU | $m $src"
+            rm -rf "$D/run-$src"
+          done
         done
       done
-    } | tee "$OUT/jpeg_train.log"
+    fi | tee "$OUT/jpeg_train.log"
+    ;;
+  recipes)
+    # Colossal-AI's three LAMB 32K recipes (inputs/imagenet_vit_*_lamb_32k.ini: fp16, Mixup,
+    # RandomResizedCrop + flip, 32768 images per step through accumulation) on all of the node's
+    # GPUs, reading the ImageNet-like set of the jpeg step as TFRecord shards (as Colossal-AI's
+    # DALI loader reads ImageNet): RECIPE_STEPS optimizer steps each, the rate of all but the
+    # first, and the projected wall time of 300 epochs of ImageNet-1k (1,281,167 images).
+    D=${DATA:-/tmp/vitgrid-data}
+    CORES=$(( $(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) / NGPU ))
+    [ -d "$D/jpeg-tfr" ] || { echo "recipes: run the jpeg step first (it writes $D/jpeg-tfr)"; exit 1; }
+    for r in ${RECIPES:-b32 b16 l32}; do
+      mpirun -np "$NGPU" --bind-to none "$B/bin/vitgrid" train inputs/imagenet_vit_${r}_lamb_32k.ini \
+        --data.path="$D/jpeg-tfr" --data.index_dir="$D/idx" --model.num_classes=100 \
+        --data.grad_accum=$((32768 / (256 * NGPU))) --data.workers=$CORES \
+        --run.epochs=0 --run.steps=${RECIPE_STEPS:-4} --run.log_every=1 --run.eval_samples=512 \
+        --run.out_dir="$D/recipe-$r" --checkpoint.every_steps=0 --checkpoint.resume=none 2>&1 | grep -E "rror" | head -2
+      "$PY" tools/run_rate.py "$D/recipe-$r/metrics.h5" --skip 1 --label "$NGPU GPU | recipe $r" --epochs 300 --images 1281167
+      rm -rf "$D/recipe-$r"
+    done | tee "$OUT/recipes.log"
     ;;
   *) echo "unknown step $s"; exit 2 ;;
   esac

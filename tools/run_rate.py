@@ -5,8 +5,9 @@ time that rate projects for a number of epochs of a dataset.
 
     tools/run_rate.py RUN_DIR/metrics.h5 [--skip N] [--label TEXT] [--epochs E --images N]
 
-Prints one line: "train | LABEL | median R img/s over steps A-B | replaced K[ | E epochs of N
-images: H h]". Needs h5py and numpy (Debian: python3-h5py python3-numpy)."""
+Prints one line: "train | LABEL | median R img/s over steps A-B | replaced K | input wait W ms[ |
+E epochs of N images: H h]" (W: the median over the steps of the longest wait of a rank's
+training thread for its input). Needs h5py and numpy (Debian: python3-h5py python3-numpy)."""
 import argparse
 import os
 import sys
@@ -36,6 +37,7 @@ def main():
         with h5py.File(a.metrics, "r") as f:
             ips = np.asarray(f["/train/images_per_s"], dtype=np.float64)
             bad = np.asarray(f["/train/bad_images"]) if "/train/bad_images" in f else np.zeros((1, 1))
+            wait = np.asarray(f["/train/input_wait_s"]) if "/train/input_wait_s" in f else None
     except (OSError, KeyError) as e:
         sys.exit(f"run_rate.py: {a.metrics}: {e}")
     if len(ips) <= a.skip:
@@ -43,6 +45,8 @@ def main():
     rate = float(np.median(ips[a.skip:]))
     line = (f"train | {a.label or a.metrics} | median {rate:.0f} img/s over steps "
             f"{a.skip + 1}-{len(ips)} | replaced {int(np.nansum(bad[-1]))}")
+    if wait is not None:  # the slowest rank's wait, per step: its median
+        line += f" | input wait {1e3 * float(np.median(np.nanmax(wait[a.skip:], axis=1))):.1f} ms"
     if a.epochs > 0:
         line += f" | {a.epochs:g} epochs of {a.images} images: {a.epochs * a.images / rate / 3600:.2f} h"
     print(line)

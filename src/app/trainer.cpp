@@ -158,6 +158,8 @@ struct Trainer::Impl {
     float scale = 1.0f;
     bool applied = true;  // false: fp16 overflow, update skipped
     int readback = 0;     // readback slot of its scalars
+    double input_wait_s = 0.0;  // the host waiting for its micro-batches (loader, decoder)
+    double decode_wait_s = 0.0;  // ... the part spent waiting for the device's JPEG decoder
   };
   // Upload state of the training batches: the next micro-batch (already uploading into
   // `slot`) and where later ones come from (the loader; bench: the same batch again).
@@ -605,11 +607,14 @@ struct Trainer::Impl {
     const float scale = scaler->scale();
     const float grad_scale = scale / static_cast<float>(G);
     const float smoothing = static_cast<float>(deck.data.label_smoothing);
+    double input_wait = 0.0, decode_wait = 0.0;  // in the loader; in wait_inputs
     for (int m = 0; m < A; ++m) {
       const auto hb = std::move(next_hb);
       const int cur = slot;
       const bool first = m == 0, last = m == A - 1;
+      double t_wait = now_s();
       wait_inputs(*hb, cur);  // outside the graph: the copy and decoder streams are not captured
+      decode_wait += now_s() - t_wait;
       run_body({cur, first, last, !hb->soft.empty(), grad_scale}, [&] {
         if (first) {
           // the parameters the last update changed, gathered while the forward runs (each
@@ -626,13 +631,17 @@ struct Trainer::Impl {
       be->release_slot(cur);
       if (decoder) decoder->release_output(static_cast<uint8_t*>(d_raw[cur]) + off_images);
       if (!last || more) {  // the next micro-batch, during this one
+        t_wait = now_s();
         next_hb = next_batch();
+        input_wait += now_s() - t_wait;
         slot ^= 1;
         start_upload(*next_hb, slot, last ? s + 1 : s);
       }
     }
     PendingStep p;
     p.step = s;
+    p.input_wait_s = input_wait + decode_wait;
+    p.decode_wait_s = decode_wait;
     p.lr = lr;
     p.scale = scale;
     if (scaler->enabled()) {  // fp16: the host decides on the overflow verdict
@@ -1091,6 +1100,8 @@ struct Trainer::Impl {
     // checkpoint or a metrics write between two steps nor the host running ahead counts.
     double t_done = -INFINITY;  // completion of the last finished step
     double log_time = 0.0;      // the slowest rank's step times since the last log line
+    double wait_since_log = 0.0;         // this rank's input waits since the last log line
+    double decode_wait_since_log = 0.0;  // ... of them waiting for the JPEG decoder
     int64_t steps_since_log = 0;
     double last_loss = 0.0;
     const int64_t first_step = step;
@@ -1126,6 +1137,8 @@ struct Trainer::Impl {
       }
       ++steps_since_log;
       log_time += dt_max;
+      wait_since_log += p.input_wait_s;
+      decode_wait_since_log += p.decode_wait_s;
       if (k == first_step + 1) {
         // the workspace was planned in setup(): a first step that allocates is worth a line
         long long n = static_cast<long long>(be->device_allocations() - allocs_before);
@@ -1136,18 +1149,27 @@ struct Trainer::Impl {
       }
       last_loss = loss;
       metrics.add_train({k, loss, p.lr, gnorm, double(G) / dt_max, double(p.scale), dt,
-                         double(be->peak_memory_bytes()), double(bad_images)});
+                         double(be->peak_memory_bytes()), double(bad_images), p.input_wait_s});
       if (k % deck.run.log_every == 0 || k == total_steps) {
         // the steps' own time: evaluations and checkpoints in the interval do not count
         const double ips = double(G) * steps_since_log / std::max(log_time, 1e-9);
         const double eta = (total_steps - k) * (now - t_start) / double(k - first_step);
-        log("step %6lld/%lld | epoch %6.2f | loss %.4f | lr %.3e | %8.1f img/s | %s | ETA "
+        // rank 0's host waiting for input (loader, JPEG decoder), per step of the interval
+        char wait[96];
+        const double per = 1e3 / steps_since_log;
+        if (decoder)
+          std::snprintf(wait, sizeof wait, "input wait %.1f ms (decoder %.1f)",
+                        per * wait_since_log, per * decode_wait_since_log);
+        else
+          std::snprintf(wait, sizeof wait, "input wait %.1f ms", per * wait_since_log);
+        log("step %6lld/%lld | epoch %6.2f | loss %.4f | lr %.3e | %8.1f img/s | %s | %s | ETA "
             "%s%s\n",
             static_cast<long long>(k), static_cast<long long>(total_steps),
             double(k) * G / train_ds->size(), loss, p.lr, ips,
-            fmt_flops(ips * flops_sample).c_str(), fmt_duration(eta).c_str(),
+            fmt_flops(ips * flops_sample).c_str(), wait, fmt_duration(eta).c_str(),
             p.applied ? "" : " | overflow: step skipped");
         log_time = 0.0;
+        wait_since_log = decode_wait_since_log = 0.0;
         steps_since_log = 0;
         metrics.flush();
       }

@@ -55,7 +55,7 @@ constexpr Column kTrain[] = {
     {"train/lr", false, false},           {"train/grad_norm", false, false},
     {"train/images_per_s", false, false}, {"train/loss_scale", false, false},
     {"train/step_time_s", true, false},   {"train/device_mem_bytes", true, false},
-    {"train/bad_images", true, false},
+    {"train/bad_images", true, false},    {"train/input_wait_s", true, false},
 };
 constexpr Column kEval[] = {
     {"eval/step", false, true},
@@ -66,7 +66,7 @@ constexpr Column kEval[] = {
 constexpr size_t kNumTrain = sizeof(kTrain) / sizeof(kTrain[0]);
 constexpr size_t kNumEval = sizeof(kEval) / sizeof(kEval[0]);
 // the per-rank tables, in kTrain and in the values each rank sends rank 0 (in this order)
-constexpr size_t kPerRank[] = {6, 7, 8};
+constexpr size_t kPerRank[] = {6, 7, 8, 9};
 // kTrain[i >= kFirstAddedTrain] came after the first files were written: appending to a file
 // without them adds them (NaN in the earlier rows)
 constexpr size_t kFirstAddedTrain = 8;
@@ -826,14 +826,15 @@ void MetricsWriter::flush() {
   if (counts[0] == 0 && counts[1] == 0) return;
   if (m.failed) throw UserError(m.failure);
 
-  // Each rank's step times, then its device memory, then its replaced images; rank 0
-  // receives them rank after rank.
+  // Each rank's step times, then its device memory, its replaced images and its input waits;
+  // rank 0 receives them rank after rank.
   const size_t n = counts[0];
   std::vector<double> mine(kNumPerRank * n), all;
   for (size_t i = 0; i < n; ++i) {
     mine[i] = m.train_buf[i].step_time_s;
     mine[n + i] = m.train_buf[i].device_mem_bytes;
     mine[2 * n + i] = m.train_buf[i].bad_images;
+    mine[3 * n + i] = m.train_buf[i].input_wait_s;
   }
   if (m.rank == 0) all.resize(kNumPerRank * n * static_cast<size_t>(m.world));
   if (n > 0) {

@@ -38,6 +38,7 @@ vitgrid::TrainRow train_row(int64_t s, int variant = 0) {
   r.step_time_s = rank_of() + s + 1000.0 * variant;
   r.device_mem_bytes = 1e9 + 1000.0 * rank_of() + s + 1e6 * variant;
   r.bad_images = 10.0 * rank_of() + s;
+  r.input_wait_s = 0.001 * rank_of() + 0.25 * s;
   return r;
 }
 
@@ -444,19 +445,24 @@ TEST(Metrics, ContinuesAFileWithFixedWidthTables) {
     EXPECT_TRUE(columns_unlimited(path, "/train/step_time_s"));
     EXPECT_TRUE(columns_unlimited(path, "/train/device_mem_bytes"));
     EXPECT_EQ(vgtest::read_int_attr(path, "world_size"), std::vector<int>{P});
-    // the older file had no bad_images table: added, NaN in its rows, this run's values after
-    std::vector<hsize_t> d;
-    auto bad = vgtest::read_all<double>(path, "/train/bad_images", H5T_NATIVE_DOUBLE, &d);
+    // the older file had no bad_images and input_wait_s tables: added, NaN in its rows, this
+    // run's values after
     const size_t width = static_cast<size_t>(std::max(w, P));
-    ASSERT_EQ(d, (std::vector<hsize_t>{7, width}));
-    for (size_t row = 0; row < 7; ++row)
-      for (size_t r = 0; r < width; ++r) {
-        const double v = bad[row * width + r];
-        if (row < 4 || r >= static_cast<size_t>(P))
-          EXPECT_TRUE(std::isnan(v)) << "row " << row << " rank " << r;
-        else
-          EXPECT_EQ(v, 10.0 * r + (row + 1)) << "row " << row << " rank " << r;
-      }
+    for (const char* table : {"/train/bad_images", "/train/input_wait_s"}) {
+      std::vector<hsize_t> d;
+      auto got = vgtest::read_all<double>(path, table, H5T_NATIVE_DOUBLE, &d);
+      ASSERT_EQ(d, (std::vector<hsize_t>{7, width})) << table;
+      for (size_t row = 0; row < 7; ++row)
+        for (size_t r = 0; r < width; ++r) {
+          const double v = got[row * width + r];
+          const double want = std::string(table) == "/train/bad_images" ? 10.0 * r + (row + 1)
+                                                                         : 0.001 * r + 0.25 * (row + 1);
+          if (row < 4 || r >= static_cast<size_t>(P))
+            EXPECT_TRUE(std::isnan(v)) << table << " row " << row << " rank " << r;
+          else
+            EXPECT_EQ(v, want) << table << " row " << row << " rank " << r;
+        }
+    }
   }
   // from step 0: nothing of the old layout is left
   vgtest::SharedTmpDir tmp;

@@ -1,7 +1,8 @@
 // metrics.h5, written by rank 0 alone while training: extendible chunked datasets
 //   /train/step /train/loss /train/lr /train/grad_norm /train/images_per_s /train/loss_scale
 //     one row per step (int64 step, float64 values);
-//   /train/step_time_s and /train/device_mem_bytes [steps, width]: rank r's value in column r,
+//   /train/step_time_s, /train/device_mem_bytes, /train/bad_images and /train/input_wait_s
+//     [steps, width]: rank r's value in column r,
 //     width the largest world size of the file's segments, NaN in the columns beyond the ranks
 //     of the segment a row belongs to;
 //   /eval/step /eval/loss /eval/top1 /eval/top5, one row per evaluation;
@@ -35,6 +36,7 @@ struct TrainRow {
   double step_time_s;       // this rank's
   double device_mem_bytes;  // this rank's
   double bad_images = 0;    // this rank's undecodable images replaced so far (encoded sources)
+  double input_wait_s = 0;  // this rank's training thread waiting for input during the step
 };
 struct EvalRow {
   int64_t step;

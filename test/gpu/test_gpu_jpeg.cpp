@@ -389,6 +389,49 @@ TEST_F(GpuJpeg, TwoBatchesInFlight) {
   }
 }
 
+// nvJPEG's memory is kept (the decoder's caching allocators): once batches of every size have
+// been through, decoding them again allocates nothing (a cudaFree would wait for the whole
+// device, the training step included), and the pixels are the same.
+TEST_F(GpuJpeg, KeepsItsMemory) {
+  const std::string d = test_dir();
+  if (d.empty()) GTEST_SKIP() << "make_test_jpegs.py did not run";
+  const std::vector<Case> cases = load_cases(d);
+  std::vector<const Case*> small, all;
+  for (const Case& c : cases) {
+    if (c.S != 224) continue;
+    all.push_back(&c);
+    if (small.size() < all.size() / 2) small.push_back(&c);
+  }
+  ASSERT_GE(small.size(), 2u);
+  int64_t allocations = 0;
+  cuda::NvjpegDecoderOptions o;
+  o.count_memory = [&](int64_t bytes) { allocations += bytes > 0; };
+  auto counted = cuda::make_nvjpeg_decoder(0, compute, o);
+  ASSERT_TRUE(counted);
+  PinnedJobs js(small), ja(all);
+  const size_t img = 224 * 224 * 3;
+  uint8_t* out = dev(img * ja.jobs.size());
+  auto pass = [&](std::vector<uint8_t>& pixels) {
+    for (PinnedJobs* j : {&js, &ja, &js, &ja}) {
+      CU(cudaMemset(out, 0, img * ja.jobs.size()));  // refused slots stay zero
+      CU(cudaDeviceSynchronize());
+      counted->decode_async(j->jobs.data(), int(j->jobs.size()), 224, 1, out);
+      counted->join();
+      CU(cudaStreamSynchronize(compute));
+      std::vector<uint8_t> h(img * j->jobs.size());
+      CU(cudaMemcpy(h.data(), out, h.size(), cudaMemcpyDeviceToHost));
+      pixels.insert(pixels.end(), h.begin(), h.end());
+    }
+  };
+  std::vector<uint8_t> first, second;
+  pass(first);
+  const int64_t after_first = allocations;
+  EXPECT_GT(after_first, 0);  // the decoder's buffers and nvJPEG's, counted
+  pass(second);
+  EXPECT_EQ(allocations, after_first) << "device allocations in the second pass";
+  EXPECT_TRUE(first == second);
+}
+
 // copy_async writes host images into their slots.
 TEST_F(GpuJpeg, CopyAsync) {
   const int S = 16, n = 5;

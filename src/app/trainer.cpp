@@ -256,7 +256,6 @@ struct Trainer::Impl {
       bo.allow_tf32 = deck.precision.mode == "tf32";
       bo.gemm_tune = deck.device.gemm_tune;
       bo.deterministic = deck.device.deterministic;
-      bo.max_connections = deck.device.max_connections;
       be = make_backend(kind, grid->local_rank(), act_dtype_of(deck.precision.mode), bo);
       compute_be = be.get();
       if (profile) {

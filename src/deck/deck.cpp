@@ -234,8 +234,6 @@ const std::vector<Field>& schema() {
                "bit-identical reruns; false lets cuDNN's attention backward accumulate with atomics (faster, last-bit differences run to run)"),
       VG_FIELD(device, cuda_graph, "",
                "capture each micro-batch's forward, backward, reductions and gradient norm as a CUDA graph and replay it (single pipeline stage; same results as eager)"),
-      VG_FIELD(device, max_connections, "1..32",
-               "hardware work queues the GPU gives this process's streams (CUDA_DEVICE_MAX_CONNECTIONS, set by vitgrid before it first uses the device; CUDA's default is 8): streams beyond them share a queue, and work in one waits behind the other's; nvJPEG's hardware decoder alone runs 14 streams beside the step's"),
   };
   return fields;
 }
@@ -788,9 +786,6 @@ class Parser {
     }
     if (d.device.gemm_sm_margin < 0 || d.device.gemm_sm_margin > 64) {
       fail("device.gemm_sm_margin", "must be between 0 and 64 (SMs left to the reduction)");
-    }
-    if (d.device.max_connections < 1 || d.device.max_connections > 32) {
-      fail("device.max_connections", "must be between 1 and 32 (CUDA's hardware work queues)");
     }
     if (d.device.gemm_tune < 0 || d.device.gemm_tune > 16) {
       fail("device.gemm_tune", "must be between 0 and 16 (GEMM algorithms timed per shape)");

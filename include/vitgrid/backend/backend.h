@@ -436,7 +436,6 @@ struct BackendOptions {
   int gemm_tune = 0;          // device.gemm_tune: see make_cuda_backend
   bool deterministic = true;  // device.deterministic: false lets attention's backward use
                               // atomics (faster; gradients differ in the last bits run to run)
-  int max_connections = 32;   // device.max_connections: CUDA_DEVICE_MAX_CONNECTIONS
 };
 
 // Factory: "cpu" always; "cuda" when built with CUDA (throws UserError otherwise).

@@ -133,7 +133,6 @@ struct DeviceSection {
   std::string data_comm = "sm";  // sm | copy_engine: how the data axis's reductions move data
   int gemm_sm_margin = 0;        // SMs the GEMMs leave free while buckets are reduced
   bool cuda_graph = true;        // replay the step's micro-batches as CUDA graphs (see trainer)
-  int max_connections = 32;      // the device's hardware work queues for this process's streams
 };
 
 struct Deck {

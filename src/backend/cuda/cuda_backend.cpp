@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <string>
 #include <cstring>
 #include <functional>
 
@@ -66,11 +65,6 @@ CudaBackend::CudaBackend(int device, DType act, const BackendOptions& opts)
       tf32_(opts.allow_tf32 && act == DType::F32),
       gemm_tune_(std::max(1, std::min(opts.gemm_tune, kMaxGemmTune))),
       deterministic_(opts.deterministic) {
-  // The hardware work queues of this process's streams, read by CUDA when the device's context
-  // is created (the cudaSetDevice below): with CUDA's 8, the JPEG decoder's streams shared
-  // queues with the step's and its decode of the next batch waited for the step to finish.
-  // The deck's value replaces the environment's.
-  setenv("CUDA_DEVICE_MAX_CONNECTIONS", std::to_string(std::max(1, std::min(opts.max_connections, 32))).c_str(), 1);
   CUDA_CHECK(cudaSetDevice(device_));
   CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
   read_fused_gelu_env(opts);

@@ -1,16 +1,18 @@
 // NvjpegDecoder: the CUDA backend's ImageDecoder. A batch is decoded by one nvjpegDecodeBatched
 // call (the hardware JPEG engines, NVJPG, with NVJPEG_BACKEND_HARDWARE on A100/H100; else the
-// GPU-assisted hybrid or the default backend) into planar RGB in one device buffer, then
+// GPU-assisted hybrid or the default backend) into planar RGB in a device buffer, then
 // cropped, resized (Pillow's filter, bit-exact on the same pixels) and mirrored by the two
-// kernels of image_resize.cu, all on the decoder's own stream; join() makes the backend's
-// compute stream wait for it.
+// kernels of image_resize.cu, all on the decoder's own thread and stream; join() makes the
+// backend's compute stream wait for it.
 //
 // Host side per batch: each JPEG's header is parsed (nvjpegJpegStreamParseHeader) to size the
 // buffers and to refuse what the decoder in use cannot take (progressive, CMYK, truncated
-// files, ...): those indices go back to the caller, who decodes them on the CPU. Buffers grow
-// (rarely: to 5/4 of the need) and are never freed in steady state. Two "in flight" slots, each
-// with its own nvJPEG state and pinned job table, let a second batch be enqueued while the
-// first decodes; a slot is reused only after its previous batch completed.
+// files, ...): those slots go back to the caller, who decodes them on the CPU. Buffers grow
+// (rarely: to 5/4 of the need) and are never freed in steady state; nvJPEG's own memory comes
+// from caching allocators. Three "in flight" slots, each with its own nvJPEG state, planar
+// buffer and pinned job table, let the next batches be enqueued while one decodes; a slot is
+// reused only after its previous batch completed (on the host's word: the hardware engines
+// write when called, not in stream order).
 #include "nvjpeg_decoder.h"
 
 #include <cuda_runtime.h>
@@ -282,7 +284,7 @@ class NvjpegDecoder final : public ImageDecoder {
       if (s.staging) cudaFreeHost(s.staging);
     }
     for (Release& r : released_) cudaEventDestroy(r.event);
-    release_buffer(reinterpret_cast<void**>(&decoded_), &decoded_cap_);
+    for (Slot& s : slots_) release_buffer(reinterpret_cast<void**>(&s.decoded), &s.decoded_cap);
     release_buffer(reinterpret_cast<void**>(&tmp_), &tmp_cap_);
     size_t jobs_bytes = jobs_dev_cap_ * sizeof(ResizeJob);
     release_buffer(reinterpret_cast<void**>(&jobs_dev_), &jobs_bytes);
@@ -330,9 +332,9 @@ class NvjpegDecoder final : public ImageDecoder {
       kcap_v = std::max(kcap_v, a.kv);
       max_rows = std::max(max_rows, a.tmp_rows);
     }
-    grow(reinterpret_cast<void**>(&decoded_), &decoded_cap_, dec_need);
-    grow(reinterpret_cast<void**>(&tmp_), &tmp_cap_, tmp_need);
     Slot& slot = next_slot();  // after the host work above: it may wait for an older batch
+    grow(reinterpret_cast<void**>(&slot.decoded), &slot.decoded_cap, dec_need);
+    grow(reinterpret_cast<void**>(&tmp_), &tmp_cap_, tmp_need);
     // ---- decode: one batched call, the engines fed by subsampling then size (as NVIDIA's
     // own decoders order a batch); failed images found by retrying one at a time
     decode(slot, jobs, &refused);
@@ -348,7 +350,7 @@ class NvjpegDecoder final : public ImageDecoder {
       const DecodeJob& jb = jobs[a.job];
       ResizeJob& r = slot.jobs_host[k];
       r = ResizeJob{};
-      uint8_t* base = decoded_ + a.dec_off;
+      uint8_t* base = slot.decoded + a.dec_off;
       r.plane = static_cast<size_t>(a.W) * a.H;
       r.pitch = a.W;
       r.src = base + static_cast<size_t>(a.cy) * a.W + a.cx;
@@ -476,6 +478,12 @@ class NvjpegDecoder final : public ImageDecoder {
     int jobs_cap = 0;
     uint8_t* staging = nullptr;      // pinned, copy_async
     size_t staging_bytes = 0;
+    // planar RGB of the call's images, one buffer per slot: nvJPEG's hardware engines write
+    // their destination when nvjpegDecodeBatched is called, not in the stream's order, so the
+    // buffer must be free on the host's word (next_slot() waits for the slot's last use) and
+    // not merely on the stream's
+    uint8_t* decoded = nullptr;
+    size_t decoded_cap = 0;
   };
   struct Accepted {
     int job = 0;
@@ -627,7 +635,7 @@ class NvjpegDecoder final : public ImageDecoder {
     return true;
   }
 
-  // nvjpegDecodeBatched of acc_ into decoded_; images it fails on are moved to *refused.
+  // nvjpegDecodeBatched of acc_ into slot.decoded; images it fails on are moved to *refused.
   void decode(Slot& slot, const DecodeJob* jobs, std::vector<int>* refused) {
     if (acc_.empty()) return;
     order_.resize(acc_.size());
@@ -648,7 +656,7 @@ class NvjpegDecoder final : public ImageDecoder {
       lengths_[k] = jobs[a.job].size;
       nvjpegImage_t& im = images_[k];
       std::memset(&im, 0, sizeof(im));
-      uint8_t* base = decoded_ + a.dec_off;
+      uint8_t* base = slot.decoded + a.dec_off;
       const size_t plane = static_cast<size_t>(a.W) * a.H;
       for (int c = 0; c < 3; ++c) {
         im.channel[c] = base + c * plane;
@@ -736,8 +744,6 @@ class NvjpegDecoder final : public ImageDecoder {
   std::thread worker_;
   std::vector<int> refused_slots_;
   std::exception_ptr error_ = nullptr;  // the first task's error, until join() rethrows it
-  uint8_t* decoded_ = nullptr;  // planar RGB of the batch's images
-  size_t decoded_cap_ = 0;
   uint8_t* tmp_ = nullptr;      // the horizontal pass's rows
   size_t tmp_cap_ = 0;
   ResizeJob* jobs_dev_ = nullptr;

@@ -66,6 +66,7 @@ enum class PipeOpKind : uint8_t {
 const char* pipe_op_name(PipeOpKind k);
 // a send or a receive (the rest run locally)
 bool pipe_op_is_message(PipeOpKind k);
+bool pipe_op_is_send(PipeOpKind k);  // SendAct or SendGrad
 // the channel of an asynchronous message: 0 activations, 1 gradients (Collectives' channel)
 int pipe_op_channel(PipeOpKind k);
 

@@ -129,17 +129,19 @@ PYEOF
     # A/B: the bench deck once per ';'-separated argument list in VARIANTS on NP ranks, global
     # batch GB (default 256 per rank), 20 steps unless a variant says otherwise, e.g.
     #   VARIANTS="--device.deterministic=true; --device.deterministic=false" gpu_check.sh variants
-    # (NCCL_* and VITGRID_* variables set for the call reach every rank; a NAME=value word of
-    # such a variable inside a variant sets it for that variant only).
+    # Each word of a variant is a deck override (--section.key=value: every vitgrid tuning
+    # choice is a deck key, e.g. --device.fused_gelu=off --device.bucket_mb=0), except a
+    # NAME=value word of an NCCL_* variable, which sets it for that variant only (NCCL_*
+    # variables set for the call reach every rank).
     n=${NP:-1}
     IFS=';' read -ra VS <<<"${VARIANTS:-}"
-    mapfile -t XS < <(env | grep -oE '^(NCCL|VITGRID)_[A-Z_]+' | sed 's/^/-x\n/')
+    mapfile -t XS < <(env | grep -oE '^NCCL_[A-Z_]+' | sed 's/^/-x\n/')
     for v in "${VS[@]}"; do
       VX=() VA=()
       for w in $v; do
-        if [[ $w =~ ^(NCCL|VITGRID)_[A-Z_]+= ]]; then VX+=(-x "$w"); else VA+=("$w"); fi
+        if [[ $w =~ ^NCCL_[A-Z_]+= ]]; then VX+=(-x "$w"); else VA+=("$w"); fi
       done
-      echo "variant:$v $(env | grep -E '^(NCCL|VITGRID)_' | grep -v NVLS | tr '\n' ' ')"
+      echo "variant:$v $(env | grep -E '^NCCL_' | grep -v NVLS | tr '\n' ' ')"
       mpirun -np "$n" --bind-to none "${XS[@]}" "${VX[@]}" "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini \
         --data.global_batch=${GB:-$((256 * n))} --warmup=5 --steps=20 "${VA[@]}" 2>&1 | grep -E "^bench|error" |
         sed -E 's/ \| (world|zero|allocs)[^|]*//g'
@@ -162,8 +164,8 @@ PYEOF
         mpirun -np "$NGPU" --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini \
           --data.global_batch=$((256 * NGPU)) --parallel.zero=$z --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
       done
-      VITGRID_BUCKET_MB=0 mpirun -np "$NGPU" --bind-to none -x VITGRID_BUCKET_MB "$B/bin/vitgrid" bench \
-        inputs/bench_vit_b16.ini --data.global_batch=$((256 * NGPU)) --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
+      mpirun -np "$NGPU" --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini \
+        --data.global_batch=$((256 * NGPU)) --device.bucket_mb=0 --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
     fi | tee -a "$OUT/scale.log"
     ;;
   study)
@@ -185,17 +187,15 @@ PYEOF
       "--parallel.pipeline=4 --parallel.micro_batches=8"
     ;;
   large2)
-    # the large ViT on 2 GPUs: 1d tensor 2 with the LayerNorm kernels for wide rows and without
-    # (VITGRID_LN_WIDE=0, the earlier paths), and 2 pipeline stages (1F1B, M = 8)
+    # the large ViT on 2 GPUs: 1d tensor 2 and 2 pipeline stages (1F1B, M = 8)
     [ "$NGPU" -ge 2 ] || { echo "large2: needs 2 GPUs"; continue; }
     L2=(inputs/bench_vit_b16.ini --model.preset=vit-huge-4096 --model.checkpoint_activations=true
         --data.global_batch=32 --precision.mode=bf16 --warmup=4 --steps=6)
-    for v in "auto|--parallel.tensor=2 --parallel.tensor_mode=1d" \
-             "0|--parallel.tensor=2 --parallel.tensor_mode=1d" \
-             "auto|--parallel.pipeline=2 --parallel.micro_batches=8"; do
-      echo "VITGRID_LN_WIDE=${v%%|*} layout: ${v#*|}"
-      VITGRID_LN_WIDE=${v%%|*} mpirun -np 2 --bind-to none -x VITGRID_LN_WIDE "$B/bin/vitgrid" \
-        bench "${L2[@]}" ${v#*|} 2>&1 | grep -E "^bench|bubble per|error"
+    for v in "--parallel.tensor=2 --parallel.tensor_mode=1d" \
+             "--parallel.pipeline=2 --parallel.micro_batches=8"; do
+      echo "layout: $v"
+      mpirun -np 2 --bind-to none "$B/bin/vitgrid" bench "${L2[@]}" $v 2>&1 |
+        grep -E "^bench|bubble per|error"
     done | tee "$OUT/large2.log"
     ;;
   recompute)
@@ -224,22 +224,20 @@ PYEOF
     # 1d sequence parallelism (parallel.sequence_parallel) against plain 1d, tensor 2 on 2
     # GPUs: ViT-L/16 and ViT-B/16 at 256, the large ViT at batch 32 without and with activation
     # checkpointing. Sequence parallel: its collectives overlapped through copy engines (the
-    # default), through NCCL's SM kernels, and not overlapped (VITGRID_SP_OVERLAP=0)
+    # default) and through NCCL's SM kernels
     [ "$NGPU" -ge 2 ] || { echo "seqpar: needs 2 GPUs"; continue; }
     T2=(inputs/bench_vit_b16.ini --precision.mode=bf16 --parallel.tensor=2 --parallel.tensor_mode=1d)
     for m in "--model.preset=vit-large/16 --data.global_batch=256 --warmup=5 --steps=20" \
              "--data.global_batch=256 --warmup=5 --steps=20" \
              "--model.preset=vit-huge-4096 --data.global_batch=32 --warmup=4 --steps=6" \
              "--model.preset=vit-huge-4096 --data.global_batch=32 --warmup=4 --steps=6 --model.checkpoint_activations=true"; do
-      for v in "plain:1:--parallel.sequence_parallel=false" \
-               "sp_copy_engine:1:--parallel.sequence_parallel=true" \
-               "sp_sm:1:--parallel.sequence_parallel=true --device.tensor_comm=sm" \
-               "sp_serial:0:--parallel.sequence_parallel=true"; do
-        [ -n "${SEQPAR_QUICK:-}" ] && [ "${v%%:*}" = sp_sm -o "${v%%:*}" = sp_serial ] &&
-          [ "${m#*vit-huge}" != "$m" ] && continue
+      for v in "plain:--parallel.sequence_parallel=false" \
+               "sp_copy_engine:--parallel.sequence_parallel=true" \
+               "sp_sm:--parallel.sequence_parallel=true --device.tensor_comm=sm"; do
+        [ -n "${SEQPAR_QUICK:-}" ] && [ "${v%%:*}" = sp_sm ] && [ "${m#*vit-huge}" != "$m" ] &&
+          continue
         echo "${v%%:*}: $m"
-        VITGRID_SP_OVERLAP=$(echo "$v" | cut -d: -f2) mpirun -np 2 --bind-to none \
-          -x VITGRID_SP_OVERLAP "$B/bin/vitgrid" bench "${T2[@]}" $m $(echo "$v" | cut -d: -f3-) \
+        mpirun -np 2 --bind-to none "$B/bin/vitgrid" bench "${T2[@]}" $m ${v#*:} \
           2>&1 | grep -E "^bench|rror"
       done
     done | tee "$OUT/seqpar.log"

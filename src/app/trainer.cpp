@@ -52,6 +52,19 @@ DType act_dtype_of(const std::string& mode) {
   return DType::F32;
 }
 
+// The deck's device.attention / device.fused_gelu (validated against their choices).
+AttentionMode attention_mode_of(const std::string& v) {
+  if (v == "cudnn") return AttentionMode::Cudnn;
+  if (v == "flash") return AttentionMode::Flash;
+  if (v == "fallback") return AttentionMode::Fallback;
+  return AttentionMode::Auto;
+}
+FusedGeluMode fused_gelu_mode_of(const std::string& v) {
+  if (v == "off") return FusedGeluMode::Off;
+  if (v == "on") return FusedGeluMode::On;
+  return FusedGeluMode::Auto;
+}
+
 // Model FLOP rate with a unit that suits it (CPU ranks run at GFLOP/s, GPUs at TFLOP/s).
 std::string fmt_flops(double flops_per_s) {
   char buf[32];
@@ -256,6 +269,11 @@ struct Trainer::Impl {
       bo.allow_tf32 = deck.precision.mode == "tf32";
       bo.gemm_tune = deck.device.gemm_tune;
       bo.deterministic = deck.device.deterministic;
+      bo.attention = attention_mode_of(deck.device.attention);
+      bo.fused_gelu = fused_gelu_mode_of(deck.device.fused_gelu);
+      bo.fused_gelu_forward_config = deck.device.fused_gelu_forward_config;
+      bo.fused_gelu_backward_config = deck.device.fused_gelu_backward_config;
+      bo.tuning_log = deck.device.tuning_log;
       be = make_backend(kind, grid->local_rank(), act_dtype_of(deck.precision.mode), bo);
       compute_be = be.get();
       if (profile) {
@@ -270,7 +288,7 @@ struct Trainer::Impl {
           *grid, *compute_be,
           {deck.device.comm_timeout, deck.device.data_comm_ctas, copy_engine,
            deck.device.pipe_comm_ctas, deck.device.tensor_comm_ctas,
-           deck.device.tensor_comm == "copy_engine"});
+           deck.device.tensor_comm == "copy_engine", deck.device.nccl_blocking});
     else
 #endif
       coll = make_mpi_collectives(*grid);
@@ -464,8 +482,7 @@ struct Trainer::Impl {
 
   void setup_grad_reduction() {
     const int D = grid->size(Axis::Data);
-    double mb = 0.0;
-    agreed([&] { mb = grad_bucket_mb_from_env(); });
+    const double mb = deck.device.bucket_mb;  // MiB of fp32 gradients per bucket (0: one)
     overlap = D > 1 && mb > 0.0;
     std::vector<GradRange> groups;
     for (const auto& g : model->grad_groups()) groups.push_back({g.offset, g.n});

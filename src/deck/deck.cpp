@@ -234,6 +234,20 @@ const std::vector<Field>& schema() {
                "bit-identical reruns; false lets cuDNN's attention backward accumulate with atomics (faster, last-bit differences run to run)"),
       VG_FIELD(device, cuda_graph, "",
                "capture each micro-batch's forward, backward, reductions and gradient norm as a CUDA graph and replay it (single pipeline stage; same results as eager)"),
+      VG_FIELD(device, bucket_mb, "",
+               "MiB of fp32 gradients per data-parallel reduction bucket, each reduced during the backward once complete (the buckets set the reduction's order, so the last bits of the sums; 0: one reduction after the backward)"),
+      VG_FIELD(device, attention, "auto|cudnn|flash|fallback",
+               "attention on GPUs: cuDNN's fused SDPA (cudnn: needs a build with cudnn_frontend), vitgrid's own flash kernels, or the materialised cuBLASLt + softmax path; auto takes cuDNN where the build has it and cuDNN accepts the shape, else flash, else the fallback (fp32 and other head dims always take the fallback)"),
+      VG_FIELD(device, fused_gelu, "auto|off|on",
+               "fc1's forward and fc2's data gradient as CUTLASS GEMMs with exact-GELU epilogues (sm_90, bf16/fp16): auto takes per shape the fastest of the unfused path and the fused configurations, timed when device.gemm_tune > 1, else unfused; on always fuses (timed likewise, else configuration 0); off never"),
+      VG_FIELD(device, fused_gelu_forward_config, "",
+               "with device.fused_gelu = auto or on: the fused forward's configuration id, untimed (-1: chosen as device.fused_gelu says)"),
+      VG_FIELD(device, fused_gelu_backward_config, "",
+               "with device.fused_gelu = auto or on: the fused backward's configuration id, untimed (-1: chosen as device.fused_gelu says)"),
+      VG_FIELD(device, tuning_log, "",
+               "print each tuned choice to stderr: with device.gemm_tune > 1 each GEMM shape's cuBLASLt algorithm (its time, the heuristic's first candidate's, and with data parallelism this rank's own pick where it differs), and each fused-GELU decision with its timings"),
+      VG_FIELD(device, nccl_blocking, "",
+               "every NCCL call waits for completion on the host (debugging; normally calls return once enqueued and a watchdog thread follows them)"),
   };
   return fields;
 }
@@ -789,6 +803,16 @@ class Parser {
     }
     if (d.device.gemm_tune < 0 || d.device.gemm_tune > 16) {
       fail("device.gemm_tune", "must be between 0 and 16 (GEMM algorithms timed per shape)");
+    }
+    non_negative("device.bucket_mb", d.device.bucket_mb);
+    at_most("device.bucket_mb", d.device.bucket_mb, 1048576.0, " MiB");
+    if (d.device.fused_gelu_forward_config < -1) {
+      fail("device.fused_gelu_forward_config",
+           "must be a configuration id >= 0, or -1 (chosen as device.fused_gelu says)");
+    }
+    if (d.device.fused_gelu_backward_config < -1) {
+      fail("device.fused_gelu_backward_config",
+           "must be a configuration id >= 0, or -1 (chosen as device.fused_gelu says)");
     }
 
     // [parallel]: the grid

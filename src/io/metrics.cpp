@@ -33,6 +33,7 @@
 #include <filesystem>
 
 #include "h5_parallel.h"
+#include "vitgrid/core/test_hooks.h"
 #include "vitgrid/core/watchdog.h"
 
 namespace vitgrid {
@@ -269,10 +270,9 @@ std::string MetricsWriter::Impl::root_work(const char* what, F&& work) {
 }
 
 void MetricsWriter::Impl::reserve(hsize_t bytes) {
-  // test hook: skip the reservation, so that the write itself meets the full disk (what a file
-  // system that cannot reserve, or a copy-on-write one, may still do)
-  const char* skip = std::getenv("VITGRID_TEST_METRICS_NO_RESERVE");
-  if (skip && *skip == '1') return;
+  // test hook (test_hooks.h): skip the reservation, so that the write itself meets the full
+  // disk (what a file system that cannot reserve, or a copy-on-write one, may still do)
+  if (vitgrid_test_hooks.metrics_no_reserve) return;
   bytes += kHeadroom;
   int err = 0;
   const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);

@@ -7,6 +7,7 @@
 
 #include "vitgrid/core/error.h"
 #include "vitgrid/core/log.h"
+#include "vitgrid/core/test_hooks.h"
 
 namespace vitgrid {
 
@@ -38,17 +39,14 @@ PipelineRunner::PipelineRunner(ViT& model, Backend& be, Collectives& coll,
   if (async && P_ > 1) coll_.open_links(Axis::Pipeline);
   const ViTConfig& c = model_.config();
   image_bytes_ = static_cast<size_t>(c.channels) * c.image * c.image * be_.act_size();
-  if (const char* f = std::getenv("VITGRID_TEST_FAIL_AT")) {
-    const std::string s(f);
-    const size_t colon = s.find(':');
-    if (colon != std::string::npos) {
-      fail_stage_ = std::atoi(s.substr(0, colon).c_str());
-      fail_step_ = std::atoll(s.substr(colon + 1).c_str());
-      // one rank of the stage: the others must be left blocked on it
-      bool first = true;
-      for (Axis a : {Axis::Data, Axis::Tensor}) first = first && grid.rank(a) == 0;
-      fail_rank_ = first && stage_ == fail_stage_;
-    }
+  // Test fault injection (test_hooks.h): one rank of the stage; the others must be left
+  // blocked on it
+  if (vitgrid_test_hooks.fail_stage >= 0) {
+    fail_stage_ = vitgrid_test_hooks.fail_stage;
+    fail_step_ = vitgrid_test_hooks.fail_step;
+    bool first = true;
+    for (Axis a : {Axis::Data, Axis::Tensor}) first = first && grid.rank(a) == 0;
+    fail_rank_ = first && stage_ == fail_stage_;
   }
 }
 
@@ -229,7 +227,7 @@ void PipelineRunner::reset_timers() {
 
 void PipelineRunner::begin_step(int64_t step) {
   if (fail_rank_ && step == fail_step_)
-    VG_FAIL("injected failure (VITGRID_TEST_FAIL_AT) on pipeline stage " << stage_ << " at step " << step);
+    VG_FAIL("injected failure (test hook fail_stage) on pipeline stage " << stage_ << " at step " << step);
   harvest();  // the previous step's marks
 }
 

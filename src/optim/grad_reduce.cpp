@@ -36,16 +36,6 @@ std::vector<GradBucket> plan_grad_buckets(const std::vector<GradRange>& groups, 
   return out;
 }
 
-double grad_bucket_mb_from_env() {
-  const char* s = std::getenv("VITGRID_BUCKET_MB");
-  if (!s || !*s) return 25.0;
-  char* end = nullptr;
-  const double v = std::strtod(s, &end);
-  if (end == s || *end != '\0' || !(v >= 0.0))
-    throw UserError(std::string("VITGRID_BUCKET_MB: expected MiB >= 0, got '") + s + "'");
-  return v;
-}
-
 size_t ZeroShards::shard_elems() const {
   size_t n = 0;
   for (size_t k = 0; k < buckets.size(); ++k) n += piece_n(k);

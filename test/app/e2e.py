@@ -45,6 +45,15 @@ def run(np_, args, timeout=240, expect_rc=0, env=None, preload=None):
     return p
 
 
+def hooks_lib():
+    """The test-only fault hooks library (test/common/test_hooks.c), preloaded into the ranks of
+    a run whose env sets VITGRID_TEST_* variables: the product does not read them itself."""
+    lib = os.environ.get("VG_TEST_HOOKS_LIB", "")
+    if not os.path.exists(lib):
+        raise AssertionError(f"VG_TEST_HOOKS_LIB={lib!r}: no fault hooks library (run by ctest)")
+    return lib
+
+
 def check(cond, what):
     print(("ok   " if cond else "FAIL ") + what)
     if not cond:
@@ -799,7 +808,7 @@ def t_pipeline_refusals(tmp):
     d = os.path.join(tmp, "fail")
     p = run(4, ["train", DECK, f"--run.out_dir={d}", "--parallel.pipeline=4", "--model.depth=4",
                 "--parallel.micro_batches=4"], timeout=120, expect_rc=None,
-            env={"VITGRID_TEST_FAIL_AT": "1:3"})
+            env={"VITGRID_TEST_FAIL_AT": "1:3"}, preload=hooks_lib())
     out = p.stdout + p.stderr
     check(p.returncode != 0 and "injected failure" in out,
           f"a stage failing at step 3 ends the job (exit {p.returncode}) with its message")
@@ -1141,8 +1150,8 @@ def t_step_times(tmp):
 
 
 def run_buckets(np_, args, bucket_mb, timeout=240):
-    """run() with VITGRID_BUCKET_MB set (gradient bucket size; 0: no overlap)."""
-    return run(np_, args, timeout=timeout, env={"VITGRID_BUCKET_MB": str(bucket_mb)})
+    """run() with device.bucket_mb set (gradient bucket size; 0: no overlap)."""
+    return run(np_, args + [f"--device.bucket_mb={bucket_mb}"], timeout=timeout)
 
 
 OPTIMIZERS = [("adamw", "3e-3"), ("lamb", "1e-2"), ("sgd", "5e-2")]
@@ -1153,7 +1162,7 @@ def t_overlap(tmp):
     parameter group each) give the 1-rank losses within 1e-4 on 2 and 4 ranks for AdamW, LAMB
     and SGD with clipping on, in emulated fp16 too, with gradient accumulation (the hook fires on
     the last batch only) and through a pipeline (P2 x dp2, interleaved); and the overlapped
-    path equals the non-overlapped one (VITGRID_BUCKET_MB=0)."""
+    path equals the non-overlapped one (device.bucket_mb = 0)."""
     base = ["--checkpoint.every_steps=0", "--optim.clip_grad_norm=0.5"]
     for name, lr in OPTIMIZERS:
         o = [f"--optim.name={name}", f"--optim.lr={lr}"] + base
@@ -1172,7 +1181,7 @@ def t_overlap(tmp):
     a, b = os.path.join(tmp, "ov"), os.path.join(tmp, "noov")
     run_buckets(4, ["train", DECK, f"--run.out_dir={a}"] + base, 0.002)
     p = run_buckets(4, ["train", DECK, f"--run.out_dir={b}"] + base, 0)
-    check("reduced after the backward" in p.stdout, "VITGRID_BUCKET_MB=0 turns the overlap off")
+    check("reduced after the backward" in p.stdout, "device.bucket_mb = 0 turns the overlap off")
     r = rel(losses(a)[1], losses(b)[1])
     check(r <= 1e-4, f"overlapped vs non-overlapped on 4 ranks {r:.2e} <= 1e-4")
     # fp16 emulation (loss scaling, overflow check on the reduced gradients)
@@ -1266,8 +1275,8 @@ def t_stress(tmp):
         ("1d t2 sequence parallel", 2, 4, ["--parallel.tensor=2", "--parallel.tensor_mode=1d",
                                            "--parallel.sequence_parallel=true",
                                            "--parallel.sequence_chunks=2"], {}),
-        ("data 2, buckets during the backward", 2, 4, [], {"VITGRID_BUCKET_MB": "0.001"}),
-        ("data 2, ZeRO-1", 2, 4, ["--parallel.zero=1"], {"VITGRID_BUCKET_MB": "0.001"}),
+        ("data 2, buckets during the backward", 2, 4, ["--device.bucket_mb=0.001"], {}),
+        ("data 2, ZeRO-1", 2, 4, ["--parallel.zero=1", "--device.bucket_mb=0.001"], {}),
     ]
     refs = {}
     for name, np_, depth, flags, env in cases:
@@ -1426,7 +1435,7 @@ def t_no_allocations(tmp):
             (8, "3d q2", ["--parallel.tensor=8", "--parallel.tensor_mode=3d"]),
             (4, "P2 1F1B x 1d t2", ["--parallel.pipeline=2", "--parallel.micro_batches=2",
                                    "--parallel.tensor=2", "--parallel.tensor_mode=1d"])]:
-        p = run(np_, common + extra, env={"VITGRID_BUCKET_MB": "0.001"})
+        p = run(np_, common + extra + ["--device.bucket_mb=0.001"])
         line = next((l for l in p.stdout.splitlines() if l.startswith("bench |")), "")
         check("allocs from step 1 0 | allocs in timed steps 0" in line,
               f"{what} on {np_} ranks: no allocation after setup ({line[line.find('allocs'):]})")
@@ -1657,19 +1666,11 @@ def t_gpu_parallel(tmp):
     same = all(np.array_equal(c, curves[0]) for c in curves[1:])
     check(worst <= 1e-4 and same, f"pipe2_interleaved_m8 on 2 GPUs, 3 runs: worst {worst:.2e} <= 1e-4, "
           f"bit-identical {same}")
-    # sequence parallelism with its collectives not overlapped (each before its GEMMs, on the
-    # compute stream): the 1-GPU curve too
-    d = os.path.join(tmp, "1d_t2_seq_serial")
-    run(2, ["train", DECK, f"--run.out_dir={d}", "--precision.mode=fp32"] + seq + model,
-        env={"VITGRID_SP_OVERLAP": "0"})
-    r = rel(losses(d)[1], ref["fp32"])
-    check(r <= 1e-4, f"1d_t2_seq_serial on 2 GPUs (fp32): max relative loss difference {r:.2e} <= 0.0001")
     # NCCL calls return once enqueued: the same layout with every call waiting on the host
-    # (VITGRID_NCCL_BLOCKING=1) computes the same bits
+    # (device.nccl_blocking) computes the same bits
     d = os.path.join(tmp, "1d_t2_blocking")
     p = run(2, ["train", DECK, f"--run.out_dir={d}", "--precision.mode=fp32", "--parallel.tensor=2",
-                "--parallel.tensor_mode=1d"] + model, expect_rc=None,
-            env={"VITGRID_NCCL_BLOCKING": "1"})
+                "--parallel.tensor_mode=1d", "--device.nccl_blocking=true"] + model, expect_rc=None)
     same = p.returncode == 0 and np.array_equal(losses(d)[1], losses(os.path.join(tmp, "1d_t2"))[1])
     check(same, f"1d_t2 with blocking NCCL calls: identical losses (exit {p.returncode})")
     # the pipeline's asynchronous messages with every receive waited for on the host (sends
@@ -1677,8 +1678,8 @@ def t_gpu_parallel(tmp):
     # for this rank): the same bits
     d = os.path.join(tmp, "pipe2_interleaved_blocking")
     p = run(2, ["train", DECK, f"--run.out_dir={d}", "--precision.mode=fp32", "--parallel.pipeline=2",
-                "--parallel.micro_batches=4", "--parallel.schedule=interleaved", "--parallel.chunks=2"] + model,
-            expect_rc=None, env={"VITGRID_NCCL_BLOCKING": "1"})
+                "--parallel.micro_batches=4", "--parallel.schedule=interleaved", "--parallel.chunks=2",
+                "--device.nccl_blocking=true"] + model, expect_rc=None)
     same = p.returncode == 0 and np.array_equal(losses(d)[1], losses(os.path.join(tmp, "pipe2_interleaved"))[1])
     check(same, f"pipe2_interleaved with blocking NCCL calls: identical losses (exit {p.returncode})")
     # the watchdog: rank 1 skips its 5th collective, rank 0 waits in it; both ranks end with a
@@ -1691,7 +1692,7 @@ def t_gpu_parallel(tmp):
     t0 = time.time()
     p = run(2, ["train", DECK, f"--run.out_dir={d}", "--device.comm_timeout=5",
                 "--device.cuda_graph=false"] + model,
-            timeout=180, expect_rc=None, env={"VITGRID_TEST_NCCL_SKIP": "1:5"})
+            timeout=180, expect_rc=None, env={"VITGRID_TEST_NCCL_SKIP": "1:5"}, preload=hooks_lib())
     out = p.stdout + p.stderr
     check(p.returncode != 0 and "NCCL" in out and "timed out" in out and "axis" in out,
           f"a rank skipping a collective: watchdog ends the job in {time.time() - t0:.0f} s "
@@ -1739,7 +1740,7 @@ def t_gpu_graphs(tmp):
         for graph in ("true", "false"):
             d = os.path.join(tmp, f"{name}_{graph}")
             p = run(n, ["train", DECK, f"--run.out_dir={d}", f"--device.cuda_graph={graph}"] +
-                    model + extra, env={"VITGRID_BUCKET_MB": "0.01"})
+                    model + extra + ["--device.bucket_mb=0.01"])
             got[graph] = (train_metrics(d), p.stdout)
         (g, out), (e, _) = got["true"], got["false"]
         captured = "CUDA graphs:" in out and "CUDA graphs: 0 captured" not in out
@@ -1773,8 +1774,7 @@ def t_gpu_tune_agreement(tmp):
         p = run(n, ["train", DECK, f"--run.out_dir={d}", "--device.backend=cuda",
                     "--precision.mode=bf16", "--device.gemm_tune=8", "--model.hidden=64",
                     "--model.heads=4", "--model.depth=2", "--run.steps=6",
-                    "--checkpoint.every_steps=0"],
-                env={"VITGRID_GEMM_TUNE_LOG": "1", "VITGRID_FUSED_GELU_LOG": "1"})
+                    "--checkpoint.every_steps=0", "--device.tuning_log=true"])
         picks = {}  # device -> {(what, key): choice}
         for m in line.finditer(p.stdout + p.stderr):
             picks.setdefault(int(m.group(1)), {})[(m.group(2), m.group(3))] = m.group(4)

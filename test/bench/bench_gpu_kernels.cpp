@@ -114,8 +114,8 @@ void BM_LinearBackward(benchmark::State& st) {
 
 // The weight gradient alone (linear_backward without dx: dW += dy^T x, and the bias gradient),
 // K = batch x tokens, by how its cuBLASLt algorithm is chosen. Arg tune: 0 the heuristic's
-// first; 1 the fastest of its first 8 (device.gemm_tune = 8; VITGRID_GEMM_TUNE_LOG=1 prints
-// the choice).
+// first; 1 the fastest of its first 8 (device.gemm_tune = 8; device.tuning_log prints the
+// choice).
 Backend& tuned_gpu(int tune) {
   static std::unique_ptr<Backend> be[2];
   if (!be[tune]) {
@@ -148,26 +148,28 @@ void BM_LinearWgrad(benchmark::State& st) {
                                               benchmark::Counter::kIsIterationInvariantRate);
 }
 
-// Attention at ViT-B/16 shape, one backend per path (VITGRID_ATTENTION is read when a backend
-// is made). Arg path: 0 = the own flash kernels (VITGRID_ATTENTION=flash), 1 = the cuBLASLt +
-// softmax fallback (=fallback), 2 = cuDNN's fused SDPA (=cudnn; skipped in builds without
+// Attention at ViT-B/16 shape, one backend per path (BackendOptions::attention, deck
+// device.attention). Arg path: 0 = the own flash kernels (flash), 1 = the cuBLASLt + softmax
+// fallback (fallback), 2 = cuDNN's fused SDPA (cudnn; skipped in builds without
 // cudnn_frontend; the label names the path that ran, flash if cuDNN rejected the shape).
 // FLOPs: 4*B*H*T^2*hd forward (QK^T and PV), 2.5x that for the backward (5 GEMMs; the flash
 // backward actually runs 7 for determinism, uncounted).
 const char* const kAttentionModes[3] = {"flash", "fallback", "cudnn"};
+const AttentionMode kAttentionMode[3] = {AttentionMode::Flash, AttentionMode::Fallback,
+                                         AttentionMode::Cudnn};
 
 // The backend of a path, made once; nullptr (and *why) when the mode is refused.
 Backend* attention_backend(int path, std::string* why) {
   static std::unique_ptr<Backend> be[3];
   static std::string error[3];
   if (!be[path] && error[path].empty()) {
-    setenv("VITGRID_ATTENTION", kAttentionModes[path], 1);
     try {
-      be[path] = make_cuda_backend(0, DType::BF16);
+      BackendOptions o;
+      o.attention = kAttentionMode[path];
+      be[path] = make_cuda_backend(0, DType::BF16, o);
     } catch (const UserError& e) {
       error[path] = e.what();
     }
-    unsetenv("VITGRID_ATTENTION");
   }
   *why = error[path];
   return be[path].get();
@@ -208,7 +210,7 @@ void attention_bench(benchmark::State& st, bool backward) {
                                               benchmark::Counter::kIsIterationInvariantRate);
   char label[160];
   std::snprintf(
-      label, sizeof label, "VITGRID_ATTENTION=%s ran %s, saved %.1f MB, workspace %.1f MB",
+      label, sizeof label, "device.attention = %s ran %s, saved %.1f MB, workspace %.1f MB",
       kAttentionModes[path], cuda_attention_path(be, kB, kT, kH, kHd), sb / 1e6, wb / 1e6);
   st.SetLabel(label);
 }
@@ -244,35 +246,16 @@ void BM_LayerNormBackward(benchmark::State& st) {
                                            benchmark::Counter::kIsIterationInvariantRate);
 }
 
-// LayerNorm backward per fused kernel (VITGRID_LN_BWD, read when a backend is made: 0 the
-// first fused kernel, 1 the second, the default), bf16, N = 256 x 197 rows, at the ViT-B
-// (768), ViT-S (384) and ViT-L (1024) widths; each call includes the final dgamma / dbeta
-// reduction. GB counts what a fused kernel must move: dy, x and dx read, dx written. With
-// dsum = 1 also dx's column sums (a Row Linear's bias gradient): inside the second kernel, a
-// pass of its own after the first (the old cost of the second: dsum = 0 plus BM_ColumnSums
-// kind 0).
-// A bf16 CUDA backend made with environment variable `var` = v ("0" or "1"; the variable
-// restored afterwards), made once per (var, v).
-Backend& env_backend(const char* var, int v) {
-  static std::map<std::pair<std::string, int>, std::unique_ptr<Backend>> made;
-  std::unique_ptr<Backend>& be = made[{var, v}];
-  if (!be) {
-    const char* prev = std::getenv(var);
-    const std::string saved = prev ? prev : "";
-    setenv(var, v ? "1" : "0", 1);
-    be = make_cuda_backend(0, DType::BF16);
-    if (prev) setenv(var, saved.c_str(), 1);
-    else unsetenv(var);
-  }
-  return *be;
-}
-Backend& ln_bwd_backend(int v) { return env_backend("VITGRID_LN_BWD", v); }
-
+// LayerNorm backward on the fused kernel, bf16, N = 256 x 197 rows, at the ViT-B (768), ViT-S
+// (384) and ViT-L (1024) widths; each call includes the final dgamma / dbeta reduction. GB
+// counts what a fused kernel must move: dy, x and dx read, dx written. With dsum = 1 also dx's
+// column sums (a Row Linear's bias gradient), inside the kernel. (The first fused kernel it
+// was measured against is gone: git history.)
 void BM_LayerNormBackwardKernel(benchmark::State& st) {
   if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
-  const int C = static_cast<int>(st.range(0)), v = static_cast<int>(st.range(1));
-  const bool ds = st.range(2) != 0;
-  Backend& be = ln_bwd_backend(v);
+  const int C = static_cast<int>(st.range(0));
+  const bool ds = st.range(1) != 0;
+  Backend& be = gpu();
   const size_t a = be.act_size(), nc = size_t(kN) * C;
   Bufs b(be);
   void *dx = b.get(nc * a), *dy = b.get(nc * a), *x = b.get(nc * a), *g = b.get(C * a);
@@ -286,24 +269,22 @@ void BM_LayerNormBackwardKernel(benchmark::State& st) {
       [&] { be.synchronize(); });
   st.counters["GB"] = benchmark::Counter(4.0 * nc * a * 1e-9,
                                            benchmark::Counter::kIsIterationInvariantRate);
-  st.SetLabel(std::string(v ? "VITGRID_LN_BWD=1 (second fused kernel)"
-                            : "VITGRID_LN_BWD=0 (first fused kernel)") +
-              (ds ? (v ? ", dx column sums inside" : ", dx column sums after") : ""));
+  st.SetLabel(ds ? "dx column sums inside" : "");
 }
 
-// LayerNorm on wide rows, per kernel choice (VITGRID_LN_WIDE, read when a backend is made: 0
-// the warp-per-row kernels and the general backward past their reach, 1 the block-per-row
-// kernels), bf16, 6304 x 4096 elements in all (the large ViT's rows of 32 images in 1d tensor
+// LayerNorm on wide rows (the block-per-row kernels past the warp-per-row kernels' reach; the
+// A/B switch against the earlier paths is gone: git history), bf16,
+// 6304 x 4096 elements in all (the large ViT's rows of 32 images in 1d tensor
 // parallelism) at widths C from ViT-L's 1024 to 8192; op 0 the forward with the residual add
 // (GB: a, b read, res, y written), 1 the backward (dy, x, dx read, dx written; with the
 // dgamma / dbeta reduction), 2 the backward with dx's column sums (dsum: a Row Linear's bias
 // gradient, as 1d tensor parallelism runs it).
 void BM_LayerNormWide(benchmark::State& st) {
   if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
-  const int C = static_cast<int>(st.range(0)), v = static_cast<int>(st.range(1));
-  const int op = static_cast<int>(st.range(2));
+  const int C = static_cast<int>(st.range(0));
+  const int op = static_cast<int>(st.range(1));
   const int N = 6304 * 4096 / C;
-  Backend& be = env_backend("VITGRID_LN_WIDE", v);
+  Backend& be = gpu();
   const size_t a = be.act_size(), nc = size_t(N) * C;
   Bufs b(be);
   void *p0 = b.get(nc * a), *p1 = b.get(nc * a), *p2 = b.get(nc * a), *p3 = b.get(nc * a);
@@ -323,8 +304,7 @@ void BM_LayerNormWide(benchmark::State& st) {
         [&] { be.synchronize(); });
   st.counters["GB"] = benchmark::Counter(4.0 * nc * a * 1e-9,
                                            benchmark::Counter::kIsIterationInvariantRate);
-  st.SetLabel(std::string(v ? "VITGRID_LN_WIDE=1" : "VITGRID_LN_WIDE=0") +
-              (op == 0 ? " forward" : op == 1 ? " backward" : " backward + dx column sums"));
+  st.SetLabel(op == 0 ? "forward" : op == 1 ? "backward" : "backward + dx column sums");
 }
 
 // The LayerNorm of rows split over q tensor ranks (2d / 2.5d / 3d: layernorm_split_*), the ops
@@ -408,9 +388,9 @@ void BM_Elementwise(benchmark::State& st) {
 //    backend with device.gemm_tune = 8 (the cuBLASLt algorithm timed, as the bench deck);
 //  * config:K: the CUTLASS kernel K with the default tile scheduling (one kernel writes h and
 //    g, or dh), on a stream of its own;
-//  * tuned: what that backend chooses (VITGRID_FUSED_GELU as in the environment, unset = auto:
-//    the fastest of all the above and the scheduler settings of the fastest kernel, timed on
-//    the first call), run as the backend runs it (forward: linear_forward; backward: the
+//  * tuned: what that backend chooses (device.fused_gelu's default, auto: the fastest of all
+//    the above and the scheduler settings of the fastest kernel, timed on the first call),
+//    run as the backend runs it (forward: linear_forward; backward: the
 //    chosen data-gradient path alone, without linear_backward's dW / db GEMM);
 // and, ViT-B only, BM_GemmGeluSchedules: every other configuration id (each kernel with each
 // raster order / swizzle). Operands random (fill_random_bf16). TFLOP counts the GEMM only.
@@ -531,7 +511,7 @@ void gemm_gelu_bench(benchmark::State& st, int C, bool fwd, int cand, const std:
       float* db = static_cast<float*>(grads.get(size_t(out) * 4));
       be.linear_backward(g, dW, db, x, h, W, kN, in, out, h, Gelu::Exact);
       run = cb ? cb->fused_gelu_choice(false, kN, in, out) : kUnfused;
-      if (run < kUnfused) run = kUnfused;  // no decision (VITGRID_FUSED_GELU=0)
+      if (run < kUnfused) run = kUnfused;  // no decision (fused GELU off or unavailable)
       be.synchronize();                    // before grads are freed
     }
     be.synchronize();
@@ -724,13 +704,13 @@ BENCHMARK(BM_Elementwise)
 BENCHMARK(BM_LayerNormForward)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LayerNormBackward)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LayerNormBackwardKernel)
-    ->ArgNames({"C", "kernel", "dsum"})
-    ->ArgsProduct({{kC, 384, 1024}, {0, 1}, {0, 1}})
+    ->ArgNames({"C", "dsum"})
+    ->ArgsProduct({{kC, 384, 1024}, {0, 1}})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LayerNormWide)
-    ->ArgNames({"C", "wide", "op"})
-    ->ArgsProduct({{1024, 1280, 1536, 2048, 4096, 8192}, {0, 1}, {0, 1, 2}})
+    ->ArgNames({"C", "op"})
+    ->ArgsProduct({{1024, 1280, 1536, 2048, 4096, 8192}, {0, 1, 2}})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LayerNormSplit)

@@ -87,34 +87,6 @@ class Dev {
   std::vector<void*> bufs;
 };
 
-// Sets (or, with null, unsets) an environment variable for one scope.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* v = std::getenv(name)) {
-      had_ = true;
-      old_ = v;
-    }
-    if (value) {
-      setenv(name, value, 1);
-    } else {
-      unsetenv(name);
-    }
-  }
-  ~ScopedEnv() {
-    if (had_) {
-      setenv(name_, old_.c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  bool had_ = false;
-  std::string old_;
-};
-
 class GpuVsCpu : public ::testing::TestWithParam<DType> {
  protected:
   explicit GpuVsCpu(unsigned seed) : rng(seed) {}

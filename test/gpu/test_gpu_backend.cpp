@@ -44,37 +44,23 @@ class GpuBackend : public GpuVsCpu {
   GpuBackend() : GpuVsCpu(12345) {}
 };
 
-// CUDA backends for the LayerNorm kernel choices (environment variables read when a backend is
-// made): [0] VITGRID_LN_BWD=0, [1] VITGRID_LN_BWD=1 (the default), [2] the default with
-// VITGRID_LN_WIDE=1 (the block-per-row kernels wherever the width allows).
-std::array<std::unique_ptr<Dev>, 3> ln_bwd_backends(DType dt) {
-  std::array<std::unique_ptr<Dev>, 3> out;
-  for (int v = 0; v < 3; ++v) {
-    ScopedEnv e("VITGRID_LN_BWD", v ? "1" : "0");
-    ScopedEnv w("VITGRID_LN_WIDE", v == 2 ? "1" : nullptr);
-    out[v] = std::make_unique<Dev>(make_cuda_backend(0, dt));
-  }
-  return out;
-}
-
-// The kernels that backend b of ln_bwd_backends runs for a LayerNorm of width C (layernorm.cu's
-// dispatch; buffers from alloc() are aligned): forward 'v' the warp-per-row vector kernel,
-// 'w' the block-per-row one, 'g' the generic one; backward 'a' the first fused kernel, 'b' the
-// second, 'w' the block-per-row one, 'g' the general path. With ds the backward also sums dx's
-// columns, with pf it applies row factors (the second kernel's variants reach 5, 4 packs per
-// lane instead of 6).
+// The kernels the CUDA backend runs for a LayerNorm of width C (layernorm.cu's dispatch;
+// buffers from alloc() are aligned): forward 'v' the warp-per-row vector kernel, 'w' the
+// block-per-row one, 'g' the generic one; backward 'b' the fused warp-per-row kernel, 'w' the
+// block-per-row one, 'g' the general path. With ds the backward also sums dx's columns, with
+// pf it applies row factors (the fused kernel's variants reach 5, 4 packs per lane instead
+// of 6).
 struct LnPaths {
   char fwd, bwd;
 };
-LnPaths ln_paths(int b, int C, DType dt, bool ds, bool pf = false) {
+LnPaths ln_paths(int C, DType dt, bool ds, bool pf = false) {
   const int V = 16 / static_cast<int>(dtype_size(dt));
   if (C % V != 0) return {'g', 'g'};
   const int packs = C / V, K = (packs + 31) / 32;
-  const bool on = b == 2;
-  const char fwd = packs <= 4096 && (on || C > 1024) ? 'w' : K <= 16 ? 'v' : 'g';
+  const char fwd = packs <= 4096 && C > 1024 ? 'w' : K <= 16 ? 'v' : 'g';
   const bool wide_ok = packs <= 1024;
-  const int limit = b == 0 ? 4 : pf ? 4 : ds ? 5 : 6;
-  const char bwd = wide_ok && (on || K > limit) ? 'w' : K <= limit ? (b == 0 ? 'a' : 'b') : 'g';
+  const int limit = pf ? 4 : ds ? 5 : 6;
+  const char bwd = wide_ok && K > limit ? 'w' : K <= limit ? 'b' : 'g';
   return {fwd, bwd};
 }
 
@@ -332,24 +318,9 @@ TEST_P(GpuBackend, Elementwise) {
   EXPECT_CLOSE(cast[1], cast[0], 1e-7);  // y is representable: the cast is exact
 }
 
-// LayerNorm forward and backward against the CPU reference, the backward with each fused
-// kernel: VITGRID_LN_BWD (read when a backend is made) 0 = layernorm_bwd_fused_kernel, 1 (the
-// default) = layernorm_bwd_fused2_kernel; widths past their reach take the general path. The
-// two backends must agree: the forward bit for bit (the same kernels); dx bit for bit where
-// both run a fused kernel (the same per-row arithmetic in the same order) or both the general
-// path; dgamma / dbeta bit for bit on the general path, else to 1e-5 (rel. L2: fp32 sums of
-// the same products over the rows in another order). An unknown value is a user error.
+// LayerNorm forward and backward against the CPU reference, on each kernel the width picks
+// (ln_paths): the fused warp-per-row backward, the block-per-row kernels and the general path.
 TEST_P(GpuBackend, LayerNorm) {
-  auto lnb = ln_bwd_backends(dt);
-  for (const char* var : {"VITGRID_LN_BWD", "VITGRID_LN_WIDE"}) {
-    ScopedEnv e(var, "2");
-    try {
-      make_cuda_backend(0, dt);
-      ADD_FAILURE() << var << "=2 accepted";
-    } catch (const UserError& e) {
-      EXPECT_NE(std::string(e.what()).find(var), std::string::npos) << e.what();
-    }
-  }
   // odd width (generic kernels) and 16-byte-divisible widths (register-resident vector
   // forward with 1..4 packs per lane, fused vector backwards: ViT-Lite 256, ViT-S 384, ViT-B
   // 768, ViT-L 1024; block-per-row kernels: ViT-H 1280, 2048, the large ViT's 4096, 8192 (in
@@ -374,9 +345,9 @@ TEST_P(GpuBackend, LayerNorm) {
   // with the residual, the backward also sums dx's columns into dsum (output 7)
   for (int with_b = 0; with_b < 2; ++with_b) {
     const bool ds = with_b;
-    Vec r[4][8];  // [0] CPU, [1 + b] CUDA backend b of ln_bwd_backends
-    for (int k = 0; k < 4; ++k) {
-      Dev* d = k ? lnb[k - 1].get() : cpu.get();
+    Vec r[2][8];  // [0] CPU, [1] CUDA
+    for (int k = 0; k < 2; ++k) {
+      Dev* d = k ? gpu.get() : cpu.get();
       void* res = d->nan_act(size_t(N) * C);
       void* y = d->nan_act(size_t(N) * C);
       float* mean = d->nan_f32(N);
@@ -412,39 +383,11 @@ TEST_P(GpuBackend, LayerNorm) {
       }
     }
     SCOPED_TRACE(with_b ? "with residual" : "without residual");
-    for (int v = 0; v < 3; ++v) {
-      SCOPED_TRACE("CUDA backend " + std::to_string(v));
-      for (int j = 0; j < (ds ? 8 : 7); ++j) {
-        // mean/rstd/dgamma/dbeta are fp32 but depend on res, which is rounded identically
-        // only when a + b is exact; use the act tolerance for all but rstd-free fp32 sums.
-        SCOPED_TRACE("output " + std::to_string(j));
-        EXPECT_CLOSE(r[1 + v][j], r[0][j], tol());
-      }
-    }
-    // the kernel choices against the default (backend 1): bit for bit where they run the same
-    // kernels; dx also where both run one of the two fused warp kernels (the same per-row
-    // arithmetic in the same order); else close (dgamma / dbeta: fp32 sums of the same
-    // products in another order; the block-per-row forward sums a row in another order too)
-    const LnPaths p1 = ln_paths(1, C, dt, ds);
-    for (int v : {0, 2}) {
-      const LnPaths pv = ln_paths(v, C, dt, ds);
-      const bool same_fwd = pv.fwd == p1.fwd, same_bwd = same_fwd && pv.bwd == p1.bwd;
-      const bool warp_dx = same_fwd && (pv.bwd == 'a' || pv.bwd == 'b') &&
-                           (p1.bwd == 'a' || p1.bwd == 'b');
-      for (int j = 0; j < (ds ? 8 : 7); ++j) {
-        SCOPED_TRACE("backend " + std::to_string(v) + " (paths " + pv.fwd + pv.bwd +
-                     ") vs 1 (" + p1.fwd + p1.bwd + "), output " + std::to_string(j));
-        const bool exact = j < 4 ? same_fwd : same_bwd || (j == 4 && warp_dx);
-        if (exact) {
-          ASSERT_EQ(r[1 + v][j].size(), r[2][j].size());
-          size_t diff = 0;
-          for (size_t i = 0; i < r[2][j].size(); ++i)
-            diff += std::memcmp(&r[1 + v][j][i], &r[2][j][i], sizeof(float)) != 0;
-          EXPECT_EQ(diff, 0u) << "elements differing in their bits";
-        } else {
-          EXPECT_CLOSE(r[1 + v][j], r[2][j], j == 1 || j == 4 || j == 7 ? tol() : 1e-5);
-        }
-      }
+    for (int j = 0; j < (ds ? 8 : 7); ++j) {
+      // mean/rstd/dgamma/dbeta are fp32 but depend on res, which is rounded identically
+      // only when a + b is exact; use the act tolerance for all but rstd-free fp32 sums.
+      SCOPED_TRACE("output " + std::to_string(j));
+      EXPECT_CLOSE(r[1][j], r[0][j], tol());
     }
   }
   // In place: res aliases a.
@@ -460,17 +403,15 @@ TEST_P(GpuBackend, LayerNorm) {
   }
 }
 
-// Drop path in the LayerNorms (RowFactors): on each LayerNorm kernel choice (ln_bwd_backends),
-// the fused forward and backward give what the drop-path pass around the unfused ones
+// Drop path in the LayerNorms (RowFactors): the fused forward and backward give what the drop-path pass around the unfused ones
 // gives, bit for bit (res, y, dx and the branch gradient; dx and the branch gradient only close
 // where the backward with factors runs another kernel than the one without: 1280 in 16-bit
 // types and 768 in fp32 under the defaults); the branch gradient's column sums
 // match an fp64 sum of it; the factors and every output match the CPU backend. Widths: the
 // second kernel's factor variant (1, 2, 3, 4 packs per lane in 16-bit types), the
-// block-per-row kernel's (1280: 5 packs; 4096; every width with VITGRID_LN_WIDE=1) and the
-// passes of their own (77: the general path; fp32 with VITGRID_LN_BWD=0).
+// block-per-row kernel's (1280: 5 packs; 4096) and the passes of their own (77: the general
+// path).
 TEST_P(GpuBackend, LayerNormRowFactors) {
-  auto lnb = ln_bwd_backends(dt);
   const int T = 7;
   for (auto [N, C] : {std::pair<int, int>{4998, 768}, std::pair<int, int>{301, 256},
                       std::pair<int, int>{63, 1024}, std::pair<int, int>{147, 512},
@@ -488,9 +429,9 @@ TEST_P(GpuBackend, LayerNormRowFactors) {
     Vec a = rnd(n, 1.0f, 0.3f), b = rnd(n), g = rnd(C, 0.2f, 1.0f), be = rnd(C, 0.1f),
         dy = rnd(n), dx0 = rnd(n), ds0 = rnd(C);
     Vec ref[6];  // the CPU's fused outputs: res, y, dx, dbranch, dsum, factors
-    for (int d_i = 0; d_i < 4; ++d_i) {
-      Dev* d = d_i ? lnb[d_i - 1].get() : cpu.get();
-      SCOPED_TRACE(d_i ? "CUDA backend " + std::to_string(d_i - 1) : std::string("CPU"));
+    for (int d_i = 0; d_i < 2; ++d_i) {
+      Dev* d = d_i ? gpu.get() : cpu.get();
+      SCOPED_TRACE(d_i ? "CUDA" : "CPU");
       float* f = d->nan_f32(S);
       d->be->drop_path_factors(f, S, k);
       const RowFactors rf{f, T};
@@ -527,8 +468,7 @@ TEST_P(GpuBackend, LayerNormRowFactors) {
       }
       // bit for bit where the fused call's backward runs the same kernel as the unfused one
       // (the CPU; on the GPU a variant may reach further than another, then only close)
-      const bool same = d_i == 0 || ln_paths(d_i - 1, C, dt, false).bwd ==
-                                        ln_paths(d_i - 1, C, dt, true, true).bwd;
+      const bool same = d_i == 0 || ln_paths(C, dt, false).bwd == ln_paths(C, dt, true, true).bwd;
       for (int j = 0; j < 4; ++j) {
         SCOPED_TRACE("output " + std::to_string(j));
         if (j >= 2 && !same) {
@@ -588,8 +528,8 @@ TEST_P(GpuBackend, Softmax) {
 // Attention: the CPU reference against every CUDA path: cuDNN's fused SDPA (bf16/fp16, head
 // dim 64/80/128, builds with cudnn_frontend; a shape cuDNN rejects runs the flash kernels),
 // the own flash kernels (bf16/fp16, head dim 32/64/80/128) and the cuBLASLt + softmax
-// fallback (fp32 and other head dims always take it). One backend per VITGRID_ATTENTION value
-// (read when the backend is made): the default (auto), cudnn, flash and fallback; each prints
+// fallback (fp32 and other head dims always take it). One backend per BackendOptions::attention
+// value (device.attention): the default (auto), cudnn, flash and fallback; each prints
 // the path it took. Shapes cover ragged tiles (T = 17, 50, 65, 197 against 64-row tiles; 128:
 // a multiple of cuDNN's 128-key tiles), several heads and batches, and hd = 32, 64, 80, 128
 // (16 and 8: fallback only).
@@ -599,38 +539,29 @@ TEST_P(GpuBackend, Softmax) {
 // also be bitwise reproducible; cuDNN with device.deterministic = false (atomics) only close.
 TEST_P(GpuBackend, Attention) {
   struct Shape { int B, T, H, hd; };
-  // Extra CUDA backends, one per forced path (the variable is read at construction).
-  auto make_with = [&](const char* mode, bool deterministic = true) {
-    setenv("VITGRID_ATTENTION", mode, 1);
+  // Extra CUDA backends, one per forced path (BackendOptions::attention, device.attention).
+  auto make_with = [&](AttentionMode mode, const char* name, bool deterministic = true) {
     std::unique_ptr<Dev> d;
     try {
       BackendOptions o;
       o.deterministic = deterministic;
+      o.attention = mode;
       d = std::make_unique<Dev>(make_cuda_backend(0, dt, o));
     } catch (const UserError& e) {
-      std::printf("[attention %s] VITGRID_ATTENTION=%s: %s\n", dtype_name(dt), mode, e.what());
+      std::printf("[attention %s] device.attention = %s: %s\n", dtype_name(dt), name, e.what());
     }
-    unsetenv("VITGRID_ATTENTION");
     return d;
   };
-  std::unique_ptr<Dev> fb = make_with("fallback"), fl = make_with("flash"),
-                       cd = make_with("cudnn"), ca = make_with("cudnn", false);
+  std::unique_ptr<Dev> fb = make_with(AttentionMode::Fallback, "fallback"),
+                       fl = make_with(AttentionMode::Flash, "flash"),
+                       cd = make_with(AttentionMode::Cudnn, "cudnn"),
+                       ca = make_with(AttentionMode::Cudnn, "cudnn", false);
   ASSERT_TRUE(fb && fl);
 #if defined(VITGRID_HAVE_CUDNN_FRONTEND) && VITGRID_HAVE_CUDNN_FRONTEND
-  ASSERT_TRUE(cd) << "built with cudnn_frontend, yet VITGRID_ATTENTION=cudnn was refused";
+  ASSERT_TRUE(cd) << "built with cudnn_frontend, yet device.attention = cudnn was refused";
 #else
-  EXPECT_FALSE(cd) << "VITGRID_ATTENTION=cudnn accepted by a build without cudnn_frontend";
+  EXPECT_FALSE(cd) << "device.attention = cudnn accepted by a build without cudnn_frontend";
 #endif
-  {  // an unknown value is a user error naming the variable
-    setenv("VITGRID_ATTENTION", "fastest", 1);
-    try {
-      make_cuda_backend(0, dt);
-      ADD_FAILURE() << "VITGRID_ATTENTION=fastest accepted";
-    } catch (const UserError& e) {
-      EXPECT_NE(std::string(e.what()).find("VITGRID_ATTENTION"), std::string::npos) << e.what();
-    }
-    unsetenv("VITGRID_ATTENTION");
-  }
   const double tol_f = dt == DType::F32 ? 2e-5 : 2 * tol();
   const double tol_b = dt == DType::F32 ? 2e-5 : (dt == DType::BF16 ? 2.5e-2 : 2 * tol());
   // 0 CPU reference, then the CUDA backends: 1 default (auto), 2 fallback, 3 flash, 4 cudnn,
@@ -688,7 +619,7 @@ TEST_P(GpuBackend, Attention) {
                   "vs-fallback %.3g\n",
                   dtype_name(dt), names[k], path[k].c_str(), rel_l2(o[k], o[0]),
                   rel_l2(o[k], o[2]), rel_l2(g[k], g[0]), rel_l2(g[k], g[2]));
-      SCOPED_TRACE(std::string("VITGRID_ATTENTION ") + names[k] + ", path " + path[k]);
+      SCOPED_TRACE(std::string("device.attention ") + names[k] + ", path " + path[k]);
       EXPECT_CLOSE(o[k], o[0], tol_f);
       EXPECT_CLOSE(g[k], g[0], tol_b);
       if (k != 2) {

@@ -7,7 +7,7 @@
 // Every kernel with the default tile scheduling on every shape (ragged N, K and N residues of
 // the tiles, a few rows, and shapes of several tiles per SM, so the persistent loop and the
 // ping-pong hand-over run), every scheduler setting (raster order, swizzle) of every kernel on
-// two shapes. Then the backend's choice (cuda_backend.cpp): VITGRID_FUSED_GELU auto with
+// two shapes. Then the backend's choice (cuda_backend.cpp): device.fused_gelu auto with
 // device.gemm_tune timing the candidates, forced on / off / a forced configuration, the
 // outputs of linear_forward / linear_backward against the unfused backend (dW and db
 // accumulated exactly once).
@@ -233,18 +233,21 @@ TEST_P(GpuGemmGelu, BackwardSchedules) {
   for (const Shape& s : kScheduleShapes) check_backward(s, all_configs(false));
 }
 
-// The backend's choice, through linear_forward / linear_backward: a backend made under the
-// given environment and gemm_tune, against the unfused path spelled out on the fixture's
+// The backend's choice, through linear_forward / linear_backward: a backend made with opts_
+// and the given gemm_tune, against the unfused path spelled out on the fixture's
 // backend (linear ops without GELU arguments, which never fuse, and the GELU kernels).
 class GpuGemmGeluBackend : public GpuGemmGelu {
  protected:
+  // The fused-GELU options of the backends run_mlp makes (BackendOptions::fused_gelu and the
+  // forced configurations; gemm_tune is run_mlp's).
+  BackendOptions opts_;
   // Runs fc1's forward and fc2's backward of an MLP shape on a backend made with `gemm_tune`
-  // under the current environment, checks them against the unfused reference on `gpu`, and
+  // and opts_, checks them against the unfused reference on `gpu`, and
   // returns the backend's (forward, backward) choices.
   // `agree`: the backend's tune agreement (Backend::set_tune_agreement), if any.
   std::pair<int, int> run_mlp(int gemm_tune, int N = 197 * 3, int C = 384,
                               Backend::ReplicaMax agree = {}) {
-    BackendOptions o;
+    BackendOptions o = opts_;
     o.gemm_tune = gemm_tune;
     auto d = std::make_unique<Dev>(make_cuda_backend(0, dt, o));
     auto* be = dynamic_cast<CudaBackend*>(d->be.get());
@@ -297,35 +300,34 @@ class GpuGemmGeluBackend : public GpuGemmGelu {
 };
 
 TEST_P(GpuGemmGeluBackend, AutoUntimedIsUnfused) {
-  ScopedEnv e("VITGRID_FUSED_GELU", nullptr), f("VITGRID_FUSED_GELU_CONFIG", nullptr);
   const auto [fw, bw] = run_mlp(0);
   EXPECT_EQ(fw, -1);
   EXPECT_EQ(bw, -1);
 }
 
 TEST_P(GpuGemmGeluBackend, AutoTimed) {
-  ScopedEnv e("VITGRID_FUSED_GELU", nullptr), f("VITGRID_FUSED_GELU_CONFIG", nullptr);
   const auto [fw, bw] = run_mlp(4);
   EXPECT_TRUE(fw >= -1 && fw < cuda::gemm_gelu_config_count(dt, true)) << fw;
   EXPECT_TRUE(bw >= -1 && bw < cuda::gemm_gelu_config_count(dt, false)) << bw;
 }
 
 TEST_P(GpuGemmGeluBackend, OnUntimedIsDefault) {
-  ScopedEnv e("VITGRID_FUSED_GELU", "1"), f("VITGRID_FUSED_GELU_CONFIG", nullptr);
+  opts_.fused_gelu = FusedGeluMode::On;
   const auto [fw, bw] = run_mlp(0);
   EXPECT_EQ(fw, 0);
   EXPECT_EQ(bw, 0);
 }
 
 TEST_P(GpuGemmGeluBackend, OnTimedIsFused) {
-  ScopedEnv e("VITGRID_FUSED_GELU", "1"), f("VITGRID_FUSED_GELU_CONFIG", nullptr);
+  opts_.fused_gelu = FusedGeluMode::On;
   const auto [fw, bw] = run_mlp(8);
   EXPECT_GE(fw, 0);
   EXPECT_GE(bw, 0);
 }
 
 TEST_P(GpuGemmGeluBackend, Off) {
-  ScopedEnv e("VITGRID_FUSED_GELU", "0"), f("VITGRID_FUSED_GELU_CONFIG", "0");
+  opts_.fused_gelu = FusedGeluMode::Off;  // the forced configurations ignored
+  opts_.fused_gelu_forward_config = opts_.fused_gelu_backward_config = 0;
   const auto [fw, bw] = run_mlp(8);
   EXPECT_LT(fw, 0);
   EXPECT_LT(bw, 0);
@@ -335,8 +337,8 @@ TEST_P(GpuGemmGeluBackend, ForcedConfig) {
   // the last configuration of each direction: the last kernel with the last scheduler setting
   const int f = cuda::gemm_gelu_config_count(dt, true) - 1;
   const int b = cuda::gemm_gelu_config_count(dt, false) - 1;
-  const std::string v = std::to_string(f) + "," + std::to_string(b);
-  ScopedEnv e("VITGRID_FUSED_GELU", nullptr), c("VITGRID_FUSED_GELU_CONFIG", v.c_str());
+  opts_.fused_gelu_forward_config = f;
+  opts_.fused_gelu_backward_config = b;
   const auto [fw, bw] = run_mlp(0);
   EXPECT_EQ(fw, f);
   EXPECT_EQ(bw, b);
@@ -359,7 +361,6 @@ Backend::ReplicaMax later_is_faster(int* headers, int* rounds) {
 }
 
 TEST_P(GpuGemmGeluBackend, AgreedTimingsDecide) {
-  ScopedEnv e("VITGRID_FUSED_GELU", nullptr), f("VITGRID_FUSED_GELU_CONFIG", nullptr);
   int headers = 0, rounds = 0;
   const auto [fw, bw] = run_mlp(8, 197 * 3, 384, later_is_faster(&headers, &rounds));
   EXPECT_EQ(fw, cuda::gemm_gelu_config_count(dt, true) - 1);
@@ -394,18 +395,20 @@ TEST_P(GpuGemmGeluBackend, ReplicasTimingDifferentChoicesFail) {
   }
 }
 
-TEST_P(GpuGemmGeluBackend, BadEnvironment) {
-  {
-    ScopedEnv e("VITGRID_FUSED_GELU", "yes");
-    EXPECT_THROW(make_cuda_backend(0, dt), UserError);
-  }
-  {
-    ScopedEnv e("VITGRID_FUSED_GELU", nullptr), c("VITGRID_FUSED_GELU_CONFIG", "100000");
-    EXPECT_THROW(make_cuda_backend(0, dt), UserError);
-  }
-  {
-    ScopedEnv e("VITGRID_FUSED_GELU", nullptr), c("VITGRID_FUSED_GELU_CONFIG", "1,x");
-    EXPECT_THROW(make_cuda_backend(0, dt), UserError);
+// A forced configuration out of range for the dtype is a user error naming the deck key
+// (the deck refuses other bad values before a backend is made).
+TEST_P(GpuGemmGeluBackend, BadOptions) {
+  for (int forward = 0; forward < 2; ++forward) {
+    BackendOptions o;
+    (forward ? o.fused_gelu_forward_config : o.fused_gelu_backward_config) = 100000;
+    try {
+      make_cuda_backend(0, dt, o);
+      ADD_FAILURE() << "configuration 100000 accepted";
+    } catch (const UserError& e) {
+      const char* key = forward ? "device.fused_gelu_forward_config"
+                                : "device.fused_gelu_backward_config";
+      EXPECT_NE(std::string(e.what()).find(key), std::string::npos) << e.what();
+    }
   }
 }
 

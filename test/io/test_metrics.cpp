@@ -19,6 +19,7 @@
 #include <tuple>
 
 #include "io_test_util.h"
+#include "vitgrid/core/test_hooks.h"
 #include "vitgrid/io/metrics.h"
 
 namespace {
@@ -655,7 +656,7 @@ TEST(MetricsFullDisk, WriteFailingInsideHdf5FailsAlikeOnEveryRank) {
     GTEST_SKIP() << "needs root to mount a tmpfs";
   }
   const std::string path = fs / "metrics.h5";
-  setenv("VITGRID_TEST_METRICS_NO_RESERVE", "1", 1);
+  vitgrid_test_hooks.metrics_no_reserve = 1;
   {
     vitgrid::MetricsWriter mw(MPI_COMM_WORLD, path, kDeck, grid(), "1d", "cpu", false, 0);
     for (int64_t s = 1; s <= 3; ++s) mw.add_train(train_row(s));
@@ -667,7 +668,7 @@ TEST(MetricsFullDisk, WriteFailingInsideHdf5FailsAlikeOnEveryRank) {
         [&] { mw.flush(); },
         {"metrics file '" + path + "': cannot write", "no space left on device"});
   }
-  unsetenv("VITGRID_TEST_METRICS_NO_RESERVE");
+  vitgrid_test_hooks.metrics_no_reserve = 0;
   expect_ranks_in_step();
 }
 

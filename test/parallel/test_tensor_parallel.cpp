@@ -78,12 +78,11 @@ struct Case {
   int tensor;
   int depth;
   bool seq = false;  // 1d with sequence parallelism
-  bool serial = false;  // ... its collectives not overlapped (VITGRID_SP_OVERLAP=0)
-  int chunks = 1;       // ... in this many row chunks (GridShape::sequence_chunks)
+  int chunks = 1;    // ... in this many row chunks (GridShape::sequence_chunks)
   std::string name() const {
     return std::string(tensor_mode_name(mode)) + " tensor=" + std::to_string(tensor) +
            " depth=" + std::to_string(depth) + (seq ? " sequence-parallel" : "") +
-           (serial ? " serial" : "") + (chunks > 1 ? " chunks=" + std::to_string(chunks) : "");
+           (chunks > 1 ? " chunks=" + std::to_string(chunks) : "");
   }
 };
 
@@ -100,15 +99,14 @@ std::vector<Case> cases() {
   if (w == 2) {
     out.push_back({TensorMode::D1, 2, 1});
     out.push_back({TensorMode::D1, 2, 1, true});
-    out.push_back({TensorMode::D1, 2, 1, true, true});
-    out.push_back({TensorMode::D1, 2, 1, true, false, 5});  // chunks of unequal rows
+    out.push_back({TensorMode::D1, 2, 1, true, 5});  // chunks of unequal rows
   }
   if (w == 4) {
     out.push_back({TensorMode::D1, 4, 1});
     out.push_back({TensorMode::D1, 4, 1, true});
-    out.push_back({TensorMode::D1, 4, 1, true, false, 8});  // more chunks than rows: empty ones
+    out.push_back({TensorMode::D1, 4, 1, true, 8});  // more chunks than rows: empty ones
     out.push_back({TensorMode::D1, 2, 1});  // with data = 2 beside it
-    out.push_back({TensorMode::D1, 2, 1, true, false, 3});
+    out.push_back({TensorMode::D1, 2, 1, true, 3});
     out.push_back({TensorMode::D2, 4, 1});
     out.push_back({TensorMode::D2p5, 4, 1});  // q = 2, d = 1
   }
@@ -212,9 +210,7 @@ struct Rig {
       be = make_backend("cpu", 0, act);
       coll = make_mpi_collectives(*grid);
     }
-    if (c.serial) setenv("VITGRID_SP_OVERLAP", "0", 1);
     tp = make_tensor_parallel(*grid, *be, *coll);
-    if (c.serial) unsetenv("VITGRID_SP_OVERLAP");
   }
 };
 

@@ -429,13 +429,23 @@ class Backend {
   virtual void release_slot(int slot) = 0;
 };
 
-// How a backend may trade reproducibility or precision for speed (the CPU backend has nothing
-// to trade and ignores them all).
+// Attention's path on GPUs (device.attention): see make_cuda_backend.
+enum class AttentionMode { Auto, Cudnn, Flash, Fallback };
+// Fused GEMM + exact GELU on GPUs (device.fused_gelu): see make_cuda_backend.
+enum class FusedGeluMode { Auto, Off, On };
+
+// How a backend may trade reproducibility or precision for speed, and how it tunes itself
+// (the CPU backend has nothing to trade and ignores them all).
 struct BackendOptions {
   bool allow_tf32 = false;    // fp32 GEMMs on TF32 tensor cores (precision.mode = tf32)
   int gemm_tune = 0;          // device.gemm_tune: see make_cuda_backend
   bool deterministic = true;  // device.deterministic: false lets attention's backward use
                               // atomics (faster; gradients differ in the last bits run to run)
+  AttentionMode attention = AttentionMode::Auto;  // device.attention
+  FusedGeluMode fused_gelu = FusedGeluMode::Auto;  // device.fused_gelu
+  int fused_gelu_forward_config = -1;   // device.fused_gelu_forward_config (-1: chosen)
+  int fused_gelu_backward_config = -1;  // device.fused_gelu_backward_config (-1: chosen)
+  bool tuning_log = false;              // device.tuning_log: each tuned choice to stderr
 };
 
 // Factory: "cpu" always; "cuda" when built with CUDA (throws UserError otherwise).

@@ -82,8 +82,8 @@ class PipelineRunner {
   size_t image_bytes_;  // one sample's prepared image (act dtype)
   double busy_s_ = 0.0, total_s_ = 0.0;
   std::vector<int> step_marks_, busy_marks_;  // pairs of backend marks not yet harvested
-  // Fault injection for the tests (VITGRID_TEST_FAIL_AT=stage:step): this stage's first rank
-  // fails at the start of that step, as a crashing kernel would.
+  // Fault injection for the tests (vitgrid/core/test_hooks.h: fail_stage, fail_step): this
+  // stage's first rank fails at the start of that step, as a crashing kernel would.
   int fail_stage_ = -1;
   int64_t fail_step_ = -1;
   bool fail_rank_ = false;

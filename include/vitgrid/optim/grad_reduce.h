@@ -43,10 +43,6 @@ std::vector<GradBucket> plan_grad_buckets(const std::vector<GradRange>& groups, 
                                           size_t bucket_elems, size_t quantum,
                                           size_t tail_elems = 0);
 
-// Bucket size from the environment: VITGRID_BUCKET_MB (MiB of fp32 gradients per bucket,
-// default 25; 0 turns the overlap off: the whole buffer is reduced after the backward).
-double grad_bucket_mb_from_env();
-
 // ZeRO-1 shard geometry: data rank `rank` of `size` owns piece k = elements
 // [buckets[k].offset + rank * buckets[k].n / size, + buckets[k].n / size) of each bucket;
 // its optimizer state holds the pieces back to back (shard offset of piece k: the sum of the

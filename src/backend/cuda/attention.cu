@@ -1,5 +1,5 @@
-// Multi-head self-attention, three paths (VITGRID_ATTENTION, read when the backend is made:
-// auto | cudnn | flash | fallback; unset = auto):
+// Multi-head self-attention, three paths (BackendOptions::attention, deck device.attention:
+// auto | cudnn | flash | fallback; default auto):
 //  * cuDNN's fused SDPA (cudnn_attention.cpp): auto and cudnn, bf16/fp16 with head dim 64, 80
 //    or 128, when the build has cudnn_frontend and cuDNN builds both graphs of the shape
 //    (saved state: fp32 log-sum-exp [B,H,T]; workspace: what the graphs ask for, never less
@@ -7,7 +7,7 @@
 //  * the own flash kernels of flash_attention.cu: bf16/fp16 with head dim 32, 64, 80, 128
 //    (saved state: fp32 log-sum-exp [B,H,T], the same quantity as cuDNN's; workspace: fp32
 //    D = rowsum(dO * O) [B,H,T] for the backward).
-//  * the fallback below: everything else, or every case with VITGRID_ATTENTION=fallback.
+//  * the fallback below: everything else, or every case with device.attention = fallback.
 //
 // Fallback path: cuBLASLt strided-batched GEMMs read q, k, v
 // straight out of the qkv[B,T,3C] layout (leading dimension 3C, head offset h*hd), scores
@@ -80,24 +80,15 @@ static void attention_gemm(CudaBackend& be, GemmSpec s, Offs oa, Offs ob, Offs o
   }
 }
 
-CudaBackend::AttentionMode CudaBackend::attention_mode_from_env() {
-  const char* v = std::getenv("VITGRID_ATTENTION");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return AttentionMode::Auto;
-  if (std::strcmp(v, "flash") == 0) return AttentionMode::Flash;
-  if (std::strcmp(v, "fallback") == 0) return AttentionMode::Fallback;
-  if (std::strcmp(v, "cudnn") == 0) {
-    if (!cuda::CudnnAttention::available()) {
-      throw UserError(
-          "VITGRID_ATTENTION=cudnn, but this build has no cudnn_frontend (the cuDNN SDPA path "
-          "is not compiled in: run `make deps` or tools/fetch_cudnn_frontend.sh, or point "
-          "VITGRID_CUDNN_FRONTEND_DIR at the headers, and reconfigure); use auto, flash or "
-          "fallback");
-    }
-    return AttentionMode::Cudnn;
+AttentionMode CudaBackend::checked_attention_mode(AttentionMode m) {
+  if (m == AttentionMode::Cudnn && !cuda::CudnnAttention::available()) {
+    throw UserError(
+        "device.attention = cudnn, but this build has no cudnn_frontend (the cuDNN SDPA path "
+        "is not compiled in: run `make deps` or tools/fetch_cudnn_frontend.sh, or point "
+        "VITGRID_CUDNN_FRONTEND_DIR at the headers, and reconfigure); use auto, flash or "
+        "fallback");
   }
-  throw UserError(std::string("VITGRID_ATTENTION=") + v +
-                  " is not a known attention path; allowed: auto (the default), cudnn, flash, "
-                  "fallback");
+  return m;
 }
 
 const char* CudaBackend::attention_path_name(AttentionPath p) {

@@ -64,12 +64,12 @@ CudaBackend::CudaBackend(int device, DType act, const BackendOptions& opts)
       act_(act),
       tf32_(opts.allow_tf32 && act == DType::F32),
       gemm_tune_(std::max(1, std::min(opts.gemm_tune, kMaxGemmTune))),
-      deterministic_(opts.deterministic) {
+      gemm_tune_log_(opts.tuning_log),
+      deterministic_(opts.deterministic),
+      attention_mode_(checked_attention_mode(opts.attention)) {
   CUDA_CHECK(cudaSetDevice(device_));
   CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
-  read_fused_gelu_env(opts);
-  const char* tl = std::getenv("VITGRID_GEMM_TUNE_LOG");
-  gemm_tune_log_ = tl && std::strcmp(tl, "1") == 0;
+  set_fused_gelu(opts);
   // A non-blocking stream: no implicit serialisation with the legacy default stream, which
   // NCCL and other libraries might use.
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -472,7 +472,7 @@ std::vector<cublasLtMatmulAlgo_t> CudaBackend::tune_candidates(
 
 // Times each candidate (one warm-up, then kReps runs between events) on the plan's operands
 // (its epilogue pointers already bound by matmul) and keeps the fastest, on the worst
-// replica's timings under set_tune_agreement; VITGRID_GEMM_TUNE_LOG=1 prints the choice.
+// replica's timings under set_tune_agreement; BackendOptions::tuning_log prints the choice.
 cublasLtMatmulAlgo_t CudaBackend::fastest_algo(const MatmulPlan& p, const GemmSpec& s,
                                                const std::vector<cublasLtMatmulAlgo_t>& cand,
                                                const std::string& key) {
@@ -681,56 +681,28 @@ bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
 
 // ---------------------------------------------------------------- fused GEMM + exact GELU
 
-// VITGRID_FUSED_GELU: unset (or "auto"): per shape the faster of the unfused path and the
-// CUTLASS configurations, timed when device.gemm_tune > 1, else the unfused path (the
-// reproducible default); 0: never fused; 1: always fused, the configuration timed when
-// device.gemm_tune > 1, else configuration 0. VITGRID_FUSED_GELU_CONFIG=F or F,B forces the
-// configuration ids of the forward (F) and backward (B, default F) unless VITGRID_FUSED_GELU=0.
-// VITGRID_FUSED_GELU_LOG=1 prints each choice to stderr.
-void CudaBackend::read_fused_gelu_env(const BackendOptions& opts) {
-  const char* fg = std::getenv("VITGRID_FUSED_GELU");
-  FusedGeluMode mode = FusedGeluMode::Auto;
-  if (fg && std::strcmp(fg, "0") == 0) {
-    mode = FusedGeluMode::Off;
-  } else if (fg && std::strcmp(fg, "1") == 0) {
-    mode = FusedGeluMode::On;
-  } else if (fg && *fg && std::strcmp(fg, "auto") != 0) {
-    throw UserError(std::string("VITGRID_FUSED_GELU=") + fg +
-                    " is not known; allowed: auto (the default: timed per shape when "
-                    "device.gemm_tune > 1, else unfused), 0 (never fused), 1 (always fused)");
-  }
+// BackendOptions::fused_gelu (device.fused_gelu): Auto: per shape the faster of the unfused
+// path and the CUTLASS configurations, timed when device.gemm_tune > 1, else the unfused path
+// (the reproducible default); Off: never fused; On: always fused, the configuration timed when
+// device.gemm_tune > 1, else configuration 0. fused_gelu_forward_config / _backward_config
+// >= 0 force the configuration ids of the forward / backward unless Off. tuning_log prints
+// each choice to stderr.
+void CudaBackend::set_fused_gelu(const BackendOptions& opts) {
   const bool usable = act_ != DType::F32 && cuda::gemm_gelu_available();
-  fused_gelu_mode_ = usable ? mode : FusedGeluMode::Off;
+  fused_gelu_mode_ = usable ? opts.fused_gelu : FusedGeluMode::Off;
   fused_gelu_tune_ = opts.gemm_tune > 1;
-  const char* lg = std::getenv("VITGRID_FUSED_GELU_LOG");
-  fused_gelu_log_ = lg && std::strcmp(lg, "1") == 0;
-  const char* fc = std::getenv("VITGRID_FUSED_GELU_CONFIG");
-  if (!fc || !*fc || fused_gelu_mode_ == FusedGeluMode::Off) return;
-  int ids[2] = {-1, -1};
-  int n = 0;
-  const char* p = fc;
-  while (n < 2) {
-    char* end = nullptr;
-    const long v = std::strtol(p, &end, 10);
-    if (end == p || v < 0 || v > 1000000) break;
-    ids[n++] = static_cast<int>(v);
-    p = end;
-    if (*p != ',') break;
-    ++p;
-  }
-  if (n == 0 || *p != '\0') {
-    throw UserError(std::string("VITGRID_FUSED_GELU_CONFIG=") + fc +
-                    " is not F or F,B (configuration ids of the forward and backward)");
-  }
-  if (n == 1) ids[1] = ids[0];
+  fused_gelu_log_ = opts.tuning_log;
+  if (fused_gelu_mode_ == FusedGeluMode::Off) return;
+  const int ids[2] = {opts.fused_gelu_forward_config, opts.fused_gelu_backward_config};
   for (int f = 0; f < 2; ++f) {
     const bool forward = f == 0;
+    if (ids[f] < 0) continue;
     const int count = cuda::gemm_gelu_config_count(act_, forward);
     if (ids[f] >= count) {
-      throw UserError(std::string("VITGRID_FUSED_GELU_CONFIG=") + fc + ": " +
-                      (forward ? "forward" : "backward") + " configuration " +
-                      std::to_string(ids[f]) + " out of range (" + dtype_name(act_) + " has " +
-                      std::to_string(count) + ", 0.." + std::to_string(count - 1) + ")");
+      throw UserError(std::string("device.fused_gelu_") + (forward ? "forward" : "backward") +
+                      "_config = " + std::to_string(ids[f]) + " is out of range (" +
+                      dtype_name(act_) + " has " + std::to_string(count) +
+                      " configurations, 0.." + std::to_string(count - 1) + ")");
     }
     fused_gelu_forced_[forward ? 1 : 0] = ids[f];
   }
@@ -787,10 +759,10 @@ int CudaBackend::fused_gelu(bool forward, int N, int in, int out, bool ok, Run&&
     ch.why = "the kernels need more workspace than the cuBLASLt workspace";
   } else if (forced >= 0) {
     ch.config = forced;
-    ch.why = "VITGRID_FUSED_GELU_CONFIG";
+    ch.why = forward ? "device.fused_gelu_forward_config" : "device.fused_gelu_backward_config";
   } else if (!fused_gelu_tune_ || capture != cudaStreamCaptureStatusNone) {
     ch.config = on ? 0 : -1;
-    ch.why = !fused_gelu_tune_ ? (on ? "VITGRID_FUSED_GELU=1, untimed (device.gemm_tune <= 1)"
+    ch.why = !fused_gelu_tune_ ? (on ? "device.fused_gelu = on, untimed (device.gemm_tune <= 1)"
                                      : "untimed (device.gemm_tune <= 1)")
                                : "untimed: first call inside a CUDA graph capture";
     if (fused_gelu_tune_) return ch.config;  // not cached: time it at the next eager call

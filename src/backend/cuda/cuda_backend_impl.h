@@ -154,14 +154,14 @@ class CudaBackend final : public Backend {
   void softmax_backward(void* dx, const void* y, const void* dy, int rows, int cols,
                         float scale) override;
 
-  // Attention (attention.cu), three paths, chosen per shape by VITGRID_ATTENTION (read once,
-  // when the backend is made): auto (unset) and cudnn take cuDNN's fused SDPA
+  // Attention (attention.cu), three paths, chosen per shape by BackendOptions::attention
+  // (device.attention): Auto and Cudnn take cuDNN's fused SDPA
   // (cudnn_attention.cpp; bf16/fp16, head dims 64/80/128, when the build has cudnn_frontend
   // and cuDNN supports the shape), else the own flash kernels (flash_attention.cu; bf16/fp16,
-  // head dims 32/64/80/128), else the cuBLASLt + softmax fallback; flash skips cuDNN, fallback
+  // head dims 32/64/80/128), else the cuBLASLt + softmax fallback; Flash skips cuDNN, Fallback
   // forces the last. cuDNN and flash save the fp32 log-sum-exp [B,H,T] (the same quantity: a
   // shape may switch between them), the fallback the probabilities [B,H,T,T] in the act dtype.
-  // Another value throws UserError; so does cudnn in a build without cudnn_frontend.
+  // Cudnn in a build without cudnn_frontend throws UserError when the backend is made.
   enum class AttentionPath { Cudnn, Flash, Fallback };
   static const char* attention_path_name(AttentionPath p);
   // The path of the shape; B <= 0 or T <= 0: by dtype and head dim alone (what shapes normally
@@ -312,7 +312,7 @@ class CudaBackend final : public Backend {
   // cuda_backend.cpp.
   template <class Run>
   int fused_gelu(bool forward, int N, int in, int out, bool ok, Run&& run);
-  void read_fused_gelu_env(const BackendOptions& opts);  // the constructor's part
+  void set_fused_gelu(const BackendOptions& opts);  // the constructor's part
   // Scratch bytes each user needs for its largest call, from the same heuristics that size
   // its grids (defined beside them): column_sums_add (elementwise.cu), layernorm_backward
   // (layernorm.cu), layernorm_split_backward_sums (tp_ops.cu), sum_squares (optim_reduce.cu).
@@ -324,16 +324,6 @@ class CudaBackend final : public Backend {
   void layernorm_backward_general(void* dx, float* dgamma, float* dbeta, const void* dy,
                                   const void* x, const void* gamma, const float* mean,
                                   const float* rstd, int N, int C);
-  // VITGRID_LN_BWD: layernorm_backward's fused kernel, read once when the backend is made
-  // (layernorm.cu): 1 (unset: the default) the second, register-lean one; 0 the first.
-  static bool ln_bwd_v2_from_env();
-  const bool ln_bwd_v2_ = ln_bwd_v2_from_env();
-  // VITGRID_LN_WIDE: the block-per-row LayerNorm kernels for wide rows (layernorm.cu): Auto
-  // (unset: the default) past the warp-per-row kernels' reach, Off never, On wherever they
-  // apply.
-  enum class LnWide { Auto, Off, On };
-  static LnWide ln_wide_from_env();
-  const LnWide ln_wide_ = ln_wide_from_env();
   // Device tables of the multi-tensor ops, one per distinct slice list, carved from an arena
   // that plan_workspace sizes (slice_arena_bytes); past the arena, a table allocates its own.
   const SliceTable& slice_table(const std::vector<ParamSlice>& slices);
@@ -355,19 +345,17 @@ class CudaBackend final : public Backend {
   DType act_;
   bool tf32_;
   int gemm_tune_;  // GEMM candidates timed per new shape (1: the heuristic's first, untimed)
-  bool gemm_tune_log_ = false;  // VITGRID_GEMM_TUNE_LOG=1: every tuned choice to stderr
+  bool gemm_tune_log_;          // BackendOptions::tuning_log: every tuned choice to stderr
   ReplicaMax tune_agree_;       // set_tune_agreement: timed choices on the worst replica's times
   bool deterministic_;  // false: attention's backward may use atomics (cuDNN)
   int sm_count_ = 0;
   int gemm_sm_margin_ = 0;  // set_gemm_sm_margin: part of the GEMM plans' key
-  // Fused GEMM + exact GELU: VITGRID_FUSED_GELU (unset/auto, 0, 1) and
-  // VITGRID_FUSED_GELU_CONFIG, read at construction; Off as well without the kernels (no
-  // CUTLASS, not sm_90, fp32 activations).
-  enum class FusedGeluMode { Auto, Off, On };
+  // Fused GEMM + exact GELU: BackendOptions::fused_gelu and its forced configurations, set at
+  // construction; Off as well without the kernels (no CUTLASS, not sm_90, fp32 activations).
   FusedGeluMode fused_gelu_mode_ = FusedGeluMode::Off;
   bool fused_gelu_tune_ = false;         // time the candidates per shape (device.gemm_tune > 1)
-  bool fused_gelu_log_ = false;          // VITGRID_FUSED_GELU_LOG=1: each choice to stderr
-  int fused_gelu_forced_[2] = {-1, -1};  // VITGRID_FUSED_GELU_CONFIG ids [backward, forward]
+  bool fused_gelu_log_ = false;          // BackendOptions::tuning_log: each choice to stderr
+  int fused_gelu_forced_[2] = {-1, -1};  // forced configuration ids [backward, forward]
   std::vector<FusedGeluChoice> fused_gelu_choices_;  // one per (direction, shape) seen
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
@@ -421,10 +409,9 @@ class CudaBackend final : public Backend {
   std::vector<cudaGraphExec_t> graphs_;  // capture_end() ids index this
   bool capturing_ = false;
   void release_graphs();  // destructor helper (graphs.cpp)
-  // VITGRID_ATTENTION: read once, when the backend is constructed (attention.cu).
-  enum class AttentionMode { Auto, Cudnn, Flash, Fallback };
-  static AttentionMode attention_mode_from_env();
-  const AttentionMode attention_mode_ = attention_mode_from_env();
+  // BackendOptions::attention, checked when the backend is constructed (attention.cu).
+  static AttentionMode checked_attention_mode(AttentionMode m);
+  const AttentionMode attention_mode_;
   // The cuDNN path (graph cache and handle), made on first use by attention_route().
   cuda::CudnnAttention* cudnn_attention() const;
   mutable std::unique_ptr<cuda::CudnnAttention, cuda::CudnnAttentionDelete> cudnn_attention_;

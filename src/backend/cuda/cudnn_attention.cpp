@@ -244,7 +244,7 @@ struct CudnnAttention::Impl {
     }
     if (!e.ok && verbose) {
       std::fprintf(stderr,
-                   "vitgrid: VITGRID_ATTENTION=cudnn: cuDNN SDPA does not take %s (%s); the "
+                   "vitgrid: device.attention = cudnn: cuDNN SDPA does not take %s (%s); the "
                    "flash kernels run this shape\n",
                    shape_name(s).c_str(), e.why.c_str());
     }

@@ -1,7 +1,6 @@
 // Fused residual add + LayerNorm forward and the LayerNorm backward, side by side.
 // One warp per row (ViT rows are C = 192..1280 wide: a warp streams them at full bandwidth and
-// needs no shared memory), a thread block per row past that (the large ViT's 4096:
-// VITGRID_LN_WIDE); statistics in fp32; parameter gradients through a deterministic
+// needs no shared memory), a thread block per row past that (the large ViT's 4096); statistics in fp32; parameter gradients through a deterministic
 // two-stage column reduction (no atomics, same bits every run).
 #include <algorithm>
 #include <cstdio>
@@ -234,86 +233,17 @@ __device__ __forceinline__ void write_block_partials(float* sh, const float (&ac
   }
 }
 
-// Fused backward for rows of up to 32*K packs of V elements (C <= 1024 in 16-bit types): one
-// warp per row, each lane owning the same K packs (16-byte vectors) of every row it visits, so
-// dy and x are read once for dx, dgamma and dbeta; per-lane column sums stay in registers,
-// then the block's warps combine them in fixed order in shared memory and the block writes
-// one partial row. Deterministic like the generic path.
-template <class T, int K>
-__global__ void __launch_bounds__(128) layernorm_bwd_fused_kernel(
-    T* dx, float* pg, float* pb, const T* dy, const T* x, const T* gamma, const float* mean,
-    const float* rstd, int N, int C) {
-  constexpr int V = 16 / sizeof(T);
-  constexpr int W = 4;  // warps per block
-  extern __shared__ float sh[];  // [W][2][C]
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  const int packs = C / V;
-  float gam[K][V], accg[K][V], accb[K][V];
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int p = lane + 32 * k;
-    Pack<T, V> gp;
-    if (p < packs) gp = reinterpret_cast<const Pack<T, V>*>(gamma)[p];
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      gam[k][j] = p < packs ? to_f(gp.v[j]) : 0.0f;
-      accg[k][j] = accb[k][j] = 0.0f;
-    }
-  }
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * W + w; row < N;
-       row += static_cast<int64_t>(gridDim.x) * W) {
-    const Pack<T, V>* dyr = reinterpret_cast<const Pack<T, V>*>(dy + row * C);
-    const Pack<T, V>* xr = reinterpret_cast<const Pack<T, V>*>(x + row * C);
-    Pack<T, V>* dxr = reinterpret_cast<Pack<T, V>*>(dx + row * C);
-    const float m = mean[row], rs = rstd[row];
-    float d[K][V], xh[K][V];
-    float s1 = 0.0f, s2 = 0.0f;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int p = lane + 32 * k;
-      Pack<T, V> dp, xp;
-      if (p < packs) {
-        dp = dyr[p];
-        xp = xr[p];
-      }
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        d[k][j] = p < packs ? to_f(dp.v[j]) : 0.0f;
-        xh[k][j] = p < packs ? (to_f(xp.v[j]) - m) * rs : 0.0f;
-        const float g = d[k][j] * gam[k][j];
-        s1 += g;
-        s2 += g * xh[k][j];
-        accg[k][j] += d[k][j] * xh[k][j];
-        accb[k][j] += d[k][j];
-      }
-    }
-    s1 = warp_sum(s1) / C;
-    s2 = warp_sum(s2) / C;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int p = lane + 32 * k;
-      if (p >= packs) continue;
-      Pack<T, V> o = dxr[p];
-#pragma unroll
-      for (int j = 0; j < V; ++j)
-        o.v[j] = from_f<T>(to_f(o.v[j]) + rs * (d[k][j] * gam[k][j] - s1 - xh[k][j] * s2));
-      dxr[p] = o;
-    }
-  }
-  // combine the warps' column sums in a fixed order
-  const float none[1][V] = {};
-  write_block_partials<K, V, W, false>(sh, accg, accb, none, packs, C, pg, pb, nullptr);
-}
-
-// The second fused backward (VITGRID_LN_BWD=1, the default; =0 runs the one above, kept for
-// A/B runs). Same math, and per row the same arithmetic in the same order as
-// layernorm_bwd_fused_kernel: each lane owns packs lane + 32 k of the row, sums its g and
-// g * xhat over (k, j) in that order, the warp sums are the same butterflies, and the rounded
-// operations are written out (__fmul_rn / __fadd_rn / __fmaf_rn: never contracted) exactly as
-// the compiler emits them for the first kernel (FMUL g = d * gamma; FADD s1; FFMA s2;
-// dx: FADD g - s1, FFMA -xhat * s2, FFMA rstd * t + dx), so dx is bit-identical between the
-// two kernels. dgamma / dbeta are summed over the rows in another (fixed) order: equal up to
-// fp32 rounding, not bit for bit.
+// The fused backward for rows of up to 32*K packs of V elements: one warp per row, each lane
+// owning the same K packs (16-byte vectors) of every row it visits, so dy and x are read once
+// for dx, dgamma and dbeta; per-lane column sums stay in registers, then the block's warps
+// combine them in fixed order in shared memory and the block writes one partial row
+// (deterministic like the generic path). It replaced a first fused kernel that held the row
+// in registers (git history: layernorm_bwd_fused_kernel); per row it does the same arithmetic
+// in the same order: each lane owns packs lane + 32 k of the row, sums its g and g * xhat over
+// (k, j) in that order, the warp sums are the same butterflies, and the rounded operations
+// are written out (__fmul_rn / __fadd_rn / __fmaf_rn: never contracted) exactly as the
+// compiler emitted them for the first kernel (FMUL g = d * gamma; FADD s1; FFMA s2; dx: FADD
+// g - s1, FFMA -xhat * s2, FFMA rstd * t + dx), so dx is bit-identical to it.
 //
 // Why: the first kernel measured 0.154 ms at ViT-B/16 (bf16, N = 50432, C = 768: ~2 TB/s,
 // the forward 3.7) and is latency-bound. Each warp holds its row in registers (155..200
@@ -724,13 +654,13 @@ __global__ void __launch_bounds__(512) layernorm_bwd_wide_kernel(
 using namespace cuda;
 
 namespace {
-// The fused backward's grid: a few blocks per SM (132 on an H100 / H200) keep every row's loads
-// in flight; each block writes one partial row of dgamma and one of dbeta.
+// The partial rows the first fused kernel (since removed) needed: still part of the planned
+// scratch (layernorm_scratch_bytes), so the workspace plan is what it was.
 constexpr int kLnBwdMaxBlocks = 132 * 4;
 int ln_bwd_fused_blocks(int64_t N) {
   return static_cast<int>(std::min<int64_t>((N + 3) / 4, kLnBwdMaxBlocks));
 }
-// The second fused kernel's grid (VITGRID_LN_BWD=1): the blocks resident at once on an H100 /
+// The fused kernel's grid: the blocks resident at once on an H100 /
 // H200 (132 SMs x ln_bwd2_blocks_per_sm(K): 264..1056): one wave; fewer when the rows run out
 // (a row per warp). A constant, not the device's SM count: the partial rows, hence the dgamma /
 // dbeta bits, are the same on every GPU.
@@ -756,10 +686,10 @@ int ln_wide_bwd_blocks(int64_t N, int fit_per_sm) {
 }
 }  // namespace
 
-// layernorm_backward's partials: 2 x [blocks, C] on the fused paths (blocks capped), 2 x
+// layernorm_backward's partials: 2 x [blocks, C] on the fused path (blocks capped), 2 x
 // [chunks, C] on the general one (a chunk per kLnRowsPerChunk rows), 3 x [blocks, C] on the
-// second fused one with dx's column sums; the largest, whichever path VITGRID_LN_BWD, the
-// width, the alignments and dsum pick.
+// fused one with dx's column sums and on the wide one; the largest, whichever path the width,
+// the alignments and dsum pick (and the removed first fused kernel's 2 x [blocks, C]).
 size_t CudaBackend::layernorm_scratch_bytes(int64_t rows, int64_t cols) {
   if (rows <= 0 || cols <= 0) return 0;
   const int64_t chunks = (rows + kLnRowsPerChunk - 1) / kLnRowsPerChunk;
@@ -774,29 +704,6 @@ size_t CudaBackend::layernorm_scratch_bytes(int64_t rows, int64_t cols) {
   floats = std::max<int64_t>(floats, 3 * std::min<int64_t>((rows + 7) / 8, kLnWideMaxBlocks) *
                                          cols);
   return static_cast<size_t>(floats) * sizeof(float);
-}
-
-// VITGRID_LN_WIDE: auto (or unset) the block-per-row kernels for rows past the warp-per-row
-// kernels' reach, 0 never (the earlier paths), 1 wherever they apply (tests, A/B runs).
-CudaBackend::LnWide CudaBackend::ln_wide_from_env() {
-  const char* v = std::getenv("VITGRID_LN_WIDE");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return LnWide::Auto;
-  if (std::strcmp(v, "0") == 0) return LnWide::Off;
-  if (std::strcmp(v, "1") == 0) return LnWide::On;
-  throw UserError(std::string("VITGRID_LN_WIDE=") + v +
-                  " is not a known LayerNorm kernel choice; allowed: auto (the default: a "
-                  "block per row for rows wider than the warp-per-row kernels handle well), 0 "
-                  "(never), 1 (wherever the width allows)");
-}
-
-// VITGRID_LN_BWD: 1 (or unset) the second fused backward kernel, 0 the first.
-bool CudaBackend::ln_bwd_v2_from_env() {
-  const char* v = std::getenv("VITGRID_LN_BWD");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "1") == 0) return true;
-  if (std::strcmp(v, "0") == 0) return false;
-  throw UserError(std::string("VITGRID_LN_BWD=") + v +
-                  " is not a known LayerNorm backward kernel; allowed: 1 (the default: the "
-                  "register-lean fused kernel), 0 (the first fused kernel)");
 }
 
 void CudaBackend::add_layernorm_forward(void* res, void* y, float* mean, float* rstd,
@@ -821,8 +728,7 @@ void CudaBackend::add_layernorm_forward(void* res, void* y, float* mean, float* 
       CUDA_CHECK_LAUNCH();
     };
     const int packs = C / V;
-    const bool wide = packed && packs <= kLnWideMaxPacksFwd &&
-                      (ln_wide_ == LnWide::On || (ln_wide_ == LnWide::Auto && C > 1024));
+    const bool wide = packed && packs <= kLnWideMaxPacksFwd && C > 1024;
     if (wide) {
       // a block per row (past 4 packs per lane a warp holds too much of the row)
       const int kw = ln_wide_fwd_k(packs);
@@ -868,15 +774,10 @@ void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, cons
     const int kmax = pf_fused ? kLnBwd2MaxPacksPf : ds_fused ? kLnBwd2MaxPacksDs : kLnBwd2MaxPacks;
     const bool vec_ok = C % V == 0 && aligned16(dx) && aligned16(dy) && aligned16(x) &&
                         aligned16(gamma) && (!pf || aligned16(dbranch));
-    // the block-per-row kernel: past the reach (packs per lane) of the warp-per-row kernel the
-    // call would take (the second fused kernel's variant for it, or the first), or everywhere
-    // with VITGRID_LN_WIDE=1; it does the factors and the sums
-    const int warp_reach = !ln_bwd_v2_ ? 4
-                           : pf        ? kLnBwd2MaxPacksPf
-                           : dsum      ? kLnBwd2MaxPacksDs
-                                       : kLnBwd2MaxPacks;
-    if (vec_ok && packs <= kLnWideMaxPacksBwd &&
-        (ln_wide_ == LnWide::On || (ln_wide_ == LnWide::Auto && K > warp_reach))) {
+    // the block-per-row kernel: past the reach (packs per lane) of the fused kernel's variant
+    // the call would take; it does the factors and the sums
+    const int warp_reach = pf ? kLnBwd2MaxPacksPf : dsum ? kLnBwd2MaxPacksDs : kLnBwd2MaxPacks;
+    if (vec_ok && packs <= kLnWideMaxPacksBwd && K > warp_reach) {
       const int kw = ln_wide_bwd_k(packs), threads = ln_wide_threads(packs, kw);
       auto launch_wide = [&](auto kernel, bool DS) {
         // blocks of this many threads that fit on an SM, once per kernel and width
@@ -924,8 +825,12 @@ void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, cons
       factored = pf;
       return;
     }
-    if (ln_bwd_v2_ && vec_ok && K <= kmax) {
-      // the second fused kernel (VITGRID_LN_BWD=1): one partial row per block
+    // the fused kernel: one partial row per block. With a dbranch that is not 16-byte aligned
+    // (vec_ok false for that alone) the variant without the factors and sums, which the passes
+    // below then do.
+    const bool plain_ok = C % V == 0 && aligned16(dx) && aligned16(dy) && aligned16(x) &&
+                          aligned16(gamma);
+    if (plain_ok && K <= kmax) {
       auto launch2 = [&](auto k_tag, auto ds_tag, auto pf_tag) {
         constexpr int K = decltype(k_tag)::value;
         constexpr bool DS = decltype(ds_tag)::value, PF = decltype(pf_tag)::value;
@@ -956,7 +861,7 @@ void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, cons
           const int want = 132 * ln_bwd2_blocks_per_sm(K, DS, PF);
           if (per_sm * sms >= want) return true;
           std::fprintf(stderr,
-                       "vitgrid: LayerNorm backward (VITGRID_LN_BWD=1, %d packs per lane%s): %d "
+                       "vitgrid: LayerNorm backward (fused kernel, %d packs per lane%s): %d "
                        "blocks fit at once (%d SMs x %d), the grid has up to %d; expect it "
                        "slower than on an H100 / H200\n",
                        K, DS ? ", dx column sums" : "", per_sm * sms, sms, per_sm, want);
@@ -995,29 +900,6 @@ void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, cons
       factored = pf_fused;
       return;
     }
-    const bool vec = C % V == 0 && aligned16(dx) && aligned16(dy) && aligned16(x) &&
-                     aligned16(gamma) && packs <= 32 * 4;
-    if (!vec) return;
-    // one partial row per block: a few blocks per SM keep every row's loads in flight
-    const int blocks = ln_bwd_fused_blocks(N);
-    float* pg = static_cast<float*>(scratch(2 * static_cast<size_t>(blocks) * C * sizeof(float)));
-    float* pb = pg + static_cast<size_t>(blocks) * C;
-    const size_t smem = 4 * 2 * static_cast<size_t>(C) * sizeof(float);
-    auto launch = [&](auto kernel) {
-      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(smem)));
-      kernel<<<blocks, 128, smem, stream_>>>(static_cast<T*>(dx), pg, pb,
-                                             static_cast<const T*>(dy), static_cast<const T*>(x),
-                                             static_cast<const T*>(gamma), mean, rstd, N, C);
-      CUDA_CHECK_LAUNCH();
-    };
-    if (K <= 1) launch(layernorm_bwd_fused_kernel<T, 1>);
-    else if (K == 2) launch(layernorm_bwd_fused_kernel<T, 2>);
-    else if (K == 3) launch(layernorm_bwd_fused_kernel<T, 3>);
-    else launch(layernorm_bwd_fused_kernel<T, 4>);
-    launch_layernorm_bwd_param_final(stream_, dgamma, dbeta, pg, pb, blocks, C);
-    CUDA_CHECK_LAUNCH();
-    done = true;
   });
   if (!done) layernorm_backward_general(dx, dgamma, dbeta, dy, x, gamma, mean, rstd, N, C);
   // the paths without the factors or the sums: passes of their own over the updated dx

@@ -7,8 +7,8 @@
 // the thread polls the oldest pending event and ncclCommGetAsyncError of its axis; on an error,
 // or when that collective has been the oldest incomplete one for more than timeout_s, it names
 // the collective and the axis, aborts every communicator and the MPI job (no rank hangs).
-// VITGRID_NCCL_BLOCKING=1 makes every call wait for completion instead (debugging; the old
-// behaviour, like CUDA_LAUNCH_BLOCKING for kernels).
+// NcclOptions::blocking (deck device.nccl_blocking) makes every call wait for completion
+// instead (debugging; the old behaviour, like CUDA_LAUNCH_BLOCKING for kernels).
 // The asynchronous collectives (gradient buckets overlapped with the backward, ZeRO's
 // parameter buckets gathered during the forward) run on a dedicated communication stream:
 // each waits on an event recorded on the compute stream when it is started; wait_started()
@@ -42,6 +42,7 @@
 
 #include "cuda_backend_impl.h"
 #include "vitgrid/backend/cuda/cuda_backend.h"
+#include "vitgrid/core/test_hooks.h"
 
 #define NCCL_CHECK(call)                                                                  \
   do {                                                                                    \
@@ -163,17 +164,14 @@ class NcclCollectives final : public Collectives {
     CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&ready_ev_, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&done_ev_, cudaEventDisableTiming));
-    const char* b = std::getenv("VITGRID_NCCL_BLOCKING");
-    blocking_ = b && *b && std::string(b) != "0";
-    // Fault injection for the tests (VITGRID_TEST_NCCL_SKIP=rank:n): that world rank silently
-    // skips its n-th collective (1-based), as a rank taking a different code path would.
-    if (const char* f = std::getenv("VITGRID_TEST_NCCL_SKIP")) {
-      const std::string v(f);
-      const size_t colon = v.find(':');
+    blocking_ = o.blocking;
+    // Test fault injection (test_hooks.h): that world rank silently skips its n-th collective
+    // (1-based), as a rank taking a different code path would.
+    if (vitgrid_test_hooks.nccl_skip_call > 0) {
       int world_rank = 0;
       MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
-      if (colon != std::string::npos && std::atoi(v.substr(0, colon).c_str()) == world_rank)
-        skip_call_ = std::atoll(v.substr(colon + 1).c_str());
+      if (vitgrid_test_hooks.nccl_skip_rank == world_rank)
+        skip_call_ = vitgrid_test_hooks.nccl_skip_call;
     }
     if (!blocking_) watchdog_ = std::thread([this] { watch(); });
   }
@@ -675,11 +673,11 @@ class NcclCollectives final : public Collectives {
 
   static unsigned bit(Axis a) { return 1u << static_cast<int>(a); }
 
-  // Test fault injection: true for the call that VITGRID_TEST_NCCL_SKIP names on this rank.
+  // Test fault injection: true for the call that test_hooks.h's nccl_skip_* name on this rank.
   bool skipped() { return skip_call_ > 0 && ++calls_ == skip_call_; }
 
   // Waits on the host for the stream (hence the collective just enqueued) to drain, under the
-  // same checks as the watchdog thread (barrier, and every call with VITGRID_NCCL_BLOCKING).
+  // same checks as the watchdog thread (barrier, and every call with NcclOptions::blocking).
   void wait(cudaStream_t st, unsigned axes, const char* what) {
     poll([&] { return cudaStreamQuery(st); }, axes, what);
   }

@@ -33,9 +33,8 @@
 //   the peer's dy arrives (row_backward_consumed). The gathers of the Column forward and the
 //   Row backward, and the Row forward's chunked reduce-scatter, go in
 //   GridShape::sequence_chunks row chunks, so a GEMM waits only for the chunk it needs. The
-//   GEMMs beside a collective leave it Collectives::overlapped_sms SMs. VITGRID_SP_OVERLAP=0:
-//   each collective whole first, then the GEMMs (the same sums, but for their order over row
-//   blocks).
+//   GEMMs beside a collective leave it Collectives::overlapped_sms SMs. (The A/B variant that
+//   ran each collective whole first, then the GEMMs, is gone: git history.)
 // Either way a Linear's `rows` are the rows of its x: Column gets the Stream's, Row the Inner's.
 #include <algorithm>
 #include <cstdlib>
@@ -72,11 +71,6 @@ class SmMargin {
   bool on_ = false;
 };
 
-bool sp_overlap() {
-  const char* v = std::getenv("VITGRID_SP_OVERLAP");
-  return !v || std::string(v) != "0";
-}
-
 class TensorParallel1D final : public TensorParallelBase {
  public:
   TensorParallel1D(const ProcessGrid& grid, Backend& be, Collectives& coll)
@@ -86,7 +80,6 @@ class TensorParallel1D final : public TensorParallelBase {
         t_(grid.size(Axis::Tensor)),
         r_(grid.rank(Axis::Tensor)),
         seq_(grid.shape().sequence_parallel),
-        overlap_(seq_ && sp_overlap()),
         chunks_(grid.shape().sequence_chunks),
         side_sms_(coll.overlapped_sms(Axis::Tensor)) {
     VG_CHECK(chunks_ >= 1 && chunks_ <= kMaxChunks, "sequence_chunks " << chunks_);
@@ -161,30 +154,21 @@ class TensorParallel1D final : public TensorParallelBase {
   }
 
   // Sequence parallelism's slots: 4 the gathered x (Column) or dy (Row), 5 the full-row
-  // output of a Row forward or dx of a Column backward (the overlapped collectives' memory
-  // when they overlap). `rows`: the Stream's.
-  void* buf(int slot, size_t bytes) { return scratch(slot, bytes, overlap_); }
+  // output of a Row forward or dx of a Column backward (the overlapped collectives' memory).
+  // `rows`: the Stream's.
+  void* buf(int slot, size_t bytes) { return scratch(slot, bytes, seq_); }
   void reserve_parallel(LinearRole, int rows, int in, int out, int) override {
     if (!seq_) return;
     const size_t full = size_t(rows) * t_ * std::max(in, out) * be_.act_size();
     buf(4, full);
     buf(5, full);
   }
-  void* gathered(const void* local, size_t n) {
-    const size_t es = be_.act_size();
-    void* full = buf(4, n * t_ * es);
-    coll_.allgather(full, local, n, es, Axis::Tensor);
-    return full;
-  }
+
 
   void parallel_forward(LinearRole role, void* y, const void* x, const void* W, const void* b,
                         int rows, int in, int out, void* gelu_out, Gelu g, int) override {
-    if (overlap_) {
-      overlapped_forward(role, y, x, W, b, rows, in, out, gelu_out, g);
-      return;
-    }
     if (seq_) {
-      sequence_forward(role, y, x, W, b, rows, in, out, gelu_out, g);
+      overlapped_forward(role, y, x, W, b, rows, in, out, gelu_out, g);
       return;
     }
     if (role == LinearRole::Column) {
@@ -198,12 +182,8 @@ class TensorParallel1D final : public TensorParallelBase {
   void parallel_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
                          const void* x, const void* W, int rows, int in, int out, int,
                          const void* gelu_pre, Gelu g, float* gelu_db) override {
-    if (overlap_) {
-      overlapped_backward(role, dx, dW, db, dy, x, W, rows, in, out, gelu_pre, g, gelu_db);
-      return;
-    }
     if (seq_) {
-      sequence_backward(role, dx, dW, db, dy, x, W, rows, in, out, gelu_pre, g, gelu_db);
+      overlapped_backward(role, dx, dW, db, dy, x, W, rows, in, out, gelu_pre, g, gelu_db);
       return;
     }
     if (role == LinearRole::Column) {
@@ -217,39 +197,6 @@ class TensorParallel1D final : public TensorParallelBase {
     }
     // Row: this rank's input columns are its own, dx needs no reduction: fused
     be_.linear_backward(dx, dW, db, dy, x, W, rows, in / t_, out, gelu_pre, g, gelu_db);
-  }
-
-  void sequence_forward(LinearRole role, void* y, const void* x, const void* W, const void* b,
-                        int rows, int in, int out, void* gelu_out, Gelu g) {
-    const size_t es = be_.act_size();
-    if (role == LinearRole::Column) {  // rows: this rank's Stream rows
-      be_.linear_forward(y, gathered(x, size_t(rows) * in), W, b, rows * t_, in, out / t_,
-                         gelu_out, g);
-      return;
-    }
-    const int mine = rows / t_;  // rows: the whole micro-batch's
-    void* full = buf(5, size_t(rows) * out * es);
-    be_.linear_forward(full, x, W, r_ == 0 ? b : nullptr, rows, in / t_, out);
-    coll_.reduce_scatter_sum_act(y, full, size_t(mine) * out, es, Axis::Tensor);
-    if (gelu_out) be_.gelu_forward(gelu_out, y, size_t(mine) * out, g);
-  }
-  void sequence_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
-                         const void* x, const void* W, int rows, int in, int out,
-                         const void* gelu_pre, Gelu g, float* gelu_db) {
-    const size_t es = be_.act_size();
-    if (role == LinearRole::Column) {  // rows: this rank's Stream rows
-      const size_t n = size_t(rows) * in;
-      void* full = dx ? buf(5, n * t_ * es) : nullptr;
-      be_.linear_backward(full, dW, db, dy, gathered(x, n), W, rows * t_, in, out / t_);
-      if (dx) {
-        coll_.reduce_scatter_sum_act(dx, full, n, es, Axis::Tensor);
-        if (gelu_pre) be_.gelu_backward(dx, gelu_pre, dx, n, g);
-      }
-      return;
-    }
-    // Row: dy gathered; the bias gradient from rank 0 only (partial over the tensor axis)
-    be_.linear_backward(dx, dW, r_ == 0 ? db : nullptr, gathered(dy, size_t(rows / t_) * out), x,
-                        W, rows, in / t_, out, gelu_pre, g, gelu_db);
   }
 
   // Sequence parallelism with the collectives overlapped (see the top). Row blocks of `rows`
@@ -334,11 +281,13 @@ class TensorParallel1D final : public TensorParallelBase {
     }
     const size_t es = be_.act_size();
     const int mine = rows / t_, li = in / t_;  // rows: the whole micro-batch's
+    void* full = buf(5, size_t(rows) * out * es);
     if (chunks_ == 1) {
-      sequence_forward(LinearRole::Row, y, x, W, b, rows, in, out, gelu_out, g);
+      be_.linear_forward(full, x, W, r_ == 0 ? b : nullptr, rows, li, out);
+      coll_.reduce_scatter_sum_act(y, full, size_t(mine) * out, es, Axis::Tensor);
+      if (gelu_out) be_.gelu_forward(gelu_out, y, size_t(mine) * out, g);
       return;
     }
-    void* full = buf(5, size_t(rows) * out * es);
     size_t tk[kMaxChunks];
     SmMargin m(be_, side_sms_);
     for_chunks(mine, [&](int j, int lo, int n) {
@@ -384,7 +333,7 @@ class TensorParallel1D final : public TensorParallelBase {
   // exchange above, else everything first.
   void row_forward_produced(void* y, const void* x, const void* W, const void* b, int rows,
                             int in, int out, int samples, const SampleFn& produce) override {
-    if (!overlap_ || t_ != 2) {
+    if (!seq_ || t_ != 2) {
       TensorParallelBase::row_forward_produced(y, x, W, b, rows, in, out, samples, produce);
       return;
     }
@@ -397,7 +346,7 @@ class TensorParallel1D final : public TensorParallelBase {
   void row_backward_consumed(void* dx, float* dW, float* db, const void* dy, const void* x,
                              const void* W, int rows, int in, int out, int samples,
                              const SampleFn& consume) override {
-    if (!overlap_) {
+    if (!seq_) {
       TensorParallelBase::row_backward_consumed(dx, dW, db, dy, x, W, rows, in, out, samples,
                                                 consume);
       return;
@@ -407,7 +356,7 @@ class TensorParallel1D final : public TensorParallelBase {
                             [&](int k) { consume(k * part, part); });
   }
   int row_part_samples(int samples) const override {
-    if (!overlap_) return samples;
+    if (!seq_) return samples;
     VG_CHECK(samples % t_ == 0, samples << " samples over " << t_ << " tensor ranks");
     return samples / t_;  // block k: rank k's Stream samples
   }
@@ -475,7 +424,6 @@ class TensorParallel1D final : public TensorParallelBase {
   static constexpr int kMaxChunks = 8;
   int t_, r_;
   bool seq_;
-  bool overlap_;   // sequence parallelism's collectives overlapped (VITGRID_SP_OVERLAP)
   int chunks_;     // ... split into this many row chunks (GridShape::sequence_chunks)
   int side_sms_;   // SMs the GEMMs beside them leave free
 };

@@ -29,13 +29,22 @@ namespace vitgrid {
 // on timing, so runs are no longer bit-identical); 0 or 1: the heuristic's first choice.
 // opts.deterministic = false: cuDNN's attention backward may take its non-deterministic
 // (atomic dQ accumulation) algorithm.
+// opts.attention (device.attention): Auto takes cuDNN's fused SDPA where the build has
+// cudnn_frontend and cuDNN accepts the shape, else vitgrid's flash kernels, else the cuBLASLt +
+// softmax fallback; Cudnn the same (UserError in a build without cudnn_frontend); Flash skips
+// cuDNN; Fallback always the last.
+// opts.fused_gelu (device.fused_gelu): fc1's forward and fc2's data gradient as CUTLASS GEMMs
+// with GELU epilogues (sm_90, bf16/fp16, built with CUTLASS): Auto per shape the faster of the
+// unfused path and the configurations, timed when gemm_tune > 1, else unfused (the
+// reproducible default); Off never; On always, the configuration timed when gemm_tune > 1,
+// else configuration 0. fused_gelu_forward_config / _backward_config >= 0 force those
+// configuration ids (unless Off; UserError when out of range for the act dtype).
+// opts.tuning_log: each tuned GEMM and fused-GELU choice to stderr.
 std::unique_ptr<Backend> make_cuda_backend(int device, DType act, const BackendOptions& opts = {});
 
 // The attention path a CUDA backend takes for a shape: "cudnn" (cuDNN's fused SDPA), "flash"
-// (vitgrid's own kernels) or "fallback" (cuBLASLt + softmax); VITGRID_ATTENTION=auto|cudnn|
-// flash|fallback, read when the backend is made, chooses (auto: cudnn when built with
-// cudnn_frontend and cuDNN takes the shape, else flash, else fallback). "none" for a backend
-// that is not a CUDA one.
+// (vitgrid's own kernels) or "fallback" (cuBLASLt + softmax), as BackendOptions::attention
+// chooses. "none" for a backend that is not a CUDA one.
 const char* cuda_attention_path(const Backend& be, int B, int T, int H, int hd);
 
 // Number of visible CUDA devices; 0 when there is no driver or no device (never aborts).
@@ -48,7 +57,7 @@ int cuda_device_count();
 // thread follows every collective (an event behind it), polls for NCCL async errors and for a
 // collective that stays the oldest incomplete one longer than options.timeout_s seconds, and on
 // either aborts every communicator and the MPI job (never hangs). barrier() waits on the host;
-// VITGRID_NCCL_BLOCKING=1 makes every call wait (debugging).
+// options.blocking (deck device.nccl_blocking) makes every call wait (debugging).
 // Sets NCCL_NVLS_ENABLE=0 unless the environment sets it (NVLink multicast stays off).
 // Called by all ranks of the grid's world communicator (communicator creation is collective).
 // allreduce_sum_act maps elem_size 4 to ncclFloat and 2 to the backend's act dtype
@@ -82,6 +91,7 @@ struct NcclOptions {
   int pipe_ctas = 0;                // device.pipe_comm_ctas
   int tensor_ctas = 0;              // device.tensor_comm_ctas
   bool tensor_copy_engine = false;  // device.tensor_comm = copy_engine
+  bool blocking = false;            // device.nccl_blocking
 };
 std::unique_ptr<Collectives> make_nccl_collectives(const ProcessGrid& grid, Backend& backend,
                                                    const NcclOptions& options);

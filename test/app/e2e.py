@@ -557,9 +557,9 @@ def fill_disk(path):
 
 
 def t_full_disk(tmp):
-    """A full disk (a 3 MiB tmpfs as run.out_dir; root only, else skipped with 77): the quickstart
-    deck on 2 ranks, a checkpoint every 10 steps, runs out of space at the step-20 checkpoint and
-    ends with exit 2 and one message naming that file, the step-10 checkpoint intact and no
+    """A full disk (a 4 MiB tmpfs as run.out_dir: one checkpoint and metrics.h5 fit, two
+    checkpoints do not; root only, else skipped with 77): the quickstart deck on 2 ranks, a
+    checkpoint every 10 steps, runs out of space at the step-20 checkpoint and ends with exit 2 and one message naming that file, the step-10 checkpoint intact and no
     partial file left; a resume with the disk filled up ends within the timeout with exit 2 and
     one message (metrics.h5 is written by rank 0 alone, and a write that cannot be done is the
     same error on every rank: it no longer hangs in HDF5's collectives, nor aborts), metrics.h5
@@ -570,7 +570,7 @@ def t_full_disk(tmp):
         sys.exit(77)
     mnt = os.path.join(tmp, "fs")
     os.makedirs(mnt)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3M", "tmpfs", mnt]).returncode != 0:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4M", "tmpfs", mnt]).returncode != 0:
         print("skip: mount -t tmpfs failed")
         sys.exit(77)
     try:

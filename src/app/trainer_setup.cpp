@@ -1,0 +1,399 @@
+// Trainer::Impl's setup: the grid, backend and collectives, the model and its pipeline, the
+// data-parallel gradient reduction, the upload buffers, CUDA graphs, the device's JPEG decoder
+// and the loaders' configuration.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "trainer_impl.h"
+#include "vitgrid/core/watchdog.h"
+#include "vitgrid/data/image_source.h"
+#include "vitgrid/model/workspace_plan.h"
+#include "vitgrid/parallel/pipeline.h"
+#ifdef VITGRID_HAVE_CUDA
+#include "vitgrid/backend/cuda/cuda_backend.h"
+#endif
+
+namespace vitgrid {
+namespace {
+
+DType act_dtype_of(const std::string& mode) {
+  if (mode == "bf16") return DType::BF16;
+  if (mode == "fp16" || mode == "fp16-naive") return DType::F16;
+  return DType::F32;
+}
+
+// The deck's device.attention / device.fused_gelu (validated against their choices).
+AttentionMode attention_mode_of(const std::string& v) {
+  if (v == "cudnn") return AttentionMode::Cudnn;
+  if (v == "flash") return AttentionMode::Flash;
+  if (v == "fallback") return AttentionMode::Fallback;
+  return AttentionMode::Auto;
+}
+FusedGeluMode fused_gelu_mode_of(const std::string& v) {
+  if (v == "off") return FusedGeluMode::Off;
+  if (v == "on") return FusedGeluMode::On;
+  return FusedGeluMode::Auto;
+}
+}  // namespace
+
+void Trainer::Impl::setup(bool training) {
+  // a rank that stops responding ends the job instead of leaving the others waiting
+  start_watchdog(deck.device.comm_timeout);
+  GridShape gs;
+  gs.pipeline = deck.parallel.pipeline;
+  gs.data = deck.parallel.data;
+  gs.tensor = deck.parallel.tensor;
+  gs.mode = gs.tensor > 1 ? parse_tensor_mode(deck.parallel.tensor_mode) : TensorMode::None;
+  gs.depth = deck.parallel.tensor_depth;
+  gs.sequence_parallel = deck.parallel.sequence_parallel;  // the deck allows it with 1d only
+  gs.sequence_chunks = deck.parallel.sequence_chunks;
+  agreed([&] {
+    check_grid_shape(gs, [&] { int n; MPI_Comm_size(world, &n); return n; }());
+  });
+  grid = std::make_unique<ProcessGrid>(world, gs);
+  const std::string rank_map = grid->rank_map();
+  log("vitgrid 0.1.0: %d rank%s, grid pipeline %d x data %d x tensor %d (%s)\n",
+      grid->world_size(), grid->world_size() == 1 ? "" : "s", gs.pipeline, gs.data, gs.tensor,
+      gs.tensor <= 1 ? "none"
+                     : gs.sequence_parallel ? "1d, sequence parallel" : tensor_mode_name(gs.mode));
+  log.block("---- resolved deck\n" + deck.resolved_text() + "---- rank map\n" + rank_map);
+
+  // Backend: each rank drives the GPU of its local rank.
+  std::string kind = deck.device.backend;
+  agreed([&] {
+    int gpus = 0;
+#ifdef VITGRID_HAVE_CUDA
+    gpus = cuda_device_count();
+#endif
+    if (kind == "auto") kind = gpus >= grid->local_size() && gpus > 0 ? "cuda" : "cpu";
+    if (kind == "cuda" && gpus < grid->local_size())
+      throw UserError("device.backend = cuda: host " + grid->host() + " has " +
+                      std::to_string(gpus) + " GPU(s) for " +
+                      std::to_string(grid->local_size()) + " local ranks");
+  });
+  // ranks agree on the kind (auto could differ across nodes with different GPU counts)
+  int is_cuda = kind == "cuda", all_cuda = 0;
+  MPI_Allreduce(&is_cuda, &all_cuda, 1, MPI_INT, MPI_MIN, world);
+  kind = all_cuda ? "cuda" : "cpu";
+  copy_engine = deck.device.data_comm == "copy_engine";
+  agreed([&] {
+    if (copy_engine && kind != "cuda")
+      throw UserError("device.data_comm = copy_engine needs the cuda backend (NCCL); this "
+                      "run uses the " + kind + " backend");
+  });
+  agreed([&] {
+    BackendOptions bo;
+    bo.allow_tf32 = deck.precision.mode == "tf32";
+    bo.gemm_tune = deck.device.gemm_tune;
+    bo.deterministic = deck.device.deterministic;
+    bo.attention = attention_mode_of(deck.device.attention);
+    bo.fused_gelu = fused_gelu_mode_of(deck.device.fused_gelu);
+    bo.fused_gelu_forward_config = deck.device.fused_gelu_forward_config;
+    bo.fused_gelu_backward_config = deck.device.fused_gelu_backward_config;
+    bo.tuning_log = deck.device.tuning_log;
+    be = make_backend(kind, grid->local_rank(), act_dtype_of(deck.precision.mode), bo);
+    compute_be = be.get();
+    if (profiling.enabled) {
+      auto p = make_profiled(std::move(be));
+      profiling.backend = p.get();
+      be = std::move(p);
+    }
+  });
+#ifdef VITGRID_HAVE_CUDA
+  if (kind == "cuda")
+    coll = make_nccl_collectives(
+        *grid, *compute_be,
+        {deck.device.comm_timeout, deck.device.data_comm_ctas, copy_engine,
+         deck.device.pipe_comm_ctas, deck.device.tensor_comm_ctas,
+         deck.device.tensor_comm == "copy_engine", deck.device.nccl_blocking});
+  else
+#endif
+    coll = make_mpi_collectives(*grid);
+  if (copy_engine && grid->size(Axis::Data) > 1)
+    log("data axis: gradients in NCCL symmetric memory, reduced by all-to-all + local sum + "
+        "all-gather under NCCL's zero-CTA policy (device.data_comm = copy_engine)\n");
+  log("backend %s, precision %s, %s\n", be->name().c_str(), deck.precision.mode.c_str(),
+      kind == "cpu" && deck.precision.mode != "fp32" && deck.precision.mode != "tf32"
+          ? "16-bit storage emulated on the CPU"
+          : "");
+  agreed([&] { tp = make_tensor_parallel(*grid, *be, *coll); });
+
+  cfg = ViTConfig::from(deck.model);
+  const int D = grid->size(Axis::Data);
+  b = static_cast<int>(deck.data.global_batch / (int64_t(D) * deck.data.grad_accum));
+  build_pipeline();
+  log("model %s: %lld parameters, %d tokens, hidden %d, depth %d, heads %d, mlp %d, "
+      "classes %d; micro-batch %d per rank, activations %.1f MiB per rank (stage 0)\n",
+      deck.model.preset.c_str(), static_cast<long long>(model->num_global_params()),
+      cfg.tokens(), cfg.hidden, cfg.depth, cfg.heads, cfg.mlp, cfg.classes, micro,
+      model->activation_bytes() / 1048576.0);
+
+  if (deck.data.dataset == "tfrecord") {
+    // every rank indexes its share of the shards that lack an index; agreed() then waits
+    // for all of them (its agreement is collective) before any rank opens the source
+    int r = 0, n = 1;
+    MPI_Comm_rank(world, &r);
+    MPI_Comm_size(world, &n);
+    agreed([&] {
+      if (training) tfrecord_build_indexes(deck.data.path, tfrecord_index_dir(deck), true, r, n);
+      tfrecord_build_indexes(deck.data.path, tfrecord_index_dir(deck), false, r, n);
+    });
+  }
+  agreed([&] {
+    if (training) train_ds = make_dataset(deck, true);
+    eval_ds = make_dataset(deck, false);
+  });
+  if (training) {
+    const int64_t n = train_ds->size(), G = deck.data.global_batch;
+    total_steps = deck.run.steps > 0
+                      ? deck.run.steps
+                      : static_cast<int64_t>(std::ceil(deck.run.epochs * n / double(G)));
+    warmup_steps = deck.optim.warmup_steps > 0
+                       ? deck.optim.warmup_steps
+                       : static_cast<int64_t>(std::llround(deck.optim.warmup_epochs * n / double(G)));
+    log("data: train %s; eval %s\n", train_ds->describe().c_str(),
+        eval_ds->describe().c_str());
+    setup_grad_reduction();
+    if (grid->size(Axis::Data) > 1) {
+      // the data axis's replicas run the same operations in the same order: their timed
+      // kernel choices (device.gemm_tune) are made together, on the worst replica's
+      // timings, so none of them runs a slower kernel than the others; evaluate() lifts it
+      const MPI_Comm dc = grid->comm(Axis::Data).get();
+      tune_agreement = [dc](double* v, int n) {
+        MPI_Allreduce(MPI_IN_PLACE, v, n, MPI_DOUBLE, MPI_MAX, dc);
+      };
+      be->set_tune_agreement(tune_agreement);
+    }
+    agreed([&] {
+      opt = std::make_unique<Optimizer>(deck.optim, *be, *tp, *model,
+                                        zero ? &zero_shards : nullptr, coll.get(),
+                                        grid->comm(Axis::Data).get());
+    });
+    if (zero)
+      log("ZeRO-1: optimizer state%s sharded over %d data ranks: %.2f MiB per buffer per "
+          "rank instead of %.2f MiB\n",
+          opt->holds_master() ? " and fp32 master weights" : "", grid->size(Axis::Data),
+          opt->state_elems() * 4.0 / 1048576.0, model->num_local_params() * 4.0 / 1048576.0);
+  } else {
+    log("data: eval %s\n", eval_ds->describe().c_str());
+  }
+  const bool fp16 = deck.precision.mode == "fp16" || deck.precision.mode == "fp16-naive";
+  scaler = std::make_unique<LossScaler>(deck.precision, fp16);
+
+  // batch upload buffers (soft targets only with Mixup / CutMix)
+  const size_t img = static_cast<size_t>(cfg.image) * cfg.image * 3;
+  const bool mixup = deck.data.mixup_alpha > 0 || deck.data.cutmix_alpha > 0;
+  auto align = [](size_t n) { return (n + 255) / 256 * 256; };
+  in.off_labels = 0;
+  in.off_position = in.off_labels + align(b * sizeof(int32_t));
+  in.off_soft = in.off_position + align(2 * sizeof(int64_t));
+  in.off_aug =
+      in.off_soft + (mixup ? align(static_cast<size_t>(b) * cfg.classes * sizeof(float)) : 0);
+  in.off_images = in.off_aug + align(b * sizeof(SampleAug));
+  in.raw_bytes = in.off_images + align(b * img);
+  setup_decoder();
+  for (void*& p : in.d_raw) p = be->alloc(in.raw_bytes);
+  for (int k = 0; k < Inputs::kUploadSlots; ++k) be->staging(k, in.raw_bytes);
+  in.d_images = be->alloc(static_cast<size_t>(b) * 3 * cfg.image * cfg.image * be->act_size());
+  d_step = static_cast<StepScalars*>(be->alloc(sizeof(StepScalars)));
+  be->zero(d_step, sizeof(StepScalars));
+  setup_graphs(training);
+
+  // Parameters, gradients, optimizer state and activations are allocated; now the backend's
+  // own workspace (reduction scratch, GEMM temporaries, optimizer tables) at the largest
+  // shapes this rank's steps run, so that no step allocates.
+  WorkspaceShape ws;
+  ws.micro_batch = micro;
+  ws.act_size = be->act_size();
+  ws.optimizer = opt != nullptr;
+  ws.param_tensors = model->params().size();
+  ws.local_params = model->num_local_params();
+  ws.grad_buckets = reducer ? reducer->buckets().size() : 0;
+  agreed([&] { be->plan_workspace(workspace_plan_for(cfg, ws)); });
+}
+
+// Called by all ranks from setup(): the stage partition, the schedules' plans, this stage's
+// part of the model (its layers, and activation sets for the micro-batches the plans keep in
+// flight) and the runner. Every rank computes every stage's plan, so they agree without
+// talking.
+void Trainer::Impl::build_pipeline() {
+  const ParallelSection& pp = deck.parallel;
+  const int P = grid->size(Axis::Pipeline), s = grid->rank(Axis::Pipeline);
+  const int M = pp.micro_batches;
+  micro = b / M;
+  PipeSchedule kind = PipeSchedule::OneFOneB;
+  PipelinePlans train_plans, eval_plans;
+  agreed([&] {
+    kind = parse_pipe_schedule(pp.schedule);
+    const int V = kind == PipeSchedule::Interleaved ? pp.chunks : 1;
+    // counted forward multiply-adds per sample (balanced partition): a block is the same in
+    // every stage; the embedding and the head + final norm sit on the ends
+    const double T = cfg.tokens(), C = cfg.hidden, Mh = cfg.mlp;
+    PipeCost cost;
+    cost.block = T * (4 * C * C + 2 * C * Mh) + 2 * T * T * C;
+    cost.embed = double(cfg.patches()) * cfg.patch_dim() * C + T * C;
+    cost.head = C * cfg.classes + 4 * C;
+    partition = partition_blocks(pp.partition, cfg.depth, P, V, cost);
+    train_plans = build_pipeline_plans(kind, P, V, M, true);
+    eval_plans = build_pipeline_plans(kind, P, V, M, false);
+  });
+  const int V = train_plans.V;
+  StageLayout layout;
+  layout.chunks.clear();
+  for (int c = 0; c < V; ++c) {
+    const int k = c * P + s;  // virtual stage
+    int first = 0;
+    for (int i = 0; i < k; ++i) first += partition[i];
+    layout.chunks.push_back({first, partition[k]});
+  }
+  layout.embed = s == 0;
+  layout.head = s == P - 1;
+  layout.sets = std::max(train_plans.stages[s].num_slots, eval_plans.stages[s].num_slots);
+  // ZeRO-1 splits every gradient bucket evenly over the data ranks, in 16-element pieces
+  const int D = grid->size(Axis::Data);
+  zero = deck.parallel.zero == 1 && D > 1;
+  layout.pad_to = even_split();
+  // with 16-bit activations the optimizer keeps this rank's pieces of the fp32 masters
+  layout.master_elsewhere = zero;
+  // planned memory is allocated here: running out is reported once, on every rank
+  agreed([&] { model = std::make_unique<ViT>(cfg, *be, *tp, micro, layout); });
+  if (P > 1 || M > 1) {
+    std::string parts;
+    for (size_t k = 0; k < partition.size(); ++k)
+      parts += (k ? "," : "") + std::to_string(partition[k]);
+    // every stage's sets, gathered for the log (rank 0 is stage 0)
+    std::vector<int> sets(P, 0);
+    sets[s] = layout.sets;
+    MPI_Allreduce(MPI_IN_PLACE, sets.data(), P, MPI_INT, MPI_MAX, world);
+    std::string set_list;
+    for (int k = 0; k < P; ++k) set_list += (k ? "," : "") + std::to_string(sets[k]);
+    log("pipeline: %d stages x %d chunk(s), schedule %s, %d micro-batches of %d per rank; "
+        "blocks per virtual stage %s (partition %s); activation sets per stage %s; bubble "
+        "(P-1)/%s = %.3f, simulated idle fraction %.3f; messages %s\n",
+        P, V, pipe_schedule_name(kind), M, micro, parts.c_str(), pp.partition.c_str(),
+        set_list.c_str(), kind == PipeSchedule::Interleaved ? "(V*M)" : "M",
+        theoretical_bubble(kind, P, V, M), train_plans.simulated_bubble,
+        train_plans.messages == PipelinePlans::Messages::Async
+            ? "asynchronous (the grouped placement cannot run this order at its bubble)"
+            : "grouped");
+  }
+  // Asynchronous training messages: their NCCL receive kernels wait on their SMs beside the
+  // compute (a receive is posted as soon as its buffer is free), so the GEMMs, whose
+  // persistent grids would otherwise wait for those SMs, leave them free throughout (up to
+  // 4 links at once, each with device.pipe_comm_ctas blocks; 8 SMs with NCCL's choice,
+  // measured best on 2 x H200). 5172 -> 5669 img/s on 2 x H200 (ViT-B/16, interleaved).
+  if (P > 1 && train_plans.messages == PipelinePlans::Messages::Async)
+    pipe_sm_margin = 4 * (deck.device.pipe_comm_ctas > 0 ? deck.device.pipe_comm_ctas : 2);
+  if (pipe_sm_margin > 0) be->set_gemm_sm_margin(pipe_sm_margin);
+  pipe = std::make_unique<PipelineRunner>(*model, *be, *coll, *grid, std::move(train_plans),
+                                          std::move(eval_plans), micro);
+}
+
+// The granularity of gradient buckets and their padding: ZeRO-1's shards and the
+// copy-engine reduction's blocks split every bucket evenly over the data ranks, in
+// 16-element pieces (1: no constraint). Needs `zero` set (build_pipeline).
+size_t Trainer::Impl::even_split() const {
+  return zero || copy_engine ? static_cast<size_t>(grid->size(Axis::Data)) * 16 : 1;
+}
+
+// Called by all ranks from setup(): the gradient buckets of this stage (alike on its data
+// ranks), the reducer and the model's gradient-ready hook.
+void Trainer::Impl::setup_grad_reduction() {
+  const int D = grid->size(Axis::Data);
+  const double mb = deck.device.bucket_mb;  // MiB of fp32 gradients per bucket (0: one)
+  overlap = D > 1 && mb > 0.0;
+  std::vector<GradRange> groups;
+  for (const auto& g : model->grad_groups()) groups.push_back({g.offset, g.n});
+  const size_t n = model->num_local_params();
+  // the last bucket's worth of the backward (the patch embedding, then block 0's halves) is
+  // reduced group by group: what is left to reduce after the backward is one small group
+  const size_t elems = overlap ? static_cast<size_t>(mb * 262144.0) : 0;
+  auto buckets = plan_grad_buckets(groups, n, elems, even_split(), elems);
+  zero_shards.size = D;
+  zero_shards.rank = grid->rank(Axis::Data);
+  zero_shards.buckets = buckets;
+  reducer = std::make_unique<GradReducer>(*coll, D, grid->rank(Axis::Data), buckets, zero);
+  if (overlap) model->set_grad_ready_hook([this](size_t o, size_t c) { reducer->ready(o, c); });
+  // ZeRO-1 with a 16-bit copy: each bucket of parameters is gathered during the next forward
+  if (zero && model->compute_copy() && deck.parallel.zero_gather == "forward") {
+    gather = std::make_unique<ParamGather>(*coll, zero_shards, be->act_size());
+    model->set_param_need_hook([this](size_t o, size_t c) { gather->need(o, c); });
+  }
+  const bool act_reduce = D > 1 && deck.parallel.grad_reduce == "act";
+  if (act_reduce) {
+    agreed([&] { d_grad_stage = be->alloc(n * be->act_size()); });
+    reducer->reduce_in_act(*be, d_grad_stage);
+  }
+  const int margin = deck.device.gemm_sm_margin;
+  if (overlap && margin > 0)
+    reducer->set_overlap_hook(
+        [this, margin](bool on) { be->set_gemm_sm_margin(pipe_sm_margin + (on ? margin : 0)); });
+  if (D > 1)
+    log("data-parallel gradients (%s): %zu bucket(s) of %.2f MiB on average (stage 0), %s%s; "
+        "%s\n",
+        act_reduce ? (deck.precision.mode == "bf16" ? "summed in bf16" : "summed in fp16")
+                   : "fp32",
+        buckets.size(), n * 4.0 / 1048576.0 / std::max<size_t>(buckets.size(), 1),
+        overlap ? "reduced during the backward" : "reduced after the backward",
+        overlap && margin > 0 ? (", the GEMMs leave " + std::to_string(margin) +
+                                 " SMs to it meanwhile").c_str()
+                              : "",
+        zero ? (gather ? "ZeRO-1: reduce-scatter, sharded update, all-gather of the 16-bit "
+                         "parameters bucket by bucket during the next forward"
+                       : "ZeRO-1: reduce-scatter, sharded update, all-gather of the parameters")
+             : "all-reduce");
+}
+
+// Called by all ranks from setup(): whether the step's micro-batches run as CUDA graphs.
+// Everything a graph replays must be the same every step (what changes, the batch and the
+// step and stream position that key the dropout masks, is read from the upload slot): with
+// one pipeline stage (a pipeline's bubble marks and point-to-point schedule stay eager) and
+// not under --profile (which times every op).
+void Trainer::Impl::setup_graphs(bool training) {
+  if (!training || !deck.device.cuda_graph || !be->graphs_supported()) return;
+  std::string why;
+  if (grid->size(Axis::Pipeline) > 1) why = "pipeline stages";
+  else if (profiling.enabled) why = "--profile";
+  if (!why.empty()) {
+    log("CUDA graphs off (%s): the step runs eagerly\n", why.c_str());
+    return;
+  }
+  graphs.enabled = true;
+}
+
+LoaderConfig Trainer::Impl::loader_config(bool train) const {
+  // auto workers: this rank's share of the node's cores (a CPU-backend rank computes on one)
+  const int workers =
+      deck.data.workers > 0
+          ? deck.data.workers
+          : std::max(1, std::min<int>(16, static_cast<int>(std::thread::hardware_concurrency()) /
+                                              std::max(1, grid->local_size())));
+  LoaderConfig c = make_loader_config(deck, train, grid->rank(Axis::Data),
+                                      grid->size(Axis::Data), workers);
+  c.num_classes = cfg.classes;
+  if (in.decoder) {
+    const ImageDecoder* dec = in.decoder;
+    c.real.device_accepts = [dec](int comps, bool prog, int sh, int sv) {
+      return dec->accepts(comps, prog, sh, sv);
+    };
+  }
+  return c;
+}
+
+// JPEGs on the device where the backend has a decoder (data.decode = auto | device) and the
+// dataset holds encoded images; only the stage holding the patch embedding reads images.
+void Trainer::Impl::setup_decoder() {
+  const Dataset* ds = train_ds ? train_ds.get() : eval_ds.get();
+  if (!ds || !ds->encoded() || deck.data.decode == "host" || !model->layout().embed) return;
+  in.decoder = be->image_decoder();
+  in.decode_interp = make_loader_config(deck, true, 0, 1, 1).real.interp;
+  if (!in.decoder && deck.data.decode == "device")
+    throw UserError("data.decode = device, but the " + be->name() +
+                    " backend has no JPEG decoder (data.decode = auto decodes on the host)");
+  if (in.decoder) log("data: JPEGs decoded on the device: %s\n", in.decoder->describe().c_str());
+}
+
+}  // namespace vitgrid

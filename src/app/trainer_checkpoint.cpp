@@ -88,6 +88,10 @@ void Trainer::Impl::save_checkpoint() {
   meta.state["seed"] = {double(deck.run.seed)};
   meta.state["loss_scale"] = {double(scaler->scale())};
   meta.state["scaler_good_steps"] = {double(scaler->good_steps())};
+  // Room for the whole file first, agreed by every rank: a write that meets a full disk inside
+  // parallel HDF5's collective flush can leave the ranks in different barriers for good (HDF5
+  // 1.10 returns early on the rank that saw the error).
+  agreed([&] { check_free_space(ckpt_dir() + "/" + step_file_name(step)); });
   {
     WatchdogWait w("the MPI barrier before a checkpoint");
     MPI_Barrier(world);
@@ -111,17 +115,24 @@ double Trainer::Impl::checkpoint_bytes() const {
 // checkpoint is refused now, not after hours of training (a full disk found mid-write ends
 // the run too, but only after the work since the last checkpoint).
 // Rank 0 looks; agreed() gives its verdict to every rank.
-void Trainer::Impl::check_free_space() {
+void Trainer::Impl::check_free_space(const std::string& checkpoint) {
   struct statvfs v {};
   if (grid->world_rank() != 0 || ::statvfs(deck.run.out_dir.c_str(), &v) != 0) return;
   const double free_b = double(v.f_bavail) * double(v.f_frsize);
   const double need = checkpoint_bytes() * 1.02 + 262144.0;  // + metadata and metrics
   if (free_b >= need) return;
-  char buf[256];
-  std::snprintf(buf, sizeof buf,
-                "run.out_dir '%s': no space left on device: %.1f MB free on its file system, a "
-                "checkpoint of this run needs %.1f MB; free space or choose another run.out_dir",
-                deck.run.out_dir.c_str(), free_b / 1e6, need / 1e6);
+  char buf[512];
+  if (checkpoint.empty())
+    std::snprintf(buf, sizeof buf,
+                  "run.out_dir '%s': no space left on device: %.1f MB free on its file system, a "
+                  "checkpoint of this run needs %.1f MB; free space or choose another run.out_dir",
+                  deck.run.out_dir.c_str(), free_b / 1e6, need / 1e6);
+  else
+    std::snprintf(buf, sizeof buf,
+                  "checkpoint '%s' not written: no space left on device (%.1f MB free on the file "
+                  "system of run.out_dir '%s', the checkpoint needs %.1f MB); earlier checkpoints "
+                  "are kept",
+                  checkpoint.c_str(), free_b / 1e6, deck.run.out_dir.c_str(), need / 1e6);
   throw UserError(buf);
 }
 

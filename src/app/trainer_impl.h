@@ -211,7 +211,9 @@ struct Trainer::Impl {
   std::vector<TensorShard> shards(std::vector<float>& host, bool with_optim);
   void save_checkpoint();
   double checkpoint_bytes() const;
-  void check_free_space();
+  // Refuses (on rank 0: call it in agreed()) when run.out_dir's file system lacks room for a
+  // checkpoint: before training (no name) and before each checkpoint (its path).
+  void check_free_space(const std::string& checkpoint = "");
   bool load_checkpoint(std::string path, bool full, bool resume = false);
 
   // ---- evaluation (trainer_eval.cpp)

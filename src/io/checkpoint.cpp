@@ -30,12 +30,6 @@ std::string join_path(const std::string& dir, const std::string& name) {
   return dir.back() == '/' ? dir + name : dir + "/" + name;
 }
 
-std::string step_file_name(int64_t step) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "step_%08" PRId64 ".h5", step);
-  return buf;
-}
-
 // Parses "step_<digits>.h5" (and nothing else: a ".h5.tmp" is an unfinished write).
 bool parse_step_file_name(const std::string& name, int64_t* step) {
   const std::string pre = "step_", suf = ".h5";
@@ -348,6 +342,12 @@ std::string verify_datasets(MPI_Comm comm, hid_t file, const std::string& what,
 
 }  // namespace
 
+std::string step_file_name(int64_t step) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "step_%08" PRId64 ".h5", step);
+  return buf;
+}
+
 // Called by all ranks of comm.
 std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step,
                              const std::vector<TensorShard>& shards, const CheckpointMeta& meta,
@@ -468,7 +468,12 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
     // close, which is why the file only gets its final name after the close below.
     io_detail::write_attr_int(file, "complete", 1);
     agreed("writing its attributes");
-    H5_CHECK(H5Fflush(file, H5F_SCOPE_GLOBAL));
+    {
+      // HDF5 1.10's collective flush can leave the ranks in different barriers when one of
+      // them meets an I/O error (a disk filled by another job mid-write): the watchdog ends it
+      WatchdogWait w("the collective HDF5 flush of a checkpoint");
+      H5_CHECK(H5Fflush(file, H5F_SCOPE_GLOBAL));
+    }
     agreed("flushing it");
   } catch (const Failed& f) {
     // every object of the file is closed by now (the unwinding); the file's space is freed
@@ -484,7 +489,10 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
                     "); the partial file was removed and earlier checkpoints are kept");
   }
   // collective close: every rank's data and the metadata are in the file once it returns
-  file.reset();
+  {
+    WatchdogWait w("the collective HDF5 close of a checkpoint");
+    file.reset();
+  }
   if (const std::string why = soft.agree(comm); !why.empty()) {
     if (rank == 0) std::remove(tmp.c_str());
     watched("an MPI barrier of the checkpoint I/O", [&] { MPI_CHECK(MPI_Barrier(comm)); });

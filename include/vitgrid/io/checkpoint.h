@@ -44,6 +44,9 @@ struct CheckpointMeta {
   std::map<std::string, std::vector<double>> state;
 };
 
+// "step_00000020.h5": the file name of step 20's checkpoint in its directory.
+std::string step_file_name(int64_t step);
+
 // Called by all ranks of comm. Writes dir/step_<8 digits>.h5 atomically; keeps the newest
 // `keep` complete checkpoints when keep > 0. Returns the path. Every shard's name and global
 // shape must be identical on all ranks (same order).

@@ -12,15 +12,15 @@ namespace vitgrid {
 
 LrSchedule::LrSchedule(const OptimSection& o, int64_t total, int64_t warmup)
     : lr_(o.lr), min_lr_(o.min_lr), total_(std::max<int64_t>(total, 1)), warmup_(warmup) {
-  kind_ = o.schedule == "linear" ? 1 : (o.schedule == "constant" ? 2 : 0);
+  kind_ = o.schedule == "linear" ? Kind::Linear : o.schedule == "constant" ? Kind::Constant : Kind::Cosine;
 }
 
 double LrSchedule::at(int64_t step) const {
   if (warmup_ > 0 && step <= warmup_) return lr_ * static_cast<double>(step) / warmup_;
-  if (kind_ == 2) return lr_;
+  if (kind_ == Kind::Constant) return lr_;
   const double span = static_cast<double>(std::max<int64_t>(total_ - warmup_, 1));
   const double t = std::min(1.0, static_cast<double>(step - warmup_) / span);
-  if (kind_ == 1) return lr_ - (lr_ - min_lr_) * t;
+  if (kind_ == Kind::Linear) return lr_ - (lr_ - min_lr_) * t;
   return min_lr_ + 0.5 * (lr_ - min_lr_) * (1.0 + std::cos(M_PI * t));
 }
 
@@ -47,7 +47,11 @@ bool LossScaler::update(bool all_finite) {
 
 Optimizer::Optimizer(const OptimSection& o, Backend& be, TensorParallel& tp, const ViT& model,
                      const ZeroShards* zero, Collectives* coll, MPI_Comm data_comm)
-    : o_(o), be_(be), tp_(tp), n_(model.num_local_params()) {
+    : o_(o),
+      kind_(o.name == "lamb" ? Kind::Lamb : o.name == "sgd" ? Kind::Sgd : Kind::AdamW),
+      be_(be),
+      tp_(tp),
+      n_(model.num_local_params()) {
   for (const auto& p : model.params()) {
     ParamSlice s;
     s.offset = p.offset;
@@ -106,7 +110,7 @@ Optimizer::Optimizer(const OptimSection& o, Backend& be, TensorParallel& tp, con
   const size_t bytes = state_elems() * sizeof(float);
   m_ = static_cast<float*>(be_.alloc(bytes));
   be_.zero(m_, bytes);
-  if (o_.name != "sgd") {
+  if (kind_ != Kind::Sgd) {
     v_ = static_cast<float*>(be_.alloc(bytes));
     be_.zero(v_, bytes);
   }
@@ -170,12 +174,12 @@ bool Optimizer::step(float* params, float* grads, double lr, int64_t step, float
     VG_CHECK(!w_ || compute, "ZeRO-1 with the masters' pieces here but no compute copy to gather");
     float* w = w_ ? w_ : params;
     auto wo = [&](const Piece& pc) { return w_ ? pc.shard : pc.flat; };
-    if (o_.name == "adamw") {
+    if (kind_ == Kind::AdamW) {
       for (const Piece& pc : pieces_)
         if (!pc.slices.empty())
           be_.adamw_update(w + wo(pc), grads + pc.flat, m_ + pc.shard, v_ + pc.shard, pc.slices,
                            a);
-    } else if (o_.name == "lamb") {
+    } else if (kind_ == Kind::Lamb) {
       for (const Piece& pc : pieces_)
         if (!pc.slices.empty())
           be_.lamb_direction(grads + pc.flat, w + wo(pc), grads + pc.flat, m_ + pc.shard,
@@ -207,9 +211,9 @@ bool Optimizer::step(float* params, float* grads, double lr, int64_t step, float
       allgather_pieces(params, sizeof(float));  // the fp32 masters themselves (the caller casts)
     return compute != nullptr;
   }
-  if (o_.name == "adamw") {
+  if (kind_ == Kind::AdamW) {
     be_.adamw_update(params, grads, m_, v_, slices_, a);
-  } else if (o_.name == "lamb") {
+  } else if (kind_ == Kind::Lamb) {
     // Phase 1 writes the Adam direction (with decoupled decay) over the gradient buffer.
     be_.lamb_direction(grads, params, grads, m_, v_, slices_, a);
     // Trust ratio per whole parameter: ||w|| / ||u||, norms of the full (unsharded) tensors.
@@ -234,7 +238,7 @@ bool Optimizer::step(float* params, float* grads, double lr, int64_t step, float
 }
 
 std::vector<std::pair<std::string, float*>> Optimizer::state() {
-  if (o_.name == "sgd") return {{"momentum_buffer", m_}};
+  if (kind_ == Kind::Sgd) return {{"momentum_buffer", m_}};
   return {{"exp_avg", m_}, {"exp_avg_sq", v_}};
 }
 

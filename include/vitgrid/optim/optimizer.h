@@ -38,9 +38,10 @@ class LrSchedule {
   double at(int64_t step) const;
 
  private:
+  enum class Kind { Cosine, Linear, Constant };
   double lr_, min_lr_;
   int64_t total_, warmup_;
-  int kind_;  // 0 cosine, 1 linear, 2 constant
+  Kind kind_;
 };
 
 // Dynamic loss scaling for fp16 (initial 2^16, x growth after `interval` clean steps, x backoff
@@ -145,7 +146,9 @@ class Optimizer {
   // this rank's pieces of a flat host copy into a shard-layout device buffer
   void pieces_from_host(const float* flat, float* shard);
 
+  enum class Kind { AdamW, Lamb, Sgd };  // optim.name, resolved once
   const OptimSection& o_;
+  Kind kind_;
   Backend& be_;
   TensorParallel& tp_;
   size_t n_;

@@ -389,9 +389,9 @@ TEST_F(GpuJpeg, TwoBatchesInFlight) {
   }
 }
 
-// nvJPEG's memory is kept (the decoder's caching allocators): once batches of every size have
-// been through, decoding them again allocates nothing (a cudaFree would wait for the whole
-// device, the training step included), and the pixels are the same.
+// The decoder's buffers are kept: once batches of every size have been through every slot,
+// decoding them again allocates nothing (a cudaFree would wait for the whole device, the
+// training step included), and the pixels are the same.
 TEST_F(GpuJpeg, KeepsItsMemory) {
   const std::string d = test_dir();
   if (d.empty()) GTEST_SKIP() << "make_test_jpegs.py did not run";
@@ -430,7 +430,7 @@ TEST_F(GpuJpeg, KeepsItsMemory) {
   pass(warm);
   pass(warm);
   const int64_t after_first = allocations;
-  EXPECT_GT(after_first, 0);  // the decoder's buffers and nvJPEG's, counted
+  EXPECT_GT(after_first, 0);  // the decoder's buffers, counted
   pass(second);
   EXPECT_EQ(allocations, after_first) << "device allocations in the second pass";
   EXPECT_TRUE(first == second);

@@ -8,11 +8,10 @@
 // Host side per batch: each JPEG's header is parsed (nvjpegJpegStreamParseHeader) to size the
 // buffers and to refuse what the decoder in use cannot take (progressive, CMYK, truncated
 // files, ...): those slots go back to the caller, who decodes them on the CPU. Buffers grow
-// (rarely: to 5/4 of the need) and are never freed in steady state; nvJPEG's own memory comes
-// from caching allocators. Three "in flight" slots, each with its own nvJPEG state, planar
-// buffer and pinned job table, let the next batches be enqueued while one decodes; a slot is
-// reused only after its previous batch completed (on the host's word: the hardware engines
-// write when called, not in stream order).
+// (rarely: to 5/4 of the need) and are never freed in steady state. Three "in flight" slots,
+// each with its own nvJPEG state, planar buffer and pinned job table, let the next batches be
+// enqueued while one decodes; a slot is reused only after its previous batch completed (on the
+// host's word: the hardware engines write when called, not in stream order).
 #include "nvjpeg_decoder.h"
 
 #include <cuda_runtime.h>
@@ -26,13 +25,11 @@
 #include <exception>
 #include <functional>
 #include <cstring>
-#include <map>
 #include <mutex>
 #include <numeric>
 #include <sstream>
 #include <string>
 #include <thread>
-#include <unordered_map>
 #include <vector>
 
 #include "vitgrid/backend/cuda/cuda_check.h"
@@ -111,114 +108,6 @@ bool css_factors(nvjpegChromaSubsampling_t css, int* h, int* v) {
 // RGB output of a one-component image may fill all three).
 size_t decoded_bytes(int W, int H) { return align_up(static_cast<size_t>(W) * H * 3); }
 
-// nvJPEG's own memory, kept: the blocks nvJPEG frees are handed out again, never returned to
-// CUDA while the decoder lives. cudaFree and cudaFreeHost wait for the whole device, the
-// training step included, and nvJPEG's hardware backend frees and allocates buffers as the
-// batches' bitstreams change size: with CUDA's allocators its decode of the next batch stalled
-// until the running step had finished, instead of overlapping it. Reuse is stream-ordered: a
-// device block freed on stream a and taken on stream b makes b wait (on the device) for what a
-// had enqueued at the free; a pinned block, written by the host at once, is taken only after
-// that point has passed (as DALI hands nvJPEG its pools).
-class BlockCache {
- public:
-  BlockCache(bool pinned, std::function<void(int64_t)> count) : pinned_(pinned), count_(std::move(count)) {}
-  BlockCache(const BlockCache&) = delete;
-  BlockCache& operator=(const BlockCache&) = delete;
-  ~BlockCache() {  // after nvjpegDestroy: every block is free
-    for (auto& kv : free_) {
-      if (kv.second.freed) cudaEventDestroy(kv.second.freed);
-      free_block(kv.second.ptr, kv.first);
-    }
-    for (auto& kv : sizes_) free_block(kv.first, kv.second);  // not given back: none expected
-  }
-  nvjpegDevAllocatorV2_t device_allocator() { return {&BlockCache::take, &BlockCache::give, this}; }
-  nvjpegPinnedAllocatorV2_t pinned_allocator() { return {&BlockCache::take, &BlockCache::give, this}; }
-  int64_t allocations() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return allocations_;
-  }
-
- private:
-  struct Block {
-    void* ptr = nullptr;
-    cudaEvent_t freed = nullptr;  // recorded on the freeing stream
-  };
-  static int take(void* ctx, void** ptr, size_t size, cudaStream_t stream) {
-    return static_cast<BlockCache*>(ctx)->acquire(ptr, size, stream) ? 0 : 1;
-  }
-  static int give(void* ctx, void* ptr, size_t size, cudaStream_t stream) {
-    return static_cast<BlockCache*>(ctx)->release(ptr, size, stream) ? 0 : 1;
-  }
-  bool acquire(void** ptr, size_t size, cudaStream_t stream) {
-    size = std::max<size_t>(size, 1);
-    std::unique_lock<std::mutex> lock(mu_);
-    // the smallest free block that fits, if it is not more than twice the request
-    auto it = free_.lower_bound(size);
-    if (it != free_.end() && it->first <= 2 * size) {
-      Block b = it->second;
-      const size_t bytes = it->first;
-      free_.erase(it);
-      lock.unlock();
-      const cudaError_t e = pinned_ ? cudaEventSynchronize(b.freed) : cudaStreamWaitEvent(stream, b.freed, 0);
-      cudaEventDestroy(b.freed);
-      if (e != cudaSuccess) {
-        free_block(b.ptr, bytes);
-        return false;
-      }
-      lock.lock();
-      sizes_[b.ptr] = bytes;
-      *ptr = b.ptr;
-      return true;
-    }
-    ++allocations_;
-    lock.unlock();
-    void* p = nullptr;
-    if ((pinned_ ? cudaMallocHost(&p, size) : cudaMalloc(&p, size)) != cudaSuccess) return false;
-    if (!pinned_ && count_) count_(static_cast<int64_t>(size));
-    lock.lock();
-    sizes_[p] = size;
-    *ptr = p;
-    return true;
-  }
-  bool release(void* ptr, size_t, cudaStream_t stream) {
-    if (!ptr) return true;
-    size_t bytes = 0;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = sizes_.find(ptr);
-      if (it == sizes_.end()) return false;
-      bytes = it->second;
-      sizes_.erase(it);
-    }
-    Block b{ptr, nullptr};
-    if (cudaEventCreateWithFlags(&b.freed, cudaEventDisableTiming) != cudaSuccess ||
-        cudaEventRecord(b.freed, stream) != cudaSuccess) {
-      // no event on that stream (nvJPEG tearing down): returned to CUDA, which waits for it
-      cudaGetLastError();
-      if (b.freed) cudaEventDestroy(b.freed);
-      free_block(ptr, bytes);
-      return true;
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    free_.emplace(bytes, b);
-    return true;
-  }
-  void free_block(void* ptr, size_t bytes) {
-    if (pinned_) {
-      cudaFreeHost(ptr);
-    } else {
-      cudaFree(ptr);
-      if (count_) count_(-static_cast<int64_t>(bytes));
-    }
-  }
-  const bool pinned_;
-  std::function<void(int64_t)> count_;  // device bytes, into the backend's memory figures
-  mutable std::mutex mu_;
-  std::multimap<size_t, Block> free_;
-  std::unordered_map<void*, size_t> sizes_;  // the blocks nvJPEG holds
-  int64_t allocations_ = 0;                  // cudaMalloc / cudaMallocHost calls
-};
-
 class NvjpegDecoder final : public ImageDecoder {
  public:
   NvjpegDecoder(int device, cudaStream_t join_stream, const NvjpegDecoderOptions& opts)
@@ -236,9 +125,7 @@ class NvjpegDecoder final : public ImageDecoder {
     nvjpegStatus_t last = NVJPEG_STATUS_SUCCESS;
     for (nvjpegBackend_t b : order) {
       for (unsigned flags : {flags_pref, static_cast<unsigned>(NVJPEG_FLAGS_DEFAULT)}) {
-        nvjpegDevAllocatorV2_t dev = dev_cache_.device_allocator();
-        nvjpegPinnedAllocatorV2_t pin = pinned_cache_.pinned_allocator();
-        last = nvjpegCreateExV2(b, &dev, &pin, flags, &handle_);
+        last = nvjpegCreateEx(b, nullptr, nullptr, flags, &handle_);
         if (last == NVJPEG_STATUS_SUCCESS) {
           backend_ = b;
           flags_ = flags;
@@ -725,8 +612,6 @@ class NvjpegDecoder final : public ImageDecoder {
   const cudaStream_t join_;
   const NvjpegDecoderOptions opts_;
   nvjpegHandle_t handle_ = nullptr;
-  // nvJPEG's memory (declared before the handle's users: destroyed after nvjpegDestroy)
-  BlockCache dev_cache_{false, opts_.count_memory}, pinned_cache_{true, nullptr};
   nvjpegBackend_t backend_ = NVJPEG_BACKEND_DEFAULT;
   unsigned flags_ = 0;
   unsigned hw_engines_ = 0, hw_cores_ = 0;

@@ -73,14 +73,8 @@ void finish_batch_on_device(
   // a replacement: the soft targets of every mixed sample follow its and its partner's labels
   std::vector<float> soft;
   if (!hb.soft.empty()) {
-    soft.assign(static_cast<size_t>(hb.count) * K, 0.0f);
-    for (int j = 0; j < hb.count; ++j) {
-      const SampleAug& a = hb.aug[j];
-      float* row = soft.data() + static_cast<size_t>(j) * K;
-      const float own = a.partner >= 0 ? a.target_lam : 1.0f;
-      row[labels[j]] += own;
-      if (a.partner >= 0) row[labels[a.partner]] += 1.0f - own;
-    }
+    soft.resize(static_cast<size_t>(hb.count) * K);
+    mixed_soft_targets(hb.aug.data(), labels.data(), hb.count, K, soft.data());
   }
   relabel(labels, soft);
 }

@@ -189,7 +189,7 @@ void DataLoader::Impl::read_views(HostBatch& hb, const int64_t* idx, const Sampl
 // its soft target is lam * own label + (1 - lam) * the partner's.
 void DataLoader::Impl::mix(HostBatch& hb, const Sampler& sampler) const {
   const int S = ds->image_size();
-  hb.soft.assign((size_t)hb.count * K, 0.0f);
+  hb.soft.resize((size_t)hb.count * K);
   for (int j = 0; j < hb.count; ++j) {
     const int64_t pos = hb.first_position + j;
     const int64_t unit = cfg.mix.mode == MixMode::Batch  ? pos / cfg.global_batch
@@ -207,8 +207,18 @@ void DataLoader::Impl::mix(HostBatch& hb, const Sampler& sampler) const {
         a.cut_x1 = (int16_t)d.x1, a.cut_y1 = (int16_t)d.y1;
       }
     }
-    hb.soft[(size_t)j * K + hb.labels[j]] += d.lam;
-    hb.soft[(size_t)j * K + hb.labels[partner]] += 1.0f - d.lam;
+  }
+  mixed_soft_targets(hb.aug.data(), hb.labels.data(), hb.count, K, hb.soft.data());
+}
+
+void mixed_soft_targets(const SampleAug* aug, const int32_t* labels, int count, int K, float* out) {
+  std::fill(out, out + static_cast<size_t>(count) * K, 0.0f);
+  for (int j = 0; j < count; ++j) {
+    const SampleAug& a = aug[j];
+    float* row = out + static_cast<size_t>(j) * K;
+    const float own = a.partner >= 0 ? a.target_lam : 1.0f;
+    row[labels[j]] += own;
+    if (a.partner >= 0) row[labels[a.partner]] += 1.0f - own;
   }
 }
 

@@ -41,10 +41,6 @@ std::string env(const char* k, const char* dflt) {
   return v && *v ? v : dflt;
 }
 
-void sh(const std::string& cmd) {
-  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-}
-
 class EncodedLoader : public ::testing::Test {
  protected:
   static std::string dir_;
@@ -245,7 +241,9 @@ TEST_F(EncodedLoader, DeviceViewsDecodeOnTheHostToTheSamePixels) {
       EXPECT_EQ(std::string(out.begin(), out.end()), image_of(*h, v.slot)) << "slot " << v.slot;
     }
     for (int j = 0; j < d->count; ++j)  // the rest was decoded on the host, as before
-      if (!slots.count(j)) EXPECT_EQ(image_of(*d, j), image_of(*h, j));
+      if (!slots.count(j)) {
+        EXPECT_EQ(image_of(*d, j), image_of(*h, j));
+      }
   }
   EXPECT_GT(taken, 0);
   EXPECT_GT(offered, taken);  // grayscale, CMYK, progressive and PNG stay on the host

@@ -86,6 +86,10 @@ struct SampleAug {
 };
 static_assert(sizeof(SampleAug) == 32, "SampleAug is mirrored by the device kernels");
 
+// The soft targets of a mixed batch into out[count, K] (zeroed first): sample j's row holds
+// target_lam at its label and 1 - target_lam at its partner's (1 at its own when not mixed).
+void mixed_soft_targets(const SampleAug* aug, const int32_t* labels, int count, int K, float* out);
+
 // Mixup / CutMix as timm's Mixup: with probability `prob` a unit (the step's global batch in
 // mode batch, a pair of positions in mode pair, a position in mode elem) is mixed; with both
 // alphas set, CutMix is chosen with probability switch_prob; lam ~ Beta(alpha, alpha); CutMix's

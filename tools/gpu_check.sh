@@ -51,6 +51,9 @@ large_layouts() {
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(build test bench)
 NGPU=$(nvidia-smi -L | wc -l)
+# the data sets the loader, jpeg and recipes steps make and read; the cores per GPU
+D=${DATA:-/tmp/vitgrid-data}
+CORES=$(( $(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) / (NGPU > 0 ? NGPU : 1) ))
 for s in "${steps[@]}"; do
   case $s in
   build)
@@ -105,7 +108,6 @@ for s in "${steps[@]}"; do
   loader)
     # the input pipeline on its own, one rank with the node's cores per GPU: synthetic 224 px,
     # HDF5 224 px (written first), CIFAR-10 binary 32 px (random records in its format)
-    D=${DATA:-/tmp/vitgrid-data}
     mkdir -p "$D/cifar"
     "$B/bin/vitgrid_dataset" synthetic "$D/syn224" --train 4096 --eval 256 --size 224 \
       --classes 1000 --seed 1 >/dev/null
@@ -318,9 +320,7 @@ PYEOF
     # as TFRecord shards (test/data/write_tfrecord.py); the input pipeline alone (one rank, the
     # node's cores per GPU) on the host and on the device, beside torchvision's DataLoader and
     # GPU decode_jpeg; then training from the JPEGs against the same model on synthetic data.
-    D=${DATA:-/tmp/vitgrid-data}
     N=${JPEG_N:-20000}
-    CORES=$(( $(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) / NGPU ))
     if [ ! -d "$D/jpeg/train" ]; then
       "$PY" tools/make_jpeg_dataset.py "$D/jpeg" --train "$N" --val $((N / 10)) --classes 100 2>&1 | tail -1
       "$B/bin/vitgrid_dataset" pack "$D/jpeg" "$D/jpeg.h5" 2>&1 | tail -1
@@ -373,8 +373,6 @@ PYEOF
     # GPUs, reading the ImageNet-like set of the jpeg step as TFRecord shards (as Colossal-AI's
     # DALI loader reads ImageNet): RECIPE_STEPS optimizer steps each, the rate of all but the
     # first, and the projected wall time of 300 epochs of ImageNet-1k (1,281,167 images).
-    D=${DATA:-/tmp/vitgrid-data}
-    CORES=$(( $(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) / NGPU ))
     [ -d "$D/jpeg-tfr" ] || { echo "recipes: run the jpeg step first (it writes $D/jpeg-tfr)"; exit 1; }
     for r in ${RECIPES:-b32 b16 l32}; do
       mpirun -np "$NGPU" --bind-to none "$B/bin/vitgrid" train inputs/imagenet_vit_${r}_lamb_32k.ini \

@@ -164,7 +164,6 @@ class TensorParallel1D final : public TensorParallelBase {
     buf(5, full);
   }
 
-
   void parallel_forward(LinearRole role, void* y, const void* x, const void* W, const void* b,
                         int rows, int in, int out, void* gelu_out, Gelu g, int) override {
     if (seq_) {

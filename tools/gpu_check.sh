@@ -354,14 +354,19 @@ PYEOF
         for m in ${JPEG_MODELS:-vit-base/16 vit-base/32}; do
           mpirun -np $np --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --model.preset=$m \
             --model.num_classes=100 "${G[@]}" --warmup=5 --steps=30 2>&1 | grep -E "^bench|rror" | sed "s/^/$np GPU | /"
-          for src in ${JPEG_TRAIN_SOURCES:-folder jpeg_h5}; do
+          # JPEG_DECODES: host, device (all on the GPU) or device:SHARE (data.device_share)
+          for src in ${JPEG_TRAIN_SOURCES:-folder}; do
             case $src in folder) P=$D/jpeg ;; jpeg_h5) P=$D/jpeg.h5 ;; tfrecord) P=$D/jpeg-tfr ;; esac
-            mpirun -np $np --bind-to none "$B/bin/vitgrid" train inputs/bench_vit_b16.ini --model.preset=$m \
-              --data.dataset=$src --data.path=$P --data.index_dir="$D/idx" "${J[@]}" "${G[@]}" \
-              --run.steps=${JPEG_STEPS:-50} --run.out_dir="$D/run-$src" \
-              --run.eval_samples=512 --checkpoint.every_steps=0 2>&1 | grep -E "rror" | head -2
-            "$PY" tools/run_rate.py "$D/run-$src/metrics.h5" --skip 10 --label "$np GPU | $m $src"
-            rm -rf "$D/run-$src"
+            for dec in ${JPEG_DECODES:-host device device:0.3}; do
+              X=(--data.decode=${dec%%:*})
+              [[ $dec == *:* ]] && X+=(--data.device_share=${dec#*:})
+              mpirun -np $np --bind-to none "$B/bin/vitgrid" train inputs/bench_vit_b16.ini --model.preset=$m \
+                --data.dataset=$src --data.path=$P --data.index_dir="$D/idx" "${J[@]}" "${G[@]}" "${X[@]}" \
+                --run.steps=${JPEG_STEPS:-50} --run.out_dir="$D/run-$src" \
+                --run.eval_samples=512 --checkpoint.every_steps=0 2>&1 | grep -E "rror" | head -2
+              "$PY" tools/run_rate.py "$D/run-$src/metrics.h5" --skip 10 --label "$np GPU | $m $src $dec"
+              rm -rf "$D/run-$src"
+            done
           done
         done
       done
@@ -373,15 +378,20 @@ PYEOF
     # GPUs, reading the ImageNet-like set of the jpeg step as TFRecord shards (as Colossal-AI's
     # DALI loader reads ImageNet): RECIPE_STEPS optimizer steps each, the rate of all but the
     # first, and the projected wall time of 300 epochs of ImageNet-1k (1,281,167 images).
+    # RECIPE_DECODES: as JPEG_DECODES (default: the decks' own, data.decode = auto).
     [ -d "$D/jpeg-tfr" ] || { echo "recipes: run the jpeg step first (it writes $D/jpeg-tfr)"; exit 1; }
     for r in ${RECIPES:-b32 b16 l32}; do
-      mpirun -np "$NGPU" --bind-to none "$B/bin/vitgrid" train inputs/imagenet_vit_${r}_lamb_32k.ini \
-        --data.path="$D/jpeg-tfr" --data.index_dir="$D/idx" --model.num_classes=100 \
-        --data.grad_accum=$((32768 / (256 * NGPU))) --data.workers=$CORES \
-        --run.epochs=0 --run.steps=${RECIPE_STEPS:-4} --run.log_every=1 --run.eval_samples=512 \
-        --run.out_dir="$D/recipe-$r" --checkpoint.every_steps=0 --checkpoint.resume=none 2>&1 | grep -E "rror" | head -2
-      "$PY" tools/run_rate.py "$D/recipe-$r/metrics.h5" --skip 1 --label "$NGPU GPU | recipe $r" --epochs 300 --images 1281167
-      rm -rf "$D/recipe-$r"
+      for dec in ${RECIPE_DECODES:-auto}; do
+        X=(--data.decode=${dec%%:*})
+        [[ $dec == *:* ]] && X+=(--data.device_share=${dec#*:})
+        mpirun -np "$NGPU" --bind-to none "$B/bin/vitgrid" train inputs/imagenet_vit_${r}_lamb_32k.ini \
+          --data.path="$D/jpeg-tfr" --data.index_dir="$D/idx" --model.num_classes=100 \
+          --data.grad_accum=$((32768 / (256 * NGPU))) --data.workers=$CORES "${X[@]}" \
+          --run.epochs=0 --run.steps=${RECIPE_STEPS:-4} --run.log_every=1 --run.eval_samples=512 \
+          --run.out_dir="$D/recipe-$r" --checkpoint.every_steps=0 --checkpoint.resume=none 2>&1 | grep -E "rror" | head -2
+        "$PY" tools/run_rate.py "$D/recipe-$r/metrics.h5" --skip 1 --label "$NGPU GPU | recipe $r $dec" --epochs 300 --images 1281167
+        rm -rf "$D/recipe-$r"
+      done
     done | tee "$OUT/recipes.log"
     ;;
   *) echo "unknown step $s"; exit 2 ;;

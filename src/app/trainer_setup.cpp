@@ -383,17 +383,29 @@ LoaderConfig Trainer::Impl::loader_config(bool train) const {
   return c;
 }
 
-// JPEGs on the device where the backend has a decoder (data.decode = auto | device) and the
-// dataset holds encoded images; only the stage holding the patch embedding reads images.
+// JPEGs on the device with data.decode = device, where the backend has a decoder and the
+// dataset holds encoded images (only the stage holding the patch embedding reads images); it
+// takes data.device_share of them. auto decodes on the host: on an H100 nvJPEG's hardware
+// decode of the next batch waits for the running step's kernels (README, "Decoding"), and 16
+// loader threads per GPU keep ViT-B/16 fed.
 void Trainer::Impl::setup_decoder() {
   const Dataset* ds = train_ds ? train_ds.get() : eval_ds.get();
-  if (!ds || !ds->encoded() || deck.data.decode == "host" || !model->layout().embed) return;
+  if (!ds || !ds->encoded() || !model->layout().embed) return;
+  const int threads = loader_config(true).workers;
+  if (deck.data.decode != "device" || deck.data.device_share == 0.0) {
+    log("data: JPEGs decoded on the host (libjpeg-turbo, %d loader threads)\n", threads);
+    return;
+  }
   in.decoder = be->image_decoder();
   in.decode_interp = make_loader_config(deck, true, 0, 1, 1).real.interp;
-  if (!in.decoder && deck.data.decode == "device")
+  if (!in.decoder)
     throw UserError("data.decode = device, but the " + be->name() +
-                    " backend has no JPEG decoder (data.decode = auto decodes on the host)");
-  if (in.decoder) log("data: JPEGs decoded on the device: %s\n", in.decoder->describe().c_str());
+                    " backend has no JPEG decoder (data.decode = auto or host decodes on the host)");
+  if (deck.data.device_share < 1.0)
+    log("data: JPEGs decoded on the device (%g of them; the rest by %d loader threads): %s\n",
+        deck.data.device_share, threads, in.decoder->describe().c_str());
+  else
+    log("data: JPEGs decoded on the device: %s\n", in.decoder->describe().c_str());
 }
 
 }  // namespace vitgrid

@@ -2,6 +2,7 @@
 // resize + centre crop, torchvision's semantics) cut from a source's JPEG/PNG bytes, decoded on
 // the host (libjpeg-turbo) or left for the device's batched decoder.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
@@ -79,6 +80,13 @@ class EncodedDataset final : public Dataset {
 
 }  // namespace
 
+bool device_turn(double share, int64_t position) {
+  if (share >= 1.0) return true;
+  if (share <= 0.0) return false;
+  return std::floor(static_cast<double>(position + 1) * share) >
+         std::floor(static_cast<double>(position) * share);
+}
+
 int32_t cut_view(const ImageSource& src, const RealImageConfig& cfg, uint64_t seed, bool train,
                  bool flip, int64_t index, int64_t position, int S, const ViewTarget& to,
                  int* bad, ViewScratch& scratch) {
@@ -93,7 +101,7 @@ int32_t cut_view(const ImageSource& src, const RealImageConfig& cfg, uint64_t se
     try {
       const ImageInfo info = peek_image(p, size);
       const Box box = view_box(cfg, seed, train, position, info.width, info.height, S);
-      if (to.views && device_takes(cfg, info, p, size)) {
+      if (to.views && device_turn(cfg.device_share, position) && device_takes(cfg, info, p, size)) {
         EncodedView v;
         v.slot = to.slot;
         v.offset = to.encoded->size();

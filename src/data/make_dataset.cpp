@@ -80,6 +80,7 @@ LoaderConfig make_loader_config(const Deck& deck, bool train, int data_rank, int
   c.real.interp = interp_of(d);
   c.real.crop_pct = d.crop_pct;
   c.real.dct_scale = d.dct_scale;
+  c.real.device_share = d.device_share;
   return c;
 }
 

@@ -110,6 +110,8 @@ void Parser::derive_and_validate(Deck* dp) {
           "data.rrc_ratio", "needs 2 values 0 < lo <= hi");
   require(dt.crop_pct > 0.0 && dt.crop_pct <= 1.0, "data.crop_pct",
           "must be in (0, 1], got " + shortest(dt.crop_pct));
+  require(dt.device_share >= 0.0 && dt.device_share <= 1.0, "data.device_share",
+          "must be in [0, 1], got " + shortest(dt.device_share));
   positive("data.global_batch", static_cast<double>(dt.global_batch));
   positive("data.grad_accum", dt.grad_accum);
   at_most("data.grad_accum", dt.grad_accum, static_cast<double>(kMaxGlobalBatch));

@@ -1034,23 +1034,27 @@ def t_jpeg_layouts(tmp):
 
 
 def t_gpu_jpeg(tmp):
-    """On a GPU: JPEGs decoded on the device (nvJPEG) train along the curve of the same deck
-    decoded on the host (libjpeg-turbo) within 2e-2 (the decoders' pixels differ slightly),
-    on 1 GPU and on 2 GPUs (data parallel) within 1e-4 of 1 GPU. Skipped (77) without a GPU."""
+    """On a GPU: JPEGs decoded on the device (nvJPEG), all of them or half (data.device_share,
+    the rest by the loader's threads), train along the curve of the same deck decoded on the
+    host (libjpeg-turbo) within 2e-2 (the decoders' pixels differ slightly), on 1 GPU and on 2
+    GPUs (data parallel) within 1e-4 of 1 GPU. Skipped (77) without a GPU."""
     ngpu = gpus_or_skip()
     src = jpeg_sources(tmp, classes=4, train=24, val=8, forms=("folder",))
     curves = {}
-    lay = [(1, "device"), (1, "host")] + ([(2, "device")] if ngpu >= 2 else [])
+    lay = [(1, "device"), (1, "host"), (1, "half")] + ([(2, "device")] if ngpu >= 2 else [])
     for np_, where in lay:
         d = os.path.join(tmp, f"{where}{np_}")
+        how = (["--data.decode=device", "--data.device_share=0.5"] if where == "half"
+               else [f"--data.decode={where}"])
         p = run(np_, ["train", DECK, f"--run.out_dir={d}", "--data.dataset=folder",
                       f"--data.path={src['folder']}", "--device.backend=cuda",
-                      f"--data.decode={where}", "--data.dct_scale=false"] + JPEG_DECK)
-        if where == "device":
+                      "--data.dct_scale=false"] + how + JPEG_DECK)
+        if where != "host":
             check("decoded on the device" in p.stdout, f"{where}{np_}: the device decoder is used")
         curves[(np_, where)] = losses(d)[1]
-    r = rel(curves[(1, "device")], curves[(1, "host")])
-    check(r <= 2e-2, f"device vs host decoding: max relative loss difference {r:.2e} <= 2e-2")
+    for where in ("device", "half"):
+        r = rel(curves[(1, where)], curves[(1, "host")])
+        check(r <= 2e-2, f"{where} vs host decoding: max relative loss difference {r:.2e} <= 2e-2")
     if (2, "device") in curves:
         r = rel(curves[(2, "device")], curves[(1, "device")])
         check(r <= 1e-4, f"2 GPUs vs 1 GPU (device decoding): {r:.2e} <= 1e-4")

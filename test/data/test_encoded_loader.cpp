@@ -249,6 +249,58 @@ TEST_F(EncodedLoader, DeviceViewsDecodeOnTheHostToTheSamePixels) {
   EXPECT_GT(offered, taken);  // grayscale, CMYK, progressive and PNG stay on the host
 }
 
+// data.device_share: the device is offered the images at the positions device_turn() picks
+// (a share of them, spread evenly, independent of the layout); the loader's threads decode the
+// others, to the all-host loader's pixels.
+TEST_F(EncodedLoader, DeviceShareOffersThePositionsItPicks) {
+  for (double share : {0.0, 0.3, 0.5, 1.0}) {  // any window of n positions: round(share n) +- 1
+    for (int64_t first : {0, 7, 1000003}) {
+      for (int n : {1, 10, 97}) {
+        int k = 0;
+        for (int64_t p = first; p < first + n; ++p) k += vitgrid::device_turn(share, p) ? 1 : 0;
+        EXPECT_LE(std::abs(k - share * n), 1.0) << share << " " << first << " " << n;
+      }
+    }
+  }
+  auto ds = open("folder");
+  auto host_cfg = cfg(10, 1, 1, 0);
+  host_cfg.real.dct_scale = false;
+  DataLoader host(ds, host_cfg);
+  std::vector<std::shared_ptr<const HostBatch>> ref;
+  for (int k = 0; k < 3; ++k) ref.push_back(host.next());
+  std::map<double, int> taken;
+  for (double share : {0.0, 0.25, 1.0}) {
+    auto dev_cfg = host_cfg;
+    dev_cfg.real.device_share = share;
+    dev_cfg.real.device_accepts = [](int comps, bool progressive, int, int) {
+      return comps == 3 && !progressive;
+    };
+    DataLoader dev(ds, dev_cfg);
+    for (int k = 0; k < 3; ++k) {
+      auto d = dev.next();
+      const HostBatch& h = *ref[k];
+      EXPECT_EQ(h.labels, d->labels);
+      std::set<int> slots;
+      for (const auto& v : d->views) {
+        ++taken[share];
+        slots.insert(v.slot);
+        EXPECT_TRUE(vitgrid::device_turn(share, v.position)) << "share " << share;
+        std::vector<uint8_t> out((size_t)kS * kS * 3);
+        int bad = 0;
+        dev.decode_on_host(v, out.data(), &bad);
+        EXPECT_EQ(std::string(out.begin(), out.end()), image_of(h, v.slot));
+      }
+      for (int j = 0; j < d->count; ++j)
+        if (!slots.count(j)) {
+          EXPECT_EQ(image_of(*d, j), image_of(h, j)) << "share " << share << " slot " << j;
+        }
+    }
+  }
+  EXPECT_EQ(taken[0.0], 0);
+  EXPECT_GT(taken[0.25], 0);
+  EXPECT_LT(taken[0.25], taken[1.0] / 2);  // a quarter of the positions, of those it accepts
+}
+
 namespace {
 
 // An ImageDecoder on host memory, for the CPU: it "decodes" a view with a loader's host path

@@ -67,7 +67,14 @@ struct RealImageConfig {
   // Whether the device's decoder takes a JPEG with this header (backend/image_decoder.h
   // accepts()); null: every image is decoded on the host.
   std::function<bool(int components, bool progressive, int sub_h, int sub_v)> device_accepts;
+  // The share of the images the device is offered, by stream position (device_turn()): the
+  // rest are decoded by the loader's threads while the device decodes its part.
+  double device_share = 1.0;
 };
+
+// Whether the sample at stream `position` is offered to the device's decoder: evenly spread
+// positions, round(share x n) of any n consecutive ones within one, the same on every layout.
+bool device_turn(double share, int64_t position);
 
 
 // Per-sample augmentation decided on the host, applied by Backend::prepare_images. Mixing

@@ -89,6 +89,7 @@ struct DataSection {
   double crop_pct = 0.875;      // eval: resize the short side to image_size / crop_pct, centre crop
   bool dct_scale = true;        // CPU decoding: DCT-domain downscaling of crops >= 2x the output
   std::string decode = "auto";  // auto | host | device: where JPEGs are decoded
+  double device_share = 1.0;    // with a device decoder: share of the JPEGs it is given
 };
 
 struct OptimSection {

@@ -360,6 +360,7 @@ class NvjpegDecoder final : public ImageDecoder {
   struct Slot {
     nvjpegJpegState_t state = nullptr;
     cudaEvent_t done = nullptr;
+    int init_batch = -1;             // the batch size `state` was initialised for
     bool pending = false;            // `done` recorded and not yet waited for on the host
     ResizeJob* jobs_host = nullptr;  // pinned
     int jobs_cap = 0;
@@ -550,7 +551,10 @@ class NvjpegDecoder final : public ImageDecoder {
         im.pitch[c] = static_cast<size_t>(a.W);
       }
     }
-    NVJPEG_CHECK(nvjpegDecodeBatchedInitialize(handle_, slot.state, m, 1, NVJPEG_OUTPUT_RGB));
+    if (slot.init_batch != m) {
+      NVJPEG_CHECK(nvjpegDecodeBatchedInitialize(handle_, slot.state, m, 1, NVJPEG_OUTPUT_RGB));
+      slot.init_batch = m;
+    }
     const nvjpegStatus_t st =
         nvjpegDecodeBatched(handle_, slot.state, data_.data(), lengths_.data(), images_.data(), stream_);
     if (st == NVJPEG_STATUS_SUCCESS) return;
@@ -559,6 +563,7 @@ class NvjpegDecoder final : public ImageDecoder {
     std::vector<char> bad(acc_.size(), 0);
     for (int k = 0; k < m; ++k) {
       NVJPEG_CHECK(nvjpegDecodeBatchedInitialize(handle_, slot.state, 1, 1, NVJPEG_OUTPUT_RGB));
+      slot.init_batch = 1;
       if (nvjpegDecodeBatched(handle_, slot.state, &data_[k], &lengths_[k], &images_[k], stream_) !=
           NVJPEG_STATUS_SUCCESS)
         bad[order_[k]] = 1;

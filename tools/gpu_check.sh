@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and measure vitgrid on a GPU node in one go, beside PyTorch + timm.
 #   tools/gpu_check.sh STEP...      (default: build test bench)
-# Steps: build test cputest bench models loader jpeg recipes kernels compile scale study large large2
+# Steps: build test cputest bench models loader jpeg decode_overlap recipes kernels compile scale study large large2
 # pipeline tpvitb ckpt recompute seqpar e2epar profile variants trace (each described where it is handled below).
 # Writes logs under $OUT (default /tmp/vitgrid-gpu). On a node without parallel HDF5 or
 # Boost.ProgramOptions, put their Debian packages in .gpu-deps/ (see README): they are unpacked
@@ -371,6 +371,14 @@ PYEOF
         done
       done
     fi | tee "$OUT/jpeg_train.log"
+    ;;
+  decode_overlap)
+    # nvJPEG's hardware decode beside a GEMM load, stand-alone (tools/bench_decode_overlap.cu)
+    # on the JPEG step's set (made here if missing: 2,048 images)
+    [ -d "$D/jpeg/train" ] || "$PY" tools/make_jpeg_dataset.py "$D/jpeg-small" --train 2048 --val 16 --classes 16 2>&1 | tail -1
+    DIR=$D/jpeg/train; [ -d "$DIR" ] || DIR=$D/jpeg-small/train
+    nvcc -std=c++17 -O2 -arch=sm_90 tools/bench_decode_overlap.cu -o "$B/bin/bench_decode_overlap" \
+      -lcublas -lnvjpeg -lcuda && "$B/bin/bench_decode_overlap" "$DIR" | tee "$OUT/decode_overlap.log"
     ;;
   recipes)
     # Colossal-AI's three LAMB 32K recipes (inputs/imagenet_vit_*_lamb_32k.ini: fp16, Mixup,

@@ -1,0 +1,217 @@
+// bench_decode_overlap: does nvJPEG's batched hardware decode overlap a busy GPU? A "training"
+// thread runs chains of bf16 GEMMs (ViT-B/32-like shapes, 144 per step, eager or as one CUDA
+// graph) on its stream; a decoder thread decodes batches of 256 JPEGs with nvjpegDecodeBatched
+// (NVJPEG_BACKEND_HARDWARE) on another. Each variant prints the decoder's img/s and the GEMMs'
+// TFLOP/s; variants: output RGB or YUV, stream priorities, the GEMMs confined to part of the SMs
+// (a green context). tools/MEASURED.md ("H100: real images") has the figures.
+//
+//   nvcc -std=c++17 -O2 -arch=sm_90 tools/bench_decode_overlap.cu -o bench_decode_overlap \
+//        -lcublas -lnvjpeg -lcuda
+//   ./bench_decode_overlap DIR     # DIR: a tree of JPEGs (the first 2048 found are used)
+// or `tools/gpu_check.sh decode_overlap`.
+#include <cublas_v2.h>
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <nvjpeg.h>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <dirent.h>
+#include <string>
+#include <thread>
+#include <vector>
+#include <fstream>
+#include <sstream>
+
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
+#define NJ(x) do { nvjpegStatus_t e = (x); if (e != NVJPEG_STATUS_SUCCESS) { printf("%s:%d nvjpeg %d\n", __FILE__, __LINE__, (int)e); exit(1);} } while (0)
+#define CU(x) do { CUresult e = (x); if (e != CUDA_SUCCESS) { const char* s; cuGetErrorString(e, &s); printf("%s:%d %s\n", __FILE__, __LINE__, s); exit(1);} } while (0)
+#define CB(x) do { cublasStatus_t e = (x); if (e != CUBLAS_STATUS_SUCCESS) { printf("%s:%d cublas %d\n", __FILE__, __LINE__, (int)e); exit(1);} } while (0)
+
+using clk = std::chrono::steady_clock;
+static double secs(clk::time_point a) { return std::chrono::duration<double>(clk::now() - a).count(); }
+
+std::vector<std::string> files;
+std::vector<std::vector<unsigned char>> blobs;
+
+void load(const std::string& root, int maxn) {
+  std::vector<std::string> stack{root};
+  while (!stack.empty() && (int)files.size() < maxn) {
+    std::string d = stack.back(); stack.pop_back();
+    DIR* dp = opendir(d.c_str()); if (!dp) continue;
+    while (dirent* e = readdir(dp)) {
+      std::string n = e->d_name; if (n == "." || n == "..") continue;
+      std::string p = d + "/" + n;
+      if (e->d_type == DT_DIR) stack.push_back(p);
+      else if ((int)files.size() < maxn) files.push_back(p);
+    }
+    closedir(dp);
+  }
+  for (auto& f : files) {
+    std::ifstream in(f, std::ios::binary); std::stringstream ss; ss << in.rdbuf();
+    std::string s = ss.str(); blobs.emplace_back(s.begin(), s.end());
+  }
+}
+
+struct Opts { bool yuv = false; int dec_prio = 0; int gemm_prio = 0; int green_sms = 0; bool graph = false; bool ahead = false; };
+
+// GEMM "training": returns TFLOP/s over the window
+struct Gemm {
+  cublasHandle_t h; cudaStream_t s; __nv_bfloat16 *a, *b, *c;
+  int M = 12800, N = 3072, K = 768;
+  void init(cudaStream_t st) {
+    s = st; CB(cublasCreate(&h)); CB(cublasSetStream(h, s));
+    CK(cudaMalloc(&a, (size_t)M * 3072 * 2)); CK(cudaMalloc(&b, (size_t)N * K * 2)); CK(cudaMalloc(&c, (size_t)M * N * 2));
+    CK(cudaMemset(a, 0, (size_t)M * 3072 * 2)); CK(cudaMemset(b, 0, (size_t)N * K * 2));
+  }
+  // one "step": 48 GEMMs (12 blocks x fc1, fc2, qkv, proj-like shapes)
+  double step() {
+    float al = 1, be = 0; double fl = 0;
+    for (int l = 0; l < 12; ++l) {
+      int shapes[4][3] = {{3072, 768, M}, {768, 3072, M}, {2304, 768, M}, {768, 768, M}};
+      for (auto& sh : shapes) for (int rep = 0; rep < 3; ++rep) {  // fwd + 2 bwd GEMMs
+        CB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, sh[0], sh[2], sh[1], &al, b, CUDA_R_16BF, sh[0], a, CUDA_R_16BF, sh[1], &be, c, CUDA_R_16BF, sh[0], CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        fl += 2.0 * sh[0] * sh[1] * sh[2];
+      }
+    }
+    return fl;
+  }
+};
+
+struct Dec {
+  nvjpegHandle_t h; nvjpegJpegState_t st; cudaStream_t s; unsigned char* out = nullptr; size_t cap = 0;
+  std::vector<nvjpegImage_t> im; std::vector<const unsigned char*> d; std::vector<size_t> l;
+  bool yuv;
+  void init(cudaStream_t stream, bool y) {
+    s = stream; yuv = y;
+    NJ(nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, nullptr, nullptr, 0, &h));
+    NJ(nvjpegJpegStateCreate(h, &st));
+  }
+  int batch(int first, int n) {
+    im.resize(n); d.resize(n); l.resize(n);
+    std::vector<size_t> off(n + 1, 0);
+    std::vector<std::array<int, 6>> dims(n);
+    for (int k = 0; k < n; ++k) {
+      auto& b = blobs[(first + k) % blobs.size()];
+      d[k] = b.data(); l[k] = b.size();
+      int nc; nvjpegChromaSubsampling_t css; int w[4], hh[4];
+      NJ(nvjpegGetImageInfo(h, b.data(), b.size(), &nc, &css, w, hh));
+      dims[k] = {w[0], hh[0], nc > 1 ? w[1] : 0, nc > 1 ? hh[1] : 0, 0, 0};
+      size_t need = yuv ? (size_t)w[0] * hh[0] + 2 * (size_t)dims[k][2] * dims[k][3] : (size_t)w[0] * hh[0] * 3;
+      off[k + 1] = off[k] + ((need + 255) & ~size_t(255));
+    }
+    if (off[n] > cap) { if (out) CK(cudaFree(out)); cap = off[n] * 2; CK(cudaMalloc(&out, cap)); }
+    for (int k = 0; k < n; ++k) {
+      memset(&im[k], 0, sizeof(nvjpegImage_t));
+      unsigned char* p = out + off[k]; int W = dims[k][0], H = dims[k][1];
+      im[k].channel[0] = p; im[k].pitch[0] = W;
+      if (yuv) {
+        im[k].channel[1] = p + (size_t)W * H; im[k].pitch[1] = dims[k][2];
+        im[k].channel[2] = p + (size_t)W * H + (size_t)dims[k][2] * dims[k][3]; im[k].pitch[2] = dims[k][2];
+      } else {
+        for (int c = 1; c < 3; ++c) { im[k].channel[c] = p + c * (size_t)W * H; im[k].pitch[c] = W; }
+      }
+    }
+    NJ(nvjpegDecodeBatchedInitialize(h, st, n, 1, yuv ? NVJPEG_OUTPUT_YUV : NVJPEG_OUTPUT_RGB));
+    NJ(nvjpegDecodeBatched(h, st, d.data(), l.data(), im.data(), s));
+    CK(cudaStreamSynchronize(s));
+    return n;
+  }
+};
+
+void run(const char* name, Opts o, bool do_dec, bool do_gemm, double seconds) {
+  int lo, hi; CK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+  cudaStream_t gs = nullptr, ds = nullptr;
+  if (o.green_sms > 0) {
+    CUdevice dev; CU(cuDeviceGet(&dev, 0));
+    CUdevResource all, part, rest; unsigned ng = 1;
+    CU(cuDeviceGetDevResource(dev, &all, CU_DEV_RESOURCE_TYPE_SM));
+    CU(cuDevSmResourceSplitByCount(&part, &ng, &all, &rest, 0, o.green_sms));
+    CUdevResourceDesc desc; CU(cuDevResourceGenerateDesc(&desc, &part, 1));
+    CUgreenCtx g; CU(cuGreenCtxCreate(&g, desc, dev, CU_GREEN_CTX_DEFAULT_STREAM));
+    CUstream cs; CU(cuGreenCtxStreamCreate(&cs, g, CU_STREAM_NON_BLOCKING, o.gemm_prio ? hi : 0));
+    gs = (cudaStream_t)cs;
+    printf("  green context: %u SMs for the GEMMs (of %u)\n", part.sm.smCount, all.sm.smCount);
+  } else {
+    CK(cudaStreamCreateWithPriority(&gs, cudaStreamNonBlocking, o.gemm_prio ? hi : lo));
+  }
+  CK(cudaStreamCreateWithPriority(&ds, cudaStreamNonBlocking, o.dec_prio ? hi : lo));
+  static Gemm gm; static bool ginit = false;
+  if (!ginit) { gm.init(gs); ginit = true; } gm.s = gs; CB(cublasSetStream(gm.h, gs));
+  Dec dc; dc.init(ds, o.yuv);
+  dc.batch(0, 256); dc.batch(256, 256);  // warm
+  gm.step(); CK(cudaStreamSynchronize(gs));
+  std::atomic<bool> stop{false};
+  double flops = 0, gsec = 0; long imgs = 0; double dsec = 0;
+  std::thread tg, td;
+  if (do_gemm) tg = std::thread([&] {
+    CK(cudaSetDevice(0));
+    auto t = clk::now();
+    cudaGraphExec_t ge = nullptr; double gf = 0;
+    if (o.graph) {
+      cudaGraph_t g; CK(cudaStreamBeginCapture(gs, cudaStreamCaptureModeThreadLocal));
+      gf = gm.step(); CK(cudaStreamEndCapture(gs, &g)); CK(cudaGraphInstantiate(&ge, g, 0));
+    }
+    cudaEvent_t ev[2]; CK(cudaEventCreateWithFlags(&ev[0], cudaEventDisableTiming)); CK(cudaEventCreateWithFlags(&ev[1], cudaEventDisableTiming));
+    long it = 0;
+    while (!stop) {
+      if (o.graph) { CK(cudaGraphLaunch(ge, gs)); flops += gf; } else flops += gm.step();
+      if (o.ahead) { CK(cudaEventRecord(ev[it & 1], gs)); if (it > 0) CK(cudaEventSynchronize(ev[(it - 1) & 1])); }
+      else CK(cudaStreamSynchronize(gs));
+      ++it;
+    }
+    CK(cudaStreamSynchronize(gs));
+    gsec = secs(t);
+  });
+  if (do_dec) td = std::thread([&] {
+    CK(cudaSetDevice(0));
+    auto t = clk::now(); int i = 0;
+    while (!stop) { imgs += dc.batch(i, 256); i += 256; }
+    dsec = secs(t);
+  });
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  stop = true;
+  if (tg.joinable()) tg.join();
+  if (td.joinable()) td.join();
+  printf("%-44s decode %8.0f img/s   gemm %6.1f TFLOP/s\n", name, do_dec ? imgs / dsec : 0.0,
+         do_gemm ? flops / gsec / 1e12 : 0.0);
+  fflush(stdout);
+}
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: bench_decode_overlap JPEG_DIR\n");
+    return 2;
+  }
+  load(argv[1], 2048);
+  if (blobs.empty()) {
+    std::fprintf(stderr, "bench_decode_overlap: no files under %s\n", argv[1]);
+    return 2;
+  }
+  printf("%zu files\n", blobs.size());
+  CK(cudaSetDevice(0)); CK(cudaFree(0)); CU(cuInit(0));
+  double T = 4;
+  run("gemm alone", {}, false, true, T);
+  run("gemm graph alone, ahead", {false,0,0,0,true,true}, false, true, T);
+  run("RGB + gemm eager, ahead", {false,0,0,0,false,true}, true, true, T);
+  run("RGB + gemm graph, ahead", {false,0,0,0,true,true}, true, true, T);
+  run("RGB + gemm graph, sync", {false,0,0,0,true,false}, true, true, T);
+  run("RGB high + gemm graph, ahead", {false,1,0,0,true,true}, true, true, T);
+  run("YUV + gemm graph, ahead", {true,0,0,0,true,true}, true, true, T);
+  run("RGB + gemm graph green 120, ahead", {false,1,0,120,true,true}, true, true, T);
+  return 0;
+  run("decode RGB alone", {}, true, false, T);
+  run("decode YUV alone", {true}, true, false, T);
+  run("RGB + gemm (equal prio)", {}, true, true, T);
+  run("YUV + gemm (equal prio)", {true}, true, true, T);
+  run("RGB, decoder stream high prio + gemm", {false, 1, 0}, true, true, T);
+  run("YUV, decoder stream high prio + gemm", {true, 1, 0}, true, true, T);
+  run("RGB + gemm in green ctx 124 SMs", {false, 1, 0, 124}, true, true, T);
+  run("RGB + gemm in green ctx 116 SMs", {false, 1, 0, 116}, true, true, T);
+  run("YUV + gemm in green ctx 124 SMs", {true, 1, 0, 124}, true, true, T);
+  return 0;
+}

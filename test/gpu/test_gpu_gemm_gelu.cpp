@@ -7,7 +7,7 @@
 // Every kernel with the default tile scheduling on every shape (ragged N, K and N residues of
 // the tiles, a few rows, and shapes of several tiles per SM, so the persistent loop and the
 // ping-pong hand-over run), every scheduler setting (raster order, swizzle) of every kernel on
-// two shapes. Then the backend's choice (cuda_backend.cpp): device.fused_gelu auto with
+// two shapes. Then the backend's choice (cuda_gemm.cpp): device.fused_gelu auto with
 // device.gemm_tune timing the candidates, forced on / off / a forced configuration, the
 // outputs of linear_forward / linear_backward against the unfused backend (dW and db
 // accumulated exactly once).

@@ -1,6 +1,6 @@
 // CudaBackend: the class behind make_cuda_backend(), shared by the translation units of
-// src/backend/cuda (memory and GEMMs in cuda_backend.cpp, kernels in *.cu, NCCL in
-// nccl_collectives.cpp). Internal: not installed, not included outside src/backend/cuda.
+// src/backend/cuda (memory in cuda_backend.cpp, GEMMs in cuda_gemm.cpp, kernels in *.cu, NCCL
+// in nccl_collectives.cpp and its neighbours). Internal: not installed, not included outside src/backend/cuda.
 #pragma once
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
@@ -42,7 +42,7 @@ struct SliceTable {
   void* own = nullptr;             // the table's own allocation; null: carved from the arena
 };
 
-// Row-major GEMM description handed to the cuBLASLt layer; see matmul() in cuda_backend.cpp.
+// Row-major GEMM description handed to the cuBLASLt layer; see matmul() in cuda_gemm.cpp.
 struct GemmSpec {
   bool transA = false, transB = false;
   int M = 0, N = 0, K = 0;          // C[M,N] = op(A)[M,K] op(B)[K,N]
@@ -308,8 +308,8 @@ class CudaBackend final : public Backend {
   // the unfused path (cuBLASLt GEMM, then the GELU pass); -1 without caching where the call
   // cannot fuse (ok false: unaligned or aliased pointers). Decided on the shape's first call
   // and cached; when that decision is timed, run(c) (c: -1 or an id) is called a few times per
-  // candidate and must overwrite only the outputs the real call writes afterwards.
-  // cuda_backend.cpp.
+  // candidate and must overwrite only the outputs the real call writes afterwards. Defined
+  // in cuda_gemm.cpp.
   template <class Run>
   int fused_gelu(bool forward, int N, int in, int out, bool ok, Run&& run);
   void set_fused_gelu(const BackendOptions& opts);  // the constructor's part

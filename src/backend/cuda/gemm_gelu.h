@@ -24,7 +24,7 @@
 // extra code). Configuration id = kernel + kernels * schedule, so ids 0 .. kernels - 1 are the
 // kernels with CUTLASS's default scheduling, and id 0 is the default configuration. Which one
 // is fastest depends on the shape; CudaBackend times them (device.gemm_tune, see
-// cuda_backend.cpp). Every configuration computes the same function; results differ between
+// cuda_gemm.cpp). Every configuration computes the same function; results differ between
 // configurations only in the fp32 accumulation order of the GEMM.
 #pragma once
 #include <cuda_runtime_api.h>

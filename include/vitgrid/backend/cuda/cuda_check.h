@@ -1,7 +1,7 @@
 // One check macro per CUDA library (nccl-tests style): on failure they report host, rank,
 // file, line (through VG_FAIL / fail_one) and the library's own error string, then abort the
-// MPI job so that no rank hangs. NCCL_CHECK lives beside the NCCL code (nccl_collectives.cpp)
-// so that only that translation unit needs nccl.h.
+// MPI job so that no rank hangs. NCCL_CHECK lives beside the NCCL code
+// (src/backend/cuda/nccl_collectives_impl.h) so that only those translation units need nccl.h.
 #pragma once
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>

@@ -2,12 +2,12 @@
 // (parse_deck, read_deck_file). The schema, the value formats, the resolved dump and the
 // reference are in deck_schema.cpp; derivation and validation in deck_validate.cpp.
 //
-// Parsing happens in two passes over the same text. Our own scan walks the INI line by line so
-// that every key is known with its line number (Boost.ProgramOptions does not report lines), and
-// refuses syntax errors, unknown keys and duplicates with "deck.ini:12: ..." messages. Boost's
-// parse_config_file(allow_unregistered = false) then parses the text against the same schema
-// and supplies the values; anything it still objects to is reported with the deck's name.
-// Values are kept as strings until every source has been merged (deck, then command line, then
+// One parser reads the text: our scan walks the INI line by line (and the command line token by
+// token) so that every key is known with its line number (Boost.ProgramOptions' parsers do not
+// report lines), refusing syntax errors, unknown keys and duplicates with "deck.ini:12: ..."
+// messages. What it read is handed to Boost.ProgramOptions as parsed options and stored against
+// the schema (boost_schema(): every key, its help), which supplies the values; anything Boost
+// still objects to is reported with where it came from. Values are kept as strings until every source has been merged (deck, then command line, then
 // the preset fills whatever model key neither of them set), and converted once, so a conversion
 // error always knows where the offending string came from.
 #include "vitgrid/deck/deck.h"
@@ -40,20 +40,56 @@ namespace deck_detail {
 
 namespace {
 
-po::options_description boost_schema() {
-  po::options_description desc("vitgrid deck");
-  // Every value is taken as text: conversion is ours, so its errors can name the line.
-  for (const Field& f : schema())
-    desc.add_options()(f.name().c_str(), po::value<std::string>(), f.help);
+const po::options_description& boost_schema() {
+  static const po::options_description desc = [] {
+    po::options_description d("vitgrid deck");
+    // Every value is taken as text: conversion is ours, so its errors can name the line.
+    for (const Field& f : schema())
+      d.add_options()(f.name().c_str(), po::value<std::string>(), f.help);
+    return d;
+  }();
   return desc;
+}
+
+// Boost stores the (key, value) pairs the scan read, from `what` (the deck or the command
+// line), against the schema; the values come back from its variables map.
+void boost_store(std::map<std::string, RawValue>& values, Origin::Kind kind,
+                 const std::string& what) {
+  po::parsed_options parsed(&boost_schema());
+  for (const auto& kv : values) {
+    if (kv.second.origin.kind != kind) continue;
+    po::option o;
+    o.string_key = kv.first;
+    o.value.push_back(kv.second.value);
+    o.original_tokens = {kv.first, kv.second.value};
+    parsed.options.push_back(std::move(o));
+  }
+  po::variables_map vm;
+  try {
+    po::store(parsed, vm);
+  } catch (const po::error& e) {
+    // The scan refuses everything Boost refuses, so this is a safety net.
+    throw UserError(what + ": " + e.what());
+  }
+  for (auto& kv : values) {
+    if (kv.second.origin.kind != kind) continue;
+    auto it = vm.find(kv.first);
+    if (it == vm.end()) {
+      const Origin& o = kv.second.origin;
+      throw UserError(what + (o.kind == Origin::Deck ? ":" + std::to_string(o.line) : "") + ": " +
+                      kv.first + ": value not understood");
+    }
+    kv.second.value = it->second.as<std::string>();
+  }
 }
 
 }  // namespace
 
 Deck Parser::run(const std::string& text, const std::vector<std::string>& overrides) {
   scan_ini(text);
-  boost_parse_ini(text);
+  boost_store(explicit_, Origin::Deck, source_);
   scan_command_line(overrides);
+  boost_store(explicit_, Origin::CommandLine, "command line");
   Deck d;
   d.source = source_;
   apply_preset(&d);
@@ -145,25 +181,7 @@ void Parser::scan_ini(const std::string& text) {
   }
 }
 
-void Parser::boost_parse_ini(const std::string& text) {
-  po::variables_map vm;
-  try {
-    std::istringstream in(text);
-    po::store(po::parse_config_file(in, boost_schema(), /*allow_unregistered=*/false), vm);
-  } catch (const po::error& e) {
-    // The scan above refuses everything Boost refuses, so this is a safety net.
-    throw UserError(source_ + ": " + e.what());
-  }
-  for (auto& kv : explicit_) {
-    auto it = vm.find(kv.first);
-    if (it == vm.end())
-      throw UserError(where(kv.first) + ": " + kv.first + ": value not understood");
-    kv.second.value = it->second.as<std::string>();
-  }
-}
-
 void Parser::scan_command_line(const std::vector<std::string>& args) {
-  std::vector<std::string> normalized;
   std::set<std::string> seen;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -193,31 +211,10 @@ void Parser::scan_command_line(const std::vector<std::string>& args) {
           return (c < 0x20 && c != '\t') || c == 0x7f;
         }))
       throw UserError("command line: " + name + ": control characters are not allowed in values");
+    // keys are matched whole (find_field): a truncated key is an unknown key, not a prefix match
     value = trim(value);
-    // Boost's adjacent form has no spelling for an empty value ("--k=" is refused), so an
-    // empty value travels as the next token instead.
-    if (value.empty()) {
-      normalized.push_back("--" + name);
-      normalized.push_back("");
-    } else {
-      normalized.push_back("--" + name + "=" + value);
-    }
     explicit_[name] = RawValue{value, Origin{Origin::CommandLine, 0}};
     origins_[name] = Origin{Origin::CommandLine, 0};
-  }
-  // Boost parses the normalised arguments against the same schema (no prefix guessing, so a
-  // truncated key is an unknown key, not a silent match).
-  try {
-    namespace cls = po::command_line_style;
-    po::variables_map vm;
-    po::store(po::command_line_parser(normalized)
-                  .options(boost_schema())
-                  .style(cls::allow_long | cls::long_allow_adjacent | cls::long_allow_next)
-                  .run(),
-              vm);
-    for (const auto& kv : vm) explicit_[kv.first].value = kv.second.as<std::string>();
-  } catch (const po::error& e) {
-    throw UserError(std::string("command line: ") + e.what());
   }
 }
 

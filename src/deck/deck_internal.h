@@ -149,13 +149,11 @@ class Parser {
   // carriage return may end a line (CRLF files).
   void check_text(const std::string& raw, int lineno) const;
 
-  // ---- pass 1: our scan of the INI text (lines, sections, unknown keys, duplicates)
+  // ---- the INI text, scanned once (lines, sections, unknown keys, duplicates); Boost then
+  // stores what it read against the schema (deck.cpp boost_store)
   void scan_ini(const std::string& text);
 
-  // ---- pass 2: Boost parses the same text against the schema and supplies the values.
-  void boost_parse_ini(const std::string& text);
-
-  // ---- command line: "--section.key=value" (or "--section.key value")
+  // ---- command line: "--section.key=value" (or "--section.key value"), the same way
   void scan_command_line(const std::vector<std::string>& args);
 
   // ---- presets: fill the model keys that neither the deck nor the command line set

@@ -3,11 +3,15 @@
 // graph) on its stream; a decoder thread decodes batches of 256 JPEGs with nvjpegDecodeBatched
 // (NVJPEG_BACKEND_HARDWARE) on another. Each variant prints the decoder's img/s and the GEMMs'
 // TFLOP/s; variants: output RGB or YUV, stream priorities, the GEMMs confined to part of the SMs
-// (a green context). tools/MEASURED.md ("H100: real images") has the figures.
+// (a green context), caching allocators given to nvJPEG (nvjpegCreateEx, nvjpegCreateExV2), the
+// hardware path's buffers sized ahead (nvjpegDecodeBatchedPreAllocate). With tools/ktrace's
+// VITGRID_KTRACE_API=1 it shows where the decoding thread waits. tools/MEASURED.md ("H100: real
+// images") has the figures.
 //
 //   nvcc -std=c++17 -O2 -arch=sm_90 tools/bench_decode_overlap.cu -o bench_decode_overlap \
 //        -lcublas -lnvjpeg -lcuda
-//   ./bench_decode_overlap DIR     # DIR: a tree of JPEGs (the first 2048 found are used)
+//   ./bench_decode_overlap DIR [NAME]  # DIR: a tree of JPEGs (the first 2048 found are used);
+//                                      # NAME: only the variants whose name holds it
 // or `tools/gpu_check.sh decode_overlap`.
 #include <cublas_v2.h>
 #include <cuda.h>
@@ -57,7 +61,45 @@ void load(const std::string& root, int maxn) {
   }
 }
 
-struct Opts { bool yuv = false; int dec_prio = 0; int gemm_prio = 0; int green_sms = 0; bool graph = false; bool ahead = false; };
+struct Opts { bool yuv = false; int dec_prio = 0; int gemm_prio = 0; int green_sms = 0; bool graph = false; bool ahead = false; int alloc = 0; int prealloc = 0; };
+
+// Caching allocators for nvJPEG (alloc 1: nvjpegCreateEx's, 2: nvjpegCreateExV2's): a freed
+// block goes to a free list by size class (powers of two) and is handed out again, so nvJPEG's
+// frees never reach cudaFree / cudaFreeHost (both synchronise with the whole device).
+#include <map>
+#include <mutex>
+struct Cache {
+  std::mutex mu;
+  std::multimap<size_t, void*> free_;
+  std::map<void*, size_t> cls_;
+  bool pinned;
+  static size_t cls(size_t n) { size_t c = 256; while (c < n) c <<= 1; return c; }
+  int get(void** p, size_t n) {
+    std::lock_guard<std::mutex> l(mu);
+    const size_t c = cls(n);
+    auto it = free_.find(c);
+    if (it != free_.end()) { *p = it->second; free_.erase(it); return 0; }
+    cudaError_t e = pinned ? cudaHostAlloc(p, c, cudaHostAllocDefault) : cudaMalloc(p, c);
+    if (e != cudaSuccess) return 1;
+    cls_[*p] = c;
+    return 0;
+  }
+  int put(void* p) {
+    if (!p) return 0;
+    std::lock_guard<std::mutex> l(mu);
+    free_.emplace(cls_.at(p), p);
+    return 0;
+  }
+};
+Cache g_dev{{}, {}, {}, false}, g_pin{{}, {}, {}, true};
+int dev_malloc1(void** p, size_t n) { return g_dev.get(p, n); }
+int dev_free1(void* p) { return g_dev.put(p); }
+int pin_malloc1(void** p, size_t n, unsigned) { return g_pin.get(p, n); }
+int pin_free1(void* p) { return g_pin.put(p); }
+int dev_malloc2(void*, void** p, size_t n, cudaStream_t) { return g_dev.get(p, n); }
+int dev_free2(void*, void* p, size_t, cudaStream_t) { return g_dev.put(p); }
+int pin_malloc2(void*, void** p, size_t n, cudaStream_t) { return g_pin.get(p, n); }
+int pin_free2(void*, void* p, size_t, cudaStream_t) { return g_pin.put(p); }
 
 // GEMM "training": returns TFLOP/s over the window
 struct Gemm {
@@ -86,9 +128,21 @@ struct Dec {
   nvjpegHandle_t h; nvjpegJpegState_t st; cudaStream_t s; unsigned char* out = nullptr; size_t cap = 0;
   std::vector<nvjpegImage_t> im; std::vector<const unsigned char*> d; std::vector<size_t> l;
   bool yuv;
-  void init(cudaStream_t stream, bool y) {
+  int init_n = -1;
+  int prealloc = 0;
+  void init(cudaStream_t stream, bool y, int alloc) {
     s = stream; yuv = y;
-    NJ(nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, nullptr, nullptr, 0, &h));
+    if (alloc == 1) {
+      nvjpegDevAllocator_t da{dev_malloc1, dev_free1};
+      nvjpegPinnedAllocator_t pa{pin_malloc1, pin_free1};
+      NJ(nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, &da, &pa, 0, &h));
+    } else if (alloc == 2) {
+      nvjpegDevAllocatorV2_t da{dev_malloc2, dev_free2, nullptr};
+      nvjpegPinnedAllocatorV2_t pa{pin_malloc2, pin_free2, nullptr};
+      NJ(nvjpegCreateExV2(NVJPEG_BACKEND_HARDWARE, &da, &pa, 0, &h));
+    } else {
+      NJ(nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, nullptr, nullptr, 0, &h));
+    }
     NJ(nvjpegJpegStateCreate(h, &st));
   }
   int batch(int first, int n) {
@@ -116,14 +170,23 @@ struct Dec {
         for (int c = 1; c < 3; ++c) { im[k].channel[c] = p + c * (size_t)W * H; im[k].pitch[c] = W; }
       }
     }
-    NJ(nvjpegDecodeBatchedInitialize(h, st, n, 1, yuv ? NVJPEG_OUTPUT_YUV : NVJPEG_OUTPUT_RGB));
+    if (n != init_n) {  // once per batch size, as vitgrid's decoder does
+      NJ(nvjpegDecodeBatchedInitialize(h, st, n, 1, yuv ? NVJPEG_OUTPUT_YUV : NVJPEG_OUTPUT_RGB));
+      init_n = n;
+      if (prealloc > 0)  // the hardware decoder's internal buffers for n images up to P x P
+        NJ(nvjpegDecodeBatchedPreAllocate(h, st, n, prealloc, prealloc, NVJPEG_CSS_420,
+                                          yuv ? NVJPEG_OUTPUT_YUV : NVJPEG_OUTPUT_RGB));
+    }
     NJ(nvjpegDecodeBatched(h, st, d.data(), l.data(), im.data(), s));
     CK(cudaStreamSynchronize(s));
     return n;
   }
 };
 
+const char* g_only = nullptr;  // argv[2]: run only the variants whose name holds it
+
 void run(const char* name, Opts o, bool do_dec, bool do_gemm, double seconds) {
+  if (g_only && !std::strstr(name, g_only)) return;
   int lo, hi; CK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
   cudaStream_t gs = nullptr, ds = nullptr;
   if (o.green_sms > 0) {
@@ -142,7 +205,8 @@ void run(const char* name, Opts o, bool do_dec, bool do_gemm, double seconds) {
   CK(cudaStreamCreateWithPriority(&ds, cudaStreamNonBlocking, o.dec_prio ? hi : lo));
   static Gemm gm; static bool ginit = false;
   if (!ginit) { gm.init(gs); ginit = true; } gm.s = gs; CB(cublasSetStream(gm.h, gs));
-  Dec dc; dc.init(ds, o.yuv);
+  Dec dc; dc.init(ds, o.yuv, o.alloc);
+  dc.prealloc = o.prealloc;
   dc.batch(0, 256); dc.batch(256, 256);  // warm
   gm.step(); CK(cudaStreamSynchronize(gs));
   std::atomic<bool> stop{false};
@@ -188,6 +252,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   load(argv[1], 2048);
+  if (argc > 2) g_only = argv[2];
   if (blobs.empty()) {
     std::fprintf(stderr, "bench_decode_overlap: no files under %s\n", argv[1]);
     return 2;
@@ -199,6 +264,10 @@ int main(int argc, char** argv) {
   run("gemm graph alone, ahead", {false,0,0,0,true,true}, false, true, T);
   run("RGB + gemm eager, ahead", {false,0,0,0,false,true}, true, true, T);
   run("RGB + gemm graph, ahead", {false,0,0,0,true,true}, true, true, T);
+  run("RGB + gemm graph, ahead, cache1", {false,0,0,0,true,true,1}, true, true, T);
+  run("RGB + gemm graph, ahead, cache2", {false,0,0,0,true,true,2}, true, true, T);
+  run("RGB + gemm graph, ahead, prealloc 1024", {false,0,0,0,true,true,0,1024}, true, true, T);
+  run("RGB + gemm graph, ahead, prealloc 2048", {false,0,0,0,true,true,0,2048}, true, true, T);
   run("RGB + gemm graph, sync", {false,0,0,0,true,false}, true, true, T);
   run("RGB high + gemm graph, ahead", {false,1,0,0,true,true}, true, true, T);
   run("YUV + gemm graph, ahead", {true,0,0,0,true,true}, true, true, T);

@@ -11,6 +11,10 @@ split into parts that add up: compute kernels slower beside the communication, w
 slowest rank's compute, and NCCL kernels alone or idle.
 
   python3 tools/ktrace_report.py TRACE_DIR [--compare OTHER_DIR] [--step-kernel REGEX]
+  python3 tools/ktrace_report.py TRACE_DIR --api     # a trace taken with VITGRID_KTRACE_API=1
+
+--api: per process and host thread, the CUDA driver and runtime calls by the time spent in them
+(count, total, longest): which thread waits in which call (a library's own calls included).
 
 Steps are delimited by the optimizer's kernels (--step-kernel, default: adamw|adam|lamb|sgd,
 case-insensitive): a step ends where such a run of kernels ends. The first --skip steps
@@ -86,7 +90,7 @@ def load(path):
             sys.exit(f"{path}: not a vitgrid_ktrace file (header {head.strip()!r})")
         for line in f:
             p = line.rstrip("\n").split("\t", 5)
-            if len(p) == 6:
+            if len(p) == 6 and not p[5].startswith("api:"):  # API calls: api_report()
                 ks.append((int(p[0]), int(p[1]), int(p[2]), int(p[3]), int(p[4]), p[5]))
     ks.sort()
     return ks
@@ -262,6 +266,32 @@ def report(d, rx, skip):
     return out
 
 
+def api_report(d, top):
+    """The API records (VITGRID_KTRACE_API=1) of each process: per host thread, the calls by
+    total time."""
+    for path in sorted(glob.glob(os.path.join(d, "ktrace.*.tsv"))):
+        calls = defaultdict(lambda: defaultdict(lambda: [0, 0.0, 0.0]))
+        with open(path) as f:
+            f.readline()
+            for line in f:
+                p = line.rstrip("\n").split("\t", 5)
+                if len(p) != 6 or not p[5].startswith("api:"):
+                    continue
+                ms = (int(p[1]) - int(p[0])) / 1e6
+                c = calls[p[3]][p[5][4:]]
+                c[0] += 1
+                c[1] += ms
+                c[2] = max(c[2], ms)
+        if not calls:
+            print(f"{path}: no API records (trace with VITGRID_KTRACE_API=1)")
+            continue
+        print(f"== {path}")
+        for thread, cs in sorted(calls.items(), key=lambda kv: -sum(v[1] for v in kv[1].values())):
+            print(f"   thread {thread}: {sum(v[1] for v in cs.values()):.1f} ms in API calls")
+            for name, (n, tot, mx) in sorted(cs.items(), key=lambda kv: -kv[1][1])[:top]:
+                print(f"      {name:50s} {n:8d} calls {tot:10.2f} ms, longest {mx:8.3f} ms")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dir")
@@ -269,7 +299,11 @@ def main():
     ap.add_argument("--step-kernel", default=r"adamw|adam|lamb|sgd")
     ap.add_argument("--skip", type=int, default=6, help="steps left out at the start")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--api", action="store_true", help="the API calls per host thread instead")
     a = ap.parse_args()
+    if a.api:
+        api_report(a.dir, a.top)
+        return
     rx = re.compile(a.step_kernel, re.I)
     print(f"== {a.dir}")
     A = report(a.dir, rx, a.skip)

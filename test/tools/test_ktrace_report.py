@@ -107,6 +107,28 @@ with tempfile.TemporaryDirectory() as tmp:
           "compute +0.50 + NCCL alone and idle -2.00" in p.stdout,
           f"the report prints the split (exit {p.returncode})")
 
+    # API records (VITGRID_KTRACE_API=1) beside the kernels: the timeline ignores them, --api
+    # sums them per host thread
+    api = os.path.join(tmp, "api")
+    os.makedirs(api)
+    with open(os.path.join(dp, "ktrace.1.tsv")) as f:
+        text = f.read()
+    # in every step's idle gap [8.5, 10) ms: counted, they would add busy time
+    for st in range(12):
+        b = st * 10 * MS
+        text += f"{b + 8_600_000}\t{b + 9_600_000}\t0\t4242\t0\tapi:driver cuMemFree_v2\n"
+    text += f"{27_100_000}\t{27_100_500}\t0\t17\t0\tapi:runtime cudaLaunchKernel_v7000\n"
+    with open(os.path.join(api, "ktrace.1.tsv"), "w") as f:
+        f.write(text)
+    sa = kr.summarise(kr.analyse(os.path.join(api, "ktrace.1.tsv"), rx, 2))
+    check(abs(sa["wall"] - s["wall"]) < 1e-9 and abs(sa["busy"] - s["busy"]) < 1e-9,
+          f"API records stay out of the GPU timeline (busy {sa['busy']} vs {s['busy']})")
+    p = subprocess.run([sys.executable, TOOL, api, "--api"], capture_output=True, text=True)
+    lines = [l for l in p.stdout.splitlines() if "cuMemFree_v2" in l]
+    check(p.returncode == 0 and "thread 4242: 12.0 ms" in p.stdout and len(lines) == 1
+          and " 12 calls " in lines[0] and "12.00 ms" in lines[0] and "longest    1.000 ms" in lines[0],
+          f"--api: 12 cuMemFree calls of thread 4242, 12 ms, longest 1 ms ({p.stdout.strip()!r})")
+
     bad = os.path.join(tmp, "bad")
     os.makedirs(bad)
     with open(os.path.join(bad, "ktrace.9.tsv"), "w") as f:

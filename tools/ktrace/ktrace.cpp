@@ -9,6 +9,9 @@
 // clock per node), device, stream, graph id (0: not from a graph) and the kernel's (mangled)
 // name, or for a copy "memcpy:KIND BYTES" (KIND: HtoD, DtoH, DtoD, PtoP, ...). Unset
 // VITGRID_KTRACE: records nothing. tools/ktrace_report.py reads the files.
+// VITGRID_KTRACE_API=1 also records every CUDA driver and runtime API call (libraries' calls
+// included) as "api:driver NAME" / "api:runtime NAME", its host thread's id in the stream
+// column (low 32 bits) and device 0: which call of which thread waits, and for how long.
 #include <cupti.h>
 
 #include <cstdint>
@@ -57,6 +60,15 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
       const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(r);
       g_kernels->push_back({m->start, m->end, m->deviceId, m->streamId, m->graphId,
                             copy_name(m->copyKind, m->bytes)});
+    } else if (r->kind == CUPTI_ACTIVITY_KIND_DRIVER || r->kind == CUPTI_ACTIVITY_KIND_RUNTIME) {
+      const auto* a = reinterpret_cast<const CUpti_ActivityAPI*>(r);
+      const bool drv = r->kind == CUPTI_ACTIVITY_KIND_DRIVER;
+      const char* name = nullptr;
+      if (cuptiGetCallbackName(drv ? CUPTI_CB_DOMAIN_DRIVER_API : CUPTI_CB_DOMAIN_RUNTIME_API,
+                               a->cbid, &name) != CUPTI_SUCCESS || !name)
+        name = "?";
+      g_kernels->push_back({a->start, a->end, 0, static_cast<uint32_t>(a->threadId), 0,
+                            std::string(drv ? "api:driver " : "api:runtime ") + name});
     } else if (r->kind == CUPTI_ACTIVITY_KIND_MEMCPY2) {
       const auto* m = reinterpret_cast<const CUpti_ActivityMemcpyPtoP4*>(r);
       g_kernels->push_back({m->start, m->end, m->deviceId, m->streamId, m->graphId,
@@ -102,6 +114,11 @@ __attribute__((constructor)) void start_trace() {
   if (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY) != CUPTI_SUCCESS ||
       cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY2) != CUPTI_SUCCESS)
     std::fprintf(stderr, "vitgrid_ktrace: CUPTI refused the copy activities; kernels only\n");
+  const char* api = std::getenv("VITGRID_KTRACE_API");
+  if (api && std::string(api) == "1" &&
+      (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_DRIVER) != CUPTI_SUCCESS ||
+       cuptiActivityEnable(CUPTI_ACTIVITY_KIND_RUNTIME) != CUPTI_SUCCESS))
+    std::fprintf(stderr, "vitgrid_ktrace: CUPTI refused the API activities\n");
   g_on = true;
   std::atexit(write_trace);
 }

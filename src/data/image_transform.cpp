@@ -17,6 +17,9 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#if defined(__SSE4_1__)
+#include <smmintrin.h>
+#endif
 
 #include "vitgrid/core/rng.h"
 
@@ -187,12 +190,41 @@ void horizontal_generic(const uint8_t* src, int src_stride, int sx, int rows, in
   }
 }
 
+// Output pixels [0, simd_end) of each row with the three channels in one SSE register: each
+// tap loads 4 bytes (the pixel's R, G, B and the next pixel's R, whose lane is dropped) and
+// adds weight x pixel in 32-bit lanes: the same integer sums as the scalar loop, then Pillow's
+// clip (shift, clamp to 0..255) by saturating packs. simd_end leaves out the pixels whose last
+// tap is the part's last column (the 4-byte load would pass the row's end).
 template <int K>
-void horizontal_k(const uint8_t* src, int src_stride, int rows, int out_w, ResampleScratch& s) {
+void horizontal_k(const uint8_t* src, int src_stride, int rows, int out_w, int simd_end,
+                  ResampleScratch& s) {
+#if !defined(__SSE4_1__)
+  simd_end = 0;
+#endif
   for (int r = 0; r < rows; r++) {
     const uint8_t* srow = src + (size_t)r * src_stride;
     uint8_t* trow = s.tmp.data() + (size_t)r * out_w * 3;
-    for (int xx = 0; xx < out_w; xx++) {
+    int xx = 0;
+#if defined(__SSE4_1__)
+    for (; xx < simd_end; xx++) {
+      const int32_t* k = &s.kpad[(size_t)xx * K];
+      const uint8_t* p = srow + (size_t)s.start[xx] * 3;
+      __m128i acc = _mm_set1_epi32(kHalf);
+      for (int t = 0; t < K; t++) {
+        int32_t px;
+        std::memcpy(&px, p + t * 3, 4);
+        const __m128i v = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(px));
+        acc = _mm_add_epi32(acc, _mm_mullo_epi32(v, _mm_set1_epi32(k[t])));
+      }
+      __m128i q = _mm_srai_epi32(acc, kPrecisionBits);
+      q = _mm_packus_epi16(_mm_packs_epi32(q, q), q);
+      const uint32_t o = static_cast<uint32_t>(_mm_cvtsi128_si32(q));
+      trow[xx * 3 + 0] = static_cast<uint8_t>(o);
+      trow[xx * 3 + 1] = static_cast<uint8_t>(o >> 8);
+      trow[xx * 3 + 2] = static_cast<uint8_t>(o >> 16);
+    }
+#endif
+    for (; xx < out_w; xx++) {
       const int32_t* k = &s.kpad[(size_t)xx * K];
       const uint8_t* p = srow + (size_t)s.start[xx] * 3;
       int32_t s0 = kHalf, s1 = kHalf, s2 = kHalf;
@@ -217,17 +249,19 @@ bool horizontal_fixed(const uint8_t* src, int src_stride, int sx, int sw, int ro
   if (sw < ksize || (ksize != 3 && ksize != 5 && ksize != 7 && ksize != 9)) return false;
   s.start.resize(out_w);
   s.kpad.assign((size_t)out_w * ksize, 0);
+  int simd_end = 0;  // windows start in increasing order: those before it end before column sw-1
   for (int xx = 0; xx < out_w; xx++) {
     const int first = s.bh[xx * 2 + 0] - sx, n = s.bh[xx * 2 + 1];
     const int start = std::min(first, sw - ksize);
     s.start[xx] = start;
+    if (start + ksize < sw && simd_end == xx) simd_end = xx + 1;
     for (int t = 0; t < n; t++) s.kpad[(size_t)xx * ksize + (first - start) + t] = s.kh[(size_t)xx * ksize + t];
   }
   switch (ksize) {
-    case 3: horizontal_k<3>(src, src_stride, rows, out_w, s); break;
-    case 5: horizontal_k<5>(src, src_stride, rows, out_w, s); break;
-    case 7: horizontal_k<7>(src, src_stride, rows, out_w, s); break;
-    default: horizontal_k<9>(src, src_stride, rows, out_w, s); break;
+    case 3: horizontal_k<3>(src, src_stride, rows, out_w, simd_end, s); break;
+    case 5: horizontal_k<5>(src, src_stride, rows, out_w, simd_end, s); break;
+    case 7: horizontal_k<7>(src, src_stride, rows, out_w, simd_end, s); break;
+    default: horizontal_k<9>(src, src_stride, rows, out_w, simd_end, s); break;
   }
   return true;
 }

@@ -1234,7 +1234,11 @@ class BusyCores:
 
     def __enter__(self):
         n = os.cpu_count() or 2
-        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+        # each loop exits with this test: the loop itself checks that its parent is still the
+        # one that started it (a test killed by ctest's timeout must not leave loaded cores
+        # behind for the tests after it)
+        loop = f"import os\nwhile os.getppid() == {os.getpid()}:\n    pass\n"
+        self.procs = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(n)]
         return self
 
     def __exit__(self, *exc):

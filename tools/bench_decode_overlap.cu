@@ -244,6 +244,12 @@ void run(const char* name, Opts o, bool do_dec, bool do_gemm, double seconds) {
   printf("%-44s decode %8.0f img/s   gemm %6.1f TFLOP/s\n", name, do_dec ? imgs / dsec : 0.0,
          do_gemm ? flops / gsec / 1e12 : 0.0);
   fflush(stdout);
+  CK(cudaDeviceSynchronize());
+  NJ(nvjpegJpegStateDestroy(dc.st));
+  NJ(nvjpegDestroy(dc.h));
+  if (dc.out) CK(cudaFree(dc.out));
+  CK(cudaStreamDestroy(ds));
+  if (o.green_sms == 0) CK(cudaStreamDestroy(gs));  // a green context's stream stays with it
 }
 
 int main(int argc, char** argv) {

@@ -38,6 +38,12 @@ fi
 PY=$(command -v python3)
 # The large ViT (bf16, activation checkpointing, global batch 32) under each layout given, on
 # 4 GPUs: large_layouts LOGNAME LAYOUT...
+# JPEG_DECODES / RECIPE_DECODES entries (host, device, device:SHARE, auto) as deck overrides in X
+decode_args() {
+  X=(--data.decode=${1%%:*})
+  [[ $1 == *:* ]] && X+=(--data.device_share=${1#*:})
+  return 0
+}
 large_layouts() {
   local log=$1; shift
   [ "$NGPU" -ge 4 ] || return 0
@@ -358,8 +364,7 @@ PYEOF
           for src in ${JPEG_TRAIN_SOURCES:-folder}; do
             case $src in folder) P=$D/jpeg ;; jpeg_h5) P=$D/jpeg.h5 ;; tfrecord) P=$D/jpeg-tfr ;; esac
             for dec in ${JPEG_DECODES:-host device device:0.3}; do
-              X=(--data.decode=${dec%%:*})
-              [[ $dec == *:* ]] && X+=(--data.device_share=${dec#*:})
+              decode_args "$dec"
               mpirun -np $np --bind-to none "$B/bin/vitgrid" train inputs/bench_vit_b16.ini --model.preset=$m \
                 --data.dataset=$src --data.path=$P --data.index_dir="$D/idx" "${J[@]}" "${G[@]}" "${X[@]}" \
                 --run.steps=${JPEG_STEPS:-50} --run.out_dir="$D/run-$src" \
@@ -390,8 +395,7 @@ PYEOF
     [ -d "$D/jpeg-tfr" ] || { echo "recipes: run the jpeg step first (it writes $D/jpeg-tfr)"; exit 1; }
     for r in ${RECIPES:-b32 b16 l32}; do
       for dec in ${RECIPE_DECODES:-auto}; do
-        X=(--data.decode=${dec%%:*})
-        [[ $dec == *:* ]] && X+=(--data.device_share=${dec#*:})
+        decode_args "$dec"
         mpirun -np "$NGPU" --bind-to none "$B/bin/vitgrid" train inputs/imagenet_vit_${r}_lamb_32k.ini \
           --data.path="$D/jpeg-tfr" --data.index_dir="$D/idx" --model.num_classes=100 \
           --data.grad_accum=$((32768 / (256 * NGPU))) --data.workers=$CORES "${X[@]}" \

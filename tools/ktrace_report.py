@@ -82,18 +82,21 @@ def short(name, n=90):
     return name if len(name) <= n else name[: n - 3] + "..."
 
 
-def load(path):
-    ks = []
+def records(path, api):
+    """The records of one trace file as (start, end, device, stream, graph, name): the GPU's
+    (kernels, copies) or, with api, the API calls (VITGRID_KTRACE_API=1; stream: host thread)."""
     with open(path) as f:
         head = f.readline()
         if not head.startswith("start\t"):
             sys.exit(f"{path}: not a vitgrid_ktrace file (header {head.strip()!r})")
         for line in f:
             p = line.rstrip("\n").split("\t", 5)
-            if len(p) == 6 and not p[5].startswith("api:"):  # API calls: api_report()
-                ks.append((int(p[0]), int(p[1]), int(p[2]), int(p[3]), int(p[4]), p[5]))
-    ks.sort()
-    return ks
+            if len(p) == 6 and p[5].startswith("api:") == api:
+                yield (int(p[0]), int(p[1]), int(p[2]), int(p[3]), int(p[4]), p[5])
+
+
+def load(path):
+    return sorted(records(path, api=False))
 
 
 def union(intervals):
@@ -271,17 +274,12 @@ def api_report(d, top):
     total time."""
     for path in sorted(glob.glob(os.path.join(d, "ktrace.*.tsv"))):
         calls = defaultdict(lambda: defaultdict(lambda: [0, 0.0, 0.0]))
-        with open(path) as f:
-            f.readline()
-            for line in f:
-                p = line.rstrip("\n").split("\t", 5)
-                if len(p) != 6 or not p[5].startswith("api:"):
-                    continue
-                ms = (int(p[1]) - int(p[0])) / 1e6
-                c = calls[p[3]][p[5][4:]]
-                c[0] += 1
-                c[1] += ms
-                c[2] = max(c[2], ms)
+        for start, end, _, thread, _, name in records(path, api=True):
+            ms = (end - start) / 1e6
+            c = calls[thread][name[4:]]
+            c[0] += 1
+            c[1] += ms
+            c[2] = max(c[2], ms)
         if not calls:
             print(f"{path}: no API records (trace with VITGRID_KTRACE_API=1)")
             continue

@@ -7,9 +7,10 @@
 // report lines), refusing syntax errors, unknown keys and duplicates with "deck.ini:12: ..."
 // messages. What it read is handed to Boost.ProgramOptions as parsed options and stored against
 // the schema (boost_schema(): every key, its help), which supplies the values; anything Boost
-// still objects to is reported with where it came from. Values are kept as strings until every source has been merged (deck, then command line, then
-// the preset fills whatever model key neither of them set), and converted once, so a conversion
-// error always knows where the offending string came from.
+// still objects to is reported with where it came from. Values are kept as strings until every
+// source has been merged (deck, then command line, then the preset fills whatever model key
+// neither of them set), and converted once, so a conversion error always knows where the
+// offending string came from.
 #include "vitgrid/deck/deck.h"
 
 #include <fcntl.h>
@@ -51,12 +52,11 @@ const po::options_description& boost_schema() {
   return desc;
 }
 
-// Boost stores the (key, value) pairs the scan read, from `what` (the deck or the command
-// line), against the schema; the values come back from its variables map.
-void boost_store(std::map<std::string, RawValue>& values, Origin::Kind kind,
-                 const std::string& what) {
+}  // namespace
+
+void Parser::boost_store(Origin::Kind kind, const std::string& what) {
   po::parsed_options parsed(&boost_schema());
-  for (const auto& kv : values) {
+  for (const auto& kv : explicit_) {
     if (kv.second.origin.kind != kind) continue;
     po::option o;
     o.string_key = kv.first;
@@ -71,25 +71,19 @@ void boost_store(std::map<std::string, RawValue>& values, Origin::Kind kind,
     // The scan refuses everything Boost refuses, so this is a safety net.
     throw UserError(what + ": " + e.what());
   }
-  for (auto& kv : values) {
+  for (auto& kv : explicit_) {
     if (kv.second.origin.kind != kind) continue;
     auto it = vm.find(kv.first);
-    if (it == vm.end()) {
-      const Origin& o = kv.second.origin;
-      throw UserError(what + (o.kind == Origin::Deck ? ":" + std::to_string(o.line) : "") + ": " +
-                      kv.first + ": value not understood");
-    }
+    if (it == vm.end()) fail(kv.first, "value not understood");
     kv.second.value = it->second.as<std::string>();
   }
 }
 
-}  // namespace
-
 Deck Parser::run(const std::string& text, const std::vector<std::string>& overrides) {
   scan_ini(text);
-  boost_store(explicit_, Origin::Deck, source_);
+  boost_store(Origin::Deck, source_);
   scan_command_line(overrides);
-  boost_store(explicit_, Origin::CommandLine, "command line");
+  boost_store(Origin::CommandLine, "command line");
   Deck d;
   d.source = source_;
   apply_preset(&d);

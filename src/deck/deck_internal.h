@@ -149,9 +149,12 @@ class Parser {
   // carriage return may end a line (CRLF files).
   void check_text(const std::string& raw, int lineno) const;
 
-  // ---- the INI text, scanned once (lines, sections, unknown keys, duplicates); Boost then
-  // stores what it read against the schema (deck.cpp boost_store)
+  // ---- the INI text, scanned once (lines, sections, unknown keys, duplicates)
   void scan_ini(const std::string& text);
+
+  // ---- Boost.ProgramOptions stores the values of origin `kind` that a scan read (from `what`,
+  // the deck or the command line) against the schema and gives them back
+  void boost_store(Origin::Kind kind, const std::string& what);
 
   // ---- command line: "--section.key=value" (or "--section.key value"), the same way
   void scan_command_line(const std::vector<std::string>& args);

@@ -12,12 +12,14 @@
 //        -lcublas -lnvjpeg -lcuda
 //   ./bench_decode_overlap DIR [NAME]  # DIR: a tree of JPEGs (the first 2048 found are used);
 //                                      # NAME: only the variants whose name holds it
+//                                      # (or one of its '|'-separated parts)
 // or `tools/gpu_check.sh decode_overlap`.
 #include <cublas_v2.h>
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <nvjpeg.h>
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -61,7 +63,11 @@ void load(const std::string& root, int maxn) {
   }
 }
 
-struct Opts { bool yuv = false; int dec_prio = 0; int gemm_prio = 0; int green_sms = 0; bool graph = false; bool ahead = false; int alloc = 0; int prealloc = 0; };
+struct Opts { bool yuv = false; int dec_prio = 0; int gemm_prio = 0; int green_sms = 0; bool graph = false; bool ahead = false; int alloc = 0; int prealloc = 0; int own_ctx = 0; };
+// own_ctx 1: the decoder thread works in a context of its own (cuCtxCreate), so the cuMemFree
+// calls nvJPEG makes wait only for that context's work; 2: as 1, and each batch's pixels are
+// copied into a buffer of the GEMMs' (primary) context with cuMemcpyPeerAsync, as a trainer
+// would need them.
 
 // Caching allocators for nvJPEG (alloc 1: nvjpegCreateEx's, 2: nvjpegCreateExV2's): a freed
 // block goes to a free list by size class (powers of two) and is handed out again, so nvJPEG's
@@ -186,7 +192,12 @@ struct Dec {
 const char* g_only = nullptr;  // argv[2]: run only the variants whose name holds it
 
 void run(const char* name, Opts o, bool do_dec, bool do_gemm, double seconds) {
-  if (g_only && !std::strstr(name, g_only)) return;
+  if (g_only) {  // NAME: alternatives separated by '|'
+    bool hit = false;
+    std::stringstream alts(g_only);
+    for (std::string a; std::getline(alts, a, '|');) hit = hit || std::strstr(name, a.c_str());
+    if (!hit) return;
+  }
   int lo, hi; CK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
   cudaStream_t gs = nullptr, ds = nullptr;
   if (o.green_sms > 0) {
@@ -205,9 +216,46 @@ void run(const char* name, Opts o, bool do_dec, bool do_gemm, double seconds) {
   CK(cudaStreamCreateWithPriority(&ds, cudaStreamNonBlocking, o.dec_prio ? hi : lo));
   static Gemm gm; static bool ginit = false;
   if (!ginit) { gm.init(gs); ginit = true; } gm.s = gs; CB(cublasSetStream(gm.h, gs));
-  Dec dc; dc.init(ds, o.yuv, o.alloc);
-  dc.prealloc = o.prealloc;
-  dc.batch(0, 256); dc.batch(256, 256);  // warm
+  Dec dc;
+  CUcontext primary = nullptr, own = nullptr;
+  CU(cuCtxGetCurrent(&primary));
+  unsigned char* dst = nullptr;  // the primary context's copy of each batch (own_ctx 2)
+  const size_t dst_cap = (size_t)512 << 20;
+  if (o.own_ctx == 2) CK(cudaMalloc(&dst, dst_cap));
+  auto dec_setup = [&] {
+    if (o.own_ctx) {
+      CUdevice dev; CU(cuDeviceGet(&dev, 0));
+      CU(cuCtxCreate(&own, nullptr, 0, dev));
+      CU(cuCtxSetCurrent(own));
+      CK(cudaStreamCreateWithFlags(&dc.s, cudaStreamNonBlocking));
+      dc.init(dc.s, o.yuv, o.alloc);
+    } else {
+      dc.init(ds, o.yuv, o.alloc);
+    }
+    dc.prealloc = o.prealloc;
+    dc.batch(0, 256); dc.batch(256, 256);  // warm
+  };
+  auto dec_batch = [&](int i) {
+    const int n = dc.batch(i, 256);
+    if (o.own_ctx == 2) {
+      CU(cuMemcpyPeerAsync((CUdeviceptr)dst, primary, (CUdeviceptr)dc.out, own,
+                           std::min(dc.cap, dst_cap), (CUstream)dc.s));
+      CK(cudaStreamSynchronize(dc.s));
+    }
+    return n;
+  };
+  auto dec_teardown = [&] {
+    NJ(nvjpegJpegStateDestroy(dc.st));
+    NJ(nvjpegDestroy(dc.h));
+    if (dc.out) CK(cudaFree(dc.out));
+    if (o.own_ctx) {
+      CK(cudaStreamDestroy(dc.s));
+      CU(cuCtxSetCurrent(primary));
+      CU(cuCtxDestroy(own));
+    }
+  };
+  std::atomic<int> ready{0};
+  if (!o.own_ctx || !do_dec) { dec_setup(); ready = 1; }
   gm.step(); CK(cudaStreamSynchronize(gs));
   std::atomic<bool> stop{false};
   double flops = 0, gsec = 0; long imgs = 0; double dsec = 0;
@@ -233,10 +281,13 @@ void run(const char* name, Opts o, bool do_dec, bool do_gemm, double seconds) {
   });
   if (do_dec) td = std::thread([&] {
     CK(cudaSetDevice(0));
+    if (o.own_ctx) { dec_setup(); ready = 1; }
     auto t = clk::now(); int i = 0;
-    while (!stop) { imgs += dc.batch(i, 256); i += 256; }
+    while (!stop) { imgs += dec_batch(i); i += 256; }
     dsec = secs(t);
+    if (o.own_ctx) dec_teardown();
   });
+  while (!ready) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
   stop = true;
   if (tg.joinable()) tg.join();
@@ -245,9 +296,8 @@ void run(const char* name, Opts o, bool do_dec, bool do_gemm, double seconds) {
          do_gemm ? flops / gsec / 1e12 : 0.0);
   fflush(stdout);
   CK(cudaDeviceSynchronize());
-  NJ(nvjpegJpegStateDestroy(dc.st));
-  NJ(nvjpegDestroy(dc.h));
-  if (dc.out) CK(cudaFree(dc.out));
+  if (!o.own_ctx || !do_dec) dec_teardown();
+  if (dst) CK(cudaFree(dst));
   CK(cudaStreamDestroy(ds));
   if (o.green_sms == 0) CK(cudaStreamDestroy(gs));  // a green context's stream stays with it
 }
@@ -278,6 +328,10 @@ int main(int argc, char** argv) {
   run("RGB high + gemm graph, ahead", {false,1,0,0,true,true}, true, true, T);
   run("YUV + gemm graph, ahead", {true,0,0,0,true,true}, true, true, T);
   run("RGB + gemm graph green 120, ahead", {false,1,0,120,true,true}, true, true, T);
+  run("RGB own ctx alone", {false,0,0,0,false,false,0,0,1}, true, false, T);
+  run("RGB own ctx + gemm graph, ahead", {false,0,0,0,true,true,0,0,1}, true, true, T);
+  run("RGB own ctx + copy + gemm graph, ahead", {false,0,0,0,true,true,0,0,2}, true, true, T);
+  run("RGB own ctx + copy + gemm eager, ahead", {false,0,0,0,false,true,0,0,2}, true, true, T);
   return 0;
   run("decode RGB alone", {}, true, false, T);
   run("decode YUV alone", {true}, true, false, T);

@@ -293,6 +293,7 @@ class Profiled final : public ProfiledBackend {
   size_t attention_saved_bytes(int B, int T, int H, int hd) const override {
     return b_->attention_saved_bytes(B, T, H, hd);
   }
+  size_t attention_alignment() const override { return b_->attention_alignment(); }
   size_t attention_workspace_bytes(int B, int T, int H, int hd) const override {
     return b_->attention_workspace_bytes(B, T, H, hd);
   }

@@ -1,7 +1,8 @@
 // The ViT (vitgrid/model/vit.h): configuration, construction, the parameters (layout,
 // gradient groups, initialisation), the activation plan, dropout keys, the chunk forward and
-// backward (patch embedding, head, loss) and the whole-model passes. A transformer block's
-// forward and backward are in vit_block.cpp; what both files share is in vit_internal.h.
+// backward (patch embedding, head, loss) and the whole-model passes. A transformer block is
+// compiled into a plan (block_plan.cpp) and replayed by vit_block.cpp; what the model's files
+// share is in vit_internal.h.
 #include "vitgrid/model/vit.h"
 
 #include <algorithm>
@@ -76,6 +77,7 @@ ViT::ViT(const ViTConfig& cfg, Backend& be, TensorParallel& tp, int max_batch,
                       << ") outside the model's " << cfg_.depth << " blocks or out of order");
   }
   build_params();
+  compile_plans();
   compute_alias_ = be_.act_size() == 4 && be_.act_dtype() == DType::F32;
   if (compute_alias_ || !layout_.master_elsewhere) {
     master_ = static_cast<float*>(be_.alloc(n_params_ * sizeof(float)));
@@ -191,6 +193,34 @@ void ViT::build_params() {
   if (!groups_.empty()) groups_.back().n = n_params_ - groups_.back().offset;
 }
 
+// Each held block's plan, compiled from the config, the chunk it is in and what the strategy
+// and the backend accept (model/block_plan.h).
+void ViT::compile_plans() {
+  const TpFusions tf = tp_.fusions();
+  const int variants = tf.row_parts > 1 && cfg_.fused_block ? 2 : 1;
+  for (int v = 0; v < variants; ++v) {
+    plans_[v].assign(cfg_.depth, BlockPlan{});
+    for (size_t c = 0; c < layout_.chunks.size(); ++c) {
+      const auto& ch = layout_.chunks[c];
+      ChunkSpec s;
+      s.first_block = ch.first_block;
+      s.blocks = ch.blocks;
+      s.dropout = cfg_.dropout;
+      for (int j = 0; j < ch.blocks; ++j) {
+        s.drop_path.push_back(cfg_.drop_path_rate(ch.first_block + j));
+        s.checkpointed.push_back(checkpointed_in_chunk(j));
+      }
+      s.keep_gelu_output = cfg_.keep_gelu_output;
+      // the output of every chunk but the model's last goes on (the head reads r_mid and f)
+      s.stores_output = c + 1 < layout_.chunks.size() || !layout_.head;
+      s.tp = tf;
+      s.attention_parts_fit = v == 0;
+      s.fused = cfg_.fused_block;
+      for (BlockPlan& p : compile_chunk_plans(s)) plans_[v][p.block] = std::move(p);
+    }
+  }
+}
+
 void ViT::report(int group) const {
   if (hook_ && group >= 0) hook_(groups_[group].offset, groups_[group].n);
 }
@@ -240,8 +270,10 @@ void ViT::plan_activations() {
   const size_t Ni = static_cast<size_t>(Bi) * T;
   const size_t asaved = be_.attention_saved_bytes(Bi, T, H, hd);
   // (the proj Linear may ask for the attention in parts: their shape's graphs built now too)
-  const size_t aws = std::max(be_.attention_workspace_bytes(Bi, T, H, hd),
-                              be_.attention_workspace_bytes(tp_.row_part_samples(Bi), T, H, hd));
+  const int parts = tp_.fusions().row_parts;
+  const size_t aws = std::max(
+      be_.attention_workspace_bytes(Bi, T, H, hd),
+      be_.attention_workspace_bytes(parts > 1 && Bi % parts == 0 ? Bi / parts : Bi, T, H, hd));
 
   // Two passes: measure, then carve. Every piece 256-byte aligned.
   char* base = nullptr;
@@ -260,7 +292,8 @@ void ViT::plan_activations() {
   const bool any_ckpt = checkpointed_in_chunk(0), all_ckpt = checkpointed_in_chunk(max_blocks - 1);
   const bool keep_g = cfg_.keep_gelu_output;  // where the block is not checkpointed
   bool path_f = false;
-  for (int l = 0; l < cfg_.depth; ++l) path_f = path_f || path_in_layernorm(l);
+  for (const BlockPlan& p : plans_[0])
+    for (const Op& op : p.forward) path_f = path_f || op.kind == OpKind::PathFactors;
   a_->path_stride = Bm;
   auto block_set = [&](Acts::BlockActs& b) {
     b.y1 = take(N * C * as);
@@ -458,9 +491,6 @@ bool ViT::drop_path_kept(int64_t step, int l, int branch, int64_t sample) const 
          drop_path_keep(seed_, key, static_cast<uint64_t>(sample), dropout_threshold(p));
 }
 
-bool ViT::path_in_layernorm(int l) const {
-  return cfg_.dropout <= 0.0f && cfg_.drop_path_rate(l) > 0.0f && tp_.layernorm_row_factors();
-}
 
 void ViT::chunk_forward(int chunk, int set, const DeviceBatch& in, int64_t step, bool train,
                         float smoothing, float grad_scale, double* loss, double* top1,

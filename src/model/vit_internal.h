@@ -24,7 +24,7 @@ struct ViT::Acts {
     std::vector<void*> r_in;         // residual stream entering each block of the chunk; r_in[0]
                                      // is the chunk input, and d(input) after the backward
     std::vector<BlockActs> blocks;   // per block of the chunk (empty where checkpointed)
-    // Drop path's factors where the LayerNorms apply them (path_in_layernorm): per block of
+    // Drop path's factors where the LayerNorms apply them (block_plan.h): per block of
     // the chunk, the attention branch's then the MLP branch's, path_stride floats each.
     float* path_f = nullptr;
     void* out = nullptr;             // chunk output (r_mid + f of its last block), sent on

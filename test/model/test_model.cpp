@@ -194,6 +194,59 @@ TEST(Model, KeptGeluOutputLeavesGradientsUnchanged) {
             (kc.depth - 1) * ((g + 255) / 256 * 256));
 }
 
+// Every block plan against the unfused plan of the same block (model/block_plan.h: no
+// residual add, GELU, bias sum or drop path folded into another op), on one rank; the
+// tensor-parallel modes in test/parallel. Loss, every gradient and the eval logits, over
+// dropout, drop path (in the LayerNorms without dropout), checkpointing and kept GELU outputs.
+TEST(Model, FusedPlansEqualUnfused) {
+  struct V {
+    float dropout, path;
+    int ckpt;  // 0: none, else checkpoint_blocks
+    bool keep_g;
+  };
+  for (const V& v : {V{0.0f, 0.0f, 0, false}, V{0.0f, 0.3f, 0, false}, V{0.2f, 0.3f, 0, false},
+                     V{0.0f, 0.3f, 1, true}, V{0.0f, 0.3f, -1, false}, V{0.2f, 0.0f, 2, true}}) {
+    SCOPED_TRACE("dropout " + std::to_string(v.dropout) + " drop path " +
+                 std::to_string(v.path) + " checkpoint " + std::to_string(v.ckpt) +
+                 (v.keep_g ? " kept GELU" : ""));
+    ViTConfig c = tiny(v.ckpt != 0, v.dropout, v.path);
+    c.checkpoint_blocks = v.ckpt == 0 ? -1 : v.ckpt;
+    c.keep_gelu_output = v.keep_g;
+    ViTConfig u = c;
+    u.fused_block = false;
+    Rig a(c, DType::F32, 6), b(u, DType::F32, 6);
+    // (the plans differ: else this compares a plan with itself)
+    auto plan = [](const Rig& r) {
+      const BlockPlan& p = r.model->block_plan(1, 6);
+      return describe(p.forward) + describe(p.backward);
+    };
+    EXPECT_NE(plan(a), plan(b));
+    for (int64_t s : {3, 4}) {
+      const double la = a.step(1.0f / 6, s), lb = b.step(1.0f / 6, s);
+      EXPECT_NEAR(la, lb, 1e-6 * std::abs(la)) << "step " << s;
+      const auto ga = a.grads(), gb = b.grads();
+      ASSERT_EQ(ga.size(), gb.size());
+      double gmax = 0, diff = 0;
+      for (size_t i = 0; i < ga.size(); ++i) {
+        gmax = std::max(gmax, double(std::abs(ga[i])));
+        diff = std::max(diff, double(std::abs(ga[i] - gb[i])));
+      }
+      EXPECT_GT(gmax, 0.0);
+      EXPECT_LE(diff, 1e-5 * gmax) << "step " << s;
+    }
+    double l1, t1, f1, l2, t2, f2;
+    const DeviceBatch e{a.images, a.labels, nullptr, 6, 0}, eb{b.images, b.labels, nullptr, 6, 0};
+    a.model->forward_eval(e, &l1, &t1, &f1);
+    b.model->forward_eval(eb, &l2, &t2, &f2);
+    EXPECT_NEAR(l1, l2, 1e-6 * std::abs(l1));
+    std::vector<float> za, zb;
+    a.model->logits_to_host(za, 6);
+    b.model->logits_to_host(zb, 6);
+    ASSERT_EQ(za.size(), zb.size());
+    for (size_t i = 0; i < za.size(); ++i) EXPECT_NEAR(za[i], zb[i], 1e-5) << "logit " << i;
+  }
+}
+
 TEST(Model, DropoutDependsOnStepAndChangesLoss) {
   Rig a(tiny(false, 0.3f), DType::F32, 4);
   const double l1 = a.step(0.25f, 1), l1b = a.step(0.25f, 1), l2 = a.step(0.25f, 2);

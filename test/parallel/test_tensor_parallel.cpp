@@ -679,6 +679,71 @@ TEST(TensorParallel, WholeModelBf16) {
   }
 }
 
+// Every mode's block plans (model/block_plan.h: what the strategy's fusions() allow, the
+// attention in parts under 1d sequence parallelism) against the unfused plans of the same
+// blocks on the same layout: the loss, every gradient and the eval logits. Dropout with drop
+// path, drop path alone (in the LayerNorms where the Stream rows are whole), neither; with and
+// without checkpointing of the first block.
+void check_plans(const Case& c, float dropout, float drop_path, bool ckpt, const Prec& prec) {
+  ViTConfig cfg;
+  cfg.image = 8;
+  cfg.patch = 4;
+  cfg.hidden = 32;
+  cfg.depth = 3;  // a middle block: its LN1 adds the previous block's output
+  cfg.heads = 4;
+  cfg.mlp = 64;
+  cfg.classes = 5;
+  cfg.dropout = dropout;
+  cfg.drop_path = drop_path;
+  cfg.checkpoint_activations = ckpt;
+  cfg.checkpoint_blocks = 1;
+  const int B = 8;
+  auto img = randn(size_t(B) * 3 * cfg.image * cfg.image, 5);
+  to_act_values(prec.act, {&img});
+  Model fused(MPI_COMM_WORLD, c, cfg, B, img, prec.act, /*tensor_parallel=*/true);
+  cfg.fused_block = false;
+  Model plain(MPI_COMM_WORLD, c, cfg, B, img, prec.act, /*tensor_parallel=*/true);
+  auto plan = [&](Model& m) {
+    const BlockPlan& p = m.vit->block_plan(1, B);
+    return describe(p.forward) + describe(p.backward);
+  };
+  EXPECT_NE(plan(fused), plan(plain)) << "the fused plan is the unfused one";
+  const double lf = fused.train_step(true), lp = plain.train_step(true);
+  EXPECT_LE(max_over_world(std::abs(lf - lp) / std::abs(lp)), prec.tol) << "loss";
+  const auto gf = fused.host(fused.vit->grads()), gp = plain.host(plain.vit->grads());
+  ASSERT_EQ(gf.size(), gp.size());
+  double total = 0;
+  for (float v : gp) total += double(v) * v;
+  total = std::sqrt(max_over_world(total));
+  ASSERT_GT(total, 0.0);
+  for (const ParamInfo& p : fused.vit->params()) {
+    const std::vector<float> a(gf.begin() + p.offset, gf.begin() + p.offset + p.numel);
+    const std::vector<float> b(gp.begin() + p.offset, gp.begin() + p.offset + p.numel);
+    EXPECT_LE(max_over_world(rel_err(a, b, 1e-3 * total)), prec.tol) << p.name << " gradient";
+  }
+  double l1, a1, b1, l2, a2, b2;
+  DeviceBatch ef{fused.images, fused.labels, nullptr, B, 0};
+  DeviceBatch ep{plain.images, plain.labels, nullptr, B, 0};
+  fused.vit->forward_eval(ef, &l1, &a1, &b1);
+  plain.vit->forward_eval(ep, &l2, &a2, &b2);
+  EXPECT_LE(max_over_world(std::abs(l2 - l1) / l2), prec.tol) << "eval loss";
+  std::vector<float> zf, zp;
+  fused.vit->logits_to_host(zf, B);
+  plain.vit->logits_to_host(zp, B);
+  EXPECT_LE(max_over_world(rel_err(zf, zp)), prec.tol) << "logits";
+}
+
+TEST(TensorParallel, FusedPlansEqualUnfused) {
+  VG_REQUIRE_TP_BACKEND();
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(c.name());
+    check_plans(c, 0.0f, 0.0f, false, kF32);
+    check_plans(c, 0.0f, 0.4f, true, kF32);
+    check_plans(c, 0.1f, 0.4f, false, kF32);
+    check_plans(c, 0.0f, 0.4f, false, kBf16Model);
+  }
+}
+
 TEST(TensorParallel, RefusesUndividedBatch) {
   VG_REQUIRE_TP_BACKEND();
   for (const Case& c : cases()) {

@@ -303,6 +303,9 @@ class Backend {
   // on the CPU, log-sum-exp statistics with cuDNN), attention_saved_bytes() large.
   virtual size_t attention_saved_bytes(int B, int T, int H, int hd) const = 0;
   virtual size_t attention_workspace_bytes(int B, int T, int H, int hd) const = 0;
+  // The byte alignment attention_forward / _backward need of their buffers (cuDNN: 16): the
+  // model runs the attention in parts only where every part starts at such an address.
+  virtual size_t attention_alignment() const { return 1; }
   virtual void attention_forward(void* out, void* saved, const void* qkv, int B, int T, int H,
                                  int hd, void* workspace) = 0;
   // dqkv[B,T,3C] is overwritten.

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "vitgrid/backend/backend.h"
+#include "vitgrid/model/block_plan.h"
 #include "vitgrid/parallel/tensor_parallel.h"
 
 namespace vitgrid {
@@ -31,6 +32,9 @@ struct ViTConfig {
   // stage or virtual stage); -1: all of them.
   int checkpoint_blocks = -1;
   bool keep_gelu_output = false;  // per-block GELU output kept, not recomputed in the backward
+  // false: every block runs its unfused plan (model/block_plan.h), the reference each fused
+  // plan is tested against
+  bool fused_block = true;
   float ln_eps = 1e-6f;
   int patches() const { return (image / patch) * (image / patch); }
   int tokens() const { return patches() + 1; }
@@ -196,6 +200,8 @@ class ViT {
   bool drop_path_kept(int64_t step, int l, int branch, int64_t sample) const;
 
   size_t activation_bytes() const { return act_bytes_; }
+  // The plan block l (held by this rank) runs for a micro-batch of `batch` samples.
+  const BlockPlan& block_plan(int l, int batch) const;
 
   // ---- pipeline stages (PipelineRunner drives these). Collective over the tensor group, like
   // the rest; never over the pipeline axis (the runner moves the boundary tensors).
@@ -228,18 +234,21 @@ class ViT {
   struct Block;
   struct Set;
   void build_params();
+  void compile_plans();
   void plan_activations();
   int chunk_of_block(int l) const;
   // Block l is recomputed in the backward (its activations live in the shared set) rather
   // than kept from its forward.
   bool checkpointed(int l) const;
   bool checkpointed_in_chunk(int j) const;  // the same by the block's index in its chunk
-  // Block l's drop path rides on the LayerNorms' residual adds (per-sample factors, no passes
-  // over the branches): drop path without dropout, where the strategy's LayerNorms take them.
-  bool path_in_layernorm(int l) const;
+  // Whether the attention of Bi (Inner) samples can run in the strategy's parts: the backend
+  // can start at each part.
+  bool attention_parts_fit(int Bi) const;
   void block_forward(int l, const DeviceBatch& in, int64_t step, bool train, int set,
                      bool recompute);
   void block_backward(int l, const DeviceBatch& in, int64_t step, int set, bool final);
+  void run_ops(const std::vector<Op>& ops, int l, const DeviceBatch& in, int64_t step, int set,
+               bool final);
   // The mask key of a dropout site on this rank's block of the global [B, T, width]
   // activation of `layout` (counters are global element indices), with drop path at rate
   // path_p (the residual branches' sites).
@@ -256,6 +265,10 @@ class ViT {
   // index in params_ of the first parameter of block l (-1: not on this stage), of the
   // patch embedding's weight and of the final norm's weight (-1: not held)
   std::vector<int> block_param_;
+  // the plan of each held block (by global index): [0] as compiled, [1] (only where the
+  // strategy runs the attention in parts) the same without parts, for micro-batches whose
+  // parts the backend's attention cannot start at
+  std::vector<BlockPlan> plans_[2];
   int embed_param_ = -1, head_param_ = -1;
   // gradient groups: groups_ in offset order; the group index of block l / embedding / head
   std::vector<GradGroup> groups_;

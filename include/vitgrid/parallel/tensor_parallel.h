@@ -90,10 +90,28 @@ struct Shard {
 
 struct ParamInfo;
 
+// What a strategy's layer calls accept beyond their plain forms: the fusions a block plan
+// (model/block_plan.h) may choose. Declared by the strategy, read by the plan compiler only.
+struct TpFusions {
+  // linear_backward of a Row Linear takes gelu_db (the modes whose Column backward sums its
+  // bias gradient over the rank's own dy block: none, 1d, 2d, 2.5d)
+  bool gelu_bias_in_row_backward = false;
+  // layernorm_backward takes dsum (the modes whose Stream is whole on every rank and whose
+  // Row Linear sums its whole bias gradient over that dy: none, 1d)
+  bool row_bias_in_layernorm_backward = false;
+  // the LayerNorms take per-row factors on their branch (drop path fused into them): the
+  // modes whose Stream rows are whole on every rank (none, 1d)
+  bool layernorm_row_factors = false;
+  // row_forward_produced / row_backward_consumed work in this many equal parts of the samples
+  // (1d sequence parallelism: the tensor ranks'); 1: produce everything, then the Linear
+  int row_parts = 1;
+};
+
 class TensorParallel {
  public:
   virtual ~TensorParallel() = default;
   virtual TensorMode mode() const = 0;
+  virtual TpFusions fusions() const = 0;
 
   // ---- parameter shards
   // Weight [out, in] and bias [out] of a Linear in role `role`. `groups` > 1 says the output
@@ -134,7 +152,7 @@ class TensorParallel {
   // dx = dy W (overwritten; skipped when null), dW += dy^T x, db += sum dy (local shards).
   // With gelu_pre (x was gelu(gelu_pre), same layout as dx): dx is the gradient of gelu_pre,
   // fused into the GEMM where the mode's dx needs no reduction (none, 1d Row), else a GELU
-  // backward pass after it. With gelu_db too (Row only, where gelu_bias_in_row_backward()):
+  // backward pass after it. With gelu_db too (Row only, where fusions() says so):
   // the GELU backward also adds this rank's share of the bias gradient of the Column Linear
   // that produced gelu_pre into gelu_db (the column sums of its local dx, which is what that
   // Linear's backward would sum), so that Linear's backward is then given no db.
@@ -142,18 +160,15 @@ class TensorParallel {
                                const void* x, const void* W, int rows, int in, int out,
                                int groups = 1, const void* gelu_pre = nullptr,
                                Gelu g = Gelu::Exact, float* gelu_db = nullptr) = 0;
-  // Whether a Row Linear's backward takes gelu_db (the modes whose Column backward sums its
-  // bias gradient over the rank's own dy block: none, 1d, 2d, 2.5d).
-  virtual bool gelu_bias_in_row_backward() const = 0;
   // A Row Linear (no bias-GELU) whose input x, `samples` whole samples of rows / samples rows,
   // is written by produce(lo, n) (samples [lo, lo + n)) in the parts and order the mode asks
   // for, so that it can send some rows' partial sums while the rest are produced (the model's
   // attention feeding proj: with 1d sequence parallelism at t = 2 the peer's samples first,
   // their partial sums exchanged while this rank's samples' attention runs). The backward's
   // counterpart calls consume(lo, n) once dx's rows of those samples are written (this
-  // rank's first, then the peer's as their dy arrives). The default: produce everything, then
-  // linear_forward; linear_backward, then consume everything. row_part_samples: the smallest
-  // part, in samples (the model plans the attention's workspace for it).
+  // rank's first, then the peer's as their dy arrives), in fusions().row_parts equal parts.
+  // The default: produce everything, then linear_forward; linear_backward, then consume
+  // everything.
   using SampleFn = std::function<void(int lo, int n)>;
   virtual void row_forward_produced(void* y, const void* x, const void* W, const void* b,
                                     int rows, int in, int out, int samples,
@@ -167,27 +182,20 @@ class TensorParallel {
     linear_backward(LinearRole::Row, dx, dW, db, dy, x, W, rows, in, out);
     consume(0, samples);
   }
-  virtual int row_part_samples(int samples) const { return samples; }
   // Fused residual add + LayerNorm over the (global) width C of Stream rows, same contract as
   // Backend::add_layernorm_forward / layernorm_backward; statistics over the whole width.
-  // With bf (where layernorm_row_factors()): b's rows times their factors, as the backend's.
+  // With bf (where fusions() says so): b's rows times their factors, as the backend's.
   virtual void layernorm_forward(void* res, void* y, float* mean, float* rstd, const void* a,
                                  const void* b, const void* gamma, const void* beta, int rows,
                                  int C, float eps, RowFactors bf = {}) = 0;
-  // With dsum (where row_bias_in_layernorm_backward()): dsum += the column sums of the
-  // updated dx, which is then the whole bias gradient of a Row Linear whose output gradient dx
-  // is; that Linear's backward is then given no db. With bf (where layernorm_row_factors()):
+  // With dsum (where fusions() says so): dsum += the column sums of the updated dx, which is
+  // then the whole bias gradient of a Row Linear whose output gradient dx is; that Linear's
+  // backward is then given no db. With bf (where fusions() says so):
   // dbranch = the updated dx's rows times their factors, and dsum sums dbranch instead.
   virtual void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy,
                                   const void* x, const void* gamma, const float* mean,
                                   const float* rstd, int rows, int C, float* dsum = nullptr,
                                   void* dbranch = nullptr, RowFactors bf = {}) = 0;
-  // Whether the LayerNorms take per-row factors on their branch (drop path fused into them):
-  // the modes whose Stream rows are whole on every rank (none, 1d).
-  virtual bool layernorm_row_factors() const = 0;
-  // Whether layernorm_backward takes dsum: the modes whose Stream is whole on every rank and
-  // whose Row Linear sums its (whole) bias gradient over that dy: none, 1d.
-  virtual bool row_bias_in_layernorm_backward() const = 0;
 
   // ---- per-sample results. Collective over the tensor group.
   // Sums host values over the ranks holding other samples of the Stream layout, so each

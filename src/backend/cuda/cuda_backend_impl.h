@@ -177,6 +177,7 @@ class CudaBackend final : public Backend {
   bool attention_fused(int hd) const;  // not the fallback: the saved state is the LSE
   size_t attention_saved_bytes(int B, int T, int H, int hd) const override;
   size_t attention_workspace_bytes(int B, int T, int H, int hd) const override;
+  size_t attention_alignment() const override { return 16; }  // cuDNN's tensors
   void attention_forward(void* out, void* saved, const void* qkv, int B, int T, int H, int hd,
                          void* workspace) override;
   void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out,

@@ -245,7 +245,7 @@ void TensorParallelBase::linear_backward(LinearRole role, void* dx, float* dW, f
   VG_CHECK(gelu_pre == nullptr || role == LinearRole::Column || role == LinearRole::Row,
            "a GELU backward fused into an embedding, head or replicated Linear");
   VG_CHECK(gelu_db == nullptr || (role == LinearRole::Row && dx && gelu_pre &&
-                                  gelu_bias_in_row_backward()),
+                                  fusions().gelu_bias_in_row_backward),
            "a GELU bias gradient without a Row Linear's dx and GELU backward in this mode");
   switch (role) {
     case LinearRole::Column:
@@ -301,7 +301,7 @@ void TensorParallelBase::layernorm_backward(void* dx, float* dgamma, float* dbet
                                             const float* mean, const float* rstd, int rows,
                                             int C, float* dsum, void* dbranch,
                                             RowFactors bf) {
-  VG_CHECK(dsum == nullptr || (hq_ == 1 && row_bias_in_layernorm_backward()),
+  VG_CHECK(dsum == nullptr || (hq_ == 1 && fusions().row_bias_in_layernorm_backward),
            "a Row bias gradient from the LayerNorm backward in a mode that splits the Stream");
   VG_CHECK(!bf.f || hq_ == 1, "row factors on a LayerNorm whose rows are split over ranks");
   if (hq_ == 1) {

@@ -32,7 +32,6 @@ class TensorParallelBase : public TensorParallel {
   void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy, const void* x,
                           const void* gamma, const float* mean, const float* rstd, int rows,
                           int C, float* dsum, void* dbranch, RowFactors bf) override;
-  bool layernorm_row_factors() const override { return hq_ == 1; }
   void sum_over_batch(double* v, int n) override;
   void sum_over_batch_device(double* v, int n) override;
   void gather_batch(void* out, const void* in, int batch, int64_t row_elems) override;
@@ -91,6 +90,8 @@ class TensorParallelBase : public TensorParallel {
   bool has_hidden_;
   Axis hidden_;
   int hq_ = 1, hr_ = 0;  // hidden split and this rank's column block of the Stream
+  // the Stream's rows are whole on every rank (its columns not split): LayerNorms are local
+  bool stream_rows_whole() const { return hq_ == 1; }
   std::vector<Axis> batch_axes_;
   int bsplit_ = 1, bidx_ = 0;  // Stream batch split and this rank's block
 

@@ -14,8 +14,12 @@ class TensorParallelNone final : public TensorParallelBase {
     return stream_block(batch, width);
   }
   int local_heads(int heads) const override { return heads; }
-  bool gelu_bias_in_row_backward() const override { return true; }
-  bool row_bias_in_layernorm_backward() const override { return true; }
+  TpFusions fusions() const override {
+    TpFusions f;
+    f.gelu_bias_in_row_backward = f.row_bias_in_layernorm_backward = true;
+    f.layernorm_row_factors = true;
+    return f;
+  }
 
  private:
   Shard parallel_weight(int64_t out, int64_t in, LinearRole, int) const override {

@@ -95,10 +95,16 @@ class TensorParallel1D final : public TensorParallelBase {
     }
     return b;
   }
-  bool gelu_bias_in_row_backward() const override { return true; }
-  // the Stream's rows are whole on every rank: a Row Linear's bias gradient is the column sums
-  // of its rows (whole, or with sequence parallelism this rank's rows: partial, see above)
-  bool row_bias_in_layernorm_backward() const override { return true; }
+  // The Stream's rows are whole on every rank: a Row Linear's bias gradient is the column sums
+  // of its rows (whole, or with sequence parallelism this rank's rows: partial, see above).
+  // With sequence parallelism the Row Linears exchange the tensor ranks' sample blocks.
+  TpFusions fusions() const override {
+    TpFusions f;
+    f.gelu_bias_in_row_backward = f.row_bias_in_layernorm_backward = true;
+    f.layernorm_row_factors = stream_rows_whole();
+    f.row_parts = seq_ ? t_ : 1;
+    return f;
+  }
   int local_heads(int heads) const override {
     if (heads % t_ != 0)
       throw UserError("model.heads: " + std::to_string(heads) +
@@ -354,7 +360,7 @@ class TensorParallel1D final : public TensorParallelBase {
     overlapped_row_backward(dx, dW, db, dy, x, W, rows, in, out, nullptr, Gelu::Exact, nullptr,
                             [&](int k) { consume(k * part, part); });
   }
-  int row_part_samples(int samples) const override {
+  int row_part_samples(int samples) const {
     if (!seq_) return samples;
     VG_CHECK(samples % t_ == 0, samples << " samples over " << t_ << " tensor ranks");
     return samples / t_;  // block k: rank k's Stream samples

@@ -41,9 +41,13 @@ class TensorParallelSumma final : public TensorParallelBase {
   ActBlock act_block(ActLayout, int batch, int64_t width) const override {
     return stream_block(batch, width);
   }
-  bool gelu_bias_in_row_backward() const override { return true; }
   // the Stream's columns are split: its LayerNorm backward is the split one
-  bool row_bias_in_layernorm_backward() const override { return false; }
+  TpFusions fusions() const override {
+    TpFusions f;
+    f.gelu_bias_in_row_backward = true;
+    f.layernorm_row_factors = stream_rows_whole();
+    return f;
+  }
   int local_heads(int heads) const override {
     if (heads % q_ != 0)
       throw UserError("model.heads: " + std::to_string(heads) + " is not divisible by q = " +

@@ -41,10 +41,13 @@ class TensorParallel3D final : public TensorParallelBase {
     split_cols(width, q_, rank(Axis::TensorX), &b);
     return b;
   }
-  // its Column backward sums the bias gradient over the gathered dy, not the rank's own block
-  bool gelu_bias_in_row_backward() const override { return false; }
-  // the Stream's columns are split: its LayerNorm backward is the split one
-  bool row_bias_in_layernorm_backward() const override { return false; }
+  // its Column backward sums the bias gradient over the gathered dy, not the rank's own
+  // block; the Stream's columns are split: its LayerNorm backward is the split one
+  TpFusions fusions() const override {
+    TpFusions f;
+    f.layernorm_row_factors = stream_rows_whole();
+    return f;
+  }
   int local_heads(int heads) const override {
     if (heads % q_ != 0)
       throw UserError("model.heads: " + std::to_string(heads) + " is not divisible by q = " +

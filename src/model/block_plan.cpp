@@ -1,0 +1,354 @@
+// The block plan compiler: the rules of include/vitgrid/model/block_plan.h, one place each.
+#include "vitgrid/model/block_plan.h"
+
+#include <sstream>
+
+#include "vit_internal.h"
+#include "vitgrid/core/error.h"
+
+namespace vitgrid {
+
+using namespace vit_detail;
+
+namespace {
+
+Op of(OpKind k) {
+  Op o;
+  o.kind = k;
+  return o;
+}
+ParamRef own(int i) { return ParamRef{static_cast<int8_t>(i), false}; }
+ParamRef prev(int i) { return ParamRef{static_cast<int8_t>(i), true}; }
+
+// One block's decisions, from the chunk's spec (training unless said otherwise).
+struct Rules {
+  const ChunkSpec& s;
+  int j;
+  bool last() const { return j + 1 == s.blocks; }
+  float path(int k) const { return s.drop_path[k]; }
+  bool drop_act() const { return s.dropout > 0.0f; }
+  bool drop_res() const { return drop_act() || path(j) > 0.0f; }
+  bool in_ln(int k) const { return path_in_layernorm(s, k); }
+  // residual add in LN1: the previous block's r_mid + f, unless it stored r_in[j] itself
+  bool prev_feeds() const { return j > 0 && !s.checkpointed[j - 1]; }
+  bool fused_add() const { return s.fused && prev_feeds(); }
+  // f goes unscaled to the next block's LN1 add, which applies this block's MLP factors
+  bool f_in_ln() const { return in_ln(j) && !s.checkpointed[j] && !last(); }
+  // block k's Row bias gradients (proj's, fc2's) summed by the LayerNorm backwards
+  bool ln_bias(int k) const {
+    return s.fused && s.dropout <= 0.0f && (path(k) <= 0.0f || in_ln(k)) &&
+           s.tp.row_bias_in_layernorm_backward;
+  }
+  // fc1's bias gradient summed by the GELU backward in fc2's data-gradient pass
+  bool gelu_bias() const { return s.fused && !drop_act() && s.tp.gelu_bias_in_row_backward; }
+  bool attention_parts() const { return s.fused && s.tp.row_parts > 1 && s.attention_parts_fit; }
+};
+
+Op need(int half) {
+  Op o;
+  o.kind = OpKind::Need;
+  o.group = half;
+  return o;
+}
+Op report(int half) {
+  Op o;
+  o.kind = OpKind::Report;
+  o.group = half;
+  return o;
+}
+Op linear(LinearRole role, Buf out, Buf x, int w, Width in, Width out_w, int groups = 1) {
+  Op o;
+  o.kind = OpKind::Linear;
+  o.role = role;
+  o.out = out;
+  o.x = x;
+  o.w = own(w);
+  o.bias = own(w + 1);
+  o.in = in;
+  o.out_w = out_w;
+  o.groups = groups;
+  return o;
+}
+Op dropout(Buf buf, int site, ActLayout layout) {
+  Op o;
+  o.kind = OpKind::Dropout;
+  o.out = o.x = buf;
+  o.site = site;
+  o.path = site != kSiteMlpAct;  // the residual branches' sites carry drop path
+  o.layout = layout;
+  return o;
+}
+Op dropout_backward(Buf out, Buf x, int site, ActLayout layout) {
+  Op o = dropout(out, site, layout);
+  o.kind = OpKind::DropoutBackward;
+  o.x = x;
+  return o;
+}
+Op gelu(Buf out, Buf x) {
+  Op o;
+  o.kind = OpKind::Gelu;
+  o.out = out;
+  o.x = x;
+  o.layout = ActLayout::Inner;
+  return o;
+}
+Op gelu_backward(Buf dx, Buf pre, Buf dy) {
+  Op o = gelu(dx, pre);
+  o.kind = OpKind::GeluBackward;
+  o.dy = dy;
+  return o;
+}
+Op add(Buf out, Buf a, Buf b) {
+  Op o;
+  o.kind = OpKind::Add;
+  o.out = out;
+  o.a = a;
+  o.b = b;
+  return o;
+}
+Op layernorm(int norm, Buf res, Buf out, Buf a, Buf b, Factors f) {
+  Op o;
+  o.kind = OpKind::LayerNorm;
+  o.norm = norm;
+  o.x = res;
+  o.out = out;
+  o.a = a;
+  o.b = b;
+  o.w = own(norm == 1 ? kNorm1W : kNorm2W);
+  o.bias = own(norm == 1 ? kNorm1B : kNorm2B);
+  o.factors = f;
+  return o;
+}
+Op linear_backward(LinearRole role, Buf dx, int w, ParamRef db, Buf dy, Buf x, Width in,
+                   Width out_w, int groups = 1) {
+  Op o;
+  o.kind = OpKind::LinearBackward;
+  o.role = role;
+  o.out = dx;
+  o.w = o.dw = own(w);
+  o.db = db;
+  o.dy = dy;
+  o.x = x;
+  o.in = in;
+  o.out_w = out_w;
+  o.groups = groups;
+  return o;
+}
+
+// The training forward (recompute: a checkpointed block's, which draws nothing, asks for no
+// parameters and ends before fc2) or the evaluation forward (train = false).
+std::vector<Op> forward_ops(const Rules& r, bool train, bool recompute) {
+  std::vector<Op> ops;
+  const ChunkSpec& s = r.s;
+  const bool in_ln = train && r.in_ln(r.j);
+  if (in_ln && !recompute) ops.push_back(of(OpKind::PathFactors));
+  if (!recompute) ops.push_back(need(0));
+  if (r.fused_add()) {
+    const Factors f = train && r.in_ln(r.j - 1) ? Factors::PrevMlp : Factors::None;
+    ops.push_back(layernorm(1, Buf::RIn, Buf::Y1, Buf::PrevRMid, Buf::PrevF, f));
+  } else {
+    if (r.prev_feeds()) ops.push_back(add(Buf::RIn, Buf::PrevRMid, Buf::PrevF));
+    ops.push_back(layernorm(1, Buf::RIn, Buf::Y1, Buf::RIn, Buf::None, Factors::None));
+  }
+  ops.push_back(linear(LinearRole::Column, Buf::Qkv, Buf::Y1, kQkvW, Width::Hidden, Width::Qkv, 3));
+  if (r.attention_parts()) {
+    Op o = linear(LinearRole::Row, Buf::P, Buf::Att, kProjW, Width::Hidden, Width::Hidden);
+    o.kind = OpKind::AttentionRow;
+    ops.push_back(o);
+  } else {
+    ops.push_back(of(OpKind::Attention));
+    ops.push_back(linear(LinearRole::Row, Buf::P, Buf::Att, kProjW, Width::Hidden, Width::Hidden));
+  }
+  const bool drop_res = train && r.drop_res(), drop_act = train && r.drop_act();
+  if (drop_res && !in_ln) ops.push_back(dropout(Buf::P, kSiteProj, ActLayout::Stream));
+  if (!recompute) ops.push_back(need(1));
+  ops.push_back(layernorm(2, Buf::RMid, Buf::Y2, Buf::RIn, Buf::P,
+                          in_ln ? Factors::Attn : Factors::None));
+  Op fc1 = linear(LinearRole::Column, Buf::H, Buf::Y2, kFc1W, Width::Hidden, Width::Mlp);
+  if (s.fused) fc1.gelu = Buf::G;
+  ops.push_back(fc1);
+  if (!s.fused) ops.push_back(gelu(Buf::G, Buf::H));
+  if (drop_act) ops.push_back(dropout(Buf::G, kSiteMlpAct, ActLayout::Inner));
+  // the backward reads no f (fc2's output only feeds the residual stream, stored in
+  // r_in[j + 1] or the chunk output): the recompute ends here
+  if (recompute) return ops;
+  ops.push_back(linear(LinearRole::Row, Buf::F, Buf::G, kFc2W, Width::Mlp, Width::Hidden));
+  if (drop_res && !(train && r.f_in_ln())) ops.push_back(dropout(Buf::F, kSiteMlpOut, ActLayout::Stream));
+  // a checkpointed block's successor reads r_in[j + 1] only; the chunk's last block stores
+  // what the next stage receives (unless the head follows)
+  if (s.checkpointed[r.j] && !r.last()) ops.push_back(add(Buf::RInNext, Buf::RMid, Buf::F));
+  if (r.last() && s.stores_output) ops.push_back(add(Buf::Out, Buf::RMid, Buf::F));
+  return ops;
+}
+
+// The backward; Dres holds d(block output) = d(r_mid + f) on entry and d(r_in[j]) on exit.
+std::vector<Op> backward_ops(const Rules& r) {
+  std::vector<Op> ops;
+  const ChunkSpec& s = r.s;
+  const int j = r.j;
+  const bool in_ln = r.in_ln(j), drop_act = r.drop_act(), drop_res = r.drop_res();
+  // Without dropout or drop path on the branches, fc2's output gradient is dres; with drop
+  // path in the LayerNorms, the next block's LN1 backward left dres x factors in ddrop (the
+  // chunk's last block: a dropout backward, as its forward applied a pass)
+  Buf df = Buf::Dres;
+  if (in_ln && !r.last()) {
+    df = Buf::Ddrop;
+  } else if (drop_res) {
+    ops.push_back(dropout_backward(Buf::Ddrop, Buf::Dres, kSiteMlpOut, ActLayout::Stream));
+    df = Buf::Ddrop;
+  }
+  if (!s.checkpointed[j] && !s.keep_gelu_output) {  // (a checkpointed block's recompute made g)
+    // g = dropout(gelu(h)) again: the same kernels on the same input give the same bits
+    ops.push_back(gelu(Buf::G, Buf::H));
+    if (drop_act) ops.push_back(dropout(Buf::G, kSiteMlpAct, ActLayout::Inner));
+  }
+  // fc2's bias gradient: from the next block's LN1 backward (in the chunk) where it sums it
+  const ParamRef fc2_db = r.ln_bias(j) && !r.last() ? ParamRef{} : own(kFc2B);
+  Op fc2 = linear_backward(LinearRole::Row, Buf::Dh, kFc2W, fc2_db, df, Buf::G, Width::Mlp,
+                           Width::Hidden);
+  const bool gelu_in_gemm = s.fused && !drop_act;
+  if (gelu_in_gemm) fc2.gelu = Buf::H;
+  if (r.gelu_bias()) fc2.dsum = own(kFc1B);
+  ops.push_back(fc2);
+  if (drop_act) ops.push_back(dropout_backward(Buf::Dh, Buf::Dh, kSiteMlpAct, ActLayout::Inner));
+  if (!gelu_in_gemm) ops.push_back(gelu_backward(Buf::Dh, Buf::H, Buf::Dh));
+  ops.push_back(linear_backward(LinearRole::Column, Buf::Dtmp, kFc1W,
+                                r.gelu_bias() ? ParamRef{} : own(kFc1B), Buf::Dh, Buf::Y2,
+                                Width::Hidden, Width::Mlp));
+  // dres += LN2 backward: now dres = d r_mid
+  Op ln2;
+  ln2.kind = OpKind::LayerNormBackward;
+  ln2.norm = 2;
+  ln2.out = Buf::Dres;
+  ln2.dy = Buf::Dtmp;
+  ln2.x = Buf::RMid;
+  ln2.w = own(kNorm2W);
+  ln2.dw = own(kNorm2W);
+  ln2.db = own(kNorm2B);
+  if (r.ln_bias(j)) ln2.dsum = own(kProjB);
+  if (in_ln) {
+    ln2.branch = Buf::Ddrop;
+    ln2.factors = Factors::Attn;
+  }
+  ops.push_back(ln2);
+  ops.push_back(report(1));
+  Buf dp = Buf::Dres;
+  if (in_ln) {
+    dp = Buf::Ddrop;
+  } else if (drop_res) {
+    ops.push_back(dropout_backward(Buf::Ddrop, Buf::Dres, kSiteProj, ActLayout::Stream));
+    dp = Buf::Ddrop;
+  }
+  const ParamRef proj_db = r.ln_bias(j) ? ParamRef{} : own(kProjB);
+  Op proj = linear_backward(LinearRole::Row, Buf::Dtmp, kProjW, proj_db, dp, Buf::Att,
+                            Width::Hidden, Width::Hidden);
+  if (r.attention_parts()) {
+    proj.kind = OpKind::AttentionRowBackward;
+    ops.push_back(proj);
+  } else {
+    ops.push_back(proj);
+    ops.push_back(of(OpKind::AttentionBackward));
+  }
+  ops.push_back(linear_backward(LinearRole::Column, Buf::Dtmp, kQkvW, own(kQkvB), Buf::Dqkv,
+                                Buf::Y1, Width::Hidden, Width::Qkv, 3));
+  // dres += LN1 backward: now dres = d r_in[j]; it also sums the previous block's fc2 bias
+  // gradient and applies its MLP factors where that block's forward left them to this one
+  Op ln1 = ln2;
+  ln1.norm = 1;
+  ln1.x = Buf::RIn;
+  ln1.w = ln1.dw = own(kNorm1W);
+  ln1.db = own(kNorm1B);
+  ln1.dsum = j > 0 && r.ln_bias(j - 1) ? prev(kFc2B) : ParamRef{};
+  const bool prev_in_ln = j > 0 && r.in_ln(j - 1);
+  ln1.branch = prev_in_ln ? Buf::Ddrop : Buf::None;
+  ln1.factors = prev_in_ln ? Factors::PrevMlp : Factors::None;
+  ops.push_back(ln1);
+  ops.push_back(report(0));
+  return ops;
+}
+
+}  // namespace
+
+bool path_in_layernorm(const ChunkSpec& s, int j) {
+  return s.fused && s.dropout <= 0.0f && s.drop_path[j] > 0.0f && s.tp.layernorm_row_factors;
+}
+
+std::vector<BlockPlan> compile_chunk_plans(const ChunkSpec& s) {
+  VG_CHECK(s.blocks >= 1 && static_cast<int>(s.drop_path.size()) == s.blocks &&
+               static_cast<int>(s.checkpointed.size()) == s.blocks,
+           "a chunk spec of " << s.blocks << " blocks with " << s.drop_path.size()
+                              << " drop path rates and " << s.checkpointed.size()
+                              << " checkpointing flags");
+  for (int j = 1; j < s.blocks; ++j)
+    VG_CHECK(!s.checkpointed[j] || s.checkpointed[j - 1],
+             "a checkpointed block after a kept one (the recompute would need its f)");
+  std::vector<BlockPlan> plans(s.blocks);
+  for (int j = 0; j < s.blocks; ++j) {
+    const Rules r{s, j};
+    BlockPlan& p = plans[j];
+    p.block = s.first_block + j;
+    p.checkpointed = s.checkpointed[j];
+    p.forward = forward_ops(r, true, false);
+    p.forward_eval = forward_ops(r, false, false);
+    if (p.checkpointed) p.recompute = forward_ops(r, true, true);
+    p.backward = backward_ops(r);
+  }
+  return plans;
+}
+
+const char* name(Buf b) {
+  static const char* const n[] = {"None", "RIn", "RInNext", "Out", "Y1", "Qkv", "Att",
+                                  "P", "RMid", "Y2", "H", "G", "F", "PrevRMid", "PrevF",
+                                  "Dres", "Ddrop", "Dtmp", "Dqkv", "Dh"};
+  return n[static_cast<int>(b)];
+}
+
+const char* name(OpKind k) {
+  static const char* const n[] = {
+      "Need", "Report", "PathFactors", "LayerNorm", "Linear", "Gelu", "Dropout", "Add",
+      "Attention", "AttentionRow", "LinearBackward", "GeluBackward", "DropoutBackward",
+      "LayerNormBackward", "AttentionBackward", "AttentionRowBackward"};
+  return n[static_cast<int>(k)];
+}
+
+std::string describe(const std::vector<Op>& ops) {
+  static const char* const params[] = {"norm1.w", "norm1.b", "qkv.w",  "qkv.b",
+                                       "proj.w",  "proj.b",  "norm2.w", "norm2.b",
+                                       "fc1.w",   "fc1.b",   "fc2.w",  "fc2.b"};
+  static const char* const sites[] = {"pos", "proj", "mlp_act", "mlp_out"};
+  static const char* const factors[] = {"none", "attn", "mlp", "prev_mlp"};
+  std::ostringstream o;
+  auto buf = [&](const char* k, Buf b) {
+    if (b != Buf::None) o << ' ' << k << '=' << name(b);
+  };
+  auto par = [&](const char* k, ParamRef p) {
+    if (p.valid()) o << ' ' << k << '=' << (p.prev ? "prev." : "") << params[p.index];
+  };
+  for (const Op& op : ops) {
+    o << name(op.kind);
+    if (op.kind == OpKind::Need || op.kind == OpKind::Report) o << ' ' << (op.group ? "mlp" : "attn");
+    if (op.kind == OpKind::Linear || op.kind == OpKind::LinearBackward ||
+        op.kind == OpKind::AttentionRow || op.kind == OpKind::AttentionRowBackward)
+      o << (op.role == LinearRole::Column ? " column" : " row");
+    if (op.norm) o << " norm" << op.norm;
+    buf("out", op.out);
+    buf("x", op.x);
+    buf("a", op.a);
+    buf("b", op.b);
+    buf("dy", op.dy);
+    buf("gelu", op.gelu);
+    buf("branch", op.branch);
+    par("w", op.w);
+    par("bias", op.bias);
+    par("dw", op.dw);
+    par("db", op.db);
+    par("dsum", op.dsum);
+    if (op.factors != Factors::None) o << " factors=" << factors[static_cast<int>(op.factors)];
+    if (op.kind == OpKind::Dropout || op.kind == OpKind::DropoutBackward)
+      o << " site=" << sites[op.site] << (op.path ? "+path" : "");
+    o << '\n';
+  }
+  return o.str();
+}
+
+}  // namespace vitgrid

@@ -1,0 +1,259 @@
+// The block plan compiler (model/block_plan.h) on its own, no backend: each fusion rule shows
+// in the ops it names, the unfused plan has none of them, and over every combination of
+// dropout, drop path, checkpointing, kept GELU output and strategy capabilities the plans keep
+// their invariants: each gradient of a chunk written exactly once, before its half is
+// reported; each buffer read only after it was written; the recompute a prefix of the
+// forward. The numerical equivalence of every plan with the unfused plan of the same block is
+// tested on a model: test/model/test_model.cpp (1 rank) and test/parallel (every mode).
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "vitgrid/model/block_plan.h"
+
+namespace vitgrid {
+namespace {
+
+constexpr int kParams = 12;  // per block (vit_internal.h BlockParam)
+enum { kNorm1W, kNorm1B, kQkvW, kQkvB, kProjW, kProjB, kNorm2W, kNorm2B, kFc1W, kFc1B, kFc2W, kFc2B };
+
+ChunkSpec spec(int blocks, float dropout, float path, int ckpt_blocks, bool fused,
+               TpFusions tp) {
+  ChunkSpec s;
+  s.first_block = 4;
+  s.blocks = blocks;
+  s.dropout = dropout;
+  for (int j = 0; j < blocks; ++j) {
+    s.drop_path.push_back(path * static_cast<float>(j + 1) / static_cast<float>(blocks));
+    s.checkpointed.push_back(j < ckpt_blocks);
+  }
+  s.tp = tp;
+  s.fused = fused;
+  return s;
+}
+
+TpFusions all_fusions(int parts = 1) {
+  TpFusions f;
+  f.gelu_bias_in_row_backward = f.row_bias_in_layernorm_backward = true;
+  f.layernorm_row_factors = true;
+  f.row_parts = parts;
+  return f;
+}
+
+bool has(const std::vector<Op>& ops, OpKind k) {
+  for (const Op& o : ops)
+    if (o.kind == k) return true;
+  return false;
+}
+const Op* find(const std::vector<Op>& ops, OpKind k, int norm_or_w = -1) {
+  for (const Op& o : ops)
+    if (o.kind == k && (norm_or_w < 0 || o.norm == norm_or_w || o.w.index == norm_or_w))
+      return &o;
+  return nullptr;
+}
+
+TEST(BlockPlan, FusedRulesShowInTheOps) {
+  const auto plans = compile_chunk_plans(spec(3, 0.0f, 0.0f, 0, true, all_fusions()));
+  const BlockPlan& mid = plans[1];
+  EXPECT_EQ(mid.block, 5);
+  // residual add in LN1
+  const Op* ln1 = find(mid.forward, OpKind::LayerNorm, 1);
+  ASSERT_NE(ln1, nullptr);
+  EXPECT_EQ(ln1->a, Buf::PrevRMid);
+  EXPECT_EQ(ln1->b, Buf::PrevF);
+  EXPECT_FALSE(has(mid.forward, OpKind::Add));
+  // GELU epilogue forward and backward, fc1's bias in fc2's backward
+  const Op* fc1 = find(mid.forward, OpKind::Linear, kFc1W);
+  ASSERT_NE(fc1, nullptr);
+  EXPECT_EQ(fc1->gelu, Buf::G);
+  const Op* fc2b = find(mid.backward, OpKind::LinearBackward, kFc2W);
+  ASSERT_NE(fc2b, nullptr);
+  EXPECT_EQ(fc2b->gelu, Buf::H);
+  EXPECT_EQ(fc2b->dsum.index, kFc1B);
+  EXPECT_FALSE(fc2b->db.valid());  // the next block's LN1 backward sums it
+  EXPECT_FALSE(has(mid.backward, OpKind::GeluBackward));
+  // Row biases in the LayerNorm backwards
+  EXPECT_EQ(find(mid.backward, OpKind::LayerNormBackward, 2)->dsum.index, kProjB);
+  const Op* ln1b = find(mid.backward, OpKind::LayerNormBackward, 1);
+  EXPECT_EQ(ln1b->dsum.index, kFc2B);
+  EXPECT_TRUE(ln1b->dsum.prev);
+  // the chunk's last block sums its own fc2 bias (its dres came from outside the chunk)
+  EXPECT_EQ(find(plans[2].backward, OpKind::LinearBackward, kFc2W)->db.index, kFc2B);
+  // the first block reads the chunk input
+  EXPECT_EQ(find(plans[0].forward, OpKind::LayerNorm, 1)->a, Buf::RIn);
+  EXPECT_FALSE(find(plans[0].backward, OpKind::LayerNormBackward, 1)->dsum.valid());
+}
+
+TEST(BlockPlan, UnfusedPlanHasNoFusion) {
+  for (float dropout : {0.0f, 0.1f})
+    for (float path : {0.0f, 0.3f}) {
+      const auto plans = compile_chunk_plans(spec(3, dropout, path, 1, false, all_fusions(2)));
+      for (const BlockPlan& p : plans)
+        for (const auto* ops : {&p.forward, &p.forward_eval, &p.recompute, &p.backward})
+          for (const Op& o : *ops) {
+            EXPECT_NE(o.kind, OpKind::PathFactors);
+            EXPECT_NE(o.kind, OpKind::AttentionRow);
+            EXPECT_NE(o.kind, OpKind::AttentionRowBackward);
+            EXPECT_EQ(o.gelu, Buf::None) << name(o.kind);
+            EXPECT_FALSE(o.dsum.valid()) << name(o.kind);
+            EXPECT_EQ(o.factors, Factors::None) << name(o.kind);
+            if (o.kind == OpKind::LayerNorm) {
+              EXPECT_EQ(o.b == Buf::None, o.norm == 1);
+            }
+          }
+      // the residual stream of block 2 (after a kept block 1) is added by a pass of its own
+      EXPECT_TRUE(has(plans[2].forward, OpKind::Add));
+    }
+}
+
+TEST(BlockPlan, DropPathRidesOnTheLayerNormsWithoutDropout) {
+  const auto in_ln = compile_chunk_plans(spec(3, 0.0f, 0.3f, 0, true, all_fusions()));
+  EXPECT_TRUE(has(in_ln[1].forward, OpKind::PathFactors));
+  EXPECT_FALSE(has(in_ln[1].forward, OpKind::Dropout));
+  EXPECT_EQ(find(in_ln[1].forward, OpKind::LayerNorm, 2)->factors, Factors::Attn);
+  EXPECT_EQ(find(in_ln[1].forward, OpKind::LayerNorm, 1)->factors, Factors::PrevMlp);
+  EXPECT_FALSE(has(in_ln[1].forward_eval, OpKind::PathFactors));  // evaluation draws nothing
+  // the chunk's last block scales its f by a pass (no later LayerNorm in the chunk does)
+  EXPECT_TRUE(has(in_ln[2].forward, OpKind::Dropout));
+  // a strategy whose LayerNorms split the rows: passes over the branches
+  TpFusions split = all_fusions();
+  split.layernorm_row_factors = false;
+  const auto passes = compile_chunk_plans(spec(3, 0.0f, 0.3f, 0, true, split));
+  EXPECT_FALSE(has(passes[1].forward, OpKind::PathFactors));
+  EXPECT_TRUE(has(passes[1].forward, OpKind::Dropout));
+  // with dropout: passes, and no bias sums in the LayerNorm or GELU backwards
+  const auto drop = compile_chunk_plans(spec(3, 0.1f, 0.3f, 0, true, all_fusions()));
+  EXPECT_FALSE(has(drop[1].forward, OpKind::PathFactors));
+  EXPECT_FALSE(find(drop[1].backward, OpKind::LayerNormBackward, 2)->dsum.valid());
+  EXPECT_FALSE(find(drop[1].backward, OpKind::LinearBackward, kFc2W)->dsum.valid());
+}
+
+TEST(BlockPlan, AttentionInPartsWhereTheStrategyAndBackendAllow) {
+  auto s = spec(2, 0.0f, 0.0f, 0, true, all_fusions(2));
+  auto plans = compile_chunk_plans(s);
+  EXPECT_TRUE(has(plans[0].forward, OpKind::AttentionRow));
+  EXPECT_TRUE(has(plans[0].backward, OpKind::AttentionRowBackward));
+  EXPECT_FALSE(has(plans[0].forward, OpKind::Attention));
+  s.attention_parts_fit = false;
+  plans = compile_chunk_plans(s);
+  EXPECT_TRUE(has(plans[0].forward, OpKind::Attention));
+  EXPECT_FALSE(has(plans[0].forward, OpKind::AttentionRow));
+  const auto whole = compile_chunk_plans(spec(2, 0.0f, 0.0f, 0, true, all_fusions(1)));
+  EXPECT_FALSE(has(whole[0].backward, OpKind::AttentionRowBackward));
+}
+
+TEST(BlockPlan, RecomputeIsTheForwardUpToFc2) {
+  const auto plans = compile_chunk_plans(spec(3, 0.1f, 0.3f, 2, true, all_fusions()));
+  for (int j = 0; j < 3; ++j) EXPECT_EQ(plans[j].checkpointed, j < 2);
+  EXPECT_TRUE(plans[2].recompute.empty());
+  const BlockPlan& p = plans[1];
+  std::vector<Op> fwd;  // the forward without what the recompute does not repeat
+  for (const Op& o : p.forward)
+    if (o.kind != OpKind::Need && o.kind != OpKind::PathFactors) fwd.push_back(o);
+  ASSERT_LT(p.recompute.size(), fwd.size());
+  EXPECT_EQ(describe(p.recompute), describe({fwd.begin(), fwd.begin() + p.recompute.size()}));
+  EXPECT_EQ(fwd[p.recompute.size()].w.index, kFc2W);  // it stops before fc2
+  // a checkpointed block stores the next block's input; the next reads it (no fused add)
+  EXPECT_TRUE(has(p.forward, OpKind::Add));
+  EXPECT_EQ(find(plans[2].forward, OpKind::LayerNorm, 1)->a, Buf::RIn);
+}
+
+// Every combination: each gradient of the chunk written once (dw, db or a fused dsum),
+// before the Report of its half (a previous block's, by this block's backward, which runs
+// first); every buffer an op reads written before (the forward) or given (the backward's
+// Dres, the saved activations); a chunk output stored when asked.
+TEST(BlockPlan, InvariantsOverEveryCombination) {
+  int combos = 0;
+  for (int blocks : {1, 3})
+    for (float dropout : {0.0f, 0.1f})
+      for (float path : {0.0f, 0.3f})
+        for (int ckpt : {0, 1, 3})
+          for (bool keep_g : {false, true})
+            for (bool stores : {false, true})
+              for (int caps = 0; caps < 16; ++caps)
+                for (bool fused : {true, false}) {
+                  TpFusions tp;
+                  tp.gelu_bias_in_row_backward = caps & 1;
+                  tp.row_bias_in_layernorm_backward = caps & 2;
+                  tp.layernorm_row_factors = caps & 4;
+                  tp.row_parts = caps & 8 ? 2 : 1;
+                  ChunkSpec s = spec(blocks, dropout, path, std::min(ckpt, blocks), fused, tp);
+                  s.keep_gelu_output = keep_g;
+                  s.stores_output = stores;
+                  SCOPED_TRACE("blocks " + std::to_string(blocks) + " dropout " +
+                               std::to_string(dropout) + " path " + std::to_string(path) +
+                               " ckpt " + std::to_string(ckpt) + " caps " +
+                               std::to_string(caps) + (fused ? " fused" : " unfused"));
+                  const auto plans = compile_chunk_plans(s);
+                  ++combos;
+                  // gradients: block-local index (j * 12 + i) -> writes
+                  std::map<int, int> writes;
+                  std::set<int> reported;  // j * 2 + half
+                  for (int j = blocks - 1; j >= 0; --j) {
+                    for (const Op& o : plans[j].backward) {
+                      for (ParamRef r : {o.dw, o.db, o.dsum}) {
+                        if (!r.valid()) continue;
+                        const int k = r.prev ? j - 1 : j;
+                        ASSERT_GE(k, 0) << "a gradient of the block before the chunk";
+                        const int half = r.index >= kNorm2W ? 1 : 0;
+                        EXPECT_EQ(reported.count(k * 2 + half), 0u)
+                            << "a gradient written after its half was reported";
+                        ++writes[k * kParams + r.index];
+                      }
+                      if (o.kind == OpKind::Report) {
+                        EXPECT_TRUE(reported.insert(j * 2 + o.group).second);
+                      }
+                    }
+                  }
+                  for (int k = 0; k < blocks; ++k)
+                    for (int i = 0; i < kParams; ++i)
+                      EXPECT_EQ(writes[k * kParams + i], 1)
+                          << "block " << k << " parameter " << i;
+                  EXPECT_EQ(reported.size(), static_cast<size_t>(2 * blocks));
+                  for (int j = 0; j < blocks; ++j) {
+                    // forward: reads after writes (the block's inputs: RIn, the previous
+                    // block's r_mid and f)
+                    std::set<Buf> written{Buf::None, Buf::RIn, Buf::PrevRMid, Buf::PrevF};
+                    for (const Op& o : plans[j].forward) {
+                      std::vector<Buf> reads{o.a, o.b};
+                      if (o.kind != OpKind::LayerNorm) reads.push_back(o.x);  // (LN: its res)
+                      if (o.kind == OpKind::Attention || o.kind == OpKind::AttentionRow) {
+                        reads.push_back(Buf::Qkv);
+                        written.insert(Buf::Att);
+                      }
+                      for (Buf r : reads)
+                        EXPECT_TRUE(written.count(r))
+                            << name(o.kind) << " reads " << name(r) << " before it is written";
+                      written.insert(o.out);
+                      written.insert(o.gelu);
+                      if (o.kind == OpKind::LayerNorm) written.insert(o.x);
+                    }
+                    const bool last = j + 1 == blocks;
+                    EXPECT_EQ(has(plans[j].forward, OpKind::Add) &&
+                                  plans[j].forward.back().out == Buf::Out,
+                              last && stores);
+                    // backward: dy read after it is made (Dres given; Ddrop made by a dropout
+                    // backward here or, with drop path in the LayerNorms, by the next block)
+                    std::set<Buf> made{Buf::None, Buf::Dres, Buf::G, Buf::H, Buf::Y1, Buf::Y2,
+                                       Buf::RMid, Buf::RIn, Buf::Att};
+                    if (!last && path_in_layernorm(s, j)) made.insert(Buf::Ddrop);
+                    for (const Op& o : plans[j].backward) {
+                      if (o.kind == OpKind::AttentionBackward) {
+                        EXPECT_TRUE(made.count(Buf::Dtmp));
+                        made.insert(Buf::Dqkv);
+                      }
+                      if (o.kind == OpKind::AttentionRowBackward) made.insert(Buf::Dqkv);
+                      EXPECT_TRUE(made.count(o.dy)) << name(o.kind) << " dy " << name(o.dy);
+                      made.insert(o.out);
+                      if (o.branch != Buf::None) made.insert(o.branch);
+                    }
+                  }
+                }
+  EXPECT_EQ(combos, 2 * 2 * 2 * 3 * 2 * 2 * 16 * 2);
+}
+
+}  // namespace
+}  // namespace vitgrid

@@ -35,7 +35,8 @@ void Trainer::Impl::reduce_grads() {
     if (zero || overlap || d_grad_stage)
       reducer->finish();
     else
-      coll->allreduce_sum(model->grads(), model->num_local_params(), Axis::Data);
+      coll->allreduce(model->grads(), model->num_local_params(), Elem::F32, ReduceOp::Sum,
+                      Axis::Data);
   }
   if (overlap) model->reduce_gradients();
 }
@@ -47,10 +48,12 @@ void Trainer::Impl::finish_gradients(float scale) {
   reduce_grads();
   double* loss = &d_step->loss_sum;
   tp->sum_over_batch_device(loss, 1);          // the tensor group's sample blocks
-  coll->allreduce_sum_f64(loss, 1, Axis::Data);
-  coll->allreduce_sum_f64(loss, 1, Axis::Pipeline);  // known on the last stage only
+  coll->allreduce(loss, 1, Elem::F64, ReduceOp::Sum, Axis::Data);
+  // known on the last stage only
+  coll->allreduce(loss, 1, Elem::F64, ReduceOp::Sum, Axis::Pipeline);
   opt->grad_norm_sq_device(model->grads(), &d_step->grad_sq);
-  coll->allreduce_sum_f64(&d_step->grad_sq, 1, Axis::Pipeline);  // every stage's parameters
+  // every stage's parameters
+  coll->allreduce(&d_step->grad_sq, 1, Elem::F64, ReduceOp::Sum, Axis::Pipeline);
   be->clip_factor(&d_step->factor, &d_step->grad_sq, deck.optim.clip_grad_norm, 1.0f / scale);
 }
 

@@ -365,20 +365,14 @@ class MpiCollectives final : public Collectives {
   // The grid must outlive this object.
   explicit MpiCollectives(const ProcessGrid& grid) : grid_(grid) {}
 
-  void allreduce_sum(float* buf, size_t n, Axis a) override { allreduce(buf, n, MPI_SUM, a); }
-  void allreduce_max(float* buf, size_t n, Axis a) override { allreduce(buf, n, MPI_MAX, a); }
-  void allreduce_sum_f64(double* buf, size_t n, Axis a) override {
-    if (comm(a) == MPI_COMM_NULL) return;
+  void allreduce(void* buf, size_t n, Elem t, ReduceOp op, Axis a) override {
     WatchdogWait w("an MPI all-reduce", axis_name(a));
-    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf, static_cast<int>(n), MPI_DOUBLE, MPI_SUM, comm(a)));
-  }
-
-  void allreduce_sum_act(void* buf, size_t n, size_t elem_size, Axis a) override {
-    // The CPU backend keeps activations in fp32 even in the 16-bit modes, so a 2-byte buffer
-    // here means a caller bug, not a request to convert.
-    VG_CHECK(elem_size == 4, "the CPU collectives reduce fp32 activations only, got elem_size "
-                                 << elem_size << " on axis " << axis_name(a));
-    allreduce(static_cast<float*>(buf), n, MPI_SUM, a);
+    char* p = static_cast<char*>(buf);
+    for (size_t off = 0; off < n; off += kMaxCount) {
+      const int c = static_cast<int>(std::min(kMaxCount, n - off));
+      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, p + off * elem_size(t), c, mpi_type(t),
+                              op == ReduceOp::Max ? MPI_MAX : MPI_SUM, comm(a)));
+    }
   }
 
   void broadcast(void* buf, size_t bytes, int root, Axis a) override {
@@ -390,65 +384,74 @@ class MpiCollectives final : public Collectives {
     }
   }
 
-  void allgather(void* out, const void* in, size_t n, size_t elem_size, Axis a) override {
+  void allgather(void* out, const void* in, size_t n, Elem t, Axis a) override {
     WatchdogWait w("an MPI all-gather", axis_name(a));
-    const GatherArgs g = gather_args(out, in, n, elem_size, a);
+    const GatherArgs g = gather_args(out, in, n, elem_size(t), a);
     MPI_CHECK(MPI_Allgather(g.send, g.count, g.type, out, g.count, g.type, comm(a)));
     if (g.type != MPI_BYTE) free_type(g.type);
   }
 
-  void reduce_scatter_sum(float* out, const float* in, size_t n, Axis a) override {
+  void reduce_scatter(void* out, const void* in, size_t n, Elem t, Axis a) override {
     WatchdogWait w("an MPI reduce-scatter", axis_name(a));
-    VG_CHECK(n <= static_cast<size_t>(INT_MAX), "reduce_scatter block of " << n << " floats");
-    const int r = grid_.comm(a).rank();
-    if (out == in + static_cast<size_t>(r) * n) {
+    VG_CHECK(n <= static_cast<size_t>(INT_MAX), "reduce_scatter block of " << n << " elements");
+    const Move m = in_place(out, in, n, t, a);
+    if (m.dst) {
       // In place (NCCL's convention): MPI's in-place form leaves the block at the front.
-      float* buf = out - static_cast<size_t>(r) * n;
-      MPI_CHECK(MPI_Reduce_scatter_block(MPI_IN_PLACE, buf, static_cast<int>(n), MPI_FLOAT,
+      MPI_CHECK(MPI_Reduce_scatter_block(MPI_IN_PLACE, m.src, static_cast<int>(n), mpi_type(t),
                                          MPI_SUM, comm(a)));
-      if (r != 0) std::memcpy(out, buf, n * sizeof(float));
+      if (m.dst != m.src) std::memcpy(m.dst, m.src, m.bytes);
       return;
     }
-    MPI_CHECK(MPI_Reduce_scatter_block(in, out, static_cast<int>(n), MPI_FLOAT, MPI_SUM, comm(a)));
+    MPI_CHECK(MPI_Reduce_scatter_block(in, out, static_cast<int>(n), mpi_type(t), MPI_SUM,
+                                       comm(a)));
   }
 
-  void start_allreduce_sum(float* buf, size_t n, Axis a) override {
+  // Act buffers (parallel.grad_reduce = act) are reduced at once by the blocking all-reduce
+  // (MPI_Iallreduce may sum in another order).
+  Work start_allreduce(void* buf, size_t n, Elem t, Axis a) override {
+    if (t == Elem::Act) {
+      allreduce(buf, n, t, ReduceOp::Sum, a);
+      return open_started();
+    }
+    const Work w = open_started();
+    char* p = static_cast<char*>(buf);
     for (size_t off = 0; off < n; off += kMaxCount) {
       const int c = static_cast<int>(std::min(kMaxCount, n - off));
       reqs_.emplace_back();
-      MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf + off, c, MPI_FLOAT, MPI_SUM, comm(a),
-                               &reqs_.back()));
+      MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, p + off * elem_size(t), c, mpi_type(t), MPI_SUM,
+                               comm(a), &reqs_.back()));
     }
+    started_.back().end = reqs_.size();
+    return w;
   }
 
-  void start_reduce_scatter_sum(float* out, const float* in, size_t n, Axis a) override {
-    VG_CHECK(n <= static_cast<size_t>(INT_MAX), "reduce_scatter block of " << n << " floats");
-    const int r = grid_.comm(a).rank();
+  Work start_reduce_scatter(void* out, const void* in, size_t n, Elem t, Axis a) override {
+    VG_CHECK(n <= static_cast<size_t>(INT_MAX), "reduce_scatter block of " << n << " elements");
+    const Work w = open_started();
+    Started& s = started_.back();
     reqs_.emplace_back();
-    if (out == in + static_cast<size_t>(r) * n) {
-      float* buf = out - static_cast<size_t>(r) * n;
-      MPI_CHECK(MPI_Ireduce_scatter_block(MPI_IN_PLACE, buf, static_cast<int>(n), MPI_FLOAT,
-                                          MPI_SUM, comm(a), &reqs_.back()));
-      if (r != 0) moves_.push_back({out, buf, n});  // done in wait_all
-      return;
+    s.end = reqs_.size();
+    const Move m = in_place(out, in, n, t, a);
+    if (m.dst) {
+      MPI_CHECK(MPI_Ireduce_scatter_block(MPI_IN_PLACE, m.src, static_cast<int>(n),
+                                          mpi_type(t), MPI_SUM, comm(a), &reqs_.back()));
+      if (m.dst != m.src) s.move = m;  // done once it completed (wait, wait_all)
+      return w;
     }
-    MPI_CHECK(MPI_Ireduce_scatter_block(in, out, static_cast<int>(n), MPI_FLOAT, MPI_SUM, comm(a),
-                                        &reqs_.back()));
+    MPI_CHECK(MPI_Ireduce_scatter_block(in, out, static_cast<int>(n), mpi_type(t), MPI_SUM,
+                                        comm(a), &reqs_.back()));
+    return w;
   }
 
-  size_t start_allgather(void* out, const void* in, size_t n, size_t elem_size, Axis a) override {
-    const GatherArgs g = gather_args(out, in, n, elem_size, a);
+  Work start_allgather(void* out, const void* in, size_t n, Elem t, Axis a) override {
+    const GatherArgs g = gather_args(out, in, n, elem_size(t), a);
     if (g.type != MPI_BYTE) types_.push_back(g.type);  // freed in wait_all, once it completed
+    const Work w = open_started();
     reqs_.emplace_back();
+    started_.back().end = reqs_.size();
     MPI_CHECK(MPI_Iallgather(g.send, g.count, g.type, out, g.count, g.type, comm(a),
                              &reqs_.back()));
-    return reqs_.size() - 1;
-  }
-
-  void wait_started(size_t ticket) override {
-    WatchdogWait w("a wait for an overlapped MPI collective");
-    VG_CHECK(ticket < reqs_.size(), "wait for collective " << ticket << " of " << reqs_.size());
-    MPI_CHECK(MPI_Wait(&reqs_[ticket], MPI_STATUS_IGNORE));
+    return w;
   }
 
   void progress() override {
@@ -463,48 +466,40 @@ class MpiCollectives final : public Collectives {
     if (!reqs_.empty())
       MPI_CHECK(MPI_Waitall(static_cast<int>(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE));
     reqs_.clear();
-    for (const Move& m : moves_) std::memcpy(m.dst, m.src, m.n * sizeof(float));
-    moves_.clear();
+    for (Started& s : started_) finish(s);
+    started_.clear();
     for (MPI_Datatype t : types_) free_type(t);
     types_.clear();
   }
 
   // Overlapped collectives: non-blocking MPI calls, waited for in order.
-  size_t start_overlapped_allgather(void* out, const void* in, size_t n, size_t elem_size,
-                                    Axis a) override {
-    const GatherArgs g = gather_args(out, in, n, elem_size, a);
+  Work start_overlapped_allgather(void* out, const void* in, size_t n, Elem t,
+                                  Axis a) override {
+    const GatherArgs g = gather_args(out, in, n, elem_size(t), a);
     Overlapped& o = open_overlapped(g.type);
     MPI_CHECK(MPI_Iallgather(g.send, g.count, g.type, out, g.count, g.type, comm(a), &o.req));
-    return overlapped_first_ + overlapped_.size() - 1;
+    return {Work::Kind::Overlapped, overlapped_first_ + overlapped_.size() - 1};
   }
-  size_t start_overlapped_reduce_scatter_act(void* out, const void* in, size_t n,
-                                             size_t elem_size, Axis a) override {
-    VG_CHECK(elem_size == 4, "the CPU collectives reduce fp32 activations only, got elem_size "
-                                 << elem_size << " on axis " << axis_name(a));
-    VG_CHECK(n <= static_cast<size_t>(INT_MAX), "reduce_scatter block of " << n << " floats");
+  Work start_overlapped_reduce_scatter(void* out, const void* in, size_t n, Elem t,
+                                       Axis a) override {
+    VG_CHECK(n <= static_cast<size_t>(INT_MAX), "reduce_scatter block of " << n << " elements");
     Overlapped& o = open_overlapped(MPI_BYTE);
-    MPI_CHECK(MPI_Ireduce_scatter_block(in, out, static_cast<int>(n), MPI_FLOAT, MPI_SUM,
+    MPI_CHECK(MPI_Ireduce_scatter_block(in, out, static_cast<int>(n), mpi_type(t), MPI_SUM,
                                         comm(a), &o.req));
-    return overlapped_first_ + overlapped_.size() - 1;
-  }
-  void wait_overlapped(size_t ticket) override {
-    VG_CHECK(!overlapped_.empty() && ticket == overlapped_first_,
-             "overlapped collective " << ticket << " waited for out of order (next: "
-                                      << overlapped_first_ << ", open: " << overlapped_.size()
-                                      << ")");
-    WatchdogWait w("a wait for an overlapped MPI collective");
-    MPI_CHECK(MPI_Wait(&overlapped_.front().req, MPI_STATUS_IGNORE));
-    if (overlapped_.front().type != MPI_BYTE) free_type(overlapped_.front().type);
-    overlapped_.pop_front();
-    ++overlapped_first_;
+    return {Work::Kind::Overlapped, overlapped_first_ + overlapped_.size() - 1};
   }
 
-  void reduce_scatter_sum_act(void* out, const void* in, size_t n, size_t elem_size,
-                              Axis a) override {
-    // fp32 storage only, as in allreduce_sum_act
-    VG_CHECK(elem_size == 4, "the CPU collectives reduce fp32 activations only, got elem_size "
-                                 << elem_size << " on axis " << axis_name(a));
-    reduce_scatter_sum(static_cast<float*>(out), static_cast<const float*>(in), n, a);
+  void wait(Work w) override {
+    switch (w.kind) {
+      case Work::Kind::None:
+        return;
+      case Work::Kind::Message:
+        return wait_message(w.id);
+      case Work::Kind::Collective:
+        return wait_started(w.id);
+      case Work::Kind::Overlapped:
+        return wait_overlapped(w.id);
+    }
   }
 
   void send(const void* buf, size_t bytes, int peer, Axis a) override {
@@ -554,35 +549,27 @@ class MpiCollectives final : public Collectives {
 
   // Asynchronous messages of channel c use tag kTag + 1 + c.
   void open_links(Axis) override {}
-  size_t post_send(const void* buf, size_t bytes, int peer, int channel, Axis a) override {
+  Work post_send(const void* buf, size_t bytes, int peer, int channel, Axis a) override {
     return post(const_cast<void*>(buf), bytes, peer, channel, a, false);
   }
   // On the host the computes in `after` are done when the caller posts (their fences are
   // complete), but the sends in it may still be reading the buffer: MPI_Isend reads it until
   // its request completes (a rendezvous send, long after the call), so a receive posted into
   // it before then could overwrite the data on its way out. Wait for them first.
-  size_t post_recv(void* buf, size_t bytes, int peer, int channel, Axis a,
-                   const std::vector<size_t>& after) override {
-    for (size_t t : after) {
-      VG_CHECK(t < messages_.size(), "post_recv after ticket " << t << " of " << messages_.size());
-      wait_message(t);
+  Work post_recv(void* buf, size_t bytes, int peer, int channel, Axis a,
+                 const std::vector<Work>& after) override {
+    for (const Work& w : after) {
+      VG_CHECK(w.kind == Work::Kind::Message && w.id < messages_.size(),
+               "post_recv after a Work that is no message of " << messages_.size() << " (kind "
+                                                               << static_cast<int>(w.kind)
+                                                               << ", id " << w.id << ")");
+      wait_message(w.id);
     }
     return post(buf, bytes, peer, channel, a, true);
   }
-  void wait_message(size_t t) override {
-    VG_CHECK(t < messages_.size(), "wait for message " << t << " of " << messages_.size());
-    Message& m = messages_[t];
-    WatchdogWait w("a wait for an MPI message", axis_name(m.axis));
-    for (Part& q : m.parts) {
-      MPI_Status st;
-      MPI_CHECK(MPI_Wait(&q.req, &st));
-      if (q.count >= 0) check_count(st, q.count, m.peer, m.axis);
-      q.count = -1;  // checked once
-    }
-  }
-  size_t fence() override {
+  Work fence() override {
     messages_.emplace_back();  // complete already: the host's work is done
-    return messages_.size() - 1;
+    return {Work::Kind::Message, messages_.size() - 1};
   }
   void wait_messages() override {
     for (size_t t = 0; t < messages_.size(); ++t) wait_message(t);
@@ -597,6 +584,11 @@ class MpiCollectives final : public Collectives {
  private:
   static constexpr int kTag = 0;
 
+  // The MPI type and size of an element: the CPU backend stores activations in fp32, in its
+  // 16-bit modes too.
+  static MPI_Datatype mpi_type(Elem t) { return t == Elem::F64 ? MPI_DOUBLE : MPI_FLOAT; }
+  static size_t elem_size(Elem t) { return t == Elem::F64 ? sizeof(double) : sizeof(float); }
+
   // Calls f(offset, count) for each piece of a message of `bytes` (at most kMaxCount each; one
   // empty piece for an empty message). The pieces arrive in order: MPI messages between one
   // pair on one tag do not overtake.
@@ -608,8 +600,8 @@ class MpiCollectives final : public Collectives {
       off += kMaxCount;
     } while (off < bytes);
   }
-  // An asynchronous send or receive (its pieces' requests), by ticket.
-  size_t post(void* buf, size_t bytes, int peer, int channel, Axis a, bool receive) {
+  // An asynchronous send or receive (its pieces' requests).
+  Work post(void* buf, size_t bytes, int peer, int channel, Axis a, bool receive) {
     char* p = static_cast<char*>(buf);
     Message m;
     for_pieces(bytes, [&](size_t off, int c) {
@@ -622,7 +614,18 @@ class MpiCollectives final : public Collectives {
     m.peer = peer;
     m.axis = a;
     messages_.push_back(std::move(m));
-    return messages_.size() - 1;
+    return {Work::Kind::Message, messages_.size() - 1};
+  }
+  void wait_message(size_t t) {
+    VG_CHECK(t < messages_.size(), "wait for message " << t << " of " << messages_.size());
+    Message& m = messages_[t];
+    WatchdogWait w("a wait for an MPI message", axis_name(m.axis));
+    for (Part& q : m.parts) {
+      MPI_Status st;
+      MPI_CHECK(MPI_Wait(&q.req, &st));
+      if (q.count >= 0) check_count(st, q.count, m.peer, m.axis);
+      q.count = -1;  // checked once
+    }
   }
 
   MPI_Comm comm(Axis a) const { return grid_.comm(a).get(); }
@@ -652,23 +655,48 @@ class MpiCollectives final : public Collectives {
   }
   static void free_type(MPI_Datatype t) { MPI_CHECK(MPI_Type_free(&t)); }
 
-  void allreduce(float* buf, size_t n, MPI_Op op, Axis a) {
-    WatchdogWait w("an MPI all-reduce", axis_name(a));
-    for (size_t off = 0; off < n; off += kMaxCount) {
-      const int c = static_cast<int>(std::min(kMaxCount, n - off));
-      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf + off, c, MPI_FLOAT, op, comm(a)));
-    }
+  // A reduce-scatter's block once it completed in place: MPI's in-place form leaves it at the
+  // front of the buffer (src), NCCL's convention wants it at out = in + rank * n (dst).
+  struct Move {
+    char* dst = nullptr;  // null: not in place
+    char* src = nullptr;
+    size_t bytes = 0;
+  };
+  Move in_place(void* out, const void* in, size_t n, Elem t, Axis a) const {
+    const size_t bytes = n * elem_size(t);
+    const size_t r = static_cast<size_t>(grid_.comm(a).rank());
+    char* o = static_cast<char*>(out);
+    if (o != static_cast<const char*>(in) + r * bytes) return {};
+    return {o, o - r * bytes, bytes};
   }
 
   const ProcessGrid& grid_;
-  // outstanding non-blocking reductions, and the in-place reduce-scatter blocks to move into
-  // place once they complete
-  struct Move {
-    float* dst;
-    const float* src;
-    size_t n;
+  // outstanding non-blocking collectives: their requests, and by Work id the range of them
+  // each holds and the in-place reduce-scatter block to move into place once it completed
+  struct Started {
+    size_t first = 0, end = 0;  // requests [first, end) of reqs_
+    Move move;                  // dst null: none (left)
   };
   std::vector<MPI_Request> reqs_;
+  std::vector<Started> started_;
+  Work open_started() {
+    started_.push_back({reqs_.size(), reqs_.size(), {}});
+    return {Work::Kind::Collective, started_.size() - 1};
+  }
+  void wait_started(size_t t) {
+    WatchdogWait w("a wait for an overlapped MPI collective");
+    VG_CHECK(t < started_.size(), "wait for collective " << t << " of " << started_.size());
+    Started& s = started_[t];
+    if (s.end > s.first)
+      MPI_CHECK(MPI_Waitall(static_cast<int>(s.end - s.first), reqs_.data() + s.first,
+                            MPI_STATUSES_IGNORE));
+    finish(s);
+  }
+  // once s completed: its block moved into place (once)
+  static void finish(Started& s) {
+    if (s.move.dst) std::memcpy(s.move.dst, s.move.src, s.move.bytes);
+    s.move = {};
+  }
   // the sends and receives of the open group (group_begin): receives keep what they expect
   struct P2p {
     MPI_Request req;
@@ -678,7 +706,7 @@ class MpiCollectives final : public Collectives {
   };
   std::vector<P2p> p2p_;
   bool grouping_ = false;
-  // posted asynchronous messages (and fences) since the last wait_messages, by ticket: their
+  // posted asynchronous messages (and fences) since the last wait_messages, by Work id: their
   // requests, and for a receive's pieces the bytes they expect (-1: a send, or already checked)
   struct Part {
     MPI_Request req;
@@ -698,9 +726,8 @@ class MpiCollectives final : public Collectives {
     VG_CHECK(got == expected, "recv on axis " << axis_name(a) << " from " << peer << ": expected "
                                               << expected << " bytes, got " << got);
   }
-  std::vector<Move> moves_;
   std::vector<MPI_Datatype> types_;  // of started gathers over 2 GiB
-  // open overlapped collectives, oldest first (ticket overlapped_first_), and the datatype
+  // open overlapped collectives, oldest first (Work id overlapped_first_), and the datatype
   // of a gather over 2 GiB to free once it completed
   struct Overlapped {
     MPI_Request req = MPI_REQUEST_NULL;
@@ -711,6 +738,17 @@ class MpiCollectives final : public Collectives {
              "more than " << kMaxOverlapped << " overlapped collectives open");
     overlapped_.push_back({MPI_REQUEST_NULL, type});
     return overlapped_.back();
+  }
+  void wait_overlapped(size_t t) {
+    VG_CHECK(!overlapped_.empty() && t == overlapped_first_,
+             "overlapped collective " << t << " waited for out of order (next: "
+                                      << overlapped_first_ << ", open: " << overlapped_.size()
+                                      << ")");
+    WatchdogWait w("a wait for an overlapped MPI collective");
+    MPI_CHECK(MPI_Wait(&overlapped_.front().req, MPI_STATUS_IGNORE));
+    if (overlapped_.front().type != MPI_BYTE) free_type(overlapped_.front().type);
+    overlapped_.pop_front();
+    ++overlapped_first_;
   }
   std::deque<Overlapped> overlapped_;
   size_t overlapped_first_ = 0;

@@ -88,22 +88,22 @@ void PipelineRunner::run(const PipelinePlans& plans, const DeviceBatch& b, bool 
   const bool marks = train && P_ > 1;
   if (marks) step_marks_.push_back(be_.mark());
   // Grouped plans: blocking messages, the ones that join the one before them posted in one
-  // group with it. Asynchronous plans: tickets_[i] is op i's (a send's or receive's, or the
+  // group with it. Asynchronous plans: work_[i] is op i's (a send's or receive's, or the
   // fence after a compute that a later receive waits for); the step's start fence stands for
   // "free since the last step" (pipeline.h).
   const bool async = plans.messages == PipelinePlans::Messages::Async;
   const std::vector<char>& fence_after = fence_after_[train ? 0 : 1];
-  size_t start = 0;
+  Work start;
   if (async) {
-    tickets_.assign(plan.ops.size(), kNoTicket);
+    work_.assign(plan.ops.size(), Work{});
     start = coll_.fence();
   }
-  std::vector<size_t> after;
+  std::vector<Work> after;
   auto gather_after = [&](const PipeOp& op) {
     after.clear();
     for (int a : op.after) {
-      VG_CHECK(tickets_[a] != kNoTicket, "pipeline stage " << stage_ << ": op " << a << " left no ticket");
-      after.push_back(tickets_[a]);
+      VG_CHECK(work_[a].valid(), "pipeline stage " << stage_ << ": op " << a << " left no Work");
+      after.push_back(work_[a]);
     }
     if (after.empty()) after.push_back(start);
   };
@@ -123,9 +123,8 @@ void PipelineRunner::run(const PipelinePlans& plans, const DeviceBatch& b, bool 
         // skipped alike on both sides (an empty micro-batch of a short eval batch); what
         // waits for this op waits for the compute stream here, after what it waited for
         if (async) {
-          for (int a : op.after)
-            if (tickets_[a] != kNoTicket) coll_.wait_message(tickets_[a]);
-          tickets_[oi] = coll_.fence();
+          for (int a : op.after) coll_.wait(work_[a]);
+          work_[oi] = coll_.fence();
         }
         continue;
       }
@@ -138,8 +137,7 @@ void PipelineRunner::run(const PipelinePlans& plans, const DeviceBatch& b, bool 
       const int ch = pipe_op_channel(op.kind);
       // asynchronous: a forward or copy that fills a set waits for the sends still reading it
       if (async && !message)
-        for (int a : op.after)
-          if (tickets_[a] != kNoTicket) coll_.wait_message(tickets_[a]);
+        for (int a : op.after) coll_.wait(work_[a]);
       if (marks && compute) busy_marks_.push_back(be_.mark());
       switch (op.kind) {
         case PipeOpKind::Forward: {
@@ -168,7 +166,7 @@ void PipelineRunner::run(const PipelinePlans& plans, const DeviceBatch& b, bool 
         case PipeOpKind::SendGrad: {
           const void* buf = op.kind == PipeOpKind::SendAct ? model_.stage_output(op.slot)
                                                            : model_.stage_input(op.slot);
-          if (async) tickets_[oi] = coll_.post_send(buf, bytes, op.peer, ch, Axis::Pipeline);
+          if (async) work_[oi] = coll_.post_send(buf, bytes, op.peer, ch, Axis::Pipeline);
           else coll_.send(buf, bytes, op.peer, Axis::Pipeline);
           break;
         }
@@ -177,8 +175,8 @@ void PipelineRunner::run(const PipelinePlans& plans, const DeviceBatch& b, bool 
           void* buf = op.kind == PipeOpKind::RecvAct ? model_.stage_input(op.slot) : model_.grad_input();
           if (async) {
             gather_after(op);
-            tickets_[oi] = coll_.post_recv(buf, bytes, op.peer, ch, Axis::Pipeline, after);
-            coll_.wait_message(tickets_[oi]);  // the next op is the compute that reads it
+            work_[oi] = coll_.post_recv(buf, bytes, op.peer, ch, Axis::Pipeline, after);
+            coll_.wait(work_[oi]);  // the next op is the compute that reads it
           } else {
             coll_.recv(buf, bytes, op.peer, Axis::Pipeline);
           }
@@ -192,7 +190,7 @@ void PipelineRunner::run(const PipelinePlans& plans, const DeviceBatch& b, bool 
           break;
       }
       if (marks && compute) busy_marks_.push_back(be_.mark());
-      if (async && fence_after[oi]) tickets_[oi] = coll_.fence();
+      if (async && fence_after[oi]) work_[oi] = coll_.fence();
     }
     if (open) coll_.group_end();
     if (async) coll_.wait_messages();

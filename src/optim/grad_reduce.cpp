@@ -74,14 +74,14 @@ void GradReducer::start(size_t k) {
   started_[k] = true;
   if (zero_) {
     const size_t c = b.n / static_cast<size_t>(size_);
-    coll_.start_reduce_scatter_sum(grads_ + b.offset + static_cast<size_t>(rank_) * c,
-                                   grads_ + b.offset, c, Axis::Data);
+    coll_.start_reduce_scatter(grads_ + b.offset + static_cast<size_t>(rank_) * c,
+                               grads_ + b.offset, c, Elem::F32, Axis::Data);
   } else if (act_be_) {
     void* st = stage_ + b.offset * act_be_->act_size();
     act_be_->cast_to_act(st, grads_ + b.offset, b.n);
-    coll_.start_allreduce_sum_act(st, b.n, act_be_->act_size(), Axis::Data);
+    coll_.start_allreduce(st, b.n, Elem::Act, Axis::Data);
   } else {
-    coll_.start_allreduce_sum(grads_ + b.offset, b.n, Axis::Data);
+    coll_.start_allreduce(grads_ + b.offset, b.n, Elem::F32, Axis::Data);
   }
 }
 
@@ -111,9 +111,9 @@ void GradReducer::finish() {
     act_be_->cast_to_f32(grads_, stage_, buckets_.back().offset + buckets_.back().n);
 }
 
-ParamGather::ParamGather(Collectives& coll, const ZeroShards& shards, size_t elem_size)
-    : coll_(coll), shards_(shards), es_(elem_size) {
-  ticket_.resize(shards_.buckets.size());
+ParamGather::ParamGather(Collectives& coll, const ZeroShards& shards, size_t act_size)
+    : coll_(coll), shards_(shards), es_(act_size) {
+  work_.resize(shards_.buckets.size());
   waited_.assign(shards_.buckets.size(), true);
 }
 
@@ -121,9 +121,9 @@ void ParamGather::start(void* compute) {
   VG_CHECK(open_ == 0, "parameter gathers started twice");
   char* c = static_cast<char*>(compute);
   for (size_t k = 0; k < shards_.buckets.size(); ++k) {
-    ticket_[k] = coll_.start_allgather(c + shards_.buckets[k].offset * es_,
-                                       c + shards_.piece_offset(k) * es_, shards_.piece_n(k), es_,
-                                       Axis::Data);
+    work_[k] = coll_.start_allgather(c + shards_.buckets[k].offset * es_,
+                                     c + shards_.piece_offset(k) * es_, shards_.piece_n(k),
+                                     Elem::Act, Axis::Data);
     waited_[k] = false;
   }
   open_ = shards_.buckets.size();
@@ -135,7 +135,7 @@ void ParamGather::need(size_t offset, size_t n) {
   for (size_t k = 0; k < shards_.buckets.size(); ++k) {
     const GradBucket& b = shards_.buckets[k];
     if (waited_[k] || b.offset >= end || b.offset + b.n <= offset) continue;
-    coll_.wait_started(ticket_[k]);
+    coll_.wait(work_[k]);
     waited_[k] = true;
     --open_;
   }

@@ -153,7 +153,7 @@ void Optimizer::grad_norm_sq_device(const float* grads, double* out) {
   else
     be_.sum_squares_total(out, grads, norm_slices_);
   tp_.reduce_norm_total(out);
-  if (zero_) coll_->allreduce_sum_f64(out, 1, Axis::Data);
+  if (zero_) coll_->allreduce(out, 1, Elem::F64, ReduceOp::Sum, Axis::Data);
 }
 
 bool Optimizer::grads_finite(const float* grads) {
@@ -279,7 +279,7 @@ void Optimizer::allgather_pieces(void* flat, size_t es) {
   char* f = static_cast<char*>(flat);
   for (size_t k = 0; k < shards_.buckets.size(); ++k)
     coll_->allgather(f + shards_.buckets[k].offset * es, f + shards_.piece_offset(k) * es,
-                     shards_.piece_n(k), es, Axis::Data);
+                     shards_.piece_n(k), Elem::Act, Axis::Data);
 }
 
 void Optimizer::master_to_host(const float* params, float* flat) {

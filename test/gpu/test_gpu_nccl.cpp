@@ -64,27 +64,27 @@ void check_axis(Backend& be, Collectives& coll, const ProcessGrid& grid, Axis a)
 
   for (size_t i = 0; i < n; ++i) h[i] = r + 0.5f * i;
   be.copy_to_device(buf, h.data(), n * 4);
-  coll.allreduce_sum(buf, n, a);
+  coll.allreduce(buf, n, Elem::F32, ReduceOp::Sum, a);
   be.copy_to_host(got.data(), buf, n * 4);
   for (size_t i = 0; i < n; ++i)
-    ASSERT_EQ(got[i], size * (size - 1) / 2.0f + size * 0.5f * i) << "allreduce_sum " << i;
+    ASSERT_EQ(got[i], size * (size - 1) / 2.0f + size * 0.5f * i) << "allreduce sum " << i;
 
   for (size_t i = 0; i < n; ++i) h[i] = r * 1000.0f + i;
   be.copy_to_device(buf, h.data(), n * 4);
-  coll.allreduce_max(buf, n, a);
+  coll.allreduce(buf, n, Elem::F32, ReduceOp::Max, a);
   be.copy_to_host(got.data(), buf, n * 4);
-  for (size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], (size - 1) * 1000.0f + i) << "allreduce_max";
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], (size - 1) * 1000.0f + i) << "allreduce max";
 
   // act dtype (bf16 here): small integers are exact
   for (size_t i = 0; i < n; ++i) h[i] = float(r + 1 + (i % 7));
   be.copy_to_device(buf, h.data(), n * 4);
   void* act = be.alloc(n * be.act_size());
   be.cast_to_act(act, buf, n);
-  coll.allreduce_sum_act(act, n, be.act_size(), a);
+  coll.allreduce(act, n, Elem::Act, ReduceOp::Sum, a);
   be.cast_to_f32(buf, act, n);
   be.copy_to_host(got.data(), buf, n * 4);
   for (size_t i = 0; i < n; ++i)
-    ASSERT_EQ(got[i], size * (size + 1) / 2.0f + size * float(i % 7)) << "allreduce_sum_act";
+    ASSERT_EQ(got[i], size * (size + 1) / 2.0f + size * float(i % 7)) << "allreduce sum act";
   be.release(act);
 
   for (size_t i = 0; i < n; ++i) h[i] = r * 10.0f + i;
@@ -95,14 +95,14 @@ void check_axis(Backend& be, Collectives& coll, const ProcessGrid& grid, Axis a)
 
   for (size_t i = 0; i < n; ++i) h[i] = r * 100.0f + i;
   be.copy_to_device(buf, h.data(), n * 4);
-  coll.allgather(out, buf, n, sizeof(float), a);
+  coll.allgather(out, buf, n, Elem::F32, a);
   be.copy_to_host(got.data(), out, size * n * 4);
   for (int j = 0; j < size; ++j)
     for (size_t i = 0; i < n; ++i) ASSERT_EQ(got[j * n + i], j * 100.0f + i) << "allgather";
 
   for (size_t k = 0; k < size * n; ++k) h[k] = float(r) + float(k);
   be.copy_to_device(buf, h.data(), size * n * 4);
-  coll.reduce_scatter_sum(out, buf, n, a);
+  coll.reduce_scatter(out, buf, n, Elem::F32, a);
   be.copy_to_host(got.data(), out, n * 4);
   for (size_t i = 0; i < n; ++i)
     ASSERT_EQ(got[i], size * (size - 1) / 2.0f + size * float(r * n + i)) << "reduce_scatter";
@@ -122,11 +122,12 @@ void check_axis(Backend& be, Collectives& coll, const ProcessGrid& grid, Axis a)
     for (size_t k = 0; k < size * n; ++k) h[k] = float(r + (k % 5));
     be.copy_to_device(out, h.data(), size * n * 4);
     be.cast_to_act(rs_in, out, size * n);
-    const size_t tg = coll.start_overlapped_allgather(og, buf, n, sizeof(float), a);
-    const size_t tr = coll.start_overlapped_reduce_scatter_act(rs_out, rs_in, n, be.act_size(), a);
-    ASSERT_EQ(tr, tg + 1);
-    coll.wait_overlapped(tg);
-    coll.wait_overlapped(tr);
+    const Work tg = coll.start_overlapped_allgather(og, buf, n, Elem::F32, a);
+    const Work tr = coll.start_overlapped_reduce_scatter(rs_out, rs_in, n, Elem::Act, a);
+    ASSERT_EQ(tr.kind, Work::Kind::Overlapped);
+    ASSERT_EQ(tr.id, tg.id + 1);
+    coll.wait(tg);
+    coll.wait(tr);
     be.copy_to_host(got.data(), og, size * n * 4);
     for (int j = 0; j < size; ++j)
       for (size_t i = 0; i < n; ++i)
@@ -170,11 +171,11 @@ void check_axis(Backend& be, Collectives& coll, const ProcessGrid& grid, Axis a)
     be.copy_to_device(up, h.data() + n, n * 4);
     coll.post_send(buf, n * 4, next, 0, a);
     coll.post_send(up, n * 4, prev, 1, a);
-    const size_t t_up = coll.post_recv(up_in, n * 4, next, 1, a, {});
-    coll.wait_message(t_up);
-    const size_t f = coll.fence();
-    const size_t t = coll.post_recv(out, n * 4, prev, 0, a, {f});
-    coll.wait_message(t);
+    const Work t_up = coll.post_recv(up_in, n * 4, next, 1, a, {});
+    coll.wait(t_up);
+    const Work f = coll.fence();
+    const Work t = coll.post_recv(out, n * 4, prev, 0, a, {f});
+    coll.wait(t);
     be.copy_to_host(got.data(), out, n * 4);
     for (size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], prev * 7.0f + i) << "channel 0";
     be.copy_to_host(got.data(), up_in, n * 4);

@@ -209,17 +209,24 @@ TEST(Grid, CollectivesOverEveryAxis) {
       const float max = static_cast<float>(*std::max_element(members.begin(), members.end()));
 
       std::vector<float> v = {static_cast<float>(me), 1.0f, -static_cast<float>(me)};
-      coll->allreduce_sum(v.data(), v.size(), a);
+      coll->allreduce(v.data(), v.size(), Elem::F32, ReduceOp::Sum, a);
       EXPECT_EQ(v, (std::vector<float>{sum, static_cast<float>(size), -sum}));
 
       std::vector<float> m = {static_cast<float>(me), -static_cast<float>(me)};
-      coll->allreduce_max(m.data(), m.size(), a);
+      coll->allreduce(m.data(), m.size(), Elem::F32, ReduceOp::Max, a);
       EXPECT_EQ(m[0], max);
       EXPECT_EQ(m[1], -static_cast<float>(members.front()));
 
-      float act = 2.0f * me;
-      coll->allreduce_sum_act(&act, 1, sizeof(float), a);
+      float act = 2.0f * me;  // the CPU's act storage: fp32
+      coll->allreduce(&act, 1, Elem::Act, ReduceOp::Sum, a);
       EXPECT_EQ(act, 2.0f * sum);
+
+      std::vector<double> d = {0.5 * me, static_cast<double>(me)};
+      coll->allreduce(d.data(), d.size(), Elem::F64, ReduceOp::Sum, a);
+      EXPECT_EQ(d, (std::vector<double>{0.5 * sum, sum}));
+      std::vector<double> dm = {0.5 * me, -static_cast<double>(me)};
+      coll->allreduce(dm.data(), dm.size(), Elem::F64, ReduceOp::Max, a);
+      EXPECT_EQ(dm, (std::vector<double>{0.5 * max, -static_cast<double>(members.front())}));
 
       const int root = size - 1;
       int b[2] = {me, me * 3};
@@ -227,10 +234,10 @@ TEST(Grid, CollectivesOverEveryAxis) {
       EXPECT_EQ(b[0], members[root]);
       EXPECT_EQ(b[1], members[root] * 3);
 
-      // allgather: rank order of the axis, two int32 per rank
+      // allgather: rank order of the axis, two int32 per rank (4-byte elements: F32's size)
       int in[2] = {me, 100 + me};
       std::vector<int> out(2 * size, -1);
-      coll->allgather(out.data(), in, 2, sizeof(int), a);
+      coll->allgather(out.data(), in, 2, Elem::F32, a);
       std::vector<int> want;
       for (int r : members) {
         want.push_back(r);
@@ -241,7 +248,7 @@ TEST(Grid, CollectivesOverEveryAxis) {
       std::vector<int> inplace(2 * size, -1);
       inplace[2 * my] = me;
       inplace[2 * my + 1] = 100 + me;
-      coll->allgather(inplace.data(), inplace.data() + 2 * my, 2, sizeof(int), a);
+      coll->allgather(inplace.data(), inplace.data() + 2 * my, 2, Elem::F32, a);
       EXPECT_EQ(inplace, want);
 
       // reduce_scatter: block j element k of rank r holds r*100 + j*10 + k
@@ -250,27 +257,33 @@ TEST(Grid, CollectivesOverEveryAxis) {
       for (int j = 0; j < size; ++j)
         for (size_t k = 0; k < blk; ++k) rs_in[j * blk + k] = me * 100.0f + j * 10.0f + k;
       std::vector<float> rs_out(blk, -1);
-      coll->reduce_scatter_sum(rs_out.data(), rs_in.data(), blk, a);
+      coll->reduce_scatter(rs_out.data(), rs_in.data(), blk, Elem::F32, a);
       for (size_t k = 0; k < blk; ++k)
         EXPECT_EQ(rs_out[k], 100.0f * sum + size * (my * 10.0f + k)) << "element " << k;
+      // the same in fp64, in place
+      std::vector<double> rs_d(rs_in.begin(), rs_in.end());
+      coll->reduce_scatter(rs_d.data() + my * blk, rs_d.data(), blk, Elem::F64, a);
+      for (size_t k = 0; k < blk; ++k) EXPECT_EQ(rs_d[my * blk + k], rs_out[k]) << "element " << k;
 
       // the overlapped pair, both open at once
       std::vector<int> og(2 * size, -1);
       std::vector<float> ors(blk, -1);
-      const size_t tg = coll->start_overlapped_allgather(og.data(), in, 2, sizeof(int), a);
-      const size_t tr =
-          coll->start_overlapped_reduce_scatter_act(ors.data(), rs_in.data(), blk, 4, a);
-      EXPECT_EQ(tr, tg + 1);
-      coll->wait_overlapped(tg);
-      coll->wait_overlapped(tr);
+      const Work tg = coll->start_overlapped_allgather(og.data(), in, 2, Elem::F32, a);
+      const Work tr =
+          coll->start_overlapped_reduce_scatter(ors.data(), rs_in.data(), blk, Elem::Act, a);
+      EXPECT_EQ(tg.kind, Work::Kind::Overlapped);
+      EXPECT_EQ(tr.kind, Work::Kind::Overlapped);
+      EXPECT_EQ(tr.id, tg.id + 1);
+      coll->wait(tg);
+      coll->wait(tr);
       EXPECT_EQ(og, want);
       EXPECT_EQ(ors, rs_out);
       // an overlapped gather in place (sequence parallelism's exchange): my block already in
       std::vector<int> oip(2 * size, -1);
       oip[2 * my] = me;
       oip[2 * my + 1] = 100 + me;
-      coll->wait_overlapped(
-          coll->start_overlapped_allgather(oip.data(), oip.data() + 2 * my, 2, sizeof(int), a));
+      coll->wait(
+          coll->start_overlapped_allgather(oip.data(), oip.data() + 2 * my, 2, Elem::F32, a));
       EXPECT_EQ(oip, want);
 
       coll->barrier(a);
@@ -352,15 +365,16 @@ TEST(Grid, MessagesFlowOnIndependentChannels) {
     coll.post_send(big.data(), count * sizeof(double), next, 0, Axis::Pipeline);
     coll.post_send(small.data(), small.size() * sizeof(double), next, 0, Axis::Pipeline);
     coll.post_send(up.data(), sizeof(double), prev, 1, Axis::Pipeline);
-    const size_t t_up = coll.post_recv(up_in.data(), sizeof(double), next, 1, Axis::Pipeline, {});
-    coll.wait_message(t_up);
+    const Work t_up = coll.post_recv(up_in.data(), sizeof(double), next, 1, Axis::Pipeline, {});
+    EXPECT_EQ(t_up.kind, Work::Kind::Message);
+    coll.wait(t_up);
     EXPECT_EQ(up_in[0], 5.0 * stages[next]);
-    const size_t f = coll.fence();
-    const size_t t_big = coll.post_recv(in.data(), count * sizeof(double), prev, 0, Axis::Pipeline, {f});
-    const size_t t_small = coll.post_recv(small_in.data(), small_in.size() * sizeof(double), prev, 0,
-                                          Axis::Pipeline, {f, t_up});
-    coll.wait_message(t_small);
-    coll.wait_message(t_big);
+    const Work f = coll.fence();
+    const Work t_big = coll.post_recv(in.data(), count * sizeof(double), prev, 0, Axis::Pipeline, {f});
+    const Work t_small = coll.post_recv(small_in.data(), small_in.size() * sizeof(double), prev, 0,
+                                        Axis::Pipeline, {f, t_up});
+    coll.wait(t_small);
+    coll.wait(t_big);
     EXPECT_EQ(in[0], static_cast<double>(stages[prev]));
     EXPECT_EQ(in[count - 1], stages[prev] + 1e-6 * static_cast<double>(count - 1));
     EXPECT_EQ(small_in[0], 2.0 * stages[prev]);

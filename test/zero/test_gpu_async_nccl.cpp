@@ -1,8 +1,9 @@
-// The asynchronous NCCL reductions (gradient buckets): start_allreduce_sum and the in-place
-// start_reduce_scatter_sum on the communication stream equal the blocking collectives, they
+// The asynchronous NCCL reductions (gradient buckets): start_allreduce and the in-place
+// start_reduce_scatter on the communication stream equal the blocking collectives, they
 // wait for the compute-stream kernels that produced their inputs (the buffers are written by
-// a kernel enqueued just before), and wait_all orders later compute-stream work after them;
-// the same through the copy-engine path (device.data_comm = copy_engine).
+// a kernel enqueued just before), and wait_all orders later compute-stream work after them,
+// as wait() on one's Work does (before wait_all); the same through the copy-engine path
+// (device.data_comm = copy_engine).
 // Launched at 2 and 4 ranks; skipped on every rank (agreed) without a GPU per local rank.
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -52,10 +53,14 @@ void buckets_match_blocking(bool copy_engine) {
   float* ref = static_cast<float*>(be->alloc(host.size() * 4));
   be->copy_to_device(src, host.data(), host.size() * 4);
   be->copy(ref, src, host.size() * 4);
-  coll->allreduce_sum(ref, host.size(), Axis::Data);
+  coll->allreduce(ref, host.size(), Elem::F32, ReduceOp::Sum, Axis::Data);
   std::vector<float> want(host.size()), got(host.size());
   be->copy_to_host(want.data(), ref, host.size() * 4);
-  for (int zero = 0; zero < 2; ++zero) {
+  for (int pass = 0; pass < 4; ++pass) {
+    // passes 2 and 3: each bucket waited for on its own and read before wait_all
+    const int zero = pass % 2;
+    const bool each = pass >= 2;
+    std::vector<Work> w(buckets);
     be->zero(a, host.size() * 4);
     for (size_t k = 0; k < buckets; ++k) {
       // the bucket's input is written on the compute stream right before the start
@@ -63,9 +68,16 @@ void buckets_match_blocking(bool copy_engine) {
       be->scale_f32(a + k * n, n, 2.0f);
       be->scale_f32(a + k * n, n, 0.5f);
       if (zero)
-        coll->start_reduce_scatter_sum(a + k * n + r * c, a + k * n, c, Axis::Data);
+        w[k] = coll->start_reduce_scatter(a + k * n + r * c, a + k * n, c, Elem::F32, Axis::Data);
       else
-        coll->start_allreduce_sum(a + k * n, n, Axis::Data);
+        w[k] = coll->start_allreduce(a + k * n, n, Elem::F32, Axis::Data);
+    }
+    for (size_t k = 0; each && k < buckets; ++k) {
+      coll->wait(w[k]);
+      const size_t lo = zero ? k * n + r * c : k * n, len = zero ? c : n;
+      be->copy_to_host(got.data() + lo, a + lo, len * 4);  // on the compute stream
+      for (size_t i = lo; i < lo + len; ++i)
+        ASSERT_EQ(got[i], want[i]) << "waited, zero " << zero << " i " << i;
     }
     coll->wait_all();
     be->scale_f32(a, host.size(), 1.0f);  // compute-stream work after wait_all

@@ -108,25 +108,41 @@ TEST(AsyncCollectives, MatchTheBlockingOnes) {
   std::vector<float> a(3 * n), ref;
   for (size_t i = 0; i < a.size(); ++i) a[i] = float((i * 7 + r * 13) % 29) - 14.0f;
   ref = a;
-  coll->allreduce_sum(ref.data(), ref.size(), Axis::Data);
+  coll->allreduce(ref.data(), ref.size(), Elem::F32, ReduceOp::Sum, Axis::Data);
   // three all-reduces in flight at once, progressed, then waited
   std::vector<float> b = a;
-  for (int k = 0; k < 3; ++k) coll->start_allreduce_sum(b.data() + k * n, n, Axis::Data);
+  for (int k = 0; k < 3; ++k) coll->start_allreduce(b.data() + k * n, n, Elem::F32, Axis::Data);
   coll->progress();
   coll->wait_all();
   EXPECT_EQ(b, ref);
   // reduce-scatter in place (NCCL's convention) and out of place, both in flight together
   std::vector<float> in = a, out(c);
-  coll->start_reduce_scatter_sum(in.data() + r * c, in.data(), c, Axis::Data);
-  coll->start_reduce_scatter_sum(out.data(), a.data() + n, c, Axis::Data);
+  coll->start_reduce_scatter(in.data() + r * c, in.data(), c, Elem::F32, Axis::Data);
+  coll->start_reduce_scatter(out.data(), a.data() + n, c, Elem::F32, Axis::Data);
   coll->wait_all();
   for (size_t i = 0; i < c; ++i) {
     EXPECT_EQ(in[r * c + i], ref[r * c + i]) << i;
     EXPECT_EQ(out[i], ref[n + r * c + i]) << i;
   }
+  // the same, each waited for on its own (the in-place block is in place once waited for)
+  // before wait_all, and a gather of the pieces waited for in between
+  std::vector<float> in3 = a, out3(c), g(n, -1.0f);
+  const Work w0 = coll->start_reduce_scatter(in3.data() + r * c, in3.data(), c, Elem::F32,
+                                             Axis::Data);
+  const Work w1 = coll->start_reduce_scatter(out3.data(), a.data() + n, c, Elem::F32, Axis::Data);
+  EXPECT_EQ(w0.kind, Work::Kind::Collective);
+  EXPECT_EQ(w1.id, w0.id + 1);
+  coll->wait(w1);
+  for (size_t i = 0; i < c; ++i) EXPECT_EQ(out3[i], ref[n + r * c + i]) << i;
+  coll->wait(w0);
+  for (size_t i = 0; i < c; ++i) EXPECT_EQ(in3[r * c + i], ref[r * c + i]) << i;
+  coll->wait(coll->start_allgather(g.data(), in3.data() + r * c, c, Elem::F32, Axis::Data));
+  for (size_t i = 0; i < n; ++i) EXPECT_EQ(g[i], ref[i]) << i;
+  coll->wait_all();
+  for (size_t i = 0; i < c; ++i) EXPECT_EQ(in3[r * c + i], ref[r * c + i]) << i;
   // the blocking reduce-scatter accepts the in-place form too
   std::vector<float> in2 = a;
-  coll->reduce_scatter_sum(in2.data() + r * c, in2.data(), c, Axis::Data);
+  coll->reduce_scatter(in2.data() + r * c, in2.data(), c, Elem::F32, Axis::Data);
   for (size_t i = 0; i < c; ++i) EXPECT_EQ(in2[r * c + i], ref[r * c + i]);
 }
 

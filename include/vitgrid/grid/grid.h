@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -96,27 +97,42 @@ class ProcessGrid {
   std::string host_;
 };
 
+// Element types of collective buffers. F64: a few scalars kept on the device (losses, squared
+// norms). Act: the backend's activation storage, act_size() bytes (backend.h): its act dtype
+// under NCCL (fp32, bf16 or fp16), fp32 on the CPU, whose 16-bit modes are emulated in fp32
+// storage. Gathers only move bytes: their type gives the size.
+enum class Elem : uint8_t { F32, F64, Act };
+enum class ReduceOp : uint8_t { Sum, Max };
+
+// A handle on an asynchronous operation, returned by every asynchronous call of Collectives
+// and resolved by the object that returned it (Collectives::wait): the operation's kind and
+// its number among those of its kind. A default Work (kind None) stands for nothing to wait
+// for.
+struct Work {
+  enum class Kind : uint8_t {
+    None,
+    Message,     // post_send, post_recv, fence: valid until wait_messages()
+    Collective,  // start_allreduce, start_reduce_scatter, start_allgather: until wait_all()
+    Overlapped   // start_overlapped_*: until waited for
+  };
+  Kind kind = Kind::None;
+  size_t id = 0;
+  bool valid() const { return kind != Kind::None; }
+};
+
 // Collective operations on backend buffers over a named axis. CPU: MPI on host memory;
 // CUDA: NCCL on device memory (backend/cuda). Every rank of the axis must call.
 class Collectives {
  public:
   virtual ~Collectives() = default;
-  virtual void allreduce_sum(float* buf, size_t n, Axis a) = 0;
-  virtual void allreduce_max(float* buf, size_t n, Axis a) = 0;
-  // fp64 sums of a few scalars (losses, squared norms) kept on the device
-  virtual void allreduce_sum_f64(double* buf, size_t n, Axis a) = 0;
-  // act-dtype buffers (elem_size bytes per element); sum
-  virtual void allreduce_sum_act(void* buf, size_t n, size_t elem_size, Axis a) = 0;
+  // buf[n] = the op (sum or max) of every rank's buf[n]
+  virtual void allreduce(void* buf, size_t n, Elem t, ReduceOp op, Axis a) = 0;
   virtual void broadcast(void* buf, size_t bytes, int root, Axis a) = 0;
-  // out[size*n] gathers each rank's in[n] in rank order (bytes per element: elem_size)
-  virtual void allgather(void* out, const void* in, size_t n, size_t elem_size, Axis a) = 0;
-  // out[n] = rank's block of the sum of in[size*n] (fp32)
-  virtual void reduce_scatter_sum(float* out, const float* in, size_t n, Axis a) = 0;
-  // The same for act-dtype buffers (elem_size bytes per element): CPU fp32 storage only
-  // (elem_size 4, as Backend::act_size() there); NCCL reduces 2-byte elements in the
-  // backend's bf16/fp16.
-  virtual void reduce_scatter_sum_act(void* out, const void* in, size_t n, size_t elem_size,
-                                      Axis a) = 0;
+  // out[size*n] gathers each rank's in[n] in rank order
+  virtual void allgather(void* out, const void* in, size_t n, Elem t, Axis a) = 0;
+  // out[n] = rank's block of the sum of in[size*n]. out may be in + rank*n (in place: the
+  // rest of in then holds unspecified values afterwards).
+  virtual void reduce_scatter(void* out, const void* in, size_t n, Elem t, Axis a) = 0;
   virtual void send(const void* buf, size_t bytes, int peer, Axis a) = 0;
   virtual void recv(void* buf, size_t bytes, int peer, Axis a) = 0;
   // Sends and receives between group_begin() and group_end() are posted together and
@@ -125,66 +141,71 @@ class Collectives {
   // group_end(); groups do not nest.
   virtual void group_begin() = 0;
   virtual void group_end() = 0;
-  // Asynchronous point-to-point messages (the pipeline's fallback placement, pipeline.h).
+  virtual void barrier(Axis a) = 0;
+
+  // ---- Waiting for asynchronous work. wait(w) orders the backend work enqueued from now on
+  // after the operation of w, by w's kind; a Work of kind None: nothing.
+  // - Message: after the message (CPU: returns once it is complete, checking a receive's
+  //   size).
+  // - Collective: after that operation (CUDA: and every one started before it), without
+  //   waiting on the host where the backend need not (CUDA); its buffers are free from then.
+  // - Overlapped: after it (CPU: returns once it completed). Overlapped Works are waited for
+  //   in the order they were started.
+  virtual void wait(Work w) = 0;
+
+  // ---- Asynchronous point-to-point messages (the pipeline's fallback placement, pipeline.h).
   // open_links(a) first, called by every rank of the axis (NCCL creates the links: a
-  // collective). Each call returns at once with a ticket; messages of one channel between a
-  // pair of ranks match in posting order, and channels are independent of each other, so a
-  // message that waits for its peer holds up only the later messages of its own channel.
+  // collective). Each call returns at once with a Work of kind Message; messages of one
+  // channel between a pair of ranks match in posting order, and channels are independent of
+  // each other, so a message that waits for its peer holds up only the later messages of its
+  // own channel.
   // - post_send: sends buf[bytes] once the work enqueued so far (which produces it) is done.
-  //   buf must not change until the ticket completes.
-  // - post_recv: receives into buf[bytes] once the tickets in `after` completed (fences or
-  //   sends still reading buf; none: the work enqueued so far), without waiting for any
-  //   other work; nothing may read buf before wait_message(ticket).
-  // - wait_message: work enqueued from now on runs after the message (CPU: returns once it
-  //   is complete, checking a receive's size).
-  // - fence: a ticket that completes with the work enqueued so far.
-  // - wait_messages: every message posted so far completes before later work; the tickets
-  //   start again from 0.
+  //   buf must not change until the message completes.
+  // - post_recv: receives into buf[bytes] once the messages and fences in `after` completed
+  //   (fences or sends still reading buf; none: the work enqueued so far), without waiting
+  //   for any other work; nothing may read buf before wait() on its Work.
+  // - fence: a Work that completes with the work enqueued so far.
+  // - wait_messages: every message posted so far completes before later work; their Works
+  //   are void from then (their ids start again from 0).
   // CPU: MPI Isend / Irecv, one tag per channel. NCCL: one stream and one two-rank
   // communicator per (channel, direction): channel 0 to the next rank of the axis and
   // channel 1 to the previous one (modulo its size, the pipeline's two flows), on
   // Axis::Pipeline only.
   virtual void open_links(Axis a) = 0;
-  virtual size_t post_send(const void* buf, size_t bytes, int peer, int channel, Axis a) = 0;
-  virtual size_t post_recv(void* buf, size_t bytes, int peer, int channel, Axis a,
-                           const std::vector<size_t>& after) = 0;
-  virtual void wait_message(size_t ticket) = 0;
-  virtual size_t fence() = 0;
+  virtual Work post_send(const void* buf, size_t bytes, int peer, int channel, Axis a) = 0;
+  virtual Work post_recv(void* buf, size_t bytes, int peer, int channel, Axis a,
+                         const std::vector<Work>& after) = 0;
+  virtual Work fence() = 0;
   virtual void wait_messages() = 0;
-  virtual void barrier(Axis a) = 0;
 
   // ---- Asynchronous collectives: data-parallel gradient buckets overlapped with the backward,
   // ZeRO-1's parameter buckets gathered during the next forward.
   // A start_* call is ordered after everything this rank enqueued on the backend before it
   // (CUDA: an event on the compute stream that the communication stream waits on) and
-  // returns at once; its buffers must not be touched until wait_all() returns (a gather's:
-  // until wait_started on its ticket). Every rank of the axis must start the same sequence of
+  // returns at once with a Work of kind Collective; its buffers must not be touched until
+  // wait() on it or wait_all() returns. Every rank of the axis must start the same sequence of
   // collectives in the same order. progress() lets the library advance them (MPI:
   // MPI_Testall; call it now and then from the host thread). wait_all() returns once every
   // started collective has completed (under the watchdog on CUDA), and orders later backend
   // work after them. The defaults run the blocking calls.
-  virtual void start_allreduce_sum(float* buf, size_t n, Axis a) { allreduce_sum(buf, n, a); }
-  // The same on an act-dtype buffer (as allreduce_sum_act).
-  virtual void start_allreduce_sum_act(void* buf, size_t n, size_t elem_size, Axis a) {
-    allreduce_sum_act(buf, n, elem_size, a);
+  // buf[n] = the sum of every rank's buf[n]
+  virtual Work start_allreduce(void* buf, size_t n, Elem t, Axis a) {
+    allreduce(buf, n, t, ReduceOp::Sum, a);
+    return {};
   }
-  // out[n] = rank's block of the sum of in[size*n] (fp32). out may be in + rank*n (in place:
-  // the rest of in then holds unspecified values afterwards).
-  virtual void start_reduce_scatter_sum(float* out, const float* in, size_t n, Axis a) {
-    reduce_scatter_sum(out, in, n, a);
+  // as reduce_scatter (in place too)
+  virtual Work start_reduce_scatter(void* out, const void* in, size_t n, Elem t, Axis a) {
+    reduce_scatter(out, in, n, t, a);
+    return {};
   }
-  // out[size*n] gathers each rank's in[n] (as allgather; in may be out's own block). Returns a
-  // ticket for wait_started, valid until the next wait_all().
-  virtual size_t start_allgather(void* out, const void* in, size_t n, size_t elem_size, Axis a) {
-    allgather(out, in, n, elem_size, a);
-    return 0;
+  // as allgather (in may be out's own block)
+  virtual Work start_allgather(void* out, const void* in, size_t n, Elem t, Axis a) {
+    allgather(out, in, n, t, a);
+    return {};
   }
-  // Orders later backend work after the operation of `ticket` (and, CUDA, everything started
-  // before it), without waiting on the host where the backend need not (CUDA).
-  virtual void wait_started(size_t ticket) { (void)ticket; }
-  // The largest input (elements) of the start_allreduce_sum / start_reduce_scatter_sum calls
-  // to come on axis a (a gradient bucket), so a backend can size its staging before step 1
-  // (NCCL with copy engines). A collective call over the axis.
+  // The largest input (elements) of the start_allreduce / start_reduce_scatter calls to come
+  // on axis a (a gradient bucket), so a backend can size its staging before step 1 (NCCL
+  // with copy engines). A collective call over the axis.
   virtual void plan_reduce(size_t max_n, Axis a) { (void)max_n, (void)a; }
   virtual void progress() {}
   virtual void wait_all() {}
@@ -192,28 +213,25 @@ class Collectives {
   // ---- Overlapped collectives: 1d sequence parallelism's gathers and reduce-scatters over
   // the tensor axis, run beside the GEMMs that do not need them (Megatron-LM's overlap).
   // A start_overlapped_* call is ordered after everything this rank enqueued on the backend
-  // before it and returns a ticket at once; wait_overlapped(ticket) orders later backend work
-  // after it (CPU: returns once it completed). Tickets are waited for in the order they were
-  // started, every one of them, and no more than kMaxOverlapped are open at once; the buffers
-  // are not touched in between. Every rank of the axis starts the same sequence. NCCL: a
-  // communicator and a stream of their own for the tensor axis under sequence parallelism, so
-  // they neither queue behind the data axis's buckets nor hold up the compute stream; the
-  // blocking calls elsewhere. The defaults run the blocking calls.
+  // before it and returns a Work of kind Overlapped at once. They are waited for in the order
+  // they were started, every one of them, and no more than kMaxOverlapped are open at once;
+  // the buffers are not touched in between. Every rank of the axis starts the same sequence.
+  // NCCL: a communicator and a stream of their own for the tensor axis under sequence
+  // parallelism, so they neither queue behind the data axis's buckets nor hold up the
+  // compute stream; the blocking calls elsewhere. The defaults run the blocking calls.
   static constexpr size_t kMaxOverlapped = 16;
-  // out[size*n] gathers each rank's in[n] in rank order (as allgather; in may be out's own
-  // block: in place).
-  virtual size_t start_overlapped_allgather(void* out, const void* in, size_t n,
-                                            size_t elem_size, Axis a) {
-    allgather(out, in, n, elem_size, a);
-    return 0;
+  // as allgather (in may be out's own block: in place)
+  virtual Work start_overlapped_allgather(void* out, const void* in, size_t n, Elem t,
+                                          Axis a) {
+    allgather(out, in, n, t, a);
+    return {};
   }
-  // out[n] = rank's block of the sum of in[size*n], act-dtype (as reduce_scatter_sum_act).
-  virtual size_t start_overlapped_reduce_scatter_act(void* out, const void* in, size_t n,
-                                                     size_t elem_size, Axis a) {
-    reduce_scatter_sum_act(out, in, n, elem_size, a);
-    return 0;
+  // as reduce_scatter, out of place
+  virtual Work start_overlapped_reduce_scatter(void* out, const void* in, size_t n, Elem t,
+                                               Axis a) {
+    reduce_scatter(out, in, n, t, a);
+    return {};
   }
-  virtual void wait_overlapped(size_t ticket) { (void)ticket; }
   // SMs the overlapped collectives of axis a take beside the compute (their kernels' thread
   // blocks), which the GEMMs running meanwhile leave free; 0 where they do not overlap.
   virtual int overlapped_sms(Axis a) const {

@@ -75,10 +75,10 @@ class PipelineRunner {
   int micro_;
   int P_, stage_;
   // asynchronous plans: per op of this stage's plan (train 0, eval 1), whether a fence
-  // follows it (a later receive waits for it); the step's message tickets by op
+  // follows it (a later receive waits for it); the step's message Works by op (none: no
+  // message or fence)
   std::vector<char> fence_after_[2];
-  std::vector<size_t> tickets_;
-  static constexpr size_t kNoTicket = static_cast<size_t>(-1);
+  std::vector<Work> work_;
   size_t image_bytes_;  // one sample's prepared image (act dtype)
   double busy_s_ = 0.0, total_s_ = 0.0;
   std::vector<int> step_marks_, busy_marks_;  // pairs of backend marks not yet harvested

@@ -109,7 +109,8 @@ class GradReducer {
 // order (start and finish; need's waits are local).
 class ParamGather {
  public:
-  ParamGather(Collectives& coll, const ZeroShards& shards, size_t elem_size);
+  // act_size: the backend's (Backend::act_size(), the compute copy's elements)
+  ParamGather(Collectives& coll, const ZeroShards& shards, size_t act_size);
   // Starts the gathers into `compute` (act dtype, the model's flat layout).
   void start(void* compute);
   // The hook body: [offset, offset + n) of the compute copy is about to be read.
@@ -124,7 +125,7 @@ class ParamGather {
   Collectives& coll_;
   ZeroShards shards_;
   size_t es_;
-  std::vector<size_t> ticket_;
+  std::vector<Work> work_;
   std::vector<bool> waited_;
   size_t open_ = 0;  // buckets started and not waited for
 };

@@ -11,8 +11,8 @@
 // instead (debugging; the old behaviour, like CUDA_LAUNCH_BLOCKING for kernels).
 // The asynchronous collectives (gradient buckets overlapped with the backward, ZeRO's
 // parameter buckets gathered during the forward) run on a dedicated communication stream:
-// each waits on an event recorded on the compute stream when it is started; wait_started()
-// makes the compute stream wait for one gather (an event behind it), wait_all() for them all.
+// each waits on an event recorded on the compute stream when it is started; wait() on its
+// Work makes the compute stream wait for one (an event behind it), wait_all() for them all.
 // With copy engines on the data axis (device.data_comm = copy_engine), its communicator uses
 // NCCL's zero-CTA policy and the model's gradient buffer is NCCL memory registered as a
 // symmetric window (Backend::alloc_comm); a gradient all-reduce is then an all-to-all (each
@@ -187,7 +187,7 @@ NcclCollectives::~NcclCollectives() {
     if (e) cudaEventDestroy(e);
   for (ncclComm_t c : comms_)
     if (c) ncclCommDestroy(c);
-  for (auto& e : ticket_ev_) cudaEventDestroy(e.first);
+  for (cudaEvent_t e : started_ev_) cudaEventDestroy(e);
   cudaEventDestroy(done_ev_);
   cudaEventDestroy(ready_ev_);
   cudaStreamDestroy(comm_stream_);
@@ -204,76 +204,91 @@ void NcclCollectives::plan_reduce(size_t max_n, Axis a) {
   ce_n_ = max_n;
 }
 
-void NcclCollectives::start_allreduce_sum(float* buf, size_t n, Axis a) {
+Work NcclCollectives::start_allreduce(void* buf, size_t n, Elem t, Axis a) {
+  const size_t id = open_started();
   if (ncclComm_t c = comm(a); c && !skipped()) {
     order_after_compute(a);
-    if (copy_engine(buf, n, a)) {
+    started_[id].state = Started::State::Queued;
+    if (t == Elem::F32 && copy_engine(buf, n, a)) {
       // all-to-all, the local sum of this rank's block into its place in buf, all-gather
       // of the blocks in place (no copy of a rank's own block: NCCL 2.28 runs that one as a
       // kernel beside the backward's GEMMs)
       const int D = sizes_[static_cast<int>(a)];
       const size_t k = n / static_cast<size_t>(D);
-      float* mine = buf + k * static_cast<size_t>(data_rank_);
+      float* mine = static_cast<float*>(buf) + k * static_cast<size_t>(data_rank_);
       NCCL_CHECK(ncclAlltoAll(buf, ce_recv_, k, ncclFloat, c, comm_stream_));
       be_.sum_parts_on(comm_stream_, mine, ce_recv_, k, D);
       NCCL_CHECK(ncclAllGather(mine, buf, k, ncclFloat, c, comm_stream_));
-      return;
+      return {Work::Kind::Collective, id};
     }
-    NCCL_CHECK(ncclAllReduce(buf, buf, n, ncclFloat, ncclSum, c, comm_stream_));
+    NCCL_CHECK(ncclAllReduce(buf, buf, n, nccl_type(t), ncclSum, c, comm_stream_));
   }
+  return {Work::Kind::Collective, id};
 }
 
-void NcclCollectives::start_allreduce_sum_act(void* buf, size_t n, size_t elem_size, Axis a) {
-  const ncclDataType_t t = act_type(elem_size, "start_allreduce_sum_act");
-  if (ncclComm_t c = comm(a); c && !skipped()) {
-    order_after_compute(a);
-    NCCL_CHECK(ncclAllReduce(buf, buf, n, t, ncclSum, c, comm_stream_));
-  }
-}
-
-void NcclCollectives::start_reduce_scatter_sum(float* out, const float* in, size_t n, Axis a) {
+Work NcclCollectives::start_reduce_scatter(void* out, const void* in, size_t n, Elem t, Axis a) {
+  const size_t id = open_started();
   if (ncclComm_t c = comm(a); c && !skipped()) {
     // out == in + rank * n is NCCL's in-place form
     order_after_compute(a);
+    started_[id].state = Started::State::Queued;
     const int D = sizes_[static_cast<int>(a)];
-    if (copy_engine(in, n * static_cast<size_t>(D), a)) {
+    if (t == Elem::F32 && copy_engine(in, n * static_cast<size_t>(D), a)) {
       NCCL_CHECK(ncclAlltoAll(in, ce_recv_, n, ncclFloat, c, comm_stream_));
-      be_.sum_parts_on(comm_stream_, out, ce_recv_, n, D);
-      return;
+      be_.sum_parts_on(comm_stream_, static_cast<float*>(out), ce_recv_, n, D);
+      return {Work::Kind::Collective, id};
     }
-    NCCL_CHECK(ncclReduceScatter(in, out, n, ncclFloat, ncclSum, c, comm_stream_));
+    NCCL_CHECK(ncclReduceScatter(in, out, n, nccl_type(t), ncclSum, c, comm_stream_));
   } else if (out != in) {
-    CUDA_CHECK(cudaMemcpyAsync(out, in, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(out, in, n * elem_size(t), cudaMemcpyDeviceToDevice, stream_));
   }
+  return {Work::Kind::Collective, id};
 }
 
-size_t NcclCollectives::start_allgather(void* out, const void* in, size_t n, size_t elem_size,
-                                        Axis a) {
-  const size_t t = tickets_++;
-  if (t == ticket_ev_.size()) {
-    ticket_ev_.emplace_back(nullptr, false);
-    CUDA_CHECK(cudaEventCreateWithFlags(&ticket_ev_[t].first, cudaEventDisableTiming));
-  }
-  ticket_ev_[t].second = false;
+Work NcclCollectives::start_allgather(void* out, const void* in, size_t n, Elem t, Axis a) {
+  const size_t id = open_started();
+  const size_t bytes = n * elem_size(t);
   if (ncclComm_t c = comm(a); c && !skipped()) {
     order_after_compute(a);
-    NCCL_CHECK(ncclAllGather(in, out, n * elem_size, ncclUint8, c, comm_stream_));
-    CUDA_CHECK(cudaEventRecord(ticket_ev_[t].first, comm_stream_));
-    ticket_ev_[t].second = true;
+    NCCL_CHECK(ncclAllGather(in, out, bytes, ncclUint8, c, comm_stream_));
+    record_started(id);
   } else if (out != in) {
-    CUDA_CHECK(cudaMemcpyAsync(out, in, n * elem_size, cudaMemcpyDeviceToDevice, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice, stream_));
   }
-  return t;
+  return {Work::Kind::Collective, id};
 }
 
+// A new started collective's Work id (nothing on the communication stream yet).
+size_t NcclCollectives::open_started() {
+  started_.emplace_back();
+  return started_.size() - 1;
+}
+
+// An event behind started collective t on the communication stream, recorded now (behind
+// every collective started so far).
+void NcclCollectives::record_started(size_t t) {
+  if (started_ev_n_ == started_ev_.size()) {
+    started_ev_.push_back(nullptr);
+    CUDA_CHECK(cudaEventCreateWithFlags(&started_ev_.back(), cudaEventDisableTiming));
+  }
+  CUDA_CHECK(cudaEventRecord(started_ev_[started_ev_n_], comm_stream_));
+  started_[t].state = Started::State::Recorded;
+  started_[t].ev = started_ev_n_++;
+}
+
+// A reduction gets its event when it is first waited for, so the compute stream then waits
+// for every collective started so far: they run in order on the communication stream.
 void NcclCollectives::wait_started(size_t t) {
-  VG_CHECK(t < tickets_, "wait for collective " << t << " of " << tickets_);
-  // (nothing went to the communication stream for it: a one-rank axis)
-  if (ticket_ev_[t].second) CUDA_CHECK(cudaStreamWaitEvent(stream_, ticket_ev_[t].first, 0));
+  VG_CHECK(t < started_.size(), "wait for collective " << t << " of " << started_.size());
+  // (Local: nothing went to the communication stream for it, a one-rank axis)
+  if (started_[t].state == Started::State::Queued) record_started(t);
+  if (started_[t].state == Started::State::Recorded)
+    CUDA_CHECK(cudaStreamWaitEvent(stream_, started_ev_[started_[t].ev], 0));
 }
 
 void NcclCollectives::wait_all() {
-  tickets_ = 0;
+  started_.clear();
+  started_ev_n_ = 0;
   if (!pending_) return;
   // the compute stream continues after the reductions; the watchdog follows them
   track(comm_stream_, pending_axes_, "asynchronous reduction");
@@ -283,16 +298,29 @@ void NcclCollectives::wait_all() {
   pending_axes_ = 0;
 }
 
+void NcclCollectives::wait(Work w) {
+  switch (w.kind) {
+    case Work::Kind::None:
+      return;
+    case Work::Kind::Message:
+      return wait_message(w.id);
+    case Work::Kind::Collective:
+      return wait_started(w.id);
+    case Work::Kind::Overlapped:
+      return wait_overlapped(w.id);
+  }
+}
+
 // ---- overlapped collectives on the side stream (the tensor axis under sequence
 // parallelism; elsewhere the blocking calls)
-size_t NcclCollectives::start_overlapped_allgather(void* out, const void* in, size_t n,
-                                                   size_t elem_size, Axis a) {
+Work NcclCollectives::start_overlapped_allgather(void* out, const void* in, size_t n, Elem t,
+                                                 Axis a) {
   if (!side(a)) {
-    allgather(out, in, n, elem_size, a);
-    return open_side(false);
+    allgather(out, in, n, t, a);
+    return {Work::Kind::Overlapped, open_side(false)};
   }
-  if (skipped()) return open_side(false);
-  const size_t bytes = n * elem_size;
+  if (skipped()) return {Work::Kind::Overlapped, open_side(false)};
+  const size_t bytes = n * elem_size(t);
   void* mine = static_cast<char*>(out) + bytes * side_rank_;
   VG_CHECK(!side_sym_ || side_sym_->holds(out, bytes * sizes_[static_cast<int>(a)]),
            "overlapped all-gather into memory that overlapped_alloc did not hand out");
@@ -304,40 +332,41 @@ size_t NcclCollectives::start_overlapped_allgather(void* out, const void* in, si
   }
   NCCL_CHECK(ncclAllGather(in, out, bytes, ncclUint8, side_comm_, side_stream_));
   track(side_stream_, bit(a), "overlapped all-gather");
-  return open_side(true);
+  return {Work::Kind::Overlapped, open_side(true)};
 }
 
-size_t NcclCollectives::start_overlapped_reduce_scatter_act(void* out, const void* in, size_t n,
-                                                            size_t elem_size, Axis a) {
-  const ncclDataType_t t = act_type(elem_size, "start_overlapped_reduce_scatter_act");
+Work NcclCollectives::start_overlapped_reduce_scatter(void* out, const void* in, size_t n,
+                                                      Elem t, Axis a) {
   if (!side(a)) {
-    reduce_scatter_sum_act(out, in, n, elem_size, a);
-    return open_side(false);
+    reduce_scatter(out, in, n, t, a);
+    return {Work::Kind::Overlapped, open_side(false)};
   }
-  if (skipped()) return open_side(false);
+  if (skipped()) return {Work::Kind::Overlapped, open_side(false)};
   if (side_sym_) {  // copy engines: an all-to-all of the blocks, their sum in rank order
+    VG_CHECK(nccl_type(t) == nccl_type(Elem::Act),
+             "overlapped reduce-scatter with copy engines of elements other than act ones");
     const int parts = sizes_[static_cast<int>(a)];
-    const size_t bytes = n * elem_size * parts;
+    const size_t bytes = n * elem_size(t) * parts;
     VG_CHECK(side_sym_->holds(in, bytes),
              "overlapped reduce-scatter of memory that overlapped_alloc did not hand out");
     void* recv = side_recv(bytes);
     order_side_after_compute();
-    NCCL_CHECK(ncclAlltoAll(in, recv, n * elem_size, ncclUint8, side_comm_, side_stream_));
+    NCCL_CHECK(ncclAlltoAll(in, recv, n * elem_size(t), ncclUint8, side_comm_, side_stream_));
     be_.sum_parts_act_on(side_stream_, out, recv, n, parts);
   } else {
     order_side_after_compute();
-    NCCL_CHECK(ncclReduceScatter(in, out, n, t, ncclSum, side_comm_, side_stream_));
+    NCCL_CHECK(ncclReduceScatter(in, out, n, nccl_type(t), ncclSum, side_comm_, side_stream_));
   }
   track(side_stream_, bit(a), "overlapped reduce-scatter");
-  return open_side(true);
+  return {Work::Kind::Overlapped, open_side(true)};
 }
 
-void NcclCollectives::wait_overlapped(size_t ticket) {
-  VG_CHECK(side_first_ < side_next_ && ticket == side_first_,
-           "overlapped collective " << ticket << " waited for out of order (next: "
-                                    << side_first_ << ", started: " << side_next_ << ")");
-  if (side_recorded_[ticket % kMaxOverlapped])
-    CUDA_CHECK(cudaStreamWaitEvent(stream_, side_ev_[ticket % kMaxOverlapped], 0));
+void NcclCollectives::wait_overlapped(size_t t) {
+  VG_CHECK(side_first_ < side_next_ && t == side_first_,
+           "overlapped collective " << t << " waited for out of order (next: " << side_first_
+                                    << ", started: " << side_next_ << ")");
+  if (side_recorded_[t % kMaxOverlapped])
+    CUDA_CHECK(cudaStreamWaitEvent(stream_, side_ev_[t % kMaxOverlapped], 0));
   ++side_first_;
 }
 
@@ -352,32 +381,28 @@ void NcclCollectives::overlapped_release(void* p) {
   own_release(*side_sym_, p);
 }
 
-void NcclCollectives::allreduce_sum(float* buf, size_t n, Axis a) {
-  if (ncclComm_t c = comm(a); c && !skipped()) {
-    NCCL_CHECK(ncclAllReduce(buf, buf, n, ncclFloat, ncclSum, c, stream_));
-    track(stream_, bit(a), "allreduce_sum");
-  }
+namespace {
+
+// The watchdog's names of the blocking reductions.
+const char* allreduce_name(Elem t, ReduceOp op) {
+  if (op == ReduceOp::Max)
+    return t == Elem::F32 ? "allreduce_max" : t == Elem::F64 ? "allreduce_max_f64"
+                                                             : "allreduce_max_act";
+  return t == Elem::F32 ? "allreduce_sum" : t == Elem::F64 ? "allreduce_sum_f64"
+                                                           : "allreduce_sum_act";
+}
+const char* reduce_scatter_name(Elem t) {
+  return t == Elem::F32 ? "reduce_scatter_sum" : t == Elem::F64 ? "reduce_scatter_sum_f64"
+                                                                : "reduce_scatter_sum_act";
 }
 
-void NcclCollectives::allreduce_max(float* buf, size_t n, Axis a) {
-  if (ncclComm_t c = comm(a); c && !skipped()) {
-    NCCL_CHECK(ncclAllReduce(buf, buf, n, ncclFloat, ncclMax, c, stream_));
-    track(stream_, bit(a), "allreduce_max");
-  }
-}
+}  // namespace
 
-void NcclCollectives::allreduce_sum_f64(double* buf, size_t n, Axis a) {
+void NcclCollectives::allreduce(void* buf, size_t n, Elem t, ReduceOp op, Axis a) {
   if (ncclComm_t c = comm(a); c && !skipped()) {
-    NCCL_CHECK(ncclAllReduce(buf, buf, n, ncclFloat64, ncclSum, c, stream_));
-    track(stream_, bit(a), "allreduce_sum_f64");
-  }
-}
-
-void NcclCollectives::allreduce_sum_act(void* buf, size_t n, size_t elem_size, Axis a) {
-  const ncclDataType_t t = act_type(elem_size, "allreduce_sum_act");
-  if (ncclComm_t c = comm(a); c && !skipped()) {
-    NCCL_CHECK(ncclAllReduce(buf, buf, n, t, ncclSum, c, stream_));
-    track(stream_, bit(a), "allreduce_sum_act");
+    NCCL_CHECK(ncclAllReduce(buf, buf, n, nccl_type(t), op == ReduceOp::Max ? ncclMax : ncclSum,
+                             c, stream_));
+    track(stream_, bit(a), allreduce_name(t, op));
   }
 }
 
@@ -388,32 +413,22 @@ void NcclCollectives::broadcast(void* buf, size_t bytes, int root, Axis a) {
   }
 }
 
-void NcclCollectives::allgather(void* out, const void* in, size_t n, size_t elem_size, Axis a) {
+void NcclCollectives::allgather(void* out, const void* in, size_t n, Elem t, Axis a) {
+  const size_t bytes = n * elem_size(t);
   if (ncclComm_t c = comm(a); c && !skipped()) {
-    NCCL_CHECK(ncclAllGather(in, out, n * elem_size, ncclUint8, c, stream_));
+    NCCL_CHECK(ncclAllGather(in, out, bytes, ncclUint8, c, stream_));
     track(stream_, bit(a), "allgather");
   } else if (out != in) {
-    CUDA_CHECK(cudaMemcpyAsync(out, in, n * elem_size, cudaMemcpyDeviceToDevice, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice, stream_));
   }
 }
 
-void NcclCollectives::reduce_scatter_sum(float* out, const float* in, size_t n, Axis a) {
+void NcclCollectives::reduce_scatter(void* out, const void* in, size_t n, Elem t, Axis a) {
   if (ncclComm_t c = comm(a); c && !skipped()) {
-    NCCL_CHECK(ncclReduceScatter(in, out, n, ncclFloat, ncclSum, c, stream_));
-    track(stream_, bit(a), "reduce_scatter_sum");
+    NCCL_CHECK(ncclReduceScatter(in, out, n, nccl_type(t), ncclSum, c, stream_));
+    track(stream_, bit(a), reduce_scatter_name(t));
   } else if (out != in) {
-    CUDA_CHECK(cudaMemcpyAsync(out, in, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
-  }
-}
-
-void NcclCollectives::reduce_scatter_sum_act(void* out, const void* in, size_t n, size_t elem_size,
-                                             Axis a) {
-  const ncclDataType_t t = act_type(elem_size, "reduce_scatter_sum_act");
-  if (ncclComm_t c = comm(a); c && !skipped()) {
-    NCCL_CHECK(ncclReduceScatter(in, out, n, t, ncclSum, c, stream_));
-    track(stream_, bit(a), "reduce_scatter_sum_act");
-  } else if (out != in) {
-    CUDA_CHECK(cudaMemcpyAsync(out, in, n * elem_size, cudaMemcpyDeviceToDevice, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(out, in, n * elem_size(t), cudaMemcpyDeviceToDevice, stream_));
   }
 }
 
@@ -463,7 +478,7 @@ void NcclCollectives::follow(const char* what) {
 void NcclCollectives::barrier(Axis a) {
   if (ncclComm_t c = comm(a)) {
     NCCL_CHECK(ncclAllReduce(barrier_buf_, barrier_buf_, 1, ncclFloat, ncclSum, c, stream_));
-    wait(stream_, bit(a), "barrier");
+    drain(stream_, bit(a), "barrier");
   }
 }
 
@@ -475,14 +490,22 @@ bool NcclCollectives::copy_engine(const void* buf, size_t n, Axis a) const {
   return n % D == 0 && n <= ce_n_ && sym_->holds(buf, n * sizeof(float));
 }
 
-// The NCCL type of an act-dtype element: 4 bytes fp32, 2 bytes the backend's bf16/fp16.
-ncclDataType_t NcclCollectives::act_type(size_t elem_size, const char* what) const {
-  if (elem_size == 2) {
-    VG_CHECK(be_.act_dtype() != DType::F32, what << ": 2-byte elements with an fp32 backend");
-    return be_.act_dtype() == DType::BF16 ? ncclBfloat16 : ncclFloat16;
+// The NCCL type and size of an element (Act: the backend's act dtype).
+ncclDataType_t NcclCollectives::nccl_type(Elem t) const {
+  switch (t) {
+    case Elem::F32:
+      return ncclFloat;
+    case Elem::F64:
+      return ncclFloat64;
+    case Elem::Act:
+      break;
   }
-  VG_CHECK(elem_size == 4, what << ": element size " << elem_size);
-  return ncclFloat;
+  if (be_.act_dtype() == DType::F32) return ncclFloat;
+  return be_.act_dtype() == DType::BF16 ? ncclBfloat16 : ncclFloat16;
+}
+
+size_t NcclCollectives::elem_size(Elem t) const {
+  return t == Elem::F32 ? sizeof(float) : t == Elem::F64 ? sizeof(double) : be_.act_size();
 }
 
 // Symmetric memory of the collectives' own, counted in the backend's memory use (its peak
@@ -526,7 +549,7 @@ void NcclCollectives::order_side_after_compute() {
   CUDA_CHECK(cudaStreamWaitEvent(side_stream_, ready_ev_, 0));
 }
 
-// The ticket of the overlapped collective just started (recorded: an event behind it on the
+// The Work id of the overlapped collective just started (recorded: an event behind it on the
 // side stream; else it ran on the compute stream or not at all).
 size_t NcclCollectives::open_side(bool recorded) {
   VG_CHECK(side_next_ - side_first_ < kMaxOverlapped,

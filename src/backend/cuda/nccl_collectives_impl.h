@@ -58,45 +58,40 @@ class NcclCollectives final : public Collectives {
 
   // ---- asynchronous reductions on the communication stream
   void plan_reduce(size_t max_n, Axis a) override;
-  void start_allreduce_sum(float* buf, size_t n, Axis a) override;
-  void start_allreduce_sum_act(void* buf, size_t n, size_t elem_size, Axis a) override;
-  void start_reduce_scatter_sum(float* out, const float* in, size_t n, Axis a) override;
-  size_t start_allgather(void* out, const void* in, size_t n, size_t elem_size, Axis a) override;
-  void wait_started(size_t t) override;
+  Work start_allreduce(void* buf, size_t n, Elem t, Axis a) override;
+  Work start_reduce_scatter(void* out, const void* in, size_t n, Elem t, Axis a) override;
+  Work start_allgather(void* out, const void* in, size_t n, Elem t, Axis a) override;
   void wait_all() override;
 
   // ---- overlapped collectives on the side stream (the tensor axis under sequence
   // parallelism; elsewhere the blocking calls)
-  size_t start_overlapped_allgather(void* out, const void* in, size_t n, size_t elem_size,
-                                    Axis a) override;
-  size_t start_overlapped_reduce_scatter_act(void* out, const void* in, size_t n,
-                                             size_t elem_size, Axis a) override;
-  void wait_overlapped(size_t ticket) override;
+  Work start_overlapped_allgather(void* out, const void* in, size_t n, Elem t,
+                                  Axis a) override;
+  Work start_overlapped_reduce_scatter(void* out, const void* in, size_t n, Elem t,
+                                       Axis a) override;
   int overlapped_sms(Axis a) const override { return side(a) ? side_sms_ : 0; }
   void* overlapped_alloc(size_t bytes) override;
   void overlapped_release(void* p) override;
 
-  void allreduce_sum(float* buf, size_t n, Axis a) override;
-  void allreduce_max(float* buf, size_t n, Axis a) override;
-  void allreduce_sum_f64(double* buf, size_t n, Axis a) override;
-  void allreduce_sum_act(void* buf, size_t n, size_t elem_size, Axis a) override;
+  // a message's, a started collective's or an overlapped one's (wait_message, wait_started,
+  // wait_overlapped)
+  void wait(Work w) override;
+
+  void allreduce(void* buf, size_t n, Elem t, ReduceOp op, Axis a) override;
   void broadcast(void* buf, size_t bytes, int root, Axis a) override;
-  void allgather(void* out, const void* in, size_t n, size_t elem_size, Axis a) override;
-  void reduce_scatter_sum(float* out, const float* in, size_t n, Axis a) override;
-  void reduce_scatter_sum_act(void* out, const void* in, size_t n, size_t elem_size,
-                              Axis a) override;
+  void allgather(void* out, const void* in, size_t n, Elem t, Axis a) override;
+  void reduce_scatter(void* out, const void* in, size_t n, Elem t, Axis a) override;
   void send(const void* buf, size_t bytes, int peer, Axis a) override;
   void recv(void* buf, size_t bytes, int peer, Axis a) override;
   void group_begin() override;
   void group_end() override;
-  // ---- asynchronous messages (grid.h): each on its link's stream, tickets are events
+  // ---- asynchronous messages (grid.h): each on its link's stream, their Works are events
   // (nccl_links.cpp)
   void open_links(Axis a) override;
-  size_t post_send(const void* buf, size_t bytes, int peer, int channel, Axis a) override;
-  size_t post_recv(void* buf, size_t bytes, int peer, int channel, Axis a,
-                   const std::vector<size_t>& after) override;
-  void wait_message(size_t t) override;
-  size_t fence() override;
+  Work post_send(const void* buf, size_t bytes, int peer, int channel, Axis a) override;
+  Work post_recv(void* buf, size_t bytes, int peer, int channel, Axis a,
+                 const std::vector<Work>& after) override;
+  Work fence() override;
   void wait_messages() override;
   // While the stream is captured, the calls go into the graph; the graph's launch is followed
   // as a whole (follow), after it.
@@ -118,9 +113,17 @@ class NcclCollectives final : public Collectives {
   static constexpr int kChannels = 2;
   Link& link(int channel, int dir, int peer, Axis a);
   size_t message_ticket(cudaStream_t st);
+  void wait_message(size_t t);
+  // started collectives
+  size_t open_started();
+  void record_started(size_t t);
+  void wait_started(size_t t);
+  // overlapped collectives
+  void wait_overlapped(size_t t);
 
   bool copy_engine(const void* buf, size_t n, Axis a) const;
-  ncclDataType_t act_type(size_t elem_size, const char* what) const;
+  ncclDataType_t nccl_type(Elem t) const;
+  size_t elem_size(Elem t) const;
   void* own_alloc(SymmetricMemory& m, size_t bytes);
   void own_release(SymmetricMemory& m, void* p);
   void* side_recv(size_t need);
@@ -137,7 +140,7 @@ class NcclCollectives final : public Collectives {
   bool skipped() { return skip_call_ > 0 && ++calls_ == skip_call_; }
 
   // ---- the watchdog, the host's waits and the error checks (nccl_watch.cpp)
-  void wait(cudaStream_t st, unsigned axes, const char* what);
+  void drain(cudaStream_t st, unsigned axes, const char* what);
   void track(cudaStream_t st, unsigned axes, const char* what);
   void watch();
   static Axis first_axis(unsigned axes);
@@ -164,8 +167,8 @@ class NcclCollectives final : public Collectives {
   bool grouping_ = false;
   unsigned group_axes_ = 0;
   // asynchronous message links [channel][0 send, 1 receive], their creation order (the same
-  // on every rank; published to the watchdog by links_open_) and the tickets since the last
-  // wait_messages (events, reused from one step to the next)
+  // on every rank; published to the watchdog by links_open_) and the messages' Works since
+  // the last wait_messages (events, reused from one step to the next)
   std::array<std::array<Link, 2>, kChannels> links_{};
   std::vector<Link*> link_order_;
   std::atomic<bool> links_open_{false};
@@ -175,7 +178,7 @@ class NcclCollectives final : public Collectives {
   int data_rank_ = 0;
   cudaStream_t comm_stream_ = nullptr;  // asynchronous reductions
   // overlapped collectives: the tensor axis's second communicator, its stream, the SMs it
-  // takes, and a ring of tickets (events behind them; whether one was recorded)
+  // takes, and a ring of their Works (events behind them; whether one was recorded)
   static constexpr int kSideDefaultSms = 8;  // NCCL's choice: what the GEMMs leave free
   ncclComm_t side_comm_ = nullptr;
   int side_rank_ = 0;
@@ -191,10 +194,17 @@ class NcclCollectives final : public Collectives {
   cudaEvent_t ready_ev_ = nullptr;      // compute stream -> communication stream
   cudaEvent_t done_ev_ = nullptr;       // communication stream -> compute stream
   bool pending_ = false;
-  // start_allgather's tickets since the last wait_all: an event recorded behind each on the
-  // communication stream (and whether it was), reused from one step to the next
-  std::vector<std::pair<cudaEvent_t, bool>> ticket_ev_;
-  size_t tickets_ = 0;
+  // the collectives started since the last wait_all, by Work id: where each went, and the
+  // events recorded behind them on the communication stream (a gather's when it starts, a
+  // reduction's when it is waited for), reused from one step to the next
+  struct Started {
+    enum class State : uint8_t { Local, Queued, Recorded };
+    State state = State::Local;  // Local: nothing went to the communication stream
+    size_t ev = 0;               // Recorded: its event in started_ev_
+  };
+  std::vector<Started> started_;
+  std::vector<cudaEvent_t> started_ev_;
+  size_t started_ev_n_ = 0;
   unsigned pending_axes_ = 0;
   // the watchdog
   struct Pending {

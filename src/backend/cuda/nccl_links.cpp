@@ -1,5 +1,5 @@
-// The pipeline axis's asynchronous messages (grid.h: post_send / post_recv, tickets, fences)
-// on NCCL point-to-point links, each on its link's stream, tickets are events; a member of
+// The pipeline axis's asynchronous messages (grid.h: post_send / post_recv, fences) on NCCL
+// point-to-point links, each on its link's stream, their Works are events; a member of
 // NcclCollectives (nccl_collectives_impl.h), whose watchdog (nccl_watch.cpp) follows them.
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -55,7 +55,7 @@ void NcclCollectives::open_links(Axis a) {
   links_open_.store(true, std::memory_order_release);  // the watchdog may look at them now
 }
 
-size_t NcclCollectives::post_send(const void* buf, size_t bytes, int peer, int channel, Axis a) {
+Work NcclCollectives::post_send(const void* buf, size_t bytes, int peer, int channel, Axis a) {
   Link& l = link(channel, 0, peer, a);
   CUDA_CHECK(cudaEventRecord(ready_ev_, stream_));  // the data is computed
   CUDA_CHECK(cudaStreamWaitEvent(l.stream, ready_ev_, 0));
@@ -64,24 +64,27 @@ size_t NcclCollectives::post_send(const void* buf, size_t bytes, int peer, int c
   // blocking mode waits for receives only: a send waits for its peer's receive, which may
   // come after this rank's own next receive (that is what the channels are for)
   if (!blocking_) track(l.stream, bit(a), "pipeline send");
-  return t;
+  return {Work::Kind::Message, t};
 }
 
-size_t NcclCollectives::post_recv(void* buf, size_t bytes, int peer, int channel, Axis a,
-                                  const std::vector<size_t>& after) {
+Work NcclCollectives::post_recv(void* buf, size_t bytes, int peer, int channel, Axis a,
+                                const std::vector<Work>& after) {
   Link& l = link(channel, 1, peer, a);
   if (after.empty()) {
     CUDA_CHECK(cudaEventRecord(ready_ev_, stream_));
     CUDA_CHECK(cudaStreamWaitEvent(l.stream, ready_ev_, 0));
   }
-  for (size_t t : after) {
-    VG_CHECK(t < msg_n_, "post_recv after ticket " << t << " of " << msg_n_);
-    CUDA_CHECK(cudaStreamWaitEvent(l.stream, msg_ev_[t], 0));
+  for (const Work& w : after) {
+    VG_CHECK(w.kind == Work::Kind::Message && w.id < msg_n_,
+             "post_recv after a Work that is no message of " << msg_n_ << " (kind "
+                                                             << static_cast<int>(w.kind)
+                                                             << ", id " << w.id << ")");
+    CUDA_CHECK(cudaStreamWaitEvent(l.stream, msg_ev_[w.id], 0));
   }
   NCCL_CHECK(ncclRecv(buf, bytes, ncclUint8, 0, l.comm, l.stream));
   const size_t t = message_ticket(l.stream);
   track(l.stream, bit(a), "pipeline recv");
-  return t;
+  return {Work::Kind::Message, t};
 }
 
 void NcclCollectives::wait_message(size_t t) {
@@ -89,7 +92,7 @@ void NcclCollectives::wait_message(size_t t) {
   CUDA_CHECK(cudaStreamWaitEvent(stream_, msg_ev_[t], 0));
 }
 
-size_t NcclCollectives::fence() { return message_ticket(stream_); }
+Work NcclCollectives::fence() { return {Work::Kind::Message, message_ticket(stream_)}; }
 void NcclCollectives::wait_messages() {
   for (auto& dir : links_)
     for (Link& l : dir) {
@@ -114,7 +117,7 @@ NcclCollectives::Link& NcclCollectives::link(int channel, int dir, int peer, Axi
   return l;
 }
 
-// A new ticket: an event recorded on `st` now.
+// A new message's Work id: an event recorded on `st` now.
 size_t NcclCollectives::message_ticket(cudaStream_t st) {
   if (msg_n_ == msg_ev_.size()) {
     msg_ev_.push_back(nullptr);

@@ -18,14 +18,14 @@ namespace vitgrid {
 
 // Waits on the host for the stream (hence the collective just enqueued) to drain, under the
 // same checks as the watchdog thread (barrier, and every call with NcclOptions::blocking).
-void NcclCollectives::wait(cudaStream_t st, unsigned axes, const char* what) {
+void NcclCollectives::drain(cudaStream_t st, unsigned axes, const char* what) {
   poll([&] { return cudaStreamQuery(st); }, axes, what);
 }
 
 // Hands the collective just enqueued on `st` to the watchdog: an event recorded behind it.
 void NcclCollectives::track(cudaStream_t st, unsigned axes, const char* what) {
   if (capturing_) return;  // follow() hands over the graph's launch instead
-  if (blocking_) return wait(st, axes, what);
+  if (blocking_) return drain(st, axes, what);
   cudaEvent_t ev = nullptr;
   bool full = false;
   {
@@ -36,7 +36,7 @@ void NcclCollectives::track(cudaStream_t st, unsigned axes, const char* what) {
     }
     full = pending_q_.size() >= kMaxPending;
   }
-  if (full) wait(st, axes, what);  // bound the queue: the host is far ahead of the GPU
+  if (full) drain(st, axes, what);  // bound the queue: the host is far ahead of the GPU
   if (!ev) CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
   CUDA_CHECK(cudaEventRecord(ev, st));
   {

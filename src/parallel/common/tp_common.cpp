@@ -229,7 +229,7 @@ void TensorParallelBase::linear_forward(LinearRole role, void* y, const void* x,
       // sum holds it once
       be_.linear_forward(y, x, W, hr_ == 0 ? b : nullptr, rows, in / hq_, out, nullptr, g);
       if (hq_ > 1)
-        coll_.allreduce_sum_act(y, static_cast<size_t>(rows) * out, be_.act_size(), hidden_);
+        coll_.allreduce(y, static_cast<size_t>(rows) * out, Elem::Act, ReduceOp::Sum, hidden_);
       if (gelu_out) be_.gelu_forward(gelu_out, y, static_cast<size_t>(rows) * out, g);
       return;
     case LinearRole::Replicated:
@@ -257,7 +257,7 @@ void TensorParallelBase::linear_backward(LinearRole role, void* dx, float* dW, f
       // dx (not needed by the model: the input is pixels) sums over the output columns
       be_.linear_backward(dx, dW, db, dy, x, W, rows, in, out / hq_);
       if (dx && hq_ > 1)
-        coll_.allreduce_sum_act(dx, static_cast<size_t>(rows) * in, be_.act_size(), hidden_);
+        coll_.allreduce(dx, static_cast<size_t>(rows) * in, Elem::Act, ReduceOp::Sum, hidden_);
       return;
     case LinearRole::Head:
       // dy (whole logits gradient) is the same on every hidden rank: dx is this rank's
@@ -290,9 +290,9 @@ void TensorParallelBase::layernorm_forward(void* res, void* y, float* mean, floa
   else if (res != a)
     be_.copy(res, a, n * be_.act_size());
   be_.layernorm_split_sums(mean, res, rows, Cl);
-  coll_.allreduce_sum(mean, rows, hidden_);
+  coll_.allreduce(mean, rows, Elem::F32, ReduceOp::Sum, hidden_);
   be_.layernorm_split_centered(rstd, mean, res, rows, Cl, C);
-  coll_.allreduce_sum(rstd, rows, hidden_);
+  coll_.allreduce(rstd, rows, Elem::F32, ReduceOp::Sum, hidden_);
   be_.layernorm_split_apply(y, rstd, res, mean, gamma, beta, rows, Cl, C, eps);
 }
 
@@ -314,7 +314,7 @@ void TensorParallelBase::layernorm_backward(void* dx, float* dgamma, float* dbet
   const int Cl = C / hq_;
   float* sums = static_cast<float*>(scratch(0, sizeof(float) * 2 * static_cast<size_t>(rows)));
   be_.layernorm_split_backward_sums(sums, dgamma, dbeta, dy, x, gamma, mean, rstd, rows, Cl);
-  coll_.allreduce_sum(sums, 2 * static_cast<size_t>(rows), hidden_);
+  coll_.allreduce(sums, 2 * static_cast<size_t>(rows), Elem::F32, ReduceOp::Sum, hidden_);
   be_.layernorm_split_backward_dx(dx, dy, x, gamma, mean, rstd, sums, rows, Cl, C);
 }
 
@@ -329,7 +329,7 @@ void TensorParallelBase::sum_over_batch(double* v, int n) {
 }
 
 void TensorParallelBase::sum_over_batch_device(double* v, int n) {
-  for (Axis a : batch_axes_split()) coll_.allreduce_sum_f64(v, n, a);
+  for (Axis a : batch_axes_split()) coll_.allreduce(v, n, Elem::F64, ReduceOp::Sum, a);
 }
 
 void TensorParallelBase::gather_batch(void* out, const void* in, int batch, int64_t row_elems) {
@@ -347,7 +347,7 @@ void TensorParallelBase::gather_batch(void* out, const void* in, int batch, int6
   for (Axis a : batch_axes_) {
     if (size(a) == 1) continue;
     void* dst = scratch(slot, n * size(a) * es);
-    coll_.allgather(dst, src, n, es, a);
+    coll_.allgather(dst, src, n, Elem::Act, a);
     n *= size(a);
     src = dst;
     slot = slot == 1 ? 2 : 1;
@@ -385,7 +385,7 @@ bool TensorParallelBase::counts_in_norm(size_t i) const {
 }
 
 void TensorParallelBase::reduce_norm_total(double* total) {
-  for (Axis a : mode_axes_) coll_.allreduce_sum_f64(total, 1, a);
+  for (Axis a : mode_axes_) coll_.allreduce(total, 1, Elem::F64, ReduceOp::Sum, a);
 }
 
 void TensorParallelBase::reduce_replicated_grads(float* grads,
@@ -397,7 +397,7 @@ void TensorParallelBase::reduce_replicated_grads(float* grads,
     const auto& ranges = partial_ranges_[i];
     if (ranges.empty()) continue;
     if (ranges.size() == 1) {  // one range: summed in place
-      coll_.allreduce_sum(grads + ranges[0].first, ranges[0].second, a);
+      coll_.allreduce(grads + ranges[0].first, ranges[0].second, Elem::F32, ReduceOp::Sum, a);
       continue;
     }
     // pack the partial gradients, one allreduce, unpack
@@ -407,7 +407,7 @@ void TensorParallelBase::reduce_replicated_grads(float* grads,
       be_.copy(buf + off, grads + r.first, r.second * sizeof(float));
       off += r.second;
     }
-    coll_.allreduce_sum(buf, off, a);
+    coll_.allreduce(buf, off, Elem::F32, ReduceOp::Sum, a);
     off = 0;
     for (const auto& r : ranges) {
       be_.copy(grads + r.first, buf + off, r.second * sizeof(float));

@@ -181,7 +181,7 @@ class TensorParallel1D final : public TensorParallelBase {
       return;
     }
     be_.linear_forward(y, x, W, r_ == 0 ? b : nullptr, rows, in / t_, out);
-    coll_.allreduce_sum_act(y, static_cast<size_t>(rows) * out, be_.act_size(), Axis::Tensor);
+    coll_.allreduce(y, static_cast<size_t>(rows) * out, Elem::Act, ReduceOp::Sum, Axis::Tensor);
     if (gelu_out) be_.gelu_forward(gelu_out, y, static_cast<size_t>(rows) * out, g);
   }
   void parallel_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
@@ -195,7 +195,7 @@ class TensorParallel1D final : public TensorParallelBase {
       be_.linear_backward(dx, dW, db, dy, x, W, rows, in, out / t_);
       if (dx) {
         const size_t n = static_cast<size_t>(rows) * in;
-        coll_.allreduce_sum_act(dx, n, be_.act_size(), Axis::Tensor);
+        coll_.allreduce(dx, n, Elem::Act, ReduceOp::Sum, Axis::Tensor);
         if (gelu_pre) be_.gelu_backward(dx, gelu_pre, dx, n, g);
       }
       return;
@@ -231,17 +231,17 @@ class TensorParallel1D final : public TensorParallelBase {
   void gather_beside(void* full, const void* local, int rows, int width, Own&& own,
                      Peer&& peer) {
     const size_t es = be_.act_size();
-    size_t tk[kMaxChunks];
+    Work tk[kMaxChunks];
     for_chunks(rows, [&](int j, int lo, int n) {
       tk[j] = coll_.start_overlapped_allgather(at(full, size_t(lo) * t_ * width, es),
                                                at(local, size_t(lo) * width, es),
-                                               size_t(n) * width, es, Axis::Tensor);
+                                               size_t(n) * width, Elem::Act, Axis::Tensor);
     });
     SmMargin m(be_, side_sms_);
     m.on();
     own();
     for_chunks(rows, [&](int j, int lo, int n) {
-      coll_.wait_overlapped(tk[j]);
+      coll_.wait(tk[j]);
       if (j == chunks_ - 1) m.off();  // nothing left in flight
       for (int k = 0; k < t_; ++k)
         if (k != r_) peer(k, lo, n, at(full, (size_t(lo) * t_ + size_t(k) * n) * width, es));
@@ -252,9 +252,9 @@ class TensorParallel1D final : public TensorParallelBase {
   // partial sums of the peer's rows; gathered in place, the peer's block then holds the peer's
   // partial sums of this rank's rows (added by the caller): what an all-to-all sends, without
   // its copy of a rank's own block (a kernel on the SMs beside the GEMMs, in NCCL 2.28).
-  size_t exchange(void* ex, size_t n) {
+  Work exchange(void* ex, size_t n) {
     const size_t es = be_.act_size();
-    return coll_.start_overlapped_allgather(ex, at(ex, r_ * n, es), n, es, Axis::Tensor);
+    return coll_.start_overlapped_allgather(ex, at(ex, r_ * n, es), n, Elem::Act, Axis::Tensor);
   }
 
   void overlapped_forward(LinearRole role, void* y, const void* x, const void* W, const void* b,
@@ -289,24 +289,24 @@ class TensorParallel1D final : public TensorParallelBase {
     void* full = buf(5, size_t(rows) * out * es);
     if (chunks_ == 1) {
       be_.linear_forward(full, x, W, r_ == 0 ? b : nullptr, rows, li, out);
-      coll_.reduce_scatter_sum_act(y, full, size_t(mine) * out, es, Axis::Tensor);
+      coll_.reduce_scatter(y, full, size_t(mine) * out, Elem::Act, Axis::Tensor);
       if (gelu_out) be_.gelu_forward(gelu_out, y, size_t(mine) * out, g);
       return;
     }
-    size_t tk[kMaxChunks];
+    Work tk[kMaxChunks];
     SmMargin m(be_, side_sms_);
     for_chunks(mine, [&](int j, int lo, int n) {
       for (int k = 0; k < t_; ++k)  // (rank 0's partial sums carry the bias)
         be_.linear_forward(at(full, (size_t(lo) * t_ + size_t(k) * n) * out, es),
                            at(x, (size_t(k) * mine + lo) * li, es), W, r_ == 0 ? b : nullptr,
                            n, li, out);
-      tk[j] = coll_.start_overlapped_reduce_scatter_act(at(y, size_t(lo) * out, es),
-                                                        at(full, size_t(lo) * t_ * out, es),
-                                                        size_t(n) * out, es, Axis::Tensor);
+      tk[j] = coll_.start_overlapped_reduce_scatter(at(y, size_t(lo) * out, es),
+                                                    at(full, size_t(lo) * t_ * out, es),
+                                                    size_t(n) * out, Elem::Act, Axis::Tensor);
       m.on();
     });
     m.off();
-    for_chunks(mine, [&](int j, int, int) { coll_.wait_overlapped(tk[j]); });
+    for_chunks(mine, [&](int j, int, int) { coll_.wait(tk[j]); });
     if (gelu_out) be_.gelu_forward(gelu_out, y, size_t(mine) * out, g);
   }
   // The Row forward at t = 2: the peer's rows' partial sums first (produce(k) writes x's
@@ -322,7 +322,7 @@ class TensorParallel1D final : public TensorParallelBase {
     produce(p);
     be_.linear_forward(at(ex, r_ * n, es), at(x, size_t(p) * mine * li, es), W,
                        r_ == 0 ? b : nullptr, mine, li, out);
-    const size_t tk = exchange(ex, n);
+    const Work tk = exchange(ex, n);
     {
       SmMargin m(be_, side_sms_);
       m.on();
@@ -330,7 +330,7 @@ class TensorParallel1D final : public TensorParallelBase {
       be_.linear_forward(y, at(x, size_t(r_) * mine * li, es), W, r_ == 0 ? b : nullptr, mine,
                          li, out);
     }
-    coll_.wait_overlapped(tk);
+    coll_.wait(tk);
     be_.accumulate(y, at(ex, p * n, es), n);
     if (gelu_out) be_.gelu_forward(gelu_out, y, n, g);
   }
@@ -373,8 +373,8 @@ class TensorParallel1D final : public TensorParallelBase {
       const size_t n = size_t(rows) * in;
       SmMargin m(be_, side_sms_);
       void* xg = buf(4, n * t_ * es);
-      const size_t tx = coll_.start_overlapped_allgather(xg, x, n, es, Axis::Tensor);
-      size_t tdx = 0;
+      const Work tx = coll_.start_overlapped_allgather(xg, x, n, Elem::Act, Axis::Tensor);
+      Work tdx;
       void* ex = dx ? buf(5, n * t_ * es) : nullptr;
       const int ol = out / t_, p = 1 - r_;
       m.on();
@@ -386,13 +386,13 @@ class TensorParallel1D final : public TensorParallelBase {
                             W, rows, in, ol);
       } else if (dx) {  // dx's full rows beside the gather, reduce-scattered beside dW's GEMM
         be_.linear_backward(ex, nullptr, nullptr, dy, nullptr, W, rows * t_, in, ol);
-        tdx = coll_.start_overlapped_reduce_scatter_act(dx, ex, n, es, Axis::Tensor);
+        tdx = coll_.start_overlapped_reduce_scatter(dx, ex, n, Elem::Act, Axis::Tensor);
       }
-      coll_.wait_overlapped(tx);
+      coll_.wait(tx);
       be_.linear_backward(nullptr, dW, db, dy, xg, W, rows * t_, in, ol);
       m.off();
       if (dx) {
-        coll_.wait_overlapped(tdx);
+        coll_.wait(tdx);
         if (t_ == 2) be_.accumulate(dx, at(ex, p * n, es), n);
         if (gelu_pre) be_.gelu_backward(dx, gelu_pre, dx, n, g);
       }

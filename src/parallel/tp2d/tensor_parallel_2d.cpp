@@ -156,11 +156,11 @@ class TensorParallelSumma final : public TensorParallelBase {
     }
     // dx[i,j] = sum over the row of the partials for column block j (act dtype); dW in fp32
     if (dx) {
-      coll_.reduce_scatter_sum_act(dx, P, xn, es, Axis::TensorRow);
+      coll_.reduce_scatter(dx, P, xn, Elem::Act, Axis::TensorRow);
       if (gelu_pre) be_.gelu_backward_bias(dx, gelu_pre, dx, rows, inl, gelu_db, g);
     }
     float* mine = static_cast<float*>(scratch(8, wn * sizeof(float)));
-    coll_.reduce_scatter_sum(mine, Q, wn, Axis::TensorCol);
+    coll_.reduce_scatter(mine, Q, wn, Elem::F32, Axis::TensorCol);
     be_.accumulate_f32(dW, mine, wn);
   }
 

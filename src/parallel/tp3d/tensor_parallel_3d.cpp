@@ -129,7 +129,7 @@ class TensorParallel3D final : public TensorParallelBase {
     const size_t es = be_.act_size();
     const size_t piece = size_t(out) / (size_t(q_) * q_) * inl;  // one rank's elements
     char* g = static_cast<char*>(scratch(5, piece * q_ * es));
-    coll_.allgather(g, W, piece, es, Axis::TensorY);
+    coll_.allgather(g, W, piece, Elem::Act, Axis::TensorY);
     if (groups == 1) return g;
     char* p = static_cast<char*>(scratch(9, piece * q_ * es));
     permute(p, g, q_, groups, piece / groups * es);
@@ -148,11 +148,11 @@ class TensorParallel3D final : public TensorParallelBase {
     const int inl = in / q_, outl = out / q_;
     const size_t es = be_.act_size();
     void* X = scratch(4, size_t(q_) * rows * inl * es);
-    coll_.allgather(X, x, size_t(rows) * inl, es, G);
+    coll_.allgather(X, x, size_t(rows) * inl, Elem::Act, G);
     const void* Wg = gather_weight(W, out, inl, groups);
     void* P = scratch(6, size_t(q_) * rows * outl * es);
     be_.linear_forward(P, X, Wg, rank(S) == 0 ? b : nullptr, q_ * rows, inl, outl);
-    coll_.reduce_scatter_sum_act(y, P, size_t(rows) * outl, es, S);
+    coll_.reduce_scatter(y, P, size_t(rows) * outl, Elem::Act, S);
     if (gelu_out) be_.gelu_forward(gelu_out, y, size_t(rows) * outl, g);
   }
 
@@ -163,17 +163,17 @@ class TensorParallel3D final : public TensorParallelBase {
     const int inl = in / q_, outl = out / q_;
     const size_t es = be_.act_size();
     void* X = scratch(4, size_t(q_) * rows * inl * es);
-    coll_.allgather(X, x, size_t(rows) * inl, es, G);
+    coll_.allgather(X, x, size_t(rows) * inl, Elem::Act, G);
     const void* Wg = gather_weight(W, out, inl, groups);
     void* dY = scratch(7, size_t(q_) * rows * outl * es);
-    coll_.allgather(dY, dy, size_t(rows) * outl, es, S);
+    coll_.allgather(dY, dy, size_t(rows) * outl, Elem::Act, S);
     void* dX = dx ? scratch(6, size_t(q_) * rows * inl * es) : nullptr;
     const size_t wn = size_t(outl) * inl;
     float* dWg = static_cast<float*>(scratch(8, wn * sizeof(float)));
     be_.zero(dWg, wn * sizeof(float));
     be_.linear_backward(dX, dWg, db, dY, X, Wg, q_ * rows, inl, outl);
     if (dx) {
-      coll_.reduce_scatter_sum_act(dx, dX, size_t(rows) * inl, es, G);
+      coll_.reduce_scatter(dx, dX, size_t(rows) * inl, Elem::Act, G);
       if (gelu_pre) be_.gelu_backward(dx, gelu_pre, dx, size_t(rows) * inl, g);
     }
     float* src = dWg;
@@ -183,7 +183,7 @@ class TensorParallel3D final : public TensorParallelBase {
               wn / (size_t(groups) * q_) * sizeof(float));
     }
     float* mine = static_cast<float*>(scratch(11, wn / q_ * sizeof(float)));
-    coll_.reduce_scatter_sum(mine, src, wn / q_, Axis::TensorY);
+    coll_.reduce_scatter(mine, src, wn / q_, Elem::F32, Axis::TensorY);
     be_.accumulate_f32(dW, mine, wn / q_);
   }
 

@@ -60,15 +60,15 @@ int cuda_device_count();
 // options.blocking (deck device.nccl_blocking) makes every call wait (debugging).
 // Sets NCCL_NVLS_ENABLE=0 unless the environment sets it (NVLink multicast stays off).
 // Called by all ranks of the grid's world communicator (communicator creation is collective).
-// allreduce_sum_act maps elem_size 4 to ncclFloat and 2 to the backend's act dtype
-// (ncclBfloat16 or ncclFloat16). send/recv are stream-ordered: issue them in an order that
-// would be deadlock-free with blocking MPI_Send/MPI_Recv. Operations on an axis of size 1 are
+// Elem::Act maps to the backend's act dtype (ncclFloat, ncclBfloat16 or ncclFloat16).
+// send/recv are stream-ordered: issue them in an order that would be deadlock-free with
+// blocking MPI_Send/MPI_Recv. Operations on an axis of size 1 are
 // local (copies or no-ops). The asynchronous messages (post_send / post_recv, after
 // open_links) run on streams of their own, one two-rank communicator per channel and
 // direction; pipe_ctas > 0 (deck device.pipe_comm_ctas) caps the thread blocks of each, since
 // a receive posted early waits on its SMs beside the compute.
-// start_allreduce_sum / start_reduce_scatter_sum run on a dedicated communication stream
-// that first waits on an event recorded on the backend's stream (so they follow the kernels
+// start_allreduce / start_reduce_scatter / start_allgather run on a dedicated communication
+// stream that first waits on an event recorded on the backend's stream (so they follow the kernels
 // that produced their inputs, and the compute stream is never blocked by them); wait_all()
 // makes the backend's stream wait on that stream (the watchdog follows it too).
 // data_ctas > 0 (deck device.data_comm_ctas): the data axis's NCCL kernels use at most that

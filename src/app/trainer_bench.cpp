@@ -47,7 +47,7 @@ void Trainer::Impl::report_bubble(MetricsWriter* metrics) {
 }
 
 int Trainer::Impl::bench(int warmup, int steps, double peak_tflops, bool with_profile) {
-  profiling.enabled = with_profile;
+  profiling = with_profile;
   setup(true);
   init_params();
   const int64_t G = deck.data.global_batch;
@@ -84,19 +84,20 @@ int Trainer::Impl::bench(int warmup, int steps, double peak_tflops, bool with_pr
   double mem = double(be->peak_memory_bytes()), mem_max = mem;
   MPI_Allreduce(MPI_IN_PLACE, &mem_max, 1, MPI_DOUBLE, MPI_MAX, world);
   report_bubble(nullptr);
-  if (profiling.backend) {
+  if (profiling) {
     // a few more steps with every op synchronised and timed: where the time goes
     const int ps = 3;
     be->synchronize();
-    profiling.backend->set_enabled(true);
+    be->op_profile().reset();
+    be->op_profile().set_enabled(true);
     const double p0 = now_s();
     for (int s = 0; s < ps; ++s) one_step(warmup + steps + s);
     be->synchronize();
     const double pdt = (now_s() - p0) / ps;
-    profiling.backend->set_enabled(false);
+    be->op_profile().set_enabled(false);
     log("profile (rank 0, %d steps, every op synchronised: %.2f ms/step vs %.2f ms "
         "unsynchronised)\n%s",
-        ps, pdt * 1e3, dt * 1e3, profiling.backend->table(ps).c_str());
+        ps, pdt * 1e3, dt * 1e3, be->op_profile().table(ps).c_str());
   }
   const double ips = double(G) / dt;
   const double tflops = ips * cfg.train_flops_per_sample() / 1e12;
@@ -104,7 +105,7 @@ int Trainer::Impl::bench(int warmup, int steps, double peak_tflops, bool with_pr
   std::string attention = be->name();  // the CPU backend has one attention path
 #ifdef VITGRID_HAVE_CUDA
   if (be->name() == "cuda")  // this rank's micro-batch shape
-    attention = cuda_attention_path(*compute_be, micro, cfg.tokens(),
+    attention = cuda_attention_path(*be, micro, cfg.tokens(),
                                     tp->local_heads(cfg.heads), cfg.head_dim());
 #endif
   // MFU against the peak dense TFLOP/s of one device: --peak-tflops, else on the cuda backend

@@ -23,7 +23,6 @@
 #include "vitgrid/app/trainer.h"
 #include "vitgrid/backend/backend.h"
 #include "vitgrid/backend/image_decoder.h"
-#include "vitgrid/backend/profile.h"
 #include "vitgrid/core/error.h"
 #include "vitgrid/core/log.h"
 #include "vitgrid/data/dataset.h"
@@ -54,15 +53,10 @@ struct Trainer::Impl {
   Log log;
   std::unique_ptr<ProcessGrid> grid;
   std::unique_ptr<Backend> be;
-  // bench --profile: the backend wrapped to time every op (trainer_bench.cpp)
-  struct Profiling {
-    bool enabled = false;              // asked for; setup() wraps the backend
-    ProfiledBackend* backend = nullptr;  // the wrapper (be), once wrapped
-  };
-  Profiling profiling;
+  // bench --profile: a few more steps with the backend's op profile on (trainer_bench.cpp)
+  bool profiling = false;
   std::unique_ptr<Collectives> coll;
   std::unique_ptr<TensorParallel> tp;
-  Backend* compute_be = nullptr;  // be itself, or the backend inside the profiling wrapper
   ViTConfig cfg;
   std::unique_ptr<ViT> model;
   std::unique_ptr<PipelineRunner> pipe;  // every step goes through it (P = 1 included)

@@ -95,17 +95,11 @@ void Trainer::Impl::setup(bool training) {
     bo.fused_gelu_backward_config = deck.device.fused_gelu_backward_config;
     bo.tuning_log = deck.device.tuning_log;
     be = make_backend(kind, grid->local_rank(), act_dtype_of(deck.precision.mode), bo);
-    compute_be = be.get();
-    if (profiling.enabled) {
-      auto p = make_profiled(std::move(be));
-      profiling.backend = p.get();
-      be = std::move(p);
-    }
   });
 #ifdef VITGRID_HAVE_CUDA
   if (kind == "cuda")
     coll = make_nccl_collectives(
-        *grid, *compute_be,
+        *grid, *be,
         {deck.device.comm_timeout, deck.device.data_comm_ctas, copy_engine,
          deck.device.pipe_comm_ctas, deck.device.tensor_comm_ctas,
          deck.device.tensor_comm == "copy_engine", deck.device.nccl_blocking});
@@ -356,7 +350,7 @@ void Trainer::Impl::setup_graphs(bool training) {
   if (!training || !deck.device.cuda_graph || !be->graphs_supported()) return;
   std::string why;
   if (grid->size(Axis::Pipeline) > 1) why = "pipeline stages";
-  else if (profiling.enabled) why = "--profile";
+  else if (profiling) why = "--profile";
   if (!why.empty()) {
     log("CUDA graphs off (%s): the step runs eagerly\n", why.c_str());
     return;

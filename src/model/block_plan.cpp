@@ -173,7 +173,8 @@ std::vector<Op> forward_ops(const Rules& r, bool train, bool recompute) {
   // r_in[j + 1] or the chunk output): the recompute ends here
   if (recompute) return ops;
   ops.push_back(linear(LinearRole::Row, Buf::F, Buf::G, kFc2W, Width::Mlp, Width::Hidden));
-  if (drop_res && !(train && r.f_in_ln())) ops.push_back(dropout(Buf::F, kSiteMlpOut, ActLayout::Stream));
+  if (drop_res && !(train && r.f_in_ln()))
+    ops.push_back(dropout(Buf::F, kSiteMlpOut, ActLayout::Stream));
   // a checkpointed block's successor reads r_in[j + 1] only; the chunk's last block stores
   // what the next stage receives (unless the head follows)
   if (s.checkpointed[r.j] && !r.last()) ops.push_back(add(Buf::RInNext, Buf::RMid, Buf::F));
@@ -326,7 +327,8 @@ std::string describe(const std::vector<Op>& ops) {
   };
   for (const Op& op : ops) {
     o << name(op.kind);
-    if (op.kind == OpKind::Need || op.kind == OpKind::Report) o << ' ' << (op.group ? "mlp" : "attn");
+    if (op.kind == OpKind::Need || op.kind == OpKind::Report)
+      o << ' ' << (op.group ? "mlp" : "attn");
     if (op.kind == OpKind::Linear || op.kind == OpKind::LinearBackward ||
         op.kind == OpKind::AttentionRow || op.kind == OpKind::AttentionRowBackward)
       o << (op.role == LinearRole::Column ? " column" : " row");

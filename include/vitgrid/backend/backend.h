@@ -1,6 +1,8 @@
-// The op set: everything the model, optimizers and trainer compute goes through this
-// interface, implemented once on the CPU (OpenBLAS + loops, backend/cpu) and once on CUDA
-// (cuBLASLt, cuDNN, own kernels, backend/cuda). Kernels know nothing of ranks.
+// The backend: a device (memory, copies, completion, graphs, timing marks, upload slots) and
+// the op set on it (LayerOps, NormAttentionOps, TrainOps). Everything the model, optimizers
+// and trainer compute goes through it, implemented once on the CPU (OpenBLAS + loops,
+// backend/cpu) and once on CUDA (cuBLASLt, cuDNN, own kernels, backend/cuda). Kernels know
+// nothing of ranks.
 //
 // Conventions
 //  * Row-major. "act" pointers (void*) hold act elements of act_size() bytes;
@@ -21,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "vitgrid/backend/op_profile.h"
 #include "vitgrid/core/rng.h"
 #include "vitgrid/core/types.h"
 
@@ -117,9 +120,11 @@ struct AdamParams {
   const float* grad_scale_dev = nullptr;
 };
 
-class Backend {
+// The device: memory and copies, completion, the workspace plan, read-backs, CUDA graphs,
+// timing marks, the JPEG decoder and the input upload slots.
+class Device {
  public:
-  virtual ~Backend() = default;
+  virtual ~Device() = default;
   virtual std::string name() const = 0;  // "cpu" or "cuda"
   // Precision of activations and compute weights. act_size() is their storage size in bytes:
   // 2 for bf16/fp16 on CUDA; 4 on the CPU, whose 16-bit modes are emulated (fp32 storage,
@@ -169,6 +174,63 @@ class Backend {
   // calls); the bench and the tests use it to show that the step loop allocates nothing.
   virtual int64_t device_allocations() const { return 0; }
 
+  // ---- reading results back without stalling the device: readback_start(slot, src, bytes)
+  // enqueues a copy of src into the slot's host buffer and returns; readback_wait(slot) waits
+  // for that copy (only) and returns the host buffer. CPU: a plain copy.
+  virtual void readback_start(int slot, const void* src, size_t bytes) = 0;
+  virtual const void* readback_wait(int slot) = 0;
+
+  // ---- CUDA graphs: work enqueued between capture_begin() and capture_end() (on the
+  // backend's streams, and by NCCL on them) is recorded instead of run; capture_end() returns
+  // an id that launch_graph() enqueues as a whole, replaying the same kernels with the same
+  // arguments and pointers. graphs_supported() is false on the CPU backend (the others then
+  // must not be called). A capture must not contain host synchronisation or allocation, and
+  // must start after the first eager run of the same work (lazy setup, algorithm timing).
+  virtual bool graphs_supported() const { return false; }
+  virtual void capture_begin() {}
+  virtual int capture_end() { return -1; }
+  virtual void launch_graph(int id) { (void)id; }
+  // Destroys every graph (their ids become invalid), once work they enqueued has completed
+  // in stream order: e.g. after a buffer they point into was reallocated.
+  virtual void drop_graphs() {}
+
+  // ---- device-time marks (the pipeline bubble): mark() records a point in the order of the
+  // work enqueued so far and returns its id; seconds_between(a, b) is the time from mark a to
+  // mark b, waiting for b to pass; clear_marks() forgets every mark (ids are reused). CPU: the
+  // host clock at the call (its ops complete before returning); CUDA: events on the stream.
+  virtual int mark() = 0;
+  virtual double seconds_between(int a, int b) = 0;
+  virtual void clear_marks() = 0;
+
+  // The device's JPEG decoder (backend/image_decoder.h), created on first use; null where the
+  // backend has none (the CPU backend: the loader decodes with libjpeg-turbo).
+  virtual class ImageDecoder* image_decoder() { return nullptr; }
+  // ---- input batches, copied while the previous batch computes. A slot is a host staging
+  // area (page-locked on CUDA) plus the device buffer the caller uploads it into.
+  // staging(slot, bytes) returns the slot's host area once its previous upload has read it;
+  // upload_async(slot, dst, bytes) starts copying it to dst (CUDA: on a copy stream, after the
+  // work enqueued before the slot's last release_slot(), which read dst's previous contents)
+  // and returns; wait_uploads() orders the work enqueued after it behind every upload started;
+  // release_slot(slot) marks the work enqueued so far as the last to read the slot's device
+  // buffer. CPU: plain memory and synchronous copies.
+  virtual void* staging(int slot, size_t bytes) = 0;
+  virtual void upload_async(int slot, void* dst, size_t bytes) = 0;
+  virtual void wait_uploads() = 0;
+  virtual void release_slot(int slot) = 0;
+
+  // Where the step's time goes (backend/op_profile.h): every op opens an OpScope; off unless
+  // `vitgrid bench --profile` turns it on.
+  OpProfile& op_profile() { return profile_; }
+
+ private:
+  OpProfile profile_;
+};
+
+// Dense layer ops: casts, GEMMs (Linear layers, batched) and their tuning, elementwise ops,
+// dropout.
+class LayerOps {
+ public:
+  virtual ~LayerOps() = default;
   // ---- conversions between fp32 and act dtype (identity copies when act dtype is fp32)
   virtual void cast_to_act(void* dst_act, const float* src, size_t n) = 0;
   virtual void cast_to_f32(float* dst, const void* src_act, size_t n) = 0;
@@ -237,7 +299,12 @@ class Backend {
   virtual void scale_f32(float* x, size_t n, float s) = 0;
   // y += x (fp32 buffers: weight gradients reduced by a tensor-parallel strategy)
   virtual void accumulate_f32(float* y, const float* x, size_t n) = 0;
+};
 
+// LayerNorm (whole and split rows), softmax and attention.
+class NormAttentionOps {
+ public:
+  virtual ~NormAttentionOps() = default;
   // ---- normalisation
   // Fused residual add + LayerNorm over the last dim C of N rows:
   // res = a + b (b may be null: res = a; res may alias a); y = (res - mean) * rstd * gamma + beta.
@@ -312,7 +379,12 @@ class Backend {
   virtual void attention_backward(void* dqkv, const void* dout, const void* qkv,
                                   const void* out, const void* saved, int B, int T, int H,
                                   int hd, void* workspace) = 0;
+};
 
+// The ViT's glue, the loss and metrics, reductions and the optimizers' updates.
+class TrainOps {
+ public:
+  virtual ~TrainOps() = default;
   // ---- ViT-specific glue
   // Input pipeline on the device: out[B,3,S,S] (act dtype) from uint8 HWC images[B,S,S,3]:
   // zero-pad by `pad`, crop at (aug.dx, aug.dy), flip when aug.flip, normalise with
@@ -386,50 +458,12 @@ class Backend {
                           const std::vector<ParamSlice>& slices, float lr, float momentum,
                           bool nesterov, float grad_scale,
                           const float* grad_scale_dev = nullptr) = 0;
+};
 
-  // ---- reading results back without stalling the device: readback_start(slot, src, bytes)
-  // enqueues a copy of src into the slot's host buffer and returns; readback_wait(slot) waits
-  // for that copy (only) and returns the host buffer. CPU: a plain copy.
-  virtual void readback_start(int slot, const void* src, size_t bytes) = 0;
-  virtual const void* readback_wait(int slot) = 0;
-
-  // ---- CUDA graphs: work enqueued between capture_begin() and capture_end() (on the
-  // backend's streams, and by NCCL on them) is recorded instead of run; capture_end() returns
-  // an id that launch_graph() enqueues as a whole, replaying the same kernels with the same
-  // arguments and pointers. graphs_supported() is false on the CPU backend (the others then
-  // must not be called). A capture must not contain host synchronisation or allocation, and
-  // must start after the first eager run of the same work (lazy setup, algorithm timing).
-  virtual bool graphs_supported() const { return false; }
-  virtual void capture_begin() {}
-  virtual int capture_end() { return -1; }
-  virtual void launch_graph(int id) { (void)id; }
-  // Destroys every graph (their ids become invalid), once work they enqueued has completed
-  // in stream order: e.g. after a buffer they point into was reallocated.
-  virtual void drop_graphs() {}
-
-  // ---- device-time marks (the pipeline bubble): mark() records a point in the order of the
-  // work enqueued so far and returns its id; seconds_between(a, b) is the time from mark a to
-  // mark b, waiting for b to pass; clear_marks() forgets every mark (ids are reused). CPU: the
-  // host clock at the call (its ops complete before returning); CUDA: events on the stream.
-  virtual int mark() = 0;
-  virtual double seconds_between(int a, int b) = 0;
-  virtual void clear_marks() = 0;
-
-  // The device's JPEG decoder (backend/image_decoder.h), created on first use; null where the
-  // backend has none (the CPU backend: the loader decodes with libjpeg-turbo).
-  virtual class ImageDecoder* image_decoder() { return nullptr; }
-  // ---- input batches, copied while the previous batch computes. A slot is a host staging
-  // area (page-locked on CUDA) plus the device buffer the caller uploads it into.
-  // staging(slot, bytes) returns the slot's host area once its previous upload has read it;
-  // upload_async(slot, dst, bytes) starts copying it to dst (CUDA: on a copy stream, after the
-  // work enqueued before the slot's last release_slot(), which read dst's previous contents)
-  // and returns; wait_uploads() orders the work enqueued after it behind every upload started;
-  // release_slot(slot) marks the work enqueued so far as the last to read the slot's device
-  // buffer. CPU: plain memory and synchronous copies.
-  virtual void* staging(int slot, size_t bytes) = 0;
-  virtual void upload_async(int slot, void* dst, size_t bytes) = 0;
-  virtual void wait_uploads() = 0;
-  virtual void release_slot(int slot) = 0;
+// A backend: one device and the op set that runs on it.
+class Backend : public Device, public LayerOps, public NormAttentionOps, public TrainOps {
+ public:
+  ~Backend() override = default;
 };
 
 // Attention's path on GPUs (device.attention): see make_cuda_backend.

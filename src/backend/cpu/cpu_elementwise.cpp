@@ -87,6 +87,7 @@ void apply_dropout(float* dst, const float* src, size_t n, float p, const Dropou
 }  // namespace
 
 void CpuBackend::gelu_forward(void* y_, const void* x_, size_t n, Gelu g) {
+  OpScope op_scope(*this, "gelu_forward");
   float* y = static_cast<float*>(y_);
   const float* x = static_cast<const float*>(x_);
   if (g == Gelu::Exact) {
@@ -98,6 +99,7 @@ void CpuBackend::gelu_forward(void* y_, const void* x_, size_t n, Gelu g) {
 }
 
 void CpuBackend::gelu_backward(void* dx_, const void* x_, const void* dy_, size_t n, Gelu g) {
+  OpScope op_scope(*this, "gelu_backward");
   float* dx = static_cast<float*>(dx_);  // may alias dy: each element is read before written
   const float* x = static_cast<const float*>(x_);
   const float* dy = static_cast<const float*>(dy_);
@@ -111,16 +113,19 @@ void CpuBackend::gelu_backward(void* dx_, const void* x_, const void* dy_, size_
 
 void CpuBackend::gelu_backward_bias(void* dx_, const void* x, const void* dy, int rows, int cols,
                                     float* db, Gelu g) {
+  OpScope op_scope(*this, db ? "gelu_backward + bias gradient" : "gelu_backward");
   gelu_backward(dx_, x, dy, static_cast<size_t>(rows) * cols, g);
   if (db) add_column_sums(db, static_cast<const float*>(dx_), rows, cols);
 }
 
 void CpuBackend::dropout_forward(void* y, const void* x, size_t n, float p, DropoutKey k) {
+  OpScope op_scope(*this, "dropout_forward");
   apply_dropout(static_cast<float*>(y), static_cast<const float*>(x), n, p, k);
   round_act(static_cast<float*>(y), n);
 }
 
 void CpuBackend::drop_path_factors(float* out, int samples, DropoutKey k) {
+  OpScope op_scope(*this, "drop_path_factors");
   uint64_t key, base;
   dropout_stream(k, &key, &base);
   const uint64_t sample0 = drop_path_sample0(k);
@@ -131,11 +136,13 @@ void CpuBackend::drop_path_factors(float* out, int samples, DropoutKey k) {
 }
 
 void CpuBackend::dropout_backward(void* dx, const void* dy, size_t n, float p, DropoutKey k) {
+  OpScope op_scope(*this, "dropout_backward");
   apply_dropout(static_cast<float*>(dx), static_cast<const float*>(dy), n, p, k);
   round_act(static_cast<float*>(dx), n);
 }
 
 void CpuBackend::add(void* y_, const void* a_, const void* b_, size_t n) {
+  OpScope op_scope(*this, "add");
   float* y = static_cast<float*>(y_);  // may alias a
   const float* a = static_cast<const float*>(a_);
   const float* b = static_cast<const float*>(b_);
@@ -144,6 +151,7 @@ void CpuBackend::add(void* y_, const void* a_, const void* b_, size_t n) {
 }
 
 void CpuBackend::accumulate(void* y_, const void* x_, size_t n) {
+  OpScope op_scope(*this, "accumulate");
   float* __restrict y = static_cast<float*>(y_);
   const float* __restrict x = static_cast<const float*>(x_);
   for (size_t i = 0; i < n; ++i) y[i] += x[i];
@@ -151,6 +159,7 @@ void CpuBackend::accumulate(void* y_, const void* x_, size_t n) {
 }
 
 void CpuBackend::scale_f32(float* __restrict x, size_t n, float s) {
+  OpScope op_scope(*this, "scale_f32");
   for (size_t i = 0; i < n; ++i) x[i] *= s;
 }
 

@@ -21,6 +21,9 @@ inline float* f(void* p) { return static_cast<float*>(p); }
 
 void CpuBackend::linear_forward(void* y_, const void* x_, const void* W_, const void* b_, int N,
                                 int in, int out, void* gelu_out, Gelu gelu) {
+  OpScope op_scope(*this, "linear_forward");
+  if (op_scope.timing())
+    op_scope.rename(linear_row("linear_forward", in, out, gelu_out ? " +gelu" : ""));
   float* y = f(y_);
   const float* b = cf(b_);
   if (N <= 0 || out <= 0) return;
@@ -43,6 +46,10 @@ void CpuBackend::linear_forward(void* y_, const void* x_, const void* W_, const 
 void CpuBackend::linear_backward(void* dx_, float* dW, float* db, const void* dy_, const void* x_,
                                  const void* W_, int N, int in, int out, const void* gelu_pre,
                                  Gelu gelu, float* gelu_db) {
+  OpScope op_scope(*this, "linear_backward");
+  if (op_scope.timing())
+    op_scope.rename(linear_row("linear_backward", in, out,
+                               gelu_pre ? (gelu_db ? " +dgelu +dgelu bias" : " +dgelu") : ""));
   VG_CHECK(!gelu_db || (dx_ && gelu_pre), "linear_backward: gelu_db without dx and gelu_pre");
   const float* dy = cf(dy_);
   if (N <= 0) return;  // no rows: dx is empty and the weight gradients gain nothing
@@ -78,6 +85,7 @@ void CpuBackend::add_column_sums(float* out, const float* x, int rows, int cols)
 void CpuBackend::gemm_batched(bool transA, bool transB, int M, int N, int K, float alpha,
                               const void* A_, int64_t strideA, const void* B_, int64_t strideB,
                               float beta, void* C_, int64_t strideC, int batch) {
+  OpScope op_scope(*this, "gemm_batched");
   const float* A = cf(A_);
   const float* B = cf(B_);
   float* C = f(C_);
@@ -115,6 +123,7 @@ size_t CpuBackend::attention_workspace_bytes(int /*B*/, int T, int /*H*/, int /*
 
 void CpuBackend::attention_forward(void* out_, void* saved_, const void* qkv_, int B, int T,
                                    int H, int hd, void* /*workspace*/) {
+  OpScope op_scope(*this, "attention_forward");
   const int C = H * hd, C3 = 3 * C;
   const float* qkv = cf(qkv_);
   float* out = f(out_);
@@ -155,6 +164,7 @@ void CpuBackend::attention_forward(void* out_, void* saved_, const void* qkv_, i
 void CpuBackend::attention_backward(void* dqkv_, const void* dout_, const void* qkv_,
                                     const void* /*out*/, const void* saved_, int B, int T, int H,
                                     int hd, void* workspace) {
+  OpScope op_scope(*this, "attention_backward");
   const int C = H * hd, C3 = 3 * C;
   const float* qkv = cf(qkv_);
   const float* dout = cf(dout_);

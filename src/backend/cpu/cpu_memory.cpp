@@ -86,26 +86,31 @@ size_t CpuBackend::current_memory_bytes() const {
 }
 
 void CpuBackend::copy_to_device(void* dst, const void* src_host, size_t bytes) {
+  OpScope op_scope(*this, "copy_to_device");
   if (bytes) std::memcpy(dst, src_host, bytes);
 }
 void CpuBackend::copy_to_host(void* dst_host, const void* src, size_t bytes) {
   if (bytes) std::memcpy(dst_host, src, bytes);
 }
 void CpuBackend::copy(void* dst, const void* src, size_t bytes) {
+  OpScope op_scope(*this, "copy");
   // memmove: callers may copy within one planned buffer, possibly overlapping.
   if (bytes && dst != src) std::memmove(dst, src, bytes);
 }
 void CpuBackend::zero(void* p, size_t bytes) {
+  OpScope op_scope(*this, "zero");
   if (bytes) std::memset(p, 0, bytes);
 }
 
 void CpuBackend::cast_to_act(void* dst_act, const float* src, size_t n) {
+  OpScope op_scope(*this, "cast_to_act");
   float* d = static_cast<float*>(dst_act);
   if (d != src) std::memmove(d, src, n * sizeof(float));
   round_act(d, n);
 }
 
 void CpuBackend::cast_to_f32(float* dst, const void* src_act, size_t n) {
+  OpScope op_scope(*this, "cast_to_f32");
   // Act values are already representable (rounded when written), so this is a plain copy.
   if (dst != src_act) std::memmove(dst, src_act, n * sizeof(float));
 }

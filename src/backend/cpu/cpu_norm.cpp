@@ -17,6 +17,7 @@ void CpuBackend::add_layernorm_forward(void* res_, void* y_, float* mean, float*
                                        const void* a_, const void* b_, const void* gamma_,
                                        const void* beta_, int N, int C, float eps,
                                        RowFactors bf) {
+  OpScope op_scope(*this, "add_layernorm_forward");
   const float* a = cf(a_);
   const float* b = cf(b_);
   const float* gamma = cf(gamma_);
@@ -64,6 +65,7 @@ void CpuBackend::layernorm_backward(void* dx_, float* dgamma, float* dbeta, cons
                                     const void* x_, const void* gamma_, const float* mean,
                                     const float* rstd, int N, int C, float* dsum,
                                     void* dbranch_, RowFactors bf) {
+  OpScope op_scope(*this, "layernorm_backward");
   const float* dy = cf(dy_);
   const float* x = cf(x_);
   const float* gamma = cf(gamma_);
@@ -109,6 +111,7 @@ void CpuBackend::layernorm_backward(void* dx_, float* dgamma, float* dbeta, cons
 }
 
 void CpuBackend::softmax_forward(void* y_, const void* x_, int rows, int cols, float scale) {
+  OpScope op_scope(*this, "softmax_forward");
   const float* x = cf(x_);
   float* y = f(y_);
   for (int r = 0; r < rows; ++r) {
@@ -130,6 +133,7 @@ void CpuBackend::softmax_forward(void* y_, const void* x_, int rows, int cols, f
 
 void CpuBackend::softmax_backward(void* dx_, const void* y_, const void* dy_, int rows, int cols,
                                   float scale) {
+  OpScope op_scope(*this, "softmax_backward");
   const float* y = cf(y_);
   const float* dy = cf(dy_);
   float* dx = f(dx_);

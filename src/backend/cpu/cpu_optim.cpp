@@ -66,6 +66,7 @@ void CpuBackend::sum_into(double* acc, const float* x, size_t n) { *acc += sum(x
 
 void CpuBackend::sum_squares_total(double* out, const float* buf,
                                    const std::vector<ParamSlice>& slices) {
+  OpScope op_scope(*this, "grad_norm");
   std::vector<double> per(slices.size());
   sum_squares(per.data(), buf, slices);
   double t = 0.0;
@@ -102,6 +103,7 @@ bool CpuBackend::all_finite(const float* x, size_t n) {
 
 void CpuBackend::adamw_update(float* p, const float* g, float* m, float* v,
                               const std::vector<ParamSlice>& slices, const AdamParams& a) {
+  OpScope op_scope(*this, "adamw_update");
   const AdamFactors k = adam_factors(a);
   const float step_size = a.lr / k.bc1;
   const float gs = a.grad_scale * (a.grad_scale_dev ? *a.grad_scale_dev : 1.0f);
@@ -126,6 +128,7 @@ void CpuBackend::adamw_update(float* p, const float* g, float* m, float* v,
 
 void CpuBackend::lamb_direction(float* u, const float* p, const float* g, float* m, float* v,
                                 const std::vector<ParamSlice>& slices, const AdamParams& a) {
+  OpScope op_scope(*this, "lamb_direction");
   const AdamFactors k = adam_factors(a);
   const float inv_bc1 = 1.0f / k.bc1;
   const float gs = a.grad_scale * (a.grad_scale_dev ? *a.grad_scale_dev : 1.0f);
@@ -149,6 +152,7 @@ void CpuBackend::lamb_direction(float* u, const float* p, const float* g, float*
 
 void CpuBackend::lamb_apply(float* p, const float* u, const std::vector<ParamSlice>& slices,
                             const std::vector<float>& ratio_host, float lr) {
+  OpScope op_scope(*this, "lamb_apply");
   VG_CHECK(ratio_host.size() >= slices.size(),
            "lamb_apply: " << ratio_host.size() << " ratios for " << slices.size() << " slices");
   for (size_t i = 0; i < slices.size(); ++i) {
@@ -163,6 +167,7 @@ void CpuBackend::lamb_apply(float* p, const float* u, const std::vector<ParamSli
 void CpuBackend::sgd_update(float* p, const float* g, float* mom,
                             const std::vector<ParamSlice>& slices, float lr, float momentum,
                             bool nesterov, float grad_scale, const float* grad_scale_dev) {
+  OpScope op_scope(*this, "sgd_update");
   if (grad_scale_dev) grad_scale *= *grad_scale_dev;
   // PyTorch SGD (dampening 0): d = g*gs + wd*p; b = mu*b + d; d = nesterov ? d + mu*b : b;
   // p -= lr*d. The zero-initialised buffer makes step 1 give b = d, PyTorch's clone.

@@ -14,10 +14,12 @@ inline float* f(void* p) { return static_cast<float*>(p); }
 }  // namespace
 
 void CpuBackend::accumulate_f32(float* __restrict y, const float* __restrict x, size_t n) {
+  OpScope op_scope(*this, "accumulate_f32");
   for (size_t i = 0; i < n; ++i) y[i] += x[i];
 }
 
 void CpuBackend::layernorm_split_sums(float* sum, const void* x_, int N, int C) {
+  OpScope op_scope(*this, "layernorm_split_sums");
   const float* x = cf(x_);
   for (int r = 0; r < N; ++r) {
     const float* xr = x + static_cast<size_t>(r) * C;
@@ -29,6 +31,7 @@ void CpuBackend::layernorm_split_sums(float* sum, const void* x_, int N, int C) 
 
 void CpuBackend::layernorm_split_centered(float* sq, float* mean, const void* x_, int N, int C,
                                           int C_total) {
+  OpScope op_scope(*this, "layernorm_split_centered");
   const float* x = cf(x_);
   for (int r = 0; r < N; ++r) {
     // divided as add_layernorm_forward does (s / C): one rank gives the same mean
@@ -47,6 +50,7 @@ void CpuBackend::layernorm_split_centered(float* sq, float* mean, const void* x_
 void CpuBackend::layernorm_split_apply(void* y_, float* rstd, const void* x_, const float* mean,
                                        const void* gamma_, const void* beta_, int N, int C,
                                        int C_total, float eps) {
+  OpScope op_scope(*this, "layernorm_split_apply");
   const float* x = cf(x_);
   const float* gamma = cf(gamma_);
   const float* beta = cf(beta_);
@@ -65,6 +69,7 @@ void CpuBackend::layernorm_split_apply(void* y_, float* rstd, const void* x_, co
 void CpuBackend::layernorm_split_backward_sums(float* sums, float* dgamma, float* dbeta,
                                                const void* dy_, const void* x_, const void* gamma_,
                                                const float* mean, const float* rstd, int N, int C) {
+  OpScope op_scope(*this, "layernorm_split_backward_sums");
   const float* dy = cf(dy_);
   const float* x = cf(x_);
   const float* gamma = cf(gamma_);
@@ -90,6 +95,7 @@ void CpuBackend::layernorm_split_backward_dx(void* dx_, const void* dy_, const v
                                              const void* gamma_, const float* mean,
                                              const float* rstd, const float* sums, int N, int C,
                                              int C_total) {
+  OpScope op_scope(*this, "layernorm_split_backward_dx");
   const float* dy = cf(dy_);
   const float* x = cf(x_);
   const float* gamma = cf(gamma_);

@@ -22,6 +22,7 @@ inline float* f(void* p) { return static_cast<float*>(p); }
 
 void CpuBackend::prepare_images(void* out_, const uint8_t* images, const void* aug_, int B,
                                 int S, int pad, const float* mean3, const float* std3) {
+  OpScope op_scope(*this, "prepare_images");
   float* out = f(out_);
   const SampleAug* aug = static_cast<const SampleAug*>(aug_);
   const size_t plane = (size_t)S * S;
@@ -79,6 +80,7 @@ void CpuBackend::prepare_images(void* out_, const uint8_t* images, const void* a
 }
 
 void CpuBackend::patchify(void* patches_, const void* images_, int B, int S, int P) {
+  OpScope op_scope(*this, "patchify");
   if (P <= 0 || S % P != 0) {
     std::ostringstream os;
     os << "patchify: image size " << S << " is not a multiple of the patch size " << P;
@@ -107,6 +109,7 @@ void CpuBackend::patchify(void* patches_, const void* images_, int B, int S, int
 
 void CpuBackend::embed_tokens(void* x_, const void* patch_tokens_, const void* cls_,
                               const void* pos_, int B, int T, int C) {
+  OpScope op_scope(*this, "embed_tokens");
   float* x = f(x_);
   const float* pt = cf(patch_tokens_);
   const float* cls = cf(cls_);
@@ -125,6 +128,7 @@ void CpuBackend::embed_tokens(void* x_, const void* patch_tokens_, const void* c
 
 void CpuBackend::embed_tokens_backward(void* dpatch_tokens_, float* dcls, float* dpos,
                                        const void* dx_, int B, int T, int C) {
+  OpScope op_scope(*this, "embed_tokens_backward");
   const float* dx = cf(dx_);
   float* dpt = f(dpatch_tokens_);
   const size_t n = (size_t)T * C;
@@ -143,6 +147,7 @@ void CpuBackend::embed_tokens_backward(void* dpatch_tokens_, float* dcls, float*
 }
 
 void CpuBackend::gather_cls(void* rows_, const void* x_, int B, int T, int C) {
+  OpScope op_scope(*this, "gather_cls");
   float* rows = f(rows_);
   const float* x = cf(x_);
   for (int b = 0; b < B; ++b) {
@@ -151,6 +156,7 @@ void CpuBackend::gather_cls(void* rows_, const void* x_, int B, int T, int C) {
 }
 
 void CpuBackend::scatter_cls_backward(void* dx_, const void* drows_, int B, int T, int C) {
+  OpScope op_scope(*this, "scatter_cls_backward");
   float* dx = f(dx_);
   const float* drows = cf(drows_);
   for (int b = 0; b < B; ++b) {
@@ -166,6 +172,7 @@ void CpuBackend::scatter_cls_backward(void* dx_, const void* drows_, int B, int 
 void CpuBackend::cross_entropy(float* losses, void* dlogits_, const void* logits_,
                                const int32_t* labels, const float* soft, int N, int K,
                                float smoothing, float grad_scale) {
+  OpScope op_scope(*this, "cross_entropy");
   const float* logits = cf(logits_);
   float* dlogits = f(dlogits_);
   const double eps = smoothing, off = smoothing / (double)K;
@@ -216,6 +223,7 @@ void CpuBackend::cross_entropy(float* losses, void* dlogits_, const void* logits
 
 void CpuBackend::topk_correct(float* correct1, float* correct5, const void* logits_,
                               const int32_t* labels, int N, int K) {
+  OpScope op_scope(*this, "topk_correct");
   const float* logits = cf(logits_);
   for (int r = 0; r < N; ++r) {
     const float* z = logits + (size_t)r * K;

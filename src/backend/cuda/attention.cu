@@ -151,6 +151,7 @@ size_t CudaBackend::attention_workspace_bytes(int B, int T, int H, int hd) const
 
 void CudaBackend::attention_forward(void* out, void* saved, const void* qkv, int B, int T, int H,
                                     int hd, void* workspace) {
+  OpScope op_scope(*this, "attention_forward");
   if (B <= 0 || T <= 0) return;
   const AttentionPath path = attention_route(B, T, H, hd);
   if (path == AttentionPath::Cudnn) {
@@ -207,6 +208,7 @@ void CudaBackend::attention_forward(void* out, void* saved, const void* qkv, int
 void CudaBackend::attention_backward(void* dqkv, const void* dout, const void* qkv,
                                      const void* out, const void* saved, int B, int T, int H,
                                      int hd, void* workspace) {
+  OpScope op_scope(*this, "attention_backward");
   if (B <= 0 || T <= 0) return;
   const AttentionPath path = attention_route(B, T, H, hd);
   if (path == AttentionPath::Cudnn) {

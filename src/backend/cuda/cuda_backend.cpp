@@ -2,6 +2,7 @@
 // GEMM layer (linear layers, the fused GELU GEMMs, batched GEMMs) is in cuda_gemm.cpp; kernels
 // live in the *.cu files beside these.
 #include <cuda_runtime.h>
+#include <nvtx3/nvToolsExt.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -69,6 +70,9 @@ CudaBackend::CudaBackend(int device, DType act, const BackendOptions& opts)
   flag_ = static_cast<int*>(internal_alloc(sizeof(int) * 4));
   host_pinned_bytes_ = kPinnedBytes;
   CUDA_CHECK(cudaMallocHost(&host_pinned_, host_pinned_bytes_));
+  // every op an NVTX range (header-only NVTX 3: a no-op unless a tool such as Nsight Systems
+  // is attached)
+  op_profile().set_ranges([](const char* op) { nvtxRangePushA(op); }, [] { nvtxRangePop(); });
 }
 
 CudaBackend::~CudaBackend() {
@@ -261,6 +265,7 @@ void CudaBackend::plan_workspace(const WorkspacePlan& p) {
 }
 
 void CudaBackend::copy_to_device(void* dst, const void* src_host, size_t bytes) {
+  OpScope op_scope(*this, "copy_to_device");
   if (!bytes) return;
   CUDA_CHECK(cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, stream_));
   // Pageable source memory may be reused by the caller as soon as we return; for pageable
@@ -273,6 +278,7 @@ void CudaBackend::copy_to_host(void* dst_host, const void* src, size_t bytes) {
   CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 void CudaBackend::copy(void* dst, const void* src, size_t bytes) {
+  OpScope op_scope(*this, "copy");
   if (!bytes || dst == src) return;
   // Device-to-device cudaMemcpy handles overlapping ranges like memmove? It does not
   // promise so; overlapping copies go through a scratch buffer.
@@ -298,6 +304,7 @@ void CudaBackend::copy(void* dst, const void* src, size_t bytes) {
   }
 }
 void CudaBackend::zero(void* p, size_t bytes) {
+  OpScope op_scope(*this, "zero");
   if (bytes) CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
 }
 void CudaBackend::synchronize() { CUDA_CHECK(cudaStreamSynchronize(stream_)); }

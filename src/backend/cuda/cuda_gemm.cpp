@@ -469,6 +469,9 @@ int CudaBackend::fused_gelu_choice(bool forward, int N, int in, int out) const {
 
 void CudaBackend::linear_forward(void* y, const void* x, const void* W, const void* b, int N,
                                  int in, int out, void* gelu_out, Gelu gelu) {
+  OpScope op_scope(*this, "linear_forward");
+  if (op_scope.timing())
+    op_scope.rename(linear_row("linear_forward", in, out, gelu_out ? " +gelu" : ""));
   if (N == 0 || out == 0) return;
   GemmSpec s;
   s.transA = false;
@@ -520,6 +523,10 @@ void CudaBackend::linear_forward(void* y, const void* x, const void* W, const vo
 void CudaBackend::linear_backward(void* dx, float* dW, float* db, const void* dy, const void* x,
                                   const void* W, int N, int in, int out, const void* gelu_pre,
                                   Gelu gelu, float* gelu_db) {
+  OpScope op_scope(*this, "linear_backward");
+  if (op_scope.timing())
+    op_scope.rename(linear_row("linear_backward", in, out,
+                               gelu_pre ? (gelu_db ? " +dgelu +dgelu bias" : " +dgelu") : ""));
   VG_CHECK(!gelu_db || (dx && gelu_pre), "linear_backward: gelu_db without dx and gelu_pre");
   const cudaDataType_t t = act_cuda_type();
   if (dx) {
@@ -597,6 +604,7 @@ void CudaBackend::linear_backward(void* dx, float* dW, float* db, const void* dy
 void CudaBackend::gemm_batched(bool transA, bool transB, int M, int N, int K, float alpha,
                                const void* A, int64_t strideA, const void* B, int64_t strideB,
                                float beta, void* C, int64_t strideC, int batch) {
+  OpScope op_scope(*this, "gemm_batched");
   if (M == 0 || N == 0 || batch == 0) return;
   GemmSpec s;
   s.transA = transA;

@@ -466,6 +466,7 @@ VG_SOFTMAX_INST(__half)
 using namespace cuda;
 
 void CudaBackend::cast_to_act(void* dst_act, const float* src, size_t n) {
+  OpScope op_scope(*this, "cast_to_act");
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if (std::is_same<T, float>::value) {
@@ -477,6 +478,7 @@ void CudaBackend::cast_to_act(void* dst_act, const float* src, size_t n) {
 }
 
 void CudaBackend::cast_to_f32(float* dst, const void* src_act, size_t n) {
+  OpScope op_scope(*this, "cast_to_f32");
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if (std::is_same<T, float>::value) {
@@ -488,6 +490,7 @@ void CudaBackend::cast_to_f32(float* dst, const void* src_act, size_t n) {
 }
 
 void CudaBackend::gelu_forward(void* y, const void* x, size_t n, Gelu g) {
+  OpScope op_scope(*this, "gelu_forward");
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
     with_gelu_form<T>(g, [&](auto form) {
@@ -498,6 +501,7 @@ void CudaBackend::gelu_forward(void* y, const void* x, size_t n, Gelu g) {
 }
 
 void CudaBackend::gelu_backward(void* dx, const void* x, const void* dy, size_t n, Gelu g) {
+  OpScope op_scope(*this, "gelu_backward");
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
     with_gelu_form<T>(g, [&](auto form) {
@@ -509,6 +513,7 @@ void CudaBackend::gelu_backward(void* dx, const void* x, const void* dy, size_t 
 }
 
 void CudaBackend::dropout_forward(void* y, const void* x, size_t n, float p, DropoutKey k) {
+  OpScope op_scope(*this, "dropout_forward");
   if (p <= 0.0f && k.path_p <= 0.0f) {
     copy(y, x, n * act_size());
     return;
@@ -528,6 +533,7 @@ void CudaBackend::dropout_forward(void* y, const void* x, size_t n, float p, Dro
 }
 
 void CudaBackend::drop_path_factors(float* out, int samples, DropoutKey k) {
+  OpScope op_scope(*this, "drop_path_factors");
   if (samples <= 0) return;
   drop_path_factors_kernel<<<(samples + 255) / 256, 256, 0, stream_>>>(
       out, samples, k, dropout_threshold(k.path_p), dropout_scale(0.0f, k.path_p));
@@ -535,11 +541,13 @@ void CudaBackend::drop_path_factors(float* out, int samples, DropoutKey k) {
 }
 
 void CudaBackend::dropout_backward(void* dx, const void* dy, size_t n, float p, DropoutKey k) {
+  OpScope op_scope(*this, "dropout_backward");
   // Same mask, same scale: the backward of y = m * x / (1-p) is dx = m * dy / (1-p).
   dropout_forward(dx, dy, n, p, k);
 }
 
 void CudaBackend::add(void* y, const void* a, const void* b, size_t n) {
+  OpScope op_scope(*this, "add");
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
     launch_map(stream_, static_cast<T*>(y),
@@ -547,9 +555,11 @@ void CudaBackend::add(void* y, const void* a, const void* b, size_t n) {
   });
 }
 
-void CudaBackend::accumulate(void* y, const void* x, size_t n) { add(y, y, x, n); }
+void CudaBackend::accumulate(void* y, const void* x, size_t n) {
+  OpScope op_scope(*this, "accumulate"); add(y, y, x, n); }
 
 void CudaBackend::scale_f32(float* x, size_t n, float s) {
+  OpScope op_scope(*this, "scale_f32");
   launch_map(stream_, x, InPtrs<float, 1>{{x}}, n, ScaleOp{s});
 }
 
@@ -583,6 +593,7 @@ void CudaBackend::add_act_to_f32(float* out, const void* x, size_t n) {
 }
 
 void CudaBackend::softmax_forward(void* y, const void* x, int rows, int cols, float scale) {
+  OpScope op_scope(*this, "softmax_forward");
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if (rows <= 0 || cols <= 0) return;
@@ -595,6 +606,7 @@ void CudaBackend::softmax_forward(void* y, const void* x, int rows, int cols, fl
 
 void CudaBackend::softmax_backward(void* dx, const void* y, const void* dy, int rows, int cols,
                                    float scale) {
+  OpScope op_scope(*this, "softmax_backward");
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
     launch_softmax_bwd(stream_, static_cast<T*>(dx), static_cast<const T*>(y),
@@ -653,6 +665,7 @@ void CudaBackend::column_sums_add(float* out, const void* x, int N, int C) {
 
 void CudaBackend::gelu_backward_bias(void* dx, const void* x, const void* dy, int rows, int cols,
                                      float* db, Gelu g) {
+  OpScope op_scope(*this, db ? "gelu_backward + bias gradient" : "gelu_backward");
   if (!db) return gelu_backward(dx, x, dy, static_cast<size_t>(rows) * cols, g);
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;

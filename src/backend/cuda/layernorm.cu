@@ -710,6 +710,7 @@ void CudaBackend::add_layernorm_forward(void* res, void* y, float* mean, float* 
                                         const void* a, const void* b, const void* gamma,
                                         const void* beta, int N, int C, float eps,
                                         RowFactors bf) {
+  OpScope op_scope(*this, "add_layernorm_forward");
   if (N <= 0 || C <= 0) return;
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -757,6 +758,7 @@ void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, cons
                                      const void* x, const void* gamma, const float* mean,
                                      const float* rstd, int N, int C, float* dsum,
                                      void* dbranch, RowFactors bf) {
+  OpScope op_scope(*this, "layernorm_backward");
   if (N <= 0 || C <= 0) return;
   VG_CHECK(!bf.f || (dbranch && dbranch != dx), "layernorm_backward: row factors need dbranch");
   const bool pf = bf.f != nullptr;

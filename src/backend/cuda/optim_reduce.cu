@@ -264,6 +264,7 @@ void CudaBackend::sum_into(double* acc, const float* x, size_t n) {
 
 void CudaBackend::sum_squares_total(double* out, const float* buf,
                                     const std::vector<ParamSlice>& slices) {
+  OpScope op_scope(*this, "grad_norm");
   const SliceTable& t = slice_table(slices);
   if (t.nchunks == 0) {
     CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(double), stream_));
@@ -296,6 +297,7 @@ bool CudaBackend::all_finite(const float* x, size_t n) {
 
 void CudaBackend::adamw_update(float* p, const float* g, float* m, float* v,
                                const std::vector<ParamSlice>& slices, const AdamParams& a) {
+  OpScope op_scope(*this, "adamw_update");
   const SliceTable& t = slice_table(slices);
   if (t.nchunks == 0) return;
   adamw_kernel<<<t.nchunks, kOptThreads, 0, stream_>>>(p, g, m, v, t.chunks, adam_dev(a));
@@ -304,6 +306,7 @@ void CudaBackend::adamw_update(float* p, const float* g, float* m, float* v,
 
 void CudaBackend::lamb_direction(float* u, const float* p, const float* g, float* m, float* v,
                                  const std::vector<ParamSlice>& slices, const AdamParams& a) {
+  OpScope op_scope(*this, "lamb_direction");
   const SliceTable& t = slice_table(slices);
   if (t.nchunks == 0) return;
   lamb_direction_kernel<<<t.nchunks, kOptThreads, 0, stream_>>>(u, p, g, m, v, t.chunks,
@@ -313,6 +316,7 @@ void CudaBackend::lamb_direction(float* u, const float* p, const float* g, float
 
 void CudaBackend::lamb_apply(float* p, const float* u, const std::vector<ParamSlice>& slices,
                              const std::vector<float>& ratio_host, float lr) {
+  OpScope op_scope(*this, "lamb_apply");
   const SliceTable& t = slice_table(slices);
   VG_CHECK(ratio_host.size() == slices.size(),
            "lamb_apply: " << ratio_host.size() << " ratios for " << slices.size() << " slices");
@@ -328,6 +332,7 @@ void CudaBackend::lamb_apply(float* p, const float* u, const std::vector<ParamSl
 void CudaBackend::sgd_update(float* p, const float* g, float* mom,
                              const std::vector<ParamSlice>& slices, float lr, float momentum,
                              bool nesterov, float grad_scale, const float* grad_scale_dev) {
+  OpScope op_scope(*this, "sgd_update");
   const SliceTable& t = slice_table(slices);
   if (t.nchunks == 0) return;
   sgd_kernel<<<t.nchunks, kOptThreads, 0, stream_>>>(p, g, mom, t.chunks, lr, momentum,

@@ -180,12 +180,14 @@ void split_row_pack(int C, std::initializer_list<const void*> ptrs, F&& launch) 
 using namespace cuda;
 
 void CudaBackend::accumulate_f32(float* y, const float* x, size_t n) {
+  OpScope op_scope(*this, "accumulate_f32");
   if (n == 0) return;
   accumulate_f32_kernel<<<grid_for(n, 256), 256, 0, stream_>>>(y, x, n);
   CUDA_CHECK_LAUNCH();
 }
 
 void CudaBackend::layernorm_split_sums(float* sum, const void* x, int N, int C) {
+  OpScope op_scope(*this, "layernorm_split_sums");
   if (N <= 0 || C <= 0) return;
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -199,6 +201,7 @@ void CudaBackend::layernorm_split_sums(float* sum, const void* x, int N, int C) 
 
 void CudaBackend::layernorm_split_centered(float* sq, float* mean, const void* x, int N, int C,
                                            int C_total) {
+  OpScope op_scope(*this, "layernorm_split_centered");
   if (N <= 0 || C <= 0) return;
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -213,6 +216,7 @@ void CudaBackend::layernorm_split_centered(float* sq, float* mean, const void* x
 void CudaBackend::layernorm_split_apply(void* y, float* rstd, const void* x, const float* mean,
                                         const void* gamma, const void* beta, int N, int C,
                                         int C_total, float eps) {
+  OpScope op_scope(*this, "layernorm_split_apply");
   if (N <= 0 || C <= 0) return;
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -236,6 +240,7 @@ void CudaBackend::layernorm_split_backward_sums(float* sums, float* dgamma, floa
                                                 const void* dy, const void* x, const void* gamma,
                                                 const float* mean, const float* rstd, int N,
                                                 int C) {
+  OpScope op_scope(*this, "layernorm_split_backward_sums");
   if (N <= 0 || C <= 0) return;
   const int chunks = (N + kLnRowsPerChunk - 1) / kLnRowsPerChunk;
   float* pg = static_cast<float*>(scratch(2 * static_cast<size_t>(chunks) * C * sizeof(float)));
@@ -260,6 +265,7 @@ void CudaBackend::layernorm_split_backward_dx(void* dx, const void* dy, const vo
                                               const void* gamma, const float* mean,
                                               const float* rstd, const float* sums, int N, int C,
                                               int C_total) {
+  OpScope op_scope(*this, "layernorm_split_backward_dx");
   if (N <= 0 || C <= 0) return;
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;

@@ -280,6 +280,7 @@ using namespace cuda;
 void CudaBackend::prepare_images(void* out, const uint8_t* images, const void* aug, int B,
                                  int S, int pad,
                                  const float* mean3_host, const float* std3_host) {
+  OpScope op_scope(*this, "prepare_images");
   if (B <= 0) return;
   Norm3 nm;
   for (int c = 0; c < 3; ++c) {
@@ -296,6 +297,7 @@ void CudaBackend::prepare_images(void* out, const uint8_t* images, const void* a
 }
 
 void CudaBackend::patchify(void* patches, const void* images, int B, int S, int P) {
+  OpScope op_scope(*this, "patchify");
   VG_CHECK(P > 0 && S % P == 0, "patchify: image size " << S << " not a multiple of " << P);
   const size_t total = static_cast<size_t>(B) * S * S * 3;
   if (total == 0) return;
@@ -319,6 +321,7 @@ void CudaBackend::patchify(void* patches, const void* images, int B, int S, int 
 
 void CudaBackend::embed_tokens(void* x, const void* patch_tokens, const void* cls,
                                const void* pos, int B, int T, int C) {
+  OpScope op_scope(*this, "embed_tokens");
   const size_t total = static_cast<size_t>(B) * T * C;
   if (total == 0) return;
   dispatch_act(act_, [&](auto tag) {
@@ -342,6 +345,7 @@ void CudaBackend::embed_tokens(void* x, const void* patch_tokens, const void* cl
 
 void CudaBackend::embed_tokens_backward(void* dpatch_tokens, float* dcls, float* dpos,
                                         const void* dx, int B, int T, int C) {
+  OpScope op_scope(*this, "embed_tokens_backward");
   const int64_t tc = static_cast<int64_t>(T) * C;
   if (tc == 0 || B == 0) return;
   dispatch_act(act_, [&](auto tag) {
@@ -362,6 +366,7 @@ void CudaBackend::embed_tokens_backward(void* dpatch_tokens, float* dcls, float*
 }
 
 void CudaBackend::gather_cls(void* rows, const void* x, int B, int T, int C) {
+  OpScope op_scope(*this, "gather_cls");
   const int64_t n = static_cast<int64_t>(B) * C;
   if (n == 0) return;
   dispatch_act(act_, [&](auto tag) {
@@ -373,6 +378,7 @@ void CudaBackend::gather_cls(void* rows, const void* x, int B, int T, int C) {
 }
 
 void CudaBackend::scatter_cls_backward(void* dx, const void* drows, int B, int T, int C) {
+  OpScope op_scope(*this, "scatter_cls_backward");
   const int64_t n = static_cast<int64_t>(B) * C;
   if (n == 0) return;
   dispatch_act(act_, [&](auto tag) {
@@ -386,6 +392,7 @@ void CudaBackend::scatter_cls_backward(void* dx, const void* drows, int B, int T
 void CudaBackend::cross_entropy(float* losses, void* dlogits, const void* logits,
                                 const int32_t* labels, const float* soft_targets, int N, int K,
                                 float smoothing, float grad_scale) {
+  OpScope op_scope(*this, "cross_entropy");
   if (N <= 0) return;
   dispatch_act(act_, [&](auto tag) {
     using E = typename decltype(tag)::type;
@@ -398,6 +405,7 @@ void CudaBackend::cross_entropy(float* losses, void* dlogits, const void* logits
 
 void CudaBackend::topk_correct(float* correct1, float* correct5, const void* logits,
                                const int32_t* labels, int N, int K) {
+  OpScope op_scope(*this, "topk_correct");
   if (N <= 0) return;
   dispatch_act(act_, [&](auto tag) {
     using E = typename decltype(tag)::type;

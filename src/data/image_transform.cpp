@@ -13,22 +13,25 @@
 #include "vitgrid/data/image_transform.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
-#if defined(__SSE4_1__)
+#if defined(__x86_64__)
+#include <immintrin.h>
+#elif defined(__SSE4_1__)
 #include <smmintrin.h>
 #endif
 
+#include "resample_avx2.h"
 #include "vitgrid/core/rng.h"
 
 namespace vitgrid {
 namespace {
 
-// 8 bits of result, 2 bits of headroom for the filters' negative lobes (Pillow's choice).
-constexpr int kPrecisionBits = 32 - 8 - 2;
-constexpr int32_t kHalf = 1 << (kPrecisionBits - 1);
+using namespace resample_detail;
 
 double bilinear_filter(double x) {
   if (x < 0.0) x = -x;
@@ -96,20 +99,6 @@ int precompute_coeffs(int in_size, float in0, float in1, int out_total, int out_
       kk[i] = (int32_t)(0.5 + kd[i] * (1 << kPrecisionBits));
   }
   return ksize;
-}
-
-// Writes one row of out_w pixels, mirrored when flip.
-inline void store_row(const uint8_t* row, int out_w, bool flip, uint8_t* dst) {
-  if (!flip) {
-    std::memcpy(dst, row, (size_t)out_w * 3);
-    return;
-  }
-  for (int x = 0; x < out_w; x++) {
-    const uint8_t* p = row + (size_t)(out_w - 1 - x) * 3;
-    dst[x * 3 + 0] = p[0];
-    dst[x * 3 + 1] = p[1];
-    dst[x * 3 + 2] = p[2];
-  }
 }
 
 void check_output(int out_w, int out_h) {
@@ -266,7 +255,36 @@ bool horizontal_fixed(const uint8_t* src, int src_stride, int sx, int sw, int ro
   return true;
 }
 
+
+// Which loops resample_part() runs (set_resample_kernels_for_testing()).
+std::atomic<int> g_kernels{(int)ResampleKernels::Auto};
+
+bool cpu_has_avx2() {
+#if defined(VITGRID_RESAMPLE_AVX2)
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
+// True: the AVX2 loops.
+bool use_avx2() {
+  const int k = g_kernels.load(std::memory_order_relaxed);
+  if (k == (int)ResampleKernels::Baseline) return false;
+  return cpu_has_avx2();
+}
+
 }  // namespace
+
+bool set_resample_kernels_for_testing(ResampleKernels k) {
+  if (k == ResampleKernels::Avx2 && !cpu_has_avx2()) return false;
+  g_kernels.store((int)k, std::memory_order_relaxed);
+  return true;
+}
 
 void resample_part(const uint8_t* src, int src_stride, int sx, int sy, int sw, int sh, int W,
                    int H, Box box, int out_w, int out_h, Interp interp, bool flip, uint8_t* dst,
@@ -276,6 +294,8 @@ void resample_part(const uint8_t* src, int src_stride, int sx, int sy, int sw, i
     throw std::invalid_argument("resample_part: cut the crop out first (see resample())");
   const AxisPlan px = axis_plan(box, 0, W, out_w), py = axis_plan(box, 1, H, out_h);
   const bool need_h = px.needed, need_v = py.needed;
+  [[maybe_unused]] const bool avx2 = use_avx2();
+  bool flipped = false;  // the AVX2 horizontal pass writes its rows mirrored
 
   const int ksize_v = plan_coeffs(py, H, out_h, interp, s.kd, s.bv, s.kv);
   const int ybox_first = s.bv[0];
@@ -294,7 +314,16 @@ void resample_part(const uint8_t* src, int src_stride, int sx, int sy, int sw, i
       throw std::invalid_argument("resample_part: the part does not hold the footprint");
     s.tmp.resize((size_t)rows * out_w * 3);
     const uint8_t* src0 = src + (size_t)(ybox_first - sy) * src_stride;
-    if (!horizontal_fixed(src0, src_stride, sx, sw, rows, out_w, ksize_h, s))
+    bool done = false;
+#if defined(VITGRID_RESAMPLE_AVX2)
+    HorizontalPlan hp;
+    if (avx2 && plan_horizontal_avx2(sx, sw, out_w, ksize_h, s, hp)) {
+      horizontal_avx2(src0, src_stride, sw, rows, out_w, flip, hp, s, s.tmp.data());
+      flipped = flip;
+      done = true;
+    }
+#endif
+    if (!done && !horizontal_fixed(src0, src_stride, sx, sw, rows, out_w, ksize_h, s))
       horizontal_generic(src0, src_stride, sx, rows, out_w, ksize_h, s);
     in = s.tmp.data();
     in_stride = (size_t)out_w * 3;
@@ -305,8 +334,15 @@ void resample_part(const uint8_t* src, int src_stride, int sx, int sy, int sw, i
       throw std::invalid_argument("resample_part: the part does not hold the footprint");
   }
 
+  flip = flip && !flipped;  // the mirroring still to do
   if (need_v) {
     const size_t n = (size_t)in_w * 3;
+#if defined(VITGRID_RESAMPLE_AVX2)
+    if (avx2 && plan_vertical_avx2((int)n, out_h, ksize_v, s)) {
+      vertical_avx2(in, in_stride, in_y0, (int)n, out_h, ksize_v, flip, s, dst);
+      return;
+    }
+#endif
     s.acc.resize(n);
     for (int yy = 0; yy < out_h; yy++) {
       const int ymin = s.bv[yy * 2 + 0];

@@ -245,28 +245,147 @@ TEST(ImageDecode, RefusesTruncatedAndGarbage) {
 
 // --- 2. resampling --------------------------------------------------------------------------
 
-// resample() == Pillow's resize((w, h), BILINEAR|BICUBIC, box=...) (+ mirror), exactly.
+// Restores the default choice of resampling loops when a test that forced one ends.
+struct KernelsRestorer {
+  ~KernelsRestorer() { set_resample_kernels_for_testing(ResampleKernels::Auto); }
+};
+
+const char* kernels_name(ResampleKernels k) {
+  return k == ResampleKernels::Avx2 ? "avx2" : k == ResampleKernels::Baseline ? "baseline" : "auto";
+}
+
+// resample() == Pillow's resize((w, h), BILINEAR|BICUBIC, box=...) (+ mirror), exactly; with
+// each implementation of the loops this CPU can run.
 TEST(ImageTransform, ResampleEqualsPillowExactly) {
   REQUIRE_REFS();
-  int n = 0;
-  ResampleScratch scratch;
-  for (const auto& t : R.lines) {
-    if (t[0] != "resize") continue;
-    const ImageCase& c = R.images.at(t[1]);
-    const int ow = std::stoi(t[3]), oh = std::stoi(t[4]);
-    const Box box{std::stod(t[5]), std::stod(t[6]), std::stod(t[7]), std::stod(t[8]),
-                  BoxMode::Pillow};
-    const Bytes ref = read_file(t[10]);
-    Bytes out((size_t)ow * oh * 3);
-    resample(c.ref.data(), c.w, c.h, c.w * 3, box, ow, oh, interp_of(t[2]), t[9] == "1",
-             out.data(), scratch);
-    int maxd = 0;
-    EXPECT_EQ(count_diff(ref, out.data(), out.size(), &maxd), 0)
-        << t[1] << " interp " << t[2] << " " << ow << "x" << oh << " box " << t[5] << " " << t[6]
-        << " " << t[7] << " " << t[8] << " flip " << t[9] << ": max diff " << maxd;
-    ++n;
+  KernelsRestorer restore;
+  for (ResampleKernels k : {ResampleKernels::Baseline, ResampleKernels::Avx2}) {
+    if (!set_resample_kernels_for_testing(k)) {
+      std::printf("[resample] no %s loops on this CPU\n", kernels_name(k));
+      continue;
+    }
+    int n = 0;
+    ResampleScratch scratch;
+    for (const auto& t : R.lines) {
+      if (t[0] != "resize") continue;
+      const ImageCase& c = R.images.at(t[1]);
+      const int ow = std::stoi(t[3]), oh = std::stoi(t[4]);
+      const Box box{std::stod(t[5]), std::stod(t[6]), std::stod(t[7]), std::stod(t[8]),
+                    BoxMode::Pillow};
+      const Bytes ref = read_file(t[10]);
+      Bytes out((size_t)ow * oh * 3);
+      resample(c.ref.data(), c.w, c.h, c.w * 3, box, ow, oh, interp_of(t[2]), t[9] == "1",
+               out.data(), scratch);
+      int maxd = 0;
+      EXPECT_EQ(count_diff(ref, out.data(), out.size(), &maxd), 0)
+          << kernels_name(k) << " loops: " << t[1] << " interp " << t[2] << " " << ow << "x"
+          << oh << " box " << t[5] << " " << t[6] << " " << t[7] << " " << t[8] << " flip "
+          << t[9] << ": max diff " << maxd;
+      ++n;
+    }
+    EXPECT_GE(n, 40);
   }
-  EXPECT_GE(n, 40);
+}
+
+// The AVX2 loops and the baseline (SSE4.1 / scalar) loops give the same bytes, so the fallback
+// stays tested on a CPU with AVX2: random sources (noise, black/white, smooth: clamping, the
+// bicubic overshoot), sizes from 1 pixel, row padding, up- and downscales (tap counts from 3 to
+// over 100), boxes of every mode, both filters, flip on and off, whole sources and the parts
+// (footprints) resample_part() gets from the loader.
+TEST(ImageTransform, Avx2LoopsEqualBaseline) {
+  KernelsRestorer restore;
+  if (!set_resample_kernels_for_testing(ResampleKernels::Avx2))
+    GTEST_SKIP() << "this CPU has no AVX2";
+  uint64_t ctr = 0;
+  auto draw = [&](uint64_t n) { return n ? rng_u64(2024, 7, ctr++) % n : 0; };
+  auto unit = [&] { return (double)(rng_u64(2024, 7, ctr++) >> 11) / 9007199254740992.0; };
+  ResampleScratch s_avx2, s_base;  // scratch kept across cases, as a loader thread does
+  int cases = 0, bad = 0;
+  for (int it = 0; it < 4000; it++) {
+    // Mostly small and medium sizes; now and then a few pixels, or a large downscale.
+    const int size_kind = (int)draw(10);
+    auto side = [&] {
+      if (size_kind == 0) return 1 + (int)draw(6);
+      return size_kind <= 7 ? 1 + (int)draw(320) : 200 + (int)draw(400);
+    };
+    const int W = side(), H = side();
+    const int stride = W * 3 + (int)draw(3) * (int)draw(7);
+    Bytes img((size_t)stride * H);
+    const int content = (int)draw(3);
+    uint64_t z = rng_u64(2024, 8, it) | 1;  // xorshift64 for the pixels
+    for (int y = 0; y < H; y++)
+      for (int x = 0; x < stride; x++) {
+        z ^= z << 13, z ^= z >> 7, z ^= z << 17;
+        uint8_t& v = img[(size_t)y * stride + x];
+        if (content == 0) v = (uint8_t)(z >> 32);
+        else if (content == 1) v = (z >> 40) & 1 ? 255 : 0;
+        else v = (uint8_t)((x * 5 + y * 3) / 4 + (z >> 40) % 9);
+      }
+    const int ow = size_kind >= 8 ? 1 + (int)draw(40) : 1 + (int)draw(300);
+    const int oh = size_kind >= 8 ? 1 + (int)draw(40) : 1 + (int)draw(300);
+    const Interp interp = draw(2) ? Interp::Bicubic : Interp::Bilinear;
+    const bool flip = draw(2);
+    Box box;
+    int S = 0;  // ResizeThenCrop: the output is S x S
+    const int mode = (int)draw(4);
+    if (mode == 0) {  // the whole image, or a fractional box, Pillow's way
+      if (draw(3) == 0) {
+        box = Box{0, 0, (double)W, (double)H, BoxMode::Pillow};
+      } else {
+        const double x0 = unit() * W * 0.9, y0 = unit() * H * 0.9;
+        const double x1 = x0 + 0.05 + unit() * (W - x0 - 0.05);
+        const double y1 = y0 + 0.05 + unit() * (H - y0 - 0.05);
+        box = Box{x0, y0, x1, y1, BoxMode::Pillow};
+      }
+    } else if (mode == 1) {  // RandomResizedCrop
+      box = rrc_box(31, it, W, H, 0.08, 1.0, 0.75, 4.0 / 3.0);
+    } else if (mode == 2) {  // a crop of integer corners
+      const int x0 = (int)draw(W), y0 = (int)draw(H);
+      box = Box{(double)x0, (double)y0, (double)(x0 + 1 + (int)draw(W - x0)),
+                (double)(y0 + 1 + (int)draw(H - y0)), BoxMode::CropThenResize};
+    } else {  // the eval transform
+      S = 1 + (int)draw(std::min(W, H));
+      const double crop_pct = std::min(1.0, (double)S / std::min(W, H) + unit() * 0.5);
+      box = eval_box(W, H, S, crop_pct);
+    }
+    const int out_w = S ? S : ow, out_h = S ? S : oh;
+    Bytes a((size_t)out_w * out_h * 3, 1), b((size_t)out_w * out_h * 3, 2);
+    // Every other Pillow / ResizeThenCrop case through resample_part() on its footprint only.
+    const bool part = box.mode != BoxMode::CropThenResize && draw(2);
+    auto run = [&](ResampleKernels k, uint8_t* out, ResampleScratch& sc) {
+      ASSERT_TRUE(set_resample_kernels_for_testing(k));
+      if (!part) {
+        resample(img.data(), W, H, stride, box, out_w, out_h, interp, flip, out, sc);
+        return;
+      }
+      int x0, y0, x1, y1;
+      resample_footprint(W, H, box, out_w, out_h, interp, &x0, &y0, &x1, &y1);
+      // The part in a buffer of its own (nothing readable past its rows).
+      const int pw = x1 - x0, ph = y1 - y0;
+      Bytes p((size_t)pw * 3 * ph);
+      for (int y = 0; y < ph; y++)
+        std::memcpy(&p[(size_t)y * pw * 3], &img[(size_t)(y0 + y) * stride + (size_t)x0 * 3],
+                    (size_t)pw * 3);
+      resample_part(p.data(), pw * 3, x0, y0, pw, ph, W, H, box, out_w, out_h, interp, flip, out,
+                    sc);
+    };
+    run(ResampleKernels::Baseline, a.data(), s_base);
+    run(ResampleKernels::Avx2, b.data(), s_avx2);
+    ++cases;
+    if (a != b) {
+      size_t first = 0;
+      while (a[first] == b[first]) first++;
+      if (++bad <= 10)
+        ADD_FAILURE() << "case " << it << ": " << W << "x" << H << " stride " << stride
+                      << " box " << box.x0 << "," << box.y0 << "," << box.x1 << "," << box.y1
+                      << " mode " << (int)box.mode << (part ? " (part)" : "") << " -> " << out_w
+                      << "x" << out_h << " interp " << (int)interp << " flip " << flip
+                      << ": first difference at byte " << first << " (baseline " << (int)a[first]
+                      << ", avx2 " << (int)b[first] << ")";
+    }
+  }
+  std::printf("[resample] %d random cases: AVX2 and baseline loops differ in %d\n", cases, bad);
+  EXPECT_EQ(bad, 0);
 }
 
 // decode_crop_resize (dct_scale off) of a crop box == torchvision's F.resized_crop on the PIL
@@ -546,21 +665,30 @@ TEST(ImageDecode, TimingOneCore) {
   DecodeScratch scratch;
   const int S = 224;
   Bytes out((size_t)S * S * 3);
-  for (Interp ip : {Interp::Bilinear, Interp::Bicubic}) {
-    int n = 0;
-    const auto t0 = std::chrono::steady_clock::now();
-    double sec = 0;
-    while (sec < 1.0) {
-      for (size_t f = 0; f < files.size(); f++, n++) {
-        const Box box = rrc_box(3, n, infos[f].width, infos[f].height, 0.08, 1.0, 0.75, 4.0 / 3.0);
-        decode_crop_resize(files[f].data(), files[f].size(), infos[f], box, S, ip, n % 2, true,
-                           out.data(), scratch);
+  KernelsRestorer restore;
+  // The AVX2 resampling loops where this CPU has them, then the baseline loops.
+  std::vector<ResampleKernels> kernels{ResampleKernels::Baseline};
+  if (set_resample_kernels_for_testing(ResampleKernels::Avx2))
+    kernels.insert(kernels.begin(), ResampleKernels::Avx2);
+  for (ResampleKernels k : kernels) {
+    ASSERT_TRUE(set_resample_kernels_for_testing(k));
+    for (Interp ip : {Interp::Bilinear, Interp::Bicubic}) {
+      int n = 0;
+      const auto t0 = std::chrono::steady_clock::now();
+      double sec = 0;
+      while (sec < 1.0) {
+        for (size_t f = 0; f < files.size(); f++, n++) {
+          const Box box =
+              rrc_box(3, n, infos[f].width, infos[f].height, 0.08, 1.0, 0.75, 4.0 / 3.0);
+          decode_crop_resize(files[f].data(), files[f].size(), infos[f], box, S, ip, n % 2, true,
+                             out.data(), scratch);
+        }
+        sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       }
-      sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::printf("[timing] decode_crop_resize, ~400x350 q90 4:2:0 JPEGs, RandomResizedCrop to "
+                  "%d, %s: %.0f images/s on one core (%s resampling loops)\n",
+                  S, ip == Interp::Bicubic ? "bicubic" : "bilinear", n / sec, kernels_name(k));
     }
-    std::printf("[timing] decode_crop_resize, ~400x350 q90 4:2:0 JPEGs, RandomResizedCrop to %d, "
-                "%s: %.0f images/s on one core\n",
-                S, ip == Interp::Bicubic ? "bicubic" : "bilinear", n / sec);
   }
   {
     int n = 0;

@@ -63,6 +63,10 @@ struct ResampleScratch {
   std::vector<int32_t> kpad;    // and weights padded with zeros to ksize
   std::vector<uint8_t> tmp;     // horizontal pass output
   std::vector<int32_t> acc;     // one output row of the vertical pass
+  // The AVX2 loops: weights split for pmaddwd, [hw]: horizontal, [vw]: vertical; a zero-padded
+  // copy of a row's right end (horizontal); one output row before its mirroring (vertical).
+  std::vector<int32_t> hw, vw;
+  std::vector<uint8_t> tail, row;
 };
 
 // Pillow's resize of `box` of the W x H source into out_w x out_h; with flip, the output is
@@ -83,6 +87,15 @@ void resample(const uint8_t* src, int W, int H, int src_stride, Box box, int out
 void resample_part(const uint8_t* src, int src_stride, int sx, int sy, int sw, int sh, int W,
                    int H, Box box, int out_w, int out_h, Interp interp, bool flip, uint8_t* dst,
                    ResampleScratch& scratch);
+
+// Test seam: which implementation of the resampling loops resample() / resample_part() run.
+// Auto (the default) takes the AVX2 loops when the CPU has AVX2 (checked once), else Baseline:
+// the SSE4.1 / scalar loops that the build's -march guarantees. Both give the same bytes (Pillow's
+// integer sums); test/data/test_image_decode.cpp compares them. Process-wide and not meant to
+// change while other threads resample: for tests only. Returns false, changing nothing, when
+// this CPU cannot run the requested loops.
+enum class ResampleKernels : int { Auto = 0, Baseline = 1, Avx2 = 2 };
+bool set_resample_kernels_for_testing(ResampleKernels k);
 
 // The source pixels [x0, x1) x [y0, y1) that resample() of `box` into out_w x out_h reads from
 // a W x H image (a CropThenResize box: the rounded box itself).

@@ -354,6 +354,7 @@ PYEOF
     # (vitgrid bench: the model alone, no input pipeline), 256 images per GPU, on 1 GPU and on
     # all of the node's
     NPS="1"; [ "$NGPU" -gt 1 ] && NPS="1 $NGPU"
+    NPS=${JPEG_NPS:-$NPS}  # the GPU counts to train on (default: 1 and all of the node's)
     if [[ " ${JPEG_PARTS:-input train} " == *" train "* ]]; then
       for np in $NPS; do
         G=(--data.global_batch=$((256 * np)))

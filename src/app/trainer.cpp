@@ -1,5 +1,6 @@
-// Trainer: construction, teardown and the public methods, each handing over to Trainer::Impl
-// (trainer_impl.h lists the files of its jobs), and the helpers those files share.
+// Trainer and Trainer::Impl: construction, setup (the Run, then the jobs' buffers), teardown
+// and the public methods, each handing over to its job (trainer_impl.h lists their files), and
+// the helpers those files share.
 #include "vitgrid/app/trainer.h"
 
 #include <sys/stat.h>
@@ -53,17 +54,40 @@ void mkdirs(const std::string& path) {
 
 Trainer::Impl::~Impl() {
   stop_watchdog();
-  if (be) {
-    // graphs first: NCCL keeps a communicator used by a captured graph alive (and its
-    // destruction waiting) until the graph is gone, and the collectives go before the backend
-    be->drop_graphs();
-    be->synchronize();
-    for (void* p : in.d_raw)
-      if (p) be->release(p);
-    if (in.d_images) be->release(in.d_images);
-    if (d_step) be->release(d_step);
-    if (d_grad_stage) be->release(d_grad_stage);
+  // graphs first: NCCL keeps a communicator used by a captured graph alive (and its
+  // destruction waiting) until the graph is gone, and the collectives go before the backend;
+  // then each job releases its device buffers (the members' destructors, in reverse order)
+  if (run.be) {
+    run.be->drop_graphs();
+    run.be->synchronize();
   }
+}
+
+void Trainer::Impl::setup(bool training, bool profiling) {
+  run.setup(training);
+  inputs.setup();
+  stepper.setup(training, profiling);
+  run.plan_workspace();
+}
+
+int Trainer::Impl::evaluate_only() {
+  setup(false);
+  checkpointer.init_params();
+  checkpointer.load(run.deck.checkpoint.load, false);
+  return evaluator.evaluate_only();
+}
+
+int Trainer::Impl::predict() {
+  setup(false);
+  checkpointer.init_params();
+  checkpointer.load(run.deck.checkpoint.load, false);
+  return evaluator.predict();
+}
+
+int Trainer::Impl::bench(int warmup, int steps, double peak_tflops, bool with_profile) {
+  setup(true, with_profile);
+  checkpointer.init_params();
+  return benchmark.bench(warmup, steps, peak_tflops, with_profile);
 }
 
 Trainer::Trainer(MPI_Comm world, const Deck& deck) : impl_(std::make_unique<Impl>(world, deck)) {}

@@ -1,5 +1,5 @@
-// Trainer::Impl's benchmarking: bench() (timed training steps on one fixed batch, the op
-// profile with --profile) and the measured pipeline bubble report (train's too).
+// Benchmark: bench() (timed training steps on one fixed batch, the op profile with --profile)
+// and the measured pipeline bubble report (train's too).
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -13,6 +13,7 @@
 #endif
 
 namespace vitgrid {
+namespace trainer_detail {
 
 using trainer_util::fmt_flops;
 
@@ -20,15 +21,16 @@ using trainer_util::fmt_flops;
 // backward ops over the time of the steps so far, summed over the stage's ranks), logged beside the
 // schedule's theoretical bubble; with `metrics`, also stored as root attributes
 // bubble_fraction_stage<k> and bubble_fraction_theoretical.
-void Trainer::Impl::report_bubble(MetricsWriter* metrics) {
-  const int P = grid->size(Axis::Pipeline), s = grid->rank(Axis::Pipeline);
+void Benchmark::report_bubble(MetricsWriter* metrics) {
+  const int P = run_.grid->size(Axis::Pipeline), s = run_.grid->rank(Axis::Pipeline);
   if (P == 1) return;
+  PipelineRunner& pipe = *run_.pipe;
   std::vector<double> v(2 * P, 0.0);
-  v[s] = pipe->wait_seconds();
-  v[P + s] = pipe->total_seconds();
+  v[s] = pipe.wait_seconds();
+  v[P + s] = pipe.total_seconds();
   WatchdogWait w("the MPI all-reduce of the pipeline bubble");
-  MPI_Allreduce(MPI_IN_PLACE, v.data(), 2 * P, MPI_DOUBLE, MPI_SUM, world);
-  const PipelinePlans& pl = pipe->train_plans();
+  MPI_Allreduce(MPI_IN_PLACE, v.data(), 2 * P, MPI_DOUBLE, MPI_SUM, run_.world);
+  const PipelinePlans& pl = pipe.train_plans();
   const double theory = theoretical_bubble(pl.schedule, pl.P, pl.V, pl.M);
   std::string line;
   for (int k = 0; k < P; ++k) {
@@ -39,79 +41,82 @@ void Trainer::Impl::report_bubble(MetricsWriter* metrics) {
     if (metrics) metrics->set_attribute("bubble_fraction_stage" + std::to_string(k), f);
   }
   if (metrics) metrics->set_attribute("bubble_fraction_theoretical", theory);
-  log("pipeline bubble (device time outside forward/backward / stage time) per stage: %s; schedule %s: "
-      "theoretical (P-1)/%s = %.3f, i.e. %.3f of the step; simulated %.3f\n",
+  run_.log(
+      "pipeline bubble (device time outside forward/backward / stage time) per stage: %s; "
+      "schedule %s: theoretical (P-1)/%s = %.3f, i.e. %.3f of the step; simulated %.3f\n",
       line.c_str(), pipe_schedule_name(pl.schedule),
       pl.schedule == PipeSchedule::Interleaved ? "(V*M)" : "M", theory, theory / (1 + theory),
       pl.simulated_bubble);
 }
 
-int Trainer::Impl::bench(int warmup, int steps, double peak_tflops, bool with_profile) {
-  profiling = with_profile;
-  setup(true);
-  init_params();
+// Called by all ranks after setup(true, with_profile) and the initial parameters.
+int Benchmark::bench(int warmup, int steps, double peak_tflops, bool with_profile) {
+  const Deck& deck = run_.deck;
+  const ProcessGrid& grid = *run_.grid;
+  Backend& be = *run_.be;
+  const Log& log = run_.log;
+  const MPI_Comm world = run_.world;
+  const ViTConfig& cfg = run_.cfg;
   const int64_t G = deck.data.global_batch;
   // one real batch from the loader, reused: times the model, not the input pipeline
-  DataLoader loader(train_ds, loader_config(true), 0);
-  LoaderScope bound(in.loader, loader);
+  DataLoader loader(run_.train_ds, in_.loader_config(true), 0);
+  Inputs::LoaderScope bound(in_, loader);
   auto hb = loader.next();
   LrSchedule sched(deck.optim, warmup + steps, 0);
-  in.next_batch = [&hb] { return hb; };
-  in.next_hb = hb;
-  start_upload(*in.next_hb, in.slot, 0);  // as in train(): the next micro-batch's upload overlaps
+  stepper_.feed([&hb] { return hb; }, 0);  // as in train(): the next micro-batch's upload overlaps
   // exactly the training step (clipping, readback and CUDA graphs included)
-  auto one_step = [&](int64_t s) { enqueue_step(s, sched.at(s + 1), true); };
+  auto one_step = [&](int64_t s) { stepper_.enqueue_step(s, sched.at(s + 1), true); };
   // the two upload slots' graphs are captured in the third and fourth step
-  if (graphs.enabled && warmup < 4) {
+  if (stepper_.graphs_enabled() && warmup < 4) {
     log("bench: --warmup=%d raised to 4 (CUDA graphs are captured in steps 3 and 4)\n", warmup);
     warmup = 4;
   }
-  const int64_t allocs0 = be->device_allocations();  // setup() planned the workspace
+  const int64_t allocs0 = be.device_allocations();  // setup() planned the workspace
   for (int s = 0; s < warmup; ++s) one_step(s);
-  be->synchronize();
-  const int64_t allocs1 = be->device_allocations();
-  pipe->reset_timers();  // the bubble of the timed steps only
+  be.synchronize();
+  const int64_t allocs1 = be.device_allocations();
+  run_.pipe->reset_timers();  // the bubble of the timed steps only
   MPI_Barrier(world);
   const double t0 = now_s();
   for (int s = 0; s < steps; ++s) one_step(warmup + s);
-  be->synchronize();
+  be.synchronize();
   double dt = (now_s() - t0) / std::max(steps, 1);
   // device allocations from step 1 on, and in the timed steps only (the most of any rank)
-  long long allocs[2] = {static_cast<long long>(be->device_allocations() - allocs0),
-                         static_cast<long long>(be->device_allocations() - allocs1)};
+  long long allocs[2] = {static_cast<long long>(be.device_allocations() - allocs0),
+                         static_cast<long long>(be.device_allocations() - allocs1)};
   MPI_Allreduce(MPI_IN_PLACE, allocs, 2, MPI_LONG_LONG, MPI_MAX, world);
   MPI_Allreduce(MPI_IN_PLACE, &dt, 1, MPI_DOUBLE, MPI_MAX, world);
-  double mem = double(be->peak_memory_bytes()), mem_max = mem;
+  double mem = double(be.peak_memory_bytes()), mem_max = mem;
   MPI_Allreduce(MPI_IN_PLACE, &mem_max, 1, MPI_DOUBLE, MPI_MAX, world);
   report_bubble(nullptr);
-  if (profiling) {
+  if (with_profile) {
     // a few more steps with every op synchronised and timed: where the time goes
     const int ps = 3;
-    be->synchronize();
-    be->op_profile().reset();
-    be->op_profile().set_enabled(true);
+    be.synchronize();
+    be.op_profile().reset();
+    be.op_profile().set_enabled(true);
     const double p0 = now_s();
     for (int s = 0; s < ps; ++s) one_step(warmup + steps + s);
-    be->synchronize();
+    be.synchronize();
     const double pdt = (now_s() - p0) / ps;
-    be->op_profile().set_enabled(false);
+    be.op_profile().set_enabled(false);
     log("profile (rank 0, %d steps, every op synchronised: %.2f ms/step vs %.2f ms "
         "unsynchronised)\n%s",
-        ps, pdt * 1e3, dt * 1e3, be->op_profile().table(ps).c_str());
+        ps, pdt * 1e3, dt * 1e3, be.op_profile().table(ps).c_str());
   }
   const double ips = double(G) / dt;
   const double tflops = ips * cfg.train_flops_per_sample() / 1e12;
-  const double per_dev = tflops / grid->world_size();
-  std::string attention = be->name();  // the CPU backend has one attention path
+  const double per_dev = tflops / grid.world_size();
+  std::string attention = be.name();  // the CPU backend has one attention path
 #ifdef VITGRID_HAVE_CUDA
-  if (be->name() == "cuda")  // this rank's micro-batch shape
-    attention = cuda_attention_path(*be, micro, cfg.tokens(),
-                                    tp->local_heads(cfg.heads), cfg.head_dim());
+  if (be.name() == "cuda")  // this rank's micro-batch shape
+    attention = cuda_attention_path(be, run_.micro, cfg.tokens(), run_.tp->local_heads(cfg.heads),
+                                    cfg.head_dim());
 #endif
   // MFU against the peak dense TFLOP/s of one device: --peak-tflops, else on the cuda backend
   // H100/H200's (bf16/fp16 989, tf32 494, fp32 67). A CPU's peak depends on the machine and
   // its cores: no MFU unless given.
-  if (peak_tflops <= 0.0 && be->name() == "cuda") {
+  if (peak_tflops <= 0.0 && be.name() == "cuda") {
     const std::string& m = deck.precision.mode;
     peak_tflops = (m == "bf16" || m == "fp16" || m == "fp16-naive") ? 989.0
                   : m == "tf32"                                     ? 494.0
@@ -124,17 +129,18 @@ int Trainer::Impl::bench(int warmup, int steps, double peak_tflops, bool with_pr
   else
     std::snprintf(mfu, sizeof mfu,
                   "MFU n/a (no known peak for the %s backend; give --peak-tflops=X)",
-                  be->name().c_str());
+                  be.name().c_str());
   log("bench | %s | %s | %s | world %d | global batch %lld | step %.2f ms | %.1f img/s | "
       "%.1f img/s/device | %s/device | %s | peak mem %.2f GiB (%.3f MiB) | zero %d | grad "
       "buckets %zu%s | allocs from step 1 %lld | allocs in timed steps %lld | attention %s | "
       "cuda graphs %lld\n",
-      deck.model.preset.c_str(), deck.precision.mode.c_str(), be->name().c_str(),
-      grid->world_size(), static_cast<long long>(G), dt * 1e3, ips, ips / grid->world_size(),
+      deck.model.preset.c_str(), deck.precision.mode.c_str(), be.name().c_str(), grid.world_size(),
+      static_cast<long long>(G), dt * 1e3, ips, ips / grid.world_size(),
       fmt_flops(per_dev * 1e12).c_str(), mfu, mem_max / 1073741824.0, mem_max / 1048576.0,
-      zero ? 1 : 0, reducer->buckets().size(), overlap ? " overlapped" : "", allocs[0], allocs[1],
-      attention.c_str(), static_cast<long long>(graphs.captures));
+      run_.zero ? 1 : 0, run_.reducer->buckets().size(), run_.overlap ? " overlapped" : "",
+      allocs[0], allocs[1], attention.c_str(), static_cast<long long>(stepper_.graph_captures()));
   return 0;
 }
 
+}  // namespace trainer_detail
 }  // namespace vitgrid

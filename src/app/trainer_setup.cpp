@@ -1,10 +1,8 @@
-// Trainer::Impl's setup: the grid, backend and collectives, the model and its pipeline, the
-// data-parallel gradient reduction, the upload buffers, CUDA graphs, the device's JPEG decoder
-// and the loaders' configuration.
+// Run's setup: the grid, backend and collectives, the model and its pipeline, the datasets, the
+// optimizer and the data-parallel gradient reduction, and the backend's workspace.
 #include <algorithm>
 #include <cmath>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "trainer_impl.h"
@@ -17,6 +15,7 @@
 #endif
 
 namespace vitgrid {
+namespace trainer_detail {
 namespace {
 
 DType act_dtype_of(const std::string& mode) {
@@ -39,7 +38,11 @@ FusedGeluMode fused_gelu_mode_of(const std::string& v) {
 }
 }  // namespace
 
-void Trainer::Impl::setup(bool training) {
+Run::~Run() {
+  if (d_grad_stage) be->release(d_grad_stage);
+}
+
+void Run::setup(bool training) {
   // a rank that stops responding ends the job instead of leaving the others waiting
   start_watchdog(deck.device.comm_timeout);
   GridShape gs;
@@ -176,29 +179,12 @@ void Trainer::Impl::setup(bool training) {
   }
   const bool fp16 = deck.precision.mode == "fp16" || deck.precision.mode == "fp16-naive";
   scaler = std::make_unique<LossScaler>(deck.precision, fp16);
+}
 
-  // batch upload buffers (soft targets only with Mixup / CutMix)
-  const size_t img = static_cast<size_t>(cfg.image) * cfg.image * 3;
-  const bool mixup = deck.data.mixup_alpha > 0 || deck.data.cutmix_alpha > 0;
-  auto align = [](size_t n) { return (n + 255) / 256 * 256; };
-  in.off_labels = 0;
-  in.off_position = in.off_labels + align(b * sizeof(int32_t));
-  in.off_soft = in.off_position + align(2 * sizeof(int64_t));
-  in.off_aug =
-      in.off_soft + (mixup ? align(static_cast<size_t>(b) * cfg.classes * sizeof(float)) : 0);
-  in.off_images = in.off_aug + align(b * sizeof(SampleAug));
-  in.raw_bytes = in.off_images + align(b * img);
-  setup_decoder();
-  for (void*& p : in.d_raw) p = be->alloc(in.raw_bytes);
-  for (int k = 0; k < Inputs::kUploadSlots; ++k) be->staging(k, in.raw_bytes);
-  in.d_images = be->alloc(static_cast<size_t>(b) * 3 * cfg.image * cfg.image * be->act_size());
-  d_step = static_cast<StepScalars*>(be->alloc(sizeof(StepScalars)));
-  be->zero(d_step, sizeof(StepScalars));
-  setup_graphs(training);
-
-  // Parameters, gradients, optimizer state and activations are allocated; now the backend's
-  // own workspace (reduction scratch, GEMM temporaries, optimizer tables) at the largest
-  // shapes this rank's steps run, so that no step allocates.
+// Parameters, gradients, optimizer state and activations are allocated, the jobs' buffers too;
+// now the backend's own workspace (reduction scratch, GEMM temporaries, optimizer tables) at
+// the largest shapes this rank's steps run, so that no step allocates.
+void Run::plan_workspace() {
   WorkspaceShape ws;
   ws.micro_batch = micro;
   ws.act_size = be->act_size();
@@ -213,13 +199,14 @@ void Trainer::Impl::setup(bool training) {
 // part of the model (its layers, and activation sets for the micro-batches the plans keep in
 // flight) and the runner. Every rank computes every stage's plan, so they agree without
 // talking.
-void Trainer::Impl::build_pipeline() {
+void Run::build_pipeline() {
   const ParallelSection& pp = deck.parallel;
   const int P = grid->size(Axis::Pipeline), s = grid->rank(Axis::Pipeline);
   const int M = pp.micro_batches;
   micro = b / M;
   PipeSchedule kind = PipeSchedule::OneFOneB;
   PipelinePlans train_plans, eval_plans;
+  std::vector<int> partition;  // blocks per virtual stage
   agreed([&] {
     kind = parse_pipe_schedule(pp.schedule);
     const int V = kind == PipeSchedule::Interleaved ? pp.chunks : 1;
@@ -280,8 +267,8 @@ void Trainer::Impl::build_pipeline() {
   // 4 links at once, each with device.pipe_comm_ctas blocks; 8 SMs with NCCL's choice,
   // measured best on 2 x H200). 5172 -> 5669 img/s on 2 x H200 (ViT-B/16, interleaved).
   if (P > 1 && train_plans.messages == PipelinePlans::Messages::Async)
-    pipe_sm_margin = 4 * (deck.device.pipe_comm_ctas > 0 ? deck.device.pipe_comm_ctas : 2);
-  if (pipe_sm_margin > 0) be->set_gemm_sm_margin(pipe_sm_margin);
+    pipe_sm_margin_ = 4 * (deck.device.pipe_comm_ctas > 0 ? deck.device.pipe_comm_ctas : 2);
+  if (pipe_sm_margin_ > 0) be->set_gemm_sm_margin(pipe_sm_margin_);
   pipe = std::make_unique<PipelineRunner>(*model, *be, *coll, *grid, std::move(train_plans),
                                           std::move(eval_plans), micro);
 }
@@ -289,13 +276,13 @@ void Trainer::Impl::build_pipeline() {
 // The granularity of gradient buckets and their padding: ZeRO-1's shards and the
 // copy-engine reduction's blocks split every bucket evenly over the data ranks, in
 // 16-element pieces (1: no constraint). Needs `zero` set (build_pipeline).
-size_t Trainer::Impl::even_split() const {
+size_t Run::even_split() const {
   return zero || copy_engine ? static_cast<size_t>(grid->size(Axis::Data)) * 16 : 1;
 }
 
 // Called by all ranks from setup(): the gradient buckets of this stage (alike on its data
 // ranks), the reducer and the model's gradient-ready hook.
-void Trainer::Impl::setup_grad_reduction() {
+void Run::setup_grad_reduction() {
   const int D = grid->size(Axis::Data);
   const double mb = deck.device.bucket_mb;  // MiB of fp32 gradients per bucket (0: one)
   overlap = D > 1 && mb > 0.0;
@@ -324,7 +311,7 @@ void Trainer::Impl::setup_grad_reduction() {
   const int margin = deck.device.gemm_sm_margin;
   if (overlap && margin > 0)
     reducer->set_overlap_hook(
-        [this, margin](bool on) { be->set_gemm_sm_margin(pipe_sm_margin + (on ? margin : 0)); });
+        [this, margin](bool on) { be->set_gemm_sm_margin(pipe_sm_margin_ + (on ? margin : 0)); });
   if (D > 1)
     log("data-parallel gradients (%s): %zu bucket(s) of %.2f MiB on average (stage 0), %s%s; "
         "%s\n",
@@ -341,65 +328,5 @@ void Trainer::Impl::setup_grad_reduction() {
              : "all-reduce");
 }
 
-// Called by all ranks from setup(): whether the step's micro-batches run as CUDA graphs.
-// Everything a graph replays must be the same every step (what changes, the batch and the
-// step and stream position that key the dropout masks, is read from the upload slot): with
-// one pipeline stage (a pipeline's bubble marks and point-to-point schedule stay eager) and
-// not under --profile (which times every op).
-void Trainer::Impl::setup_graphs(bool training) {
-  if (!training || !deck.device.cuda_graph || !be->graphs_supported()) return;
-  std::string why;
-  if (grid->size(Axis::Pipeline) > 1) why = "pipeline stages";
-  else if (profiling) why = "--profile";
-  if (!why.empty()) {
-    log("CUDA graphs off (%s): the step runs eagerly\n", why.c_str());
-    return;
-  }
-  graphs.enabled = true;
-}
-
-LoaderConfig Trainer::Impl::loader_config(bool train) const {
-  // auto workers: this rank's share of the node's cores (a CPU-backend rank computes on one)
-  const int workers =
-      deck.data.workers > 0
-          ? deck.data.workers
-          : std::max(1, std::min<int>(16, static_cast<int>(std::thread::hardware_concurrency()) /
-                                              std::max(1, grid->local_size())));
-  LoaderConfig c = make_loader_config(deck, train, grid->rank(Axis::Data),
-                                      grid->size(Axis::Data), workers);
-  c.num_classes = cfg.classes;
-  if (in.decoder) {
-    const ImageDecoder* dec = in.decoder;
-    c.real.device_accepts = [dec](int comps, bool prog, int sh, int sv) {
-      return dec->accepts(comps, prog, sh, sv);
-    };
-  }
-  return c;
-}
-
-// JPEGs on the device with data.decode = device, where the backend has a decoder and the
-// dataset holds encoded images (only the stage holding the patch embedding reads images); it
-// takes data.device_share of them. auto decodes on the host: on an H100 nvJPEG's hardware
-// decode of the next batch waits for the running step's kernels (README, "Decoding"), and 16
-// loader threads per GPU keep ViT-B/16 fed.
-void Trainer::Impl::setup_decoder() {
-  const Dataset* ds = train_ds ? train_ds.get() : eval_ds.get();
-  if (!ds || !ds->encoded() || !model->layout().embed) return;
-  const int threads = loader_config(true).workers;
-  if (deck.data.decode != "device" || deck.data.device_share == 0.0) {
-    log("data: JPEGs decoded on the host (libjpeg-turbo, %d loader threads)\n", threads);
-    return;
-  }
-  in.decoder = be->image_decoder();
-  in.decode_interp = make_loader_config(deck, true, 0, 1, 1).real.interp;
-  if (!in.decoder)
-    throw UserError("data.decode = device, but the " + be->name() +
-                    " backend has no JPEG decoder (data.decode = auto or host decodes on the host)");
-  if (deck.data.device_share < 1.0)
-    log("data: JPEGs decoded on the device (%g of them; the rest by %d loader threads): %s\n",
-        deck.data.device_share, threads, in.decoder->describe().c_str());
-  else
-    log("data: JPEGs decoded on the device: %s\n", in.decoder->describe().c_str());
-}
-
+}  // namespace trainer_detail
 }  // namespace vitgrid

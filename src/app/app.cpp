@@ -26,7 +26,8 @@ const char* kUsage =
     "usage: vitgrid train   DECK [--section.key=value ...]\n"
     "       vitgrid eval    DECK --checkpoint.load=PATH [--section.key=value ...]\n"
     "       vitgrid predict DECK --checkpoint.load=PATH   (writes RUN_DIR/predictions.h5)\n"
-    "       vitgrid bench   DECK [--warmup=N] [--steps=N] [--peak-tflops=X] [--profile] [overrides]\n"
+    "       vitgrid bench   DECK [--warmup=N] [--steps=N] [--peak-tflops=X] [--profile]\n"
+    "                       [--checkpoint] [overrides]\n"
     "       vitgrid help-deck    (every deck key, its type, default and meaning)\n"
     "       vitgrid version\n";
 
@@ -89,7 +90,7 @@ int run_app(int argc, char** argv) {
   // bench options (not deck keys)
   int warmup = 5, steps = 20;
   double peak = 0.0;
-  bool profile = false;
+  bool profile = false, checkpoint = false;
   for (auto it = args.begin() + 2; it != args.end();) {
     auto opt = [&](const char* name, auto& v) {
       const std::string p = std::string("--") + name + "=";
@@ -102,6 +103,8 @@ int run_app(int argc, char** argv) {
       it = args.erase(it);
     else if (cmd == "bench" && *it == "--profile")
       profile = true, it = args.erase(it);
+    else if (cmd == "bench" && *it == "--checkpoint")
+      checkpoint = true, it = args.erase(it);
     else
       ++it;
   }
@@ -132,7 +135,7 @@ int run_app(int argc, char** argv) {
     Trainer trainer(world, deck);
     if (cmd == "train") return trainer.train();
     if (cmd == "eval") return trainer.evaluate_only();
-    if (cmd == "bench") return trainer.bench(warmup, steps, peak, profile);  // peak 0: not given
+    if (cmd == "bench") return trainer.bench(warmup, steps, peak, profile, checkpoint);  // peak 0: not given
     return trainer.predict();
   } catch (const UserError& e) {
     fail_agreed(e.what(), kExitUserError);

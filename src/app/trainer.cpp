@@ -84,10 +84,11 @@ int Trainer::Impl::predict() {
   return evaluator.predict();
 }
 
-int Trainer::Impl::bench(int warmup, int steps, double peak_tflops, bool with_profile) {
+int Trainer::Impl::bench(int warmup, int steps, double peak_tflops, bool with_profile,
+                         bool with_checkpoint) {
   setup(true, with_profile);
   checkpointer.init_params();
-  return benchmark.bench(warmup, steps, peak_tflops, with_profile);
+  return benchmark.bench(warmup, steps, peak_tflops, with_profile, with_checkpoint);
 }
 
 Trainer::Trainer(MPI_Comm world, const Deck& deck) : impl_(std::make_unique<Impl>(world, deck)) {}
@@ -95,8 +96,8 @@ Trainer::~Trainer() = default;
 int Trainer::train() { return impl_->train(); }
 int Trainer::evaluate_only() { return impl_->evaluate_only(); }
 int Trainer::predict() { return impl_->predict(); }
-int Trainer::bench(int warmup, int steps, double peak, bool profile) {
-  return impl_->bench(warmup, steps, peak, profile);
+int Trainer::bench(int warmup, int steps, double peak, bool profile, bool checkpoint) {
+  return impl_->bench(warmup, steps, peak, profile, checkpoint);
 }
 
 }  // namespace vitgrid

@@ -1,7 +1,14 @@
 // Benchmark: bench() (timed training steps on one fixed batch, the op profile with --profile)
 // and the measured pipeline bubble report (train's too).
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -14,6 +21,52 @@
 
 namespace vitgrid {
 namespace trainer_detail {
+namespace {
+
+// Writes whole MiB of a fixed pattern (at least `bytes`) to a new file `path`, with O_DIRECT
+// where the file system takes it (else through the page cache), then fsync, and removes the
+// file: the seconds from the first write to the end of the fsync. *bytes_written and *direct
+// say what was done. Throws UserError naming the file when it cannot be written.
+double probe_write(const std::string& path, size_t bytes, size_t* bytes_written, bool* direct) {
+  constexpr size_t kChunk = size_t(1) << 20;  // O_DIRECT: aligned buffer, whole blocks
+  const size_t chunks = std::max<size_t>(1, (bytes + kChunk - 1) / kChunk);
+  void* p = nullptr;
+  if (posix_memalign(&p, 4096, kChunk) != 0) throw std::bad_alloc();
+  std::unique_ptr<void, decltype(&std::free)> buf(p, &std::free);
+  std::memset(p, 0x5a, kChunk);
+  auto fail = [&](const char* what, int err) {
+    unlink(path.c_str());
+    throw UserError("bench --checkpoint: " + std::string(what) + " " + path + ": " +
+                    std::strerror(err));
+  };
+  for (bool use_direct : {true, false}) {
+    const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | (use_direct ? O_DIRECT : 0),
+                        0600);
+    if (fd < 0) {
+      if (use_direct && errno == EINVAL) continue;  // a file system without O_DIRECT (tmpfs)
+      fail("cannot create", errno);
+    }
+    const double t0 = now_s();
+    size_t c = 0;
+    while (c < chunks && write(fd, p, kChunk) == static_cast<ssize_t>(kChunk)) ++c;
+    const int err = errno;
+    const bool synced = c == chunks && fsync(fd) == 0;
+    const double dt = now_s() - t0;
+    close(fd);
+    if (!synced) {
+      if (use_direct && c == 0 && err == EINVAL) continue;  // O_DIRECT refused at the write
+      fail("writing", c == chunks ? errno : err);
+    }
+    unlink(path.c_str());
+    *bytes_written = chunks * kChunk;
+    *direct = use_direct;
+    return dt;
+  }
+  fail("writing", EINVAL);
+  return 0.0;
+}
+
+}  // namespace
 
 using trainer_util::fmt_flops;
 
@@ -49,8 +102,55 @@ void Benchmark::report_bubble(MetricsWriter* metrics) {
       pl.simulated_bubble);
 }
 
+// Called by all ranks after the timed steps (bench --checkpoint): one checkpoint of the state,
+// written as train() writes them, timed from the step loop's side (from the call to its
+// return, on the slowest rank: how long training stops), and the disk's own rate beside it:
+// the same bytes written by one writer per node (local rank 0, the node's share) into the
+// checkpoint directory, with O_DIRECT where the file system takes it, fsynced and removed.
+void Benchmark::checkpoint_bench() {
+  const MPI_Comm world = run_.world;
+  run_.be->synchronize();
+  {
+    WatchdogWait w("the MPI barrier before the checkpoint bench");
+    MPI_Barrier(world);
+  }
+  const double t0 = now_s();
+  ckpt_.save();
+  double stall = now_s() - t0;
+  MPI_Allreduce(MPI_IN_PLACE, &stall, 1, MPI_DOUBLE, MPI_MAX, world);
+  const double bytes = ckpt_.bytes();
+  int writer = run_.grid->local_rank() == 0 ? 1 : 0, writers = 0, rank = 0;
+  MPI_Allreduce(&writer, &writers, 1, MPI_INT, MPI_SUM, world);
+  MPI_Comm_rank(world, &rank);
+  double dt = 0.0, written = 0.0;
+  int direct = 1;
+  {
+    WatchdogWait w("the MPI barrier before the disk probe");
+    MPI_Barrier(world);
+  }
+  run_.agreed([&] {
+    if (!writer) return;
+    size_t n = 0;
+    bool d = false;
+    dt = probe_write(ckpt_.dir() + "/.disk_probe." + std::to_string(rank),
+                     static_cast<size_t>(bytes / writers), &n, &d);
+    written = double(n);
+    direct = d ? 1 : 0;
+  });
+  MPI_Allreduce(MPI_IN_PLACE, &dt, 1, MPI_DOUBLE, MPI_MAX, world);
+  MPI_Allreduce(MPI_IN_PLACE, &written, 1, MPI_DOUBLE, MPI_SUM, world);
+  MPI_Allreduce(MPI_IN_PLACE, &direct, 1, MPI_INT, MPI_MIN, world);
+  const double disk = written / 1e9 / std::max(dt, 1e-9);
+  const double file = ckpt_.stats().write_gbs;
+  run_.log("checkpoint bench | %.4g GB | step loop stopped %.3f s | file written at %.3g GB/s "
+           "| disk %.3g GB/s (%s, %d writer%s, %.4g GB) | file at %.0f%% of the disk\n",
+           bytes / 1e9, stall, file, disk, direct ? "O_DIRECT" : "page cache + fsync", writers,
+           writers == 1 ? "" : "s", written / 1e9, 100.0 * file / std::max(disk, 1e-12));
+}
+
 // Called by all ranks after setup(true, with_profile) and the initial parameters.
-int Benchmark::bench(int warmup, int steps, double peak_tflops, bool with_profile) {
+int Benchmark::bench(int warmup, int steps, double peak_tflops, bool with_profile,
+                     bool with_checkpoint) {
   const Deck& deck = run_.deck;
   const ProcessGrid& grid = *run_.grid;
   Backend& be = *run_.be;
@@ -80,6 +180,7 @@ int Benchmark::bench(int warmup, int steps, double peak_tflops, bool with_profil
   const double t0 = now_s();
   for (int s = 0; s < steps; ++s) one_step(warmup + s);
   be.synchronize();
+  int64_t done = warmup + steps;  // steps the state has taken (a checkpoint's step)
   double dt = (now_s() - t0) / std::max(steps, 1);
   // device allocations from step 1 on, and in the timed steps only (the most of any rank)
   long long allocs[2] = {static_cast<long long>(be.device_allocations() - allocs0),
@@ -97,6 +198,7 @@ int Benchmark::bench(int warmup, int steps, double peak_tflops, bool with_profil
     be.op_profile().set_enabled(true);
     const double p0 = now_s();
     for (int s = 0; s < ps; ++s) one_step(warmup + steps + s);
+    done += ps;
     be.synchronize();
     const double pdt = (now_s() - p0) / ps;
     be.op_profile().set_enabled(false);
@@ -139,6 +241,10 @@ int Benchmark::bench(int warmup, int steps, double peak_tflops, bool with_profil
       fmt_flops(per_dev * 1e12).c_str(), mfu, mem_max / 1073741824.0, mem_max / 1048576.0,
       run_.zero ? 1 : 0, run_.reducer->buckets().size(), run_.overlap ? " overlapped" : "",
       allocs[0], allocs[1], attention.c_str(), static_cast<long long>(stepper_.graph_captures()));
+  if (with_checkpoint) {
+    run_.step = done;
+    checkpoint_bench();
+  }
   return 0;
 }
 

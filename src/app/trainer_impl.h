@@ -257,6 +257,8 @@ class Checkpointer {
   struct Stats {
     double write_gbs = 0.0, read_gbs = 0.0;
   };
+  // The state a checkpoint holds (fp32 parameters and optimizer state), bytes.
+  double bytes() const;
 
   explicit Checkpointer(Run& run) : run_(run) {}
   void init_params();
@@ -271,7 +273,6 @@ class Checkpointer {
  private:
   void set_params(const float* host);
   std::vector<TensorShard> shards(std::vector<float>& host, bool with_optim);
-  double bytes() const;
 
   Run& run_;
   Stats stats_;
@@ -298,14 +299,18 @@ class Evaluator {
 // too).
 class Benchmark {
  public:
-  Benchmark(Run& run, Inputs& in, Stepper& stepper) : run_(run), in_(in), stepper_(stepper) {}
-  int bench(int warmup, int steps, double peak_tflops, bool with_profile);
+  Benchmark(Run& run, Inputs& in, Stepper& stepper, Checkpointer& ckpt)
+      : run_(run), in_(in), stepper_(stepper), ckpt_(ckpt) {}
+  // with_checkpoint (bench --checkpoint): after the timed steps, checkpoint_bench()
+  int bench(int warmup, int steps, double peak_tflops, bool with_profile, bool with_checkpoint);
   void report_bubble(MetricsWriter* metrics);
 
  private:
+  void checkpoint_bench();
   Run& run_;
   Inputs& in_;
   Stepper& stepper_;
+  Checkpointer& ckpt_;
 };
 
 }  // namespace trainer_detail
@@ -318,7 +323,7 @@ struct Trainer::Impl {
   trainer_detail::Stepper stepper{run, inputs};
   trainer_detail::Checkpointer checkpointer{run};
   trainer_detail::Evaluator evaluator{run, inputs};
-  trainer_detail::Benchmark benchmark{run, inputs, stepper};
+  trainer_detail::Benchmark benchmark{run, inputs, stepper, checkpointer};
 
   Impl(MPI_Comm w, const Deck& d) : run(w, d) {}
   ~Impl();  // trainer.cpp
@@ -328,7 +333,7 @@ struct Trainer::Impl {
   int train();  // trainer_train.cpp
   int evaluate_only();
   int predict();
-  int bench(int warmup, int steps, double peak_tflops, bool with_profile);
+  int bench(int warmup, int steps, double peak_tflops, bool with_profile, bool with_checkpoint);
 };
 
 }  // namespace vitgrid

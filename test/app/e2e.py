@@ -1467,6 +1467,22 @@ def t_bench_report(tmp):
           f"--peak-tflops=0.01: MFU = rate / 10 GFLOP/s ({line[line.find('| ', 60):line.find('| peak mem')]})")
     p = run(2, common)
     check("vitgrid 0.1.0: 2 ranks," in p.stdout, "the log says 2 ranks")
+    # --checkpoint: the state after the timed steps written as train() writes it, the stall of
+    # the step loop and the file's rate, and the disk's own rate beside it (its probe removed)
+    d = os.path.join(tmp, "ckpt")
+    p = run(2, ["bench", DECK, f"--run.out_dir={d}", "--warmup=1", "--steps=2", "--checkpoint"])
+    line = next((l for l in p.stdout.splitlines() if l.startswith("checkpoint bench |")), "")
+    m = re.search(r"\| ([\d.e+-]+) GB \| step loop stopped ([\d.]+) s \| file written at "
+                  r"([\d.e+-]+) GB/s \| disk ([\d.e+-]+) GB/s \((O_DIRECT|page cache \+ fsync), "
+                  r"1 writer, ([\d.e+-]+) GB\)", line)
+    check(m is not None and float(m.group(2)) > 0 and float(m.group(3)) > 0
+          and float(m.group(4)) > 0 and float(m.group(6)) >= float(m.group(1)),
+          f"bench --checkpoint reports the stall, the file's and the disk's rates: {line}")
+    files = sorted(os.listdir(os.path.join(d, "checkpoints")))
+    check(files == ["step_00000003.h5"], f"one checkpoint, of the state after 3 steps: {files}")
+    with h5py.File(os.path.join(d, "checkpoints", "step_00000003.h5"), "r") as f:
+        check(int(f.attrs["complete"]) == 1 and "blocks.0.attn.qkv.weight" in f["model"],
+              "the bench checkpoint is complete, with the model in it")
 
 
 def gpus_or_skip():

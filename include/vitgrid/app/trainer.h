@@ -24,8 +24,10 @@ class Trainer {
   // batch (no input pipeline in the loop), full optimizer step included. Prints images/s,
   // step time, model TFLOP/s, MFU against `peak_tflops` per device (0: the GPU's on the cuda
   // backend, none on the CPU) and peak memory.
-  // With `profile`, 3 more steps time every op (synchronised) and print the table.
-  int bench(int warmup, int steps, double peak_tflops, bool profile);
+  // With `profile`, 3 more steps time every op (synchronised) and print the table. With
+  // `checkpoint`, one checkpoint of the state after the timed steps is written as train()
+  // writes them (into run.out_dir) and timed, and the disk's own write rate measured beside it.
+  int bench(int warmup, int steps, double peak_tflops, bool profile, bool checkpoint = false);
 
  private:
   struct Impl;

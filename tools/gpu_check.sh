@@ -290,6 +290,10 @@ PYEOF
         --run.out_dir="$R/$name" --run.steps=2 --checkpoint.resume=auto --checkpoint.keep=1 2>&1 | grep -E "checkpoint .*(written|loaded)|rror"
       du -sh "$R/$name/checkpoints" 2>/dev/null
       rm -rf "$R/$name"
+      # the step loop's stall and the file's rate beside the disk's own, in one line
+      mpirun -np $n --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini $lay --warmup=1 \
+        --steps=1 --checkpoint --run.out_dir="$R/$name" 2>&1 | grep -E "^checkpoint bench|rror"
+      rm -rf "$R/$name"
     done | tee "$OUT/ckpt.log"
     ;;
   e2epar)

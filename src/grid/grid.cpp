@@ -489,18 +489,6 @@ class MpiCollectives final : public Collectives {
     return {Work::Kind::Overlapped, overlapped_first_ + overlapped_.size() - 1};
   }
 
-  void wait(Work w) override {
-    switch (w.kind) {
-      case Work::Kind::None:
-        return;
-      case Work::Kind::Message:
-        return wait_message(w.id);
-      case Work::Kind::Collective:
-        return wait_started(w.id);
-      case Work::Kind::Overlapped:
-        return wait_overlapped(w.id);
-    }
-  }
 
   void send(const void* buf, size_t bytes, int peer, Axis a) override {
     WatchdogWait w("an MPI send", axis_name(a));
@@ -616,7 +604,7 @@ class MpiCollectives final : public Collectives {
     messages_.push_back(std::move(m));
     return {Work::Kind::Message, messages_.size() - 1};
   }
-  void wait_message(size_t t) {
+  void wait_message(size_t t) override {
     VG_CHECK(t < messages_.size(), "wait for message " << t << " of " << messages_.size());
     Message& m = messages_[t];
     WatchdogWait w("a wait for an MPI message", axis_name(m.axis));
@@ -683,7 +671,7 @@ class MpiCollectives final : public Collectives {
     started_.push_back({reqs_.size(), reqs_.size(), {}});
     return {Work::Kind::Collective, started_.size() - 1};
   }
-  void wait_started(size_t t) {
+  void wait_started(size_t t) override {
     WatchdogWait w("a wait for an overlapped MPI collective");
     VG_CHECK(t < started_.size(), "wait for collective " << t << " of " << started_.size());
     Started& s = started_[t];
@@ -739,7 +727,7 @@ class MpiCollectives final : public Collectives {
     overlapped_.push_back({MPI_REQUEST_NULL, type});
     return overlapped_.back();
   }
-  void wait_overlapped(size_t t) {
+  void wait_overlapped(size_t t) override {
     VG_CHECK(!overlapped_.empty() && t == overlapped_first_,
              "overlapped collective " << t << " waited for out of order (next: "
                                       << overlapped_first_ << ", open: " << overlapped_.size()

@@ -491,7 +491,6 @@ bool ViT::drop_path_kept(int64_t step, int l, int branch, int64_t sample) const 
          drop_path_keep(seed_, key, static_cast<uint64_t>(sample), dropout_threshold(p));
 }
 
-
 void ViT::chunk_forward(int chunk, int set, const DeviceBatch& in, int64_t step, bool train,
                         float smoothing, float grad_scale, double* loss, double* top1,
                         double* top5) {

@@ -38,11 +38,11 @@ bool ViT::attention_parts_fit(int Bi) const {
 }
 
 const BlockPlan& ViT::block_plan(int l, int batch) const {
-  const int Bi = tp_.act_block(ActLayout::Inner, batch, cfg_.mlp).samples;
   // (the plans without attention parts, for micro-batches whose parts the backend cannot start
   // at, exist only where the strategy has parts)
-  const bool whole = !plans_[1].empty() && !attention_parts_fit(Bi);
-  return plans_[whole ? 1 : 0][l];
+  if (plans_[1].empty()) return plans_[0][l];
+  const int Bi = tp_.act_block(ActLayout::Inner, batch, cfg_.mlp).samples;
+  return plans_[attention_parts_fit(Bi) ? 0 : 1][l];
 }
 
 // Block l (global index: it keys the dropout masks) of micro-batch `in` in set `set`. With

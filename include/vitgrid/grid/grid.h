@@ -151,7 +151,18 @@ class Collectives {
   //   waiting on the host where the backend need not (CUDA); its buffers are free from then.
   // - Overlapped: after it (CPU: returns once it completed). Overlapped Works are waited for
   //   in the order they were started.
-  virtual void wait(Work w) = 0;
+  void wait(Work w) {
+    switch (w.kind) {
+      case Work::Kind::None:
+        return;
+      case Work::Kind::Message:
+        return wait_message(w.id);
+      case Work::Kind::Collective:
+        return wait_started(w.id);
+      case Work::Kind::Overlapped:
+        return wait_overlapped(w.id);
+    }
+  }
 
   // ---- Asynchronous point-to-point messages (the pipeline's fallback placement, pipeline.h).
   // open_links(a) first, called by every rank of the axis (NCCL creates the links: a
@@ -254,6 +265,12 @@ class Collectives {
   // collectives in it) to the watchdog as one item on every axis.
   virtual void capture(bool on) { (void)on; }
   virtual void follow(const char* what) { (void)what; }
+
+ protected:
+  // wait(w) by kind, w.id the Work's id
+  virtual void wait_message(size_t id) = 0;
+  virtual void wait_started(size_t id) = 0;
+  virtual void wait_overlapped(size_t id) = 0;
 };
 
 std::unique_ptr<Collectives> make_mpi_collectives(const ProcessGrid& grid);

@@ -298,19 +298,6 @@ void NcclCollectives::wait_all() {
   pending_axes_ = 0;
 }
 
-void NcclCollectives::wait(Work w) {
-  switch (w.kind) {
-    case Work::Kind::None:
-      return;
-    case Work::Kind::Message:
-      return wait_message(w.id);
-    case Work::Kind::Collective:
-      return wait_started(w.id);
-    case Work::Kind::Overlapped:
-      return wait_overlapped(w.id);
-  }
-}
-
 // ---- overlapped collectives on the side stream (the tensor axis under sequence
 // parallelism; elsewhere the blocking calls)
 Work NcclCollectives::start_overlapped_allgather(void* out, const void* in, size_t n, Elem t,

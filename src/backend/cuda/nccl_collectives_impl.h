@@ -73,10 +73,6 @@ class NcclCollectives final : public Collectives {
   void* overlapped_alloc(size_t bytes) override;
   void overlapped_release(void* p) override;
 
-  // a message's, a started collective's or an overlapped one's (wait_message, wait_started,
-  // wait_overlapped)
-  void wait(Work w) override;
-
   void allreduce(void* buf, size_t n, Elem t, ReduceOp op, Axis a) override;
   void broadcast(void* buf, size_t bytes, int root, Axis a) override;
   void allgather(void* out, const void* in, size_t n, Elem t, Axis a) override;
@@ -113,13 +109,13 @@ class NcclCollectives final : public Collectives {
   static constexpr int kChannels = 2;
   Link& link(int channel, int dir, int peer, Axis a);
   size_t message_ticket(cudaStream_t st);
-  void wait_message(size_t t);
+  void wait_message(size_t t) override;
   // started collectives
   size_t open_started();
   void record_started(size_t t);
-  void wait_started(size_t t);
+  void wait_started(size_t t) override;
   // overlapped collectives
-  void wait_overlapped(size_t t);
+  void wait_overlapped(size_t t) override;
 
   bool copy_engine(const void* buf, size_t n, Axis a) const;
   ncclDataType_t nccl_type(Elem t) const;

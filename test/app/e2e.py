@@ -30,19 +30,35 @@ ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIR
 FAILURES = []
 
 
-def run(np_, args, timeout=240, expect_rc=0, env=None, preload=None):
+def run(np_, args, timeout=240, expect_rc=0, env=None, preload=None, rank_output=None):
     """mpirun of vitgrid; `env`: extra environment variables, exported to every rank;
-    `preload`: a library preloaded into the ranks only (not into mpirun)."""
+    `preload`: a library preloaded into the ranks only (not into mpirun); `rank_output`: a
+    directory where each rank's stdout and stderr are kept apart as well (rank_output_of)."""
     env = env or {}
     exports = [a for k in env for a in ("-x", k)]
     if preload:
         exports += ["-x", f"LD_PRELOAD={preload}"]
+    if rank_output:
+        exports += ["--output-filename", rank_output]
     cmd = ["mpirun", "-np", str(np_), "--oversubscribe"] + exports + [VITGRID] + args
     p = subprocess.run(cmd, env=dict(ENV, **env), capture_output=True, text=True, timeout=timeout)
     if expect_rc is not None and p.returncode != expect_rc:
         print(p.stdout[-4000:], p.stderr[-4000:])
         raise AssertionError(f"{' '.join(cmd)}: exit {p.returncode}, expected {expect_rc}")
     return p
+
+
+def rank_output_of(rank_output, rank):
+    """One rank's stderr + stdout from run(rank_output=...): mpirun's own merged streams can
+    join two ranks' lines when they write at once, these files cannot."""
+    d = os.path.join(rank_output, "1", f"rank.{rank}")
+    text = ""
+    for stream in ("stderr", "stdout"):
+        f = os.path.join(d, stream)
+        if os.path.exists(f):
+            with open(f, errors="replace") as fh:
+                text += fh.read()
+    return text
 
 
 def hooks_lib():
@@ -1795,13 +1811,15 @@ def t_gpu_tune_agreement(tmp):
             print(f"skip {n} GPUs")
             continue
         d = os.path.join(tmp, f"dp{n}")
-        p = run(n, ["train", DECK, f"--run.out_dir={d}", "--device.backend=cuda",
-                    "--precision.mode=bf16", "--device.gemm_tune=8", "--model.hidden=64",
-                    "--model.heads=4", "--model.depth=2", "--run.steps=6",
-                    "--checkpoint.every_steps=0", "--device.tuning_log=true"])
-        picks = {}  # device -> {(what, key): choice}
-        for m in line.finditer(p.stdout + p.stderr):
-            picks.setdefault(int(m.group(1)), {})[(m.group(2), m.group(3))] = m.group(4)
+        ranks_out = os.path.join(tmp, f"out{n}")
+        run(n, ["train", DECK, f"--run.out_dir={d}", "--device.backend=cuda",
+                "--precision.mode=bf16", "--device.gemm_tune=8", "--model.hidden=64",
+                "--model.heads=4", "--model.depth=2", "--run.steps=6",
+                "--checkpoint.every_steps=0", "--device.tuning_log=true"], rank_output=ranks_out)
+        picks = {}  # device -> {(what, key): choice}, read from each rank's own output
+        for r in range(n):
+            for m in line.finditer(rank_output_of(ranks_out, r)):
+                picks.setdefault(int(m.group(1)), {})[(m.group(2), m.group(3))] = m.group(4)
         keys = {dev: set(v) for dev, v in picks.items()}
         same_keys = len(picks) == n and all(k == keys[0] for k in keys.values())
         check(same_keys and len(keys[0]) >= 6,

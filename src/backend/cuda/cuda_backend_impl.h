@@ -120,39 +120,9 @@ class CudaBackend final : public Backend {
   int gemm_sm_margin() const override { return gemm_sm_margin_; }
   void set_tune_agreement(ReplicaMax max_over_replicas) override;
 
-  void cast_to_act(void* dst_act, const float* src, size_t n) override;
-  void cast_to_f32(float* dst, const void* src_act, size_t n) override;
-
-  void linear_forward(void* y, const void* x, const void* W, const void* b, int N, int in,
-                      int out, void* gelu_out = nullptr, Gelu gelu = Gelu::Exact) override;
-  void linear_backward(void* dx, float* dW, float* db, const void* dy, const void* x,
-                       const void* W, int N, int in, int out, const void* gelu_pre = nullptr,
-                       Gelu gelu = Gelu::Exact, float* gelu_db = nullptr) override;
-  void gemm_batched(bool transA, bool transB, int M, int N, int K, float alpha, const void* A,
-                    int64_t strideA, const void* B, int64_t strideB, float beta, void* C,
-                    int64_t strideC, int batch) override;
-
-  void gelu_forward(void* y, const void* x, size_t n, Gelu g) override;
-  void gelu_backward(void* dx, const void* x, const void* dy, size_t n, Gelu g) override;
-  void gelu_backward_bias(void* dx, const void* x, const void* dy, int rows, int cols, float* db,
-                          Gelu g) override;
-  void dropout_forward(void* y, const void* x, size_t n, float p, DropoutKey k) override;
-  void drop_path_factors(float* out, int samples, DropoutKey k) override;
-  void dropout_backward(void* dx, const void* dy, size_t n, float p, DropoutKey k) override;
-  void add(void* y, const void* a, const void* b, size_t n) override;
-  void accumulate(void* y, const void* x, size_t n) override;
-  void scale_f32(float* x, size_t n, float s) override;
-
-  void add_layernorm_forward(void* res, void* y, float* mean, float* rstd, const void* a,
-                             const void* b, const void* gamma, const void* beta, int N, int C,
-                             float eps, RowFactors bf = {}) override;
-  void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy, const void* x,
-                          const void* gamma, const float* mean, const float* rstd, int N, int C,
-                          float* dsum = nullptr, void* dbranch = nullptr,
-                          RowFactors bf = {}) override;
-  void softmax_forward(void* y, const void* x, int rows, int cols, float scale) override;
-  void softmax_backward(void* dx, const void* y, const void* dy, int rows, int cols,
-                        float scale) override;
+  // the op set both backends implement (cuda_gemm.cpp, elementwise.cu, layernorm.cu,
+  // attention.cu, vit_ops.cu, optim_reduce.cu, tp_ops.cu)
+  #include "vitgrid/backend/backend_op_overrides.inc"
 
   // Attention (attention.cu), three paths, chosen per shape by BackendOptions::attention
   // (device.attention): Auto and Cudnn take cuDNN's fused SDPA
@@ -175,64 +145,22 @@ class CudaBackend final : public Backend {
     return attention_path_name(attention_route(B, T, H, hd));
   }
   bool attention_fused(int hd) const;  // not the fallback: the saved state is the LSE
-  size_t attention_saved_bytes(int B, int T, int H, int hd) const override;
-  size_t attention_workspace_bytes(int B, int T, int H, int hd) const override;
   size_t attention_alignment() const override { return 16; }  // cuDNN's tensors
-  void attention_forward(void* out, void* saved, const void* qkv, int B, int T, int H, int hd,
-                         void* workspace) override;
-  void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out,
-                          const void* saved, int B, int T, int H, int hd,
-                          void* workspace) override;
 
-  void prepare_images(void* out, const uint8_t* images, const void* aug, int B, int S,
-                      int pad, const float* mean3_host, const float* std3_host) override;
-  void patchify(void* patches, const void* images, int B, int S, int P) override;
   // nvJPEG + the resize kernels (nvjpeg_decoder.cpp), made on first use; null without nvJPEG
   ImageDecoder* image_decoder() override;
-  void embed_tokens(void* x, const void* patch_tokens, const void* cls, const void* pos, int B,
-                    int T, int C) override;
-  void embed_tokens_backward(void* dpatch_tokens, float* dcls, float* dpos, const void* dx,
-                             int B, int T, int C) override;
-  void gather_cls(void* rows, const void* x, int B, int T, int C) override;
-  void scatter_cls_backward(void* dx, const void* drows, int B, int T, int C) override;
 
-  void cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* labels,
-                     const float* soft_targets, int N, int K, float smoothing,
-                     float grad_scale) override;
-  void topk_correct(float* correct1, float* correct5, const void* logits,
-                    const int32_t* labels, int N, int K) override;
-
-  void sum_squares(double* out_host, const float* buf,
-                   const std::vector<ParamSlice>& slices) override;
-  double sum(const float* x, size_t n) override;
-  bool all_finite(const float* x, size_t n) override;
-  void sum_into(double* acc, const float* x, size_t n) override;
   // out[c] = the sum of the `parts` consecutive blocks in[parts * c], in block order, on
   // stream st (the copy-engine reduce-scatter's local step)
   void sum_parts_on(cudaStream_t st, float* out, const float* in, size_t c, int parts);
   // The same for act-dtype parts (summed in fp32, rounded once): the copy-engine
   // reduce-scatter of the tensor axis's overlapped collectives.
   void sum_parts_act_on(cudaStream_t st, void* out, const void* in, size_t c, int parts);
-  void sum_squares_total(double* out, const float* buf,
-                         const std::vector<ParamSlice>& slices) override;
-  void clip_factor(float* out, const double* sq, double max_norm, float inv_scale) override;
-  void readback_start(int slot, const void* src, size_t bytes) override;  // graphs.cpp
-  const void* readback_wait(int slot) override;
   bool graphs_supported() const override { return true; }
   void capture_begin() override;
   int capture_end() override;
   void launch_graph(int id) override;
   void drop_graphs() override;
-
-  void adamw_update(float* p, const float* g, float* m, float* v,
-                    const std::vector<ParamSlice>& slices, const AdamParams& a) override;
-  void lamb_direction(float* u, const float* p, const float* g, float* m, float* v,
-                      const std::vector<ParamSlice>& slices, const AdamParams& a) override;
-  void lamb_apply(float* p, const float* u, const std::vector<ParamSlice>& slices,
-                  const std::vector<float>& ratio_host, float lr) override;
-  void sgd_update(float* p, const float* g, float* mom, const std::vector<ParamSlice>& slices,
-                  float lr, float momentum, bool nesterov, float grad_scale,
-                  const float* grad_scale_dev = nullptr) override;
 
   // The cuBLASLt layer: runs a row-major GEMM; returns false (and does nothing) only when
   // cuBLASLt offers no algorithm for the combination and allow_unsupported is set, so the
@@ -254,22 +182,6 @@ class CudaBackend final : public Backend {
     std::string why;                             // what decided it
     std::vector<std::pair<int, float>> timings;  // (candidate, ms per call), fastest first
   };
-
-  // Tensor-parallel ops (tp_ops.cu): fp32 accumulation of reduced weight
-  // gradients and the LayerNorm of rows split over ranks.
-  void accumulate_f32(float* y, const float* x, size_t n) override;
-  void layernorm_split_sums(float* sum, const void* x, int N, int C) override;
-  void layernorm_split_centered(float* sq, float* mean, const void* x, int N, int C,
-                                int C_total) override;
-  void layernorm_split_apply(void* y, float* rstd, const void* x, const float* mean,
-                             const void* gamma, const void* beta, int N, int C, int C_total,
-                             float eps) override;
-  void layernorm_split_backward_sums(float* sums, float* dgamma, float* dbeta, const void* dy,
-                                     const void* x, const void* gamma, const float* mean,
-                                     const float* rstd, int N, int C) override;
-  void layernorm_split_backward_dx(void* dx, const void* dy, const void* x, const void* gamma,
-                                   const float* mean, const float* rstd, const float* sums,
-                                   int N, int C, int C_total) override;
 
   // Column sums of a row-major act matrix x[N,C], added into out[C] (fp32), deterministic
   // (linear_backward's bias gradients, layernorm_backward's dsum where its kernel does not sum

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <exception>
 #include <map>
 #include <string>
 #include <utility>
@@ -72,14 +73,42 @@ std::vector<TensorShard> Checkpointer::shards(std::vector<float>& host, bool wit
   return out;
 }
 
+// checkpoint.async: true, or auto on the CUDA backend; only where MPI gives every thread its
+// calls (MPI_THREAD_MULTIPLE), else the checkpoints are written before save() returns.
+bool Checkpointer::async() const {
+  const std::string& a = run_.deck.checkpoint.async;
+  if (a == "false" || (a == "auto" && run_.be->name() != "cuda")) return false;
+  int level = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&level);
+  if (level == MPI_THREAD_MULTIPLE) return true;
+  static bool said = false;
+  if (!said)
+    run_.log("checkpoint.async = %s: this MPI library does not give threads their own calls "
+             "(MPI_THREAD_MULTIPLE); checkpoints are written synchronously\n", a.c_str());
+  said = true;
+  return false;
+}
+
 void Checkpointer::save() {
+  wait();  // at most one write in flight
   const Deck& deck = run_.deck;
   const ProcessGrid& grid = *run_.grid;
   Optimizer& opt = *run_.opt;
   const int64_t step = run_.step;
-  std::vector<float> host;
+  const bool background = async();
+  const double t_stop = now_s();
+  std::vector<float> local;
+  std::vector<float>& host = background ? host_ : local;
   auto sh = shards(host, true);
   const size_t n = run_.model->num_local_params();
+  if (background && (pinned_ != host.data() || pinned_bytes_ != host.size() * sizeof(float))) {
+    // page-locked once (the size never changes within a run), so the copies below run at the
+    // bus's speed
+    if (pinned_) run_.be->pin_host(pinned_, pinned_bytes_, false);
+    pinned_ = host.data();
+    pinned_bytes_ = host.size() * sizeof(float);
+    run_.be->pin_host(pinned_, pinned_bytes_, true);
+  }
   // global form whatever the layout (ZeRO: the pieces gathered over the data axis, the
   // masters' too with 16-bit activations)
   opt.master_to_host(run_.model->master(), host.data());
@@ -102,6 +131,27 @@ void Checkpointer::save() {
   // parallel HDF5's collective flush can leave the ranks in different barriers for good (HDF5
   // 1.10 returns early on the rank that saw the error).
   run_.agreed([&] { check_free_space(dir() + "/" + step_file_name(step)); });
+  if (background) {
+    // The writer's collectives run on a communicator of their own, beside the main thread's.
+    if (io_comm_ == MPI_COMM_NULL) MPI_Comm_dup(run_.world, &io_comm_);
+    writer_done_.store(false);
+    writer_error_ = nullptr;
+    writer_path_.clear();
+    writer_ = std::thread([this, sh = std::move(sh), meta = std::move(meta), step,
+                           keep = deck.checkpoint.keep, d = dir()] {
+      WatchdogOff unwatched;  // the main thread's wait() is what may hang
+      const double t0 = now_s();
+      try {
+        writer_path_ = write_checkpoint(io_comm_, d, step, sh, meta, keep);
+      } catch (...) {
+        writer_error_ = std::current_exception();
+      }
+      writer_s_ = now_s() - t0;
+      writer_done_.store(true, std::memory_order_release);
+    });
+    stats_.stall_s = now_s() - t_stop;
+    return;
+  }
   {
     WatchdogWait w("the MPI barrier before a checkpoint");
     MPI_Barrier(run_.world);
@@ -112,8 +162,48 @@ void Checkpointer::save() {
   const double dt = now_s() - t0;
   const double gb = bytes() / 1e9;
   stats_.write_gbs = gb / std::max(dt, 1e-9);
+  stats_.stall_s = now_s() - t_stop;
   run_.log("checkpoint %s written: %.3f GB in %.2f s (%.2f GB/s)\n", path.c_str(), gb, dt,
            stats_.write_gbs);
+}
+
+void Checkpointer::poll() {
+  if (!pending()) return;
+  int done = writer_done_.load(std::memory_order_acquire) ? 1 : 0;
+  watched("the MPI all-reduce of the background checkpoint's progress", [&] {
+    MPI_Allreduce(MPI_IN_PLACE, &done, 1, MPI_INT, MPI_MIN, run_.world);
+  });
+  if (!done) return;
+  writer_.join();
+  end_write();
+}
+
+void Checkpointer::wait() {
+  if (!pending()) return;
+  // Not watched: a whole write may outlast device.comm_timeout; the writer's collectives
+  // involve only the writers, which finish whatever the main threads do.
+  writer_.join();
+  end_write();
+}
+
+void Checkpointer::end_write() {
+  run_.agreed([&] {
+    if (writer_error_) std::rethrow_exception(std::exchange(writer_error_, nullptr));
+  });
+  const double gb = bytes() / 1e9;
+  stats_.write_gbs = gb / std::max(writer_s_, 1e-9);
+  run_.log("checkpoint %s written in the background: %.3f GB in %.2f s (%.2f GB/s); the step "
+           "loop stopped %.3f s for it\n",
+           writer_path_.c_str(), gb, writer_s_, stats_.write_gbs, stats_.stall_s);
+}
+
+Checkpointer::~Checkpointer() {
+  if (writer_.joinable()) writer_.join();
+  try {
+    if (pinned_) run_.be->pin_host(pinned_, pinned_bytes_, false);
+  } catch (...) {  // a failed device: the process is ending with its own message
+  }
+  if (io_comm_ != MPI_COMM_NULL) MPI_Comm_free(&io_comm_);
 }
 
 // Bytes of one checkpoint of this run: every parameter and optimizer state in fp32.

@@ -17,12 +17,15 @@
 #pragma once
 #include <mpi.h>
 
+#include <atomic>
 #include <cstddef>
+#include <exception>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -253,17 +256,34 @@ class Stepper {
 // save / load (resume included) and the free-space check before a run writes anything.
 class Checkpointer {
  public:
-  // checkpoint I/O rates, GB/s of the last write and read
+  // checkpoint I/O rates, GB/s of the last write and read; how long the step loop stopped for
+  // the last checkpoint (synchronous: the whole write; in the background: the copy to the host)
   struct Stats {
-    double write_gbs = 0.0, read_gbs = 0.0;
+    double write_gbs = 0.0, read_gbs = 0.0, stall_s = 0.0;
   };
   // The state a checkpoint holds (fp32 parameters and optimizer state), bytes.
   double bytes() const;
 
   explicit Checkpointer(Run& run) : run_(run) {}
+  ~Checkpointer();  // waits for a background write (every rank's writer takes part in it)
+  Checkpointer(const Checkpointer&) = delete;
+  Checkpointer& operator=(const Checkpointer&) = delete;
   void init_params();
   std::string dir() const;
+  // Called by all ranks. checkpoint.async: the state is copied into page-locked host memory
+  // and a thread of each rank writes the file (collectively, on a communicator of its own)
+  // while training goes on; a write still in flight is waited for first. Else the file is
+  // written before it returns.
   void save();
+  // Whether a background write is in flight: the same on every rank, since one ends only in
+  // poll() or wait(). HDF5 is not thread-safe here: while one is, the main thread leaves the
+  // library alone (metrics rows stay buffered).
+  bool pending() const { return writer_.joinable(); }
+  // Called by all ranks: ends the background write if every rank's has finished (its log
+  // line; a failure ends the run with its message, as a synchronous one does).
+  void poll();
+  // Called by all ranks: waits for the background write, if any, and ends it.
+  void wait();
   bool load(std::string path, bool full, bool resume = false);
   // Refuses (on rank 0: call it in agreed()) when run.out_dir's file system lacks room for a
   // checkpoint: before training (no name) and before each checkpoint (its path).
@@ -273,9 +293,21 @@ class Checkpointer {
  private:
   void set_params(const float* host);
   std::vector<TensorShard> shards(std::vector<float>& host, bool with_optim);
+  bool async() const;
+  void end_write();  // after the writer's join: agreed failure, rates, log line
 
   Run& run_;
   Stats stats_;
+  // the background write: its host copy (page-locked once, reused), communicator and thread
+  std::vector<float> host_;
+  void* pinned_ = nullptr;
+  size_t pinned_bytes_ = 0;
+  MPI_Comm io_comm_ = MPI_COMM_NULL;
+  std::thread writer_;
+  std::atomic<bool> writer_done_{false};
+  std::exception_ptr writer_error_;
+  std::string writer_path_;
+  double writer_s_ = 0.0;
 };
 
 // Evaluation (trainer_eval.cpp): loss and top-1 / top-5 over the eval split, evaluate_only()

@@ -187,7 +187,10 @@ int Trainer::Impl::train() {
       log_time = 0.0;
       wait_since_log = decode_wait_since_log = 0.0;
       steps_since_log = 0;
-      metrics.flush();
+      // a background checkpoint that has finished everywhere ends here; while one is still
+      // being written the rows stay buffered (it holds the HDF5 library)
+      checkpointer.poll();
+      if (!checkpointer.pending()) metrics.flush();
     }
   };
   while (step < total_steps) {
@@ -207,11 +210,14 @@ int Trainer::Impl::train() {
       double el, e1, e5;
       evaluator.evaluate(&el, &e1, &e5);
       metrics.add_eval({step, el, e1, e5});
-      metrics.flush();
+      if (!checkpointer.pending()) metrics.flush();
       log("eval  %6lld | loss %.4f | top-1 %.2f%% | top-5 %.2f%%\n",
           static_cast<long long>(step), el, 100 * e1, 100 * e5);
     }
     if (ckpt_due) checkpointer.save();
+    // the last checkpoint, and a preemption's (after the one in flight), are complete on disk
+    // before the run ends
+    if (last || stop) checkpointer.wait();
     if (stop) {
       metrics.flush();
       log("preempted (signal %d) after step %lld: checkpoint written; exiting with %d so the "

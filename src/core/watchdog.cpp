@@ -103,4 +103,7 @@ WatchdogWait::~WatchdogWait() {
   if (outer_) g_since_ns.store(0, std::memory_order_relaxed);
 }
 
+WatchdogOff::WatchdogOff() { ++t_depth; }  // every wait of this thread is then an inner one
+WatchdogOff::~WatchdogOff() { --t_depth; }
+
 }  // namespace vitgrid

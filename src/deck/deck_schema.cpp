@@ -179,6 +179,10 @@ const std::vector<Field>& schema() {
                "auto: continue from the newest complete checkpoint"),
       VG_FIELD(checkpoint, load, "", "checkpoint file to start from (eval, predict, fine-tune)"),
       VG_FIELD(checkpoint, keep, "", "keep the newest K checkpoints (0 = all)"),
+      VG_FIELD(checkpoint, async, "auto|true|false",
+               "true: the state is copied to page-locked host memory and a background thread "
+               "writes the file while training goes on (one write in flight; the last "
+               "checkpoint and a preemption's wait for theirs); auto: true on the CUDA backend"),
       // [device]
       VG_FIELD(device, backend, "auto|cuda|cpu",
                "compute backend (auto: cuda when a GPU is present)"),

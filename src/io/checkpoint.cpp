@@ -7,16 +7,19 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <system_error>
+#include <thread>
 #include <utility>
 
 #include "checkpoint_internal.h"
 #include "h5_parallel.h"
 #include "vitgrid/core/rng.h"
+#include "vitgrid/core/test_hooks.h"
 #include "vitgrid/core/watchdog.h"
 
 namespace vitgrid {
@@ -429,6 +432,9 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
     size_t si = 0;
     float dummy = 0.0f;
     for (const auto& s : shards) {
+      if (vitgrid_test_hooks.checkpoint_tensor_delay_ms > 0)  // tests: a slow file system
+        std::this_thread::sleep_for(
+            std::chrono::milliseconds(vitgrid_test_hooks.checkpoint_tensor_delay_ms));
       WatchdogWait w("the collective HDF5 write of a checkpoint tensor");
       auto spaces = shard_spaces(s, s.write);
       H5Id dset(H5_CHECK(H5Dcreate2(file, s.name.c_str(), H5T_IEEE_F32LE, spaces.first, lcpl,

@@ -364,6 +364,117 @@ def t_integrity(tmp):
           "truncated checkpoint refused naming the file")
 
 
+def h5_contents(path, skip_attrs=()):
+    """{object path: bytes} of every dataset's raw values and every attribute of an HDF5 file
+    (attributes named in skip_attrs left out): two files with equal contents are the same
+    checkpoint, whatever their layout on disk."""
+    out = {}
+    with h5py.File(path, "r") as f:
+        def visit(name, obj):
+            for k, v in obj.attrs.items():
+                if k not in skip_attrs:
+                    out[f"{name}@{k}"] = np.asarray(v).tobytes()
+            if isinstance(obj, h5py.Dataset):
+                out[name] = obj.dtype.str.encode() + obj[()].tobytes()
+        visit("/", f)
+        f.visititems(visit)
+    return out
+
+
+def t_async_checkpoints(tmp):
+    """checkpoint.async = true on 2 ranks (CPU backend): each file equals the synchronous run's
+    (every dataset's bytes and every attribute; the deck differs only in out_dir and async),
+    resume after one is bit-exact, a kill -9 during a background write leaves the previous
+    checkpoint in use and its .tmp is not picked up, and SIGUSR1 during one finishes it, then
+    writes the final checkpoint and exits 3. The writes are slowed by the test hooks
+    (VITGRID_TEST_CKPT_DELAY_MS: a sleep before each tensor) so that the signals land in them."""
+    common = ["train", DECK, "--run.steps=6", "--checkpoint.every_steps=2", "--run.log_every=1"]
+    dirs = {}
+    for mode in ("false", "true"):
+        dirs[mode] = os.path.join(tmp, f"a_{mode}")
+        p = run(2, common + [f"--run.out_dir={dirs[mode]}", f"--checkpoint.async={mode}"])
+    check(p.stdout.count("written in the background") == 3,
+          "async: three checkpoints written in the background")
+    _, lref = losses(dirs["true"])
+    check(np.array_equal(lref, losses(dirs["false"])[1]), "async: the same losses as synchronous")
+    for step in (2, 4, 6):
+        name = f"step_{step:08d}.h5"
+        a, b = (h5_contents(os.path.join(dirs[m], "checkpoints", name), ("deck",))
+                for m in ("false", "true"))
+        differ = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        check(len(a) > 100 and not differ,
+              f"async {name} equals the synchronous one: {len(a)} datasets and attributes, "
+              f"different: {differ[:4]}")
+        decks = []
+        for m in ("false", "true"):
+            with h5py.File(os.path.join(dirs[m], "checkpoints", name), "r") as f:
+                deck = f.attrs["deck"]
+                deck = deck.decode() if isinstance(deck, bytes) else str(deck)
+            decks.append([l for l in deck.splitlines()
+                          if not l.startswith(("out_dir =", "async =", "# source"))])
+        check(decks[0] == decks[1], f"async {name}: the same deck but out_dir and async")
+
+    # resume from an async checkpoint: steps 5-6 again, bit for bit
+    r = os.path.join(tmp, "resume")
+    shutil.copytree(dirs["true"], r)
+    os.remove(os.path.join(r, "checkpoints", "step_00000006.h5"))
+    p = run(2, common + [f"--run.out_dir={r}", "--checkpoint.async=true", "--checkpoint.resume=auto"])
+    check("step_00000004.h5 loaded (resuming)" in p.stdout, "resumed from the async step 4")
+    check(np.array_equal(losses(r)[1], lref), "resume after an async checkpoint is bit-exact")
+
+    slow = {"VITGRID_TEST_CKPT_DELAY_MS": "40"}
+    launch = ["mpirun", "-np", "2", "--oversubscribe", "-x", "VITGRID_TEST_CKPT_DELAY_MS", "-x",
+              f"LD_PRELOAD={hooks_lib()}", VITGRID]
+
+    def wait_for(d, names, timeout=90):
+        t0 = time.time()
+        ck = os.path.join(d, "checkpoints")
+        while time.time() - t0 < timeout:
+            have = set(os.listdir(ck)) if os.path.isdir(ck) else set()
+            if all(n in have for n in names):
+                return True
+            time.sleep(0.02)
+        return False
+
+    # kill -9 while step 4's checkpoint is written (step 2's complete): resume takes step 2
+    k = os.path.join(tmp, "kill")
+    p = subprocess.Popen(launch + common + [f"--run.out_dir={k}", "--checkpoint.async=true"],
+                         env=dict(ENV, **slow), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    inside = wait_for(k, ["step_00000002.h5", "step_00000004.h5.tmp"])
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait(timeout=60)
+    ck = sorted(os.listdir(os.path.join(k, "checkpoints")))
+    check(inside and "step_00000004.h5" not in ck,
+          f"killed during the background write of step 4: {ck}")
+    p = run(2, common + [f"--run.out_dir={k}", "--checkpoint.async=true", "--checkpoint.resume=auto"])
+    check("step_00000002.h5 loaded (resuming)" in p.stdout,
+          "after kill -9: resumed from step 2, the .tmp of step 4 not taken")
+    check(np.array_equal(losses(k)[1][-4:], lref[-4:]), "after kill -9: steps 3-6 bit-exact")
+
+    # SIGUSR1 while a checkpoint is written in the background
+    u = os.path.join(tmp, "usr1")
+    p = subprocess.Popen(launch + ["train", DECK, "--run.steps=400", "--checkpoint.every_steps=2",
+                                   "--run.log_every=1", f"--run.out_dir={u}",
+                                   "--checkpoint.async=true"],
+                         env=dict(ENV, **slow), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True)
+    inside = wait_for(u, ["step_00000002.h5.tmp"])
+    p.send_signal(signal.SIGUSR1)
+    rc, out = finish(p, [], 120)
+    ck = sorted(os.listdir(os.path.join(u, "checkpoints")))
+    check(inside and rc == 3, f"SIGUSR1 during a background write: exit {rc} == 3")
+    complete = []
+    for n in ck:
+        with h5py.File(os.path.join(u, "checkpoints", n), "r") as f:
+            complete.append(n.endswith(".h5") and int(f.attrs.get("complete", 0)) == 1)
+    check(len(ck) >= 2 and all(complete) and ck[0] == "step_00000002.h5",
+          f"the write in flight finished, then the final one; all complete, no .tmp: {ck}")
+    i_written = out.find("step_00000002.h5 written in the background")
+    i_pre = out.find("preempted")
+    check(0 <= i_written < i_pre, "the log: step 2's write ended before the preemption's exit")
+
+
 def t_preemption(tmp):
     """SIGUSR1 to mpirun (what SLURM's --signal=USR1@120 delivers): every rank finishes its step,
     writes a checkpoint and exits with 3 (the job scripts requeue on it); resume = auto then
@@ -1278,8 +1389,9 @@ def t_stress(tmp):
     the same order: only the timing differs). Layouts: the interleaved pipeline with
     asynchronous messages (M = 8 and M = 4 on P = 2, M = 8 on P = 4), 1F1B and GPipe with
     grouped messages, 1d tensor parallelism with sequence parallelism (overlapped gathers and
-    reduce-scatters), data parallelism with gradient buckets reduced during the backward, and
-    ZeRO-1."""
+    reduce-scatters), data parallelism with gradient buckets reduced during the backward,
+    ZeRO-1, and checkpoints written by a background thread every 4 steps (its MPI-IO collectives
+    beside the main thread's)."""
     lib = os.environ.get("VG_MPI_DELAY_LIB", "")
     check(os.path.exists(lib), f"delay injector built ({lib})")
     if not os.path.exists(lib):
@@ -1301,10 +1413,14 @@ def t_stress(tmp):
                                            "--parallel.sequence_chunks=2"], {}),
         ("data 2, buckets during the backward", 2, 4, ["--device.bucket_mb=0.001"], {}),
         ("data 2, ZeRO-1", 2, 4, ["--parallel.zero=1", "--device.bucket_mb=0.001"], {}),
+        ("1d t2, checkpoints in the background every 4 steps", 2, 4,
+         ["--parallel.tensor=2", "--parallel.tensor_mode=1d", "--checkpoint.every_steps=4",
+          "--checkpoint.keep=2", "--checkpoint.async=true"], {}),
     ]
     refs = {}
     for name, np_, depth, flags, env in cases:
-        common = STRESS_MODEL + [f"--model.depth={depth}"]
+        given = {f.split("=")[0] for f in flags}  # a case's own keys replace the defaults
+        common = [a for a in STRESS_MODEL if a.split("=")[0] not in given] + [f"--model.depth={depth}"]
         if depth not in refs:
             d = os.path.join(tmp, f"ref{depth}")
             run(1, ["train", DECK, f"--run.out_dir={d}"] + common)
@@ -1485,20 +1601,23 @@ def t_bench_report(tmp):
     check("vitgrid 0.1.0: 2 ranks," in p.stdout, "the log says 2 ranks")
     # --checkpoint: the state after the timed steps written as train() writes it, the stall of
     # the step loop and the file's rate, and the disk's own rate beside it (its probe removed)
-    d = os.path.join(tmp, "ckpt")
-    p = run(2, ["bench", DECK, f"--run.out_dir={d}", "--warmup=1", "--steps=2", "--checkpoint"])
-    line = next((l for l in p.stdout.splitlines() if l.startswith("checkpoint bench |")), "")
-    m = re.search(r"\| ([\d.e+-]+) GB \| step loop stopped ([\d.]+) s \| file written at "
-                  r"([\d.e+-]+) GB/s \| disk ([\d.e+-]+) GB/s \((O_DIRECT|page cache \+ fsync), "
-                  r"1 writer, ([\d.e+-]+) GB\)", line)
-    check(m is not None and float(m.group(2)) > 0 and float(m.group(3)) > 0
-          and float(m.group(4)) > 0 and float(m.group(6)) >= float(m.group(1)),
-          f"bench --checkpoint reports the stall, the file's and the disk's rates: {line}")
-    files = sorted(os.listdir(os.path.join(d, "checkpoints")))
-    check(files == ["step_00000003.h5"], f"one checkpoint, of the state after 3 steps: {files}")
-    with h5py.File(os.path.join(d, "checkpoints", "step_00000003.h5"), "r") as f:
-        check(int(f.attrs["complete"]) == 1 and "blocks.0.attn.qkv.weight" in f["model"],
-              "the bench checkpoint is complete, with the model in it")
+    for mode, how in (("false", "synchronous"), ("true", "background")):
+        d = os.path.join(tmp, f"ckpt_{mode}")
+        p = run(2, ["bench", DECK, f"--run.out_dir={d}", "--warmup=1", "--steps=2", "--checkpoint",
+                    f"--checkpoint.async={mode}"])
+        line = next((l for l in p.stdout.splitlines() if l.startswith("checkpoint bench |")), "")
+        m = re.search(r"\| ([\d.e+-]+) GB \| (\w+) \| step loop stopped ([\d.e+-]+) s \| file "
+                      r"written at ([\d.e+-]+) GB/s \| disk ([\d.e+-]+) GB/s \((O_DIRECT|page "
+                      r"cache \+ fsync), 1 writer, ([\d.e+-]+) GB\)", line)
+        check(m is not None and m.group(2) == how and float(m.group(3)) > 0
+              and float(m.group(4)) > 0 and float(m.group(5)) > 0
+              and float(m.group(7)) >= float(m.group(1)),
+              f"bench --checkpoint ({how}) reports the stall, the file's and the disk's rates: {line}")
+        files = sorted(os.listdir(os.path.join(d, "checkpoints")))
+        check(files == ["step_00000003.h5"], f"one checkpoint, of the state after 3 steps: {files}")
+        with h5py.File(os.path.join(d, "checkpoints", "step_00000003.h5"), "r") as f:
+            check(int(f.attrs["complete"]) == 1 and "blocks.0.attn.qkv.weight" in f["model"],
+                  f"the bench checkpoint ({how}) is complete, with the model in it")
 
 
 def gpus_or_skip():

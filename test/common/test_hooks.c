@@ -5,6 +5,7 @@
  *   VITGRID_TEST_FAIL_AT=stage:step     pipeline stage's first rank fails at that step
  *   VITGRID_TEST_NCCL_SKIP=rank:n       that world rank silently skips its n-th NCCL collective
  *   VITGRID_TEST_METRICS_NO_RESERVE=1   MetricsWriter does not reserve room before a write
+ *   VITGRID_TEST_CKPT_DELAY_MS=n        write_checkpoint sleeps n ms before each tensor
  * In a process without the struct (mpirun, a shell) it does nothing. The product itself never
  * reads these variables. Never linked into vitgrid. */
 #define _GNU_SOURCE
@@ -46,4 +47,6 @@ __attribute__((constructor)) static void vg_test_hooks_init(void) {
   }
   v = getenv("VITGRID_TEST_METRICS_NO_RESERVE");
   if (v && *v == '1') h->metrics_no_reserve = 1;
+  v = getenv("VITGRID_TEST_CKPT_DELAY_MS");
+  if (v && *v) h->checkpoint_tensor_delay_ms = atoi(v);
 }

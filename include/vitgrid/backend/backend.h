@@ -142,6 +142,10 @@ class Device {
   virtual void release(void* p) = 0;
   virtual void copy_to_device(void* dst, const void* src_host, size_t bytes) = 0;
   virtual void copy_to_host(void* dst_host, const void* src, size_t bytes) = 0;
+  // Page-locks (pin = true) or releases host memory that copy_to_host fills often (the
+  // background checkpoint's copy of the state), so the copies run at the bus's speed. CPU:
+  // nothing.
+  virtual void pin_host(void* p, size_t bytes, bool pin) { (void)p, (void)bytes, (void)pin; }
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
   virtual void zero(void* p, size_t bytes) = 0;
   virtual void synchronize() = 0;

@@ -5,7 +5,8 @@
  * through the test-only preloaded library test/common/test_hooks.c (libvg_test_hooks.so,
  * `mpirun -x LD_PRELOAD=...` into the ranks of an end-to-end test), whose constructor finds
  * this struct in the executable (exported by name) and fills it from its own environment
- * variables (VITGRID_TEST_FAIL_AT, VITGRID_TEST_NCCL_SKIP, VITGRID_TEST_METRICS_NO_RESERVE).
+ * variables (VITGRID_TEST_FAIL_AT, VITGRID_TEST_NCCL_SKIP, VITGRID_TEST_METRICS_NO_RESERVE,
+ * VITGRID_TEST_CKPT_DELAY_MS).
  * Plain C, constant-initialised: set before main() starts, read afterwards. */
 #ifndef VITGRID_CORE_TEST_HOOKS_H
 #define VITGRID_CORE_TEST_HOOKS_H
@@ -26,6 +27,9 @@ struct vitgrid_test_hooks_t {
   /* Nonzero: MetricsWriter does not reserve room before a write, so the write itself meets
    * a full disk (what a file system that cannot reserve may still do). */
   int metrics_no_reserve;
+  /* Milliseconds write_checkpoint sleeps before each tensor's collective write (0: none), so
+   * that a test can signal or kill the ranks while a checkpoint is being written. */
+  int checkpoint_tensor_delay_ms;
 };
 
 /* The one instance, in vitgrid_core; the vitgrid executable exports it by name. */

@@ -31,6 +31,18 @@ class WatchdogWait {
   bool outer_;
 };
 
+// For its lifetime, the WatchdogWaits of the calling thread are not watched: a thread other
+// than the main one (the background checkpoint writer, whose long collective writes are
+// normal) does not take the watchdog's one slot; the main thread watches its wait for that
+// thread instead.
+class WatchdogOff {
+ public:
+  WatchdogOff();
+  ~WatchdogOff();
+  WatchdogOff(const WatchdogOff&) = delete;
+  WatchdogOff& operator=(const WatchdogOff&) = delete;
+};
+
 // Runs `call` (one blocking communication call) under a WatchdogWait named `what`.
 template <class F>
 decltype(auto) watched(const char* what, F&& call) {

@@ -120,6 +120,9 @@ struct CheckpointSection {
   std::string resume = "none";  // none | auto
   std::string load;             // a checkpoint file to start from (eval/predict/fine-tune)
   int keep = 0;                 // keep the newest K (0 = all)
+  // auto | true | false: written by a background thread from a host copy while training goes
+  // on (auto: on the CUDA backend)
+  std::string async = "auto";
 };
 
 struct DeviceSection {

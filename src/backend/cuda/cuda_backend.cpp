@@ -185,6 +185,15 @@ void* CudaBackend::alloc_comm(size_t bytes) {
   return p;
 }
 
+void CudaBackend::pin_host(void* p, size_t bytes, bool pin) {
+  if (!p || bytes == 0) return;
+  CUDA_CHECK(cudaSetDevice(device_));
+  if (pin)
+    CUDA_CHECK(cudaHostRegister(p, bytes, cudaHostRegisterDefault));
+  else
+    CUDA_CHECK(cudaHostUnregister(p));
+}
+
 void CudaBackend::release(void* p) {
   if (!p) return;
   size_t sz = 0;

@@ -86,6 +86,7 @@ class CudaBackend final : public Backend {
   void* alloc(size_t bytes) override;
   void* alloc_comm(size_t bytes) override;
   void release(void* p) override;
+  void pin_host(void* p, size_t bytes, bool pin) override;
   // The allocator alloc_comm() uses, installed by the collectives (null: alloc_comm = alloc).
   // Its release function frees what it allocated, also after the collectives are gone.
   struct CommAllocator {

@@ -107,7 +107,7 @@ void Benchmark::report_bubble(MetricsWriter* metrics) {
 // return, on the slowest rank: how long training stops), and the disk's own rate beside it:
 // the same bytes written by one writer per node (local rank 0, the node's share) into the
 // checkpoint directory, with O_DIRECT where the file system takes it, fsynced and removed.
-void Benchmark::checkpoint_bench() {
+void Benchmark::checkpoint_bench(double step_s, const std::function<int()>& steps_beside) {
   const MPI_Comm world = run_.world;
   run_.be->synchronize();
   {
@@ -118,6 +118,13 @@ void Benchmark::checkpoint_bench() {
   ckpt_.save();
   double stall = now_s() - t0;
   const bool background = ckpt_.pending();
+  double beside = 0.0;  // the mean step time of steps run while the file is written
+  if (background) {
+    const double t1 = now_s();
+    const int n = steps_beside();
+    beside = (now_s() - t1) / std::max(n, 1);
+    MPI_Allreduce(MPI_IN_PLACE, &beside, 1, MPI_DOUBLE, MPI_MAX, world);
+  }
   ckpt_.wait();  // in the background: the file's own time is the writer's
   MPI_Allreduce(MPI_IN_PLACE, &stall, 1, MPI_DOUBLE, MPI_MAX, world);
   const double bytes = ckpt_.bytes();
@@ -144,11 +151,15 @@ void Benchmark::checkpoint_bench() {
   MPI_Allreduce(MPI_IN_PLACE, &direct, 1, MPI_INT, MPI_MIN, world);
   const double disk = written / 1e9 / std::max(dt, 1e-9);
   const double file = ckpt_.stats().write_gbs;
+  char during[96] = "";
+  if (background)
+    std::snprintf(during, sizeof during, " | steps during the write %.2f ms (%.2f ms before)",
+                  beside * 1e3, step_s * 1e3);
   run_.log("checkpoint bench | %.4g GB | %s | step loop stopped %.4g s | file written at %.3g "
-           "GB/s | disk %.3g GB/s (%s, %d writer%s, %.4g GB) | file at %.0f%% of the disk\n",
+           "GB/s | disk %.3g GB/s (%s, %d writer%s, %.4g GB) | file at %.0f%% of the disk%s\n",
            bytes / 1e9, background ? "background" : "synchronous", stall, file, disk,
            direct ? "O_DIRECT" : "page cache + fsync", writers,
-           writers == 1 ? "" : "s", written / 1e9, 100.0 * file / std::max(disk, 1e-12));
+           writers == 1 ? "" : "s", written / 1e9, 100.0 * file / std::max(disk, 1e-12), during);
 }
 
 // Called by all ranks after setup(true, with_profile) and the initial parameters.
@@ -174,6 +185,7 @@ int Benchmark::bench(int warmup, int steps, double peak_tflops, bool with_profil
     log("bench: --warmup=%d raised to 4 (CUDA graphs are captured in steps 3 and 4)\n", warmup);
     warmup = 4;
   }
+  if (with_checkpoint) ckpt_.prepare();  // as train() does before its first step
   const int64_t allocs0 = be.device_allocations();  // setup() planned the workspace
   for (int s = 0; s < warmup; ++s) one_step(s);
   be.synchronize();
@@ -246,7 +258,13 @@ int Benchmark::bench(int warmup, int steps, double peak_tflops, bool with_profil
       allocs[0], allocs[1], attention.c_str(), static_cast<long long>(stepper_.graph_captures()));
   if (with_checkpoint) {
     run_.step = done;
-    checkpoint_bench();
+    // with a background write: as many steps again while it is written, their mean beside
+    // the timed steps' (what the writer costs the training it runs beside)
+    checkpoint_bench(dt, [&] {
+      for (int s = 0; s < steps; ++s) one_step(done + s);
+      be.synchronize();
+      return steps;
+    });
   }
   return 0;
 }

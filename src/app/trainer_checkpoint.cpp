@@ -38,9 +38,14 @@ std::vector<TensorShard> Checkpointer::shards(std::vector<float>& host, bool wit
   const size_t n = model.num_local_params();
   std::vector<std::pair<std::string, float*>> st;
   if (with_optim && opt) st = opt->state();
-  host.assign(n * (1 + st.size()), 0.0f);
+  // every element is written below or by the copies that follow (prepare()'s buffer is reused
+  // as it is: no page of it touched again before the copies)
+  if (host.size() != n * (1 + st.size())) host.assign(n * (1 + st.size()), 0.0f);
   std::vector<TensorShard> out;
-  const bool data_root = grid.rank(Axis::Data) == 0;
+  // Each tensor is written by one data replica (they all hold it): the one with the fewest
+  // bytes so far, in the same order on every replica, so that D replicas write a D-th each.
+  const int data_ranks = grid.size(Axis::Data), data_rank = grid.rank(Axis::Data);
+  std::vector<int64_t> replica_bytes(data_ranks, 0);
   // Every rank lists every tensor of the model (dataset creation is collective); a
   // pipeline stage selects nothing of the layers it does not hold.
   std::map<std::string, const ParamInfo*> held;
@@ -64,7 +69,13 @@ std::vector<TensorShard> Checkpointer::shards(std::vector<float>& host, bool wit
       s.stride = p.shard.stride;
       s.block = p.shard.block;
       s.data = host.data() + k * n + p.offset;
-      bool root = data_root;
+      int64_t elems = 1;
+      for (size_t d = 0; d < p.shard.count.size(); ++d)
+        elems *= p.shard.count[d] * (p.shard.block.empty() ? 1 : p.shard.block[d]);
+      const int writer = static_cast<int>(
+          std::min_element(replica_bytes.begin(), replica_bytes.end()) - replica_bytes.begin());
+      replica_bytes[writer] += elems;
+      bool root = writer == data_rank;
       for (Axis a : p.shard.replicated_over) root = root && grid.rank(a) == 0;
       s.write = root;
       out.push_back(std::move(s));
@@ -99,16 +110,9 @@ void Checkpointer::save() {
   const double t_stop = now_s();
   std::vector<float> local;
   std::vector<float>& host = background ? host_ : local;
+  if (background) prepare();
   auto sh = shards(host, true);
   const size_t n = run_.model->num_local_params();
-  if (background && (pinned_ != host.data() || pinned_bytes_ != host.size() * sizeof(float))) {
-    // page-locked once (the size never changes within a run), so the copies below run at the
-    // bus's speed
-    if (pinned_) run_.be->pin_host(pinned_, pinned_bytes_, false);
-    pinned_ = host.data();
-    pinned_bytes_ = host.size() * sizeof(float);
-    run_.be->pin_host(pinned_, pinned_bytes_, true);
-  }
   // global form whatever the layout (ZeRO: the pieces gathered over the data axis, the
   // masters' too with 16-bit activations)
   opt.master_to_host(run_.model->master(), host.data());
@@ -138,11 +142,12 @@ void Checkpointer::save() {
     writer_error_ = nullptr;
     writer_path_.clear();
     writer_ = std::thread([this, sh = std::move(sh), meta = std::move(meta), step,
-                           keep = deck.checkpoint.keep, d = dir()] {
+                           keep = deck.checkpoint.keep, direct = deck.checkpoint.direct_io,
+                           d = dir()] {
       WatchdogOff unwatched;  // the main thread's wait() is what may hang
       const double t0 = now_s();
       try {
-        writer_path_ = write_checkpoint(io_comm_, d, step, sh, meta, keep);
+        writer_path_ = write_checkpoint(io_comm_, d, step, sh, meta, keep, direct);
       } catch (...) {
         writer_error_ = std::current_exception();
       }
@@ -158,13 +163,28 @@ void Checkpointer::save() {
   }
   const double t0 = now_s();
   const std::string path =
-      write_checkpoint(run_.world, dir(), step, sh, meta, deck.checkpoint.keep);
+      write_checkpoint(run_.world, dir(), step, sh, meta, deck.checkpoint.keep,
+                       deck.checkpoint.direct_io);
   const double dt = now_s() - t0;
   const double gb = bytes() / 1e9;
   stats_.write_gbs = gb / std::max(dt, 1e-9);
   stats_.stall_s = now_s() - t_stop;
   run_.log("checkpoint %s written: %.3f GB in %.2f s (%.2f GB/s)\n", path.c_str(), gb, dt,
            stats_.write_gbs);
+}
+
+void Checkpointer::prepare() {
+  if (!async() || !run_.opt) return;
+  const size_t need = run_.model->num_local_params() * (1 + run_.opt->state().size());
+  if (host_.size() == need) return;
+  // allocated, faulted in and page-locked once (the size never changes within a run), so that
+  // a checkpoint's copies run at the bus's speed and touch no new page
+  if (pinned_) run_.be->pin_host(pinned_, pinned_bytes_, false);
+  pinned_ = nullptr;
+  host_.assign(need, 0.0f);
+  pinned_bytes_ = need * sizeof(float);
+  run_.be->pin_host(host_.data(), pinned_bytes_, true);
+  pinned_ = host_.data();
 }
 
 void Checkpointer::poll() {

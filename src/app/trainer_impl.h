@@ -275,6 +275,9 @@ class Checkpointer {
   // while training goes on; a write still in flight is waited for first. Else the file is
   // written before it returns.
   void save();
+  // Called by all ranks before training: with checkpoint.async, the host copy's memory
+  // (allocated and page-locked here, not inside the first checkpoint's stall).
+  void prepare();
   // Whether a background write is in flight: the same on every rank, since one ends only in
   // poll() or wait(). HDF5 is not thread-safe here: while one is, the main thread leaves the
   // library alone (metrics rows stay buffered).
@@ -338,7 +341,7 @@ class Benchmark {
   void report_bubble(MetricsWriter* metrics);
 
  private:
-  void checkpoint_bench();
+  void checkpoint_bench(double step_s, const std::function<int()>& steps_beside);
   Run& run_;
   Inputs& in_;
   Stepper& stepper_;

@@ -89,6 +89,7 @@ int Trainer::Impl::train() {
   if (grid.world_rank() == 0) mkdirs(deck.run.out_dir);
   MPI_Barrier(run.world);
   run.agreed([&] { checkpointer.check_free_space(); });
+  checkpointer.prepare();
   // a metrics.h5 this run cannot continue is refused with one message
   std::unique_ptr<MetricsWriter> metrics_file;
   run.agreed([&] {

@@ -183,6 +183,11 @@ const std::vector<Field>& schema() {
                "true: the state is copied to page-locked host memory and a background thread "
                "writes the file while training goes on (one write in flight; the last "
                "checkpoint and a preemption's wait for theirs); auto: true on the CUDA backend"),
+      VG_FIELD(checkpoint, direct_io, "",
+               "true: HDF5 lays the file out and writes its metadata, then each rank writes its "
+               "tensors' bytes at their offsets with O_DIRECT (no page cache) and fsyncs; "
+               "tensors split into strided pieces, and false, go through HDF5's collective "
+               "writes. The same file either way"),
       // [device]
       VG_FIELD(device, backend, "auto|cuda|cpu",
                "compute backend (auto: cuda when a GPU is present)"),

@@ -358,7 +358,7 @@ std::string step_file_name(int64_t step) {
 // Called by all ranks of comm.
 std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step,
                              const std::vector<TensorShard>& shards, const CheckpointMeta& meta,
-                             int keep) {
+                             int keep, bool direct_io) {
   // Held for the whole write, collectives included: the data loader's thread on this rank
   // waits, but it never takes part in these collectives, so no rank can deadlock on it.
   std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
@@ -393,6 +393,8 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
   // that the close can finish) and every checkpoint written before stays as it was.
   io_detail::SoftFailures soft(dir);
   H5Id file;
+  std::vector<FileRange> ranges;  // direct_io: this rank's tensor bytes, written after the close
+  bool any_direct = false;
   struct Failed {
     std::string why;
   };
@@ -429,6 +431,22 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
         MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sums.data(), static_cast<int>(sums.size()),
                                 MPI_UINT64_T, MPI_SUM, comm));
       });
+    // direct_io: the tensors whose part on every rank is one range of the file are written
+    // after the close, past HDF5 (write_ranges); the others through HDF5's collective writes
+    std::vector<int> direct(shards.size(), direct_io ? 1 : 0);
+    if (direct_io) {
+      for (size_t i = 0; i < shards.size(); ++i) {
+        int64_t first = 0, n = 0;
+        direct[i] = !shards[i].write || shard_elements(shards[i]) == 0 ||
+                    contiguous_range(shards[i], &first, &n);
+      }
+      if (!direct.empty())
+        watched("an MPI all-reduce of the checkpoint I/O", [&] {
+          MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, direct.data(), static_cast<int>(direct.size()),
+                                  MPI_INT, MPI_MIN, comm));
+        });
+    }
+    any_direct = std::find(direct.begin(), direct.end(), 1) != direct.end();
     size_t si = 0;
     float dummy = 0.0f;
     for (const auto& s : shards) {
@@ -441,8 +459,18 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
                                     dcpl, H5P_DEFAULT)));
       agreed("creating a dataset");
       VG_CHECK(!(s.write && shard_elements(s) > 0) || s.data, "shard '" << s.name << "' has no data");
-      const float* buf = (s.write && shard_elements(s) > 0) ? s.data : &dummy;
-      H5_CHECK(H5Dwrite(dset, H5T_NATIVE_FLOAT, spaces.second, spaces.first, dxpl, buf));
+      const bool mine = s.write && shard_elements(s) > 0;
+      if (direct[si]) {
+        int64_t first = 0, n = 0;
+        const haddr_t at = mine ? H5Dget_offset(dset) : 0;
+        VG_CHECK(!mine || at != HADDR_UNDEF, "dataset '" << s.name << "' has no storage");
+        if (mine && contiguous_range(s, &first, &n))
+          ranges.push_back({static_cast<uint64_t>(at) + uint64_t(first) * sizeof(float), s.data,
+                            size_t(n) * sizeof(float)});
+      } else {
+        H5_CHECK(H5Dwrite(dset, H5T_NATIVE_FLOAT, spaces.second, spaces.first, dxpl,
+                          mine ? s.data : &dummy));
+      }
       write_attr_u64(dset, "checksum", sums[si++]);
       agreed("writing a tensor");
     }
@@ -510,6 +538,16 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
                     ", closing it); the partial file was removed and earlier checkpoints are kept");
   }
 
+  if (any_direct) {
+    // the bulk data, once HDF5 has laid out and closed the file; fsynced by each writer
+    const std::string err = write_ranges(tmp, ranges);
+    if (const std::string bad = first_failure(comm, err.empty(), err); !bad.empty()) {
+      if (rank == 0) std::remove(tmp.c_str());
+      watched("an MPI barrier of the checkpoint I/O", [&] { MPI_CHECK(MPI_Barrier(comm)); });
+      throw UserError("checkpoint '" + final_path + "' could not be written (" + bad +
+                      "); the partial file was removed and earlier checkpoints are kept");
+    }
+  }
   io_detail::publish_file(comm, tmp, final_path);
 
   if (keep > 0) {

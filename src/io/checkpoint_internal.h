@@ -35,5 +35,18 @@ bool all_datasets(hid_t file, std::vector<std::string>* names);
 std::string verify_datasets(MPI_Comm comm, hid_t file, const std::string& what,
                             const std::vector<std::string>& names);
 
+// checkpoint_direct.cpp. Whether the selection of s is one contiguous range of its dataset in
+// row-major order: its first element and its length, in elements.
+bool contiguous_range(const TensorShard& s, int64_t* first, int64_t* elems);
+// One range of a file and the bytes that go there.
+struct FileRange {
+  uint64_t offset = 0;
+  const void* data = nullptr;
+  size_t bytes = 0;
+};
+// Writes each range into the existing file `path` (whole pages with O_DIRECT where the file
+// system takes it, the rest buffered), then fsyncs it; "" or what failed, naming the file.
+std::string write_ranges(const std::string& path, const std::vector<FileRange>& ranges);
+
 }  // namespace ckpt_detail
 }  // namespace vitgrid

@@ -383,7 +383,8 @@ def h5_contents(path, skip_attrs=()):
 
 def t_async_checkpoints(tmp):
     """checkpoint.async = true on 2 ranks (CPU backend): each file equals the synchronous run's
-    (every dataset's bytes and every attribute; the deck differs only in out_dir and async),
+    (every dataset's bytes and every attribute; the deck differs only in out_dir and async;
+    the synchronous files written through HDF5, the background ones past it: direct_io),
     resume after one is bit-exact, a kill -9 during a background write leaves the previous
     checkpoint in use and its .tmp is not picked up, and SIGUSR1 during one finishes it, then
     writes the final checkpoint and exits 3. The writes are slowed by the test hooks
@@ -392,7 +393,9 @@ def t_async_checkpoints(tmp):
     dirs = {}
     for mode in ("false", "true"):
         dirs[mode] = os.path.join(tmp, f"a_{mode}")
-        p = run(2, common + [f"--run.out_dir={dirs[mode]}", f"--checkpoint.async={mode}"])
+        # the synchronous run through HDF5's own writes, the background one past it (direct_io)
+        p = run(2, common + [f"--run.out_dir={dirs[mode]}", f"--checkpoint.async={mode}",
+                             f"--checkpoint.direct_io={mode}"])
     check(p.stdout.count("written in the background") == 3,
           "async: three checkpoints written in the background")
     _, lref = losses(dirs["true"])
@@ -411,8 +414,8 @@ def t_async_checkpoints(tmp):
                 deck = f.attrs["deck"]
                 deck = deck.decode() if isinstance(deck, bytes) else str(deck)
             decks.append([l for l in deck.splitlines()
-                          if not l.startswith(("out_dir =", "async =", "# source"))])
-        check(decks[0] == decks[1], f"async {name}: the same deck but out_dir and async")
+                          if not l.startswith(("out_dir =", "async =", "direct_io =", "# source"))])
+        check(decks[0] == decks[1], f"async {name}: the same deck but out_dir, async, direct_io")
 
     # resume from an async checkpoint: steps 5-6 again, bit for bit
     r = os.path.join(tmp, "resume")
@@ -1613,6 +1616,9 @@ def t_bench_report(tmp):
               and float(m.group(4)) > 0 and float(m.group(5)) > 0
               and float(m.group(7)) >= float(m.group(1)),
               f"bench --checkpoint ({how}) reports the stall, the file's and the disk's rates: {line}")
+        beside = re.search(r"steps during the write ([\d.]+) ms \(([\d.]+) ms before\)", line)
+        check((beside is not None and float(beside.group(1)) > 0) == (how == "background"),
+              f"bench --checkpoint ({how}): the steps run during a background write timed")
         files = sorted(os.listdir(os.path.join(d, "checkpoints")))
         check(files == ["step_00000003.h5"], f"one checkpoint, of the state after 3 steps: {files}")
         with h5py.File(os.path.join(d, "checkpoints", "step_00000003.h5"), "r") as f:

@@ -123,6 +123,8 @@ struct CheckpointSection {
   // auto | true | false: written by a background thread from a host copy while training goes
   // on (auto: on the CUDA backend)
   std::string async = "auto";
+  // the tensors' bytes written past HDF5 with O_DIRECT once it has laid out the file
+  bool direct_io = true;
 };
 
 struct DeviceSection {

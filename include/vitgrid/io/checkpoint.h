@@ -49,10 +49,12 @@ std::string step_file_name(int64_t step);
 
 // Called by all ranks of comm. Writes dir/step_<8 digits>.h5 atomically; keeps the newest
 // `keep` complete checkpoints when keep > 0. Returns the path. Every shard's name and global
-// shape must be identical on all ranks (same order).
+// shape must be identical on all ranks (same order). direct_io: the tensors whose part on
+// every rank is one range of the file go past HDF5 once it has laid the file out (positioned
+// O_DIRECT writes, then fsync; checkpoint_direct.cpp); the same file either way.
 std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step,
                              const std::vector<TensorShard>& shards, const CheckpointMeta& meta,
-                             int keep = 0);
+                             int keep = 0, bool direct_io = false);
 
 // Called by all ranks of comm. Reads each shard's hyperslab from `path` into shard.data; the
 // global shape stored must equal the shard's global_shape. Fills meta (deck, grid, state).

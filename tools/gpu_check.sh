@@ -274,8 +274,12 @@ PYEOF
     done | tee "$OUT/tp_vitb.log"
     ;;
   ckpt)
-    # checkpoint write / read bandwidth: ViT-B/16 data-parallel and the large ViT in 1d t4 on
-    # the node's GPUs (train 1 step -> write; resume -> read, 1 more step -> write again)
+    # checkpoints of ViT-B/16 data-parallel and of the large ViT in 1d t4 on the node's GPUs
+    # (at most 4): `vitgrid bench --checkpoint` in each mode of CKPT_MODES (sync-hdf5: written
+    # before the step loop goes on, through HDF5's collective writes; sync-direct: the same
+    # with checkpoint.direct_io; async: in the background with direct_io, the default on GPUs),
+    # each line with the step loop's stall, the file's rate and the disk's own (dd-like O_DIRECT
+    # probe, same directory, same bytes). CKPT_READ=1 adds a train / resume pair (read rate).
     R=${RUNS:-/tmp/vitgrid-ckpt}
     rm -rf "$R"; mkdir -p "$R"
     n=$NGPU; [ "$n" -le 4 ] || n=4
@@ -283,17 +287,26 @@ PYEOF
     for c in "vitb|--data.global_batch=$((64 * n))" \
              "large|--model.preset=vit-huge-4096 --model.checkpoint_activations=true --data.global_batch=8 --parallel.tensor=$n --parallel.tensor_mode=1d"; do
       name=${c%%|*}; lay=${c#*|}
+      [[ " ${CKPT_MODELS:-vitb large} " == *" $name "* ]] || continue
       echo "checkpoint $name ($n GPUs): $lay"
-      mpirun -np $n --bind-to none "$B/bin/vitgrid" train inputs/bench_vit_b16.ini "${V[@]}" $lay \
-        --run.out_dir="$R/$name" --run.steps=1 2>&1 | grep -E "checkpoint .*(written|loaded)|rror"
-      mpirun -np $n --bind-to none "$B/bin/vitgrid" train inputs/bench_vit_b16.ini "${V[@]}" $lay \
-        --run.out_dir="$R/$name" --run.steps=2 --checkpoint.resume=auto --checkpoint.keep=1 2>&1 | grep -E "checkpoint .*(written|loaded)|rror"
-      du -sh "$R/$name/checkpoints" 2>/dev/null
-      rm -rf "$R/$name"
-      # the step loop's stall and the file's rate beside the disk's own, in one line
-      mpirun -np $n --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini $lay --warmup=1 \
-        --steps=1 --checkpoint --run.out_dir="$R/$name" 2>&1 | grep -E "^checkpoint bench|rror"
-      rm -rf "$R/$name"
+      if [ "${CKPT_READ:-0}" = 1 ]; then
+        mpirun -np $n --bind-to none "$B/bin/vitgrid" train inputs/bench_vit_b16.ini "${V[@]}" $lay \
+          --run.out_dir="$R/$name" --run.steps=1 2>&1 | grep -E "checkpoint .*(written|loaded)|rror"
+        mpirun -np $n --bind-to none "$B/bin/vitgrid" train inputs/bench_vit_b16.ini "${V[@]}" $lay \
+          --run.out_dir="$R/$name" --run.steps=2 --checkpoint.resume=auto --checkpoint.keep=1 2>&1 | grep -E "checkpoint .*(written|loaded)|rror"
+        rm -rf "$R/$name"
+      fi
+      for mode in ${CKPT_MODES:-sync-hdf5 sync-direct async}; do
+        case $mode in
+          sync-hdf5) M=(--checkpoint.async=false --checkpoint.direct_io=false) ;;
+          sync-direct) M=(--checkpoint.async=false --checkpoint.direct_io=true) ;;
+          async) M=(--checkpoint.async=true --checkpoint.direct_io=true) ;;
+        esac
+        mpirun -np $n --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini $lay "${M[@]}" \
+          --warmup=1 --steps=${CKPT_STEPS:-10} --checkpoint --run.out_dir="$R/$name" 2>&1 |
+          grep -E "^checkpoint bench|rror" | sed "s/^/$name $mode: /"
+        rm -rf "$R/$name"
+      done
     done | tee "$OUT/ckpt.log"
     ;;
   e2epar)

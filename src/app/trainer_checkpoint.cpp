@@ -154,6 +154,10 @@ void Checkpointer::save() {
       writer_s_ = now_s() - t0;
       writer_done_.store(true, std::memory_order_release);
     });
+    // a run that ends with an agreed error (fail_all) before the next wait lets it finish first
+    set_before_finalize([this] {
+      if (writer_.joinable()) writer_.join();
+    });
     stats_.stall_s = now_s() - t_stop;
     return;
   }
@@ -207,6 +211,7 @@ void Checkpointer::wait() {
 }
 
 void Checkpointer::end_write() {
+  set_before_finalize(nullptr);
   run_.agreed([&] {
     if (writer_error_) std::rethrow_exception(std::exchange(writer_error_, nullptr));
   });
@@ -218,6 +223,7 @@ void Checkpointer::end_write() {
 }
 
 Checkpointer::~Checkpointer() {
+  set_before_finalize(nullptr);
   if (writer_.joinable()) writer_.join();
   try {
     if (pinned_) run_.be->pin_host(pinned_, pinned_bytes_, false);

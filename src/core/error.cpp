@@ -9,12 +9,24 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace vitgrid {
 
+namespace {
+std::function<void()>& before_finalize() {
+  static std::function<void()> f;
+  return f;
+}
+}  // namespace
+
+void set_before_finalize(std::function<void()> f) { before_finalize() = std::move(f); }
+
 void fail_all(MPI_Comm comm, const std::string& msg, int code) {
+  if (auto f = std::exchange(before_finalize(), nullptr)) f();
   int rank = 0;
   MPI_Comm_rank(comm, &rank);
   if (rank == 0) {

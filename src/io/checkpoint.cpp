@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -355,6 +356,24 @@ std::string step_file_name(int64_t step) {
   return buf;
 }
 
+namespace {
+// Threads that hash one rank's tensors: the node's cores over its ranks, 1 to 8. Called by all
+// ranks of comm (the ranks sharing a node are counted).
+int hash_threads(MPI_Comm comm) {
+  static int cached = 0;  // the same communicator's node layout every time
+  if (cached > 0) return cached;
+  MPI_Comm node = MPI_COMM_NULL;
+  int on_node = 1;
+  if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) == MPI_SUCCESS) {
+    MPI_Comm_size(node, &on_node);
+    MPI_Comm_free(&node);
+  }
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  cached = std::clamp(cores / std::max(on_node, 1), 1, 8);
+  return cached;
+}
+}  // namespace
+
 // Called by all ranks of comm.
 std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step,
                              const std::vector<TensorShard>& shards, const CheckpointMeta& meta,
@@ -422,10 +441,22 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
     }
     agreed("creating its groups");
 
-    // checksums: each rank hashes what it writes; one all-reduce gives every dataset's value
+    // checksums: each rank hashes what it writes, its tensors spread over a few threads (the
+    // node's cores per rank, at most 8: a rank's share of a large model is tens of GB); one
+    // all-reduce gives every dataset's value
     std::vector<uint64_t> sums(shards.size(), 0);
-    for (size_t i = 0; i < shards.size(); ++i)
-      if (shards[i].write && shard_elements(shards[i]) > 0) sums[i] = shard_hash(shards[i]);
+    {
+      std::atomic<size_t> next{0};
+      auto hash_some = [&] {
+        for (size_t i; (i = next.fetch_add(1)) < shards.size();)
+          if (shards[i].write && shard_elements(shards[i]) > 0) sums[i] = shard_hash(shards[i]);
+      };
+      std::vector<std::thread> pool;
+      const int threads = hash_threads(comm);
+      for (int t = 1; t < threads; ++t) pool.emplace_back(hash_some);
+      hash_some();
+      for (auto& t : pool) t.join();
+    }
     if (!sums.empty())
       watched("an MPI all-reduce of the checkpoint I/O", [&] {
         MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sums.data(), static_cast<int>(sums.size()),

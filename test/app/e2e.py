@@ -381,15 +381,16 @@ def h5_contents(path, skip_attrs=()):
     return out
 
 
-def t_async_checkpoints(tmp):
-    """checkpoint.async = true on 2 ranks (CPU backend): each file equals the synchronous run's
-    (every dataset's bytes and every attribute; the deck differs only in out_dir and async;
+def async_checkpoint_checks(tmp, extra):
+    """checkpoint.async = true on 2 ranks (`extra`: backend and precision): each file equals the
+    synchronous run's (every dataset's bytes and every attribute; the deck differs only in
+    out_dir and async;
     the synchronous files written through HDF5, the background ones past it: direct_io),
     resume after one is bit-exact, a kill -9 during a background write leaves the previous
     checkpoint in use and its .tmp is not picked up, and SIGUSR1 during one finishes it, then
     writes the final checkpoint and exits 3. The writes are slowed by the test hooks
     (VITGRID_TEST_CKPT_DELAY_MS: a sleep before each tensor) so that the signals land in them."""
-    common = ["train", DECK, "--run.steps=6", "--checkpoint.every_steps=2", "--run.log_every=1"]
+    common = ["train", DECK, "--run.steps=6", "--checkpoint.every_steps=2", "--run.log_every=1"] + extra
     dirs = {}
     for mode in ("false", "true"):
         dirs[mode] = os.path.join(tmp, f"a_{mode}")
@@ -459,7 +460,7 @@ def t_async_checkpoints(tmp):
     u = os.path.join(tmp, "usr1")
     p = subprocess.Popen(launch + ["train", DECK, "--run.steps=400", "--checkpoint.every_steps=2",
                                    "--run.log_every=1", f"--run.out_dir={u}",
-                                   "--checkpoint.async=true"],
+                                   "--checkpoint.async=true"] + extra,
                          env=dict(ENV, **slow), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, start_new_session=True)
     inside = wait_for(u, ["step_00000002.h5.tmp"])
@@ -476,6 +477,11 @@ def t_async_checkpoints(tmp):
     i_written = out.find("step_00000002.h5 written in the background")
     i_pre = out.find("preempted")
     check(0 <= i_written < i_pre, "the log: step 2's write ended before the preemption's exit")
+
+
+def t_async_checkpoints(tmp):
+    """Background checkpoints on the CPU backend (async_checkpoint_checks)."""
+    async_checkpoint_checks(tmp, [])
 
 
 def t_preemption(tmp):
@@ -1683,6 +1689,16 @@ def t_gpu_resume(tmp):
             worst = max(float(np.linalg.norm(fa["model"][k][()] - fb["model"][k][()]) /
                               max(np.linalg.norm(fa["model"][k][()]), 1e-30)) for k in fa["model"])
         check(worst <= 1e-6, f"{name}: final parameters within {worst:.2e} <= 1e-6")
+
+
+def t_gpu_async_checkpoints(tmp):
+    """Background checkpoints through the CUDA backend on 2 GPUs, bf16 (async_checkpoint_checks:
+    its kernels are deterministic, so the files and the resumed losses are as exact as on the
+    CPU). 77 with fewer than 2 GPUs."""
+    if gpus_or_skip() < 2:
+        print("needs 2 GPUs: skipped")
+        sys.exit(77)
+    async_checkpoint_checks(tmp, ["--device.backend=cuda", "--precision.mode=bf16"])
 
 
 def t_gpu_zero_gather(tmp):

@@ -28,6 +28,10 @@ class UserError : public std::runtime_error {
 };
 
 [[noreturn]] void fail_all(MPI_Comm comm, const std::string& msg, int code = kExitUserError);
+// MPI work of another thread that must end before MPI_Finalize (the background checkpoint
+// writer: its collectives run on every rank's writer, whatever the main threads do): fail_all
+// runs it first. One slot; an empty function clears it.
+void set_before_finalize(std::function<void()> f);
 [[noreturn]] void fail_one(const char* file, int line, const std::string& msg);
 // fail_one for a rank that must first release something that can block (NCCL communicators
 // whose kernels wait on a dead or diverged peer: ncclCommAbort, and MPI_Abort after it, may not

@@ -20,6 +20,7 @@
 
 #include "io_test_util.h"
 #include "vitgrid/core/test_hooks.h"
+#include "vitgrid/io/checkpoint.h"
 #include "vitgrid/io/metrics.h"
 
 namespace {
@@ -573,6 +574,62 @@ void expect_ranks_in_step() {
   const std::string path = tmp / "metrics.h5";
   write_six(path, false);
   if (rank_of() == 0) expect_train(path, {1, 2, 3, 4, 5, 6}, {0, 0, 0, 0, 0, 0});
+}
+
+// checkpoint.direct_io on a full disk: HDF5 lays out and closes the file (its metadata fits,
+// the data is not allocated on the file system yet), then the ranks' own writes of the tensor
+// bytes meet the full disk: the same message on every rank, the .tmp removed, the checkpoint
+// before it kept, the ranks in step.
+TEST(CheckpointFullDisk, DirectWritesFailAlikeOnEveryRank) {
+  SmallFs fs("2m");
+  if (!fs.ok()) {
+    GTEST_SKIP() << "needs root to mount a tmpfs";
+  }
+  const int r = rank_of(), p = size_of();
+  auto shards_of = [&](int64_t rows, std::vector<float>& buf) {
+    const int64_t cols = 700, lo = rows * r / p, hi = rows * (r + 1) / p;
+    buf.assign(static_cast<size_t>((hi - lo) * cols), 1.5f);
+    vitgrid::TensorShard s;
+    s.name = "model/blocks.0.mlp.fc1.weight";
+    s.global_shape = {rows, cols};
+    s.offset = {lo, 0};
+    s.count = {hi - lo, cols};
+    s.data = buf.data();
+    return std::vector<vitgrid::TensorShard>{s};
+  };
+  vitgrid::CheckpointMeta meta;
+  meta.deck = "[run]\nsteps = 1\n";
+  meta.grid = {1, p, 1};
+  meta.world_size = p;
+  meta.state["step"] = {1.0};
+  std::vector<float> small, big;
+  const std::string dir = fs / "checkpoints";
+  // 168 KB: fits
+  const std::string first = vitgrid::write_checkpoint(MPI_COMM_WORLD, dir, 1, shards_of(60, small),
+                                                      meta, 0, true);
+  // 1.7 MB, more than the 2 MiB file system has left beside the first and a filler
+  if (rank_of() == 0) {
+    const int fd = ::open((fs / "filler").c_str(), O_WRONLY | O_CREAT, 0644);
+    std::vector<char> mb(1 << 20, 0);
+    EXPECT_EQ(::write(fd, mb.data(), mb.size()), static_cast<ssize_t>(mb.size()));
+    ::close(fd);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  vgtest::expect_user_error_everywhere(
+      [&] { vitgrid::write_checkpoint(MPI_COMM_WORLD, dir, 2, shards_of(600, big), meta, 0, true); },
+      {"step_00000002.h5' could not be written", "cannot write", "No space left on device",
+       "the partial file was removed"});
+  if (rank_of() == 0) {
+    EXPECT_FALSE(std::filesystem::exists(dir + "/step_00000002.h5.tmp"));
+    EXPECT_FALSE(std::filesystem::exists(dir + "/step_00000002.h5"));
+  }
+  // the first reads back whole
+  std::vector<float> back;
+  auto rd = shards_of(60, back);
+  std::fill(back.begin(), back.end(), 0.0f);
+  vitgrid::read_checkpoint(MPI_COMM_WORLD, first, rd, nullptr);
+  for (float v : back) ASSERT_EQ(v, 1.5f);
+  expect_ranks_in_step();
 }
 
 TEST(MetricsFullDisk, CreationFailsAlikeOnEveryRank) {

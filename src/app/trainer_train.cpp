@@ -215,7 +215,13 @@ int Trainer::Impl::train() {
       log("eval  %6lld | loss %.4f | top-1 %.2f%% | top-5 %.2f%%\n",
           static_cast<long long>(step), el, 100 * e1, 100 * e5);
     }
-    if (ckpt_due) checkpointer.save();
+    if (ckpt_due) {
+      // the write in flight ends first (at most one); HDF5 is then free for the rows buffered
+      // while it was written, so metrics.h5 keeps up however often checkpoints come
+      checkpointer.wait();
+      metrics.flush();
+      checkpointer.save();
+    }
     // the last checkpoint, and a preemption's (after the one in flight), are complete on disk
     // before the run ends
     if (last || stop) checkpointer.wait();

@@ -418,6 +418,16 @@ def async_checkpoint_checks(tmp, extra):
                           if not l.startswith(("out_dir =", "async =", "direct_io =", "# source"))])
         check(decks[0] == decks[1], f"async {name}: the same deck but out_dir, async, direct_io")
 
+    # a checkpoint every step, keep 2, logs every step: the newest two stay, and metrics.h5
+    # holds every step (rows flushed whenever HDF5 is free of the writer)
+    kd = os.path.join(tmp, "keep")
+    run(2, common[:2] + ["--run.steps=6", "--checkpoint.every_steps=1", "--checkpoint.keep=2",
+                         "--run.log_every=1", f"--run.out_dir={kd}", "--checkpoint.async=true"]
+        + extra)
+    ck = sorted(os.listdir(os.path.join(kd, "checkpoints")))
+    check(ck == ["step_00000005.h5", "step_00000006.h5"], f"async with keep 2: {ck}")
+    check(list(losses(kd)[0]) == list(range(1, 7)), "async every step: metrics.h5 holds steps 1..6")
+
     # resume from an async checkpoint: steps 5-6 again, bit for bit
     r = os.path.join(tmp, "resume")
     shutil.copytree(dirs["true"], r)

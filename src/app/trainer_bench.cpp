@@ -156,10 +156,12 @@ void Benchmark::checkpoint_bench(double step_s, const std::function<int()>& step
     std::snprintf(during, sizeof during, " | steps during the write %.2f ms (%.2f ms before)",
                   beside * 1e3, step_s * 1e3);
   run_.log("checkpoint bench | %.4g GB | %s | step loop stopped %.4g s | file written at %.3g "
-           "GB/s | disk %.3g GB/s (%s, %d writer%s, %.4g GB) | file at %.0f%% of the disk%s\n",
+           "GB/s | disk %.3g GB/s (%s, %d writer%s, %.4g GB) | file at %.0f%% of the disk%s | "
+           "rank 0's write: %s\n",
            bytes / 1e9, background ? "background" : "synchronous", stall, file, disk,
            direct ? "O_DIRECT" : "page cache + fsync", writers,
-           writers == 1 ? "" : "s", written / 1e9, 100.0 * file / std::max(disk, 1e-12), during);
+           writers == 1 ? "" : "s", written / 1e9, 100.0 * file / std::max(disk, 1e-12), during,
+           ckpt_.write_times_text().c_str());
 }
 
 // Called by all ranks after setup(true, with_profile) and the initial parameters.

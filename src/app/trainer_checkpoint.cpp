@@ -147,7 +147,7 @@ void Checkpointer::save() {
       WatchdogOff unwatched;  // the main thread's wait() is what may hang
       const double t0 = now_s();
       try {
-        writer_path_ = write_checkpoint(io_comm_, d, step, sh, meta, keep, direct);
+        writer_path_ = write_checkpoint(io_comm_, d, step, sh, meta, keep, direct, &writer_times_);
       } catch (...) {
         writer_error_ = std::current_exception();
       }
@@ -168,13 +168,13 @@ void Checkpointer::save() {
   const double t0 = now_s();
   const std::string path =
       write_checkpoint(run_.world, dir(), step, sh, meta, deck.checkpoint.keep,
-                       deck.checkpoint.direct_io);
+                       deck.checkpoint.direct_io, &stats_.write_times);
   const double dt = now_s() - t0;
   const double gb = bytes() / 1e9;
   stats_.write_gbs = gb / std::max(dt, 1e-9);
   stats_.stall_s = now_s() - t_stop;
-  run_.log("checkpoint %s written: %.3f GB in %.2f s (%.2f GB/s)\n", path.c_str(), gb, dt,
-           stats_.write_gbs);
+  run_.log("checkpoint %s written: %.3f GB in %.2f s (%.2f GB/s; %s)\n", path.c_str(), gb, dt,
+           stats_.write_gbs, write_times_text().c_str());
 }
 
 void Checkpointer::prepare() {
@@ -217,9 +217,11 @@ void Checkpointer::end_write() {
   });
   const double gb = bytes() / 1e9;
   stats_.write_gbs = gb / std::max(writer_s_, 1e-9);
-  run_.log("checkpoint %s written in the background: %.3f GB in %.2f s (%.2f GB/s); the step "
-           "loop stopped %.3f s for it\n",
-           writer_path_.c_str(), gb, writer_s_, stats_.write_gbs, stats_.stall_s);
+  stats_.write_times = writer_times_;
+  run_.log("checkpoint %s written in the background: %.3f GB in %.2f s (%.2f GB/s; %s); the "
+           "step loop stopped %.3f s for it\n",
+           writer_path_.c_str(), gb, writer_s_, stats_.write_gbs, write_times_text().c_str(),
+           stats_.stall_s);
 }
 
 Checkpointer::~Checkpointer() {
@@ -230,6 +232,14 @@ Checkpointer::~Checkpointer() {
   } catch (...) {  // a failed device: the process is ending with its own message
   }
   if (io_comm_ != MPI_COMM_NULL) MPI_Comm_free(&io_comm_);
+}
+
+std::string Checkpointer::write_times_text() const {
+  const CheckpointWriteTimes& t = stats_.write_times;
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "hash %.2f s, HDF5 %.2f s, direct %.2f s, rename %.2f s", t.hash,
+                t.hdf5, t.direct, t.publish);
+  return buf;
 }
 
 // Bytes of one checkpoint of this run: every parameter and optimizer state in fp32.

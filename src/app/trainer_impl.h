@@ -260,7 +260,10 @@ class Checkpointer {
   // the last checkpoint (synchronous: the whole write; in the background: the copy to the host)
   struct Stats {
     double write_gbs = 0.0, read_gbs = 0.0, stall_s = 0.0;
+    CheckpointWriteTimes write_times;  // rank 0's, of the last write
   };
+  // "hash 0.12 s, HDF5 0.30 s, direct 0.61 s, rename 0.01 s": where the last write went
+  std::string write_times_text() const;
   // The state a checkpoint holds (fp32 parameters and optimizer state), bytes.
   double bytes() const;
 
@@ -311,6 +314,7 @@ class Checkpointer {
   std::exception_ptr writer_error_;
   std::string writer_path_;
   double writer_s_ = 0.0;
+  CheckpointWriteTimes writer_times_;
 };
 
 // Evaluation (trainer_eval.cpp): loss and top-1 / top-5 over the eval split, evaluate_only()

@@ -377,7 +377,14 @@ int hash_threads(MPI_Comm comm) {
 // Called by all ranks of comm.
 std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step,
                              const std::vector<TensorShard>& shards, const CheckpointMeta& meta,
-                             int keep, bool direct_io) {
+                             int keep, bool direct_io, CheckpointWriteTimes* times) {
+  CheckpointWriteTimes t;
+  double t0 = MPI_Wtime();
+  auto lap = [&t0](double* into) {
+    const double now = MPI_Wtime();
+    *into += now - t0;
+    t0 = now;
+  };
   // Held for the whole write, collectives included: the data loader's thread on this rank
   // waits, but it never takes part in these collectives, so no rank can deadlock on it.
   std::lock_guard<std::recursive_mutex> lock(hdf5_mutex());
@@ -441,6 +448,7 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
     }
     agreed("creating its groups");
 
+    lap(&t.hdf5);
     // checksums: each rank hashes what it writes, its tensors spread over a few threads (the
     // node's cores per rank, at most 8: a rank's share of a large model is tens of GB); one
     // all-reduce gives every dataset's value
@@ -453,15 +461,16 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
       };
       std::vector<std::thread> pool;
       const int threads = hash_threads(comm);
-      for (int t = 1; t < threads; ++t) pool.emplace_back(hash_some);
+      for (int k = 1; k < threads; ++k) pool.emplace_back(hash_some);
       hash_some();
-      for (auto& t : pool) t.join();
+      for (auto& th : pool) th.join();
     }
     if (!sums.empty())
       watched("an MPI all-reduce of the checkpoint I/O", [&] {
         MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sums.data(), static_cast<int>(sums.size()),
                                 MPI_UINT64_T, MPI_SUM, comm));
       });
+    lap(&t.hash);
     // direct_io: the tensors whose part on every rank is one range of the file are written
     // after the close, past HDF5 (write_ranges); the others through HDF5's collective writes
     std::vector<int> direct(shards.size(), direct_io ? 1 : 0);
@@ -569,6 +578,7 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
                     ", closing it); the partial file was removed and earlier checkpoints are kept");
   }
 
+  lap(&t.hdf5);
   if (any_direct) {
     // the bulk data, once HDF5 has laid out and closed the file; fsynced by each writer
     const std::string err = write_ranges(tmp, ranges);
@@ -579,6 +589,7 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
                       "); the partial file was removed and earlier checkpoints are kept");
     }
   }
+  lap(&t.direct);
   io_detail::publish_file(comm, tmp, final_path);
 
   if (keep > 0) {
@@ -602,6 +613,8 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
       MPI_CHECK(MPI_Barrier(comm));
     });  // nobody lists the directory while rank 0 prunes it
   }
+  lap(&t.publish);
+  if (times) *times = t;
   return final_path;
 }
 

@@ -52,9 +52,17 @@ std::string step_file_name(int64_t step);
 // shape must be identical on all ranks (same order). direct_io: the tensors whose part on
 // every rank is one range of the file go past HDF5 once it has laid the file out (positioned
 // O_DIRECT writes, then fsync; checkpoint_direct.cpp); the same file either way.
+// `times` (optional): where this rank's write spent its time, in seconds.
+struct CheckpointWriteTimes {
+  double hash = 0.0;     // the checksums (threads over this rank's tensors, one all-reduce)
+  double hdf5 = 0.0;     // HDF5: creating, writing what goes through it, flushing, closing
+  double direct = 0.0;   // direct_io: this rank's O_DIRECT writes and fsync, the agreement
+  double publish = 0.0;  // the rename, keep-K pruning
+};
 std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step,
                              const std::vector<TensorShard>& shards, const CheckpointMeta& meta,
-                             int keep = 0, bool direct_io = false);
+                             int keep = 0, bool direct_io = false,
+                             CheckpointWriteTimes* times = nullptr);
 
 // Called by all ranks of comm. Reads each shard's hyperslab from `path` into shard.data; the
 // global shape stored must equal the shard's global_shape. Fills meta (deck, grid, state).

@@ -69,12 +69,9 @@ std::vector<TensorShard> Checkpointer::shards(std::vector<float>& host, bool wit
       s.stride = p.shard.stride;
       s.block = p.shard.block;
       s.data = host.data() + k * n + p.offset;
-      int64_t elems = 1;
-      for (size_t d = 0; d < p.shard.count.size(); ++d)
-        elems *= p.shard.count[d] * (p.shard.block.empty() ? 1 : p.shard.block[d]);
       const int writer = static_cast<int>(
           std::min_element(replica_bytes.begin(), replica_bytes.end()) - replica_bytes.begin());
-      replica_bytes[writer] += elems;
+      replica_bytes[writer] += s.elements();
       bool root = writer == data_rank;
       for (Axis a : p.shard.replicated_over) root = root && grid.rank(a) == 0;
       s.write = root;

@@ -95,12 +95,6 @@ void check_shard_bounds(const TensorShard& s) {
   }
 }
 
-int64_t shard_elements(const TensorShard& s) {
-  int64_t n = 1;
-  for (size_t d = 0; d < s.count.size(); ++d) n *= s.count[d] * (strided(s) ? s.block[d] : 1);
-  return n;
-}
-
 // Names and global shapes must match on every rank, since dataset creation and the
 // collective transfers pair up call by call.
 uint64_t shard_signature(const std::vector<TensorShard>& shards) {
@@ -135,7 +129,7 @@ std::pair<H5Id, H5Id> shard_spaces(const TensorShard& s, bool active) {
   std::vector<hsize_t> dims(s.global_shape.begin(), s.global_shape.end());
   H5Id fspace(nd == 0 ? H5_CHECK(H5Screate(H5S_SCALAR))
                       : H5_CHECK(H5Screate_simple(static_cast<int>(nd), dims.data(), nullptr)));
-  hsize_t n = static_cast<hsize_t>(shard_elements(s));
+  hsize_t n = static_cast<hsize_t>(s.elements());
   if (active && n > 0) {
     if (nd > 0) {
       std::vector<hsize_t> off(s.offset.begin(), s.offset.end()), cnt(s.count.begin(), s.count.end());
@@ -309,7 +303,7 @@ std::string verify_datasets(MPI_Comm comm, hid_t file, const std::string& what,
     for (hsize_t x : dims) total *= static_cast<int64_t>(x);
     if (total == 0) continue;  // an empty dataset has no storage to read; its checksum is 0
     // data: this rank's rows (a collective read every rank makes)
-    const int64_t ne = shard_elements(s);
+    const int64_t ne = s.elements();
     auto spaces = shard_spaces(s, ne > 0);
     if (f64) {
       std::vector<double> buf(std::max<int64_t>(ne, 1));
@@ -457,7 +451,7 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
       std::atomic<size_t> next{0};
       auto hash_some = [&] {
         for (size_t i; (i = next.fetch_add(1)) < shards.size();)
-          if (shards[i].write && shard_elements(shards[i]) > 0) sums[i] = shard_hash(shards[i]);
+          if (shards[i].write && shards[i].elements() > 0) sums[i] = shard_hash(shards[i]);
       };
       std::vector<std::thread> pool;
       const int threads = hash_threads(comm);
@@ -474,12 +468,11 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
     // direct_io: the tensors whose part on every rank is one range of the file are written
     // after the close, past HDF5 (write_ranges); the others through HDF5's collective writes
     std::vector<int> direct(shards.size(), direct_io ? 1 : 0);
+    std::vector<std::pair<int64_t, int64_t>> span(shards.size(), {0, 0});  // this rank's range
     if (direct_io) {
-      for (size_t i = 0; i < shards.size(); ++i) {
-        int64_t first = 0, n = 0;
-        direct[i] = !shards[i].write || shard_elements(shards[i]) == 0 ||
-                    contiguous_range(shards[i], &first, &n);
-      }
+      for (size_t i = 0; i < shards.size(); ++i)
+        direct[i] = !shards[i].write || shards[i].elements() == 0 ||
+                    contiguous_range(shards[i], &span[i].first, &span[i].second);
       if (!direct.empty())
         watched("an MPI all-reduce of the checkpoint I/O", [&] {
           MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, direct.data(), static_cast<int>(direct.size()),
@@ -498,18 +491,16 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
       H5Id dset(H5_CHECK(H5Dcreate2(file, s.name.c_str(), H5T_IEEE_F32LE, spaces.first, lcpl,
                                     dcpl, H5P_DEFAULT)));
       agreed("creating a dataset");
-      VG_CHECK(!(s.write && shard_elements(s) > 0) || s.data, "shard '" << s.name << "' has no data");
-      const bool mine = s.write && shard_elements(s) > 0;
-      if (direct[si]) {
-        int64_t first = 0, n = 0;
-        const haddr_t at = mine ? H5Dget_offset(dset) : 0;
-        VG_CHECK(!mine || at != HADDR_UNDEF, "dataset '" << s.name << "' has no storage");
-        if (mine && contiguous_range(s, &first, &n))
-          ranges.push_back({static_cast<uint64_t>(at) + uint64_t(first) * sizeof(float), s.data,
-                            size_t(n) * sizeof(float)});
-      } else {
+      VG_CHECK(!(s.write && s.elements() > 0) || s.data, "shard '" << s.name << "' has no data");
+      const bool mine = s.write && s.elements() > 0;
+      if (!direct[si]) {
         H5_CHECK(H5Dwrite(dset, H5T_NATIVE_FLOAT, spaces.second, spaces.first, dxpl,
                           mine ? s.data : &dummy));
+      } else if (mine) {  // written after the close
+        const haddr_t at = H5Dget_offset(dset);
+        VG_CHECK(at != HADDR_UNDEF, "dataset '" << s.name << "' has no storage");
+        ranges.push_back({static_cast<uint64_t>(at) + uint64_t(span[si].first) * sizeof(float),
+                          s.data, size_t(span[si].second) * sizeof(float)});
       }
       write_attr_u64(dset, "checksum", sums[si++]);
       agreed("writing a tensor");

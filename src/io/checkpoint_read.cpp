@@ -146,7 +146,7 @@ std::string try_read_checkpoint(MPI_Comm comm, const std::string& path,
   for (size_t i = 0; i < shards.size(); ++i) {
     WatchdogWait w("the collective HDF5 read of a checkpoint tensor");
     auto& s = shards[i];
-    bool active = shard_elements(s) > 0;
+    bool active = s.elements() > 0;
     VG_CHECK(!active || s.data, "shard '" << s.name << "' has no buffer");
     auto spaces = shard_spaces(s, active);
     const bool ok = H5Dread(dsets[i], H5T_NATIVE_FLOAT, spaces.second, spaces.first, dxpl,

@@ -32,6 +32,12 @@ struct TensorShard {
   std::vector<int64_t> block;
   float* data = nullptr;
   bool write = true;
+  // The elements of the selection (the product of count, times block when strided).
+  int64_t elements() const {
+    int64_t n = 1;
+    for (size_t d = 0; d < count.size(); ++d) n *= count[d] * (block.empty() ? 1 : block[d]);
+    return n;
+  }
 };
 
 struct CheckpointMeta {

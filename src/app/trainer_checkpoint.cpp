@@ -83,6 +83,11 @@ std::vector<TensorShard> Checkpointer::shards(std::vector<float>& host, bool wit
 
 // checkpoint.async: true, or auto on the CUDA backend; only where MPI gives every thread its
 // calls (MPI_THREAD_MULTIPLE), else the checkpoints are written before save() returns.
+int Checkpointer::direct_threads() const {
+  const CheckpointSection& c = run_.deck.checkpoint;
+  return c.direct_io ? c.direct_threads : 0;
+}
+
 bool Checkpointer::async() const {
   const std::string& a = run_.deck.checkpoint.async;
   if (a == "false" || (a == "auto" && run_.be->name() != "cuda")) return false;
@@ -139,7 +144,7 @@ void Checkpointer::save() {
     writer_error_ = nullptr;
     writer_path_.clear();
     writer_ = std::thread([this, sh = std::move(sh), meta = std::move(meta), step,
-                           keep = deck.checkpoint.keep, direct = deck.checkpoint.direct_io,
+                           keep = deck.checkpoint.keep, direct = direct_threads(),
                            d = dir()] {
       WatchdogOff unwatched;  // the main thread's wait() is what may hang
       const double t0 = now_s();
@@ -164,8 +169,8 @@ void Checkpointer::save() {
   }
   const double t0 = now_s();
   const std::string path =
-      write_checkpoint(run_.world, dir(), step, sh, meta, deck.checkpoint.keep,
-                       deck.checkpoint.direct_io, &stats_.write_times);
+      write_checkpoint(run_.world, dir(), step, sh, meta, deck.checkpoint.keep, direct_threads(),
+                       &stats_.write_times);
   const double dt = now_s() - t0;
   const double gb = bytes() / 1e9;
   stats_.write_gbs = gb / std::max(dt, 1e-9);

@@ -300,6 +300,8 @@ class Checkpointer {
   void set_params(const float* host);
   std::vector<TensorShard> shards(std::vector<float>& host, bool with_optim);
   bool async() const;
+  // write_checkpoint's direct_threads: checkpoint.direct_threads with direct_io, else 0
+  int direct_threads() const;
   void end_write();  // after the writer's join: agreed failure, rates, log line
 
   Run& run_;

@@ -188,6 +188,10 @@ const std::vector<Field>& schema() {
                "tensors' bytes at their offsets with O_DIRECT (no page cache) and fsyncs; "
                "tensors split into strided pieces, and false, go through HDF5's collective "
                "writes. The same file either way"),
+      VG_FIELD(checkpoint, direct_threads, "",
+               "with direct_io: threads per rank writing its tensors' bytes, each with one 8 MiB "
+               "request in flight; they start once HDF5 has laid the file out and run beside the "
+               "checksums and the metadata"),
       // [device]
       VG_FIELD(device, backend, "auto|cuda|cpu",
                "compute backend (auto: cuda when a GPU is present)"),
@@ -223,11 +227,13 @@ const std::vector<Field>& schema() {
           "symmetric memory, each gather an in-place all-gather, each reduce-scatter with tensor = "
           "2 an exchange of the peer's rows' partial sums and an add, else an all-to-all and a "
           "local sum, under NCCL's zero-CTA policy: no SMs taken from the GEMMs beside them)"),
-      VG_FIELD(device, data_comm, "sm|copy_engine",
+      VG_FIELD(device, data_comm, "auto|sm|copy_engine",
                "how the data-parallel gradient reduction moves data on GPUs: NCCL's kernels on SMs "
                "(sm), or copy engines (copy_engine: the gradients in NCCL symmetric memory, an "
                "all-to-all, a local sum and an all-gather under NCCL's zero-CTA policy; fp32 sums; "
-               "set gemm_sm_margin = 0 with it)"),
+               "set gemm_sm_margin = 0 with it); auto: copy_engine where it was measured fastest "
+               "(data parallelism alone, every rank on one node, fp32 sums, no ZeRO, "
+               "data_comm_ctas and gemm_sm_margin 0), else sm"),
       VG_FIELD(device, gemm_sm_margin, "0..64",
                "SMs the GEMMs leave free while gradient buckets are reduced during the backward, "
                "for the reduction's kernels (0: none; cuBLASLt's SM count target)"),

@@ -176,6 +176,8 @@ void Parser::derive_and_validate(Deck* dp) {
   // [checkpoint]
   non_negative("checkpoint.every_steps", static_cast<double>(d.checkpoint.every_steps));
   non_negative("checkpoint.keep", d.checkpoint.keep);
+  positive("checkpoint.direct_threads", d.checkpoint.direct_threads);
+  at_most("checkpoint.direct_threads", d.checkpoint.direct_threads, 64);
 
   // [device]
   positive("device.comm_timeout", d.device.comm_timeout);

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <system_error>
 #include <thread>
 #include <utility>
@@ -371,7 +372,7 @@ int hash_threads(MPI_Comm comm) {
 // Called by all ranks of comm.
 std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step,
                              const std::vector<TensorShard>& shards, const CheckpointMeta& meta,
-                             int keep, bool direct_io, CheckpointWriteTimes* times) {
+                             int keep, int direct_threads, CheckpointWriteTimes* times) {
   CheckpointWriteTimes t;
   double t0 = MPI_Wtime();
   auto lap = [&t0](double* into) {
@@ -413,7 +414,8 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
   // that the close can finish) and every checkpoint written before stays as it was.
   io_detail::SoftFailures soft(dir);
   H5Id file;
-  std::vector<FileRange> ranges;  // direct_io: this rank's tensor bytes, written after the close
+  // direct_io: this rank's tensor bytes, written by threads from when the file is laid out
+  std::unique_ptr<DirectWriter> writer;
   bool any_direct = false;
   struct Failed {
     std::string why;
@@ -442,7 +444,54 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
     }
     agreed("creating its groups");
 
+    // direct_io: the tensors whose part on every rank is one range of the file are written
+    // past HDF5 (DirectWriter); the others through HDF5's collective writes
+    const bool direct_io = direct_threads > 0;
+    std::vector<int> direct(shards.size(), direct_io ? 1 : 0);
+    std::vector<std::pair<int64_t, int64_t>> span(shards.size(), {0, 0});  // this rank's range
+    if (direct_io) {
+      for (size_t i = 0; i < shards.size(); ++i)
+        direct[i] = !shards[i].write || shards[i].elements() == 0 ||
+                    contiguous_range(shards[i], &span[i].first, &span[i].second);
+      if (!direct.empty())
+        watched("an MPI all-reduce of the checkpoint I/O", [&] {
+          MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, direct.data(), static_cast<int>(direct.size()),
+                                  MPI_INT, MPI_MIN, comm));
+        });
+    }
+    any_direct = std::find(direct.begin(), direct.end(), 1) != direct.end();
+    std::vector<FileRange> ranges;
+    std::vector<H5Id> dsets;  // open until their checksums are attached
+    dsets.reserve(shards.size());
+    float dummy = 0.0f;
+    for (size_t si = 0; si < shards.size(); ++si) {
+      const TensorShard& s = shards[si];
+      if (vitgrid_test_hooks.checkpoint_tensor_delay_ms > 0)  // tests: a slow file system
+        std::this_thread::sleep_for(
+            std::chrono::milliseconds(vitgrid_test_hooks.checkpoint_tensor_delay_ms));
+      WatchdogWait w("the collective HDF5 write of a checkpoint tensor");
+      auto spaces = shard_spaces(s, s.write);
+      dsets.emplace_back(H5_CHECK(H5Dcreate2(file, s.name.c_str(), H5T_IEEE_F32LE,
+                                             spaces.first, lcpl, dcpl, H5P_DEFAULT)));
+      agreed("creating a dataset");
+      VG_CHECK(!(s.write && s.elements() > 0) || s.data, "shard '" << s.name << "' has no data");
+      const bool mine = s.write && s.elements() > 0;
+      if (!direct[si]) {
+        H5_CHECK(H5Dwrite(dsets.back(), H5T_NATIVE_FLOAT, spaces.second, spaces.first, dxpl,
+                          mine ? s.data : &dummy));
+        agreed("writing a tensor");
+      } else if (mine) {  // written by the DirectWriter
+        const haddr_t at = H5Dget_offset(dsets.back());
+        VG_CHECK(at != HADDR_UNDEF, "dataset '" << s.name << "' has no storage");
+        ranges.push_back({static_cast<uint64_t>(at) + uint64_t(span[si].first) * sizeof(float),
+                          s.data, size_t(span[si].second) * sizeof(float)});
+      }
+    }
+    // The file is laid out: the bulk data goes to its place beside what follows (the
+    // checksums, the metadata); no HDF5 write touches those ranges.
+    if (!ranges.empty()) writer = std::make_unique<DirectWriter>(tmp, std::move(ranges), direct_threads);
     lap(&t.hdf5);
+
     // checksums: each rank hashes what it writes, its tensors spread over a few threads (the
     // node's cores per rank, at most 8: a rank's share of a large model is tens of GB); one
     // all-reduce gives every dataset's value
@@ -465,46 +514,9 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
                                 MPI_UINT64_T, MPI_SUM, comm));
       });
     lap(&t.hash);
-    // direct_io: the tensors whose part on every rank is one range of the file are written
-    // after the close, past HDF5 (write_ranges); the others through HDF5's collective writes
-    std::vector<int> direct(shards.size(), direct_io ? 1 : 0);
-    std::vector<std::pair<int64_t, int64_t>> span(shards.size(), {0, 0});  // this rank's range
-    if (direct_io) {
-      for (size_t i = 0; i < shards.size(); ++i)
-        direct[i] = !shards[i].write || shards[i].elements() == 0 ||
-                    contiguous_range(shards[i], &span[i].first, &span[i].second);
-      if (!direct.empty())
-        watched("an MPI all-reduce of the checkpoint I/O", [&] {
-          MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, direct.data(), static_cast<int>(direct.size()),
-                                  MPI_INT, MPI_MIN, comm));
-        });
-    }
-    any_direct = std::find(direct.begin(), direct.end(), 1) != direct.end();
-    size_t si = 0;
-    float dummy = 0.0f;
-    for (const auto& s : shards) {
-      if (vitgrid_test_hooks.checkpoint_tensor_delay_ms > 0)  // tests: a slow file system
-        std::this_thread::sleep_for(
-            std::chrono::milliseconds(vitgrid_test_hooks.checkpoint_tensor_delay_ms));
-      WatchdogWait w("the collective HDF5 write of a checkpoint tensor");
-      auto spaces = shard_spaces(s, s.write);
-      H5Id dset(H5_CHECK(H5Dcreate2(file, s.name.c_str(), H5T_IEEE_F32LE, spaces.first, lcpl,
-                                    dcpl, H5P_DEFAULT)));
-      agreed("creating a dataset");
-      VG_CHECK(!(s.write && s.elements() > 0) || s.data, "shard '" << s.name << "' has no data");
-      const bool mine = s.write && s.elements() > 0;
-      if (!direct[si]) {
-        H5_CHECK(H5Dwrite(dset, H5T_NATIVE_FLOAT, spaces.second, spaces.first, dxpl,
-                          mine ? s.data : &dummy));
-      } else if (mine) {  // written after the close
-        const haddr_t at = H5Dget_offset(dset);
-        VG_CHECK(at != HADDR_UNDEF, "dataset '" << s.name << "' has no storage");
-        ranges.push_back({static_cast<uint64_t>(at) + uint64_t(span[si].first) * sizeof(float),
-                          s.data, size_t(span[si].second) * sizeof(float)});
-      }
-      write_attr_u64(dset, "checksum", sums[si++]);
-      agreed("writing a tensor");
-    }
+    for (size_t si = 0; si < shards.size(); ++si) write_attr_u64(dsets[si], "checksum", sums[si]);
+    dsets.clear();
+    agreed("writing the checksums");
 
     // small state: rank 0 writes, the others select nothing (values are the same everywhere)
     double ddummy = 0.0;
@@ -545,8 +557,9 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
     }
     agreed("flushing it");
   } catch (const Failed& f) {
-    // every object of the file is closed by now (the unwinding); the file's space is freed
-    // before its collective close, whose own failure no longer matters
+    // every object of the file is closed by now (the unwinding), the direct writes are stopped;
+    // the file's space is freed before its collective close, whose own failure no longer matters
+    writer.reset();
     if (rank == 0 && ::truncate(tmp.c_str(), 0) != 0) { /* removed below either way */
     }
     watched("an MPI barrier of the checkpoint I/O", [&] { MPI_CHECK(MPI_Barrier(comm)); });
@@ -563,6 +576,7 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
     file.reset();
   }
   if (const std::string why = soft.agree(comm); !why.empty()) {
+    writer.reset();
     if (rank == 0) std::remove(tmp.c_str());
     watched("an MPI barrier of the checkpoint I/O", [&] { MPI_CHECK(MPI_Barrier(comm)); });
     throw UserError("checkpoint '" + final_path + "' could not be written (" + why +
@@ -571,8 +585,8 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
 
   lap(&t.hdf5);
   if (any_direct) {
-    // the bulk data, once HDF5 has laid out and closed the file; fsynced by each writer
-    const std::string err = write_ranges(tmp, ranges);
+    // the bulk data's writers, joined once HDF5 has closed the file; fsynced by each rank
+    const std::string err = writer ? writer->finish() : std::string();
     if (const std::string bad = first_failure(comm, err.empty(), err); !bad.empty()) {
       if (rank == 0) std::remove(tmp.c_str());
       watched("an MPI barrier of the checkpoint I/O", [&] { MPI_CHECK(MPI_Barrier(comm)); });

@@ -3,8 +3,11 @@
 #pragma once
 #include <mpi.h>
 
+#include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -43,9 +46,44 @@ struct FileRange {
   const void* data = nullptr;
   size_t bytes = 0;
 };
-// Writes each range into the existing file `path` (whole pages with O_DIRECT where the file
-// system takes it, the rest buffered), then fsyncs it; "" or what failed, naming the file.
-std::string write_ranges(const std::string& path, const std::vector<FileRange>& ranges);
+// Writes ranges into the existing file `path` on `threads` threads, from construction on:
+// whole pages with O_DIRECT where the file system takes it (each thread copies up to
+// `piece_bytes`, a multiple of 4096, at a time into its own aligned buffer, so `threads`
+// requests are in flight), the unaligned edges buffered. The ranges must not overlap and stay valid until finish() or the destructor. The
+// file may still be open elsewhere (HDF5 writing its metadata) while the threads run; finish()
+// is called once that is closed: it waits for the threads, fsyncs the file (what every writer
+// put there) and returns "" or what failed, naming the file. The destructor without finish()
+// stops the threads after their current request and joins them.
+class DirectWriter {
+ public:
+  DirectWriter(const std::string& path, std::vector<FileRange> ranges, int threads,
+               size_t piece_bytes = size_t(8) << 20);
+  ~DirectWriter();
+  DirectWriter(const DirectWriter&) = delete;
+  DirectWriter& operator=(const DirectWriter&) = delete;
+  std::string finish();
+
+ private:
+  struct Piece {
+    uint64_t offset;
+    const char* data;
+    size_t bytes;
+    bool direct;
+  };
+  void work();
+  void fail(const std::string& why);
+  void join();
+
+  std::string path_;
+  size_t piece_;
+  int fd_ = -1, dfd_ = -1;  // buffered; O_DIRECT (-1 where the file system refuses it)
+  std::vector<Piece> pieces_;
+  std::atomic<size_t> next_{0};
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::string error_;
+  std::vector<std::thread> threads_;
+};
 
 }  // namespace ckpt_detail
 }  // namespace vitgrid

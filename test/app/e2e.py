@@ -478,10 +478,15 @@ def async_checkpoint_checks(tmp, extra):
     rc, out = finish(p, [], 120)
     ck = sorted(os.listdir(os.path.join(u, "checkpoints")))
     check(inside and rc == 3, f"SIGUSR1 during a background write: exit {rc} == 3")
+    if rc != 3:
+        print("  the run's last lines:\n  " + "\n  ".join(out.splitlines()[-25:]))
     complete = []
     for n in ck:
+        if not n.endswith(".h5"):
+            complete.append(False)
+            continue
         with h5py.File(os.path.join(u, "checkpoints", n), "r") as f:
-            complete.append(n.endswith(".h5") and int(f.attrs.get("complete", 0)) == 1)
+            complete.append(int(f.attrs.get("complete", 0)) == 1)
     check(len(ck) >= 2 and all(complete) and ck[0] == "step_00000002.h5",
           f"the write in flight finished, then the final one; all complete, no .tmp: {ck}")
     i_written = out.find("step_00000002.h5 written in the background")
@@ -1758,7 +1763,9 @@ def t_gpu_data_comm(tmp):
     1e-5 relative over 20 steps (fp32: only the summation order differs; on 2 GPUs the
     same sum), with several buckets overlapped with the backward, eagerly and as CUDA graphs,
     and with ZeRO-1 (the reduce-scatter: all-to-all + local sum), on 2 and 4 GPUs; the log
-    names the mode. 77 without a GPU; skipped with one."""
+    names the mode. The default (auto) takes copy engines for data parallelism alone on one
+    node (the same losses bit for bit) and NCCL's kernels with ZeRO-1. 77 without a GPU;
+    skipped with one."""
     ngpu = gpus_or_skip()
     if ngpu < 2:
         print("skip: needs 2 GPUs")
@@ -1774,7 +1781,7 @@ def t_gpu_data_comm(tmp):
             print(f"skip {n} GPUs, {what}")
             continue
         got = {}
-        for mode in ("sm", "copy_engine"):
+        for mode in ("sm", "copy_engine") + (("auto",) if n == 2 and what != "eager" else ()):
             d = os.path.join(tmp, f"{mode}_{n}_{what}")
             p = run_buckets(n, ["train", DECK, f"--run.out_dir={d}", f"--device.data_comm={mode}"]
                             + model + extra, 0.01)
@@ -1784,6 +1791,12 @@ def t_gpu_data_comm(tmp):
         check("zero-CTA" in out and len(b["loss"]) == len(a["loss"]) > 0 and r <= 1e-5,
               f"{n} GPUs, {what}: copy-engine reduction within {r:.2e} <= 1e-5 of NCCL's "
               f"all-reduce (losses and gradient norms)")
+        if "auto" in got:
+            (c, out_auto), zero = got["auto"], what == "ZeRO-1"
+            same = c["loss"].tobytes() == (a if zero else b)["loss"].tobytes()
+            check(same and ("zero-CTA" in out_auto) != zero,
+                  f"{n} GPUs, {what}: device.data_comm = auto reduces as "
+                  f"{'sm' if zero else 'copy_engine'} does (the same losses bit for bit)")
 
 
 def t_gpu_parallel(tmp):

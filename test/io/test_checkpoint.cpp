@@ -5,6 +5,7 @@
 #include <deque>
 #include <fstream>
 
+#include "checkpoint_internal.h"
 #include "io_test_util.h"
 #include "vitgrid/io/checkpoint.h"
 #include "vitgrid/io/metrics.h"
@@ -171,11 +172,12 @@ std::vector<std::string> list_dir(const std::string& dir) {
   return names;
 }
 
-// direct_io false: every tensor through HDF5's collective writes; true: the tensors whose
-// part is one file range on every rank written past HDF5 (O_DIRECT), the others (split along
-// a later axis) through HDF5, in the same file
-class CheckpointIo : public ::testing::TestWithParam<bool> {};
-INSTANTIATE_TEST_SUITE_P(DirectIo, CheckpointIo, ::testing::Values(false, true));
+// direct_threads 0: every tensor through HDF5's collective writes; 1 or 3: the tensors whose
+// part is one file range on every rank written past HDF5 (O_DIRECT, by that many threads per
+// rank beside the checksums and metadata), the others (split along a later axis) through
+// HDF5, in the same file
+class CheckpointIo : public ::testing::TestWithParam<int> {};
+INSTANTIATE_TEST_SUITE_P(DirectIo, CheckpointIo, ::testing::Values(0, 1, 3));
 
 TEST_P(CheckpointIo, RoundTripAcrossSplits) {
   vgtest::SharedTmpDir tmp;
@@ -200,6 +202,60 @@ TEST_P(CheckpointIo, RoundTripAcrossSplits) {
         ASSERT_EQ(v[i], value_of(t, static_cast<int64_t>(i))) << kTensors[t].name << " at " << i;
     }
   }
+}
+
+// The direct writer alone, on each rank's own file: ranges with unaligned edges, adjacent
+// ones sharing a page, several pieces each, written by 4 threads with 64 KiB requests; every
+// byte lands at its offset and the bytes between ranges stay as they were.
+TEST(DirectWriter, ConcurrentPiecesLandAtTheirOffsets) {
+  vgtest::SharedTmpDir tmp;
+  const std::string path = tmp / ("direct." + std::to_string(rank_of()));
+  const size_t size = size_t(3) << 20;
+  std::vector<char> before(size, char(0xEE));
+  {
+    std::ofstream f(path, std::ios::binary);
+    f.write(before.data(), static_cast<std::streamsize>(size));
+  }
+  // [offset, bytes): page-aligned, unaligned at both ends, adjacent, tiny, inside one page
+  const std::vector<std::pair<size_t, size_t>> spans = {
+      {0, 4096 * 40},     {4096 * 40, 1000},         {4096 * 40 + 1000, 700001},
+      {1 << 21, 12},      {(1 << 21) + 4100, 5000}, {(1 << 21) + 20000, (1 << 20) - 30000}};
+  std::vector<std::vector<char>> data;
+  std::vector<vitgrid::ckpt_detail::FileRange> ranges;
+  uint64_t x = 0x9E3779B97F4A7C15ull * (rank_of() + 1);
+  for (const auto& sp : spans) {
+    data.emplace_back(sp.second);
+    for (char& c : data.back()) c = static_cast<char>((x = x * 6364136223846793005ull + 1) >> 56);
+    ranges.push_back({sp.first, data.back().data(), sp.second});
+  }
+  vitgrid::ckpt_detail::DirectWriter w(path, ranges, 4, 64 << 10);
+  EXPECT_EQ(w.finish(), "");
+  std::vector<char> expect = before;
+  for (size_t k = 0; k < spans.size(); ++k)
+    std::copy(data[k].begin(), data[k].end(), expect.begin() + spans[k].first);
+  std::ifstream f(path, std::ios::binary);
+  std::vector<char> got(size + 1);
+  f.read(got.data(), static_cast<std::streamsize>(got.size()));
+  ASSERT_EQ(static_cast<size_t>(f.gcount()), size);
+  got.resize(size);
+  for (size_t i = 0; i < size; ++i) ASSERT_EQ(got[i], expect[i]) << "byte " << i;
+}
+
+// A file that cannot be opened is named in the error; a writer dropped without finish() stops
+// and joins (no thread left writing into a file about to be removed).
+TEST(DirectWriter, FailuresNameTheFileAndDropStops) {
+  vgtest::SharedTmpDir tmp;
+  std::vector<char> buf(size_t(4) << 20, 'x');
+  const std::string missing = tmp / ("absent/direct." + std::to_string(rank_of()));
+  vitgrid::ckpt_detail::DirectWriter bad(missing, {{0, buf.data(), buf.size()}}, 2);
+  const std::string err = bad.finish();
+  EXPECT_NE(err.find("cannot open '" + missing + "'"), std::string::npos) << err;
+  const std::string path = tmp / ("dropped." + std::to_string(rank_of()));
+  std::ofstream(path).put('a');
+  {
+    vitgrid::ckpt_detail::DirectWriter dropped(path, {{0, buf.data(), buf.size()}}, 3, 4096);
+  }
+  EXPECT_LE(std::filesystem::file_size(path), buf.size());
 }
 
 TEST(Checkpoint, MetaStateAndAttributes) {

@@ -606,7 +606,7 @@ TEST(CheckpointFullDisk, DirectWritesFailAlikeOnEveryRank) {
   const std::string dir = fs / "checkpoints";
   // 168 KB: fits
   const std::string first = vitgrid::write_checkpoint(MPI_COMM_WORLD, dir, 1, shards_of(60, small),
-                                                      meta, 0, true);
+                                                      meta, 0, 2);
   // 1.7 MB, more than the 2 MiB file system has left beside the first and a filler
   if (rank_of() == 0) {
     const int fd = ::open((fs / "filler").c_str(), O_WRONLY | O_CREAT, 0644);
@@ -616,7 +616,7 @@ TEST(CheckpointFullDisk, DirectWritesFailAlikeOnEveryRank) {
   }
   MPI_Barrier(MPI_COMM_WORLD);
   vgtest::expect_user_error_everywhere(
-      [&] { vitgrid::write_checkpoint(MPI_COMM_WORLD, dir, 2, shards_of(600, big), meta, 0, true); },
+      [&] { vitgrid::write_checkpoint(MPI_COMM_WORLD, dir, 2, shards_of(600, big), meta, 0, 2); },
       {"step_00000002.h5' could not be written", "cannot write", "No space left on device",
        "the partial file was removed"});
   if (rank_of() == 0) {

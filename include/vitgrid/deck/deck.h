@@ -125,6 +125,8 @@ struct CheckpointSection {
   std::string async = "auto";
   // the tensors' bytes written past HDF5 with O_DIRECT once it has laid out the file
   bool direct_io = true;
+  // direct_io: threads per rank writing those bytes (requests in flight)
+  int direct_threads = 4;
 };
 
 struct DeviceSection {
@@ -136,7 +138,9 @@ struct DeviceSection {
   int pipe_comm_ctas = 0;        // NCCL thread blocks of each asynchronous pipeline link (0: NCCL's)
   int tensor_comm_ctas = 0;      // NCCL thread blocks of sequence parallelism's overlapped ones
   std::string tensor_comm = "copy_engine";  // sm | copy_engine: how those move data
-  std::string data_comm = "sm";  // sm | copy_engine: how the data axis's reductions move data
+  // auto | sm | copy_engine: how the data axis's reductions move data (auto: copy engines for
+  // data parallelism alone on one node, else sm)
+  std::string data_comm = "auto";
   int gemm_sm_margin = 0;        // SMs the GEMMs leave free while buckets are reduced
   bool cuda_graph = true;        // replay the step's micro-batches as CUDA graphs (see trainer)
   double bucket_mb = 25.0;       // MiB of fp32 gradients per data-parallel bucket (0: no overlap)

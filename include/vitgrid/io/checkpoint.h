@@ -55,19 +55,22 @@ std::string step_file_name(int64_t step);
 
 // Called by all ranks of comm. Writes dir/step_<8 digits>.h5 atomically; keeps the newest
 // `keep` complete checkpoints when keep > 0. Returns the path. Every shard's name and global
-// shape must be identical on all ranks (same order). direct_io: the tensors whose part on
-// every rank is one range of the file go past HDF5 once it has laid the file out (positioned
-// O_DIRECT writes, then fsync; checkpoint_direct.cpp); the same file either way.
+// shape must be identical on all ranks (same order). direct_threads > 0 (checkpoint.direct_io):
+// the tensors whose part on every rank is one range of the file go past HDF5 once it has laid
+// the file out, written by that many threads per rank (positioned O_DIRECT writes beside the
+// checksums and the metadata, then fsync; checkpoint_direct.cpp); 0: every tensor through
+// HDF5's collective writes. The same file either way.
 // `times` (optional): where this rank's write spent its time, in seconds.
 struct CheckpointWriteTimes {
   double hash = 0.0;     // the checksums (threads over this rank's tensors, one all-reduce)
   double hdf5 = 0.0;     // HDF5: creating, writing what goes through it, flushing, closing
-  double direct = 0.0;   // direct_io: this rank's O_DIRECT writes and fsync, the agreement
+  double direct = 0.0;   // direct_io: the wait for this rank's direct writes after the close
+                         // (they run from the layout on), the fsync, the agreement
   double publish = 0.0;  // the rename, keep-K pruning
 };
 std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step,
                              const std::vector<TensorShard>& shards, const CheckpointMeta& meta,
-                             int keep = 0, bool direct_io = false,
+                             int keep = 0, int direct_threads = 0,
                              CheckpointWriteTimes* times = nullptr);
 
 // Called by all ranks of comm. Reads each shard's hyperslab from `path` into shard.data; the

@@ -444,23 +444,12 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
     }
     agreed("creating its groups");
 
-    // direct_io: the tensors whose part on every rank is one range of the file are written
-    // past HDF5 (DirectWriter); the others through HDF5's collective writes
-    const bool direct_io = direct_threads > 0;
-    std::vector<int> direct(shards.size(), direct_io ? 1 : 0);
-    std::vector<std::pair<int64_t, int64_t>> span(shards.size(), {0, 0});  // this rank's range
-    if (direct_io) {
-      for (size_t i = 0; i < shards.size(); ++i)
-        direct[i] = !shards[i].write || shards[i].elements() == 0 ||
-                    contiguous_range(shards[i], &span[i].first, &span[i].second);
-      if (!direct.empty())
-        watched("an MPI all-reduce of the checkpoint I/O", [&] {
-          MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, direct.data(), static_cast<int>(direct.size()),
-                                  MPI_INT, MPI_MIN, comm));
-        });
-    }
-    any_direct = std::find(direct.begin(), direct.end(), 1) != direct.end();
+    // direct_io: every tensor's bytes written past HDF5 (DirectWriter), each rank's part as
+    // the runs of consecutive elements it makes in the file; else HDF5's collective writes
+    const bool direct = direct_threads > 0;
+    any_direct = direct && !shards.empty();
     std::vector<FileRange> ranges;
+    std::vector<std::pair<int64_t, int64_t>> runs;
     std::vector<H5Id> dsets;  // open until their checksums are attached
     dsets.reserve(shards.size());
     float dummy = 0.0f;
@@ -476,15 +465,22 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
       agreed("creating a dataset");
       VG_CHECK(!(s.write && s.elements() > 0) || s.data, "shard '" << s.name << "' has no data");
       const bool mine = s.write && s.elements() > 0;
-      if (!direct[si]) {
+      if (!direct) {
         H5_CHECK(H5Dwrite(dsets.back(), H5T_NATIVE_FLOAT, spaces.second, spaces.first, dxpl,
                           mine ? s.data : &dummy));
         agreed("writing a tensor");
       } else if (mine) {  // written by the DirectWriter
         const haddr_t at = H5Dget_offset(dsets.back());
         VG_CHECK(at != HADDR_UNDEF, "dataset '" << s.name << "' has no storage");
-        ranges.push_back({static_cast<uint64_t>(at) + uint64_t(span[si].first) * sizeof(float),
-                          s.data, size_t(span[si].second) * sizeof(float)});
+        file_runs(s, &runs);
+        const float* from = s.data;
+        for (const auto& run : runs) {
+          ranges.push_back({static_cast<uint64_t>(at) + uint64_t(run.first) * sizeof(float), from,
+                            size_t(run.second) * sizeof(float)});
+          from += run.second;
+        }
+        VG_CHECK(from - s.data == s.elements(),
+                 "shard '" << s.name << "': its file runs do not cover its elements");
       }
     }
     // The file is laid out: the bulk data goes to its place beside what follows (the

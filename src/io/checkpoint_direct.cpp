@@ -19,35 +19,60 @@
 namespace vitgrid {
 namespace ckpt_detail {
 
-bool contiguous_range(const TensorShard& s, int64_t* first, int64_t* elems) {
+void file_runs(const TensorShard& s, std::vector<std::pair<int64_t, int64_t>>* runs) {
+  runs->clear();
   const size_t r = s.global_shape.size();
-  // the selection as one box [lo, lo + len) per dimension, if it is one
-  std::vector<int64_t> lo(r), len(r);
+  if (r == 0) {
+    runs->push_back({0, 1});
+    return;
+  }
+  // per dimension: the selected coordinates as segments [start, start + len), in selection
+  // order, adjacent ones merged
+  const bool strided = !s.stride.empty() && !s.block.empty();
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> seg(r);
   for (size_t d = 0; d < r; ++d) {
-    if (s.stride.empty() || s.block.empty() || s.count[d] == 1) {
-      lo[d] = s.offset[d];
-      len[d] = s.count[d] * (s.block.empty() ? 1 : s.block[d]);
-    } else if (s.stride[d] == s.block[d]) {
-      lo[d] = s.offset[d];
-      len[d] = s.count[d] * s.block[d];
-    } else {
-      return false;  // blocks with gaps between them
+    const int64_t n = strided ? s.count[d] : 1;
+    for (int64_t c = 0; c < n; ++c) {
+      const int64_t st = strided ? s.offset[d] + c * s.stride[d] : s.offset[d];
+      const int64_t len = strided ? s.block[d] : s.count[d];
+      if (len <= 0) return;  // nothing selected
+      if (!seg[d].empty() && seg[d].back().first + seg[d].back().second == st)
+        seg[d].back().second += len;
+      else
+        seg[d].push_back({st, len});
     }
+    if (seg[d].empty()) return;
   }
-  // row-major: one range when, past the first dimension with more than one index, every
-  // dimension is whole
-  size_t k = 0;
-  while (k < r && len[k] == 1) ++k;
-  for (size_t d = k + 1; d < r; ++d)
-    if (lo[d] != 0 || len[d] != s.global_shape[d]) return false;
-  int64_t f = 0, n = 1;
-  for (size_t d = 0; d < r; ++d) {
-    f = f * s.global_shape[d] + lo[d];
-    n *= len[d];
+  auto whole = [&](size_t d) {
+    return seg[d].size() == 1 && seg[d][0].first == 0 && seg[d][0].second == s.global_shape[d];
+  };
+  // j: the last dimension not taken whole; the dimensions after it make each run longer
+  size_t j = r;
+  while (j > 0 && whole(j - 1)) --j;
+  if (j == 0) {  // the whole tensor
+    int64_t n = 1;
+    for (int64_t e : s.global_shape) n *= e;
+    runs->push_back({0, n});
+    return;
   }
-  *first = f;
-  *elems = n;
-  return true;
+  --j;
+  int64_t inner = 1;
+  for (size_t d = j + 1; d < r; ++d) inner *= s.global_shape[d];
+  // the coordinates of the dimensions before j, each tuple in row-major order
+  std::vector<std::vector<int64_t>> coords(j);
+  for (size_t d = 0; d < j; ++d)
+    for (const auto& g : seg[d])
+      for (int64_t k = 0; k < g.second; ++k) coords[d].push_back(g.first + k);
+  std::vector<size_t> pos(j, 0);
+  for (;;) {
+    int64_t base = 0;
+    for (size_t d = 0; d < j; ++d) base = base * s.global_shape[d] + coords[d][pos[d]];
+    for (const auto& g : seg[j])
+      runs->push_back({(base * s.global_shape[j] + g.first) * inner, g.second * inner});
+    size_t d = j;
+    while (d > 0 && ++pos[d - 1] == coords[d - 1].size()) pos[--d] = 0;
+    if (d == 0) return;
+  }
 }
 
 namespace {
@@ -74,7 +99,7 @@ bool pwrite_all(int fd, const char* p, size_t n, off_t at) {
 }  // namespace
 
 DirectWriter::DirectWriter(const std::string& path, std::vector<FileRange> ranges, int threads,
-                           size_t piece_bytes)
+                           size_t piece_bytes, size_t min_direct)
     : path_(path), piece_(std::max(piece_bytes / kPage, size_t(1)) * kPage) {
   if (ranges.empty()) return;
   fd_ = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
@@ -89,15 +114,21 @@ DirectWriter::DirectWriter(const std::string& path, std::vector<FileRange> range
     const size_t begin = rg.offset, end = rg.offset + rg.bytes;
     // [a, b): the whole pages inside the range, written direct; the edges buffered
     size_t a = (begin + kPage - 1) / kPage * kPage, b = end / kPage * kPage;
-    if (dfd_ < 0 || a >= b) a = b = end;
+    if (dfd_ < 0 || a >= b || b - a < min_direct) a = b = end;
     if (a > begin) pieces_.push_back({begin, src, a - begin, false});
     if (end > b) pieces_.push_back({b, src + (b - begin), end - b, false});
     for (size_t at = a; at < b; at += piece_)
       pieces_.push_back({at, src + (at - begin), std::min(piece_, b - at), true});
   }
-  // the largest first: the threads end together
-  std::stable_sort(pieces_.begin(), pieces_.end(),
-                   [](const Piece& x, const Piece& y) { return x.bytes > y.bytes; });
+  // The buffered pieces first, in file order (copies into the page cache: quick), their
+  // writeback started as soon as they are in (sync_file_range) so that it runs beside the
+  // direct writes; then the direct ones, the largest first: the threads end together.
+  std::stable_sort(pieces_.begin(), pieces_.end(), [](const Piece& x, const Piece& y) {
+    if (x.direct != y.direct) return !x.direct;
+    return x.direct ? x.bytes > y.bytes : x.offset < y.offset;
+  });
+  buffered_ = static_cast<size_t>(
+      std::count_if(pieces_.begin(), pieces_.end(), [](const Piece& p) { return !p.direct; }));
   const size_t n = std::min<size_t>(std::max(threads, 1), pieces_.size());
   for (size_t k = 0; k < n; ++k) threads_.emplace_back([this] { work(); });
 }
@@ -116,6 +147,13 @@ void DirectWriter::work() {
   }
   for (size_t i; !stop_.load() && (i = next_.fetch_add(1)) < pieces_.size();) {
     const Piece& p = pieces_[i];
+    if (i + 1 == buffered_) {  // the last buffered piece: the page cache's writeback begins
+      if (pwrite_all(fd_, p.data, p.bytes, static_cast<off_t>(p.offset)))
+        ::sync_file_range(fd_, 0, 0, SYNC_FILE_RANGE_WRITE);
+      else
+        fail(errno_text("cannot write", path_));
+      continue;
+    }
     bool ok;
     if (p.direct) {
       std::memcpy(bounce, p.data, p.bytes);

@@ -37,9 +37,11 @@ bool all_datasets(hid_t file, std::vector<std::string>* names);
 std::string verify_datasets(MPI_Comm comm, hid_t file, const std::string& what,
                             const std::vector<std::string>& names);
 
-// checkpoint_direct.cpp. Whether the selection of s is one contiguous range of its dataset in
-// row-major order: its first element and its length, in elements.
-bool contiguous_range(const TensorShard& s, int64_t* first, int64_t* elems);
+// checkpoint_direct.cpp. The selection of s as runs of consecutive elements of its dataset in
+// row-major order, (first element, length), in the order of s.data: one run for a whole
+// tensor or a block of rows, one per row piece for a split along a later dimension, one per
+// block of a strided selection.
+void file_runs(const TensorShard& s, std::vector<std::pair<int64_t, int64_t>>* runs);
 // One range of a file and the bytes that go there.
 struct FileRange {
   uint64_t offset = 0;
@@ -49,7 +51,9 @@ struct FileRange {
 // Writes ranges into the existing file `path` on `threads` threads, from construction on:
 // whole pages with O_DIRECT where the file system takes it (each thread copies up to
 // `piece_bytes`, a multiple of 4096, at a time into its own aligned buffer, so `threads`
-// requests are in flight), the unaligned edges buffered. The ranges must not overlap and stay valid until finish() or the destructor. The
+// requests are in flight), the unaligned edges buffered, and a range with fewer whole pages
+// than `min_direct` bytes buffered whole (the row pieces of a tensor split along its columns:
+// the page cache joins the ranks' pieces into long writes at the fsync). The ranges must not overlap and stay valid until finish() or the destructor. The
 // file may still be open elsewhere (HDF5 writing its metadata) while the threads run; finish()
 // is called once that is closed: it waits for the threads, fsyncs the file (what every writer
 // put there) and returns "" or what failed, naming the file. The destructor without finish()
@@ -57,7 +61,7 @@ struct FileRange {
 class DirectWriter {
  public:
   DirectWriter(const std::string& path, std::vector<FileRange> ranges, int threads,
-               size_t piece_bytes = size_t(8) << 20);
+               size_t piece_bytes = size_t(8) << 20, size_t min_direct = size_t(1) << 20);
   ~DirectWriter();
   DirectWriter(const DirectWriter&) = delete;
   DirectWriter& operator=(const DirectWriter&) = delete;
@@ -77,7 +81,8 @@ class DirectWriter {
   std::string path_;
   size_t piece_;
   int fd_ = -1, dfd_ = -1;  // buffered; O_DIRECT (-1 where the file system refuses it)
-  std::vector<Piece> pieces_;
+  std::vector<Piece> pieces_;  // the buffered ones first
+  size_t buffered_ = 0;
   std::atomic<size_t> next_{0};
   std::atomic<bool> stop_{false};
   std::mutex mu_;

@@ -205,8 +205,9 @@ TEST_P(CheckpointIo, RoundTripAcrossSplits) {
 }
 
 // The direct writer alone, on each rank's own file: ranges with unaligned edges, adjacent
-// ones sharing a page, several pieces each, written by 4 threads with 64 KiB requests; every
-// byte lands at its offset and the bytes between ranges stay as they were.
+// ones sharing a page, several pieces each, written by 4 threads with 64 KiB requests (ranges
+// under 16 KiB of whole pages buffered); every byte lands at its offset and the bytes between
+// ranges stay as they were.
 TEST(DirectWriter, ConcurrentPiecesLandAtTheirOffsets) {
   vgtest::SharedTmpDir tmp;
   const std::string path = tmp / ("direct." + std::to_string(rank_of()));
@@ -228,7 +229,7 @@ TEST(DirectWriter, ConcurrentPiecesLandAtTheirOffsets) {
     for (char& c : data.back()) c = static_cast<char>((x = x * 6364136223846793005ull + 1) >> 56);
     ranges.push_back({sp.first, data.back().data(), sp.second});
   }
-  vitgrid::ckpt_detail::DirectWriter w(path, ranges, 4, 64 << 10);
+  vitgrid::ckpt_detail::DirectWriter w(path, ranges, 4, 64 << 10, 16 << 10);
   EXPECT_EQ(w.finish(), "");
   std::vector<char> expect = before;
   for (size_t k = 0; k < spans.size(); ++k)
@@ -586,7 +587,12 @@ TEST(Checkpoint, InspectTool) {
 namespace {
 // A tensor-parallel qkv shard: rank r of P holds rows [j*R + r*R/P, j*R + (r+1)*R/P) of each of
 // the three R-row blocks (q, k, v): one strided selection (stride R, 3 blocks of R/P rows).
-TEST(Checkpoint, StridedShardsRoundTrip) {
+// Strided shards (1d's qkv rows: 3 blocks per rank; columns in 2 blocks per rank), through
+// HDF5's writes (0) and the direct writes (2 threads: a run per block, per row)
+class StridedShards : public ::testing::TestWithParam<int> {};
+INSTANTIATE_TEST_SUITE_P(DirectIo, StridedShards, ::testing::Values(0, 2));
+
+TEST_P(StridedShards, RoundTrip) {
   vgtest::SharedTmpDir tmp;
   const int P = size_of(), r = rank_of();
   const int64_t R = 4 * P, C = 5, rows = R / P;
@@ -603,23 +609,46 @@ TEST(Checkpoint, StridedShardsRoundTrip) {
       for (int64_t c = 0; c < C; ++c)
         buf[(j * rows + i) * C + c] = value_of(0, (j * R + r * rows + i) * C + c);
   s.data = buf.data();
-  std::string path = vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp / "ck", 1, {s}, make_meta(1));
-  // read the whole tensor contiguously on every rank: the global layout is timm's
-  std::vector<float> all(static_cast<size_t>(3 * R * C), -1.0f);
+  // columns 2r, 2r+1 and 2P+2r, 2P+2r+1 of every row (one rank: all 4, adjacent blocks)
+  const int64_t W = 4 * P;
+  vitgrid::TensorShard t;
+  t.name = "model/blocks.0.mlp.fc2.weight";
+  t.global_shape = {6, W};
+  t.offset = {0, 2 * r};
+  t.stride = {1, 2 * P};
+  t.count = {1, 2};
+  t.block = {6, 2};
+  std::vector<float> tbuf;
+  for (int64_t i = 0; i < 6; ++i)
+    for (int64_t c : {2 * r, 2 * r + 1, 2 * P + 2 * r, 2 * P + 2 * r + 1})
+      tbuf.push_back(value_of(1, i * W + c));
+  t.data = tbuf.data();
+  std::string path = vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp / "ck", 1, {s, t},
+                                               make_meta(1), 0, GetParam());
+  // read each whole tensor contiguously on every rank: the global layout is timm's
+  std::vector<float> all(static_cast<size_t>(3 * R * C), -1.0f), tall(size_t(6 * W), -1.0f);
   vitgrid::TensorShard w;
   w.name = s.name;
   w.global_shape = s.global_shape;
   w.offset = {0, 0};
   w.count = {3 * R, C};
   w.data = all.data();
-  std::vector<vitgrid::TensorShard> ws{w};
+  vitgrid::TensorShard tw = w;
+  tw.name = t.name;
+  tw.global_shape = t.global_shape;
+  tw.count = {6, W};
+  tw.data = tall.data();
+  std::vector<vitgrid::TensorShard> ws{w, tw};
   vitgrid::read_checkpoint(MPI_COMM_WORLD, path, ws, nullptr);
   for (size_t i = 0; i < all.size(); ++i) ASSERT_EQ(all[i], value_of(0, int64_t(i))) << i;
-  // and strided back into a poisoned buffer
-  std::vector<float> back(buf.size(), -7.0f);
+  for (size_t i = 0; i < tall.size(); ++i) ASSERT_EQ(tall[i], value_of(1, int64_t(i))) << i;
+  // and strided back into poisoned buffers
+  std::vector<float> back(buf.size(), -7.0f), tback(tbuf.size(), -7.0f);
   s.data = back.data();
-  std::vector<vitgrid::TensorShard> ss{s};
+  t.data = tback.data();
+  std::vector<vitgrid::TensorShard> ss{s, t};
   vitgrid::read_checkpoint(MPI_COMM_WORLD, path, ss, nullptr);
   EXPECT_EQ(back, buf);
+  EXPECT_EQ(tback, tbuf);
 }
 }  // namespace

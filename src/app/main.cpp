@@ -5,8 +5,11 @@
 #include <cstdio>
 
 #include "vitgrid/app/app.h"
+#include "vitgrid/app/preempt.h"
 
 int main(int argc, char** argv) {
+  // before MPI starts its threads: they inherit the blocked preemption signals
+  vitgrid::SignalThread signals;
   int provided = 0;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   int rc = 0;

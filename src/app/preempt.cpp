@@ -1,36 +1,68 @@
 #include "vitgrid/app/preempt.h"
 
+#include <pthread.h>
+
 #include <atomic>
 #include <csignal>
+#include <thread>
 
 #include "vitgrid/core/watchdog.h"
 
 namespace vitgrid {
 namespace {
 
+// SIGTERM and SIGUSR1 are blocked in every thread (SignalThread's constructor runs first thing
+// in main, so the threads MPI, NCCL, CUDA and vitgrid start later inherit the mask) and taken by
+// one thread with sigwait(): a signal never interrupts a call in a library's thread (a poll or
+// a wait that does not restart), wherever the kernel would have delivered it.
 std::atomic<int> g_signal{0};
-struct sigaction g_old_term, g_old_usr1;
+std::atomic<bool> g_watching{false}, g_stopping{false};
 
-extern "C" void on_preempt_signal(int sig) {
-  // async-signal-safe: one lock-free store
-  g_signal.store(sig, std::memory_order_relaxed);
+sigset_t preemption_signals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGUSR1);
+  return set;
+}
+
+void wait_for_signals() {
+  const sigset_t set = preemption_signals();
+  for (;;) {
+    int sig = 0;
+    if (sigwait(&set, &sig) != 0) continue;
+    if (g_stopping.load()) return;
+    if (g_watching.load()) {
+      g_signal.store(sig);
+      continue;
+    }
+    // no training loop to stop at a step's end: the signal's default action (the process ends)
+    std::signal(sig, SIG_DFL);
+    sigset_t one;
+    sigemptyset(&one);
+    sigaddset(&one, sig);
+    pthread_sigmask(SIG_UNBLOCK, &one, nullptr);
+    pthread_kill(pthread_self(), sig);
+  }
 }
 
 }  // namespace
 
-PreemptionWatch::PreemptionWatch() {
-  struct sigaction sa {};
-  sa.sa_handler = on_preempt_signal;
-  sigemptyset(&sa.sa_mask);
-  sa.sa_flags = SA_RESTART;  // let blocking calls (file I/O, MPI progress) continue
-  sigaction(SIGTERM, &sa, &g_old_term);
-  sigaction(SIGUSR1, &sa, &g_old_usr1);
+SignalThread::SignalThread() {
+  const sigset_t set = preemption_signals();
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  thread_ = std::thread(wait_for_signals);
 }
 
-PreemptionWatch::~PreemptionWatch() {
-  sigaction(SIGTERM, &g_old_term, nullptr);
-  sigaction(SIGUSR1, &g_old_usr1, nullptr);
+SignalThread::~SignalThread() {
+  g_stopping.store(true);
+  pthread_kill(thread_.native_handle(), SIGUSR1);
+  thread_.join();
 }
+
+PreemptionWatch::PreemptionWatch() { g_watching.store(true); }
+
+PreemptionWatch::~PreemptionWatch() { g_watching.store(false); }
 
 bool PreemptionWatch::requested(MPI_Comm comm) {
   int mine = g_signal.load(std::memory_order_relaxed), any = 0;

@@ -184,10 +184,10 @@ const std::vector<Field>& schema() {
                "writes the file while training goes on (one write in flight; the last "
                "checkpoint and a preemption's wait for theirs); auto: true on the CUDA backend"),
       VG_FIELD(checkpoint, direct_io, "",
-               "true: HDF5 lays the file out and writes its metadata, then each rank writes its "
-               "tensors' bytes at their offsets with O_DIRECT (no page cache) and fsyncs; "
-               "tensors split into strided pieces, and false, go through HDF5's collective "
-               "writes. The same file either way"),
+               "true: HDF5 lays the file out and writes its metadata while each rank writes its "
+               "tensors' bytes at their offsets with O_DIRECT (no page cache; pieces under 1 MiB, "
+               "the row pieces of a split along columns, buffered) and fsyncs; false: HDF5's "
+               "collective writes. The same file either way"),
       VG_FIELD(checkpoint, direct_threads, "",
                "with direct_io: threads per rank writing its tensors' bytes, each with one 8 MiB "
                "request in flight; they start once HDF5 has laid the file out and run beside the "

@@ -5,11 +5,28 @@
 #pragma once
 #include <mpi.h>
 
+#include <thread>
+
 namespace vitgrid {
+
+// Made first thing in main, before any other thread: blocks SIGTERM and SIGUSR1 in every
+// thread and takes them on a thread of its own (sigwait), so that no library's thread (MPI's,
+// NCCL's, CUDA's) is ever interrupted by one. While a PreemptionWatch exists a signal sets its
+// flag; otherwise it ends the process as the signal's default action does.
+class SignalThread {
+ public:
+  SignalThread();
+  ~SignalThread();
+  SignalThread(const SignalThread&) = delete;
+  SignalThread& operator=(const SignalThread&) = delete;
+
+ private:
+  std::thread thread_;
+};
 
 class PreemptionWatch {
  public:
-  // Installs the handlers (once per process); restores the previous ones in the destructor.
+  // From construction to destruction, SIGTERM and SIGUSR1 set the flag (SignalThread).
   PreemptionWatch();
   ~PreemptionWatch();
   PreemptionWatch(const PreemptionWatch&) = delete;

@@ -184,15 +184,20 @@ PYEOF
       --each-device --together --clocks --steps ${STUDY_STEPS:-60} -o "$OUT/study.md" 2>&1 | tail -20
     ;;
   large)
-    # the hybrid-parallel guide's large ViT (hidden 4096, depth 32, heads 64, 224/16) with
-    # activation checkpointing, bf16, global batch 32, per layout on 4 GPUs
-    large_layouts large \
-      "--parallel.tensor=4 --parallel.tensor_mode=1d" \
-      "--parallel.tensor=4 --parallel.tensor_mode=2d" \
-      "--parallel.tensor=4 --parallel.tensor_mode=2.5d --parallel.tensor_depth=1" \
-      "--parallel.pipeline=2 --parallel.micro_batches=4 --parallel.tensor=2 --parallel.tensor_mode=1d" \
-      "--parallel.pipeline=2 --parallel.micro_batches=8 --parallel.tensor=2 --parallel.tensor_mode=1d" \
-      "--parallel.pipeline=4 --parallel.micro_batches=8"
+    # the large ViT (hidden 4096, depth 32, heads 64, 224/16), bf16, no recomputation, on 4 GPUs:
+    # the README's layouts, each "BATCH|LAYOUT" (SP = 1d with sequence parallelism)
+    [ "$NGPU" -ge 4 ] || { echo "large: needs 4 GPUs"; continue; }
+    SP="--parallel.tensor_mode=1d --parallel.sequence_parallel=true"
+    for c in "128|--parallel.tensor=2 $SP --parallel.zero=1 --parallel.sequence_chunks=1" \
+             "128|--parallel.tensor=4 $SP" "64|--parallel.tensor=4 $SP" \
+             "128|--parallel.tensor=2 $SP --parallel.pipeline=2 --parallel.schedule=interleaved --parallel.chunks=2 --parallel.micro_batches=2" \
+             "64|--parallel.tensor=2 $SP --parallel.pipeline=2 --parallel.schedule=interleaved --parallel.chunks=2 --parallel.micro_batches=2" \
+             "64|--parallel.tensor=2 $SP --parallel.pipeline=2 --parallel.micro_batches=8" \
+             "64|--parallel.tensor=2 $SP --parallel.zero=1" "64|--parallel.zero=1"; do
+      echo "batch ${c%%|*}: ${c#*|}"
+      mpirun -np 4 --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --model.preset=vit-huge-4096 \
+        --precision.mode=bf16 --warmup=3 --steps=8 --data.global_batch=${c%%|*} ${c#*|} 2>&1 | grep -E "^bench|bubble|error"
+    done | tee "$OUT/large.log"
     ;;
   large2)
     # the large ViT on 2 GPUs: 1d tensor 2 and 2 pipeline stages (1F1B, M = 8)

@@ -4,6 +4,7 @@
 // the newest usable checkpoint: checkpoint_read.cpp.
 #include "vitgrid/io/checkpoint.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -352,6 +353,30 @@ std::string step_file_name(int64_t step) {
 }
 
 namespace {
+// direct_io: bytes reserved past the datasets for the metadata written after them (checksum
+// attributes, the state, the deck)
+constexpr off_t kMetadataMargin = off_t(64) << 10;
+
+// Allocates each [offset, offset + bytes) of the file, its size unchanged (the gaps that
+// alignment leaves stay holes): 0, or the errno of a failure (ENOSPC, EDQUOT, EIO). A file
+// system without fallocate is left as it is (0).
+int reserve_space(const std::string& path, const std::vector<std::pair<off_t, off_t>>& extents) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return errno;
+  int err = 0;
+  for (const auto& e : extents) {
+    if (e.second <= 0) continue;
+    int r;
+    while ((r = ::fallocate(fd, FALLOC_FL_KEEP_SIZE, e.first, e.second)) != 0 && errno == EINTR) {
+    }
+    if (r == 0) continue;
+    if (errno != EOPNOTSUPP && errno != ENOSYS && errno != EINVAL) err = errno;
+    break;
+  }
+  ::close(fd);
+  return err;
+}
+
 // Threads that hash one rank's tensors: the node's cores over its ranks, 1 to 8. Called by all
 // ranks of comm (the ranks sharing a node are counted).
 int hash_threads(MPI_Comm comm) {
@@ -483,8 +508,29 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
                  "shard '" << s.name << "': its file runs do not cover its elements");
       }
     }
-    // The file is laid out: the bulk data goes to its place beside what follows (the
-    // checksums, the metadata); no HDF5 write touches those ranges.
+    if (direct) {
+      // The file is laid out. Its space is reserved first (the datasets and a margin for the
+      // metadata still to come): the direct writes beside HDF5's metadata writes can then not
+      // fill the disk under them (HDF5 1.10's collective flush can leave the ranks in
+      // different barriers after an I/O error), and a disk too full fails here, cleanly.
+      if (rank == 0) {
+        std::vector<std::pair<off_t, off_t>> extents;
+        haddr_t end = 0;
+        for (const H5Id& d : dsets) {
+          const haddr_t at = H5Dget_offset(d);
+          if (at == HADDR_UNDEF) continue;
+          const hsize_t n = H5Dget_storage_size(d);
+          extents.push_back({static_cast<off_t>(at), static_cast<off_t>(n)});
+          end = std::max<haddr_t>(end, at + n);
+        }
+        extents.push_back({static_cast<off_t>(end), kMetadataMargin});
+        const int err = reserve_space(tmp, extents);
+        if (err != 0) soft.fail(err, "reserving the file's space (fallocate)");
+      }
+      agreed("reserving its space");
+    }
+    // The bulk data goes to its place beside what follows (the checksums, the metadata); no
+    // HDF5 write touches those ranges.
     if (!ranges.empty()) writer = std::make_unique<DirectWriter>(tmp, std::move(ranges), direct_threads);
     lap(&t.hdf5);
 

@@ -575,7 +575,9 @@ def t_signals(tmp):
       a checkpoint that takes seconds to write (delays injected before every MPI call): the
       checkpoint is complete, no .tmp is left, and the run resumes bit for bit.
     - kill -STOP of one rank: within device.comm_timeout the others name the call they wait in
-      and end the job (non-zero exit), instead of waiting for good."""
+      and end the job (non-zero exit), instead of waiting for good.
+    - SIGTERM to a process with no training loop (bench) ends it as the signal's default action
+      (the preemption signals are taken by one thread of their own)."""
     # The interrupted runs are long (still running whenever the signal comes) with a constant
     # learning rate (the schedule does not depend on run.steps); each resumes to 10 steps past
     # its checkpoint and is compared with an uninterrupted run of that length.
@@ -670,6 +672,16 @@ def t_signals(tmp):
     rc, out = finish(p, seen, 120)
     check(rc == 3 and "preempted (signal 10)" in out,
           f"SIGUSR1 to rank 1 alone: exit {rc} == 3, the log names signal 10")
+
+    # outside a training loop (bench has none) SIGTERM ends a rank as its default action does:
+    # the signal thread does not swallow it
+    p = subprocess.Popen([VITGRID, "bench", DECK, "--warmup=0", "--steps=100000"], env=ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    time.sleep(3)
+    p.send_signal(signal.SIGTERM)
+    rc, _ = finish(p, [], 60)
+    check(rc == -signal.SIGTERM, f"SIGTERM to vitgrid bench: ended by the signal (exit {rc})")
 
     # a frozen rank, stopped at three moments (the survivor waits in a different call each time)
     for k, at in enumerate((3, 7, 12)):

@@ -214,8 +214,16 @@ std::string hdf5_metadata_problem_isolated(const std::string& path) {
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
   posix_spawn_file_actions_addclose(&fa, fds[0]);
+  // the signals the application blocks in its threads (SignalThread) unblocked in the child
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t none;
+  sigemptyset(&none);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
   pid_t pid = -1;
-  const int rc = posix_spawn(&pid, checker.c_str(), &fa, nullptr, argv, envp.data());
+  const int rc = posix_spawn(&pid, checker.c_str(), &fa, &attr, argv, envp.data());
+  posix_spawnattr_destroy(&attr);
   posix_spawn_file_actions_destroy(&fa);
   ::close(fds[1]);
   if (rc != 0) {

@@ -81,13 +81,13 @@ std::vector<TensorShard> Checkpointer::shards(std::vector<float>& host, bool wit
   return out;
 }
 
-// checkpoint.async: true, or auto on the CUDA backend; only where MPI gives every thread its
-// calls (MPI_THREAD_MULTIPLE), else the checkpoints are written before save() returns.
 int Checkpointer::direct_threads() const {
   const CheckpointSection& c = run_.deck.checkpoint;
   return c.direct_io ? c.direct_threads : 0;
 }
 
+// checkpoint.async: true, or auto on the CUDA backend; only where MPI gives every thread its
+// calls (MPI_THREAD_MULTIPLE), else the checkpoints are written before save() returns.
 bool Checkpointer::async() const {
   const std::string& a = run_.deck.checkpoint.async;
   if (a == "false" || (a == "auto" && run_.be->name() != "cuda")) return false;

@@ -441,7 +441,9 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
   H5Id file;
   // direct_io: this rank's tensor bytes, written by threads from when the file is laid out
   std::unique_ptr<DirectWriter> writer;
-  bool any_direct = false;
+  // direct_io: every tensor's bytes written past HDF5 (DirectWriter), each rank's part as the
+  // runs of consecutive elements it makes in the file; else HDF5's collective writes
+  const bool direct = direct_threads > 0 && !shards.empty();
   struct Failed {
     std::string why;
   };
@@ -469,11 +471,8 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
     }
     agreed("creating its groups");
 
-    // direct_io: every tensor's bytes written past HDF5 (DirectWriter), each rank's part as
-    // the runs of consecutive elements it makes in the file; else HDF5's collective writes
-    const bool direct = direct_threads > 0;
-    any_direct = direct && !shards.empty();
     std::vector<FileRange> ranges;
+    std::vector<std::pair<off_t, off_t>> extents;  // direct_io: each dataset's bytes in the file
     std::vector<std::pair<int64_t, int64_t>> runs;
     std::vector<H5Id> dsets;  // open until their checksums are attached
     dsets.reserve(shards.size());
@@ -494,9 +493,14 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
         H5_CHECK(H5Dwrite(dsets.back(), H5T_NATIVE_FLOAT, spaces.second, spaces.first, dxpl,
                           mine ? s.data : &dummy));
         agreed("writing a tensor");
-      } else if (mine) {  // written by the DirectWriter
+      } else {  // written by the DirectWriter
+        int64_t n = 1;
+        for (int64_t e : s.global_shape) n *= e;
+        if (n == 0) continue;
         const haddr_t at = H5Dget_offset(dsets.back());
         VG_CHECK(at != HADDR_UNDEF, "dataset '" << s.name << "' has no storage");
+        extents.push_back({static_cast<off_t>(at), static_cast<off_t>(n * sizeof(float))});
+        if (!mine) continue;
         file_runs(s, &runs);
         const float* from = s.data;
         for (const auto& run : runs) {
@@ -514,16 +518,9 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
       // fill the disk under them (HDF5 1.10's collective flush can leave the ranks in
       // different barriers after an I/O error), and a disk too full fails here, cleanly.
       if (rank == 0) {
-        std::vector<std::pair<off_t, off_t>> extents;
-        haddr_t end = 0;
-        for (const H5Id& d : dsets) {
-          const haddr_t at = H5Dget_offset(d);
-          if (at == HADDR_UNDEF) continue;
-          const hsize_t n = H5Dget_storage_size(d);
-          extents.push_back({static_cast<off_t>(at), static_cast<off_t>(n)});
-          end = std::max<haddr_t>(end, at + n);
-        }
-        extents.push_back({static_cast<off_t>(end), kMetadataMargin});
+        off_t end = 0;
+        for (const auto& e : extents) end = std::max(end, e.first + e.second);
+        extents.push_back({end, kMetadataMargin});
         const int err = reserve_space(tmp, extents);
         if (err != 0) soft.fail(err, "reserving the file's space (fallocate)");
       }
@@ -626,7 +623,7 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
   }
 
   lap(&t.hdf5);
-  if (any_direct) {
+  if (direct) {
     // the bulk data's writers, joined once HDF5 has closed the file; fsynced by each rank
     const std::string err = writer ? writer->finish() : std::string();
     if (const std::string bad = first_failure(comm, err.empty(), err); !bad.empty()) {

@@ -147,13 +147,6 @@ void DirectWriter::work() {
   }
   for (size_t i; !stop_.load() && (i = next_.fetch_add(1)) < pieces_.size();) {
     const Piece& p = pieces_[i];
-    if (i + 1 == buffered_) {  // the last buffered piece: the page cache's writeback begins
-      if (pwrite_all(fd_, p.data, p.bytes, static_cast<off_t>(p.offset)))
-        ::sync_file_range(fd_, 0, 0, SYNC_FILE_RANGE_WRITE);
-      else
-        fail(errno_text("cannot write", path_));
-      continue;
-    }
     bool ok;
     if (p.direct) {
       std::memcpy(bounce, p.data, p.bytes);
@@ -162,6 +155,8 @@ void DirectWriter::work() {
       ok = pwrite_all(fd_, p.data, p.bytes, static_cast<off_t>(p.offset));
     }
     if (!ok) fail(errno_text("cannot write", path_));
+    // the last buffered piece is in: the page cache's writeback begins beside the direct ones
+    if (ok && i + 1 == buffered_) ::sync_file_range(fd_, 0, 0, SYNC_FILE_RANGE_WRITE);
   }
   std::free(bounce);
 }

@@ -51,7 +51,10 @@ vg_launcher_args() {
 vg_run_forwarding_signals() {
   "$@" &
   local pid=$!
-  trap "kill -USR1 $pid 2>/dev/null || true" USR1 TERM INT
+  # and to the launcher's children, the ranks on this node: some mpirun builds catch SIGUSR1
+  # and forward nothing (Open MPI 4.1.6 in an Ubuntu 24.04 container); a rank that gets it
+  # twice stops once
+  trap "kill -USR1 $pid 2>/dev/null; pkill -USR1 -P $pid 2>/dev/null || true" USR1 TERM INT
   RC=0
   wait "$pid" || RC=$?
   # a trapped signal ends `wait` early: wait for the launcher itself

@@ -474,7 +474,13 @@ def async_checkpoint_checks(tmp, extra):
                          env=dict(ENV, **slow), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, start_new_session=True)
     inside = wait_for(u, ["step_00000002.h5.tmp"])
-    p.send_signal(signal.SIGUSR1)
+    # to every rank, as SLURM's --signal=USR1@120 reaches a step's tasks (mpirun's forwarding
+    # is e2e_signals'; a launcher set to OMPI_MCA_plm=isolated, as some containers are,
+    # catches SIGUSR1 without forwarding it)
+    ranks = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+    check(len(ranks) == 2, f"the two ranks of the run found: {ranks}")
+    for r in ranks:
+        os.kill(int(r), signal.SIGUSR1)
     rc, out = finish(p, [], 120)
     ck = sorted(os.listdir(os.path.join(u, "checkpoints")))
     check(inside and rc == 3, f"SIGUSR1 during a background write: exit {rc} == 3")

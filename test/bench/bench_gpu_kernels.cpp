@@ -2,7 +2,8 @@
 // H = 12, hd = 64) in bf16: linear forward/backward, attention forward and forward+backward
 // (own flash kernels, the fallback, cuDNN's fused SDPA), fused add+LayerNorm forward/backward,
 // the bias gradients' column sums, AdamW over 86M parameters, the MLP's GEMMs with the exact
-// GELU fused (CUTLASS sm_90a, src/backend/cuda/gemm_gelu.h) beside the unfused path.
+// GELU fused (CUTLASS sm_90a, src/backend/cuda/gemm_gelu.h) beside the unfused path, and the
+// Linear layers' GEMMs in FP8 (cuBLASLt) with the casts that feed them.
 // Manual time: each iteration runs the op `reps` times between two stream synchronisations
 // (so launch gaps are included, as in training) and reports the mean per op; counters TFLOP
 // and GB are rates per second of that time (printed as TFLOP=.../s, GB=.../s). Use
@@ -213,6 +214,55 @@ void attention_bench(benchmark::State& st, bool backward) {
       label, sizeof label, "device.attention = %s ran %s, saved %.1f MB, workspace %.1f MB",
       kAttentionModes[path], cuda_attention_path(be, kB, kT, kH, kHd), sb / 1e6, wb / 1e6);
   st.SetLabel(label);
+}
+
+// FP8 (backend.h Fp8Ops, cuBLASLt on sm_90) at the Linear layers' shapes, beside the bf16
+// BM_Linear* above. Arg pass: 0 the forward y = x W^T + b (E4M3 x E4M3 -> bf16), 1 the data
+// gradient dx = dy W (E5M2 x E4M3 -> bf16, W's transpose as the K-contiguous operand), 2 the
+// weight gradient dW += dy^T x (E5M2 x E4M3 -> fp32, K = batch x tokens, accumulated).
+void BM_Fp8Linear(benchmark::State& st) {
+  if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
+  if (!gpu().fp8_supported(nullptr)) return st.SkipWithError("no FP8 tensor cores");
+  const int in = static_cast<int>(st.range(0)), out = static_cast<int>(st.range(1));
+  const int pass = static_cast<int>(st.range(2));
+  Bufs b;
+  const float one = 1.0f;
+  float* scale = static_cast<float*>(b.get(sizeof(float)));
+  gpu().copy_to_device(scale, &one, sizeof one);
+  const int M = pass == 2 ? out : kN, N = pass == 1 ? in : (pass == 2 ? in : out);
+  const int K = pass == 0 ? in : (pass == 1 ? out : kN);
+  auto* A = static_cast<uint8_t*>(b.get(size_t(M) * K));
+  auto* B = static_cast<uint8_t*>(b.get(size_t(N) * K));
+  void* D = b.get(size_t(M) * N * (pass == 2 ? 4 : gpu().act_size()));
+  void* bias = pass == 0 ? b.get(size_t(N) * gpu().act_size()) : nullptr;
+  const Fp8Format fa = pass == 0 ? Fp8Format::E4M3 : Fp8Format::E5M2;
+  timed(st, [&] {
+    gpu().fp8_gemm(D, pass == 2, pass == 2 ? 1.0f : 0.0f, A, fa, scale, B, Fp8Format::E4M3,
+                   scale, M, N, K, bias);
+  });
+  st.counters["TFLOP"] = benchmark::Counter(2.0 * kN * in * out * 1e-12,
+                                              benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// An activation [batch x tokens, cols] (bf16) to FP8 codes with its amax, with (arg 1) or
+// without its transpose: the pass each FP8 GEMM operand costs while the casts are not fused
+// into the kernels producing them.
+void BM_Fp8Cast(benchmark::State& st) {
+  if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
+  const int cols = static_cast<int>(st.range(0));
+  const bool transpose = st.range(1) != 0;
+  Bufs b;
+  const float one = 1.0f;
+  float* scale = static_cast<float*>(b.get(sizeof(float)));
+  gpu().copy_to_device(scale, &one, sizeof one);
+  float* amax = static_cast<float*>(b.get(sizeof(float)));
+  void* x = b.get(size_t(kN) * cols * gpu().act_size());
+  auto* out = static_cast<uint8_t*>(b.get(size_t(kN) * cols));
+  auto* out_t = transpose ? static_cast<uint8_t*>(b.get(size_t(kN) * cols)) : nullptr;
+  timed(st, [&] { gpu().fp8_cast(out, out_t, amax, x, kN, cols, scale, Fp8Format::E4M3); });
+  st.counters["GB"] = benchmark::Counter(
+      double(kN) * cols * (gpu().act_size() + 1 + (transpose ? 1 : 0)) * 1e-9,
+      benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void BM_AttentionForward(benchmark::State& st) { attention_bench(st, false); }
@@ -680,6 +730,17 @@ BENCHMARK(BM_LinearWgrad)
     ->ArgNames({"in", "out", "tune"})
     ->ArgsProduct({{kC}, {3 * kC, kC, 4 * kC}, {0, 1}})
     ->ArgsProduct({{4 * kC}, {kC}, {0, 1}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Fp8Linear)
+    ->ArgNames({"in", "out", "pass"})
+    ->ArgsProduct({{kC}, {3 * kC, kC, 4 * kC}, {0, 1, 2}})
+    ->ArgsProduct({{4 * kC}, {kC}, {0, 1, 2}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Fp8Cast)
+    ->ArgNames({"cols", "transpose"})
+    ->ArgsProduct({{kC, 4 * kC}, {0, 1}})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AttentionForward)

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "vitgrid/backend/fp8.h"
 #include "vitgrid/backend/op_profile.h"
 #include "vitgrid/core/rng.h"
 #include "vitgrid/core/types.h"
@@ -464,8 +465,35 @@ class TrainOps {
                           const float* grad_scale_dev = nullptr) = 0;
 };
 
+// FP8 GEMM operands (precision.mode = fp8, Transformer Engine's recipe): one byte per element,
+// the codes of an Fp8Format (backend/fp8.h), with a per-tensor fp32 scale in backend memory: a
+// tensor x is stored as fp8(x * scale) and a GEMM multiplies its fp32 sums by both operands'
+// scale_inv = 1 / scale. The scales come from the amax history (model/fp8_scaling.h); the
+// casts report each tensor's amax for it. The CPU backend emulates the formats exactly
+// (rounding, saturation) and sums in fp32, as the tensor cores do.
+class Fp8Ops {
+ public:
+  virtual ~Fp8Ops() = default;
+  // Whether this backend runs FP8 GEMMs; false with *why (CUDA: a GPU without FP8 tensor cores).
+  virtual bool fp8_supported(std::string* why) const = 0;
+  // out[rows, cols] = fp8(x * scale[0]) (nearest even, saturating at the format's largest
+  // finite value; NaN stays NaN) and, where out_t is not null, out_t[cols, rows] = its
+  // transpose; *amax = max(*amax, max |x|) (fp32 in backend memory; a NaN in x makes it NaN).
+  // x is act dtype, row-major; out may be null when only the transpose is needed.
+  virtual void fp8_cast(uint8_t* out, uint8_t* out_t, float* amax, const void* x, int rows,
+                        int cols, const float* scale, Fp8Format f) = 0;
+  // D[M,N] = (A[M,K] B[N,K]^T) * a_scale_inv[0] * b_scale_inv[0] + beta D: both operands
+  // K-contiguous (the form Hopper's FP8 tensor cores take; a Linear's transposed operands come
+  // from fp8_cast's out_t), not both E5M2; fp32 sums. D is act dtype (beta 0), or fp32 where
+  // d_f32 (a weight gradient: beta 1 accumulates). bias[N] (act dtype, act D only) may be null.
+  virtual void fp8_gemm(void* D, bool d_f32, float beta, const uint8_t* A, Fp8Format fa,
+                        const float* a_scale_inv, const uint8_t* B, Fp8Format fb,
+                        const float* b_scale_inv, int M, int N, int K, const void* bias) = 0;
+};
+
 // A backend: one device and the op set that runs on it.
-class Backend : public Device, public LayerOps, public NormAttentionOps, public TrainOps {
+class Backend : public Device, public LayerOps, public NormAttentionOps, public TrainOps,
+                public Fp8Ops {
  public:
   ~Backend() override = default;
 };

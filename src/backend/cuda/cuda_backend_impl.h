@@ -60,6 +60,12 @@ struct GemmSpec {
   const void* bias = nullptr;  // [N] of the row-major output (per output column)
   void* aux = nullptr;         // GELU_AUX: pre-activation, row-major, ld = aux_ld
   int64_t aux_ld = 0;
+  // FP8 operands (fp8_gemm): B's type where it differs from A's (ab_type), and the two
+  // scale_inv pointers (device fp32) cuBLASLt multiplies the sums by
+  cudaDataType_t b_type = CUDA_R_32F;
+  bool fp8 = false;
+  const float* a_scale = nullptr;
+  const float* b_scale = nullptr;
 };
 
 namespace cuda {

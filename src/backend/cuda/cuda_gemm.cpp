@@ -47,6 +47,12 @@ void CudaBackend::bind_epilogue_pointers(const MatmulPlan& p, const GemmSpec& s)
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
                                                 &s.aux, sizeof s.aux));
   }
+  if (s.fp8) {  // the column-major A' is the row-major B (matmul swaps the operands)
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                &s.b_scale, sizeof s.b_scale));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                &s.a_scale, sizeof s.a_scale));
+  }
 }
 
 // The candidates timed for a plan: the heuristic's first n that fit the workspace and, for the
@@ -188,11 +194,11 @@ bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
   const bool fast_tf32 = tf32_ && s.ab_type == CUDA_R_32F;
   char keybuf[512];
   std::snprintf(keybuf, sizeof keybuf,
-                "%d%d|%d,%d,%d|%lld,%lld,%lld|%lld,%lld,%lld|%d|%d,%d|%d|%d|%u,%u,%u,%u,%u|%lld|%d",
+                "%d%d|%d,%d,%d|%lld,%lld,%lld|%lld,%lld,%lld|%d|%d,%d,%d|%d|%d|%u,%u,%u,%u,%u|%lld|%d",
                 int(s.transA), int(s.transB), s.M, s.N, s.K, (long long)s.lda,
                 (long long)s.ldb, (long long)s.ldc, (long long)s.strideA,
                 (long long)s.strideB, (long long)s.strideC, s.batch, int(s.ab_type),
-                int(s.c_type), int(s.epilogue), int(fast_tf32), alignment_of(s.A),
+                s.fp8 ? int(s.b_type) : -1, int(s.c_type), int(s.epilogue), int(fast_tf32), alignment_of(s.A),
                 alignment_of(s.B), alignment_of(s.C), alignment_of(s.bias),
                 alignment_of(s.aux), (long long)s.aux_ld, gemm_sm_margin_);
   const std::string key(keybuf);
@@ -226,7 +232,8 @@ bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
     // Stored shapes (before op) of the column-major operands.
     const uint64_t a_rows = tA ? k : m, a_cols = tA ? m : k;
     const uint64_t b_rows = tB ? n : k, b_cols = tB ? k : n;
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, s.ab_type, a_rows, a_cols, s.ldb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, s.fp8 ? s.b_type : s.ab_type, a_rows, a_cols,
+                                            s.ldb));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, s.ab_type, b_rows, b_cols, s.lda));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, s.c_type, m, n, s.ldc));
     if (s.batch > 1) {
@@ -303,6 +310,47 @@ bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
   CUBLAS_CHECK(cublasLtMatmul(lt_, p.desc, &alpha, s.B, p.a, s.A, p.b, &beta, s.C, p.c, s.C,
                               p.c, &p.algo, lt_workspace_, lt_workspace_bytes_, stream_));
   return true;
+}
+
+// ---------------------------------------------------------------- FP8
+
+// D[M,N] = (A[M,K] B[N,K]^T) a_scale_inv b_scale_inv + beta D (backend.h Fp8Ops): the row-major
+// y = x W^T form, so the column-major call is "TN", the only one Hopper's FP8 GEMMs take.
+// Sums in fp32 with cuBLASLt's periodic promotion (no CUBLASLT_MATMUL_DESC_FAST_ACCUM).
+void CudaBackend::fp8_gemm(void* D, bool d_f32, float beta, const uint8_t* A, Fp8Format fa,
+                           const float* a_scale_inv, const uint8_t* B, Fp8Format fb,
+                           const float* b_scale_inv, int M, int N, int K, const void* bias) {
+  OpScope op_scope(*this, "fp8_gemm");
+  VG_CHECK(M >= 0 && N >= 0 && K >= 0 && a_scale_inv && b_scale_inv,
+           "fp8_gemm: M " << M << ", N " << N << ", K " << K);
+  VG_CHECK(!(fa == Fp8Format::E5M2 && fb == Fp8Format::E5M2),
+           "fp8_gemm: both operands E5M2 (no FP8 GEMM takes that)");
+  VG_CHECK(d_f32 || beta == 0.0f, "fp8_gemm: an act-dtype output is overwritten (beta 0)");
+  VG_CHECK(!(d_f32 && bias), "fp8_gemm: a bias only with an act-dtype output");
+  if (M == 0 || N == 0) return;
+  auto type = [](Fp8Format f) { return f == Fp8Format::E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; };
+  GemmSpec s;
+  s.transA = false;
+  s.transB = true;
+  s.M = M;
+  s.N = N;
+  s.K = K;
+  s.A = A;
+  s.lda = K;
+  s.B = B;
+  s.ldb = K;
+  s.C = D;
+  s.ldc = N;
+  s.fp8 = true;
+  s.ab_type = type(fa);
+  s.b_type = type(fb);
+  s.a_scale = a_scale_inv;
+  s.b_scale = b_scale_inv;
+  s.c_type = d_f32 ? CUDA_R_32F : act_cuda_type();
+  s.beta = beta;
+  s.bias = bias;
+  s.epilogue = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+  matmul(s);
 }
 
 // ---------------------------------------------------------------- fused GEMM + exact GELU

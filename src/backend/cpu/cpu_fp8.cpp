@@ -1,0 +1,79 @@
+// CpuBackend's FP8 ops (backend.h Fp8Ops): the reference the CUDA backend's FP8 casts and
+// cuBLASLt FP8 GEMMs are tested against. Codes are made and read by backend/fp8.h (the OCP
+// formats, exactly); the GEMM sums the decoded values in fp32 (OpenBLAS), as the tensor cores
+// sum the exact products of two FP8 values, and rounds once to the act dtype.
+#include <cblas.h>
+
+#include <cmath>
+#include <vector>
+
+#include "vitgrid/backend/cpu/cpu_backend.h"
+#include "vitgrid/core/error.h"
+
+namespace vitgrid {
+
+bool CpuBackend::fp8_supported(std::string* why) const {
+  (void)why;
+  return true;  // emulated
+}
+
+void CpuBackend::fp8_cast(uint8_t* out, uint8_t* out_t, float* amax, const void* x_, int rows,
+                          int cols, const float* scale, Fp8Format f) {
+  OpScope op_scope(*this, "fp8_cast");
+  VG_CHECK(rows >= 0 && cols >= 0 && amax && scale && (out || out_t),
+           "fp8_cast: rows " << rows << ", cols " << cols);
+  const float* x = static_cast<const float*>(x_);
+  const size_t n = static_cast<size_t>(rows) * cols;
+  std::vector<uint8_t> codes;
+  uint8_t* dst = out;
+  if (!dst) {
+    codes.resize(n);
+    dst = codes.data();
+  }
+  const float m = fp8_quantize(x, n, scale[0], f, dst);
+  // a NaN, this call's or an earlier one's, stays (as the CUDA kernel's maximum of the bits)
+  if (!std::isnan(*amax) && (std::isnan(m) || m > *amax)) *amax = m;
+  if (out_t) {
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < cols; ++c)
+        out_t[static_cast<size_t>(c) * rows + r] = dst[static_cast<size_t>(r) * cols + c];
+  }
+}
+
+void CpuBackend::fp8_gemm(void* D, bool d_f32, float beta, const uint8_t* A, Fp8Format fa,
+                          const float* a_scale_inv, const uint8_t* B, Fp8Format fb,
+                          const float* b_scale_inv, int M, int N, int K, const void* bias) {
+  OpScope op_scope(*this, "fp8_gemm");
+  VG_CHECK(M >= 0 && N >= 0 && K >= 0 && a_scale_inv && b_scale_inv,
+           "fp8_gemm: M " << M << ", N " << N << ", K " << K);
+  VG_CHECK(!(fa == Fp8Format::E5M2 && fb == Fp8Format::E5M2),
+           "fp8_gemm: both operands E5M2 (no FP8 GEMM takes that)");
+  VG_CHECK(d_f32 || beta == 0.0f, "fp8_gemm: an act-dtype output is overwritten (beta 0)");
+  VG_CHECK(!(d_f32 && bias), "fp8_gemm: a bias only with an act-dtype output");
+  if (M == 0 || N == 0) return;
+  auto decode = [](const uint8_t* codes, size_t n, Fp8Format fmt) {
+    std::vector<float> v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = fp8_decode(codes[i], fmt);
+    return v;
+  };
+  const std::vector<float> a = decode(A, static_cast<size_t>(M) * K, fa);
+  const std::vector<float> b = decode(B, static_cast<size_t>(N) * K, fb);
+  std::vector<float> acc(static_cast<size_t>(M) * N, 0.0f);
+  if (K > 0)
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a.data(), K, b.data(),
+                K, 0.0f, acc.data(), N);
+  const float factor = a_scale_inv[0] * b_scale_inv[0];
+  float* d = static_cast<float*>(D);
+  const float* bs = static_cast<const float*>(bias);
+  for (int r = 0; r < M; ++r) {
+    for (int c = 0; c < N; ++c) {
+      const size_t i = static_cast<size_t>(r) * N + c;
+      float v = acc[i] * factor;
+      if (bs) v += bs[c];
+      d[i] = d_f32 && beta != 0.0f ? v + beta * d[i] : v;
+    }
+  }
+  if (!d_f32) round_act(d, static_cast<size_t>(M) * N);
+}
+
+}  // namespace vitgrid

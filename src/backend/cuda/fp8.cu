@@ -1,0 +1,108 @@
+// CudaBackend's FP8 casts (backend.h Fp8Ops::fp8_cast): act-dtype rows to E4M3/E5M2 codes
+// with the tensor's scale, the transpose beside (the K-contiguous operand the weight- and
+// data-gradient GEMMs need), and the amax of the input for the delayed-scaling history. One
+// pass: each block converts a 32 x 64 tile, writes it row-wise, and writes the transpose from
+// shared memory. The conversion is CUDA's __nv_cvt_float_to_fp8 with __NV_SATFINITE (nearest
+// even, saturating, NaN kept): backend/fp8.h's fp8_encode(saturate = true), code for code.
+// The FP8 GEMMs are cuBLASLt's (cuda_gemm.cpp).
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "cuda_backend_impl.h"
+#include "kernel_util.cuh"
+
+namespace vitgrid {
+namespace cuda {
+
+namespace {
+
+constexpr int kTileRows = 32, kTileCols = 64, kThreads = 256;
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+
+// |v| as ordered integer bits: for non-negative floats (and NaN, whose bits exceed inf's) the
+// integer maximum is the float maximum, so atomicMax on the bits keeps NaN once seen.
+__device__ __forceinline__ int abs_bits(float v) { return __float_as_int(fabsf(v)); }
+
+template <class T>
+__global__ void fp8_cast_kernel(uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
+                                float* __restrict__ amax, const T* __restrict__ x, int rows,
+                                int cols, const float* __restrict__ scale_p,
+                                __nv_fp8_interpretation_t fmt) {
+  __shared__ uint8_t tile[kTileRows][kTileCols + 4];
+  const int r0 = blockIdx.y * kTileRows, c0 = blockIdx.x * kTileCols;
+  const float scale = scale_p[0];
+  int m = 0;  // the block's amax, as bits
+  // rows of the tile: each thread converts elements (r, c) with c fastest
+  for (int i = threadIdx.x; i < kTileRows * kTileCols; i += kThreads) {
+    const int tr = i / kTileCols, tc = i % kTileCols;
+    const int r = r0 + tr, c = c0 + tc;
+    uint8_t code = 0;
+    if (r < rows && c < cols) {
+      const float v = to_f32(x[static_cast<size_t>(r) * cols + c]);
+      m = max(m, abs_bits(v));
+      code = __nv_cvt_float_to_fp8(v * scale, __NV_SATFINITE, fmt);
+      if (out) out[static_cast<size_t>(r) * cols + c] = code;
+    }
+    tile[tr][tc] = code;
+  }
+  if (out_t) {
+    __syncthreads();
+    // the transpose: element (c, r) of out_t, r fastest
+    for (int i = threadIdx.x; i < kTileRows * kTileCols; i += kThreads) {
+      const int tc = i / kTileRows, tr = i % kTileRows;
+      const int r = r0 + tr, c = c0 + tc;
+      if (r < rows && c < cols) out_t[static_cast<size_t>(c) * rows + r] = tile[tr][tc];
+    }
+  }
+  // block maximum, then one atomic per block
+  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  __shared__ int warp_max[kThreads / 32];
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / 32; ++w) m = max(m, warp_max[w]);
+    atomicMax(reinterpret_cast<int*>(amax), m);
+  }
+}
+
+}  // namespace
+
+}  // namespace cuda
+
+bool CudaBackend::fp8_supported(std::string* why) const {
+  int major = 0, minor = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_));
+  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device_));
+  if (major * 10 + minor >= 89) return true;  // Ada (8.9), Hopper (9.0) and later
+  if (why) {
+    cudaDeviceProp p{};
+    CUDA_CHECK(cudaGetDeviceProperties(&p, device_));
+    *why = std::string(p.name) + " (compute capability " + std::to_string(major) + "." +
+           std::to_string(minor) + ") has no FP8 tensor cores (they start with 8.9: Ada, Hopper)";
+  }
+  return false;
+}
+
+void CudaBackend::fp8_cast(uint8_t* out, uint8_t* out_t, float* amax, const void* x, int rows,
+                           int cols, const float* scale, Fp8Format f) {
+  OpScope op_scope(*this, "fp8_cast");
+  VG_CHECK(rows >= 0 && cols >= 0 && amax && scale && (out || out_t),
+           "fp8_cast: rows " << rows << ", cols " << cols);
+  if (rows == 0 || cols == 0) return;
+  const dim3 grid((cols + cuda::kTileCols - 1) / cuda::kTileCols,
+                  (rows + cuda::kTileRows - 1) / cuda::kTileRows);
+  VG_CHECK(grid.y <= 65535u, "fp8_cast: " << rows << " rows exceed the grid");
+  const __nv_fp8_interpretation_t fmt = f == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2;
+  cuda::dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    cuda::fp8_cast_kernel<T><<<grid, cuda::kThreads, 0, stream_>>>(
+        out, out_t, amax, static_cast<const T*>(x), rows, cols, scale, fmt);
+  });
+  CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace vitgrid

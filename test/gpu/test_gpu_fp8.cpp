@@ -1,0 +1,221 @@
+// The CUDA backend's FP8 ops (backend.h Fp8Ops) against the CPU backend's exact emulation
+// (backend/fp8.h codes, fp32 sums):
+//  - fp8_cast: the same codes bit for bit (both convert the same fp32 product x * scale with
+//    nearest-even saturating rounding), the same transpose, the same amax; a NaN input gives
+//    NaN codes and a NaN amax on both.
+//  - fp8_gemm: each product of two FP8 values is exact in fp32, so the two differ only by
+//    the order of the fp32 sums: an act-dtype output is at most one ulp of its format apart
+//    (a sum near a rounding midpoint may round either way), an fp32 output within 1e-5
+//    relative (L2). Every pairing a Linear layer uses: E4M3 x E4M3 (forward), E5M2 x E4M3
+//    (data gradient), E5M2 x E4M3 into fp32 with beta 1 (weight gradient, accumulated).
+// Skips without a GPU, and the FP8 cases on a GPU without FP8 tensor cores (where
+// fp8_supported must say so).
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.h"
+#include "vitgrid/backend/backend.h"
+#include "vitgrid/backend/cuda/cuda_backend.h"
+#include "vitgrid/backend/fp8.h"
+
+namespace vitgrid {
+namespace {
+
+using namespace gputest;  // NOLINT: test file, the harness is its vocabulary
+
+class GpuFp8 : public GpuVsCpu {
+ protected:
+  GpuFp8() : GpuVsCpu(2026) {}
+  void SetUp() override {
+    GpuVsCpu::SetUp();
+    if (IsSkipped()) return;
+    std::string why;
+    if (!gpu->be->fp8_supported(&why)) {
+      EXPECT_FALSE(why.empty()) << "fp8_supported false without a reason";
+      GTEST_SKIP() << why;
+    }
+  }
+  std::vector<uint8_t> codes(Dev& d, const uint8_t* p, size_t n) {
+    std::vector<uint8_t> h(n);
+    d.be->copy_to_host(h.data(), p, n);
+    return h;
+  }
+  uint8_t* bytes(Dev& d, const std::vector<uint8_t>& h) {
+    uint8_t* p = static_cast<uint8_t*>(d.raw(std::max<size_t>(1, h.size())));
+    d.be->copy_to_device(p, h.data(), h.size());
+    return p;
+  }
+  // Random codes of format f whose values are finite and within +-limit.
+  std::vector<uint8_t> random_codes(size_t n, Fp8Format f, float limit) {
+    std::vector<uint8_t> ok;
+    for (int c = 0; c < 256; ++c) {
+      const float v = fp8_decode(static_cast<uint8_t>(c), f);
+      if (std::isfinite(v) && std::fabs(v) <= limit) ok.push_back(static_cast<uint8_t>(c));
+    }
+    std::uniform_int_distribution<size_t> pick(0, ok.size() - 1);
+    std::vector<uint8_t> out(n);
+    for (auto& c : out) c = ok[pick(rng)];
+    return out;
+  }
+};
+
+// One ulp of v in the act dtype (bf16: 8 significant bits, fp16: 11, fp32: 24), at v's binade.
+double ulp(DType dt, double v) {
+  const int bits = dt == DType::BF16 ? 8 : (dt == DType::F16 ? 11 : 24);
+  const double a = std::fabs(v);
+  if (a == 0) return 0;
+  return std::ldexp(1.0, std::ilogb(a) - (bits - 1));
+}
+
+TEST_P(GpuFp8, CastCodesTransposeAndAmax) {
+  struct Shape {
+    int rows, cols;
+  };
+  for (Fp8Format f : {Fp8Format::E4M3, Fp8Format::E5M2}) {
+    for (Shape s : {Shape{37, 101}, Shape{70, 130}, Shape{256, 768}, Shape{1, 5}}) {
+      for (float scale : {1.0f, 37.5f, 0.0625f}) {
+        SCOPED_TRACE(std::string(fp8_format_name(f)) + " " + std::to_string(s.rows) + "x" +
+                     std::to_string(s.cols) + " scale " + std::to_string(scale));
+        const size_t n = size_t(s.rows) * s.cols;
+        Vec x = rnd(n, 3.0f);
+        // beyond the range after scaling: both saturate to the largest finite code
+        x[n / 2] = round_to(dt, 2.0f * fp8_max(f) / scale);
+        x[n / 3] = round_to(dt, -3.0f * fp8_max(f) / scale);
+        std::vector<uint8_t> out[2], out_t[2];
+        float amax[2];
+        Dev* devs[2] = {cpu.get(), gpu.get()};
+        for (int k = 0; k < 2; ++k) {
+          Dev& d = *devs[k];
+          uint8_t* o = bytes(d, std::vector<uint8_t>(n, 0xAA));
+          uint8_t* ot = bytes(d, std::vector<uint8_t>(n, 0xAA));
+          float* am = d.f32(Vec{0.5f});  // a smaller amax from an earlier cast of this step
+          d.be->fp8_cast(o, ot, am, d.act(x), s.rows, s.cols, d.f32(Vec{scale}), f);
+          out[k] = codes(d, o, n);
+          out_t[k] = codes(d, ot, n);
+          amax[k] = d.get_f32(am, 1)[0];
+        }
+        EXPECT_EQ(out[1], out[0]);
+        EXPECT_EQ(out_t[1], out_t[0]);
+        EXPECT_EQ(amax[1], amax[0]);
+        // independent of both: the transpose, the saturation and the amax
+        float m = 0.5f;
+        for (float v : x) m = std::max(m, std::fabs(v));
+        EXPECT_EQ(amax[0], m);
+        EXPECT_EQ(fp8_decode(out[1][n / 2], f), fp8_max(f));
+        EXPECT_EQ(fp8_decode(out[1][n / 3], f), -fp8_max(f));
+        for (int r = 0; r < s.rows; r += 7)
+          for (int c = 0; c < s.cols; c += 5)
+            ASSERT_EQ(out_t[1][size_t(c) * s.rows + r], out[1][size_t(r) * s.cols + c]);
+      }
+    }
+  }
+}
+
+TEST_P(GpuFp8, CastOnlyTheTransposeAndNaN) {
+  const int rows = 33, cols = 65;
+  const size_t n = size_t(rows) * cols;
+  Vec x = rnd(n);
+  x[100] = kNaN;
+  Dev& d = *gpu;
+  uint8_t* ot = bytes(d, std::vector<uint8_t>(n, 0xAA));
+  float* am = d.f32(Vec{0.0f});
+  d.be->fp8_cast(nullptr, ot, am, d.act(x), rows, cols, d.f32(Vec{1.0f}), Fp8Format::E4M3);
+  const std::vector<uint8_t> t = codes(d, ot, n);
+  EXPECT_TRUE(std::isnan(d.get_f32(am, 1)[0])) << "a NaN input must make the amax NaN";
+  const int r = 100 / cols, c = 100 % cols;
+  EXPECT_TRUE(std::isnan(fp8_decode(t[size_t(c) * rows + r], Fp8Format::E4M3)));
+  for (size_t i = 0; i < n; ++i) {
+    if (i == size_t(c) * rows + r) continue;
+    ASSERT_EQ(t[i], fp8_encode(x[(i % rows) * cols + i / rows], Fp8Format::E4M3)) << i;
+  }
+}
+
+TEST_P(GpuFp8, GemmActOutputWithinOneUlp) {
+  struct Case {
+    int M, N, K;
+    Fp8Format fa, fb;
+    bool bias;
+  };
+  for (const Case& c : {Case{67, 48, 96, Fp8Format::E4M3, Fp8Format::E4M3, true},
+                        Case{200, 136, 784, Fp8Format::E4M3, Fp8Format::E4M3, false},
+                        Case{131, 64, 160, Fp8Format::E5M2, Fp8Format::E4M3, false},
+                        Case{64, 96, 48, Fp8Format::E4M3, Fp8Format::E5M2, true}}) {
+    SCOPED_TRACE(std::to_string(c.M) + "x" + std::to_string(c.N) + "x" + std::to_string(c.K) +
+                 " " + fp8_format_name(c.fa) + " x " + fp8_format_name(c.fb));
+    const std::vector<uint8_t> A = random_codes(size_t(c.M) * c.K, c.fa, 64.0f);
+    const std::vector<uint8_t> B = random_codes(size_t(c.N) * c.K, c.fb, 64.0f);
+    const Vec bias = rnd(c.N, 50.0f);
+    const float sa = 1.0f / 224.0f, sb = 1.0f / 8.0f;
+    Vec D[2];
+    Dev cpu_dt(make_backend("cpu", 0, dt));  // the reference rounds to the GPU's act dtype
+    Dev* devs[2] = {&cpu_dt, gpu.get()};
+    for (int k = 0; k < 2; ++k) {
+      Dev& e = *devs[k];
+      void* out = e.nan_act(size_t(c.M) * c.N);
+      e.be->fp8_gemm(out, false, 0.0f, bytes(e, A), c.fa, e.f32(Vec{sa}), bytes(e, B), c.fb,
+                     e.f32(Vec{sb}), c.M, c.N, c.K, c.bias ? e.act(bias) : nullptr);
+      D[k] = e.get_act(out, size_t(c.M) * c.N);
+    }
+    size_t worst = 0;
+    double worst_ulps = 0;
+    for (size_t i = 0; i < D[0].size(); ++i) {
+      const double diff = std::fabs(double(D[1][i]) - double(D[0][i]));
+      const double u = ulp(dt, std::max(std::fabs(D[0][i]), std::fabs(D[1][i])));
+      const double ulps = diff == 0 ? 0 : (u == 0 ? 1e30 : diff / u);
+      if (!(ulps <= worst_ulps)) worst_ulps = ulps, worst = i;
+    }
+    EXPECT_LE(worst_ulps, 1.0) << "element " << worst << ": gpu " << D[1][worst] << " cpu "
+                               << D[0][worst];
+  }
+}
+
+TEST_P(GpuFp8, GemmWeightGradientAccumulatesInFp32) {
+  const int M = 96, N = 80, K = 1024;  // dW[out, in] += dy^T x over K tokens
+  const std::vector<uint8_t> A = random_codes(size_t(M) * K, Fp8Format::E5M2, 1024.0f);
+  const std::vector<uint8_t> B = random_codes(size_t(N) * K, Fp8Format::E4M3, 448.0f);
+  const Vec D0 = rnd(size_t(M) * N, 1000.0f);
+  Vec D[2];
+  Dev* devs[2] = {cpu.get(), gpu.get()};
+  for (int k = 0; k < 2; ++k) {
+    Dev& d = *devs[k];
+    float* out = d.f32(D0);
+    for (int rep = 0; rep < 2; ++rep)  // two micro-batches
+      d.be->fp8_gemm(out, true, 1.0f, bytes(d, A), Fp8Format::E5M2, d.f32(Vec{1.0f / 4096}),
+                     bytes(d, B), Fp8Format::E4M3, d.f32(Vec{1.0f / 16}), M, N, K, nullptr);
+    D[k] = d.get_f32(out, size_t(M) * N);
+  }
+  EXPECT_CLOSE(D[1], D[0], 1e-5);
+  // and it did accumulate: far from the initial values
+  EXPECT_GT(rel_l2(D[0], D0), 1e-2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, GpuFp8, ::testing::Values(DType::BF16, DType::F16),
+                         [](const ::testing::TestParamInfo<DType>& i) {
+                           return std::string(dtype_name(i.param));
+                         });
+
+TEST(GpuFp8Support, MatchesTheComputeCapability) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  auto be = make_cuda_backend(0, DType::BF16);
+  std::string why;
+  const bool ok = be->fp8_supported(&why);
+  int major = 0, minor = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
+  EXPECT_EQ(ok, major * 10 + minor >= 89) << why;
+  if (!ok) {
+    EXPECT_NE(why.find("FP8"), std::string::npos) << why;
+  }
+}
+
+}  // namespace
+}  // namespace vitgrid

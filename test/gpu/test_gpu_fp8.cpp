@@ -2,12 +2,15 @@
 // (backend/fp8.h codes, fp32 sums):
 //  - fp8_cast: the same codes bit for bit (both convert the same fp32 product x * scale with
 //    nearest-even saturating rounding), the same transpose, the same amax; a NaN input gives
-//    NaN codes and a NaN amax on both.
-//  - fp8_gemm: each product of two FP8 values is exact in fp32, so the two differ only by
-//    the order of the fp32 sums: an act-dtype output is at most one ulp of its format apart
-//    (a sum near a rounding midpoint may round either way), an fp32 output within 1e-5
-//    relative (L2). Every pairing a Linear layer uses: E4M3 x E4M3 (forward), E5M2 x E4M3
-//    (data gradient), E5M2 x E4M3 into fp32 with beta 1 (weight gradient, accumulated).
+//    NaN codes and a NaN amax on both. The shapes reach both of the kernel's paths: whole
+//    64 x 128 tiles of aligned rows (vectors) and edge tiles or odd widths (element-wise).
+//  - fp8_gemm: each product of two FP8 values is exact, and the CPU sums them in fp32; the
+//    tensor cores sum them in a narrower accumulator between cuBLASLt's promotions to fp32
+//    (~14 bits, as DeepSeek-V3's report measured on Hopper): an act-dtype output may differ by
+//    one ulp of its format plus 2^-13 of the sum of the products' magnitudes; an fp32 output
+//    (accumulated over micro-batches) within 1e-5 relative (L2). Every pairing a Linear layer
+//    uses: E4M3 x E4M3 (forward), E5M2 x E4M3 (data gradient), E5M2 x E4M3 into fp32 with
+//    beta 1 (weight gradient).
 // Skips without a GPU, and the FP8 cases on a GPU without FP8 tensor cores (where
 // fp8_supported must say so).
 #include <cuda_runtime_api.h>
@@ -16,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -81,7 +85,7 @@ TEST_P(GpuFp8, CastCodesTransposeAndAmax) {
     int rows, cols;
   };
   for (Fp8Format f : {Fp8Format::E4M3, Fp8Format::E5M2}) {
-    for (Shape s : {Shape{37, 101}, Shape{70, 130}, Shape{256, 768}, Shape{1, 5}}) {
+    for (Shape s : {Shape{37, 101}, Shape{70, 130}, Shape{256, 768}, Shape{200, 392}, Shape{1, 5}}) {
       for (float scale : {1.0f, 37.5f, 0.0625f}) {
         SCOPED_TRACE(std::string(fp8_format_name(f)) + " " + std::to_string(s.rows) + "x" +
                      std::to_string(s.cols) + " scale " + std::to_string(scale));
@@ -121,7 +125,7 @@ TEST_P(GpuFp8, CastCodesTransposeAndAmax) {
 }
 
 TEST_P(GpuFp8, CastOnlyTheTransposeAndNaN) {
-  const int rows = 33, cols = 65;
+  const int rows = 128, cols = 256;  // whole tiles: the vector path
   const size_t n = size_t(rows) * cols;
   Vec x = rnd(n);
   x[100] = kNaN;
@@ -139,7 +143,7 @@ TEST_P(GpuFp8, CastOnlyTheTransposeAndNaN) {
   }
 }
 
-TEST_P(GpuFp8, GemmActOutputWithinOneUlp) {
+TEST_P(GpuFp8, GemmActOutputWithinTheAccumulatorsBound) {
   struct Case {
     int M, N, K;
     Fp8Format fa, fb;
@@ -165,16 +169,31 @@ TEST_P(GpuFp8, GemmActOutputWithinOneUlp) {
                      e.f32(Vec{sb}), c.M, c.N, c.K, c.bias ? e.act(bias) : nullptr);
       D[k] = e.get_act(out, size_t(c.M) * c.N);
     }
+    // the bound of each element: one ulp of the output format, plus the tensor cores' FP8
+    // accumulation, 2^-13 of the sum of |products| (their accumulator keeps ~14 bits between
+    // cuBLASLt's promotions to fp32; 2^-16 was the largest seen on an H100)
     size_t worst = 0;
-    double worst_ulps = 0;
-    for (size_t i = 0; i < D[0].size(); ++i) {
-      const double diff = std::fabs(double(D[1][i]) - double(D[0][i]));
-      const double u = ulp(dt, std::max(std::fabs(D[0][i]), std::fabs(D[1][i])));
-      const double ulps = diff == 0 ? 0 : (u == 0 ? 1e30 : diff / u);
-      if (!(ulps <= worst_ulps)) worst_ulps = ulps, worst = i;
+    double worst_ratio = 0, worst_acc = 0;
+    for (int i = 0; i < c.M; ++i) {
+      for (int j = 0; j < c.N; ++j) {
+        double abs_sum = 0;
+        for (int k = 0; k < c.K; ++k)
+          abs_sum += std::fabs(double(fp8_decode(A[size_t(i) * c.K + k], c.fa)) *
+                               fp8_decode(B[size_t(j) * c.K + k], c.fb));
+        abs_sum *= double(sa) * sb;
+        const size_t e = size_t(i) * c.N + j;
+        const double diff = std::fabs(double(D[1][e]) - double(D[0][e]));
+        const double bound =
+            ulp(dt, std::max(std::fabs(D[0][e]), std::fabs(D[1][e]))) + std::ldexp(abs_sum, -13);
+        const double ratio = diff / bound;
+        if (!(ratio <= worst_ratio)) worst_ratio = ratio, worst = e;
+        if (abs_sum > 0) worst_acc = std::max(worst_acc, diff / abs_sum);
+      }
     }
-    EXPECT_LE(worst_ulps, 1.0) << "element " << worst << ": gpu " << D[1][worst] << " cpu "
-                               << D[0][worst];
+    EXPECT_LE(worst_ratio, 1.0) << "element " << worst << ": gpu " << D[1][worst] << " cpu "
+                                << D[0][worst];
+    std::printf("  %dx%dx%d %s x %s: largest difference %.3g of the sum of |products|\n", c.M,
+                c.N, c.K, fp8_format_name(c.fa), fp8_format_name(c.fb), worst_acc);
   }
 }
 

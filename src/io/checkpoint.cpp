@@ -557,23 +557,20 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
     dsets.clear();
     agreed("writing the checksums");
 
-    // small state: rank 0 writes, the others select nothing (values are the same everywhere)
-    double ddummy = 0.0;
+    // small state: compact datasets (the values live in the object header, metadata that the
+    // collective flush writes), every rank writing the same values: no MPI-IO write of its own
+    // per value (collective ones of 8 bytes, 20-30 ms apiece on 2 ranks of the VM).
+    H5Id compact(H5_CHECK(H5Pcreate(H5P_DATASET_CREATE)));
+    H5_CHECK(H5Pset_layout(compact, H5D_COMPACT));
     for (const auto& kv : meta.state) {
       hsize_t n = kv.second.size();
       H5Id fspace(H5_CHECK(H5Screate_simple(1, &n, nullptr)));
       H5Id dset(H5_CHECK(H5Dcreate2(file, ("state/" + kv.first).c_str(), H5T_IEEE_F64LE, fspace,
-                                    lcpl, dcpl, H5P_DEFAULT)));
+                                    lcpl, compact, H5P_DEFAULT)));
       write_attr_u64(dset, "checksum", values_hash(kv.second));  // same values on every rank
       agreed("creating the state");
       if (n == 0) continue;
-      H5Id mspace(H5_CHECK(H5Screate_simple(1, &n, nullptr)));
-      if (rank != 0) {
-        H5_CHECK(H5Sselect_none(fspace));
-        H5_CHECK(H5Sselect_none(mspace));
-      }
-      H5_CHECK(H5Dwrite(dset, H5T_NATIVE_DOUBLE, mspace, fspace, dxpl,
-                        rank == 0 ? kv.second.data() : &ddummy));
+      H5_CHECK(H5Dwrite(dset, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, dxpl, kv.second.data()));
       agreed("writing the state");
     }
 

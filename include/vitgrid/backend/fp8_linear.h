@@ -1,0 +1,42 @@
+// A Linear layer in FP8 (precision.mode = fp8), composed from the backend's Fp8Ops and act-dtype
+// ops, the same on every backend: Transformer Engine's "hybrid" recipe for the layer's GEMMs,
+//   forward           y   = x W^T + b   E4M3 x E4M3   (x, W cast with their scales)
+//   data gradient     dx  = dy W        E5M2 x E4M3   (dy; W's transpose)
+//   weight gradient   dW += dy^T x      E5M2 x E4M3   (the transposes of dy and x), into fp32
+// with fp32 sums, y and dx in the act dtype, the bias and its gradient, and the GELU of the
+// MLP's first Linear, as Backend::linear_forward / linear_backward define them. Each cast
+// reports its tensor's amax into the layer's amax slots (the maximum over the step's calls) for
+// the delayed-scaling history (model/fp8_scaling.h), which sets the scales between steps.
+//
+// Hopper's FP8 GEMMs take K-contiguous operands with K a multiple of 16: in, out and the rows
+// (the weight gradient's K) must be multiples of 16. The casts are passes of their own here;
+// fusing them into the kernels that produce x and dy is what makes FP8 pay (tools/MEASURED.md).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "vitgrid/backend/backend.h"
+
+namespace vitgrid {
+
+// One Linear's scaling, in backend memory: three floats each, indexed by the tensor.
+struct Fp8LinearMeta {
+  enum Tensor { kX = 0, kW = 1, kDy = 2, kTensors = 3 };
+  const float* scale = nullptr;      // a tensor is cast as fp8(v * scale[k])
+  const float* scale_inv = nullptr;  // 1 / scale[k], what the GEMMs multiply their sums by
+  float* amax = nullptr;             // amax[k] = max(amax[k], max |tensor k|) at each cast
+};
+
+// The FP8 copies' scratch (bytes) the two calls below need for N rows.
+size_t fp8_linear_scratch_bytes(int N, int in, int out);
+
+// Throws (VG_CHECK) unless in, out and N are multiples of 16 (Hopper's FP8 GEMMs).
+void fp8_linear_forward(Backend& be, const Fp8LinearMeta& meta, uint8_t* scratch, void* y,
+                        const void* x, const void* W, const void* b, int N, int in, int out,
+                        void* gelu_out = nullptr, Gelu gelu = Gelu::Exact);
+void fp8_linear_backward(Backend& be, const Fp8LinearMeta& meta, uint8_t* scratch, void* dx,
+                         float* dW, float* db, const void* dy, const void* x, const void* W,
+                         int N, int in, int out, const void* gelu_pre = nullptr,
+                         Gelu gelu = Gelu::Exact, float* gelu_db = nullptr);
+
+}  // namespace vitgrid

@@ -1,0 +1,80 @@
+// The FP8 Linear layer (backend/fp8_linear.h) from the backend's ops.
+#include "vitgrid/backend/fp8_linear.h"
+
+#include <algorithm>
+
+#include "vitgrid/core/error.h"
+
+namespace vitgrid {
+
+namespace {
+
+void check_shape(const char* what, int N, int in, int out) {
+  VG_CHECK(N >= 0 && in > 0 && out > 0, what << ": N " << N << ", in " << in << ", out " << out);
+  VG_CHECK(N % 16 == 0 && in % 16 == 0 && out % 16 == 0,
+           what << ": FP8 GEMMs need rows, in and out features that are multiples of 16 (rows "
+                << N << ", in " << in << ", out " << out << ")");
+}
+
+}  // namespace
+
+size_t fp8_linear_scratch_bytes(int N, int in, int out) {
+  const size_t n = static_cast<size_t>(N), i = static_cast<size_t>(in), o = static_cast<size_t>(out);
+  const size_t forward = n * i + o * i;               // x, W
+  const size_t backward = 2 * n * o + i * o + n * i;  // dy, its transpose, W^T, x^T
+  return std::max(forward, backward);
+}
+
+void fp8_linear_forward(Backend& be, const Fp8LinearMeta& m, uint8_t* scratch, void* y,
+                        const void* x, const void* W, const void* b, int N, int in, int out,
+                        void* gelu_out, Gelu gelu) {
+  OpScope op_scope(be, "fp8_linear_forward");
+  check_shape("fp8_linear_forward", N, in, out);
+  if (N == 0) return;
+  uint8_t* x8 = scratch;
+  uint8_t* w8 = x8 + static_cast<size_t>(N) * in;
+  using M = Fp8LinearMeta;
+  be.fp8_cast(x8, nullptr, m.amax + M::kX, x, N, in, m.scale + M::kX, Fp8Format::E4M3);
+  be.fp8_cast(w8, nullptr, m.amax + M::kW, W, out, in, m.scale + M::kW, Fp8Format::E4M3);
+  be.fp8_gemm(y, false, 0.0f, x8, Fp8Format::E4M3, m.scale_inv + M::kX, w8, Fp8Format::E4M3,
+              m.scale_inv + M::kW, N, out, in, b);
+  if (gelu_out) be.gelu_forward(gelu_out, y, static_cast<size_t>(N) * out, gelu);
+}
+
+void fp8_linear_backward(Backend& be, const Fp8LinearMeta& m, uint8_t* scratch, void* dx,
+                         float* dW, float* db, const void* dy, const void* x, const void* W,
+                         int N, int in, int out, const void* gelu_pre, Gelu gelu,
+                         float* gelu_db) {
+  OpScope op_scope(be, "fp8_linear_backward");
+  check_shape("fp8_linear_backward", N, in, out);
+  VG_CHECK(!gelu_db || (dx && gelu_pre), "fp8_linear_backward: gelu_db without dx and gelu_pre");
+  if (N == 0) return;
+  using M = Fp8LinearMeta;
+  const size_t n = static_cast<size_t>(N);
+  uint8_t* dy8 = scratch;                // [N, out]
+  uint8_t* dy8_t = dy8 + n * out;        // [out, N]
+  uint8_t* w8_t = dy8_t + n * out;       // [in, out]
+  uint8_t* x8_t = w8_t + size_t(in) * out;  // [in, N]
+  if (dx || dW)
+    be.fp8_cast(dx ? dy8 : nullptr, dW ? dy8_t : nullptr, m.amax + M::kDy, dy, N, out,
+                m.scale + M::kDy, Fp8Format::E5M2);
+  if (dx) {
+    be.fp8_cast(nullptr, w8_t, m.amax + M::kW, W, out, in, m.scale + M::kW, Fp8Format::E4M3);
+    be.fp8_gemm(dx, false, 0.0f, dy8, Fp8Format::E5M2, m.scale_inv + M::kDy, w8_t,
+                Fp8Format::E4M3, m.scale_inv + M::kW, N, in, out, nullptr);
+    if (gelu_db) {
+      be.gelu_backward_bias(dx, gelu_pre, dx, N, in, gelu_db, gelu);
+    } else if (gelu_pre) {
+      be.gelu_backward(dx, gelu_pre, dx, n * in, gelu);
+    }
+  }
+  if (dW) {
+    be.fp8_cast(nullptr, x8_t, m.amax + M::kX, x, N, in, m.scale + M::kX, Fp8Format::E4M3);
+    be.fp8_gemm(dW, true, 1.0f, dy8_t, Fp8Format::E5M2, m.scale_inv + M::kDy, x8_t,
+                Fp8Format::E4M3, m.scale_inv + M::kX, out, in, N, nullptr);
+  }
+  // the bias gradient from dy itself (act dtype), as the bf16 layer sums it
+  if (db) be.linear_backward(nullptr, nullptr, db, dy, nullptr, nullptr, N, in, out);
+}
+
+}  // namespace vitgrid

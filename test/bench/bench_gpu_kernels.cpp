@@ -28,6 +28,7 @@
 #include "cuda_backend_impl.h"
 #include "gemm_gelu.h"
 #include "vitgrid/backend/backend.h"
+#include "vitgrid/backend/fp8_linear.h"
 #include "vitgrid/backend/cuda/cuda_backend.h"
 #include "vitgrid/core/error.h"
 
@@ -241,6 +242,40 @@ void BM_Fp8Linear(benchmark::State& st) {
                    scale, M, N, K, bias);
   });
   st.counters["TFLOP"] = benchmark::Counter(2.0 * kN * in * out * 1e-12,
+                                              benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// The FP8 Linear layer (backend/fp8_linear.h: its casts as passes of their own, then the GEMMs)
+// beside BM_LinearForward / BM_LinearBackward's bf16 layer. Arg pass: 0 forward (with the
+// bias; fc1 also its GELU, as the bf16 row), 1 backward (dx, dW, db).
+void BM_Fp8LinearLayer(benchmark::State& st) {
+  if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
+  if (!gpu().fp8_supported(nullptr)) return st.SkipWithError("no FP8 tensor cores");
+  const int in = static_cast<int>(st.range(0)), out = static_cast<int>(st.range(1));
+  const bool gelu = st.range(2) != 0, backward = st.range(3) != 0;
+  const size_t a = gpu().act_size();
+  Bufs b;
+  const float s[3] = {1.0f, 1.0f, 1.0f};
+  auto* scale = static_cast<float*>(b.get(sizeof s));
+  gpu().copy_to_device(scale, s, sizeof s);
+  const Fp8LinearMeta m{scale, scale, static_cast<float*>(b.get(sizeof s))};
+  auto* scratch = static_cast<uint8_t*>(b.get(fp8_linear_scratch_bytes(kN, in, out)));
+  void* x = b.get(size_t(kN) * in * a);
+  void* W = b.get(size_t(out) * in * a);
+  void* bias = b.get(size_t(out) * a);
+  void* y = b.get(size_t(kN) * out * a);
+  void* g = gelu ? b.get(size_t(kN) * out * a) : nullptr;
+  void* dx = b.get(size_t(kN) * in * a);
+  float* dW = static_cast<float*>(b.get(size_t(out) * in * 4));
+  float* db = static_cast<float*>(b.get(size_t(out) * 4));
+  timed(st, [&] {
+    if (backward) {
+      fp8_linear_backward(gpu(), m, scratch, dx, dW, db, y, x, W, kN, in, out);
+    } else {
+      fp8_linear_forward(gpu(), m, scratch, y, x, W, bias, kN, in, out, g, Gelu::Exact);
+    }
+  });
+  st.counters["TFLOP"] = benchmark::Counter((backward ? 4.0 : 2.0) * kN * in * out * 1e-12,
                                               benchmark::Counter::kIsIterationInvariantRate);
 }
 
@@ -736,6 +771,18 @@ BENCHMARK(BM_Fp8Linear)
     ->ArgNames({"in", "out", "pass"})
     ->ArgsProduct({{kC}, {3 * kC, kC, 4 * kC}, {0, 1, 2}})
     ->ArgsProduct({{4 * kC}, {kC}, {0, 1, 2}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Fp8LinearLayer)
+    ->ArgNames({"in", "out", "gelu", "backward"})
+    ->Args({kC, 3 * kC, 0, 0})
+    ->Args({kC, kC, 0, 0})
+    ->Args({kC, 4 * kC, 1, 0})
+    ->Args({4 * kC, kC, 0, 0})
+    ->Args({kC, 3 * kC, 0, 1})
+    ->Args({kC, kC, 0, 1})
+    ->Args({kC, 4 * kC, 0, 1})
+    ->Args({4 * kC, kC, 0, 1})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Fp8Cast)

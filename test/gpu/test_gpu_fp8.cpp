@@ -11,6 +11,7 @@
 //    H100); an fp32 output (accumulated over micro-batches) within 1e-5 relative (L2). Every
 //    pairing a Linear layer uses: E4M3 x E4M3 (forward), E5M2 x E4M3 (data gradient), E5M2 x
 //    E4M3 into fp32 with beta 1 (weight gradient).
+//  - the FP8 Linear layer composed from them, against the CPU's composition.
 // Skips without a GPU, and the FP8 cases on a GPU without FP8 tensor cores (where
 // fp8_supported must say so).
 #include <cuda_runtime_api.h>
@@ -30,6 +31,7 @@
 #include "vitgrid/backend/backend.h"
 #include "vitgrid/backend/cuda/cuda_backend.h"
 #include "vitgrid/backend/fp8.h"
+#include "vitgrid/backend/fp8_linear.h"
 
 namespace vitgrid {
 namespace {
@@ -215,6 +217,48 @@ TEST_P(GpuFp8, GemmWeightGradientAccumulatesInFp32) {
   EXPECT_CLOSE(D[1], D[0], 1e-5);
   // and it did accumulate: far from the initial values
   EXPECT_GT(rel_l2(D[0], D0), 1e-2);
+}
+
+// The FP8 Linear layer (backend/fp8_linear.h) composed on each backend: the same casts, hence
+// the same amaxes exactly; outputs within the FP8 GEMM bound above (relative L2 here: the
+// composition, not the GEMM, is under test); the GELU variants and the bias gradient included.
+TEST_P(GpuFp8, LinearLayerMatchesTheCpuComposition) {
+  const int N = 64, in = 96, out = 160;
+  const Vec x = rnd(size_t(N) * in, 2.0f), W = rnd(size_t(out) * in, 0.1f), b = rnd(out);
+  const Vec dy = rnd(size_t(N) * out, 1e-3f), pre = rnd(size_t(N) * in, 1.5f);
+  const Vec scale = {50.0f, 900.0f, 4.0e6f}, scale_inv = {1 / 50.0f, 1 / 900.0f, 1 / 4.0e6f};
+  Dev cpu_dt(make_backend("cpu", 0, dt));
+  Dev* devs[2] = {&cpu_dt, gpu.get()};
+  Vec y[2], g[2], dx[2], dW[2], db[2], gdb[2], amax[2];
+  for (int k = 0; k < 2; ++k) {
+    Dev& d = *devs[k];
+    Fp8LinearMeta m{d.f32(scale), d.f32(scale_inv), d.f32(Vec(3, 0.0f))};
+    auto* scratch = static_cast<uint8_t*>(d.raw(fp8_linear_scratch_bytes(N, in, out)));
+    void* yk = d.nan_act(size_t(N) * out);
+    void* gk = d.nan_act(size_t(N) * out);
+    fp8_linear_forward(*d.be, m, scratch, yk, d.act(x), d.act(W), d.act(b), N, in, out, gk,
+                       Gelu::Exact);
+    void* dxk = d.nan_act(size_t(N) * in);
+    float* dWk = d.f32(Vec(size_t(out) * in, 0.5f));
+    float* dbk = d.f32(Vec(out, 0.0f));
+    float* gdbk = d.f32(Vec(in, 0.0f));
+    fp8_linear_backward(*d.be, m, scratch, dxk, dWk, dbk, d.act(dy), d.act(x), d.act(W), N, in,
+                        out, d.act(pre), Gelu::Exact, gdbk);
+    y[k] = d.get_act(yk, size_t(N) * out);
+    g[k] = d.get_act(gk, size_t(N) * out);
+    dx[k] = d.get_act(dxk, size_t(N) * in);
+    dW[k] = d.get_f32(dWk, size_t(out) * in);
+    db[k] = d.get_f32(dbk, out);
+    gdb[k] = d.get_f32(gdbk, in);
+    amax[k] = d.get_f32(m.amax, 3);
+  }
+  EXPECT_EQ(amax[1], amax[0]);
+  EXPECT_CLOSE(y[1], y[0], 1e-2);
+  EXPECT_CLOSE(g[1], g[0], 1e-2);
+  EXPECT_CLOSE(dx[1], dx[0], 1e-2);
+  EXPECT_CLOSE(dW[1], dW[0], 1e-4);
+  EXPECT_CLOSE(db[1], db[0], 1e-5);
+  EXPECT_CLOSE(gdb[1], gdb[0], 2e-2);
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, GpuFp8, ::testing::Values(DType::BF16, DType::F16),

@@ -564,6 +564,10 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
     H5_CHECK(H5Pset_layout(compact, H5D_COMPACT));
     for (const auto& kv : meta.state) {
       hsize_t n = kv.second.size();
+      // an object header holds at most 64 KiB: the state is scalars and short vectors
+      VG_CHECK(n * sizeof(double) <= 16384,
+               "checkpoint state '" << kv.first << "' has " << n
+                                    << " values; large ones belong in tensors");
       H5Id fspace(H5_CHECK(H5Screate_simple(1, &n, nullptr)));
       H5Id dset(H5_CHECK(H5Dcreate2(file, ("state/" + kv.first).c_str(), H5T_IEEE_F64LE, fspace,
                                     lcpl, compact, H5P_DEFAULT)));

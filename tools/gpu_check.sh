@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build, test and measure vitgrid on a GPU node in one go, beside PyTorch + timm.
 #   tools/gpu_check.sh STEP...      (default: build test bench)
-# Steps: build test cputest bench models loader jpeg decode_overlap recipes kernels compile scale study large large2
-# pipeline tpvitb ckpt recompute seqpar e2epar profile variants trace (each described where it is handled below).
+# Steps: build test cputest bench models loader jpeg decode_overlap recipes kernels fp8 compile scale study large
+# large2 pipeline tpvitb ckpt recompute seqpar e2epar profile variants trace (each described where it is handled below).
 # Writes logs under $OUT (default /tmp/vitgrid-gpu). On a node without parallel HDF5 or
 # Boost.ProgramOptions, put their Debian packages in .gpu-deps/ (see README): they are unpacked
 # into /opt/deps and used from there.
@@ -323,6 +323,16 @@ PYEOF
     # the CUDA backend's kernels at ViT-B/16 shapes (Google Benchmark)
     "$B/bin/bench_gpu_kernels" --benchmark_min_time=0.1s --benchmark_filter="${KERNELS:-.}" 2>&1 \
       | grep -E "^BM_|^-|Benchmark" | tee "$OUT/kernels.log"
+    ;;
+  fp8)
+    # FP8's ops against the CPU's emulation (gpu_fp8: casts bit for bit, GEMMs within the FP8
+    # accumulator's bound, the FP8 Linear layer), then the FP8 GEMMs, casts and layer beside the
+    # bf16 Linear's (BUILD_TARGET="gpu_fp8 bench_gpu_kernels" is enough for this step)
+    (cd "$B" && ctest -R "^gpu_fp8$" -V --timeout 300) >"$OUT/fp8.log" 2>&1
+    grep -E "tests passed|\[  (FAILED|  OK) \]|largest difference" "$OUT/fp8.log"
+    "$B/bin/bench_gpu_kernels" --benchmark_min_time=0.1s \
+      --benchmark_filter='BM_(Fp8Linear|Fp8LinearLayer|Fp8Cast|LinearForward|LinearBackward|LinearWgrad/.*/tune:1)' 2>&1 \
+      | grep -E "^BM_|Benchmark" | tee "$OUT/fp8_kernels.log"
     ;;
   trace)
     # kernel timelines (tools/ktrace, CUPTI; build it: BUILD_TARGET="vitgrid vitgrid_ktrace"):

@@ -3,8 +3,10 @@
 // graph) on its stream; a decoder thread decodes batches of 256 JPEGs with nvjpegDecodeBatched
 // (NVJPEG_BACKEND_HARDWARE) on another. Each variant prints the decoder's img/s and the GEMMs'
 // TFLOP/s; variants: output RGB or YUV, stream priorities, the GEMMs confined to part of the SMs
-// (a green context), caching allocators given to nvJPEG (nvjpegCreateEx, nvjpegCreateExV2), the
-// hardware path's buffers sized ahead (nvjpegDecodeBatchedPreAllocate). With tools/ktrace's
+// (a green context), caching allocators given to nvJPEG (nvjpegCreateEx, nvjpegCreateExV2),
+// nvJPEG's own stream-ordered memory pools (NVJPEG_FLAGS_ENABLE_MEMORY_POOLS: cudaFreeAsync
+// instead of frees that wait for the whole device), the hardware path's buffers sized ahead
+// (nvjpegDecodeBatchedPreAllocate). With tools/ktrace's
 // VITGRID_KTRACE_API=1 it shows where the decoding thread waits. tools/MEASURED.md ("H100: real
 // images") has the figures.
 //
@@ -69,6 +71,7 @@ struct Opts { bool yuv = false; int dec_prio = 0; int gemm_prio = 0; int green_s
 // copied into a buffer of the GEMMs' (primary) context with cuMemcpyPeerAsync, as a trainer
 // would need them.
 
+// alloc 3: no allocators given, NVJPEG_FLAGS_ENABLE_MEMORY_POOLS instead.
 // Caching allocators for nvJPEG (alloc 1: nvjpegCreateEx's, 2: nvjpegCreateExV2's): a freed
 // block goes to a free list by size class (powers of two) and is handed out again, so nvJPEG's
 // frees never reach cudaFree / cudaFreeHost (both synchronise with the whole device).
@@ -146,6 +149,9 @@ struct Dec {
       nvjpegDevAllocatorV2_t da{dev_malloc2, dev_free2, nullptr};
       nvjpegPinnedAllocatorV2_t pa{pin_malloc2, pin_free2, nullptr};
       NJ(nvjpegCreateExV2(NVJPEG_BACKEND_HARDWARE, &da, &pa, 0, &h));
+    } else if (alloc == 3) {
+      NJ(nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, nullptr, nullptr, NVJPEG_FLAGS_ENABLE_MEMORY_POOLS,
+                        &h));
     } else {
       NJ(nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, nullptr, nullptr, 0, &h));
     }
@@ -322,6 +328,9 @@ int main(int argc, char** argv) {
   run("RGB + gemm graph, ahead", {false,0,0,0,true,true}, true, true, T);
   run("RGB + gemm graph, ahead, cache1", {false,0,0,0,true,true,1}, true, true, T);
   run("RGB + gemm graph, ahead, cache2", {false,0,0,0,true,true,2}, true, true, T);
+  run("RGB pools alone", {false,0,0,0,false,false,3}, true, false, T);
+  run("RGB + gemm graph, ahead, pools", {false,0,0,0,true,true,3}, true, true, T);
+  run("RGB + gemm graph, ahead, pools, prealloc 1024", {false,0,0,0,true,true,3,1024}, true, true, T);
   run("RGB + gemm graph, ahead, prealloc 1024", {false,0,0,0,true,true,0,1024}, true, true, T);
   run("RGB + gemm graph, ahead, prealloc 2048", {false,0,0,0,true,true,0,2048}, true, true, T);
   run("RGB + gemm graph, sync", {false,0,0,0,true,false}, true, true, T);

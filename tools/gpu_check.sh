@@ -412,11 +412,13 @@ PYEOF
     ;;
   decode_overlap)
     # nvJPEG's hardware decode beside a GEMM load, stand-alone (tools/bench_decode_overlap.cu)
-    # on the JPEG step's set (made here if missing: 2,048 images)
+    # on the JPEG step's set (made here if missing: 2,048 images); DECODE_VARIANTS="a|b" runs only
+    # the variants whose names hold one of the parts (e.g. "alone|pools")
     [ -d "$D/jpeg/train" ] || "$PY" tools/make_jpeg_dataset.py "$D/jpeg-small" --train 2048 --val 16 --classes 16 2>&1 | tail -1
     DIR=$D/jpeg/train; [ -d "$DIR" ] || DIR=$D/jpeg-small/train
     nvcc -std=c++17 -O2 -arch=sm_90 tools/bench_decode_overlap.cu -o "$B/bin/bench_decode_overlap" \
-      -lcublas -lnvjpeg -lcuda && "$B/bin/bench_decode_overlap" "$DIR" | tee "$OUT/decode_overlap.log"
+      -lcublas -lnvjpeg -lcuda && "$B/bin/bench_decode_overlap" "$DIR" ${DECODE_VARIANTS:+"$DECODE_VARIANTS"} \
+      | tee "$OUT/decode_overlap.log"
     ;;
   recipes)
     # Colossal-AI's three LAMB 32K recipes (inputs/imagenet_vit_*_lamb_32k.ini: fp16, Mixup,

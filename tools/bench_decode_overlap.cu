@@ -14,7 +14,7 @@
 //        -lcublas -lnvjpeg -lcuda
 //   ./bench_decode_overlap DIR [NAME]  # DIR: a tree of JPEGs (the first 2048 found are used);
 //                                      # NAME: only the variants whose name holds it
-//                                      # (or one of its '|'-separated parts)
+//                                      # (or one of its '|'-separated parts; "=X": named X)
 // or `tools/gpu_check.sh decode_overlap`.
 #include <cublas_v2.h>
 #include <cuda.h>
@@ -201,7 +201,8 @@ void run(const char* name, Opts o, bool do_dec, bool do_gemm, double seconds) {
   if (g_only) {  // NAME: alternatives separated by '|'
     bool hit = false;
     std::stringstream alts(g_only);
-    for (std::string a; std::getline(alts, a, '|');) hit = hit || std::strstr(name, a.c_str());
+    for (std::string a; std::getline(alts, a, '|');)  // "=NAME": that variant alone
+      hit = hit || (a[0] == '=' ? a.substr(1) == name : std::strstr(name, a.c_str()) != nullptr);
     if (!hit) return;
   }
   int lo, hi; CK(cudaDeviceGetStreamPriorityRange(&lo, &hi));

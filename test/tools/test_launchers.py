@@ -6,11 +6,15 @@ it, which once bound every rank to a single core): through a stand-in mpirun tha
 its arguments, 1 rank gets PE = every core this process may use. The batch scripts' --dry-run
 (no SLURM needed): the node shape from SLURM_GPUS_ON_NODE / SLURM_CPUS_ON_NODE, one
 --run.out_dir (the override's, else VITGRID_RUN_DIR's), VITGRID_SRUN_MPI.
+A SIGTERM to jobs/mpirun.sh reaches the ranks even through an mpirun that forwards no SIGUSR1.
 Run by ctest with VITGRID_BIN and VITGRID_SOURCE_DIR set."""
 import os
+import signal
 import stat
 import subprocess
+import sys
 import tempfile
+import time
 
 import h5py
 
@@ -47,6 +51,40 @@ with tempfile.TemporaryDirectory() as d:
     want = f"slot:PE={cores}"
     check(p.returncode == 0 and want in got and "core" in got,
           f"1 rank with OMP_NUM_THREADS=1 set: bound to all {cores} cores ({want} in {got})")
+
+    # a stand-in mpirun that catches SIGUSR1 and forwards nothing (Open MPI 4.1.6 in an Ubuntu
+    # 24.04 container did): a SIGTERM to the launch script still reaches its two ranks, which
+    # exit 3, and so does the script
+    ready = os.path.join(d, "ready")
+    os.mkdir(ready)
+    rank = ("import os, signal, sys, time\n"
+            "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(3))\n"
+            f"open(os.path.join({ready!r}, str(os.getpid())), 'w').close()\n"
+            "time.sleep(60)\n")
+    with open(os.path.join(fake, "mpirun"), "w") as f:
+        f.write(f"#!{sys.executable}\n"
+                "import signal, subprocess, sys\n"
+                "signal.signal(signal.SIGUSR1, lambda *a: None)\n"
+                f"ranks = [subprocess.Popen([sys.executable, '-c', {rank!r}]) for _ in range(2)]\n"
+                "sys.exit(max(r.wait() for r in ranks))\n")
+    p = subprocess.Popen(["bash", LAUNCHER, DECK, "2"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True,
+                         env=dict(env, PATH=fake + os.pathsep + env["PATH"]),
+                         start_new_session=True)
+    t0 = time.time()
+    while len(os.listdir(ready)) < 2 and time.time() - t0 < 60 and p.poll() is None:
+        time.sleep(0.05)
+    started = len(os.listdir(ready))
+    p.send_signal(signal.SIGTERM)
+    try:
+        rc = p.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # the script, the stand-in and its ranks
+        p.wait()
+        rc = None
+    check(started == 2 and rc == 3,
+          f"a launcher that forwards no SIGUSR1: the script's SIGTERM reaches both ranks "
+          f"(started {started}, exit {rc}, in {time.time() - t0:.1f} s)")
 
 
 def dry(script, *args, **extra):

@@ -1,4 +1,5 @@
-// The FP8 Linear layer (backend/fp8_linear.h) from the backend's ops.
+// The FP8 Linear layer (backend/fp8_linear.h) from the backend's ops, and the argument
+// contract of those ops (backend.h) that both backends check.
 #include "vitgrid/backend/fp8_linear.h"
 
 #include <algorithm>
@@ -17,6 +18,23 @@ void check_shape(const char* what, int N, int in, int out) {
 }
 
 }  // namespace
+
+void check_fp8_cast_args(const uint8_t* out, const uint8_t* out_t, const float* amax, int rows,
+                         int cols, const float* scale) {
+  VG_CHECK(rows >= 0 && cols >= 0 && amax && scale && (out || out_t),
+           "fp8_cast: rows " << rows << ", cols " << cols);
+}
+
+void check_fp8_gemm_args(bool d_f32, float beta, Fp8Format fa, const float* a_scale_inv,
+                         Fp8Format fb, const float* b_scale_inv, int M, int N, int K,
+                         const void* bias) {
+  VG_CHECK(M >= 0 && N >= 0 && K >= 0 && a_scale_inv && b_scale_inv,
+           "fp8_gemm: M " << M << ", N " << N << ", K " << K);
+  VG_CHECK(!(fa == Fp8Format::E5M2 && fb == Fp8Format::E5M2),
+           "fp8_gemm: both operands E5M2 (no FP8 GEMM takes that)");
+  VG_CHECK(d_f32 || beta == 0.0f, "fp8_gemm: an act-dtype output is overwritten (beta 0)");
+  VG_CHECK(!(d_f32 && bias), "fp8_gemm: a bias only with an act-dtype output");
+}
 
 size_t fp8_linear_scratch_bytes(int N, int in, int out) {
   const size_t n = static_cast<size_t>(N), i = static_cast<size_t>(in), o = static_cast<size_t>(out);

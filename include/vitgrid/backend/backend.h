@@ -491,6 +491,14 @@ class Fp8Ops {
                         const float* b_scale_inv, int M, int N, int K, const void* bias) = 0;
 };
 
+// The argument contract of Fp8Ops::fp8_cast / fp8_gemm, checked by every backend's
+// implementation first (VG_CHECK: a caller's error ends the job naming it).
+void check_fp8_cast_args(const uint8_t* out, const uint8_t* out_t, const float* amax, int rows,
+                         int cols, const float* scale);
+void check_fp8_gemm_args(bool d_f32, float beta, Fp8Format fa, const float* a_scale_inv,
+                         Fp8Format fb, const float* b_scale_inv, int M, int N, int K,
+                         const void* bias);
+
 // A backend: one device and the op set that runs on it.
 class Backend : public Device, public LayerOps, public NormAttentionOps, public TrainOps,
                 public Fp8Ops {

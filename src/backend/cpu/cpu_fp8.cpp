@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "vitgrid/backend/cpu/cpu_backend.h"
-#include "vitgrid/core/error.h"
 
 namespace vitgrid {
 
@@ -20,8 +19,7 @@ bool CpuBackend::fp8_supported(std::string* why) const {
 void CpuBackend::fp8_cast(uint8_t* out, uint8_t* out_t, float* amax, const void* x_, int rows,
                           int cols, const float* scale, Fp8Format f) {
   OpScope op_scope(*this, "fp8_cast");
-  VG_CHECK(rows >= 0 && cols >= 0 && amax && scale && (out || out_t),
-           "fp8_cast: rows " << rows << ", cols " << cols);
+  check_fp8_cast_args(out, out_t, amax, rows, cols, scale);
   const float* x = static_cast<const float*>(x_);
   const size_t n = static_cast<size_t>(rows) * cols;
   std::vector<uint8_t> codes;
@@ -44,12 +42,7 @@ void CpuBackend::fp8_gemm(void* D, bool d_f32, float beta, const uint8_t* A, Fp8
                           const float* a_scale_inv, const uint8_t* B, Fp8Format fb,
                           const float* b_scale_inv, int M, int N, int K, const void* bias) {
   OpScope op_scope(*this, "fp8_gemm");
-  VG_CHECK(M >= 0 && N >= 0 && K >= 0 && a_scale_inv && b_scale_inv,
-           "fp8_gemm: M " << M << ", N " << N << ", K " << K);
-  VG_CHECK(!(fa == Fp8Format::E5M2 && fb == Fp8Format::E5M2),
-           "fp8_gemm: both operands E5M2 (no FP8 GEMM takes that)");
-  VG_CHECK(d_f32 || beta == 0.0f, "fp8_gemm: an act-dtype output is overwritten (beta 0)");
-  VG_CHECK(!(d_f32 && bias), "fp8_gemm: a bias only with an act-dtype output");
+  check_fp8_gemm_args(d_f32, beta, fa, a_scale_inv, fb, b_scale_inv, M, N, K, bias);
   if (M == 0 || N == 0) return;
   auto decode = [](const uint8_t* codes, size_t n, Fp8Format fmt) {
     std::vector<float> v(n);

@@ -321,12 +321,7 @@ void CudaBackend::fp8_gemm(void* D, bool d_f32, float beta, const uint8_t* A, Fp
                            const float* a_scale_inv, const uint8_t* B, Fp8Format fb,
                            const float* b_scale_inv, int M, int N, int K, const void* bias) {
   OpScope op_scope(*this, "fp8_gemm");
-  VG_CHECK(M >= 0 && N >= 0 && K >= 0 && a_scale_inv && b_scale_inv,
-           "fp8_gemm: M " << M << ", N " << N << ", K " << K);
-  VG_CHECK(!(fa == Fp8Format::E5M2 && fb == Fp8Format::E5M2),
-           "fp8_gemm: both operands E5M2 (no FP8 GEMM takes that)");
-  VG_CHECK(d_f32 || beta == 0.0f, "fp8_gemm: an act-dtype output is overwritten (beta 0)");
-  VG_CHECK(!(d_f32 && bias), "fp8_gemm: a bias only with an act-dtype output");
+  check_fp8_gemm_args(d_f32, beta, fa, a_scale_inv, fb, b_scale_inv, M, N, K, bias);
   if (M == 0 || N == 0) return;
   auto type = [](Fp8Format f) { return f == Fp8Format::E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; };
   GemmSpec s;

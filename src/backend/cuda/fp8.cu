@@ -20,10 +20,6 @@ namespace {
 
 constexpr int kTileRows = 64, kTileCols = 128, kThreads = 256, kChunk = 8;
 
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
-
 // |v| as ordered integer bits: for non-negative floats (and NaN, whose bits exceed inf's) the
 // integer maximum is the float maximum, so atomicMax on the bits keeps NaN once seen.
 __device__ __forceinline__ int abs_bits(float v) { return __float_as_int(fabsf(v)); }
@@ -62,7 +58,7 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(
       uint8_t codes[kChunk];
 #pragma unroll
       for (int k = 0; k < kChunk; ++k) {
-        const float f = to_f32(v.v[k]);
+        const float f = to_f<T>(v.v[k]);
         m = max(m, abs_bits(f));
         codes[k] = __nv_cvt_float_to_fp8(f * scale, __NV_SATFINITE, fmt);
       }
@@ -90,7 +86,7 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(
       const int r = r0 + tr, c = c0 + tc;
       uint8_t code = 0;
       if (r < rows && c < cols) {
-        const float v = to_f32(x[static_cast<size_t>(r) * cols + c]);
+        const float v = to_f<T>(x[static_cast<size_t>(r) * cols + c]);
         m = max(m, abs_bits(v));
         code = __nv_cvt_float_to_fp8(v * scale, __NV_SATFINITE, fmt);
         if (out) out[static_cast<size_t>(r) * cols + c] = code;
@@ -137,8 +133,7 @@ bool CudaBackend::fp8_supported(std::string* why) const {
 void CudaBackend::fp8_cast(uint8_t* out, uint8_t* out_t, float* amax, const void* x, int rows,
                            int cols, const float* scale, Fp8Format f) {
   OpScope op_scope(*this, "fp8_cast");
-  VG_CHECK(rows >= 0 && cols >= 0 && amax && scale && (out || out_t),
-           "fp8_cast: rows " << rows << ", cols " << cols);
+  check_fp8_cast_args(out, out_t, amax, rows, cols, scale);
   if (rows == 0 || cols == 0) return;
   const dim3 grid((cols + cuda::kTileCols - 1) / cuda::kTileCols,
                   (rows + cuda::kTileRows - 1) / cuda::kTileRows);

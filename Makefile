@@ -23,7 +23,7 @@ export OPENBLAS_NUM_THREADS ?= 1
 APT_PACKAGES := build-essential cmake pkg-config openmpi-bin libopenmpi-dev \
   libhdf5-openmpi-dev hdf5-tools libboost-program-options-dev libopenblas-dev \
   libgtest-dev libbenchmark-dev python3 python3-numpy python3-h5py python3-torch \
-  python3-matplotlib libprotobuf-dev protobuf-compiler python3-protobuf python3-pil \
+  python3-torchvision python3-matplotlib libprotobuf-dev protobuf-compiler python3-protobuf python3-pil \
   python3-crcmod libjpeg62-turbo-dev libpng-dev slurm-wlm slurm-wlm-basic-plugins munge libpmix2
 
 .PHONY: deps pydeps build run test bench format clean help

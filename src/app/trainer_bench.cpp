@@ -233,11 +233,12 @@ int Benchmark::bench(int warmup, int steps, double peak_tflops, bool with_profil
                                     cfg.head_dim());
 #endif
   // MFU against the peak dense TFLOP/s of one device: --peak-tflops, else on the cuda backend
-  // H100/H200's (bf16/fp16 989, tf32 494, fp32 67). A CPU's peak depends on the machine and
+  // H100/H200's (bf16/fp16 989, tf32 494, fp32 67; fp8 against the bf16 peak, as Transformer
+  // Engine's users count it). A CPU's peak depends on the machine and
   // its cores: no MFU unless given.
   if (peak_tflops <= 0.0 && be.name() == "cuda") {
     const std::string& m = deck.precision.mode;
-    peak_tflops = (m == "bf16" || m == "fp16" || m == "fp16-naive") ? 989.0
+    peak_tflops = (m == "bf16" || m == "fp16" || m == "fp16-naive" || m == "fp8") ? 989.0
                   : m == "tf32"                                     ? 494.0
                                                                     : 67.0;
   }

@@ -78,6 +78,26 @@ std::vector<TensorShard> Checkpointer::shards(std::vector<float>& host, bool wit
       out.push_back(std::move(s));
     }
   }
+  // FP8's delayed-scaling state, whole on every rank (its amaxes are reduced over all of
+  // them): fp8/amax_history [tensors, history] (entry 0 the step in progress, entry k the
+  // step k updates ago) and fp8/scale [tensors], tensor (block * 4 + linear) * 3 + x|W|dy
+  if (with_optim && model.fp8()) {
+    const Fp8ScalingState& f = model.fp8_scaling();
+    const int64_t T = static_cast<int64_t>(f.tensors()), H = f.history();
+    fp8_host_.resize(static_cast<size_t>(T * (H + 1)));
+    auto whole = [&](const char* name, std::vector<int64_t> shape, float* data) {
+      TensorShard s;
+      s.name = name;
+      s.global_shape = shape;
+      s.offset.assign(shape.size(), 0);
+      s.count = shape;
+      s.data = data;
+      s.write = grid.world_rank() == 0;
+      out.push_back(std::move(s));
+    };
+    whole("fp8/amax_history", {T, H}, fp8_host_.data());
+    whole("fp8/scale", {T}, fp8_host_.data() + T * H);
+  }
   return out;
 }
 
@@ -120,6 +140,11 @@ void Checkpointer::save() {
   opt.master_to_host(run_.model->master(), host.data());
   auto st = opt.state();
   for (size_t k = 0; k < st.size(); ++k) opt.state_to_host(k, host.data() + (k + 1) * n);
+  if (run_.model->fp8()) {
+    const Fp8ScalingState& f = run_.model->fp8_scaling();
+    std::copy(f.amax_history().begin(), f.amax_history().end(), fp8_host_.begin());
+    std::copy(f.scales().begin(), f.scales().end(), fp8_host_.begin() + f.amax_history().size());
+  }
   CheckpointMeta meta;
   meta.deck = deck.resolved_text();
   meta.grid = {grid.shape().pipeline, grid.shape().data, grid.shape().tensor};
@@ -307,6 +332,13 @@ bool Checkpointer::load(std::string path, bool full, bool resume) {
     run_.applied = static_cast<int64_t>(get("applied_steps"));
     scaler.restore(get("loss_scale") > 0 ? get("loss_scale") : scaler.scale(),
                    static_cast<int64_t>(get("scaler_good_steps")));
+    if (run_.model->fp8()) {
+      Fp8ScalingState& f = run_.model->fp8_scaling();
+      const size_t h = f.amax_history().size();
+      f.restore(std::vector<float>(fp8_host_.begin(), fp8_host_.begin() + h),
+                std::vector<float>(fp8_host_.begin() + h, fp8_host_.end()));
+      run_.model->fp8_upload_scales();
+    }
   }
   const double gb = double(run_.model->num_global_params()) * 4.0 *
                     (full ? 1 + run_.opt->state().size() : 1) / 1e9;

@@ -64,6 +64,8 @@ void Evaluator::evaluate(double* loss, double* top1, double* top5,
   *loss = s[0] / n;
   *top1 = s[1] / n;
   *top5 = s[2] / n;
+  // FP8: the evaluation's casts recorded amaxes; the training scales come from training's
+  if (run_.model->fp8()) run_.model->fp8_discard_amaxes();
   run_.be->set_tune_agreement(run_.tune_agreement);
 }
 

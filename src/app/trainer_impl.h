@@ -238,6 +238,7 @@ class Stepper {
 
   void reduce_grads();
   void finish_gradients(float scale);
+  void fp8_update();
   template <class F>
   void run_body(const GraphKey& key, F&& body);  // defined (and used) in trainer_step.cpp
 
@@ -249,6 +250,7 @@ class Stepper {
   // `slot_`) and where later ones come from (the loader; bench: the same batch again).
   std::shared_ptr<const HostBatch> next_hb_;
   int slot_ = 0;
+  std::vector<float> fp8_amax_;  // the step's FP8 amaxes (fp8_update)
   std::function<std::shared_ptr<const HostBatch>()> next_batch_;
 };
 
@@ -308,6 +310,9 @@ class Checkpointer {
   Stats stats_;
   // the background write: its host copy (page-locked once, reused), communicator and thread
   std::vector<float> host_;
+  // FP8's scaling state (precision.mode = fp8): the amax history, then the scales (the same
+  // on every rank; rank 0 writes it), untouched while a write of it is in flight
+  std::vector<float> fp8_host_;
   void* pinned_ = nullptr;
   size_t pinned_bytes_ = 0;
   MPI_Comm io_comm_ = MPI_COMM_NULL;

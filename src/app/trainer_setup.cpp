@@ -19,7 +19,7 @@ namespace trainer_detail {
 namespace {
 
 DType act_dtype_of(const std::string& mode) {
-  if (mode == "bf16") return DType::BF16;
+  if (mode == "bf16" || mode == "fp8") return DType::BF16;  // fp8: the Linears' GEMMs only
   if (mode == "fp16" || mode == "fp16-naive") return DType::F16;
   return DType::F32;
 }
@@ -128,6 +128,11 @@ void Run::setup(bool training) {
   agreed([&] { tp = make_tensor_parallel(*grid, *be, *coll); });
 
   cfg = ViTConfig::from(deck.model);
+  cfg.fp8 = deck.precision.mode == "fp8";
+  cfg.fp8_history = deck.precision.fp8_amax_history;
+  cfg.fp8_margin = deck.precision.fp8_margin;
+  cfg.fp8_algo = deck.precision.fp8_amax_compute == "most_recent" ? Fp8AmaxAlgo::MostRecent
+                                                                   : Fp8AmaxAlgo::Max;
   const int D = grid->size(Axis::Data);
   b = static_cast<int>(deck.data.global_batch / (int64_t(D) * deck.data.grad_accum));
   build_pipeline();
@@ -324,7 +329,7 @@ void Run::setup_grad_reduction() {
   if (D > 1)
     log("data-parallel gradients (%s): %zu bucket(s) of %.2f MiB on average (stage 0), %s%s; "
         "%s\n",
-        act_reduce ? (deck.precision.mode == "bf16" ? "summed in bf16" : "summed in fp16")
+        act_reduce ? (be->act_dtype() == DType::BF16 ? "summed in bf16" : "summed in fp16")
                    : "fp32",
         buckets.size(), n * 4.0 / 1048576.0 / std::max<size_t>(buckets.size(), 1),
         overlap ? "reduced during the backward" : "reduced after the backward",

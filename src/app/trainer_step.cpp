@@ -82,6 +82,23 @@ void Stepper::finish_gradients(float scale) {
                        1.0f / scale);
 }
 
+// Called by all ranks once a step's backward is enqueued (precision.mode = fp8): delayed
+// scaling takes the step's amaxes, the maximum over every rank (data replicas and tensor ranks
+// cast parts of each tensor; a pipeline stage records its own blocks' only, 0 for the others),
+// so every rank's scales stay the same; the new scales are in place for the next step's casts.
+// Waits for the step's kernels (one read-back of depth x 12 floats).
+void Stepper::fp8_update() {
+  ViT& model = *run_.model;
+  fp8_amax_.resize(model.fp8_tensors());
+  model.fp8_take_amaxes(fp8_amax_.data());
+  for (float& a : fp8_amax_)  // an overflow is kept: MPI_MAX may drop a NaN, not an inf
+    if (std::isnan(a)) a = INFINITY;
+  WatchdogWait w("the MPI all-reduce of the FP8 amaxes");
+  MPI_Allreduce(MPI_IN_PLACE, fp8_amax_.data(), static_cast<int>(fp8_amax_.size()), MPI_FLOAT,
+                MPI_MAX, run_.world);
+  model.fp8_update(fp8_amax_.data());
+}
+
 // Runs `body` (the work of one micro-batch) eagerly, or as the CUDA graph of its key.
 template <class F>
 void Stepper::run_body(const GraphKey& key, F&& body) {
@@ -180,6 +197,7 @@ Stepper::PendingStep Stepper::enqueue_step(int64_t s, double lr, bool more) {
                         model.compute_copy(), !gather))
       model.sync_compute_params();
   }
+  if (model.fp8()) fp8_update();
   p.readback = static_cast<int>(s & 1);
   be.readback_start(p.readback, d_step_, sizeof(StepScalars));
   if (graphs_.enabled) run_.coll->follow("training step (CUDA graph)");

@@ -163,10 +163,20 @@ const std::vector<Field>& schema() {
       VG_FIELD(optim, decay_norm_and_bias, "",
                "apply weight decay to biases, norms, cls token and pos embedding (timm: off)"),
       // [precision]
-      VG_FIELD(precision, mode, "fp32|tf32|bf16|fp16|fp16-naive",
+      VG_FIELD(precision, mode, "fp32|tf32|bf16|fp16|fp16-naive|fp8",
                "compute precision (fp32 master weights in every mode); fp16 and fp16-naive "
                "(Colossal-AI NAIVE: every activation fp16) both keep activations in fp16 with "
-               "dynamic loss scaling and compute the same"),
+               "dynamic loss scaling and compute the same; fp8: bf16 with the block Linears' "
+               "GEMMs in FP8 (E4M3 activations and weights, E5M2 gradients, Transformer "
+               "Engine's hybrid recipe with delayed scaling; GPUs with FP8 tensor cores, "
+               "emulated exactly on the CPU; tensor mode none or 1d)"),
+      VG_FIELD(precision, fp8_amax_history, "",
+               "fp8: steps of amax history a scale is taken from (Transformer Engine's "
+               "amax_history_len)"),
+      VG_FIELD(precision, fp8_margin, "",
+               "fp8: scale = fp8 max / 2^margin / amax (>= 0)"),
+      VG_FIELD(precision, fp8_amax_compute, "max|most_recent",
+               "fp8: the amax a scale is taken from: the history's maximum, or the last step's"),
       VG_FIELD(precision, initial_scale, "", "fp16 initial loss scale"),
       VG_FIELD(precision, growth_interval, "",
                "fp16 steps without overflow before the scale grows"),

@@ -168,6 +168,10 @@ void Parser::derive_and_validate(Deck* dp) {
   PrecisionSection& pr = d.precision;
   positive("precision.initial_scale", pr.initial_scale);
   positive("precision.growth_interval", pr.growth_interval);
+  positive("precision.fp8_amax_history", pr.fp8_amax_history);
+  at_most("precision.fp8_amax_history", pr.fp8_amax_history, 1 << 16);
+  non_negative("precision.fp8_margin", pr.fp8_margin);
+  at_most("precision.fp8_margin", pr.fp8_margin, 64);
   require(pr.growth_factor > 1, "precision.growth_factor",
           "must be > 1, got " + shortest(pr.growth_factor));
   require(pr.backoff_factor > 0 && pr.backoff_factor < 1, "precision.backoff_factor",
@@ -223,8 +227,8 @@ void Parser::derive_and_validate(Deck* dp) {
   }
   if (p.grad_reduce == "act") {
     const std::string& m = d.precision.mode;
-    require(m == "bf16" || m == "fp16" || m == "fp16-naive", "parallel.grad_reduce",
-            "act needs a 16-bit precision.mode (bf16, fp16, fp16-naive), got " + m);
+    require(m == "bf16" || m == "fp16" || m == "fp16-naive" || m == "fp8", "parallel.grad_reduce",
+            "act needs a 16-bit precision.mode (bf16, fp16, fp16-naive, fp8), got " + m);
     require(p.zero == 0, "parallel.grad_reduce",
             "act is for all-reduced gradients; ZeRO-1 (parallel.zero = 1) reduce-scatters "
             "them in fp32");
@@ -253,6 +257,9 @@ void Parser::derive_and_validate(Deck* dp) {
   int q = 1, batch_split = 1;
   require(p.sequence_chunks >= 1 && p.sequence_chunks <= 8, "parallel.sequence_chunks",
           "must be between 1 and 8, got " + std::to_string(p.sequence_chunks));
+  require(d.precision.mode != "fp8" || t == 1 || p.tensor_mode == "1d", "precision.mode",
+          "fp8 runs the Linears in tensor mode none or 1d (with or without sequence "
+          "parallelism); got tensor " + std::to_string(t) + ", tensor_mode " + p.tensor_mode);
   require(!p.sequence_parallel || (t > 1 && p.tensor_mode == "1d"), "parallel.sequence_parallel",
           "needs 1d tensor parallelism (parallel.tensor > 1, tensor_mode = 1d); got tensor " +
               std::to_string(t) + ", tensor_mode " + p.tensor_mode);

@@ -293,6 +293,11 @@ std::vector<BlockPlan> compile_chunk_plans(const ChunkSpec& s) {
     p.forward_eval = forward_ops(r, false, false);
     if (p.checkpointed) p.recompute = forward_ops(r, true, true);
     p.backward = backward_ops(r);
+    if (s.fp8)  // the four Linears' GEMMs, in every list (the recompute casts as its forward)
+      for (auto* list : {&p.forward, &p.forward_eval, &p.recompute, &p.backward})
+        for (Op& op : *list)
+          op.fp8 = op.kind == OpKind::Linear || op.kind == OpKind::LinearBackward ||
+                   op.kind == OpKind::AttentionRow || op.kind == OpKind::AttentionRowBackward;
   }
   return plans;
 }
@@ -331,7 +336,7 @@ std::string describe(const std::vector<Op>& ops) {
       o << ' ' << (op.group ? "mlp" : "attn");
     if (op.kind == OpKind::Linear || op.kind == OpKind::LinearBackward ||
         op.kind == OpKind::AttentionRow || op.kind == OpKind::AttentionRowBackward)
-      o << (op.role == LinearRole::Column ? " column" : " row");
+      o << (op.role == LinearRole::Column ? " column" : " row") << (op.fp8 ? " fp8" : "");
     if (op.norm) o << " norm" << op.norm;
     buf("out", op.out);
     buf("x", op.x);

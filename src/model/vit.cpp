@@ -88,9 +88,11 @@ ViT::ViT(const ViTConfig& cfg, Backend& be, TensorParallel& tp, int max_batch,
   compute_ = compute_alias_ ? static_cast<void*>(master_) : be_.alloc(n_params_ * be_.act_size());
   be_.zero(grads_, n_params_ * sizeof(float));
   plan_activations();
+  if (cfg_.fp8) fp8_init();
 }
 
 ViT::~ViT() {
+  if (fp8_dev_) be_.release(fp8_dev_);
   be_.release(act_pool_);
   if (!compute_alias_) be_.release(compute_);
   be_.release(grads_);
@@ -216,6 +218,7 @@ void ViT::compile_plans() {
       s.tp = tf;
       s.attention_parts_fit = v == 0;
       s.fused = cfg_.fused_block;
+      s.fp8 = cfg_.fp8;
       for (BlockPlan& p : compile_chunk_plans(s)) plans_[v][p.block] = std::move(p);
     }
   }

@@ -144,6 +144,15 @@ void ViT::run_ops(const std::vector<Op>& ops, int l, const DeviceBatch& in, int6
     be_.attention_backward(ap.qkv(a.dqkv, lo), ap.out(a.dtmp, lo), ap.qkv(b.qkv, lo),
                            ap.out(b.att, lo), ap.saved(b.asaved, lo), n, T, H, hd, a.attn_ws);
   };
+  // an FP8 Linear's scaling: qkv, proj, fc1 or fc2 by its weight
+  Fp8LinearMeta m8;
+  auto fp8 = [&](const Op& op) -> const Fp8LinearMeta* {
+    if (!op.fp8) return nullptr;
+    const int w = op.w.index;
+    VG_CHECK(w == kQkvW || w == kProjW || w == kFc1W || w == kFc2W, "an FP8 op on param " << w);
+    m8 = fp8_meta(l, w == kQkvW ? 0 : w == kProjW ? 1 : w == kFc1W ? 2 : 3);
+    return &m8;
+  };
   for (const Op& op : ops) {
     switch (op.kind) {
       case OpKind::Need:
@@ -167,7 +176,8 @@ void ViT::run_ops(const std::vector<Op>& ops, int l, const DeviceBatch& in, int6
       }
       case OpKind::Linear:
         tp_.linear_forward(op.role, buf(op.out), buf(op.x), W(op.w), W(op.bias), rows(op.role),
-                           width(op.in), width(op.out_w), buf(op.gelu), cfg_.gelu, op.groups);
+                           width(op.in), width(op.out_w), buf(op.gelu), cfg_.gelu, op.groups,
+                           fp8(op));
         break;
       case OpKind::Gelu:
         be_.gelu_forward(buf(op.out), buf(op.x), count(op.layout), cfg_.gelu);
@@ -183,12 +193,12 @@ void ViT::run_ops(const std::vector<Op>& ops, int l, const DeviceBatch& in, int6
         break;
       case OpKind::AttentionRow:
         tp_.row_forward_produced(buf(op.out), buf(op.x), W(op.w), W(op.bias), Ni, C, C, Bi,
-                                 attention);
+                                 attention, fp8(op));
         break;
       case OpKind::LinearBackward:
         tp_.linear_backward(op.role, buf(op.out), G(op.dw), G(op.db), buf(op.dy), buf(op.x),
                             W(op.w), rows(op.role), width(op.in), width(op.out_w), op.groups,
-                            buf(op.gelu), cfg_.gelu, G(op.dsum));
+                            buf(op.gelu), cfg_.gelu, G(op.dsum), fp8(op));
         break;
       case OpKind::GeluBackward:
         be_.gelu_backward(buf(op.out), buf(op.x), buf(op.dy), count(op.layout), cfg_.gelu);
@@ -208,7 +218,7 @@ void ViT::run_ops(const std::vector<Op>& ops, int l, const DeviceBatch& in, int6
         break;
       case OpKind::AttentionRowBackward:
         tp_.row_backward_consumed(buf(op.out), G(op.dw), G(op.db), buf(op.dy), buf(op.x),
-                                  W(op.w), Ni, C, C, Bi, attention_backward);
+                                  W(op.w), Ni, C, C, Bi, attention_backward, fp8(op));
         break;
     }
   }

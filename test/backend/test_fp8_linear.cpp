@@ -175,14 +175,32 @@ TEST(Fp8Linear, CloseToTheBf16Layer) {
   EXPECT_GT(rel, 0.002);
 }
 
+TEST(Fp8Linear, ForwardAndDataGradientTakeAnyRows) {
+  // only the weight gradient has the rows as its K: 30 rows run, and are the first 30 of 32
+  Layer L;
+  const int n = N - 2;
+  Vec y(size_t(N) * kOut), y30(size_t(n) * kOut), dx(size_t(N) * kIn), dx30(size_t(n) * kIn);
+  vitgrid::fp8_linear_forward(L.be, L.meta(), L.scratch.data(), y.data(), L.x.data(), L.W.data(),
+                              L.b.data(), N, kIn, kOut);
+  vitgrid::fp8_linear_forward(L.be, L.meta(), L.scratch.data(), y30.data(), L.x.data(),
+                              L.W.data(), L.b.data(), n, kIn, kOut);
+  vitgrid::fp8_linear_backward(L.be, L.meta(), L.scratch.data(), dx.data(), nullptr, nullptr,
+                               L.dy.data(), nullptr, L.W.data(), N, kIn, kOut);
+  vitgrid::fp8_linear_backward(L.be, L.meta(), L.scratch.data(), dx30.data(), nullptr, nullptr,
+                               L.dy.data(), nullptr, L.W.data(), n, kIn, kOut);
+  for (size_t i = 0; i < y30.size(); ++i) ASSERT_EQ(y30[i], y[i]) << i;
+  for (size_t i = 0; i < dx30.size(); ++i) ASSERT_EQ(dx30[i], dx[i]) << i;
+}
+
 TEST(Fp8Linear, RefusesShapesTheFp8GemmsCannotTake) {
   // a programming error (the deck's checks come first): the process ends naming it
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   Layer L;
-  Vec y(size_t(N) * kOut);
-  EXPECT_DEATH(vitgrid::fp8_linear_forward(L.be, L.meta(), L.scratch.data(), y.data(), L.x.data(),
-                                           L.W.data(), nullptr, N - 2, kIn, kOut),
-               "multiples of 16 \\(rows 30, in 48, out 64\\)");
+  Vec y(size_t(N) * kOut), dW(size_t(kOut) * kIn);
+  EXPECT_DEATH(vitgrid::fp8_linear_backward(L.be, L.meta(), L.scratch.data(), nullptr, dW.data(),
+                                            nullptr, L.dy.data(), L.x.data(), L.W.data(), N - 2,
+                                            kIn, kOut),
+               "rows that are a multiple of 16 \\(rows 30, in 48, out 64\\)");
   EXPECT_DEATH(vitgrid::fp8_linear_backward(L.be, L.meta(), L.scratch.data(), y.data(), nullptr,
                                             nullptr, L.dy.data(), nullptr, L.W.data(), N,
                                             kIn - 8, kOut),

@@ -317,7 +317,7 @@ TEST(Deck, ReferenceListsEveryKey) {
     ++rows;
   }
   EXPECT_GT(rows, 60u);
-  EXPECT_HAS(ref, "fp32\\|tf32\\|bf16\\|fp16\\|fp16-naive");
+  EXPECT_HAS(ref, "fp32\\|tf32\\|bf16\\|fp16\\|fp16-naive\\|fp8");
   EXPECT_HAS(ref, "`vit-lite-7/4`");
 }
 
@@ -400,10 +400,20 @@ TEST(DeckRefusal, DeviceRanges) {
              "command line: device.gemm_sm_margin: must be between 0 and 64");
 }
 
+TEST(DeckRefusal, Fp8ScalingRangesAndTensorModes) {
+  EXPECT_HAS(refusal(kMinimal, {"--precision.fp8_amax_history=0"}),
+             "command line: precision.fp8_amax_history: must be > 0");
+  EXPECT_HAS(refusal(kMinimal, {"--precision.fp8_margin=-1"}),
+             "command line: precision.fp8_margin: must be >= 0");
+  EXPECT_HAS(refusal(kMinimal, {"--precision.mode=fp8", "--parallel.tensor=2",
+                                "--parallel.tensor_mode=3d"}),
+             "precision.mode: fp8 runs the Linears in tensor mode none or 1d");
+}
+
 TEST(DeckRefusal, GradReduceInActNeeds16BitAndNoZero) {
   EXPECT_HAS(refusal(kMinimal, {"--parallel.grad_reduce=act"}),
-             "parallel.grad_reduce: act needs a 16-bit precision.mode (bf16, fp16, fp16-naive), "
-             "got fp32");
+             "parallel.grad_reduce: act needs a 16-bit precision.mode (bf16, fp16, fp16-naive, "
+             "fp8), got fp32");
   EXPECT_HAS(refusal(kMinimal, {"--parallel.grad_reduce=act", "--precision.mode=bf16",
                                 "--parallel.zero=1"}),
              "parallel.grad_reduce: act is for all-reduced gradients");
@@ -423,7 +433,8 @@ struct EnumCase {
 
 TEST(DeckRefusal, EnumStringsAreValidated) {
   const EnumCase cases[] = {
-      {"precision", "mode", "fp8", "fp32|tf32|bf16|fp16|fp16-naive"},
+      {"precision", "mode", "fp4", "fp32|tf32|bf16|fp16|fp16-naive|fp8"},
+      {"precision", "fp8_amax_compute", "mean", "max|most_recent"},
       {"optim", "name", "adam", "adamw|lamb|sgd"},
       {"optim", "schedule", "step", "cosine|linear|constant"},
       {"data", "dataset", "imagenet", "synthetic|cifar10|hdf5|tfrecord|folder|jpeg_h5"},
@@ -441,7 +452,7 @@ TEST(DeckRefusal, EnumStringsAreValidated) {
                                  ": expected one of " + c.choices + ", got '" + c.bad + "'");
   }
   // and every listed value is accepted
-  for (const char* m : {"fp32", "tf32", "bf16", "fp16", "fp16-naive"})
+  for (const char* m : {"fp32", "tf32", "bf16", "fp16", "fp16-naive", "fp8"})
     EXPECT_EQ(parse_deck_text(kMinimal, {std::string("--precision.mode=") + m}, 1).precision.mode,
               m);
 }

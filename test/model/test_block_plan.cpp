@@ -87,6 +87,45 @@ TEST(BlockPlan, FusedRulesShowInTheOps) {
   EXPECT_FALSE(find(plans[0].backward, OpKind::LayerNormBackward, 1)->dsum.valid());
 }
 
+TEST(BlockPlan, Fp8MarksTheFourLinearsOnly) {
+  // every list, fused or not, with attention in parts: exactly qkv, proj, fc1 and fc2's
+  // forward and backward ops run in FP8; nothing else changes
+  for (bool fused : {true, false})
+    for (int parts : {1, 2}) {
+      ChunkSpec s = spec(2, 0.0f, 0.2f, 1, fused, all_fusions(parts));
+      const auto ref = compile_chunk_plans(s);
+      s.fp8 = true;
+      const auto plans = compile_chunk_plans(s);
+      for (size_t b = 0; b < plans.size(); ++b) {
+        const std::vector<Op>* lists[] = {&plans[b].forward, &plans[b].forward_eval,
+                                          &plans[b].recompute, &plans[b].backward};
+        const std::vector<Op>* refs[] = {&ref[b].forward, &ref[b].forward_eval,
+                                         &ref[b].recompute, &ref[b].backward};
+        for (int k = 0; k < 4; ++k) {
+          std::multiset<int> linears;
+          ASSERT_EQ(lists[k]->size(), refs[k]->size());
+          for (size_t i = 0; i < lists[k]->size(); ++i) {
+            const Op& o = (*lists[k])[i];
+            const bool linear = o.kind == OpKind::Linear || o.kind == OpKind::LinearBackward ||
+                                o.kind == OpKind::AttentionRow ||
+                                o.kind == OpKind::AttentionRowBackward;
+            EXPECT_EQ(o.fp8, linear) << name(o.kind);
+            EXPECT_FALSE((*refs[k])[i].fp8);
+            EXPECT_EQ(o.kind, (*refs[k])[i].kind);
+            if (o.fp8) linears.insert(o.w.index);
+          }
+          if (lists[k]->empty()) continue;
+          // the recompute ends before fc2
+          const std::multiset<int> want =
+              k == 2 ? std::multiset<int>{kQkvW, kProjW, kFc1W}
+                     : std::multiset<int>{kQkvW, kProjW, kFc1W, kFc2W};
+          EXPECT_EQ(linears, want) << "list " << k << " fused " << fused << " parts " << parts;
+        }
+      }
+      EXPECT_NE(describe(plans[0].forward).find("column fp8"), std::string::npos);
+    }
+}
+
 TEST(BlockPlan, UnfusedPlanHasNoFusion) {
   for (float dropout : {0.0f, 0.1f})
     for (float path : {0.0f, 0.3f}) {

@@ -8,8 +8,8 @@
 // reports its tensor's amax into the layer's amax slots (the maximum over the step's calls) for
 // the delayed-scaling history (model/fp8_scaling.h), which sets the scales between steps.
 //
-// Hopper's FP8 GEMMs take K-contiguous operands with K a multiple of 16: in, out and the rows
-// (the weight gradient's K) must be multiples of 16. The casts are passes of their own here;
+// Hopper's FP8 GEMMs take K-contiguous operands with K a multiple of 16: in and out must be
+// multiples of 16, and so must the rows where the weight gradient (whose K they are) is taken. The casts are passes of their own here;
 // fusing them into the kernels that produce x and dy is what makes FP8 pay (tools/MEASURED.md).
 #pragma once
 #include <cstddef>
@@ -30,7 +30,7 @@ struct Fp8LinearMeta {
 // The FP8 copies' scratch (bytes) the two calls below need for N rows.
 size_t fp8_linear_scratch_bytes(int N, int in, int out);
 
-// Throws (VG_CHECK) unless in, out and N are multiples of 16 (Hopper's FP8 GEMMs).
+// Throws (VG_CHECK) unless in and out (and N, with dW) are multiples of 16 (Hopper's FP8 GEMMs).
 void fp8_linear_forward(Backend& be, const Fp8LinearMeta& meta, uint8_t* scratch, void* y,
                         const void* x, const void* W, const void* b, int N, int in, int out,
                         void* gelu_out = nullptr, Gelu gelu = Gelu::Exact);

@@ -108,11 +108,15 @@ struct OptimSection {
 };
 
 struct PrecisionSection {
-  std::string mode = "fp32";  // fp32 | tf32 | bf16 | fp16 | fp16-naive
+  std::string mode = "fp32";  // fp32 | tf32 | bf16 | fp16 | fp16-naive | fp8
   double initial_scale = 65536.0;
   int growth_interval = 1000;
   double growth_factor = 2.0;
   double backoff_factor = 0.5;
+  // fp8: Transformer Engine's delayed scaling (model/fp8_scaling.h)
+  int fp8_amax_history = 1024;
+  int fp8_margin = 0;
+  std::string fp8_amax_compute = "max";  // max | most_recent
 };
 
 struct CheckpointSection {

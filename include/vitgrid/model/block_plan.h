@@ -25,6 +25,10 @@
 //                            the LayerNorms' residual adds (no passes over the branches);
 //   attention in parts:      under 1d sequence parallelism the attention runs in the parts
 //                            the proj Linear exchanges (forward and backward), overlapping it.
+// And one rule no flag undoes (it is the precision, not a fusion):
+//   FP8 Linears:             with precision.mode = fp8 (ChunkSpec::fp8), the four Linears
+//                            (qkv, proj, fc1, fc2) run their forward, data and weight
+//                            gradient GEMMs in FP8 with their own scaling (model/vit.h).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -93,6 +97,7 @@ struct Op {
   bool path = false;           // Dropout(Backward): the site carries drop path
   int group = 0;               // Need / Report: the block's half
   ActLayout layout = ActLayout::Stream;  // Dropout, Gelu, Add: the activation's layout
+  bool fp8 = false;            // Linear(Backward), AttentionRow(Backward): GEMMs in FP8
 };
 
 struct BlockPlan {
@@ -116,6 +121,7 @@ struct ChunkSpec {
   bool stores_output = false;        // the chunk's output is sent on (not the model's head)
   TpFusions tp;                      // what the strategy's calls accept
   bool attention_parts_fit = true;   // the backend's attention can start at every part
+  bool fp8 = false;                  // the block Linears in FP8 (precision.mode = fp8)
   bool fused = true;                 // false: the unfused reference plans
 };
 

@@ -15,6 +15,7 @@
 
 #include "vitgrid/backend/backend.h"
 #include "vitgrid/model/block_plan.h"
+#include "vitgrid/model/fp8_scaling.h"
 #include "vitgrid/parallel/tensor_parallel.h"
 
 namespace vitgrid {
@@ -35,6 +36,12 @@ struct ViTConfig {
   // false: every block runs its unfused plan (model/block_plan.h), the reference each fused
   // plan is tested against
   bool fused_block = true;
+  // precision.mode = fp8: the block Linears' GEMMs in FP8 (model/block_plan.h), scaled by
+  // delayed scaling with this amax history, margin and algorithm (model/fp8_scaling.h)
+  bool fp8 = false;
+  int fp8_history = Fp8ScalingState::kDefaultHistory;
+  int fp8_margin = 0;
+  Fp8AmaxAlgo fp8_algo = Fp8AmaxAlgo::Max;
   float ln_eps = 1e-6f;
   int patches() const { return (image / patch) * (image / patch); }
   int tokens() const { return patches() + 1; }
@@ -199,6 +206,33 @@ class ViT {
   // reference; true at rate 0).
   bool drop_path_kept(int64_t step, int l, int branch, int64_t sample) const;
 
+  // ---- FP8 (config().fp8). Each block Linear (qkv, proj, fc1, fc2) casts three tensors, x, W
+  // and dy (Fp8LinearMeta), each with its scale and the amax its casts record; the model's
+  // depth x 4 x 3 tensors are numbered fp8_tensor(l, linear, k). Every rank keeps the whole
+  // scaling state (the same on every rank: the amaxes it is updated with are reduced over all
+  // of them), so a layout change needs no resharding of it. The casts of a step record into
+  // backend memory; between steps the caller
+  //   fp8_take_amaxes(a)  reads this rank's amaxes (0 for blocks it does not hold) and zeroes
+  //                       them for the next step (waits for the device),
+  //   reduces a over every rank (MAX; NaN as inf: MPI_MAX may drop a NaN), and
+  //   fp8_update(a)       records them, updates the scales and uploads them for the next step.
+  static constexpr int kFp8Linears = 4;
+  static size_t fp8_tensor(int l, int linear, int k) {
+    return (static_cast<size_t>(l) * kFp8Linears + linear) * Fp8LinearMeta::kTensors + k;
+  }
+  bool fp8() const { return cfg_.fp8; }
+  size_t fp8_tensors() const { return fp8_state_ ? fp8_state_->tensors() : 0; }
+  void fp8_take_amaxes(float* amax);
+  void fp8_update(const float* amax);
+  // Forgets what the casts recorded since the last update (after an evaluation: its forwards
+  // must not widen the training scales).
+  void fp8_discard_amaxes();
+  // The host state (checkpoints); after Fp8ScalingState::restore, fp8_upload_scales() makes
+  // the casts use the restored scales.
+  Fp8ScalingState& fp8_scaling() { return *fp8_state_; }
+  const Fp8ScalingState& fp8_scaling() const { return *fp8_state_; }
+  void fp8_upload_scales();
+
   size_t activation_bytes() const { return act_bytes_; }
   // The plan block l (held by this rank) runs for a micro-batch of `batch` samples.
   const BlockPlan& block_plan(int l, int batch) const;
@@ -255,6 +289,10 @@ class ViT {
   DropoutKey dkey(const DeviceBatch& in, int64_t step, int layer, int site, ActLayout layout,
                   int64_t width, float path_p = 0.0f) const;
 
+  void fp8_init();
+  // The scaling of block l's Linear `linear` (0 qkv, 1 proj, 2 fc1, 3 fc2) in backend memory.
+  Fp8LinearMeta fp8_meta(int l, int linear) const;
+
   ViTConfig cfg_;
   Backend& be_;
   TensorParallel& tp_;
@@ -288,6 +326,9 @@ class ViT {
   struct Acts;
   std::unique_ptr<Acts> a_;
   uint64_t seed_ = 0;
+  // FP8: the host state, and in backend memory [scales | scale_invs | amaxes] of its tensors
+  std::unique_ptr<Fp8ScalingState> fp8_state_;
+  float* fp8_dev_ = nullptr;
 };
 
 }  // namespace vitgrid

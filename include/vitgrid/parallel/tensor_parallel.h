@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "vitgrid/backend/backend.h"
+#include "vitgrid/backend/fp8_linear.h"
 #include "vitgrid/grid/grid.h"
 
 namespace vitgrid {
@@ -105,6 +106,9 @@ struct TpFusions {
   // row_forward_produced / row_backward_consumed work in this many equal parts of the samples
   // (1d sequence parallelism: the tensor ranks'); 1: produce everything, then the Linear
   int row_parts = 1;
+  // the Column and Row Linears run in FP8 when given a scaling (the linear calls' fp8): the
+  // modes whose local GEMMs are whole Linears over a rank's rows (none, 1d)
+  bool fp8 = false;
 };
 
 class TensorParallel {
@@ -144,11 +148,14 @@ class TensorParallel {
 
   // ---- layers. Collective over the tensor group: every rank of Axis::Tensor calls each in
   // the same order. `in` and `out` are the GLOBAL feature counts; `rows` the local rows
-  // (local samples x tokens) of the input.
+  // (local samples x tokens) of the input. With `fp8` (a Column or Row Linear, where
+  // fusions().fp8 says so): the rank's GEMMs of the Linear run in FP8 with that scaling
+  // (backend/fp8_linear.h); each amax it records is this rank's part of the tensor's, which
+  // the caller reduces over the tensor axis (MAX) before the scales are updated.
   // y = x W^T + b. With gelu_out, y keeps the pre-activation and gelu_out = gelu(y).
   virtual void linear_forward(LinearRole role, void* y, const void* x, const void* W,
                               const void* b, int rows, int in, int out, void* gelu_out,
-                              Gelu g, int groups = 1) = 0;
+                              Gelu g, int groups = 1, const Fp8LinearMeta* fp8 = nullptr) = 0;
   // dx = dy W (overwritten; skipped when null), dW += dy^T x, db += sum dy (local shards).
   // With gelu_pre (x was gelu(gelu_pre), same layout as dx): dx is the gradient of gelu_pre,
   // fused into the GEMM where the mode's dx needs no reduction (none, 1d Row), else a GELU
@@ -159,7 +166,8 @@ class TensorParallel {
   virtual void linear_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
                                const void* x, const void* W, int rows, int in, int out,
                                int groups = 1, const void* gelu_pre = nullptr,
-                               Gelu g = Gelu::Exact, float* gelu_db = nullptr) = 0;
+                               Gelu g = Gelu::Exact, float* gelu_db = nullptr,
+                               const Fp8LinearMeta* fp8 = nullptr) = 0;
   // A Row Linear (no bias-GELU) whose input x, `samples` whole samples of rows / samples rows,
   // is written by produce(lo, n) (samples [lo, lo + n)) in the parts and order the mode asks
   // for, so that it can send some rows' partial sums while the rest are produced (the model's
@@ -172,14 +180,17 @@ class TensorParallel {
   using SampleFn = std::function<void(int lo, int n)>;
   virtual void row_forward_produced(void* y, const void* x, const void* W, const void* b,
                                     int rows, int in, int out, int samples,
-                                    const SampleFn& produce) {
+                                    const SampleFn& produce,
+                                    const Fp8LinearMeta* fp8 = nullptr) {
     produce(0, samples);
-    linear_forward(LinearRole::Row, y, x, W, b, rows, in, out, nullptr, Gelu::Exact);
+    linear_forward(LinearRole::Row, y, x, W, b, rows, in, out, nullptr, Gelu::Exact, 1, fp8);
   }
   virtual void row_backward_consumed(void* dx, float* dW, float* db, const void* dy,
                                      const void* x, const void* W, int rows, int in, int out,
-                                     int samples, const SampleFn& consume) {
-    linear_backward(LinearRole::Row, dx, dW, db, dy, x, W, rows, in, out);
+                                     int samples, const SampleFn& consume,
+                                     const Fp8LinearMeta* fp8 = nullptr) {
+    linear_backward(LinearRole::Row, dx, dW, db, dy, x, W, rows, in, out, 1, nullptr,
+                    Gelu::Exact, nullptr, fp8);
     consume(0, samples);
   }
   // Fused residual add + LayerNorm over the (global) width C of Stream rows, same contract as

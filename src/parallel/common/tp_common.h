@@ -22,10 +22,12 @@ class TensorParallelBase : public TensorParallel {
   void reserve(int max_rows, const std::vector<LinearShape>& linears) final;
 
   void linear_forward(LinearRole role, void* y, const void* x, const void* W, const void* b,
-                      int rows, int in, int out, void* gelu_out, Gelu g, int groups) final;
+                      int rows, int in, int out, void* gelu_out, Gelu g, int groups,
+                      const Fp8LinearMeta* fp8) final;
   void linear_backward(LinearRole role, void* dx, float* dW, float* db, const void* dy,
                        const void* x, const void* W, int rows, int in, int out, int groups,
-                       const void* gelu_pre, Gelu g, float* gelu_db) final;
+                       const void* gelu_pre, Gelu g, float* gelu_db,
+                       const Fp8LinearMeta* fp8) final;
   void layernorm_forward(void* res, void* y, float* mean, float* rstd, const void* a,
                          const void* b, const void* gamma, const void* beta, int rows, int C,
                          float eps, RowFactors bf) override;
@@ -66,6 +68,28 @@ class TensorParallelBase : public TensorParallel {
                                  const void* dy, const void* x, const void* W, int rows, int in,
                                  int out, int groups, const void* gelu_pre, Gelu g,
                                  float* gelu_db) = 0;
+
+  // This rank's GEMMs of the Column / Row Linear being run (its shapes local): the backend's
+  // Linear, or the FP8 layer with the scaling the call was given (fp8_). Modes whose
+  // fusions() say fp8 run their Linears' GEMMs through these.
+  void local_forward(void* y, const void* x, const void* W, const void* b, int rows, int in,
+                     int out, void* gelu_out = nullptr, Gelu g = Gelu::Exact);
+  void local_backward(void* dx, float* dW, float* db, const void* dy, const void* x,
+                      const void* W, int rows, int in, int out, const void* gelu_pre = nullptr,
+                      Gelu g = Gelu::Exact, float* gelu_db = nullptr);
+  // Sets fp8_ for the duration of one Linear call (the public calls and the modes' overrides
+  // of row_forward_produced / row_backward_consumed).
+  class Fp8Scope {
+   public:
+    Fp8Scope(TensorParallelBase& tp, const Fp8LinearMeta* m);
+    ~Fp8Scope() { tp_.fp8_ = nullptr; }
+    Fp8Scope(const Fp8Scope&) = delete;
+    Fp8Scope& operator=(const Fp8Scope&) = delete;
+
+   private:
+    TensorParallelBase& tp_;
+  };
+  const Fp8LinearMeta* fp8_ = nullptr;
 
   int size(Axis a) const { return grid_.size(a); }
   int rank(Axis a) const { return grid_.rank(a); }

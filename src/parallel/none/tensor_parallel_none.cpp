@@ -18,6 +18,7 @@ class TensorParallelNone final : public TensorParallelBase {
     TpFusions f;
     f.gelu_bias_in_row_backward = f.row_bias_in_layernorm_backward = true;
     f.layernorm_row_factors = true;
+    f.fp8 = true;
     return f;
   }
 
@@ -30,12 +31,12 @@ class TensorParallelNone final : public TensorParallelBase {
   }
   void parallel_forward(LinearRole, void* y, const void* x, const void* W, const void* b,
                         int rows, int in, int out, void* gelu_out, Gelu g, int) override {
-    be_.linear_forward(y, x, W, b, rows, in, out, gelu_out, g);
+    local_forward(y, x, W, b, rows, in, out, gelu_out, g);
   }
   void parallel_backward(LinearRole, void* dx, float* dW, float* db, const void* dy,
                          const void* x, const void* W, int rows, int in, int out, int,
                          const void* gelu_pre, Gelu g, float* gelu_db) override {
-    be_.linear_backward(dx, dW, db, dy, x, W, rows, in, out, gelu_pre, g, gelu_db);
+    local_backward(dx, dW, db, dy, x, W, rows, in, out, gelu_pre, g, gelu_db);
   }
 };
 

@@ -103,6 +103,7 @@ class TensorParallel1D final : public TensorParallelBase {
     f.gelu_bias_in_row_backward = f.row_bias_in_layernorm_backward = true;
     f.layernorm_row_factors = stream_rows_whole();
     f.row_parts = seq_ ? t_ : 1;
+    f.fp8 = true;
     return f;
   }
   int local_heads(int heads) const override {
@@ -177,10 +178,10 @@ class TensorParallel1D final : public TensorParallelBase {
       return;
     }
     if (role == LinearRole::Column) {
-      be_.linear_forward(y, x, W, b, rows, in, out / t_, gelu_out, g);
+      local_forward(y, x, W, b, rows, in, out / t_, gelu_out, g);
       return;
     }
-    be_.linear_forward(y, x, W, r_ == 0 ? b : nullptr, rows, in / t_, out);
+    local_forward(y, x, W, r_ == 0 ? b : nullptr, rows, in / t_, out);
     coll_.allreduce(y, static_cast<size_t>(rows) * out, Elem::Act, ReduceOp::Sum, Axis::Tensor);
     if (gelu_out) be_.gelu_forward(gelu_out, y, static_cast<size_t>(rows) * out, g);
   }
@@ -192,7 +193,7 @@ class TensorParallel1D final : public TensorParallelBase {
       return;
     }
     if (role == LinearRole::Column) {
-      be_.linear_backward(dx, dW, db, dy, x, W, rows, in, out / t_);
+      local_backward(dx, dW, db, dy, x, W, rows, in, out / t_);
       if (dx) {
         const size_t n = static_cast<size_t>(rows) * in;
         coll_.allreduce(dx, n, Elem::Act, ReduceOp::Sum, Axis::Tensor);
@@ -201,7 +202,7 @@ class TensorParallel1D final : public TensorParallelBase {
       return;
     }
     // Row: this rank's input columns are its own, dx needs no reduction: fused
-    be_.linear_backward(dx, dW, db, dy, x, W, rows, in / t_, out, gelu_pre, g, gelu_db);
+    local_backward(dx, dW, db, dy, x, W, rows, in / t_, out, gelu_pre, g, gelu_db);
   }
 
   // Sequence parallelism with the collectives overlapped (see the top). Row blocks of `rows`
@@ -214,12 +215,16 @@ class TensorParallel1D final : public TensorParallelBase {
   }
   // Calls f(j, lo, n) for each non-empty chunk j of a block of `rows` rows: its rows
   // [lo, lo + n). A chunked collective holds chunk j of every rank's block together:
-  // [j][rank][chunk j's rows].
+  // [j][rank][chunk j's rows]. An FP8 Linear's chunks start at multiples of 16 rows (its
+  // weight gradient's K; the model makes `rows` one).
   template <class F>
   void for_chunks(int rows, F&& f) const {
+    const int64_t g = fp8_ ? 16 : 1;
+    auto edge = [&](int j) {
+      return j == chunks_ ? rows : static_cast<int>(static_cast<int64_t>(rows) * j / chunks_ / g * g);
+    };
     for (int j = 0; j < chunks_; ++j) {
-      const int lo = static_cast<int>(static_cast<int64_t>(rows) * j / chunks_);
-      const int hi = static_cast<int>(static_cast<int64_t>(rows) * (j + 1) / chunks_);
+      const int lo = edge(j), hi = edge(j + 1);
       if (hi > lo) f(j, lo, hi - lo);
     }
   }
@@ -269,7 +274,7 @@ class TensorParallel1D final : public TensorParallelBase {
     const int ol = out / t_;
     auto gemm = [&](int k, int lo, int n, const void* xk) {  // y's rows lo.. of block k
       const size_t o = (size_t(k) * rows + lo) * ol;
-      be_.linear_forward(at(y, o, es), xk, W, b, n, in, ol, at(gelu_out, o, es), g);
+      local_forward(at(y, o, es), xk, W, b, n, in, ol, at(gelu_out, o, es), g);
     };
     gather_beside(buf(4, size_t(rows) * t_ * in * es), x, rows, in,
                   [&] { gemm(r_, 0, rows, x); }, gemm);
@@ -288,7 +293,7 @@ class TensorParallel1D final : public TensorParallelBase {
     const int mine = rows / t_, li = in / t_;  // rows: the whole micro-batch's
     void* full = buf(5, size_t(rows) * out * es);
     if (chunks_ == 1) {
-      be_.linear_forward(full, x, W, r_ == 0 ? b : nullptr, rows, li, out);
+      local_forward(full, x, W, r_ == 0 ? b : nullptr, rows, li, out);
       coll_.reduce_scatter(y, full, size_t(mine) * out, Elem::Act, Axis::Tensor);
       if (gelu_out) be_.gelu_forward(gelu_out, y, size_t(mine) * out, g);
       return;
@@ -297,7 +302,7 @@ class TensorParallel1D final : public TensorParallelBase {
     SmMargin m(be_, side_sms_);
     for_chunks(mine, [&](int j, int lo, int n) {
       for (int k = 0; k < t_; ++k)  // (rank 0's partial sums carry the bias)
-        be_.linear_forward(at(full, (size_t(lo) * t_ + size_t(k) * n) * out, es),
+        local_forward(at(full, (size_t(lo) * t_ + size_t(k) * n) * out, es),
                            at(x, (size_t(k) * mine + lo) * li, es), W, r_ == 0 ? b : nullptr,
                            n, li, out);
       tk[j] = coll_.start_overlapped_reduce_scatter(at(y, size_t(lo) * out, es),
@@ -320,14 +325,14 @@ class TensorParallel1D final : public TensorParallelBase {
     const size_t n = size_t(mine) * out;
     void* ex = buf(5, n * t_ * es);
     produce(p);
-    be_.linear_forward(at(ex, r_ * n, es), at(x, size_t(p) * mine * li, es), W,
+    local_forward(at(ex, r_ * n, es), at(x, size_t(p) * mine * li, es), W,
                        r_ == 0 ? b : nullptr, mine, li, out);
     const Work tk = exchange(ex, n);
     {
       SmMargin m(be_, side_sms_);
       m.on();
       produce(r_);
-      be_.linear_forward(y, at(x, size_t(r_) * mine * li, es), W, r_ == 0 ? b : nullptr, mine,
+      local_forward(y, at(x, size_t(r_) * mine * li, es), W, r_ == 0 ? b : nullptr, mine,
                          li, out);
     }
     coll_.wait(tk);
@@ -337,11 +342,13 @@ class TensorParallel1D final : public TensorParallelBase {
   // x's blocks produced by the caller as they are needed (see TensorParallel): with t = 2 the
   // exchange above, else everything first.
   void row_forward_produced(void* y, const void* x, const void* W, const void* b, int rows,
-                            int in, int out, int samples, const SampleFn& produce) override {
+                            int in, int out, int samples, const SampleFn& produce,
+                            const Fp8LinearMeta* fp8) override {
     if (!seq_ || t_ != 2) {
-      TensorParallelBase::row_forward_produced(y, x, W, b, rows, in, out, samples, produce);
+      TensorParallelBase::row_forward_produced(y, x, W, b, rows, in, out, samples, produce, fp8);
       return;
     }
+    Fp8Scope f8(*this, fp8);
     const int part = row_part_samples(samples);
     exchange_row_forward(y, x, W, b, rows, in, out, nullptr, Gelu::Exact,
                          [&](int k) { produce(k * part, part); });
@@ -350,12 +357,13 @@ class TensorParallel1D final : public TensorParallelBase {
   // the others' dy arrives), then the others'.
   void row_backward_consumed(void* dx, float* dW, float* db, const void* dy, const void* x,
                              const void* W, int rows, int in, int out, int samples,
-                             const SampleFn& consume) override {
+                             const SampleFn& consume, const Fp8LinearMeta* fp8) override {
     if (!seq_) {
       TensorParallelBase::row_backward_consumed(dx, dW, db, dy, x, W, rows, in, out, samples,
-                                                consume);
+                                                consume, fp8);
       return;
     }
+    Fp8Scope f8(*this, fp8);
     const int part = row_part_samples(samples);
     overlapped_row_backward(dx, dW, db, dy, x, W, rows, in, out, nullptr, Gelu::Exact, nullptr,
                             [&](int k) { consume(k * part, part); });
@@ -379,17 +387,17 @@ class TensorParallel1D final : public TensorParallelBase {
       const int ol = out / t_, p = 1 - r_;
       m.on();
       if (dx && t_ == 2) {  // the peer's rows' dx first, exchanged beside this rank's own
-        be_.linear_backward(at(ex, r_ * n, es), nullptr, nullptr,
+        local_backward(at(ex, r_ * n, es), nullptr, nullptr,
                             at(dy, size_t(p) * rows * ol, es), nullptr, W, rows, in, ol);
         tdx = exchange(ex, n);
-        be_.linear_backward(dx, nullptr, nullptr, at(dy, size_t(r_) * rows * ol, es), nullptr,
+        local_backward(dx, nullptr, nullptr, at(dy, size_t(r_) * rows * ol, es), nullptr,
                             W, rows, in, ol);
       } else if (dx) {  // dx's full rows beside the gather, reduce-scattered beside dW's GEMM
-        be_.linear_backward(ex, nullptr, nullptr, dy, nullptr, W, rows * t_, in, ol);
+        local_backward(ex, nullptr, nullptr, dy, nullptr, W, rows * t_, in, ol);
         tdx = coll_.start_overlapped_reduce_scatter(dx, ex, n, Elem::Act, Axis::Tensor);
       }
       coll_.wait(tx);
-      be_.linear_backward(nullptr, dW, db, dy, xg, W, rows * t_, in, ol);
+      local_backward(nullptr, dW, db, dy, xg, W, rows * t_, in, ol);
       m.off();
       if (dx) {
         coll_.wait(tdx);
@@ -413,7 +421,7 @@ class TensorParallel1D final : public TensorParallelBase {
     const int li = in / t_;
     auto block = [&](int k, int lo, int n, const void* dyk, float* dbk) {
       const size_t o = (size_t(k) * mine + lo) * li;
-      be_.linear_backward(at(dx, o, es), dW, dbk, dyk, at(x, o, es), W, n, li, out,
+      local_backward(at(dx, o, es), dW, dbk, dyk, at(x, o, es), W, n, li, out,
                           at(gelu_pre, o, es), g, gelu_db);
     };
     gather_beside(buf(4, size_t(mine) * t_ * out * es), dy, mine, out,

@@ -1,0 +1,85 @@
+// The ViT's FP8 scaling (precision.mode = fp8, model/vit.h): the delayed-scaling state of the
+// block Linears' tensors, on the host, and their scales and amaxes in backend memory, which
+// the FP8 Linears (backend/fp8_linear.h, called by the strategy) read and write.
+#include <string>
+#include <vector>
+
+#include "vitgrid/core/error.h"
+#include "vitgrid/model/vit.h"
+
+namespace vitgrid {
+
+void ViT::fp8_init() {
+  std::string why;
+  if (!be_.fp8_supported(&why)) throw UserError("precision.mode = fp8: " + why);
+  if (!tp_.fusions().fp8)
+    throw UserError(std::string("precision.mode = fp8 runs its Linears in tensor mode none or "
+                                "1d (with or without sequence parallelism), not ") +
+                    tensor_mode_name(tp_.mode()));
+  // The FP8 GEMMs' K is a multiple of 16: the local features of every block Linear, and the
+  // rows of the weight gradients (a rank's rows of a micro-batch, and of each part)
+  const int C = cfg_.hidden, M = cfg_.mlp;
+  const ActBlock qkv = tp_.act_block(ActLayout::Inner, max_batch_, 3 * C);
+  const ActBlock mlp = tp_.act_block(ActLayout::Inner, max_batch_, M);
+  const int64_t attn = static_cast<int64_t>(tp_.local_heads(cfg_.heads)) * cfg_.head_dim();
+  for (int64_t f : {int64_t(C), qkv.cols, mlp.cols, attn})
+    if (f % 16 != 0)
+      throw UserError("precision.mode = fp8: the FP8 GEMMs need features that are multiples of "
+                      "16; a block Linear of this model and layout has " + std::to_string(f) +
+                      " on a rank (model.hidden " + std::to_string(C) + ", mlp " +
+                      std::to_string(M) + ")");
+  const int T = cfg_.tokens();
+  const int parts = tp_.fusions().row_parts;
+  for (int64_t samples : {int64_t(tp_.local_batch(max_batch_)), int64_t(mlp.samples),
+                          int64_t(parts > 1 ? mlp.samples / parts : mlp.samples)})
+    if (samples * T % 16 != 0)
+      throw UserError("precision.mode = fp8: the FP8 weight gradients need a multiple of 16 "
+                      "rows; a rank's part of a micro-batch has " + std::to_string(samples) +
+                      " samples x " + std::to_string(T) + " tokens = " +
+                      std::to_string(samples * T) + " (choose data.global_batch, "
+                      "data.grad_accum or the pipeline's micro-batches so that it is)");
+  std::vector<Fp8Format> formats(static_cast<size_t>(cfg_.depth) * kFp8Linears *
+                                 Fp8LinearMeta::kTensors);
+  for (size_t i = 0; i < formats.size(); ++i)
+    formats[i] = i % Fp8LinearMeta::kTensors == Fp8LinearMeta::kDy ? Fp8Format::E5M2
+                                                                   : Fp8Format::E4M3;
+  fp8_state_ = std::make_unique<Fp8ScalingState>(std::move(formats), cfg_.fp8_history,
+                                                 cfg_.fp8_margin, cfg_.fp8_algo);
+  const size_t n = fp8_state_->tensors();
+  fp8_dev_ = static_cast<float*>(be_.alloc(3 * n * sizeof(float)));
+  be_.zero(fp8_dev_ + 2 * n, n * sizeof(float));
+  fp8_upload_scales();
+}
+
+Fp8LinearMeta ViT::fp8_meta(int l, int linear) const {
+  const size_t n = fp8_state_->tensors(), i = fp8_tensor(l, linear, 0);
+  return {fp8_dev_ + i, fp8_dev_ + n + i, fp8_dev_ + 2 * n + i};
+}
+
+void ViT::fp8_upload_scales() {
+  const size_t n = fp8_state_->tensors();
+  std::vector<float> h(2 * n);
+  for (size_t i = 0; i < n; ++i) {
+    h[i] = fp8_state_->scale(i);
+    h[n + i] = fp8_state_->scale_inv(i);
+  }
+  be_.copy_to_device(fp8_dev_, h.data(), h.size() * sizeof(float));
+}
+
+void ViT::fp8_take_amaxes(float* amax) {
+  const size_t n = fp8_state_->tensors();
+  be_.copy_to_host(amax, fp8_dev_ + 2 * n, n * sizeof(float));
+  be_.zero(fp8_dev_ + 2 * n, n * sizeof(float));
+}
+
+void ViT::fp8_update(const float* amax) {
+  fp8_state_->merge_amax_max(amax);
+  fp8_state_->update();
+  fp8_upload_scales();
+}
+
+void ViT::fp8_discard_amaxes() {
+  if (fp8_dev_) be_.zero(fp8_dev_ + 2 * fp8_state_->tensors(), fp8_state_->tensors() * sizeof(float));
+}
+
+}  // namespace vitgrid

@@ -405,8 +405,8 @@ TEST(DeckRefusal, Fp8ScalingRangesAndTensorModes) {
              "command line: precision.fp8_amax_history: must be > 0");
   EXPECT_HAS(refusal(kMinimal, {"--precision.fp8_margin=-1"}),
              "command line: precision.fp8_margin: must be >= 0");
-  EXPECT_HAS(refusal(kMinimal, {"--precision.mode=fp8", "--parallel.tensor=2",
-                                "--parallel.tensor_mode=3d"}),
+  EXPECT_HAS(refusal(kMinimal, {"--precision.mode=fp8", "--parallel.tensor=8",
+                                "--parallel.tensor_mode=3d"}, 8),
              "precision.mode: fp8 runs the Linears in tensor mode none or 1d");
 }
 

@@ -7,6 +7,8 @@ side by side with `vitgrid bench` (same model, batch, precision, AdamW step incl
     torchrun --nproc_per_node 4 tools/bench_pytorch.py ... --ddp      # DistributedDataParallel
     torchrun ... --ddp --ddp-bf16-hook   # gradients all-reduced in bf16 (DDP's bf16_compress_hook)
     ... --grad-checkpointing --drop-path 0.1   # timm's activation checkpointing, stochastic depth
+    ... --precision bf16 --float8 --compile   # torchao's float8 training (tensorwise scaling) on
+                                              # the blocks' Linears (vitgrid's precision.mode = fp8)
 
 Prints one line: model, precision, mode, world, img/s (global), img/s per GPU, step ms, peak
 memory (GiB, torch.cuda.max_memory_allocated)."""
@@ -40,6 +42,9 @@ def main():
                     help="timm's set_grad_checkpointing (vitgrid's model.checkpoint_activations)")
     ap.add_argument("--drop-path", type=float, default=0.0,
                     help="timm's drop_path_rate (vitgrid's model.drop_path)")
+    ap.add_argument("--float8", action="store_true",
+                    help="torchao's convert_to_float8_training (tensorwise scaling) on the blocks' "
+                         "Linears, as vitgrid's precision.mode = fp8 (head and patch embedding stay)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=30)
     a = ap.parse_args()
@@ -64,6 +69,12 @@ def main():
                                   drop_path_rate=a.drop_path).cuda()
     if a.grad_checkpointing:
         model.set_grad_checkpointing(True)
+    if a.float8:
+        tool_deps.require("bench_pytorch --float8", "torchao")
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        convert_to_float8_training(
+            model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+            module_filter_fn=lambda m, fqn: fqn.startswith("blocks.") and isinstance(m, torch.nn.Linear))
     if a.ddp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local])
         if a.ddp_bf16_hook:
@@ -99,7 +110,7 @@ def main():
     mem = torch.cuda.max_memory_allocated() / 2**30
     if rank == 0:
         mode = ("ddp " if a.ddp else "") + ("bf16-hook " if a.ddp_bf16_hook else "") + \
-            ("checkpointing " if a.grad_checkpointing else "") + \
+            ("checkpointing " if a.grad_checkpointing else "") + ("torchao float8 " if a.float8 else "") + \
             (f"drop path {a.drop_path} " if a.drop_path else "") + \
             ("torch.compile" if a.compile else "eager")
         print(f"pytorch | {a.model} | {a.precision} | {mode} | world {world} | batch/GPU {a.batch} | "

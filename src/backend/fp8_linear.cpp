@@ -56,10 +56,10 @@ void fp8_linear_forward(Backend& be, const Fp8LinearMeta& m, uint8_t* scratch, v
   uint8_t* x8 = scratch;
   uint8_t* w8 = x8 + static_cast<size_t>(N) * in;
   using M = Fp8LinearMeta;
-  be.fp8_cast(x8, nullptr, m.amax + M::kX, x, N, in, m.scale + M::kX, Fp8Format::E4M3);
-  be.fp8_cast(w8, nullptr, m.amax + M::kW, W, out, in, m.scale + M::kW, Fp8Format::E4M3);
-  be.fp8_gemm(y, false, 0.0f, x8, Fp8Format::E4M3, m.scale_inv + M::kX, w8, Fp8Format::E4M3,
-              m.scale_inv + M::kW, N, out, in, b);
+  be.fp8_cast(x8, nullptr, m.amax_of(M::kX), x, N, in, m.scale_of(M::kX), Fp8Format::E4M3);
+  be.fp8_cast(w8, nullptr, m.amax_of(M::kW), W, out, in, m.scale_of(M::kW), Fp8Format::E4M3);
+  be.fp8_gemm(y, false, 0.0f, x8, Fp8Format::E4M3, m.scale_inv_of(M::kX), w8, Fp8Format::E4M3,
+              m.scale_inv_of(M::kW), N, out, in, b);
   if (gelu_out) be.gelu_forward(gelu_out, y, static_cast<size_t>(N) * out, gelu);
 }
 
@@ -78,12 +78,12 @@ void fp8_linear_backward(Backend& be, const Fp8LinearMeta& m, uint8_t* scratch, 
   uint8_t* w8_t = dy8_t + n * out;       // [in, out]
   uint8_t* x8_t = w8_t + size_t(in) * out;  // [in, N]
   if (dx || dW)
-    be.fp8_cast(dx ? dy8 : nullptr, dW ? dy8_t : nullptr, m.amax + M::kDy, dy, N, out,
-                m.scale + M::kDy, Fp8Format::E5M2);
+    be.fp8_cast(dx ? dy8 : nullptr, dW ? dy8_t : nullptr, m.amax_of(M::kDy), dy, N, out,
+                m.scale_of(M::kDy), Fp8Format::E5M2);
   if (dx) {
-    be.fp8_cast(nullptr, w8_t, m.amax + M::kW, W, out, in, m.scale + M::kW, Fp8Format::E4M3);
-    be.fp8_gemm(dx, false, 0.0f, dy8, Fp8Format::E5M2, m.scale_inv + M::kDy, w8_t,
-                Fp8Format::E4M3, m.scale_inv + M::kW, N, in, out, nullptr);
+    be.fp8_cast(nullptr, w8_t, m.amax_of(M::kW), W, out, in, m.scale_of(M::kW), Fp8Format::E4M3);
+    be.fp8_gemm(dx, false, 0.0f, dy8, Fp8Format::E5M2, m.scale_inv_of(M::kDy), w8_t,
+                Fp8Format::E4M3, m.scale_inv_of(M::kW), N, in, out, nullptr);
     if (gelu_db) {
       be.gelu_backward_bias(dx, gelu_pre, dx, N, in, gelu_db, gelu);
     } else if (gelu_pre) {
@@ -91,9 +91,9 @@ void fp8_linear_backward(Backend& be, const Fp8LinearMeta& m, uint8_t* scratch, 
     }
   }
   if (dW) {
-    be.fp8_cast(nullptr, x8_t, m.amax + M::kX, x, N, in, m.scale + M::kX, Fp8Format::E4M3);
-    be.fp8_gemm(dW, true, 1.0f, dy8_t, Fp8Format::E5M2, m.scale_inv + M::kDy, x8_t,
-                Fp8Format::E4M3, m.scale_inv + M::kX, out, in, N, nullptr);
+    be.fp8_cast(nullptr, x8_t, m.amax_of(M::kX), x, N, in, m.scale_of(M::kX), Fp8Format::E4M3);
+    be.fp8_gemm(dW, true, 1.0f, dy8_t, Fp8Format::E5M2, m.scale_inv_of(M::kDy), x8_t,
+                Fp8Format::E4M3, m.scale_inv_of(M::kX), out, in, N, nullptr);
   }
   // the bias gradient from dy itself (act dtype), as the bf16 layer sums it
   if (db) be.linear_backward(nullptr, nullptr, db, dy, nullptr, nullptr, N, in, out);

@@ -9,6 +9,10 @@
 
 namespace vitgrid {
 
+namespace {
+constexpr size_t kStride = Fp8LinearMeta::kAligned;
+}  // namespace
+
 void ViT::fp8_init() {
   std::string why;
   if (!be_.fp8_supported(&why)) throw UserError("precision.mode = fp8: " + why);
@@ -45,31 +49,34 @@ void ViT::fp8_init() {
                                                                    : Fp8Format::E4M3;
   fp8_state_ = std::make_unique<Fp8ScalingState>(std::move(formats), cfg_.fp8_history,
                                                  cfg_.fp8_margin, cfg_.fp8_algo);
-  const size_t n = fp8_state_->tensors();
+  // [scales | scale_invs | amaxes], each value on a 16-byte boundary (Fp8LinearMeta::kAligned)
+  const size_t n = fp8_state_->tensors() * kStride;
   fp8_dev_ = static_cast<float*>(be_.alloc(3 * n * sizeof(float)));
   be_.zero(fp8_dev_ + 2 * n, n * sizeof(float));
   fp8_upload_scales();
 }
 
 Fp8LinearMeta ViT::fp8_meta(int l, int linear) const {
-  const size_t n = fp8_state_->tensors(), i = fp8_tensor(l, linear, 0);
-  return {fp8_dev_ + i, fp8_dev_ + n + i, fp8_dev_ + 2 * n + i};
+  const size_t n = fp8_state_->tensors() * kStride, i = fp8_tensor(l, linear, 0) * kStride;
+  return {fp8_dev_ + i, fp8_dev_ + n + i, fp8_dev_ + 2 * n + i, kStride};
 }
 
 void ViT::fp8_upload_scales() {
-  const size_t n = fp8_state_->tensors();
-  std::vector<float> h(2 * n);
-  for (size_t i = 0; i < n; ++i) {
-    h[i] = fp8_state_->scale(i);
-    h[n + i] = fp8_state_->scale_inv(i);
+  const size_t t = fp8_state_->tensors(), n = t * kStride;
+  std::vector<float> h(2 * n, 0.0f);
+  for (size_t i = 0; i < t; ++i) {
+    h[i * kStride] = fp8_state_->scale(i);
+    h[n + i * kStride] = fp8_state_->scale_inv(i);
   }
   be_.copy_to_device(fp8_dev_, h.data(), h.size() * sizeof(float));
 }
 
 void ViT::fp8_take_amaxes(float* amax) {
-  const size_t n = fp8_state_->tensors();
-  be_.copy_to_host(amax, fp8_dev_ + 2 * n, n * sizeof(float));
+  const size_t t = fp8_state_->tensors(), n = t * kStride;
+  std::vector<float> h(n);
+  be_.copy_to_host(h.data(), fp8_dev_ + 2 * n, n * sizeof(float));
   be_.zero(fp8_dev_ + 2 * n, n * sizeof(float));
+  for (size_t i = 0; i < t; ++i) amax[i] = h[i * kStride];
 }
 
 void ViT::fp8_update(const float* amax) {
@@ -79,7 +86,8 @@ void ViT::fp8_update(const float* amax) {
 }
 
 void ViT::fp8_discard_amaxes() {
-  if (fp8_dev_) be_.zero(fp8_dev_ + 2 * fp8_state_->tensors(), fp8_state_->tensors() * sizeof(float));
+  const size_t n = fp8_state_->tensors() * kStride;
+  be_.zero(fp8_dev_ + 2 * n, n * sizeof(float));
 }
 
 }  // namespace vitgrid

@@ -255,10 +255,11 @@ void BM_Fp8LinearLayer(benchmark::State& st) {
   const bool gelu = st.range(2) != 0, backward = st.range(3) != 0;
   const size_t a = gpu().act_size();
   Bufs b;
-  const float s[3] = {1.0f, 1.0f, 1.0f};
+  const float s[12] = {1.0f, 0, 0, 0, 1.0f, 0, 0, 0, 1.0f, 0, 0, 0};  // (16-byte aligned)
   auto* scale = static_cast<float*>(b.get(sizeof s));
   gpu().copy_to_device(scale, s, sizeof s);
-  const Fp8LinearMeta m{scale, scale, static_cast<float*>(b.get(sizeof s))};
+  const Fp8LinearMeta m{scale, scale, static_cast<float*>(b.get(sizeof s)),
+                        Fp8LinearMeta::kAligned};
   auto* scratch = static_cast<uint8_t*>(b.get(fp8_linear_scratch_bytes(kN, in, out)));
   void* x = b.get(size_t(kN) * in * a);
   void* W = b.get(size_t(out) * in * a);

@@ -19,12 +19,18 @@
 
 namespace vitgrid {
 
-// One Linear's scaling, in backend memory: three floats each, indexed by the tensor.
+// One Linear's scaling, in backend memory: three values each, tensor k's at [k * stride] (a
+// stride of kAligned keeps each scale_inv, which cuBLASLt reads, on a 16-byte boundary).
 struct Fp8LinearMeta {
   enum Tensor { kX = 0, kW = 1, kDy = 2, kTensors = 3 };
+  static constexpr int kAligned = 4;
   const float* scale = nullptr;      // a tensor is cast as fp8(v * scale[k])
   const float* scale_inv = nullptr;  // 1 / scale[k], what the GEMMs multiply their sums by
   float* amax = nullptr;             // amax[k] = max(amax[k], max |tensor k|) at each cast
+  int stride = 1;
+  const float* scale_of(int k) const { return scale + k * stride; }
+  const float* scale_inv_of(int k) const { return scale_inv + k * stride; }
+  float* amax_of(int k) const { return amax + k * stride; }
 };
 
 // The FP8 copies' scratch (bytes) the two calls below need for N rows.

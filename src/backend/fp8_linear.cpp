@@ -34,6 +34,12 @@ void check_fp8_gemm_args(bool d_f32, float beta, Fp8Format fa, const float* a_sc
                          const void* bias) {
   VG_CHECK(M >= 0 && N >= 0 && K >= 0 && a_scale_inv && b_scale_inv,
            "fp8_gemm: M " << M << ", N " << N << ", K " << K);
+  // cuBLASLt (CUDA 13, H100) answers CUBLAS_STATUS_NOT_SUPPORTED for a scale pointer 4 bytes
+  // past a 16-byte boundary: the contract asks it of every backend, so the CPU's tests catch it
+  auto aligned = [](const float* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
+  VG_CHECK(aligned(a_scale_inv) && aligned(b_scale_inv),
+           "fp8_gemm: scale_inv pointers must be 16-byte aligned (" << a_scale_inv << ", "
+                                                                   << b_scale_inv << ")");
   VG_CHECK(!(fa == Fp8Format::E5M2 && fb == Fp8Format::E5M2),
            "fp8_gemm: both operands E5M2 (no FP8 GEMM takes that)");
   VG_CHECK(d_f32 || beta == 0.0f, "fp8_gemm: an act-dtype output is overwritten (beta 0)");

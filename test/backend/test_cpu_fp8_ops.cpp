@@ -88,7 +88,8 @@ TEST(CpuFp8Ops, GemmAgainstDoubleSums) {
     return v;
   };
   const auto A = codes(size_t(M) * K, Fp8Format::E5M2), B = codes(size_t(N) * K, Fp8Format::E4M3);
-  const float sa = 1.0f / 1024, sb = 1.0f / 64;
+  alignas(16) const float sa = 1.0f / 1024;  // (the contract: 16-byte aligned scale_invs)
+  alignas(16) const float sb = 1.0f / 64;
   // fp32 output accumulated (a weight gradient): fp32 sums of exact products
   {
     CpuBackend be(DType::F32);
@@ -120,6 +121,21 @@ TEST(CpuFp8Ops, GemmAgainstDoubleSums) {
       EXPECT_LE(std::fabs(D[i] - want[i]), std::ldexp(std::fabs(want[i]), -8) + 1e-6) << i;
     }
   }
+}
+
+TEST(CpuFp8Ops, GemmRefusesScalePointersOffSixteenBytes) {
+  // what cuBLASLt refuses (CUBLAS_STATUS_NOT_SUPPORTED on an H100), every backend refuses
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  CpuBackend be(DType::F32);
+  alignas(16) float s[4] = {1.0f, 1.0f, 1.0f, 1.0f};
+  std::vector<uint8_t> A(16 * 16, 0x38), B(16 * 16, 0x38);
+  std::vector<float> D(16 * 16);
+  be.fp8_gemm(D.data(), true, 0.0f, A.data(), Fp8Format::E4M3, s, B.data(), Fp8Format::E4M3, s,
+              16, 16, 16, nullptr);
+  EXPECT_EQ(D[0], 16.0f);  // 16 products of 1 x 1 (0x38 is 1.0 in E4M3)
+  EXPECT_DEATH(be.fp8_gemm(D.data(), true, 0.0f, A.data(), Fp8Format::E4M3, s + 1, B.data(),
+                           Fp8Format::E4M3, s, 16, 16, 16, nullptr),
+               "scale_inv pointers must be 16-byte aligned");
 }
 
 }  // namespace

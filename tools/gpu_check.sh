@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and measure vitgrid on a GPU node in one go, beside PyTorch + timm.
 #   tools/gpu_check.sh STEP...      (default: build test bench)
-# Steps: build test cputest bench models loader jpeg decode_overlap recipes kernels fp8 compile scale study large
+# Steps: build test cputest bench models loader jpeg decode_overlap recipes kernels fp8 fp8bench compile scale study large
 # large2 pipeline tpvitb ckpt recompute seqpar e2epar profile variants trace (each described where it is handled below).
 # Writes logs under $OUT (default /tmp/vitgrid-gpu). On a node without parallel HDF5 or
 # Boost.ProgramOptions, put their Debian packages in .gpu-deps/ (see README): they are unpacked
@@ -333,6 +333,41 @@ PYEOF
     "$B/bin/bench_gpu_kernels" --benchmark_min_time=0.1s \
       --benchmark_filter='BM_(Fp8Linear|Fp8LinearLayer|Fp8Cast|LinearForward|LinearBackward|LinearWgrad/.*/tune:1)' 2>&1 \
       | grep -E "^BM_|Benchmark" | tee "$OUT/fp8_kernels.log"
+    ;;
+  fp8bench)
+    # precision.mode = fp8 beside bf16: ViT-S/16, ViT-B/16 and ViT-L/16 at batch 256 (vitgrid),
+    # torch.compile bf16 and torch.compile + torchao's float8 training (tensorwise; its wheel
+    # from .gpu-deps/ where the node has none), the op profiles of ViT-B/16's step in both, the
+    # loss curves of 300 ViT-S/16 steps, and ViT-Lite-7/4 trained 30 epochs on a generated 32 px
+    # set of 10 classes in each precision (final top-1)
+    {
+      for m in vit-small/16 vit-base/16 vit-large/16; do
+        for p in bf16 fp8; do
+          mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --model.preset=$m \
+            --precision.mode=$p --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
+        done
+      done
+      "$PY" -c "import torchao" 2>/dev/null || ls .gpu-deps/torchao-*.whl >/dev/null 2>&1 &&
+        "$PY" -m pip install --no-deps -q .gpu-deps/torchao-*.whl >/dev/null 2>&1
+      for f in "" --float8; do
+        "$PY" tools/bench_pytorch.py --precision bf16 --compile $f 2>&1 | grep -E "^pytorch|Error|needs"
+      done
+      for p in bf16 fp8; do
+        mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --precision.mode=$p --profile 2>&1 \
+          | grep -E "^\||^profile"
+        rm -rf "$D/s16-$p"
+        mpirun -np 1 "$B/bin/vitgrid" train inputs/bench_vit_b16.ini --model.preset=vit-small/16 \
+          --precision.mode=$p --run.steps=300 --run.log_every=100 --run.eval_every=0 \
+          --device.gemm_tune=0 --run.out_dir="$D/s16-$p" 2>&1 | grep -E "rror"
+        rm -rf "$D/lite-$p"
+        mpirun -np 1 --bind-to none "$B/bin/vitgrid" train inputs/cifar10_vit_lite_7_4.ini \
+          --data.dataset=synthetic --data.synthetic_train=20000 --data.synthetic_eval=5000 \
+          --model.num_classes=10 --run.epochs=30 --optim.warmup_epochs=5 --run.eval_every=0 \
+          --checkpoint.every_steps=0 --checkpoint.resume=none --data.workers=$CORES \
+          --precision.mode=$p --run.out_dir="$D/lite-$p" 2>&1 | grep -E "^eval|rror" | tail -1
+      done
+      "$PY" tools/compare_losses.py "$D/s16-bf16" "$D/s16-fp8"
+    } | tee "$OUT/fp8bench.log"
     ;;
   trace)
     # kernel timelines (tools/ktrace, CUPTI; build it: BUILD_TARGET="vitgrid vitgrid_ktrace"):

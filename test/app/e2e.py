@@ -350,6 +350,15 @@ def t_fp8(tmp):
     r = rel(f8, bf)
     # measured on this deck: 3e-3 .. 1e-2; E4M3 keeps 3 mantissa bits, bf16 8
     check(1e-4 < r <= 5e-2, f"fp8 follows bf16 within 5e-2 relative and is not bf16 ({r:.2e})")
+    # tools/compare_losses.py (what tools/gpu_check.sh fp8bench reports) says the same
+    p = subprocess.run([sys.executable, os.path.join(HERE, "..", "..", "tools", "compare_losses.py"),
+                        runs["bf16"][0], d8, "--last", "5"], capture_output=True, text=True, timeout=60)
+    m = re.search(r"20 steps .* relative difference max ([0-9.e+-]+) \(step (\d+)\) mean ([0-9.e+-]+)",
+                  p.stdout)
+    d = np.abs(f8 - bf) / np.abs(bf)
+    check(p.returncode == 0 and m and abs(float(m.group(1)) - d.max()) <= 1e-3 * d.max() and
+          int(m.group(2)) == int(np.argmax(d)) + 1 and abs(float(m.group(3)) - d.mean()) <= 1e-3 * d.mean(),
+          f"compare_losses.py: {p.stdout.strip()[-160:]}{p.stderr[-200:]}")
     with h5py.File(os.path.join(d8, "checkpoints", "step_00000020.h5"), "r") as f:
         hist, scale = f["fp8/amax_history"][()], f["fp8/scale"][()]
     # depth 2 x 4 Linears x (x, W, dy); history 1024

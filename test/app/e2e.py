@@ -322,8 +322,9 @@ def t_fp8(tmp):
     delayed scaling as on GPUs): 20 steps follow the bf16 run within a stated band and differ
     from it (the Linears really are quantized); the scaling state is in the checkpoint and moves
     (scales set from the amaxes, not left at 1); data, 1d tensor (with and without sequence
-    parallelism) and pipeline layouts follow the 1-rank fp8 run (the amaxes are reduced over
-    every rank, so every layout casts with the same scales); resume continues bit for bit (the
+    parallelism), pipeline and ZeRO-1 layouts follow the 1-rank fp8 run (the amaxes are reduced
+    over every rank, so every layout casts with the same scales); activation checkpointing gives
+    the same losses bit for bit; resume continues bit for bit (the
     scaling state restored); layouts fp8 cannot run are refused naming the key."""
     # hidden 32, mlp 64, batch 32: every FP8 GEMM's K a multiple of 16 on 1 and 2 ranks
     common = ["--model.hidden=32", "--model.heads=4", "--model.mlp_ratio=2",
@@ -338,7 +339,10 @@ def t_fp8(tmp):
                                                 "--parallel.tensor_mode=1d",
                                                 "--parallel.sequence_parallel=true"]),
                              ("fp8_pipe2", 2, ["--precision.mode=fp8", "--parallel.pipeline=2",
-                                               "--parallel.micro_batches=2"])]:
+                                               "--parallel.micro_batches=2"]),
+                             ("fp8_zero2", 2, ["--precision.mode=fp8", "--parallel.zero=1"]),
+                             ("fp8_recompute", 1, ["--precision.mode=fp8",
+                                                   "--model.checkpoint_activations=true"])]:
         d = os.path.join(tmp, name)
         p = run(np_, ["train", DECK, f"--run.out_dir={d}"] + common + extra)
         runs[name] = (d, losses(d)[1], p.stdout)
@@ -375,7 +379,11 @@ def t_fp8(tmp):
     # reduced with the others') and, but for the act-dtype reductions' rounding, the same
     # activations and gradients (within 1% and 5%: a few bf16 ulps of one element; measured
     # 0 and 1.7%); after 20 steps the scales follow 1 rank's within 10% (measured 7.8%).
-    for name in ("fp8_data2", "fp8_1d2", "fp8_1dseq2", "fp8_pipe2"):
+    # activation checkpointing: the recompute casts with the same scales, the same bits
+    lr = runs["fp8_recompute"][1]
+    check(np.array_equal(lr, f8), f"fp8 with every block recomputed: the 1-rank losses bit for bit "
+          f"(max diff {np.max(np.abs(lr - f8)):.3e})")
+    for name in ("fp8_data2", "fp8_1d2", "fp8_1dseq2", "fp8_pipe2", "fp8_zero2"):
         d, loss, _ = runs[name]
         r = rel(loss, f8)
         check(len(loss) == 20 and r <= 5e-3, f"{name}: losses follow 1-rank fp8 ({r:.2e} <= 5e-3)")

@@ -185,18 +185,23 @@ PYEOF
     ;;
   large)
     # the large ViT (hidden 4096, depth 32, heads 64, 224/16), bf16, no recomputation, on 4 GPUs:
-    # the README's layouts, each "BATCH|LAYOUT" (SP = 1d with sequence parallelism)
+    # the README's layouts, each "BATCH|LAYOUT" (SP = 1d with sequence parallelism);
+    # LARGE_PRECISIONS="bf16 fp8": each layout in each; LARGE_CASES=n: the first n layouts only
     [ "$NGPU" -ge 4 ] || { echo "large: needs 4 GPUs"; continue; }
     SP="--parallel.tensor_mode=1d --parallel.sequence_parallel=true"
+    n=0
     for c in "128|--parallel.tensor=2 $SP --parallel.zero=1 --parallel.sequence_chunks=1" \
              "128|--parallel.tensor=4 $SP" "64|--parallel.tensor=4 $SP" \
              "128|--parallel.tensor=2 $SP --parallel.pipeline=2 --parallel.schedule=interleaved --parallel.chunks=2 --parallel.micro_batches=2" \
              "64|--parallel.tensor=2 $SP --parallel.pipeline=2 --parallel.schedule=interleaved --parallel.chunks=2 --parallel.micro_batches=2" \
              "64|--parallel.tensor=2 $SP --parallel.pipeline=2 --parallel.micro_batches=8" \
              "64|--parallel.tensor=2 $SP --parallel.zero=1" "64|--parallel.zero=1"; do
-      echo "batch ${c%%|*}: ${c#*|}"
-      mpirun -np 4 --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --model.preset=vit-huge-4096 \
-        --precision.mode=bf16 --warmup=3 --steps=8 --data.global_batch=${c%%|*} ${c#*|} 2>&1 | grep -E "^bench|bubble|error"
+      n=$((n + 1)); [ "$n" -le "${LARGE_CASES:-99}" ] || break
+      for p in ${LARGE_PRECISIONS:-bf16}; do
+        echo "batch ${c%%|*}, $p: ${c#*|}"
+        mpirun -np 4 --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --model.preset=vit-huge-4096 \
+          --precision.mode=$p --warmup=3 --steps=8 --data.global_batch=${c%%|*} ${c#*|} 2>&1 | grep -E "^bench|bubble|error"
+      done
     done | tee "$OUT/large.log"
     ;;
   large2)

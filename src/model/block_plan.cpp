@@ -42,6 +42,8 @@ struct Rules {
   // fc1's bias gradient summed by the GELU backward in fc2's data-gradient pass
   bool gelu_bias() const { return s.fused && !drop_act() && s.tp.gelu_bias_in_row_backward; }
   bool attention_parts() const { return s.fused && s.tp.row_parts > 1 && s.attention_parts_fit; }
+  // fc2's FP8 casts apply fc1's GELU as they read its pre-activation
+  bool gelu_in_cast() const { return s.fused && s.fp8 && !drop_act(); }
 };
 
 Op need(int half) {
@@ -165,14 +167,19 @@ std::vector<Op> forward_ops(const Rules& r, bool train, bool recompute) {
   ops.push_back(layernorm(2, Buf::RMid, Buf::Y2, Buf::RIn, Buf::P,
                           in_ln ? Factors::Attn : Factors::None));
   Op fc1 = linear(LinearRole::Column, Buf::H, Buf::Y2, kFc1W, Width::Hidden, Width::Mlp);
-  if (s.fused) fc1.gelu = Buf::G;
+  if (s.fused && !r.gelu_in_cast()) fc1.gelu = Buf::G;
   ops.push_back(fc1);
   if (!s.fused) ops.push_back(gelu(Buf::G, Buf::H));
   if (drop_act) ops.push_back(dropout(Buf::G, kSiteMlpAct, ActLayout::Inner));
   // the backward reads no f (fc2's output only feeds the residual stream, stored in
   // r_in[j + 1] or the chunk output): the recompute ends here
   if (recompute) return ops;
-  ops.push_back(linear(LinearRole::Row, Buf::F, Buf::G, kFc2W, Width::Mlp, Width::Hidden));
+  Op fc2 = linear(LinearRole::Row, Buf::F, Buf::G, kFc2W, Width::Mlp, Width::Hidden);
+  if (r.gelu_in_cast()) {
+    fc2.x = Buf::H;
+    fc2.x_gelu = true;
+  }
+  ops.push_back(fc2);
   if (drop_res && !(train && r.f_in_ln()))
     ops.push_back(dropout(Buf::F, kSiteMlpOut, ActLayout::Stream));
   // a checkpointed block's successor reads r_in[j + 1] only; the chunk's last block stores
@@ -198,7 +205,8 @@ std::vector<Op> backward_ops(const Rules& r) {
     ops.push_back(dropout_backward(Buf::Ddrop, Buf::Dres, kSiteMlpOut, ActLayout::Stream));
     df = Buf::Ddrop;
   }
-  if (!s.checkpointed[j] && !s.keep_gelu_output) {  // (a checkpointed block's recompute made g)
+  // (a checkpointed block's recompute made g; fc2's FP8 casts apply the GELU themselves)
+  if (!s.checkpointed[j] && !s.keep_gelu_output && !r.gelu_in_cast()) {
     // g = dropout(gelu(h)) again: the same kernels on the same input give the same bits
     ops.push_back(gelu(Buf::G, Buf::H));
     if (drop_act) ops.push_back(dropout(Buf::G, kSiteMlpAct, ActLayout::Inner));
@@ -207,6 +215,10 @@ std::vector<Op> backward_ops(const Rules& r) {
   const ParamRef fc2_db = r.ln_bias(j) && !r.last() ? ParamRef{} : own(kFc2B);
   Op fc2 = linear_backward(LinearRole::Row, Buf::Dh, kFc2W, fc2_db, df, Buf::G, Width::Mlp,
                            Width::Hidden);
+  if (r.gelu_in_cast()) {
+    fc2.x = Buf::H;
+    fc2.x_gelu = true;
+  }
   const bool gelu_in_gemm = s.fused && !drop_act;
   if (gelu_in_gemm) fc2.gelu = Buf::H;
   if (r.gelu_bias()) fc2.dsum = own(kFc1B);
@@ -336,7 +348,8 @@ std::string describe(const std::vector<Op>& ops) {
       o << ' ' << (op.group ? "mlp" : "attn");
     if (op.kind == OpKind::Linear || op.kind == OpKind::LinearBackward ||
         op.kind == OpKind::AttentionRow || op.kind == OpKind::AttentionRowBackward)
-      o << (op.role == LinearRole::Column ? " column" : " row") << (op.fp8 ? " fp8" : "");
+      o << (op.role == LinearRole::Column ? " column" : " row") << (op.fp8 ? " fp8" : "")
+        << (op.x_gelu ? " x_gelu" : "");
     if (op.norm) o << " norm" << op.norm;
     buf("out", op.out);
     buf("x", op.x);

@@ -293,7 +293,16 @@ void ViT::plan_activations() {
   const bool has_out = layout_.chunks.size() > 1 || !layout_.head;
   // checkpointing: the recomputed blocks (the first of each chunk) share one block set
   const bool any_ckpt = checkpointed_in_chunk(0), all_ckpt = checkpointed_in_chunk(max_blocks - 1);
-  const bool keep_g = cfg_.keep_gelu_output;  // where the block is not checkpointed
+  // G (fc1's GELU output) where an op reads or writes it: not where fc2's FP8 casts apply the
+  // GELU themselves (block_plan.h); kept per block (keep_gelu_output) or one scratch
+  bool g_used = false;
+  for (const auto& plans : plans_)
+    for (const BlockPlan& p : plans)
+      for (const auto* list : {&p.forward, &p.forward_eval, &p.recompute, &p.backward})
+        for (const Op& op : *list)
+          for (Buf x : {op.out, op.x, op.a, op.b, op.gelu, op.dy, op.branch})
+            g_used = g_used || x == Buf::G;
+  const bool keep_g = cfg_.keep_gelu_output && g_used;  // where the block is not checkpointed
   bool path_f = false;
   for (const BlockPlan& p : plans_[0])
     for (const Op& op : p.forward) path_f = path_f || op.kind == OpKind::PathFactors;
@@ -336,7 +345,7 @@ void ViT::plan_activations() {
     }
     if (any_ckpt) block_set(a.shared);  // with keep_g: its own g
     a.p_scr = take(N * C * as);
-    a.g_scr = keep_g ? nullptr : take(Ni * Ml * as);
+    a.g_scr = keep_g || !g_used ? nullptr : take(Ni * Ml * as);
     a.f_scr[0] = take(N * C * as);
     a.f_scr[1] = all_ckpt ? nullptr : take(N * C * as);  // checkpointing: f_scr[0] only
     for (auto& st : a.sets)

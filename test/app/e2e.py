@@ -326,11 +326,14 @@ def t_fp8(tmp):
     over every rank, so every layout casts with the same scales); activation checkpointing gives
     the same losses bit for bit; resume continues bit for bit (the
     scaling state restored); layouts fp8 cannot run are refused naming the key."""
-    # hidden 32, mlp 64, batch 32: every FP8 GEMM's K a multiple of 16 on 1 and 2 ranks
-    common = ["--model.hidden=32", "--model.heads=4", "--model.mlp_ratio=2",
+    # hidden 32, mlp 64, batch 32: every FP8 GEMM's K a multiple of 16 on 1 and 2 ranks; no
+    # dropout, so fc2's casts apply fc1's GELU (block_plan.h), except in the *_dropout runs
+    common = ["--model.hidden=32", "--model.heads=4", "--model.mlp_ratio=2", "--model.dropout=0",
               "--data.global_batch=32", "--checkpoint.every_steps=10", "--model.drop_path=0.3"]
     runs = {}
     for name, np_, extra in [("bf16", 1, ["--precision.mode=bf16"]),
+                             ("bf16_dropout", 1, ["--precision.mode=bf16", "--model.dropout=0.1"]),
+                             ("fp8_dropout", 1, ["--precision.mode=fp8", "--model.dropout=0.1"]),
                              ("fp8", 1, ["--precision.mode=fp8"]),
                              ("fp8_data2", 2, ["--precision.mode=fp8"]),
                              ("fp8_1d2", 2, ["--precision.mode=fp8", "--parallel.tensor=2",
@@ -344,7 +347,8 @@ def t_fp8(tmp):
                              ("fp8_recompute", 1, ["--precision.mode=fp8",
                                                    "--model.checkpoint_activations=true"])]:
         d = os.path.join(tmp, name)
-        p = run(np_, ["train", DECK, f"--run.out_dir={d}"] + common + extra)
+        base = [a for a in common if not (name.endswith("_dropout") and a.startswith("--model.dropout"))]
+        p = run(np_, ["train", DECK, f"--run.out_dir={d}"] + base + extra)
         runs[name] = (d, losses(d)[1], p.stdout)
     _, bf, _ = runs["bf16"]
     d8, f8, out8 = runs["fp8"]
@@ -352,8 +356,11 @@ def t_fp8(tmp):
     ok, what = decreases(f8)
     check(ok, f"fp8: loss decreases ({what})")
     r = rel(f8, bf)
-    # measured on this deck: 3e-3 .. 1e-2; E4M3 keeps 3 mantissa bits, bf16 8
+    # measured on this deck: 2e-3 .. 1e-2; E4M3 keeps 3 mantissa bits, bf16 8
     check(1e-4 < r <= 5e-2, f"fp8 follows bf16 within 5e-2 relative and is not bf16 ({r:.2e})")
+    r = rel(runs["fp8_dropout"][1], runs["bf16_dropout"][1])
+    check(1e-4 < r <= 5e-2, f"with dropout on fc1's activation (a GELU pass, fc2 casting its "
+                            f"output): fp8 follows bf16 ({r:.2e})")
     # tools/compare_losses.py (what tools/gpu_check.sh fp8bench reports) says the same
     p = subprocess.run([sys.executable, os.path.join(HERE, "..", "..", "tools", "compare_losses.py"),
                         runs["bf16"][0], d8, "--last", "5"], capture_output=True, text=True, timeout=60)
@@ -377,8 +384,9 @@ def t_fp8(tmp):
           f"{scale[0::3].min():.3g}..{scale[0::3].max():.3g})")
     # Layouts: step 1 casts the same weights (W's amaxes: exactly 1 rank's, each rank's shard
     # reduced with the others') and, but for the act-dtype reductions' rounding, the same
-    # activations and gradients (within 1% and 5%: a few bf16 ulps of one element; measured
-    # 0 and 1.7%); after 20 steps the scales follow 1 rank's within 10% (measured 7.8%).
+    # activations and gradients (within 5%: a few bf16 ulps of one element, from the second
+    # block on; measured up to 2.3% and 1.7%); after 20 steps the scales follow 1 rank's
+    # within 10% (measured up to 7.8%).
     # activation checkpointing: the recompute casts with the same scales, the same bits
     lr = runs["fp8_recompute"][1]
     check(np.array_equal(lr, f8), f"fp8 with every block recomputed: the 1-rank losses bit for bit "
@@ -390,7 +398,7 @@ def t_fp8(tmp):
         with h5py.File(os.path.join(d, "checkpoints", "step_00000020.h5"), "r") as f:
             s2, h2 = f["fp8/scale"][()], f["fp8/amax_history"][()]
         d1 = np.abs(h2[:, 20] / hist[:, 20] - 1)
-        check(np.all(d1[1::3] == 0) and np.all(d1[0::3] <= 1e-2) and np.all(d1[2::3] <= 5e-2),
+        check(np.all(d1[1::3] == 0) and np.all(d1[0::3] <= 5e-2) and np.all(d1[2::3] <= 5e-2),
               f"{name}: step 1's amaxes are 1 rank's (W exactly; x {d1[0::3].max():.2e}, "
               f"dy {d1[2::3].max():.2e})")
         check(np.allclose(s2, scale, rtol=0.1), f"{name}: the scales follow 1 rank's "

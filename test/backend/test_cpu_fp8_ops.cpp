@@ -56,6 +56,30 @@ TEST(CpuFp8Ops, CastCodesTransposeAndAmax) {
   EXPECT_TRUE(std::isnan(amax));
 }
 
+TEST(CpuFp8Ops, CastWithGeluInIsGeluThenTheCast) {
+  // the codes, transpose and amax of gelu(x) as gelu_forward stores it (bf16-rounded), for both
+  // GELU forms; and they differ from the plain cast's
+  CpuBackend be(DType::BF16);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> d(0.0f, 2.0f);
+  const int rows = 16, cols = 24;
+  std::vector<float> x(rows * cols), g(x.size());
+  for (float& v : x) v = vitgrid::round_bf16(d(rng));
+  alignas(16) const float scale = 100.0f;
+  for (vitgrid::Gelu form : {vitgrid::Gelu::Exact, vitgrid::Gelu::Tanh}) {
+    be.gelu_forward(g.data(), x.data(), x.size(), form);
+    std::vector<uint8_t> a(x.size()), at(x.size()), b(x.size()), bt(x.size()), p(x.size());
+    float ma = 0.0f, mb = 0.0f, mp = 0.0f;
+    be.fp8_cast(a.data(), at.data(), &ma, x.data(), rows, cols, &scale, Fp8Format::E4M3, &form);
+    be.fp8_cast(b.data(), bt.data(), &mb, g.data(), rows, cols, &scale, Fp8Format::E4M3);
+    be.fp8_cast(p.data(), nullptr, &mp, x.data(), rows, cols, &scale, Fp8Format::E4M3);
+    EXPECT_EQ(a, b);
+    EXPECT_EQ(at, bt);
+    EXPECT_EQ(ma, mb);
+    EXPECT_NE(a, p);
+  }
+}
+
 // D = (A B^T) sa sb (+ bias) + beta D0 in double from the decoded codes.
 std::vector<double> reference(const std::vector<uint8_t>& A, Fp8Format fa,
                               const std::vector<uint8_t>& B, Fp8Format fb, int M, int N, int K,

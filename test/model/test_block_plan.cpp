@@ -88,42 +88,57 @@ TEST(BlockPlan, FusedRulesShowInTheOps) {
 }
 
 TEST(BlockPlan, Fp8MarksTheFourLinearsOnly) {
-  // every list, fused or not, with attention in parts: exactly qkv, proj, fc1 and fc2's
-  // forward and backward ops run in FP8; nothing else changes
+  // every list, fused or not, with attention in parts, with and without dropout: exactly qkv,
+  // proj, fc1 and fc2's forward and backward ops run in FP8; the other ops are the bf16
+  // plan's but for GELU: fused and without dropout on the activation, fc2's casts apply it
+  // (x_gelu, reading H), so no op runs GELU and none touches G
+  auto touches_g = [](const Op& o) {
+    for (Buf x : {o.out, o.x, o.a, o.b, o.gelu, o.dy, o.branch})
+      if (x == Buf::G) return true;
+    return false;
+  };
   for (bool fused : {true, false})
-    for (int parts : {1, 2}) {
-      ChunkSpec s = spec(2, 0.0f, 0.2f, 1, fused, all_fusions(parts));
-      const auto ref = compile_chunk_plans(s);
-      s.fp8 = true;
-      const auto plans = compile_chunk_plans(s);
-      for (size_t b = 0; b < plans.size(); ++b) {
-        const std::vector<Op>* lists[] = {&plans[b].forward, &plans[b].forward_eval,
-                                          &plans[b].recompute, &plans[b].backward};
-        const std::vector<Op>* refs[] = {&ref[b].forward, &ref[b].forward_eval,
-                                         &ref[b].recompute, &ref[b].backward};
-        for (int k = 0; k < 4; ++k) {
-          std::multiset<int> linears;
-          ASSERT_EQ(lists[k]->size(), refs[k]->size());
-          for (size_t i = 0; i < lists[k]->size(); ++i) {
-            const Op& o = (*lists[k])[i];
-            const bool linear = o.kind == OpKind::Linear || o.kind == OpKind::LinearBackward ||
-                                o.kind == OpKind::AttentionRow ||
-                                o.kind == OpKind::AttentionRowBackward;
-            EXPECT_EQ(o.fp8, linear) << name(o.kind);
-            EXPECT_FALSE((*refs[k])[i].fp8);
-            EXPECT_EQ(o.kind, (*refs[k])[i].kind);
-            if (o.fp8) linears.insert(o.w.index);
+    for (int parts : {1, 2})
+      for (float dropout : {0.0f, 0.1f}) {
+        ChunkSpec s = spec(2, dropout, 0.2f, 1, fused, all_fusions(parts));
+        const auto ref = compile_chunk_plans(s);
+        s.fp8 = true;
+        const auto plans = compile_chunk_plans(s);
+        const bool in_cast = fused && dropout == 0.0f;
+        for (size_t b = 0; b < plans.size(); ++b) {
+          const std::vector<Op>* lists[] = {&plans[b].forward, &plans[b].forward_eval,
+                                            &plans[b].recompute, &plans[b].backward};
+          const std::vector<Op>* refs[] = {&ref[b].forward, &ref[b].forward_eval,
+                                           &ref[b].recompute, &ref[b].backward};
+          for (int k = 0; k < 4; ++k) {
+            std::multiset<int> linears;
+            std::vector<Op> want_ops;  // the bf16 plan's, less GELU's passes where the casts apply it
+            for (const Op& o : *refs[k])
+              if (!(in_cast && o.kind == OpKind::Gelu)) want_ops.push_back(o);
+            ASSERT_EQ(lists[k]->size(), want_ops.size());
+            for (size_t i = 0; i < lists[k]->size(); ++i) {
+              const Op& o = (*lists[k])[i];
+              const bool linear = o.kind == OpKind::Linear || o.kind == OpKind::LinearBackward ||
+                                  o.kind == OpKind::AttentionRow ||
+                                  o.kind == OpKind::AttentionRowBackward;
+              EXPECT_EQ(o.fp8, linear) << name(o.kind);
+              EXPECT_FALSE(want_ops[i].fp8);
+              EXPECT_EQ(o.kind, want_ops[i].kind);
+              EXPECT_EQ(o.x_gelu, in_cast && o.w.index == kFc2W && linear);
+              if (o.x_gelu) EXPECT_EQ(o.x, Buf::H);
+              if (in_cast) EXPECT_FALSE(touches_g(o)) << name(o.kind);
+              if (o.fp8) linears.insert(o.w.index);
+            }
+            if (lists[k]->empty()) continue;
+            // the recompute ends before fc2
+            const std::multiset<int> want =
+                k == 2 ? std::multiset<int>{kQkvW, kProjW, kFc1W}
+                       : std::multiset<int>{kQkvW, kProjW, kFc1W, kFc2W};
+            EXPECT_EQ(linears, want) << "list " << k << " fused " << fused << " parts " << parts;
           }
-          if (lists[k]->empty()) continue;
-          // the recompute ends before fc2
-          const std::multiset<int> want =
-              k == 2 ? std::multiset<int>{kQkvW, kProjW, kFc1W}
-                     : std::multiset<int>{kQkvW, kProjW, kFc1W, kFc2W};
-          EXPECT_EQ(linears, want) << "list " << k << " fused " << fused << " parts " << parts;
         }
+        EXPECT_NE(describe(plans[0].forward).find("column fp8"), std::string::npos);
       }
-      EXPECT_NE(describe(plans[0].forward).find("column fp8"), std::string::npos);
-    }
 }
 
 TEST(BlockPlan, UnfusedPlanHasNoFusion) {

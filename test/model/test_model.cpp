@@ -247,6 +247,48 @@ TEST(Model, FusedPlansEqualUnfused) {
   }
 }
 
+// FP8 without dropout on the activation: fc2's casts apply fc1's GELU to its pre-activation
+// (block_plan.h), so no GELU pass runs and no GELU output is held, kept or not; the step is
+// the unfused plan's bit for bit (a GELU pass, then fc2 casting its output: the same codes;
+// without dropout and drop path the other fusions round alike).
+TEST(Model, Fp8GeluInTheCasts) {
+  ViTConfig c = tiny(false, 0.0f);
+  c.hidden = 32;
+  c.mlp = 64;
+  c.fp8 = true;
+  const int B = 16;  // 80 rows: the FP8 weight gradients' multiple of 16
+  ViTConfig kept = c, unfused = c, bf = c;
+  kept.keep_gelu_output = true;
+  unfused.fused_block = false;
+  bf.fp8 = false;
+  Rig a(c, DType::BF16, B), k(kept, DType::BF16, B), u(unfused, DType::BF16, B), b(bf, DType::BF16, B);
+  const std::string fwd = describe(a.model->block_plan(1, B).forward);
+  const std::string bwd = describe(a.model->block_plan(1, B).backward);
+  EXPECT_NE(fwd.find("Linear row fp8 x_gelu out=F x=H"), std::string::npos) << fwd;
+  EXPECT_EQ(fwd.find("gelu=G"), std::string::npos) << fwd;
+  EXPECT_EQ(fwd.find("Gelu "), std::string::npos) << fwd;
+  EXPECT_NE(bwd.find("LinearBackward row fp8 x_gelu out=Dh x=H"), std::string::npos) << bwd;
+  EXPECT_EQ(bwd.find("Gelu "), std::string::npos) << bwd;
+  // no G: kept or not the same bytes, and one [N, mlp] buffer fewer than bf16's shared one
+  EXPECT_EQ(k.model->activation_bytes(), a.model->activation_bytes());
+  const size_t g = size_t(B) * c.tokens() * c.mlp * sizeof(float);
+  EXPECT_GE(b.model->activation_bytes() - a.model->activation_bytes(), g);
+  for (int64_t s : {3, 4}) {
+    const double la = a.step(1.0f / B, s), lk = k.step(1.0f / B, s), lu = u.step(1.0f / B, s);
+    EXPECT_EQ(la, lk) << "step " << s;
+    EXPECT_EQ(la, lu) << "step " << s;
+    const auto ga = a.grads(), gu = u.grads(), gk = k.grads();
+    ASSERT_EQ(ga.size(), gu.size());
+    double gmax = 0;
+    for (size_t i = 0; i < ga.size(); ++i) {
+      ASSERT_EQ(ga[i], gu[i]) << "step " << s << " element " << i;
+      ASSERT_EQ(ga[i], gk[i]) << "step " << s << " element " << i;
+      gmax = std::max(gmax, double(std::abs(ga[i])));
+    }
+    EXPECT_GT(gmax, 0.0);
+  }
+}
+
 TEST(Model, DropoutDependsOnStepAndChangesLoss) {
   Rig a(tiny(false, 0.3f), DType::F32, 4);
   const double l1 = a.step(0.25f, 1), l1b = a.step(0.25f, 1), l2 = a.step(0.25f, 2);

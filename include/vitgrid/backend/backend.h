@@ -479,9 +479,12 @@ class Fp8Ops {
   // out[rows, cols] = fp8(x * scale[0]) (nearest even, saturating at the format's largest
   // finite value; NaN stays NaN) and, where out_t is not null, out_t[cols, rows] = its
   // transpose; *amax = max(*amax, max |x|) (fp32 in backend memory; a NaN in x makes it NaN).
-  // x is act dtype, row-major; out may be null when only the transpose is needed.
+  // x is act dtype, row-major; out may be null when only the transpose is needed. With gelu_in
+  // the values cast (and whose amax is taken) are gelu(x) as gelu_forward would store it
+  // (rounded to the act dtype): the same codes as gelu_forward then the cast, in one pass.
   virtual void fp8_cast(uint8_t* out, uint8_t* out_t, float* amax, const void* x, int rows,
-                        int cols, const float* scale, Fp8Format f) = 0;
+                        int cols, const float* scale, Fp8Format f,
+                        const Gelu* gelu_in = nullptr) = 0;
   // D[M,N] = (A[M,K] B[N,K]^T) * a_scale_inv[0] * b_scale_inv[0] + beta D: both operands
   // K-contiguous (the form Hopper's FP8 tensor cores take; a Linear's transposed operands come
   // from fp8_cast's out_t), not both E5M2; fp32 sums; the scale_inv pointers 16-byte aligned

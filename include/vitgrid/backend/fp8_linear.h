@@ -28,6 +28,10 @@ struct Fp8LinearMeta {
   const float* scale_inv = nullptr;  // 1 / scale[k], what the GEMMs multiply their sums by
   float* amax = nullptr;             // amax[k] = max(amax[k], max |tensor k|) at each cast
   int stride = 1;
+  // The layer's input is gelu(x): x holds the pre-activation (fc2 reading fc1's output before
+  // its GELU), which the casts of x apply (Fp8Ops::fp8_cast's gelu_in): no GELU pass, and no
+  // stored GELU output, for the FP8 GEMMs.
+  const Gelu* x_gelu = nullptr;
   const float* scale_of(int k) const { return scale + k * stride; }
   const float* scale_inv_of(int k) const { return scale_inv + k * stride; }
   float* amax_of(int k) const { return amax + k * stride; }

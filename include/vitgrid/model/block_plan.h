@@ -25,6 +25,9 @@
 //                            the LayerNorms' residual adds (no passes over the branches);
 //   attention in parts:      under 1d sequence parallelism the attention runs in the parts
 //                            the proj Linear exchanges (forward and backward), overlapping it.
+//   GELU in the FP8 casts:   with FP8 Linears and no dropout on the activation, fc1 stores
+//                            only its pre-activation H and fc2's casts apply the GELU as they
+//                            read it (x_gelu), forward and backward: no GELU pass, no G.
 // And one rule no flag undoes (it is the precision, not a fusion):
 //   FP8 Linears:             with precision.mode = fp8 (ChunkSpec::fp8), the four Linears
 //                            (qkv, proj, fc1, fc2) run their forward, data and weight
@@ -98,6 +101,7 @@ struct Op {
   int group = 0;               // Need / Report: the block's half
   ActLayout layout = ActLayout::Stream;  // Dropout, Gelu, Add: the activation's layout
   bool fp8 = false;            // Linear(Backward), AttentionRow(Backward): GEMMs in FP8
+  bool x_gelu = false;         // FP8 Linear(Backward): its input is gelu(x), applied by the casts
 };
 
 struct BlockPlan {

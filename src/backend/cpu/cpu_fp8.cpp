@@ -17,11 +17,17 @@ bool CpuBackend::fp8_supported(std::string* why) const {
 }
 
 void CpuBackend::fp8_cast(uint8_t* out, uint8_t* out_t, float* amax, const void* x_, int rows,
-                          int cols, const float* scale, Fp8Format f) {
+                          int cols, const float* scale, Fp8Format f, const Gelu* gelu_in) {
   OpScope op_scope(*this, "fp8_cast");
   check_fp8_cast_args(out, out_t, amax, rows, cols, scale);
   const float* x = static_cast<const float*>(x_);
   const size_t n = static_cast<size_t>(rows) * cols;
+  std::vector<float> g;  // gelu_in: the values gelu_forward stores
+  if (gelu_in) {
+    g.resize(n);
+    gelu_forward(g.data(), x, n, *gelu_in);
+    x = g.data();
+  }
   std::vector<uint8_t> codes;
   uint8_t* dst = out;
   if (!dst) {

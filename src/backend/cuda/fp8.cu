@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "cuda_backend_impl.h"
+#include "gelu_ops.cuh"
 #include "kernel_util.cuh"
 
 namespace vitgrid {
@@ -19,6 +20,18 @@ namespace cuda {
 namespace {
 
 constexpr int kTileRows = 64, kTileCols = 128, kThreads = 256, kChunk = 8;
+
+// The values cast: the input's (Plain), or gelu of it as gelu_forward stores it (GeluIn: the
+// elementwise kernels' op, rounded to T).
+struct Plain {
+  __device__ __forceinline__ float operator()(float v) const { return v; }
+};
+template <class T, GeluForm F>
+struct GeluIn {
+  __device__ __forceinline__ float operator()(float v) const {
+    return to_f<T>(from_f<T>(GeluFwdOp<F>{}(&v, 0)));
+  }
+};
 
 // |v| as ordered integer bits: for non-negative floats (and NaN, whose bits exceed inf's) the
 // integer maximum is the float maximum, so atomicMax on the bits keeps NaN once seen.
@@ -39,11 +52,11 @@ __device__ __forceinline__ bool vector_tile(const uint8_t* out, const uint8_t* o
 // of bf16/fp16, an 8-byte store of codes), kept in shared memory, then the transpose written
 // kChunk rows of one column per 8-byte store. Tiles at the edges, and inputs whose shapes or
 // pointers do not allow vectors, go element by element.
-template <class T>
+template <class T, class In>
 __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(
     uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, float* __restrict__ amax,
     const T* __restrict__ x, int rows, int cols, const float* __restrict__ scale_p,
-    __nv_fp8_interpretation_t fmt) {
+    __nv_fp8_interpretation_t fmt, In in) {
   __shared__ __align__(8) uint8_t tile[kTileRows][kTileCols + 8];
   __shared__ int warp_max[kThreads / 32];
   const int r0 = blockIdx.y * kTileRows, c0 = blockIdx.x * kTileCols;
@@ -58,7 +71,7 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(
       uint8_t codes[kChunk];
 #pragma unroll
       for (int k = 0; k < kChunk; ++k) {
-        const float f = to_f<T>(v.v[k]);
+        const float f = in(to_f<T>(v.v[k]));
         m = max(m, abs_bits(f));
         codes[k] = __nv_cvt_float_to_fp8(f * scale, __NV_SATFINITE, fmt);
       }
@@ -86,7 +99,7 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(
       const int r = r0 + tr, c = c0 + tc;
       uint8_t code = 0;
       if (r < rows && c < cols) {
-        const float v = to_f<T>(x[static_cast<size_t>(r) * cols + c]);
+        const float v = in(to_f<T>(x[static_cast<size_t>(r) * cols + c]));
         m = max(m, abs_bits(v));
         code = __nv_cvt_float_to_fp8(v * scale, __NV_SATFINITE, fmt);
         if (out) out[static_cast<size_t>(r) * cols + c] = code;
@@ -131,7 +144,7 @@ bool CudaBackend::fp8_supported(std::string* why) const {
 }
 
 void CudaBackend::fp8_cast(uint8_t* out, uint8_t* out_t, float* amax, const void* x, int rows,
-                           int cols, const float* scale, Fp8Format f) {
+                           int cols, const float* scale, Fp8Format f, const Gelu* gelu_in) {
   OpScope op_scope(*this, "fp8_cast");
   check_fp8_cast_args(out, out_t, amax, rows, cols, scale);
   if (rows == 0 || cols == 0) return;
@@ -141,8 +154,14 @@ void CudaBackend::fp8_cast(uint8_t* out, uint8_t* out_t, float* amax, const void
   const __nv_fp8_interpretation_t fmt = f == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2;
   cuda::dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    cuda::fp8_cast_kernel<T><<<grid, cuda::kThreads, 0, stream_>>>(
-        out, out_t, amax, static_cast<const T*>(x), rows, cols, scale, fmt);
+    auto launch = [&](auto in) {
+      cuda::fp8_cast_kernel<T><<<grid, cuda::kThreads, 0, stream_>>>(
+          out, out_t, amax, static_cast<const T*>(x), rows, cols, scale, fmt, in);
+    };
+    if (!gelu_in) return launch(cuda::Plain{});
+    cuda::with_gelu_form<T>(*gelu_in, [&](auto form) {
+      launch(cuda::GeluIn<T, decltype(form)::value>{});
+    });
   });
   CUDA_CHECK(cudaGetLastError());
 }

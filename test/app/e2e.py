@@ -1840,8 +1840,9 @@ def t_gpu_fp8(tmp):
     GPUs 1d tensor parallelism with sequence parallelism follows 1 GPU within 5e-3. 77 without
     a GPU."""
     ngpu = gpus_or_skip()
+    # (no dropout: fc2's casts apply fc1's GELU, the CUDA kernel's gelu_in against the CPU's)
     common = ["--model.hidden=32", "--model.heads=4", "--model.mlp_ratio=2", "--data.global_batch=32",
-              "--precision.mode=fp8", "--checkpoint.every_steps=10"]
+              "--precision.mode=fp8", "--checkpoint.every_steps=10", "--model.dropout=0"]
     runs = {}
     for name, n, extra in [("cpu", 1, ["--device.backend=cpu"]), ("cuda", 1, ["--device.backend=cuda"]),
                            ("cuda_1dseq2", 2, ["--device.backend=cuda", "--parallel.tensor=2",

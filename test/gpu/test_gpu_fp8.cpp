@@ -126,6 +126,32 @@ TEST_P(GpuFp8, CastCodesTransposeAndAmax) {
   }
 }
 
+// gelu_in: on the GPU, the codes, transpose and amax of gelu_forward's output cast, bit for bit,
+// in one pass (whole tiles and edge tiles; both GELU forms)
+TEST_P(GpuFp8, CastWithGeluInIsGeluThenTheCast) {
+  Dev& d = *gpu;
+  for (Gelu form : {Gelu::Exact, Gelu::Tanh})
+    for (int rows : {256, 70}) {
+      const int cols = rows == 256 ? 768 : 130;
+      SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols) +
+                   (form == Gelu::Tanh ? " tanh" : " exact"));
+      const size_t n = size_t(rows) * cols;
+      void* x = d.act(rnd(n, 2.0f));
+      void* g = d.nan_act(n);
+      d.be->gelu_forward(g, x, n, form);
+      float* scale = d.f32(Vec{100.0f});
+      uint8_t *a = bytes(d, std::vector<uint8_t>(n, 0xAA)), *at = bytes(d, std::vector<uint8_t>(n, 0xAA));
+      uint8_t *b = bytes(d, std::vector<uint8_t>(n, 0xAA)), *bt = bytes(d, std::vector<uint8_t>(n, 0xAA));
+      float *ma = d.f32(Vec{0.0f}), *mb = d.f32(Vec{0.0f});
+      d.be->fp8_cast(a, at, ma, x, rows, cols, scale, Fp8Format::E4M3, &form);
+      d.be->fp8_cast(b, bt, mb, g, rows, cols, scale, Fp8Format::E4M3);
+      EXPECT_EQ(codes(d, a, n), codes(d, b, n));
+      EXPECT_EQ(codes(d, at, n), codes(d, bt, n));
+      EXPECT_EQ(d.get_f32(ma, 1)[0], d.get_f32(mb, 1)[0]);
+      EXPECT_GT(d.get_f32(ma, 1)[0], 0.0f);
+    }
+}
+
 TEST_P(GpuFp8, CastOnlyTheTransposeAndNaN) {
   const int rows = 128, cols = 256;  // whole tiles: the vector path
   const size_t n = size_t(rows) * cols;

@@ -322,8 +322,9 @@ def t_fp8(tmp):
     delayed scaling as on GPUs): 20 steps follow the bf16 run within a stated band and differ
     from it (the Linears really are quantized); the scaling state is in the checkpoint and moves
     (scales set from the amaxes, not left at 1); data, 1d tensor (with and without sequence
-    parallelism), pipeline and ZeRO-1 layouts follow the 1-rank fp8 run (the amaxes are reduced
-    over every rank, so every layout casts with the same scales); activation checkpointing gives
+    parallelism), pipeline, ZeRO-1 and gradient accumulation follow the 1-rank fp8 run (the
+    amaxes are reduced over every rank and micro-batch, so every layout casts with the same
+    scales); activation checkpointing gives
     the same losses bit for bit; resume continues bit for bit (the
     scaling state restored); layouts fp8 cannot run are refused naming the key."""
     # hidden 32, mlp 64, batch 32: every FP8 GEMM's K a multiple of 16 on 1 and 2 ranks; no
@@ -344,6 +345,7 @@ def t_fp8(tmp):
                              ("fp8_pipe2", 2, ["--precision.mode=fp8", "--parallel.pipeline=2",
                                                "--parallel.micro_batches=2"]),
                              ("fp8_zero2", 2, ["--precision.mode=fp8", "--parallel.zero=1"]),
+                             ("fp8_accum2", 1, ["--precision.mode=fp8", "--data.grad_accum=2"]),
                              ("fp8_recompute", 1, ["--precision.mode=fp8",
                                                    "--model.checkpoint_activations=true"])]:
         d = os.path.join(tmp, name)
@@ -391,7 +393,7 @@ def t_fp8(tmp):
     lr = runs["fp8_recompute"][1]
     check(np.array_equal(lr, f8), f"fp8 with every block recomputed: the 1-rank losses bit for bit "
           f"(max diff {np.max(np.abs(lr - f8)):.3e})")
-    for name in ("fp8_data2", "fp8_1d2", "fp8_1dseq2", "fp8_pipe2", "fp8_zero2"):
+    for name in ("fp8_data2", "fp8_1d2", "fp8_1dseq2", "fp8_pipe2", "fp8_zero2", "fp8_accum2"):
         d, loss, _ = runs[name]
         r = rel(loss, f8)
         check(len(loss) == 20 and r <= 5e-3, f"{name}: losses follow 1-rank fp8 ({r:.2e} <= 5e-3)")

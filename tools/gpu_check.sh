@@ -352,8 +352,9 @@ PYEOF
             --precision.mode=$p --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
         done
       done
-      "$PY" -c "import torchao" 2>/dev/null || ls .gpu-deps/torchao-*.whl >/dev/null 2>&1 &&
+      if ! "$PY" -c "import torchao" 2>/dev/null && ls .gpu-deps/torchao-*.whl >/dev/null 2>&1; then
         "$PY" -m pip install --no-deps -q .gpu-deps/torchao-*.whl >/dev/null 2>&1
+      fi
       for f in "" --float8; do
         "$PY" tools/bench_pytorch.py --precision bf16 --compile $f 2>&1 | grep -E "^pytorch|Error|needs"
       done

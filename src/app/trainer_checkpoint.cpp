@@ -93,6 +93,7 @@ std::vector<TensorShard> Checkpointer::shards(std::vector<float>& host, bool wit
       s.count = shape;
       s.data = data;
       s.write = grid.world_rank() == 0;
+      s.optional = true;  // a checkpoint of a bf16 run continues in fp8 from fresh scales
       out.push_back(std::move(s));
     };
     whole("fp8/amax_history", {T, H}, fp8_host_.data());
@@ -332,7 +333,13 @@ bool Checkpointer::load(std::string path, bool full, bool resume) {
     run_.applied = static_cast<int64_t>(get("applied_steps"));
     scaler.restore(get("loss_scale") > 0 ? get("loss_scale") : scaler.scale(),
                    static_cast<int64_t>(get("scaler_good_steps")));
-    if (run_.model->fp8()) {
+    const bool fp8_found = std::all_of(sh.begin(), sh.end(), [](const TensorShard& s) {
+      return s.found || s.name.rfind("fp8/", 0) != 0;
+    });
+    if (run_.model->fp8() && !fp8_found)
+      run_.log("checkpoint %s holds no FP8 scaling state (written in another precision): the "
+               "FP8 scales start at 1, the amax history empty\n", path.c_str());
+    if (run_.model->fp8() && fp8_found) {
       Fp8ScalingState& f = run_.model->fp8_scaling();
       const size_t h = f.amax_history().size();
       f.restore(std::vector<float>(fp8_host_.begin(), fp8_host_.begin() + h),

@@ -98,9 +98,14 @@ std::string try_read_checkpoint(MPI_Comm comm, const std::string& path,
     bool ok = true;
     std::string msg;
     io_detail::H5ErrorSilencer quiet;
-    for (const auto& s : shards) {
+    for (auto& s : shards) {
       const std::string ds = "/" + s.name;
-      if (!io_detail::path_exists(file, s.name)) {
+      s.found = io_detail::path_exists(file, s.name);
+      if (!s.found && s.optional) {
+        dsets.emplace_back();  // (not read)
+        continue;
+      }
+      if (!s.found) {
         ok = false;
         msg = what + ": dataset '" + ds + "' is missing";
         break;
@@ -146,6 +151,7 @@ std::string try_read_checkpoint(MPI_Comm comm, const std::string& path,
   for (size_t i = 0; i < shards.size(); ++i) {
     WatchdogWait w("the collective HDF5 read of a checkpoint tensor");
     auto& s = shards[i];
+    if (!s.found) continue;  // an optional tensor the file lacks (the same on every rank)
     bool active = s.elements() > 0;
     VG_CHECK(!active || s.data, "shard '" << s.name << "' has no buffer");
     auto spaces = shard_spaces(s, active);

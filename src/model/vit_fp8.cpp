@@ -1,9 +1,11 @@
 // The ViT's FP8 scaling (precision.mode = fp8, model/vit.h): the delayed-scaling state of the
 // block Linears' tensors, on the host, and their scales and amaxes in backend memory, which
 // the FP8 Linears (backend/fp8_linear.h, called by the strategy) read and write.
+#include <algorithm>
 #include <string>
 #include <vector>
 
+#include "vitgrid/backend/fp8_linear.h"
 #include "vitgrid/core/error.h"
 #include "vitgrid/model/vit.h"
 
@@ -42,6 +44,12 @@ void ViT::fp8_init() {
                       " samples x " + std::to_string(T) + " tokens = " +
                       std::to_string(samples * T) + " (choose data.global_batch, "
                       "data.grad_accum or the pipeline's micro-batches so that it is)");
+  // the FP8 copies' scratch at the largest Linear call: the Inner rows (the whole micro-batch's
+  // under sequence parallelism) and each Linear's local features
+  const int Ni = mlp.samples * T;
+  const int q = static_cast<int>(qkv.cols), m = static_cast<int>(mlp.cols), at = static_cast<int>(attn);
+  tp_.reserve_fp8(std::max({fp8_linear_scratch_bytes(Ni, C, q), fp8_linear_scratch_bytes(Ni, at, C),
+                            fp8_linear_scratch_bytes(Ni, C, m), fp8_linear_scratch_bytes(Ni, m, C)}));
   std::vector<Fp8Format> formats(static_cast<size_t>(cfg_.depth) * kFp8Linears *
                                  Fp8LinearMeta::kTensors);
   for (size_t i = 0; i < formats.size(); ++i)

@@ -415,6 +415,22 @@ def t_fp8(tmp):
     lb = losses(b)[1]
     check(np.array_equal(f8[10:], lb[10:]), f"fp8: steps 11-20 bit-identical after resume "
           f"(max diff {np.max(np.abs(f8[10:] - lb[10:])):.3e})")
+    # the FP8 scratch is planned: no allocation after the first step
+    check("workspace plan too small" not in out8 and "allocations" not in out8,
+          "fp8: no device allocation during the steps")
+    # a bf16 run continues in fp8 (its checkpoint holds no scaling state: fresh scales), and
+    # an fp8 run in bf16
+    for src, mode in (("bf16", "fp8"), ("fp8", "bf16")):
+        c = os.path.join(tmp, f"{src}_to_{mode}")
+        shutil.copytree(runs[src][0], c)
+        os.remove(os.path.join(c, "checkpoints", "step_00000020.h5"))
+        p = run(1, ["train", DECK, f"--run.out_dir={c}", "--checkpoint.resume=auto",
+                    f"--precision.mode={mode}"] + common)
+        lc = losses(c)[1]
+        fresh = "holds no FP8 scaling state" in p.stdout
+        check("resuming" in p.stdout and len(lc) == 20 and np.all(np.isfinite(lc)) and
+              fresh == (mode == "fp8"), f"a {src} checkpoint resumed in {mode}: 20 steps, "
+              f"{'fresh FP8 scales said' if fresh else 'no FP8 state needed'}")
     # refusals: a tensor mode whose Linears are not whole per rank; rows not a multiple of 16
     for what, args, names in [
             ("fp8 with 2d", ["--parallel.tensor=4", "--parallel.tensor_mode=2d"], ["precision.mode", "2d"]),

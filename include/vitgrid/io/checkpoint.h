@@ -32,6 +32,11 @@ struct TensorShard {
   std::vector<int64_t> block;
   float* data = nullptr;
   bool write = true;
+  // Reading: a tensor the file may lack (state of a mode an earlier run did not use, as FP8's
+  // scaling): missing, it is skipped and `found` set false (data untouched); present, it must
+  // fit like any other.
+  bool optional = false;
+  bool found = true;
   // The elements of the selection (the product of count, times block when strided).
   int64_t elements() const {
     int64_t n = 1;

@@ -138,6 +138,10 @@ class TensorParallel {
     int in, out, groups;
   };
   virtual void reserve(int max_rows, const std::vector<LinearShape>& linears) = 0;
+  // The FP8 Linears' scratch (their operands' FP8 copies, backend/fp8_linear.h), sized now to
+  // the largest call's: the model's largest fp8_linear_scratch_bytes over its Linears' local
+  // shapes at the Inner rows.
+  virtual void reserve_fp8(size_t bytes) = 0;
 
   // ---- activation layouts
   // This rank's block of a global [batch, *, width] activation of layout `l`. Throws

@@ -220,6 +220,10 @@ TensorParallelBase::Fp8Scope::Fp8Scope(TensorParallelBase& tp, const Fp8LinearMe
 }
 
 // slot 12: the FP8 copies of the Linear's operands (backend/fp8_linear.h)
+void TensorParallelBase::reserve_fp8(size_t bytes) {
+  if (bytes > 0) scratch(12, bytes);
+}
+
 void TensorParallelBase::local_forward(void* y, const void* x, const void* W, const void* b,
                                        int rows, int in, int out, void* gelu_out, Gelu g) {
   if (!fp8_) {

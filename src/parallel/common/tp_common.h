@@ -20,6 +20,7 @@ class TensorParallelBase : public TensorParallel {
   Shard shard_hidden_vector(const std::vector<int64_t>& shape) const override;
   void register_params(const std::vector<ParamInfo>& params) override;
   void reserve(int max_rows, const std::vector<LinearShape>& linears) final;
+  void reserve_fp8(size_t bytes) final;
 
   void linear_forward(LinearRole role, void* y, const void* x, const void* W, const void* b,
                       int rows, int in, int out, void* gelu_out, Gelu g, int groups,

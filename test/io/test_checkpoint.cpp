@@ -544,6 +544,41 @@ TEST(Checkpoint, RefusalsAreUserErrorsOnEveryRank) {
   for (size_t t = 0; t < kTensors.size(); ++t) expect_shard_values(r.shards[t], t);
 }
 
+// An optional tensor (state of a mode an earlier run did not use, as FP8's scaling): missing,
+// the read goes on with `found` false and the buffer untouched, on every rank; present, it is
+// read like any other; present at another shape, refused like any other.
+TEST(Checkpoint, OptionalTensorsMayBeMissing) {
+  vgtest::SharedTmpDir tmp;
+  ShardSet w = make_write_set();
+  std::string good = vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp.path(), 1, w.shards, make_meta(1));
+
+  ShardSet r = make_read_set();
+  add_shard(&r, 99, {"fp8/scale", {6}}, 0, rank_of(), size_of(), false);
+  r.shards.back().optional = true;
+  const std::vector<float> before = r.bufs.back();
+  vitgrid::read_checkpoint(MPI_COMM_WORLD, good, r.shards, nullptr);
+  EXPECT_FALSE(r.shards.back().found);
+  EXPECT_EQ(r.bufs.back(), before);
+  for (size_t t = 0; t < kTensors.size(); ++t) {
+    EXPECT_TRUE(r.shards[t].found);
+    expect_shard_values(r.shards[t], t);
+  }
+  // an optional tensor the file holds is read
+  ShardSet opt = make_read_set();
+  opt.shards.front().optional = true;
+  vitgrid::read_checkpoint(MPI_COMM_WORLD, good, opt.shards, nullptr);
+  EXPECT_TRUE(opt.shards.front().found);
+  expect_shard_values(opt.shards.front(), 0);
+  // ... and must fit
+  ShardSet wrong = make_read_set();
+  add_shard(&wrong, 98, {"model/patch_embed.proj.weight", {5, 7}}, 1, rank_of(), size_of(), false);
+  wrong.shards.erase(wrong.shards.begin());
+  wrong.shards.back().optional = true;
+  vgtest::expect_user_error_everywhere(
+      [&]() mutable { vitgrid::read_checkpoint(MPI_COMM_WORLD, good, wrong.shards, nullptr); },
+      {good, "'/model/patch_embed.proj.weight' has shape [7, 5], expected [5, 7]"});
+}
+
 // tools/inspect_checkpoint.py on a real checkpoint, an incomplete one and a non-checkpoint.
 TEST(Checkpoint, InspectTool) {
   vgtest::SharedTmpDir tmp;

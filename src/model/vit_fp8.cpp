@@ -47,9 +47,12 @@ void ViT::fp8_init() {
   // the FP8 copies' scratch at the largest Linear call: the Inner rows (the whole micro-batch's
   // under sequence parallelism) and each Linear's local features
   const int Ni = mlp.samples * T;
-  const int q = static_cast<int>(qkv.cols), m = static_cast<int>(mlp.cols), at = static_cast<int>(attn);
-  tp_.reserve_fp8(std::max({fp8_linear_scratch_bytes(Ni, C, q), fp8_linear_scratch_bytes(Ni, at, C),
-                            fp8_linear_scratch_bytes(Ni, C, m), fp8_linear_scratch_bytes(Ni, m, C)}));
+  const int q = static_cast<int>(qkv.cols), m = static_cast<int>(mlp.cols);
+  const int at = static_cast<int>(attn);
+  tp_.reserve_fp8(std::max({fp8_linear_scratch_bytes(Ni, C, q),    // qkv
+                            fp8_linear_scratch_bytes(Ni, at, C),   // proj
+                            fp8_linear_scratch_bytes(Ni, C, m),    // fc1
+                            fp8_linear_scratch_bytes(Ni, m, C)}));  // fc2
   std::vector<Fp8Format> formats(static_cast<size_t>(cfg_.depth) * kFp8Linears *
                                  Fp8LinearMeta::kTensors);
   for (size_t i = 0; i < formats.size(); ++i)

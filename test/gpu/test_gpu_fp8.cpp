@@ -140,8 +140,8 @@ TEST_P(GpuFp8, CastWithGeluInIsGeluThenTheCast) {
       void* g = d.nan_act(n);
       d.be->gelu_forward(g, x, n, form);
       float* scale = d.f32(Vec{100.0f});
-      uint8_t *a = bytes(d, std::vector<uint8_t>(n, 0xAA)), *at = bytes(d, std::vector<uint8_t>(n, 0xAA));
-      uint8_t *b = bytes(d, std::vector<uint8_t>(n, 0xAA)), *bt = bytes(d, std::vector<uint8_t>(n, 0xAA));
+      const std::vector<uint8_t> fill(n, 0xAA);
+      uint8_t *a = bytes(d, fill), *at = bytes(d, fill), *b = bytes(d, fill), *bt = bytes(d, fill);
       float *ma = d.f32(Vec{0.0f}), *mb = d.f32(Vec{0.0f});
       d.be->fp8_cast(a, at, ma, x, rows, cols, scale, Fp8Format::E4M3, &form);
       d.be->fp8_cast(b, bt, mb, g, rows, cols, scale, Fp8Format::E4M3);

@@ -550,7 +550,8 @@ TEST(Checkpoint, RefusalsAreUserErrorsOnEveryRank) {
 TEST(Checkpoint, OptionalTensorsMayBeMissing) {
   vgtest::SharedTmpDir tmp;
   ShardSet w = make_write_set();
-  std::string good = vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp.path(), 1, w.shards, make_meta(1));
+  const std::string good =
+      vitgrid::write_checkpoint(MPI_COMM_WORLD, tmp.path(), 1, w.shards, make_meta(1));
 
   ShardSet r = make_read_set();
   add_shard(&r, 99, {"fp8/scale", {6}}, 0, rank_of(), size_of(), false);

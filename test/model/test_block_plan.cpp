@@ -112,7 +112,8 @@ TEST(BlockPlan, Fp8MarksTheFourLinearsOnly) {
                                            &ref[b].recompute, &ref[b].backward};
           for (int k = 0; k < 4; ++k) {
             std::multiset<int> linears;
-            std::vector<Op> want_ops;  // the bf16 plan's, less GELU's passes where the casts apply it
+            // the bf16 plan's ops, less GELU's passes where the casts apply it
+          std::vector<Op> want_ops;
             for (const Op& o : *refs[k])
               if (!(in_cast && o.kind == OpKind::Gelu)) want_ops.push_back(o);
             ASSERT_EQ(lists[k]->size(), want_ops.size());

@@ -261,7 +261,8 @@ TEST(Model, Fp8GeluInTheCasts) {
   kept.keep_gelu_output = true;
   unfused.fused_block = false;
   bf.fp8 = false;
-  Rig a(c, DType::BF16, B), k(kept, DType::BF16, B), u(unfused, DType::BF16, B), b(bf, DType::BF16, B);
+  Rig a(c, DType::BF16, B), k(kept, DType::BF16, B), u(unfused, DType::BF16, B);
+  Rig b(bf, DType::BF16, B);
   const std::string fwd = describe(a.model->block_plan(1, B).forward);
   const std::string bwd = describe(a.model->block_plan(1, B).backward);
   EXPECT_NE(fwd.find("Linear row fp8 x_gelu out=F x=H"), std::string::npos) << fwd;

@@ -9,8 +9,9 @@
 // the delayed-scaling history (model/fp8_scaling.h), which sets the scales between steps.
 //
 // Hopper's FP8 GEMMs take K-contiguous operands with K a multiple of 16: in and out must be
-// multiples of 16, and so must the rows where the weight gradient (whose K they are) is taken. The casts are passes of their own here;
-// fusing them into the kernels that produce x and dy is what makes FP8 pay (tools/MEASURED.md).
+// multiples of 16, and so must the rows where the weight gradient (whose K they are) is
+// taken. The casts are passes of their own here (but for a GELU applied to x, x_gelu); fusing
+// them into the kernels that produce x and dy is what makes FP8 pay (tools/MEASURED.md).
 #pragma once
 #include <cstddef>
 #include <cstdint>

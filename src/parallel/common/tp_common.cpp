@@ -212,7 +212,11 @@ void TensorParallelBase::reserve(int max_rows, const std::vector<LinearShape>& l
 
 // ---- Linears
 
-TensorParallelBase::Fp8Scope::Fp8Scope(TensorParallelBase& tp, const Fp8LinearMeta* m) : tp_(tp) {
+TensorParallelBase::Fp8Scope::Fp8Scope(TensorParallelBase& tp, const Fp8LinearMeta* m,
+                                       LinearRole role)
+    : tp_(tp) {
+  VG_CHECK(!m || role == LinearRole::Column || role == LinearRole::Row,
+           "an FP8 embedding, head or replicated Linear (the block Linears only)");
   VG_CHECK(!m || tp.fusions().fp8,
            "an FP8 Linear in tensor mode " << tensor_mode_name(tp.mode())
                                            << ", whose Linears run in the act dtype only");
@@ -248,15 +252,12 @@ void TensorParallelBase::local_backward(void* dx, float* dW, float* db, const vo
 void TensorParallelBase::linear_forward(LinearRole role, void* y, const void* x, const void* W,
                                         const void* b, int rows, int in, int out, void* gelu_out,
                                         Gelu g, int groups, const Fp8LinearMeta* fp8) {
-  VG_CHECK(!fp8 || role == LinearRole::Column || role == LinearRole::Row,
-           "an FP8 embedding, head or replicated Linear (the block Linears only)");
+  Fp8Scope f8(*this, fp8, role);
   switch (role) {
     case LinearRole::Column:
-    case LinearRole::Row: {
-      Fp8Scope f8(*this, fp8);
+    case LinearRole::Row:
       parallel_forward(role, y, x, W, b, rows, in, out, gelu_out, g, groups);
       return;
-    }
     case LinearRole::Embed:
       // whole input features, this rank's output columns: no communication
       be_.linear_forward(y, x, W, b, rows, in, out / hq_, gelu_out, g);
@@ -279,8 +280,7 @@ void TensorParallelBase::linear_backward(LinearRole role, void* dx, float* dW, f
                                          const void* dy, const void* x, const void* W, int rows,
                                          int in, int out, int groups, const void* gelu_pre,
                                          Gelu g, float* gelu_db, const Fp8LinearMeta* fp8) {
-  VG_CHECK(!fp8 || role == LinearRole::Column || role == LinearRole::Row,
-           "an FP8 embedding, head or replicated Linear (the block Linears only)");
+  Fp8Scope f8(*this, fp8, role);
   VG_CHECK(gelu_pre == nullptr || role == LinearRole::Column || role == LinearRole::Row,
            "a GELU backward fused into an embedding, head or replicated Linear");
   VG_CHECK(gelu_db == nullptr || (role == LinearRole::Row && dx && gelu_pre &&
@@ -288,12 +288,10 @@ void TensorParallelBase::linear_backward(LinearRole role, void* dx, float* dW, f
            "a GELU bias gradient without a Row Linear's dx and GELU backward in this mode");
   switch (role) {
     case LinearRole::Column:
-    case LinearRole::Row: {
-      Fp8Scope f8(*this, fp8);
+    case LinearRole::Row:
       parallel_backward(role, dx, dW, db, dy, x, W, rows, in, out, groups,
                         dx ? gelu_pre : nullptr, g, gelu_db);
       return;
-    }
     case LinearRole::Embed:
       // dx (not needed by the model: the input is pixels) sums over the output columns
       be_.linear_backward(dx, dW, db, dy, x, W, rows, in, out / hq_);

@@ -79,10 +79,11 @@ class TensorParallelBase : public TensorParallel {
                       const void* W, int rows, int in, int out, const void* gelu_pre = nullptr,
                       Gelu g = Gelu::Exact, float* gelu_db = nullptr);
   // Sets fp8_ for the duration of one Linear call (the public calls and the modes' overrides
-  // of row_forward_produced / row_backward_consumed).
+  // of row_forward_produced / row_backward_consumed); an FP8 scaling only for a Column or Row
+  // Linear of a mode that runs them in FP8 (VG_CHECK).
   class Fp8Scope {
    public:
-    Fp8Scope(TensorParallelBase& tp, const Fp8LinearMeta* m);
+    Fp8Scope(TensorParallelBase& tp, const Fp8LinearMeta* m, LinearRole role);
     ~Fp8Scope() { tp_.fp8_ = nullptr; }
     Fp8Scope(const Fp8Scope&) = delete;
     Fp8Scope& operator=(const Fp8Scope&) = delete;

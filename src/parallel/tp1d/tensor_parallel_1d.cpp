@@ -221,7 +221,8 @@ class TensorParallel1D final : public TensorParallelBase {
   void for_chunks(int rows, F&& f) const {
     const int64_t g = fp8_ ? 16 : 1;
     auto edge = [&](int j) {
-      return j == chunks_ ? rows : static_cast<int>(static_cast<int64_t>(rows) * j / chunks_ / g * g);
+      if (j == chunks_) return rows;
+      return static_cast<int>(static_cast<int64_t>(rows) * j / chunks_ / g * g);
     };
     for (int j = 0; j < chunks_; ++j) {
       const int lo = edge(j), hi = edge(j + 1);
@@ -348,7 +349,7 @@ class TensorParallel1D final : public TensorParallelBase {
       TensorParallelBase::row_forward_produced(y, x, W, b, rows, in, out, samples, produce, fp8);
       return;
     }
-    Fp8Scope f8(*this, fp8);
+    Fp8Scope f8(*this, fp8, LinearRole::Row);
     const int part = row_part_samples(samples);
     exchange_row_forward(y, x, W, b, rows, in, out, nullptr, Gelu::Exact,
                          [&](int k) { produce(k * part, part); });
@@ -363,7 +364,7 @@ class TensorParallel1D final : public TensorParallelBase {
                                                 consume, fp8);
       return;
     }
-    Fp8Scope f8(*this, fp8);
+    Fp8Scope f8(*this, fp8, LinearRole::Row);
     const int part = row_part_samples(samples);
     overlapped_row_backward(dx, dW, db, dy, x, W, rows, in, out, nullptr, Gelu::Exact, nullptr,
                             [&](int k) { consume(k * part, part); });

@@ -289,7 +289,8 @@ PYEOF
     # before the step loop goes on, through HDF5's collective writes; sync-direct: the same
     # with checkpoint.direct_io; async: in the background with direct_io, the default on GPUs),
     # each line with the step loop's stall, the file's rate and the disk's own (dd-like O_DIRECT
-    # probe, same directory, same bytes). CKPT_READ=1 adds a train / resume pair (read rate).
+    # probe, same directory, same bytes); MODE:T with checkpoint.direct_threads = T. CKPT_READ=1
+    # adds a train / resume pair (read rate).
     R=${RUNS:-/tmp/vitgrid-ckpt}
     rm -rf "$R"; mkdir -p "$R"
     n=$NGPU; [ "$n" -le 4 ] || n=4
@@ -307,11 +308,13 @@ PYEOF
         rm -rf "$R/$name"
       fi
       for mode in ${CKPT_MODES:-sync-hdf5 sync-direct async}; do
-        case $mode in
+        case ${mode%%:*} in
           sync-hdf5) M=(--checkpoint.async=false --checkpoint.direct_io=false) ;;
           sync-direct) M=(--checkpoint.async=false --checkpoint.direct_io=true) ;;
           async) M=(--checkpoint.async=true --checkpoint.direct_io=true) ;;
         esac
+        # MODE:T: checkpoint.direct_threads = T
+        [[ $mode == *:* ]] && M+=(--checkpoint.direct_threads=${mode#*:})
         mpirun -np $n --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini $lay "${M[@]}" \
           --warmup=1 --steps=${CKPT_STEPS:-10} --checkpoint --run.out_dir="$R/$name" 2>&1 |
           grep -E "^checkpoint bench|rror" | sed "s/^/$name $mode: /"

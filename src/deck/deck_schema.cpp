@@ -194,14 +194,14 @@ const std::vector<Field>& schema() {
                "writes the file while training goes on (one write in flight; the last "
                "checkpoint and a preemption's wait for theirs); auto: true on the CUDA backend"),
       VG_FIELD(checkpoint, direct_io, "",
-               "true: HDF5 lays the file out and writes its metadata while each rank writes its "
-               "tensors' bytes at their offsets with O_DIRECT (no page cache; pieces under 1 MiB, "
-               "the row pieces of a split along columns, buffered) and fsyncs; false: HDF5's "
-               "collective writes. The same file either way"),
+               "true: rank 0 lays the file out (serial HDF5) and each rank writes its tensors' "
+               "bytes at their offsets with O_DIRECT (no page cache; a tensor split along its "
+               "columns stored in chunks of one rank's block, so each part is one write) and "
+               "fsyncs; false: HDF5's collective writes, every tensor contiguous"),
       VG_FIELD(checkpoint, direct_threads, "",
                "with direct_io: threads per rank writing its tensors' bytes, each with one 8 MiB "
-               "request in flight; they start once HDF5 has laid the file out and run beside the "
-               "checksums and the metadata"),
+               "request in flight; they start once rank 0 has laid the file out and run beside "
+               "the checksums"),
       // [device]
       VG_FIELD(device, backend, "auto|cuda|cpu",
                "compute backend (auto: cuda when a GPU is present)"),

@@ -394,6 +394,153 @@ int hash_threads(MPI_Comm comm) {
 }
 }  // namespace
 
+// tests: a slow file system (a pause per tensor laid out)
+void slow_file_system_hook() {
+  if (vitgrid_test_hooks.checkpoint_tensor_delay_ms > 0)
+    std::this_thread::sleep_for(
+        std::chrono::milliseconds(vitgrid_test_hooks.checkpoint_tensor_delay_ms));
+}
+
+// A tensor's creation properties: contiguous (chunk empty) or in chunks of that shape; allocated
+// at creation, never filled (every element is written once right after).
+H5Id data_dcpl(const std::vector<int64_t>& chunk) {
+  H5Id dcpl(H5_CHECK(H5Pcreate(H5P_DATASET_CREATE)));
+  if (chunk.empty()) {
+    H5_CHECK(H5Pset_layout(dcpl, H5D_CONTIGUOUS));
+  } else {
+    std::vector<hsize_t> c(chunk.begin(), chunk.end());
+    H5_CHECK(H5Pset_chunk(dcpl, static_cast<int>(c.size()), c.data()));
+  }
+  H5_CHECK(H5Pset_alloc_time(dcpl, H5D_ALLOC_TIME_EARLY));
+  H5_CHECK(H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER));
+  return dcpl;
+}
+
+// The checksum of every tensor, the same on every rank: each rank hashes what it writes, its
+// tensors spread over a few threads (the node's cores per rank, at most 8: a rank's share of a
+// large model is tens of GB); one all-reduce sums them. Called by all ranks of comm.
+std::vector<uint64_t> checksums(MPI_Comm comm, const std::vector<TensorShard>& shards) {
+  std::vector<uint64_t> sums(shards.size(), 0);
+  std::atomic<size_t> next{0};
+  auto hash_some = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < shards.size();)
+      if (shards[i].write && shards[i].elements() > 0) sums[i] = shard_hash(shards[i]);
+  };
+  std::vector<std::thread> pool;
+  const int threads = hash_threads(comm);
+  for (int k = 1; k < threads; ++k) pool.emplace_back(hash_some);
+  hash_some();
+  for (auto& th : pool) th.join();
+  if (!sums.empty())
+    watched("an MPI all-reduce of the checkpoint I/O", [&] {
+      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sums.data(), static_cast<int>(sums.size()),
+                              MPI_UINT64_T, MPI_SUM, comm));
+    });
+  return sums;
+}
+
+// The small state: compact datasets (the values live in the object header, metadata), the same
+// values from every rank that writes them; `after(stage)` runs after each creation and write
+// (the collective file's agreement points).
+template <class After>
+void write_state(hid_t file, hid_t lcpl, hid_t dxpl, const CheckpointMeta& meta, After after) {
+  H5Id compact(H5_CHECK(H5Pcreate(H5P_DATASET_CREATE)));
+  H5_CHECK(H5Pset_layout(compact, H5D_COMPACT));
+  for (const auto& kv : meta.state) {
+    hsize_t n = kv.second.size();
+    // an object header holds at most 64 KiB: the state is scalars and short vectors
+    VG_CHECK(n * sizeof(double) <= 16384,
+             "checkpoint state '" << kv.first << "' has " << n
+                                  << " values; large ones belong in tensors");
+    H5Id fspace(H5_CHECK(H5Screate_simple(1, &n, nullptr)));
+    H5Id dset(H5_CHECK(H5Dcreate2(file, ("state/" + kv.first).c_str(), H5T_IEEE_F64LE, fspace,
+                                  lcpl, compact, H5P_DEFAULT)));
+    write_attr_u64(dset, "checksum", values_hash(kv.second));
+    after("creating the state");
+    if (n == 0) continue;
+    H5_CHECK(H5Dwrite(dset, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, dxpl, kv.second.data()));
+    after("writing the state");
+  }
+}
+
+// The root attributes but `complete`.
+void write_root_attributes(hid_t file, const CheckpointMeta& meta, int world_size) {
+  io_detail::write_attr_string(file, "deck", meta.deck);
+  io_detail::write_attr_ints(file, "grid", meta.grid);
+  // the communicator that wrote the file is the run's world (every rank holds a shard)
+  io_detail::write_attr_int(file, "world_size", world_size);
+  io_detail::write_attr_string(file, "tensor_mode", meta.tensor_mode);
+  io_detail::write_attr_string(file, "backend", meta.backend);
+  io_detail::write_attr_string(file, "version", kVersion);
+}
+
+// direct_io, rank 0 alone, serial HDF5 (the same alignment as the collective files): creates
+// the file with every tensor's dataset (contiguous or in `chunks`, allocated, never filled),
+// the state and the root attributes but `complete`. Returns the open file (invalid after a
+// failure, recorded in the caller's SoftFailures scope), the tensors' datasets in `dsets` and,
+// per tensor, its number of file offsets then the offsets (the dataset's, or each chunk's in
+// row-major chunk order) in `addrs`.
+H5Id lay_out_serial(const std::string& path, const std::vector<TensorShard>& shards,
+                    const std::vector<std::vector<int64_t>>& chunks, const CheckpointMeta& meta,
+                    int world_size, hid_t lcpl, const io_detail::SoftFailures& soft,
+                    std::vector<H5Id>* dsets, std::vector<uint64_t>* addrs) {
+  H5Id fapl(H5_CHECK(H5Pcreate(H5P_FILE_ACCESS)));
+  H5_CHECK(H5Pset_alignment(fapl, 64 * 1024, 1024 * 1024));
+  // A .tmp left by a killed run is removed, not truncated: a rank of that run still alive
+  // holds HDF5's lock on it and writes into the old file, not this one.
+  std::remove(path.c_str());
+  H5Id file(H5_CHECK(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl)));
+  if (!file.valid()) return file;
+  for (const char* g : {"model", "optim", "state"}) {
+    H5Id group(H5_CHECK(H5Gcreate2(file, g, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)));
+  }
+  H5Id contiguous = data_dcpl({});
+  for (size_t si = 0; si < shards.size() && !soft.failed(); ++si) {
+    const TensorShard& s = shards[si];
+    const std::vector<int64_t>& chunk = chunks[si];
+    slow_file_system_hook();
+    auto spaces = shard_spaces(s, false);
+    H5Id dcpl = chunk.empty() ? H5Id() : data_dcpl(chunk);
+    dsets->emplace_back(H5_CHECK(H5Dcreate2(file, s.name.c_str(), H5T_IEEE_F32LE, spaces.first,
+                                            lcpl, chunk.empty() ? hid_t(contiguous) : hid_t(dcpl),
+                                            H5P_DEFAULT)));
+    if (!dsets->back().valid()) break;
+    int64_t n = 1;
+    for (int64_t e : s.global_shape) n *= e;
+    if (n == 0) {
+      addrs->push_back(0);
+      continue;
+    }
+    if (chunk.empty()) {
+      const haddr_t at = H5Dget_offset(dsets->back());
+      VG_CHECK(at != HADDR_UNDEF, "dataset '" << s.name << "' has no storage");
+      addrs->push_back(1);
+      addrs->push_back(at);
+      continue;
+    }
+    // each chunk's address, row-major over the chunk grid
+    const size_t r = chunk.size();
+    std::vector<int64_t> grid(r);
+    uint64_t total = 1;
+    for (size_t d = 0; d < r; ++d) total *= grid[d] = s.global_shape[d] / chunk[d];
+    addrs->push_back(total);
+    std::vector<hsize_t> at(r, 0);
+    for (uint64_t c = 0; c < total; ++c) {
+      for (size_t d = r, rest = c; d-- > 0; rest /= grid[d]) at[d] = (rest % grid[d]) * chunk[d];
+      haddr_t addr = HADDR_UNDEF;
+      unsigned mask = 0;
+      hsize_t bytes = 0;
+      H5_CHECK(H5Dget_chunk_info_by_coord(dsets->back(), at.data(), &mask, &addr, &bytes));
+      VG_CHECK(soft.failed() || addr != HADDR_UNDEF,
+               "dataset '" << s.name << "': a chunk has no storage");
+      addrs->push_back(addr);
+    }
+  }
+  write_state(file, lcpl, H5P_DEFAULT, meta, [](const char*) {});
+  write_root_attributes(file, meta, world_size);
+  return file;
+}
+
 // Called by all ranks of comm.
 std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step,
                              const std::vector<TensorShard>& shards, const CheckpointMeta& meta,
@@ -441,8 +588,8 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
   H5Id file;
   // direct_io: this rank's tensor bytes, written by threads from when the file is laid out
   std::unique_ptr<DirectWriter> writer;
-  // direct_io: every tensor's bytes written past HDF5 (DirectWriter), each rank's part as the
-  // runs of consecutive elements it makes in the file; else HDF5's collective writes
+  // direct_io: every tensor's bytes written past HDF5 (DirectWriter) into a file rank 0 lays
+  // out; else HDF5's collective writes into a file all ranks create
   const bool direct = direct_threads > 0 && !shards.empty();
   struct Failed {
     std::string why;
@@ -452,150 +599,124 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
     if (!why.empty()) throw Failed{why + ", " + stage};
   };
   try {
-    file = io_detail::create_parallel(comm, tmp);
-    io_detail::throw_if_any_failed(comm, file.valid(),
-                                   "checkpoint '" + tmp + "': cannot create the file");
-    H5Id dxpl = io_detail::collective_dxpl();
     // names like "optim/blocks.0.attn.qkv.weight/exp_avg" create their parent groups
     H5Id lcpl(H5_CHECK(H5Pcreate(H5P_LINK_CREATE)));
     H5_CHECK(H5Pset_create_intermediate_group(lcpl, 1));
-    // Contiguous storage: a later read of any hyperslab maps straight onto file offsets. Fill
-    // values are never written, since every element is written once right after creation.
-    H5Id dcpl(H5_CHECK(H5Pcreate(H5P_DATASET_CREATE)));
-    H5_CHECK(H5Pset_layout(dcpl, H5D_CONTIGUOUS));
-    H5_CHECK(H5Pset_alloc_time(dcpl, H5D_ALLOC_TIME_EARLY));
-    H5_CHECK(H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER));
-
-    for (const char* g : {"model", "optim", "state"}) {
-      H5Id group(H5_CHECK(H5Gcreate2(file, g, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)));
-    }
-    agreed("creating its groups");
-
-    std::vector<FileRange> ranges;
-    std::vector<std::pair<off_t, off_t>> extents;  // direct_io: each dataset's bytes in the file
-    std::vector<std::pair<int64_t, int64_t>> runs;
-    std::vector<H5Id> dsets;  // open until their checksums are attached
-    dsets.reserve(shards.size());
-    float dummy = 0.0f;
-    for (size_t si = 0; si < shards.size(); ++si) {
-      const TensorShard& s = shards[si];
-      if (vitgrid_test_hooks.checkpoint_tensor_delay_ms > 0)  // tests: a slow file system
-        std::this_thread::sleep_for(
-            std::chrono::milliseconds(vitgrid_test_hooks.checkpoint_tensor_delay_ms));
-      WatchdogWait w("the collective HDF5 write of a checkpoint tensor");
-      auto spaces = shard_spaces(s, s.write);
-      dsets.emplace_back(H5_CHECK(H5Dcreate2(file, s.name.c_str(), H5T_IEEE_F32LE,
-                                             spaces.first, lcpl, dcpl, H5P_DEFAULT)));
-      agreed("creating a dataset");
-      VG_CHECK(!(s.write && s.elements() > 0) || s.data, "shard '" << s.name << "' has no data");
-      const bool mine = s.write && s.elements() > 0;
-      if (!direct) {
-        H5_CHECK(H5Dwrite(dsets.back(), H5T_NATIVE_FLOAT, spaces.second, spaces.first, dxpl,
-                          mine ? s.data : &dummy));
-        agreed("writing a tensor");
-      } else {  // written by the DirectWriter
-        int64_t n = 1;
-        for (int64_t e : s.global_shape) n *= e;
-        if (n == 0) continue;
-        const haddr_t at = H5Dget_offset(dsets.back());
-        VG_CHECK(at != HADDR_UNDEF, "dataset '" << s.name << "' has no storage");
-        extents.push_back({static_cast<off_t>(at), static_cast<off_t>(n * sizeof(float))});
-        if (!mine) continue;
-        file_runs(s, &runs);
-        const float* from = s.data;
-        for (const auto& run : runs) {
-          ranges.push_back({static_cast<uint64_t>(at) + uint64_t(run.first) * sizeof(float), from,
-                            size_t(run.second) * sizeof(float)});
-          from += run.second;
-        }
-        VG_CHECK(from - s.data == s.elements(),
-                 "shard '" << s.name << "': its file runs do not cover its elements");
-      }
-    }
     if (direct) {
-      // The file is laid out. Its space is reserved first (the datasets and a margin for the
-      // metadata still to come): the direct writes beside HDF5's metadata writes can then not
-      // fill the disk under them (HDF5 1.10's collective flush can leave the ranks in
-      // different barriers after an I/O error), and a disk too full fails here, cleanly.
+      // Rank 0 lays the file out alone with serial HDF5 (hundreds of datasets in milliseconds,
+      // where collective creation agrees on each), everything but the checksums and
+      // `complete`; every rank then writes its parts at the offsets rank 0 sends.
+      const std::vector<std::vector<int64_t>> chunks = agree_chunk_shapes(comm, shards);
+      std::vector<uint64_t> addrs;  // per tensor: its count of offsets, then the offsets
+      std::vector<H5Id> dsets;      // rank 0: open until their checksums are attached
+      if (rank == 0)
+        file = lay_out_serial(tmp, shards, chunks, meta, size, lcpl, soft, &dsets, &addrs);
+      agreed("laying it out");
       if (rank == 0) {
+        // The file's space is reserved first (the data and a margin for the metadata still
+        // to come): the direct writes beside rank 0's metadata writes can then not fill the
+        // disk under them, and a disk too full fails here, cleanly.
+        std::vector<std::pair<off_t, off_t>> extents;
         off_t end = 0;
-        for (const auto& e : extents) end = std::max(end, e.first + e.second);
+        for (size_t k = 0, si = 0; si < shards.size(); ++si) {
+          int64_t bytes = sizeof(float);
+          if (chunks[si].empty()) {
+            for (int64_t e : shards[si].global_shape) bytes *= e;
+          } else {
+            for (int64_t e : chunks[si]) bytes *= e;
+          }
+          const uint64_t n = addrs[k++];
+          for (uint64_t c = 0; c < n; ++c, ++k) {
+            extents.push_back({static_cast<off_t>(addrs[k]), static_cast<off_t>(bytes)});
+            end = std::max(end, extents.back().first + extents.back().second);
+          }
+        }
         extents.push_back({end, kMetadataMargin});
         const int err = reserve_space(tmp, extents);
         if (err != 0) soft.fail(err, "reserving the file's space (fallocate)");
       }
       agreed("reserving its space");
-    }
-    // The bulk data goes to its place beside what follows (the checksums, the metadata); no
-    // HDF5 write touches those ranges.
-    if (!ranges.empty()) writer = std::make_unique<DirectWriter>(tmp, std::move(ranges), direct_threads);
-    lap(&t.hdf5);
-
-    // checksums: each rank hashes what it writes, its tensors spread over a few threads (the
-    // node's cores per rank, at most 8: a rank's share of a large model is tens of GB); one
-    // all-reduce gives every dataset's value
-    std::vector<uint64_t> sums(shards.size(), 0);
-    {
-      std::atomic<size_t> next{0};
-      auto hash_some = [&] {
-        for (size_t i; (i = next.fetch_add(1)) < shards.size();)
-          if (shards[i].write && shards[i].elements() > 0) sums[i] = shard_hash(shards[i]);
-      };
-      std::vector<std::thread> pool;
-      const int threads = hash_threads(comm);
-      for (int k = 1; k < threads; ++k) pool.emplace_back(hash_some);
-      hash_some();
-      for (auto& th : pool) th.join();
-    }
-    if (!sums.empty())
-      watched("an MPI all-reduce of the checkpoint I/O", [&] {
-        MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, sums.data(), static_cast<int>(sums.size()),
-                                MPI_UINT64_T, MPI_SUM, comm));
+      uint64_t count = addrs.size();
+      watched("an MPI broadcast of the checkpoint I/O", [&] {
+        MPI_CHECK(MPI_Bcast(&count, 1, MPI_UINT64_T, 0, comm));
+        addrs.resize(count);
+        MPI_CHECK(MPI_Bcast(addrs.data(), static_cast<int>(count), MPI_UINT64_T, 0, comm));
       });
-    lap(&t.hash);
-    for (size_t si = 0; si < shards.size(); ++si) write_attr_u64(dsets[si], "checksum", sums[si]);
-    dsets.clear();
-    agreed("writing the checksums");
+      std::vector<FileRange> ranges;
+      for (size_t k = 0, si = 0; si < shards.size(); ++si) {
+        const TensorShard& s = shards[si];
+        VG_CHECK(!(s.write && s.elements() > 0) || s.data, "shard '" << s.name << "' has no data");
+        const uint64_t n = addrs.at(k);
+        direct_ranges(s, chunks[si], std::vector<uint64_t>(addrs.begin() + k + 1,
+                                                           addrs.begin() + k + 1 + n),
+                      &ranges);
+        k += 1 + n;
+      }
+      // The bulk data goes to its place beside what follows (the checksums, the metadata); no
+      // HDF5 write touches those ranges.
+      if (!ranges.empty())
+        writer = std::make_unique<DirectWriter>(tmp, std::move(ranges), direct_threads);
+      lap(&t.hdf5);
+      const std::vector<uint64_t> sums = checksums(comm, shards);
+      lap(&t.hash);
+      if (rank == 0) {
+        for (size_t si = 0; si < shards.size(); ++si) write_attr_u64(dsets[si], "checksum", sums[si]);
+        dsets.clear();
+        // Written last; the file gets its final name only once the data is in, below.
+        io_detail::write_attr_int(file, "complete", 1);
+        file.reset();
+      }
+      agreed("writing its metadata");
+    } else {
+      file = io_detail::create_parallel(comm, tmp);
+      io_detail::throw_if_any_failed(comm, file.valid(),
+                                     "checkpoint '" + tmp + "': cannot create the file");
+      H5Id dxpl = io_detail::collective_dxpl();
+      // Contiguous storage: a later read of any hyperslab maps straight onto file offsets. Fill
+      // values are never written, since every element is written once right after creation.
+      H5Id dcpl = data_dcpl({});
+      for (const char* g : {"model", "optim", "state"}) {
+        H5Id group(H5_CHECK(H5Gcreate2(file, g, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)));
+      }
+      agreed("creating its groups");
 
-    // small state: compact datasets (the values live in the object header, metadata that the
-    // collective flush writes), every rank writing the same values: no MPI-IO write of its own
-    // per value (collective ones of 8 bytes, 20-30 ms apiece on 2 ranks of the VM).
-    H5Id compact(H5_CHECK(H5Pcreate(H5P_DATASET_CREATE)));
-    H5_CHECK(H5Pset_layout(compact, H5D_COMPACT));
-    for (const auto& kv : meta.state) {
-      hsize_t n = kv.second.size();
-      // an object header holds at most 64 KiB: the state is scalars and short vectors
-      VG_CHECK(n * sizeof(double) <= 16384,
-               "checkpoint state '" << kv.first << "' has " << n
-                                    << " values; large ones belong in tensors");
-      H5Id fspace(H5_CHECK(H5Screate_simple(1, &n, nullptr)));
-      H5Id dset(H5_CHECK(H5Dcreate2(file, ("state/" + kv.first).c_str(), H5T_IEEE_F64LE, fspace,
-                                    lcpl, compact, H5P_DEFAULT)));
-      write_attr_u64(dset, "checksum", values_hash(kv.second));  // same values on every rank
-      agreed("creating the state");
-      if (n == 0) continue;
-      H5_CHECK(H5Dwrite(dset, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, dxpl, kv.second.data()));
-      agreed("writing the state");
+      std::vector<H5Id> dsets;  // open until their checksums are attached
+      dsets.reserve(shards.size());
+      float dummy = 0.0f;
+      for (size_t si = 0; si < shards.size(); ++si) {
+        const TensorShard& s = shards[si];
+        slow_file_system_hook();
+        WatchdogWait w("the collective HDF5 write of a checkpoint tensor");
+        auto spaces = shard_spaces(s, s.write);
+        dsets.emplace_back(H5_CHECK(H5Dcreate2(file, s.name.c_str(), H5T_IEEE_F32LE,
+                                               spaces.first, lcpl, dcpl, H5P_DEFAULT)));
+        agreed("creating a dataset");
+        VG_CHECK(!(s.write && s.elements() > 0) || s.data, "shard '" << s.name << "' has no data");
+        const bool mine = s.write && s.elements() > 0;
+        H5_CHECK(H5Dwrite(dsets.back(), H5T_NATIVE_FLOAT, spaces.second, spaces.first, dxpl,
+                          mine ? s.data : &dummy));
+        agreed("writing a tensor");
+      }
+      lap(&t.hdf5);
+      const std::vector<uint64_t> sums = checksums(comm, shards);
+      lap(&t.hash);
+      for (size_t si = 0; si < shards.size(); ++si) write_attr_u64(dsets[si], "checksum", sums[si]);
+      dsets.clear();
+      agreed("writing the checksums");
+      write_state(file, lcpl, dxpl, meta, [&](const char* stage) { agreed(stage); });
+      write_root_attributes(file, meta, size);
+      // Written last. The metadata cache may still reorder what reaches the disk before the
+      // close, which is why the file only gets its final name after the close below.
+      io_detail::write_attr_int(file, "complete", 1);
+      agreed("writing its attributes");
+      {
+        // HDF5 1.10's collective flush can leave the ranks in different barriers when one of
+        // them meets an I/O error (a disk filled by another job mid-write): the watchdog ends it
+        WatchdogWait w("the collective HDF5 flush of a checkpoint");
+        H5_CHECK(H5Fflush(file, H5F_SCOPE_GLOBAL));
+      }
+      agreed("flushing it");
     }
-
-    io_detail::write_attr_string(file, "deck", meta.deck);
-    io_detail::write_attr_ints(file, "grid", meta.grid);
-    // the communicator that wrote the file is the run's world (every rank holds a shard)
-    io_detail::write_attr_int(file, "world_size", size);
-    io_detail::write_attr_string(file, "tensor_mode", meta.tensor_mode);
-    io_detail::write_attr_string(file, "backend", meta.backend);
-    io_detail::write_attr_string(file, "version", kVersion);
-    // Written last. The metadata cache may still reorder what reaches the disk before the
-    // close, which is why the file only gets its final name after the close below.
-    io_detail::write_attr_int(file, "complete", 1);
-    agreed("writing its attributes");
-    {
-      // HDF5 1.10's collective flush can leave the ranks in different barriers when one of
-      // them meets an I/O error (a disk filled by another job mid-write): the watchdog ends it
-      WatchdogWait w("the collective HDF5 flush of a checkpoint");
-      H5_CHECK(H5Fflush(file, H5F_SCOPE_GLOBAL));
-    }
-    agreed("flushing it");
   } catch (const Failed& f) {
     // every object of the file is closed by now (the unwinding), the direct writes are stopped;
     // the file's space is freed before its collective close, whose own failure no longer matters

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "checkpoint_internal.h"
+#include "vitgrid/core/watchdog.h"
 
 namespace vitgrid {
 namespace ckpt_detail {
@@ -72,6 +73,102 @@ void file_runs(const TensorShard& s, std::vector<std::pair<int64_t, int64_t>>* r
     size_t d = j;
     while (d > 0 && ++pos[d - 1] == coords[d - 1].size()) pos[--d] = 0;
     if (d == 0) return;
+  }
+}
+
+std::vector<int64_t> chunk_proposal(const TensorShard& s, size_t min_run_bytes) {
+  const size_t r = s.global_shape.size();
+  if (!s.write || s.elements() == 0) return {};
+  std::vector<int64_t> none(r, 0);
+  if (r == 0) return none;
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  file_runs(s, &runs);
+  const bool strided = !s.stride.empty() && !s.block.empty();
+  // the blocks: several along the first axis at most (a strided qkv's q, k, v), each then one
+  // contiguous piece of s.data
+  const int64_t blocks = strided ? s.count[0] : 1;
+  if (runs.size() <= static_cast<size_t>(blocks) ||
+      static_cast<size_t>(s.elements()) * sizeof(float) >= runs.size() * min_run_bytes)
+    return none;
+  std::vector<int64_t> chunk(r);
+  int64_t bytes = sizeof(float);
+  for (size_t d = 0; d < r; ++d) {
+    chunk[d] = strided ? s.block[d] : s.count[d];
+    if (chunk[d] <= 0 || s.global_shape[d] % chunk[d] != 0 || s.offset[d] % chunk[d] != 0)
+      return none;
+    if (strided && (d > 0 ? s.count[d] != 1 : s.stride[0] % chunk[0] != 0)) return none;
+    bytes *= chunk[d];
+  }
+  if (bytes >= (int64_t(1) << 32)) return none;  // HDF5's largest chunk is 4 GiB - 1
+  return chunk;
+}
+
+std::vector<std::vector<int64_t>> agree_chunk_shapes(MPI_Comm comm,
+                                                     const std::vector<TensorShard>& shards,
+                                                     size_t min_run_bytes) {
+  // one MIN all-reduce over (proposal, -proposal) per dimension: equal everywhere iff
+  // min == max; a rank writing nothing of a tensor proposes (+inf, -inf)
+  std::vector<int64_t> v;
+  for (const TensorShard& s : shards) {
+    const std::vector<int64_t> p = chunk_proposal(s, min_run_bytes);
+    for (size_t d = 0; d < s.global_shape.size(); ++d) {
+      v.push_back(p.empty() ? INT64_MAX : p[d]);
+      v.push_back(p.empty() ? INT64_MAX : -p[d]);
+    }
+  }
+  if (!v.empty())
+    watched("an MPI all-reduce of the checkpoint I/O", [&] {
+      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_INT64_T,
+                              MPI_MIN, comm));
+    });
+  std::vector<std::vector<int64_t>> out(shards.size());
+  size_t k = 0;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const size_t r = shards[i].global_shape.size();
+    bool chunked = r > 0;
+    std::vector<int64_t> c(r);
+    for (size_t d = 0; d < r; ++d, k += 2) {
+      c[d] = v[k];
+      chunked = chunked && v[k] > 0 && v[k] != INT64_MAX && v[k] == -v[k + 1];
+    }
+    if (chunked) out[i] = std::move(c);
+  }
+  return out;
+}
+
+void direct_ranges(const TensorShard& s, const std::vector<int64_t>& chunk,
+                   const std::vector<uint64_t>& addr, std::vector<FileRange>* out) {
+  if (!s.write || s.elements() == 0) return;
+  if (chunk.empty()) {
+    VG_CHECK(addr.size() == 1, "tensor '" << s.name << "' has no file offset");
+    std::vector<std::pair<int64_t, int64_t>> runs;
+    file_runs(s, &runs);
+    const float* from = s.data;
+    for (const auto& run : runs) {
+      out->push_back({addr[0] + uint64_t(run.first) * sizeof(float), from,
+                      size_t(run.second) * sizeof(float)});
+      from += run.second;
+    }
+    VG_CHECK(from - s.data == s.elements(),
+             "shard '" << s.name << "': its file runs do not cover its elements");
+    return;
+  }
+  const size_t r = s.global_shape.size();
+  const bool strided = !s.stride.empty() && !s.block.empty();
+  int64_t per = 1;
+  for (int64_t c : chunk) per *= c;
+  const int64_t blocks = strided ? s.count[0] : 1;
+  VG_CHECK(per * blocks == s.elements(), "shard '" << s.name << "' does not fit its chunks");
+  for (int64_t b = 0; b < blocks; ++b) {
+    int64_t index = 0;
+    for (size_t d = 0; d < r; ++d) {
+      const int64_t at = s.offset[d] + (d == 0 && strided ? b * s.stride[0] : 0);
+      VG_CHECK(at % chunk[d] == 0, "shard '" << s.name << "' does not fit its chunks");
+      index = index * (s.global_shape[d] / chunk[d]) + at / chunk[d];
+    }
+    VG_CHECK(static_cast<size_t>(index) < addr.size(),
+             "shard '" << s.name << "': chunk " << index << " has no file offset");
+    out->push_back({addr[index], s.data + b * per, size_t(per) * sizeof(float)});
   }
 }
 

@@ -48,6 +48,25 @@ struct FileRange {
   const void* data = nullptr;
   size_t bytes = 0;
 };
+
+// direct_io: how a tensor is stored so that each rank's part of it is few, long file ranges.
+// A part made of many short runs (a split along a later axis: 1d's Row Linears, 2d/2.5d/3d
+// blocks) asks for chunks the shape of one of its blocks, so that the part is one chunk per
+// block, each contiguous in the file; a part that is already one run per block (whole tensors,
+// row blocks, 1d's strided qkv) asks for contiguous storage. Returns, for this rank: {} when it
+// writes nothing of s, all zeros for contiguous, else the chunk shape (every dimension > 0).
+// `min_run_bytes`: runs at least this long are long enough.
+std::vector<int64_t> chunk_proposal(const TensorShard& s, size_t min_run_bytes);
+// Called by all ranks of comm: each tensor's chunk shape, empty for contiguous storage. A
+// tensor is chunked only when every rank writing part of it proposes the same shape.
+std::vector<std::vector<int64_t>> agree_chunk_shapes(MPI_Comm comm,
+                                                     const std::vector<TensorShard>& shards,
+                                                     size_t min_run_bytes = size_t(1) << 20);
+// This rank's part of s as file ranges, appended to out: `addr` is the dataset's file offset
+// (contiguous, `chunk` empty) or every chunk's, row-major over the chunk grid (`chunk` as
+// agree_chunk_shapes gave it, which this rank's selection then fits block by block).
+void direct_ranges(const TensorShard& s, const std::vector<int64_t>& chunk,
+                   const std::vector<uint64_t>& addr, std::vector<FileRange>* out);
 // Writes ranges into the existing file `path` on `threads` threads, from construction on:
 // whole pages with O_DIRECT where the file system takes it (each thread copies up to
 // `piece_bytes`, a multiple of 4096, at a time into its own aligned buffer, so `threads`

@@ -106,10 +106,13 @@ const std::vector<TensorDef> kTensors = {
     {"optim/blocks.0.attn.qkv.weight/exp_avg", {6, 9}},
     // over 64 KiB: aligned to 1 MiB in the file, whole pages written with O_DIRECT (direct_io)
     {"model/blocks.0.mlp.fc1.weight", {96, 301}},
+    // split along its columns evenly on 1 to 4 ranks: with direct_io, in chunks of one
+    // rank's columns, so that each rank's part is one range of the file
+    {"model/blocks.0.mlp.fc2.weight", {64, 24}},
 };
 // split axis per tensor when writing and when reading (-1: replicated / whole)
-const int kWriteAxis[] = {0, 1, 2, 0, -1, 0, 0, 0};
-const int kReadAxis[] = {1, 0, 2, 2, 0, 0, 1, 1};
+const int kWriteAxis[] = {0, 1, 2, 0, -1, 0, 0, 0, 1};
+const int kReadAxis[] = {1, 0, 2, 2, 0, 0, 1, 1, 0};
 
 ShardSet make_write_set() {
   ShardSet set;
@@ -201,7 +204,61 @@ TEST_P(CheckpointIo, RoundTripAcrossSplits) {
       for (size_t i = 0; i < v.size(); ++i)
         ASSERT_EQ(v[i], value_of(t, static_cast<int64_t>(i))) << kTensors[t].name << " at " << i;
     }
+    // the storage: contiguous, but the evenly column-split tensor under direct_io on several
+    // ranks, in chunks of one rank's columns
+    std::lock_guard<std::recursive_mutex> lock(vitgrid::hdf5_mutex());
+    vitgrid::io_detail::H5Id f(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT));
+    for (size_t t = 0; t < kTensors.size(); ++t) {
+      vitgrid::io_detail::H5Id d(H5Dopen2(f, kTensors[t].name.c_str(), H5P_DEFAULT));
+      vitgrid::io_detail::H5Id dcpl(H5Dget_create_plist(d));
+      const bool chunked = GetParam() > 0 && size_of() > 1 && kTensors[t].name.find("fc2") != std::string::npos;
+      ASSERT_EQ(H5Pget_layout(dcpl), chunked ? H5D_CHUNKED : H5D_CONTIGUOUS) << kTensors[t].name;
+      if (!chunked) continue;
+      hsize_t c[2] = {0, 0};
+      ASSERT_EQ(H5Pget_chunk(dcpl, 2, c), 2);
+      EXPECT_EQ(c[0], 64u);
+      EXPECT_EQ(c[1], static_cast<hsize_t>(24 / size_of()));
+    }
   }
+}
+
+// The chunk shape a part asks for, and its ranges in the chunks: a 2d-mode qkv-like part,
+// three strided blocks of rows, each a column block (6 runs of 4 floats), asks for chunks of one
+// block and writes three whole chunks; a part not on the chunk grid, or already one run per
+// block, stays contiguous.
+TEST(DirectLayout, ChunksOfOneBlock) {
+  using vitgrid::ckpt_detail::chunk_proposal;
+  std::vector<float> data(24);
+  vitgrid::TensorShard s;
+  s.name = "model/blocks.0.attn.qkv.weight";
+  s.global_shape = {12, 8};
+  s.offset = {2, 4};
+  s.stride = {4, 1};
+  s.block = {2, 4};
+  s.count = {3, 1};
+  s.data = data.data();
+  EXPECT_EQ(chunk_proposal(s, 1 << 20), (std::vector<int64_t>{2, 4}));
+  EXPECT_EQ(chunk_proposal(s, 8), (std::vector<int64_t>{0, 0}));  // runs long enough
+  std::vector<uint64_t> addr(12);
+  for (size_t i = 0; i < addr.size(); ++i) addr[i] = 1000 * (i + 1);
+  std::vector<vitgrid::ckpt_detail::FileRange> ranges;
+  vitgrid::ckpt_detail::direct_ranges(s, {2, 4}, addr, &ranges);
+  ASSERT_EQ(ranges.size(), 3u);
+  for (int b = 0; b < 3; ++b) {
+    EXPECT_EQ(ranges[b].offset, addr[(1 + 2 * b) * 2 + 1]) << b;  // chunk (1 + 2b, 1) of 6 x 2
+    EXPECT_EQ(ranges[b].data, data.data() + 8 * b);
+    EXPECT_EQ(ranges[b].bytes, 32u);
+  }
+  vitgrid::TensorShard off = s;
+  off.offset = {1, 4};  // rows 1-2: across two chunks of 2 rows
+  EXPECT_EQ(chunk_proposal(off, 1 << 20), (std::vector<int64_t>{0, 0}));
+  vitgrid::TensorShard rows = s;
+  rows.offset = {2, 0};
+  rows.block = {2, 8};  // whole rows: one run per block
+  EXPECT_EQ(chunk_proposal(rows, 1 << 20), (std::vector<int64_t>{0, 0}));
+  vitgrid::TensorShard idle = s;
+  idle.write = false;
+  EXPECT_TRUE(chunk_proposal(idle, 1 << 20).empty());
 }
 
 // The direct writer alone, on each rank's own file: ranges with unaligned edges, adjacent

@@ -61,10 +61,11 @@ std::string step_file_name(int64_t step);
 // Called by all ranks of comm. Writes dir/step_<8 digits>.h5 atomically; keeps the newest
 // `keep` complete checkpoints when keep > 0. Returns the path. Every shard's name and global
 // shape must be identical on all ranks (same order). direct_threads > 0 (checkpoint.direct_io):
-// the tensors whose part on every rank is one range of the file go past HDF5 once it has laid
-// the file out, written by that many threads per rank (positioned O_DIRECT writes beside the
-// checksums and the metadata, then fsync; checkpoint_direct.cpp); 0: every tensor through
-// HDF5's collective writes. The same file either way.
+// rank 0 lays the file out with serial HDF5, then every tensor goes past HDF5, written by that
+// many threads per rank (positioned O_DIRECT writes beside the checksums, then fsync;
+// checkpoint_direct.cpp); a tensor whose parts would be many short runs (split along its
+// columns) is stored in chunks of one rank's block. 0: every tensor contiguous, through HDF5's
+// collective writes. The same values and names either way.
 // `times` (optional): where this rank's write spent its time, in seconds.
 struct CheckpointWriteTimes {
   double hash = 0.0;     // the checksums (threads over this rank's tensors, one all-reduce)

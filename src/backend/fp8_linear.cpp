@@ -77,6 +77,8 @@ void fp8_linear_backward(Backend& be, const Fp8LinearMeta& m, uint8_t* scratch, 
   OpScope op_scope(be, "fp8_linear_backward");
   check_shape("fp8_linear_backward", N, in, out, dW != nullptr);
   VG_CHECK(!gelu_db || (dx && gelu_pre), "fp8_linear_backward: gelu_db without dx and gelu_pre");
+  VG_CHECK(!m.dy_gelu || (gelu_pre && !gelu_db && (dx || dW)),
+           "fp8_linear_backward: dy_gelu needs gelu_pre (of dy), no gelu_db, and dx or dW");
   if (N == 0) return;
   using M = Fp8LinearMeta;
   const size_t n = static_cast<size_t>(N);
@@ -84,9 +86,14 @@ void fp8_linear_backward(Backend& be, const Fp8LinearMeta& m, uint8_t* scratch, 
   uint8_t* dy8_t = dy8 + n * out;        // [out, N]
   uint8_t* w8_t = dy8_t + n * out;       // [in, out]
   uint8_t* x8_t = w8_t + size_t(in) * out;  // [in, N]
-  if (dx || dW)
-    be.fp8_cast(dx ? dy8 : nullptr, dW ? dy8_t : nullptr, m.amax_of(M::kDy), dy, N, out,
-                m.scale_of(M::kDy), Fp8Format::E5M2);
+  // dy's cast takes the bias gradient (and, dy_gelu, GELU's backward) in its pass
+  const void* dy_pre = m.dy_gelu ? gelu_pre : nullptr;
+  if (m.dy_gelu) gelu_pre = nullptr;
+  if (dx || dW) {
+    be.fp8_cast_grad(dx ? dy8 : nullptr, dW ? dy8_t : nullptr, m.amax_of(M::kDy), dy, N, out,
+                     m.scale_of(M::kDy), Fp8Format::E5M2, db, dy_pre, gelu);
+    db = nullptr;
+  }
   if (dx) {
     be.fp8_cast(nullptr, w8_t, m.amax_of(M::kW), W, out, in, m.scale_of(M::kW), Fp8Format::E4M3);
     be.fp8_gemm(dx, false, 0.0f, dy8, Fp8Format::E5M2, m.scale_inv_of(M::kDy), w8_t,
@@ -103,7 +110,7 @@ void fp8_linear_backward(Backend& be, const Fp8LinearMeta& m, uint8_t* scratch, 
     be.fp8_gemm(dW, true, 1.0f, dy8_t, Fp8Format::E5M2, m.scale_inv_of(M::kDy), x8_t,
                 Fp8Format::E4M3, m.scale_inv_of(M::kX), out, in, N, nullptr);
   }
-  // the bias gradient from dy itself (act dtype), as the bf16 layer sums it
+  // no GEMM: the bias gradient alone, from dy itself (act dtype), as the bf16 layer sums it
   if (db) be.linear_backward(nullptr, nullptr, db, dy, nullptr, nullptr, N, in, out);
 }
 

@@ -44,6 +44,9 @@ struct Rules {
   bool attention_parts() const { return s.fused && s.tp.row_parts > 1 && s.attention_parts_fit; }
   // fc2's FP8 casts apply fc1's GELU as they read its pre-activation
   bool gelu_in_cast() const { return s.fused && s.fp8 && !drop_act(); }
+  // fc1's FP8 dy cast applies GELU's backward (and sums fc1's bias gradient): fc2's backward
+  // leaves the gradient of the GELU's output
+  bool gelu_in_dy_cast() const { return gelu_in_cast() && s.tp.fp8_gelu_in_dy_cast; }
 };
 
 Op need(int half) {
@@ -219,15 +222,21 @@ std::vector<Op> backward_ops(const Rules& r) {
     fc2.x = Buf::H;
     fc2.x_gelu = true;
   }
-  const bool gelu_in_gemm = s.fused && !drop_act;
+  const bool dy_cast = r.gelu_in_dy_cast();
+  const bool gelu_in_gemm = s.fused && !drop_act && !dy_cast;
   if (gelu_in_gemm) fc2.gelu = Buf::H;
-  if (r.gelu_bias()) fc2.dsum = own(kFc1B);
+  if (r.gelu_bias() && !dy_cast) fc2.dsum = own(kFc1B);
   ops.push_back(fc2);
   if (drop_act) ops.push_back(dropout_backward(Buf::Dh, Buf::Dh, kSiteMlpAct, ActLayout::Inner));
-  if (!gelu_in_gemm) ops.push_back(gelu_backward(Buf::Dh, Buf::H, Buf::Dh));
-  ops.push_back(linear_backward(LinearRole::Column, Buf::Dtmp, kFc1W,
-                                r.gelu_bias() ? ParamRef{} : own(kFc1B), Buf::Dh, Buf::Y2,
-                                Width::Hidden, Width::Mlp));
+  if (!gelu_in_gemm && !dy_cast) ops.push_back(gelu_backward(Buf::Dh, Buf::H, Buf::Dh));
+  Op fc1 = linear_backward(LinearRole::Column, Buf::Dtmp, kFc1W,
+                           r.gelu_bias() && !dy_cast ? ParamRef{} : own(kFc1B), Buf::Dh, Buf::Y2,
+                           Width::Hidden, Width::Mlp);
+  if (dy_cast) {
+    fc1.gelu = Buf::H;
+    fc1.dy_gelu = true;
+  }
+  ops.push_back(fc1);
   // dres += LN2 backward: now dres = d r_mid
   Op ln2;
   ln2.kind = OpKind::LayerNormBackward;
@@ -349,7 +358,7 @@ std::string describe(const std::vector<Op>& ops) {
     if (op.kind == OpKind::Linear || op.kind == OpKind::LinearBackward ||
         op.kind == OpKind::AttentionRow || op.kind == OpKind::AttentionRowBackward)
       o << (op.role == LinearRole::Column ? " column" : " row") << (op.fp8 ? " fp8" : "")
-        << (op.x_gelu ? " x_gelu" : "");
+        << (op.x_gelu ? " x_gelu" : "") << (op.dy_gelu ? " dy_gelu" : "");
     if (op.norm) o << " norm" << op.norm;
     buf("out", op.out);
     buf("x", op.x);

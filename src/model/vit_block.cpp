@@ -147,12 +147,14 @@ void ViT::run_ops(const std::vector<Op>& ops, int l, const DeviceBatch& in, int6
   // an FP8 Linear's scaling: qkv, proj, fc1 or fc2 by its weight
   Fp8LinearMeta m8;
   auto fp8 = [&](const Op& op) -> const Fp8LinearMeta* {
-    VG_CHECK(!op.x_gelu || op.fp8, "a GELU applied by the casts of a Linear not in FP8");
+    VG_CHECK(!(op.x_gelu || op.dy_gelu) || op.fp8,
+             "a GELU applied by the casts of a Linear not in FP8");
     if (!op.fp8) return nullptr;
     const int w = op.w.index;
     VG_CHECK(w == kQkvW || w == kProjW || w == kFc1W || w == kFc2W, "an FP8 op on param " << w);
     m8 = fp8_meta(l, w == kQkvW ? 0 : w == kProjW ? 1 : w == kFc1W ? 2 : 3);
     m8.x_gelu = op.x_gelu ? &cfg_.gelu : nullptr;
+    m8.dy_gelu = op.dy_gelu;
     return &m8;
   };
   for (const Op& op : ops) {

@@ -165,6 +165,38 @@ TEST(Fp8Linear, GeluBackwardVariantsAreTheBf16Passes) {
   EXPECT_EQ(L.amax(0), 0.0f) << "no weight gradient: x is not cast";
 }
 
+TEST(Fp8Linear, DyGeluIsGeluBackwardThenTheLayer) {
+  // dy_gelu (fc1): the cast of dy takes GELU's backward and the bias gradient in its pass; the
+  // same dx, dW, db and dy amax, bit for bit, as gelu_backward's stored values fed to the plain
+  // layer (what fc2's backward followed by fc1's did)
+  Layer L, R;
+  std::mt19937 rng(9);
+  const Vec pre = rnd(rng, size_t(N) * kOut, 1.5f);
+  Vec dx(size_t(N) * kIn), dW(size_t(kOut) * kIn, 0.25f), db(kOut, -1.0f);
+  Vec rdx = dx, rdW = dW, rdb = db;
+  vitgrid::Fp8LinearMeta m = L.meta();
+  m.dy_gelu = true;
+  vitgrid::fp8_linear_backward(L.be, m, L.scratch.data(), dx.data(), dW.data(), db.data(),
+                               L.dy.data(), L.x.data(), L.W.data(), N, kIn, kOut, pre.data(),
+                               vitgrid::Gelu::Exact);
+  Vec g(pre.size());
+  R.be.gelu_backward(g.data(), pre.data(), R.dy.data(), g.size(), vitgrid::Gelu::Exact);
+  vitgrid::fp8_linear_backward(R.be, R.meta(), R.scratch.data(), rdx.data(), rdW.data(),
+                               rdb.data(), g.data(), R.x.data(), R.W.data(), N, kIn, kOut);
+  EXPECT_EQ(dx, rdx);
+  EXPECT_EQ(dW, rdW);
+  EXPECT_EQ(db, rdb);
+  EXPECT_EQ(L.amax(2), amax_of(g));
+  EXPECT_NE(L.amax(2), amax_of(L.dy)) << "the amax is the GELU gradient's, not dy's";
+  EXPECT_NE(dx, [&] {  // and it is not the layer on dy itself
+    Layer P;
+    Vec pdx(dx.size());
+    vitgrid::fp8_linear_backward(P.be, P.meta(), P.scratch.data(), pdx.data(), nullptr, nullptr,
+                                 P.dy.data(), nullptr, P.W.data(), N, kIn, kOut);
+    return pdx;
+  }());
+}
+
 TEST(Fp8Linear, CloseToTheBf16Layer) {
   // E4M3 keeps 3 mantissa bits: each operand is within 2^-4 relative of its bf16 value, so the
   // output is a few percent off the bf16 layer's (rel L2), and not equal to it

@@ -11,6 +11,8 @@
 //    H100); an fp32 output (accumulated over micro-batches) within 1e-5 relative (L2). Every
 //    pairing a Linear layer uses: E4M3 x E4M3 (forward), E5M2 x E4M3 (data gradient), E5M2 x
 //    E4M3 into fp32 with beta 1 (weight gradient).
+//  - fp8_cast_grad (a gradient's cast with GELU's backward and the bias sums in its pass)
+//    against gelu_backward then fp8_cast on the GPU itself, the sums against double sums.
 //  - the FP8 Linear layer composed from them, against the CPU's composition.
 // Skips without a GPU, and the FP8 cases on a GPU without FP8 tensor cores (where
 // fp8_supported must say so).
@@ -149,6 +151,54 @@ TEST_P(GpuFp8, CastWithGeluInIsGeluThenTheCast) {
       EXPECT_EQ(codes(d, at, n), codes(d, bt, n));
       EXPECT_EQ(d.get_f32(ma, 1)[0], d.get_f32(mb, 1)[0]);
       EXPECT_GT(d.get_f32(ma, 1)[0], 0.0f);
+    }
+}
+
+// fp8_cast_grad: the codes, transpose and amax of gelu_backward's output cast (or of dy's
+// without gelu_pre), bit for bit, and the bias gradient: db + the column sums of those stored
+// values within fp32 rounding of a double sum, the same bits on a second run. Shapes: one
+// block of four whole row tiles, a block whose last tile is short (200 rows: vector tiles then
+// the element path), several block rows, an odd width (edge tiles only).
+TEST_P(GpuFp8, GradCastIsGeluBackwardThenTheCastWithTheBiasSums) {
+  Dev& d = *gpu;
+  const std::pair<int, int> shapes[] = {{256, 768}, {200, 256}, {1000, 384}, {70, 130}};
+  for (bool gelu : {false, true})
+    for (const auto& rc : shapes) {
+      const int rows = rc.first, cols = rc.second;
+      SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols) + (gelu ? " gelu" : ""));
+      const size_t n = size_t(rows) * cols;
+      void* dy = d.act(rnd(n, 0.5f));
+      void* pre = d.act(rnd(n, 2.0f));
+      void* g = dy;
+      if (gelu) {
+        g = d.nan_act(n);
+        d.be->gelu_backward(g, pre, dy, n, Gelu::Exact);
+      }
+      float* scale = d.f32(Vec{1000.0f});
+      const std::vector<uint8_t> fill(n, 0xAA);
+      uint8_t *a = bytes(d, fill), *at = bytes(d, fill), *b = bytes(d, fill), *bt = bytes(d, fill);
+      float *ma = d.f32(Vec{0.0f}), *mb = d.f32(Vec{0.0f});
+      float *db = d.f32(Vec(cols, 0.5f)), *db2 = d.f32(Vec(cols, 0.5f));
+      d.be->fp8_cast_grad(a, at, ma, dy, rows, cols, scale, Fp8Format::E5M2, db,
+                          gelu ? pre : nullptr, Gelu::Exact);
+      d.be->fp8_cast(b, bt, mb, g, rows, cols, scale, Fp8Format::E5M2);
+      EXPECT_EQ(codes(d, a, n), codes(d, b, n));
+      EXPECT_EQ(codes(d, at, n), codes(d, bt, n));
+      EXPECT_EQ(d.get_f32(ma, 1)[0], d.get_f32(mb, 1)[0]);
+      const Vec gh = d.get_act(g, n), got = d.get_f32(db, cols);
+      for (int c = 0; c < cols; ++c) {
+        double want = 0.5, mag = 0.5;
+        for (int r = 0; r < rows; ++r) {
+          want += gh[size_t(r) * cols + c];
+          mag += std::fabs(gh[size_t(r) * cols + c]);
+        }
+        ASSERT_NEAR(got[c], want, 1e-6 * mag) << "column " << c;
+      }
+      d.be->fp8_cast_grad(a, nullptr, ma, dy, rows, cols, scale, Fp8Format::E5M2, db2,
+                          gelu ? pre : nullptr, Gelu::Exact);
+      const Vec again = d.get_f32(db2, cols);
+      EXPECT_EQ(0, std::memcmp(got.data(), again.data(), cols * sizeof(float)))
+          << "the bias gradient differs run to run";
     }
 }
 

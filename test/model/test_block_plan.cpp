@@ -113,7 +113,7 @@ TEST(BlockPlan, Fp8MarksTheFourLinearsOnly) {
           for (int k = 0; k < 4; ++k) {
             std::multiset<int> linears;
             // the bf16 plan's ops, less GELU's passes where the casts apply it
-          std::vector<Op> want_ops;
+            std::vector<Op> want_ops;
             for (const Op& o : *refs[k])
               if (!(in_cast && o.kind == OpKind::Gelu)) want_ops.push_back(o);
             ASSERT_EQ(lists[k]->size(), want_ops.size());
@@ -126,8 +126,12 @@ TEST(BlockPlan, Fp8MarksTheFourLinearsOnly) {
               EXPECT_FALSE(want_ops[i].fp8);
               EXPECT_EQ(o.kind, want_ops[i].kind);
               EXPECT_EQ(o.x_gelu, in_cast && o.w.index == kFc2W && linear);
-              if (o.x_gelu) EXPECT_EQ(o.x, Buf::H);
-              if (in_cast) EXPECT_FALSE(touches_g(o)) << name(o.kind);
+              if (o.x_gelu) {
+                EXPECT_EQ(o.x, Buf::H);
+              }
+              if (in_cast) {
+                EXPECT_FALSE(touches_g(o)) << name(o.kind);
+              }
               if (o.fp8) linears.insert(o.w.index);
             }
             if (lists[k]->empty()) continue;
@@ -139,6 +143,48 @@ TEST(BlockPlan, Fp8MarksTheFourLinearsOnly) {
           }
         }
         EXPECT_NE(describe(plans[0].forward).find("column fp8"), std::string::npos);
+      }
+}
+
+TEST(BlockPlan, Fp8DyCastTakesGeluBackwardWhereTheModeAllows) {
+  // fused, FP8, no dropout on the activation, a mode that hands gelu_pre through (none): fc2's
+  // backward leaves the gradient of GELU's output (no gelu, no fused fc1 bias sum), no GELU
+  // backward pass runs, and fc1's backward reads H for its dy cast and sums its own bias
+  // gradient; elsewhere (1d, dropout, unfused) fc2's backward applies GELU as before
+  for (bool allowed : {true, false})
+    for (float dropout : {0.0f, 0.1f})
+      for (bool fused : {true, false}) {
+        TpFusions f = all_fusions(1);
+        f.fp8 = true;
+        f.fp8_gelu_in_dy_cast = allowed;
+        ChunkSpec s = spec(2, dropout, 0.0f, 1, fused, f);
+        s.fp8 = true;
+        const bool on = allowed && dropout == 0.0f && fused;
+        SCOPED_TRACE(std::string(on ? "dy cast" : "no dy cast") + ", dropout " +
+                     std::to_string(dropout) + (fused ? ", fused" : ""));
+        for (const BlockPlan& p : compile_chunk_plans(s)) {
+          const Op *fc1 = nullptr, *fc2 = nullptr;
+          for (const Op& o : p.backward) {
+            if (o.kind != OpKind::LinearBackward) continue;
+            if (o.w.index == kFc1W) fc1 = &o;
+            if (o.w.index == kFc2W) fc2 = &o;
+            EXPECT_EQ(o.dy_gelu, on && o.w.index == kFc1W);
+          }
+          ASSERT_TRUE(fc1 && fc2);
+          EXPECT_EQ(has(p.backward, OpKind::GeluBackward), !fused || dropout > 0.0f);
+          if (on) {
+            EXPECT_EQ(fc1->gelu, Buf::H);
+            EXPECT_EQ(fc1->dy, Buf::Dh);
+            EXPECT_EQ(fc1->db.index, kFc1B);
+            EXPECT_EQ(fc2->gelu, Buf::None);
+            EXPECT_FALSE(fc2->dsum.valid());
+          } else {
+            EXPECT_EQ(fc1->gelu, Buf::None);
+            if (fused && dropout == 0.0f) {
+              EXPECT_EQ(fc2->gelu, Buf::H);
+            }
+          }
+        }
       }
 }
 

@@ -485,6 +485,15 @@ class Fp8Ops {
   virtual void fp8_cast(uint8_t* out, uint8_t* out_t, float* amax, const void* x, int rows,
                         int cols, const float* scale, Fp8Format f,
                         const Gelu* gelu_in = nullptr) = 0;
+  // A Linear's output gradient cast for its backward GEMMs, as fp8_cast (out, out_t, amax) of
+  // g[rows, cols]: g = dy, or with gelu_pre (the Linear's output went through GELU; gelu_pre
+  // is that pre-activation) g = dy * gelu'(gelu_pre) as gelu_backward stores it (rounded to the
+  // act dtype); and, where db is not null, db[cols] += the column sums of g (fp32, in an order
+  // fixed by the shape: the same bits run to run). One pass over dy: no stored GELU gradient
+  // and no second read for the bias gradient.
+  virtual void fp8_cast_grad(uint8_t* out, uint8_t* out_t, float* amax, const void* dy,
+                             int rows, int cols, const float* scale, Fp8Format f, float* db,
+                             const void* gelu_pre, Gelu g) = 0;
   // D[M,N] = (A[M,K] B[N,K]^T) * a_scale_inv[0] * b_scale_inv[0] + beta D: both operands
   // K-contiguous (the form Hopper's FP8 tensor cores take; a Linear's transposed operands come
   // from fp8_cast's out_t), not both E5M2; fp32 sums; the scale_inv pointers 16-byte aligned

@@ -33,6 +33,10 @@ struct Fp8LinearMeta {
   // its GELU), which the casts of x apply (Fp8Ops::fp8_cast's gelu_in): no GELU pass, and no
   // stored GELU output, for the FP8 GEMMs.
   const Gelu* x_gelu = nullptr;
+  // The layer's output went through GELU (fc1): the backward's gelu_pre is this layer's
+  // pre-activation and applies to dy, whose cast (Fp8Ops::fp8_cast_grad) takes GELU's backward
+  // and the bias gradient in its pass: no stored GELU gradient, no pass of its own.
+  bool dy_gelu = false;
   const float* scale_of(int k) const { return scale + k * stride; }
   const float* scale_inv_of(int k) const { return scale_inv + k * stride; }
   float* amax_of(int k) const { return amax + k * stride; }

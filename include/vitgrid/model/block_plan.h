@@ -102,6 +102,8 @@ struct Op {
   ActLayout layout = ActLayout::Stream;  // Dropout, Gelu, Add: the activation's layout
   bool fp8 = false;            // Linear(Backward), AttentionRow(Backward): GEMMs in FP8
   bool x_gelu = false;         // FP8 Linear(Backward): its input is gelu(x), applied by the casts
+  bool dy_gelu = false;        // FP8 LinearBackward: `gelu` is its own pre-activation, GELU's
+                               // backward applied to dy by dy's cast (fc1)
 };
 
 struct BlockPlan {

@@ -109,6 +109,10 @@ struct TpFusions {
   // the Column and Row Linears run in FP8 when given a scaling (the linear calls' fp8): the
   // modes whose local GEMMs are whole Linears over a rank's rows (none, 1d)
   bool fp8 = false;
+  // an FP8 Column Linear's backward takes gelu_pre as its dy's (Fp8LinearMeta::dy_gelu: fc1's
+  // dy cast applies GELU's backward): the modes that hand gelu_pre and dy to one local
+  // backward unsliced (none)
+  bool fp8_gelu_in_dy_cast = false;
 };
 
 class TensorParallel {

@@ -44,6 +44,22 @@ void CpuBackend::fp8_cast(uint8_t* out, uint8_t* out_t, float* amax, const void*
   }
 }
 
+void CpuBackend::fp8_cast_grad(uint8_t* out, uint8_t* out_t, float* amax, const void* dy_,
+                               int rows, int cols, const float* scale, Fp8Format f, float* db,
+                               const void* gelu_pre, Gelu g) {
+  OpScope op_scope(*this, "fp8_cast_grad");
+  check_fp8_cast_args(out, out_t, amax, rows, cols, scale);
+  const float* dy = static_cast<const float*>(dy_);
+  std::vector<float> grad;  // gelu_pre: the values gelu_backward stores
+  if (gelu_pre) {
+    grad.resize(static_cast<size_t>(rows) * cols);
+    gelu_backward(grad.data(), gelu_pre, dy, grad.size(), g);
+    dy = grad.data();
+  }
+  fp8_cast(out, out_t, amax, dy, rows, cols, scale, f);
+  if (db) add_column_sums(db, dy, rows, cols);
+}
+
 void CpuBackend::fp8_gemm(void* D, bool d_f32, float beta, const uint8_t* A, Fp8Format fa,
                           const float* a_scale_inv, const uint8_t* B, Fp8Format fb,
                           const float* b_scale_inv, int M, int N, int K, const void* bias) {

@@ -247,6 +247,7 @@ void CudaBackend::plan_workspace(const WorkspacePlan& p) {
   // One scratch serves every user in stream order: its size is the largest single need.
   const size_t need = std::max({
       column_sums_scratch_bytes(rows, cols),            // linear_backward's bias gradient
+      fp8_grad_scratch_bytes(rows, cols),               // fp8_cast_grad's bias gradient
       layernorm_scratch_bytes(rows, cols),              // dgamma / dbeta partials
       layernorm_split_scratch_bytes(rows, cols),        // the same, rows split over ranks
       sum_squares_scratch_bytes(lists, slices, elems),  // per-chunk partial sums

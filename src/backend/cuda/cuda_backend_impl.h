@@ -237,6 +237,8 @@ class CudaBackend final : public Backend {
   // its grids (defined beside them): column_sums_add (elementwise.cu), layernorm_backward
   // (layernorm.cu), layernorm_split_backward_sums (tp_ops.cu), sum_squares (optim_reduce.cu).
   static size_t column_sums_scratch_bytes(int64_t rows, int64_t cols);
+  // fp8_cast_grad's bias-gradient partials (scratch)
+  static size_t fp8_grad_scratch_bytes(int64_t rows, int64_t cols);
   static size_t layernorm_scratch_bytes(int64_t rows, int64_t cols);
   static size_t layernorm_split_scratch_bytes(int64_t rows, int64_t cols);
   static size_t sum_squares_scratch_bytes(int64_t lists, int64_t slices, int64_t elems);

@@ -91,25 +91,6 @@ struct ScaleOp {
   __device__ float operator()(const float* v, size_t) const { return v[0] * s; }
 };
 
-template <GeluForm F>
-struct GeluBwdOp {  // v = {x, dy}
-  __device__ float operator()(const float* v, size_t) const {
-    const float x = v[0], dy = v[1];
-    float d;
-    if constexpr (F == GeluForm::Tanh) {
-      const float u = kSqrt2OverPi * (x + kGeluC * x * x * x);
-      const float t = tanhf(u);
-      d = 0.5f * (1.0f + t) +
-          0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluC * x * x);
-    } else if constexpr (F == GeluForm::ErfFast) {
-      d = gelu_exact_fast_grad(x);
-    } else {
-      d = 0.5f * (1.0f + erff(x * kSqrt1_2)) + x * kInvSqrt2Pi * expf(-0.5f * x * x);
-    }
-    return dy * d;
-  }
-};
-
 // Drop path's factors of a call (Backend::drop_path_factors): one thread per sample.
 __global__ void drop_path_factors_kernel(float* out, int samples, DropoutKey k,
                                          uint32_t threshold, float scale) {

@@ -1,8 +1,9 @@
-// CudaBackend's FP8 casts (backend.h Fp8Ops::fp8_cast): act-dtype rows to E4M3/E5M2 codes
-// with the tensor's scale, the transpose beside (the K-contiguous operand the weight- and
-// data-gradient GEMMs need), and the amax of the input for the delayed-scaling history. One
-// pass: each block converts a 64 x 128 tile, writes it row-wise, and writes the transpose from
-// shared memory. The conversion is CUDA's __nv_cvt_float_to_fp8 with __NV_SATFINITE (nearest
+// CudaBackend's FP8 casts (backend.h Fp8Ops::fp8_cast, fp8_cast_grad): act-dtype rows to
+// E4M3/E5M2 codes with the tensor's scale, the transpose beside (the K-contiguous operand the
+// weight- and data-gradient GEMMs need), and the amax of the input for the delayed-scaling
+// history. One pass: each block converts 64 x 128 tiles, writes them row-wise, and writes the
+// transposes from shared memory; a gradient's cast also applies GELU's backward where asked and
+// sums the bias gradient's columns (partials per block, added by a second small kernel). The conversion is CUDA's __nv_cvt_float_to_fp8 with __NV_SATFINITE (nearest
 // even, saturating, NaN kept): backend/fp8.h's fp8_encode(saturate = true), code for code.
 // The FP8 GEMMs are cuBLASLt's (cuda_gemm.cpp).
 #include <cuda_fp8.h>
@@ -20,16 +21,59 @@ namespace cuda {
 namespace {
 
 constexpr int kTileRows = 64, kTileCols = 128, kThreads = 256, kChunk = 8;
+// fp8_cast_grad's blocks take this many row tiles each: a bias-gradient partial per 256 rows
+constexpr int kGradTiles = 4;
 
-// The values cast: the input's (Plain), or gelu of it as gelu_forward stores it (GeluIn: the
-// elementwise kernels' op, rounded to T).
+// The values cast, read at a flat index of the [rows, cols] input: kChunk of them (the vector
+// path) or one. Plain: the input's. GeluIn: gelu of it as gelu_forward stores it (the
+// elementwise kernels' op, rounded to T). GradGelu: dy * gelu'(pre) as gelu_backward stores it.
+template <class T>
 struct Plain {
-  __device__ __forceinline__ float operator()(float v) const { return v; }
+  const T* x;
+  __device__ __forceinline__ bool aligned() const { return aligned_to(x, sizeof(Pack<T, kChunk>)); }
+  __device__ __forceinline__ void load(size_t at, float* f) const {
+    const Pack<T, kChunk> v = *reinterpret_cast<const Pack<T, kChunk>*>(x + at);
+#pragma unroll
+    for (int k = 0; k < kChunk; ++k) f[k] = to_f<T>(v.v[k]);
+  }
+  __device__ __forceinline__ float load1(size_t at) const { return to_f<T>(x[at]); }
+  static __device__ __forceinline__ bool aligned_to(const void* p, unsigned n) {
+    if (n > 16) n = 16;
+    return (reinterpret_cast<uintptr_t>(p) & (n - 1)) == 0;
+  }
 };
 template <class T, GeluForm F>
-struct GeluIn {
-  __device__ __forceinline__ float operator()(float v) const {
+struct GeluIn : Plain<T> {
+  static __device__ __forceinline__ float op(float v) {
     return to_f<T>(from_f<T>(GeluFwdOp<F>{}(&v, 0)));
+  }
+  __device__ __forceinline__ void load(size_t at, float* f) const {
+    Plain<T>::load(at, f);
+#pragma unroll
+    for (int k = 0; k < kChunk; ++k) f[k] = op(f[k]);
+  }
+  __device__ __forceinline__ float load1(size_t at) const { return op(Plain<T>::load1(at)); }
+};
+template <class T, GeluForm F>
+struct GradGelu {
+  const T* dy;
+  const T* pre;
+  static __device__ __forceinline__ float op(float h, float g) {
+    const float in[2] = {h, g};
+    return to_f<T>(from_f<T>(GeluBwdOp<F>{}(in, 0)));
+  }
+  __device__ __forceinline__ bool aligned() const {
+    return Plain<T>::aligned_to(dy, sizeof(Pack<T, kChunk>)) &&
+           Plain<T>::aligned_to(pre, sizeof(Pack<T, kChunk>));
+  }
+  __device__ __forceinline__ void load(size_t at, float* f) const {
+    const Pack<T, kChunk> g = *reinterpret_cast<const Pack<T, kChunk>*>(dy + at);
+    const Pack<T, kChunk> h = *reinterpret_cast<const Pack<T, kChunk>*>(pre + at);
+#pragma unroll
+    for (int k = 0; k < kChunk; ++k) f[k] = op(to_f<T>(h.v[k]), to_f<T>(g.v[k]));
+  }
+  __device__ __forceinline__ float load1(size_t at) const {
+    return op(to_f<T>(pre[at]), to_f<T>(dy[at]));
   }
 };
 
@@ -37,91 +81,144 @@ struct GeluIn {
 // integer maximum is the float maximum, so atomicMax on the bits keeps NaN once seen.
 __device__ __forceinline__ int abs_bits(float v) { return __float_as_int(fabsf(v)); }
 
-// Whether the block's tile takes the vector path: whole, every row and column start a multiple
-// of kChunk elements, the pointers aligned for kChunk-element loads and 8-byte stores.
-template <class T>
+// Whether a tile takes the vector path: whole, every row and column start a multiple of kChunk
+// elements, the pointers aligned for kChunk-element loads and 8-byte stores.
+template <class Src>
 __device__ __forceinline__ bool vector_tile(const uint8_t* out, const uint8_t* out_t,
-                                            const T* x, int rows, int cols, int r0, int c0) {
+                                            const Src& src, int rows, int cols, int r0, int c0) {
   const auto a = [](const void* p, unsigned n) { return (reinterpret_cast<uintptr_t>(p) & (n - 1)) == 0; };
   return r0 + kTileRows <= rows && c0 + kTileCols <= cols && cols % kChunk == 0 &&
-         rows % kChunk == 0 && a(x, sizeof(Pack<T, kChunk>) > 16 ? 16 : sizeof(Pack<T, kChunk>)) &&
-         a(out, 8) && a(out_t, 8);
+         rows % kChunk == 0 && src.aligned() && a(out, 8) && a(out_t, 8);
 }
 
-// One block per 64 x 128 tile: the rows converted kChunk elements per thread (one 16-byte load
-// of bf16/fp16, an 8-byte store of codes), kept in shared memory, then the transpose written
-// kChunk rows of one column per 8-byte store. Tiles at the edges, and inputs whose shapes or
-// pointers do not allow vectors, go element by element.
-template <class T, class In>
+// Each block casts `tiles` 64 x 128 tiles down one column of tiles: the rows converted kChunk
+// elements per thread (one 16-byte load of bf16/fp16, an 8-byte store of codes), kept in shared
+// memory, then the transpose written kChunk rows of one column per 8-byte store. Tiles at the
+// edges, and inputs whose shapes or pointers do not allow vectors, go element by element. With
+// partial (fp8_cast_grad's bias gradient), the block's column sums of the values over its rows
+// go to partial[blockIdx.y][cols], in a fixed order: each thread sums its column(s) down its
+// rows, then the 16 row groups are added in turn.
+template <class T, class Src>
 __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(
-    uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, float* __restrict__ amax,
-    const T* __restrict__ x, int rows, int cols, const float* __restrict__ scale_p,
-    __nv_fp8_interpretation_t fmt, In in) {
+    uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, float* __restrict__ amax, Src src,
+    int rows, int cols, const float* __restrict__ scale_p, __nv_fp8_interpretation_t fmt,
+    int tiles, float* __restrict__ partial) {
   __shared__ __align__(8) uint8_t tile[kTileRows][kTileCols + 8];
   __shared__ int warp_max[kThreads / 32];
-  const int r0 = blockIdx.y * kTileRows, c0 = blockIdx.x * kTileCols;
+  constexpr int kGroups = kThreads * kChunk / kTileCols;  // 16 row groups of the column sums
+  __shared__ float sums[kGroups][kTileCols];
+  const int c0 = blockIdx.x * kTileCols;
   const float scale = scale_p[0];
   int m = 0;  // the thread's amax, as bits
-  if (vector_tile(out, out_t, x, rows, cols, r0, c0)) {
-    constexpr int kPerRow = kTileCols / kChunk;
-    for (int q = threadIdx.x; q < kTileRows * kPerRow; q += kThreads) {
-      const int tr = q / kPerRow, tc = (q % kPerRow) * kChunk;
-      const size_t at = static_cast<size_t>(r0 + tr) * cols + c0 + tc;
-      const Pack<T, kChunk> v = *reinterpret_cast<const Pack<T, kChunk>*>(x + at);
-      uint8_t codes[kChunk];
+  // the thread's column sums: the vector path's kChunk columns (tc fixed per thread), the
+  // element path's one column
+  float acc[kChunk], eacc = 0.0f;
 #pragma unroll
-      for (int k = 0; k < kChunk; ++k) {
-        const float f = in(to_f<T>(v.v[k]));
-        m = max(m, abs_bits(f));
-        codes[k] = __nv_cvt_float_to_fp8(f * scale, __NV_SATFINITE, fmt);
-      }
-      uint2 packed;
-      memcpy(&packed, codes, sizeof packed);
-      if (out) *reinterpret_cast<uint2*>(out + at) = packed;
-      *reinterpret_cast<uint2*>(&tile[tr][tc]) = packed;
-    }
-    if (out_t) {
-      __syncthreads();
-      constexpr int kPerCol = kTileRows / kChunk;
-      for (int q = threadIdx.x; q < kTileCols * kPerCol; q += kThreads) {
-        const int tc = q / kPerCol, tr = (q % kPerCol) * kChunk;
+  for (int k = 0; k < kChunk; ++k) acc[k] = 0.0f;
+  for (int t = 0; t < tiles; ++t) {
+    const int r0 = (blockIdx.y * tiles + t) * kTileRows;
+    if (r0 >= rows) break;
+    if (t > 0) __syncthreads();  // the previous tile's transpose has read the shared tile
+    if (vector_tile(out, out_t, src, rows, cols, r0, c0)) {
+      constexpr int kPerRow = kTileCols / kChunk;
+      for (int q = threadIdx.x; q < kTileRows * kPerRow; q += kThreads) {
+        const int tr = q / kPerRow, tc = (q % kPerRow) * kChunk;
+        const size_t at = static_cast<size_t>(r0 + tr) * cols + c0 + tc;
+        float f[kChunk];
+        src.load(at, f);
         uint8_t codes[kChunk];
 #pragma unroll
-        for (int k = 0; k < kChunk; ++k) codes[k] = tile[tr + k][tc];
+        for (int k = 0; k < kChunk; ++k) {
+          m = max(m, abs_bits(f[k]));
+          acc[k] += f[k];
+          codes[k] = __nv_cvt_float_to_fp8(f[k] * scale, __NV_SATFINITE, fmt);
+        }
         uint2 packed;
         memcpy(&packed, codes, sizeof packed);
-        *reinterpret_cast<uint2*>(out_t + static_cast<size_t>(c0 + tc) * rows + r0 + tr) = packed;
+        if (out) *reinterpret_cast<uint2*>(out + at) = packed;
+        *reinterpret_cast<uint2*>(&tile[tr][tc]) = packed;
       }
-    }
-  } else {
-    for (int i = threadIdx.x; i < kTileRows * kTileCols; i += kThreads) {
-      const int tr = i / kTileCols, tc = i % kTileCols;
-      const int r = r0 + tr, c = c0 + tc;
-      uint8_t code = 0;
-      if (r < rows && c < cols) {
-        const float v = in(to_f<T>(x[static_cast<size_t>(r) * cols + c]));
-        m = max(m, abs_bits(v));
-        code = __nv_cvt_float_to_fp8(v * scale, __NV_SATFINITE, fmt);
-        if (out) out[static_cast<size_t>(r) * cols + c] = code;
+      if (out_t) {
+        __syncthreads();
+        constexpr int kPerCol = kTileRows / kChunk;
+        for (int q = threadIdx.x; q < kTileCols * kPerCol; q += kThreads) {
+          const int tc = q / kPerCol, tr = (q % kPerCol) * kChunk;
+          uint8_t codes[kChunk];
+#pragma unroll
+          for (int k = 0; k < kChunk; ++k) codes[k] = tile[tr + k][tc];
+          uint2 packed;
+          memcpy(&packed, codes, sizeof packed);
+          *reinterpret_cast<uint2*>(out_t + static_cast<size_t>(c0 + tc) * rows + r0 + tr) = packed;
+        }
       }
-      tile[tr][tc] = code;
-    }
-    if (out_t) {
-      __syncthreads();
+    } else {
       for (int i = threadIdx.x; i < kTileRows * kTileCols; i += kThreads) {
-        const int tc = i / kTileRows, tr = i % kTileRows;
+        const int tr = i / kTileCols, tc = i % kTileCols;
         const int r = r0 + tr, c = c0 + tc;
-        if (r < rows && c < cols) out_t[static_cast<size_t>(c) * rows + r] = tile[tr][tc];
+        uint8_t code = 0;
+        if (r < rows && c < cols) {
+          const float v = src.load1(static_cast<size_t>(r) * cols + c);
+          m = max(m, abs_bits(v));
+          eacc += v;
+          code = __nv_cvt_float_to_fp8(v * scale, __NV_SATFINITE, fmt);
+          if (out) out[static_cast<size_t>(r) * cols + c] = code;
+        }
+        tile[tr][tc] = code;
       }
+      if (out_t) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < kTileRows * kTileCols; i += kThreads) {
+          const int tc = i / kTileRows, tr = i % kTileRows;
+          const int r = r0 + tr, c = c0 + tc;
+          if (r < rows && c < cols) out_t[static_cast<size_t>(c) * rows + r] = tile[tr][tc];
+        }
+      }
+    }
+  }
+  if (partial) {
+    // Vector path: thread t summed columns (t % 16) * 8 + k of rows t / 16 + 16 i; element
+    // path (edge tiles; a block's last tile short of 64 rows): column t % 128 of rows
+    // t / 128 + 2 i. Both kinds of partial sums, then each column's in turn.
+    __shared__ float esums[kThreads / kTileCols][kTileCols];
+    const int g = threadIdx.x / (kTileCols / kChunk), tc = (threadIdx.x % (kTileCols / kChunk)) * kChunk;
+#pragma unroll
+    for (int k = 0; k < kChunk; ++k) sums[g][tc + k] = acc[k];
+    esums[threadIdx.x / kTileCols][threadIdx.x % kTileCols] = eacc;
+    __syncthreads();
+    if (threadIdx.x < kTileCols && c0 + threadIdx.x < cols) {
+      float s = 0.0f;
+      for (int r = 0; r < kGroups; ++r) s += sums[r][threadIdx.x];
+      for (int r = 0; r < kThreads / kTileCols; ++r) s += esums[r][threadIdx.x];
+      partial[static_cast<size_t>(blockIdx.y) * cols + c0 + threadIdx.x] = s;
     }
   }
   // block maximum, then one atomic per block
   for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  __syncthreads();
   if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = m;
   __syncthreads();
   if (threadIdx.x == 0) {
     for (int w = 1; w < kThreads / 32; ++w) m = max(m, warp_max[w]);
     atomicMax(reinterpret_cast<int*>(amax), m);
+  }
+}
+
+// db[c] += the sum over p of partial[p][c], in a fixed order: 8 strided runs of the partials
+// per column (one per thread row), then those 8 in turn.
+__global__ void __launch_bounds__(256) add_partials_kernel(float* __restrict__ db,
+                                                           const float* __restrict__ partial,
+                                                           int parts, int cols) {
+  __shared__ float s8[8][33];
+  const int c = blockIdx.x * 32 + threadIdx.x;
+  float s = 0.0f;
+  if (c < cols)
+    for (int p = threadIdx.y; p < parts; p += 8) s += partial[static_cast<size_t>(p) * cols + c];
+  s8[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float t = 0.0f;
+    for (int y = 0; y < 8; ++y) t += s8[y][threadIdx.x];
+    db[c] += t;
   }
 }
 
@@ -143,6 +240,13 @@ bool CudaBackend::fp8_supported(std::string* why) const {
   return false;
 }
 
+size_t CudaBackend::fp8_grad_scratch_bytes(int64_t rows, int64_t cols) {
+  if (rows <= 0 || cols <= 0) return 0;
+  const int64_t rows_per = int64_t(cuda::kTileRows) * cuda::kGradTiles;
+  return static_cast<size_t>((rows + rows_per - 1) / rows_per) * static_cast<size_t>(cols) *
+         sizeof(float);
+}
+
 void CudaBackend::fp8_cast(uint8_t* out, uint8_t* out_t, float* amax, const void* x, int rows,
                            int cols, const float* scale, Fp8Format f, const Gelu* gelu_in) {
   OpScope op_scope(*this, "fp8_cast");
@@ -154,16 +258,49 @@ void CudaBackend::fp8_cast(uint8_t* out, uint8_t* out_t, float* amax, const void
   const __nv_fp8_interpretation_t fmt = f == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2;
   cuda::dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    auto launch = [&](auto in) {
+    auto launch = [&](auto src) {
       cuda::fp8_cast_kernel<T><<<grid, cuda::kThreads, 0, stream_>>>(
-          out, out_t, amax, static_cast<const T*>(x), rows, cols, scale, fmt, in);
+          out, out_t, amax, src, rows, cols, scale, fmt, 1, nullptr);
     };
-    if (!gelu_in) return launch(cuda::Plain{});
+    const T* xt = static_cast<const T*>(x);
+    if (!gelu_in) return launch(cuda::Plain<T>{xt});
     cuda::with_gelu_form<T>(*gelu_in, [&](auto form) {
-      launch(cuda::GeluIn<T, decltype(form)::value>{});
+      launch(cuda::GeluIn<T, decltype(form)::value>{{xt}});
     });
   });
   CUDA_CHECK(cudaGetLastError());
+}
+
+void CudaBackend::fp8_cast_grad(uint8_t* out, uint8_t* out_t, float* amax, const void* dy,
+                                int rows, int cols, const float* scale, Fp8Format f, float* db,
+                                const void* gelu_pre, Gelu g) {
+  OpScope op_scope(*this, db ? "fp8_cast_grad + bias gradient" : "fp8_cast_grad");
+  check_fp8_cast_args(out, out_t, amax, rows, cols, scale);
+  if (rows == 0 || cols == 0) return;
+  const int row_tiles = (rows + cuda::kTileRows - 1) / cuda::kTileRows;
+  const int tiles = db ? cuda::kGradTiles : 1;
+  const dim3 grid((cols + cuda::kTileCols - 1) / cuda::kTileCols, (row_tiles + tiles - 1) / tiles);
+  VG_CHECK(grid.y <= 65535u, "fp8_cast_grad: " << rows << " rows exceed the grid");
+  float* partial = db ? static_cast<float*>(scratch(fp8_grad_scratch_bytes(rows, cols))) : nullptr;
+  const __nv_fp8_interpretation_t fmt = f == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2;
+  cuda::dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    auto launch = [&](auto src) {
+      cuda::fp8_cast_kernel<T><<<grid, cuda::kThreads, 0, stream_>>>(
+          out, out_t, amax, src, rows, cols, scale, fmt, tiles, partial);
+    };
+    const T* d = static_cast<const T*>(dy);
+    if (!gelu_pre) return launch(cuda::Plain<T>{d});
+    cuda::with_gelu_form<T>(g, [&](auto form) {
+      launch(cuda::GradGelu<T, decltype(form)::value>{d, static_cast<const T*>(gelu_pre)});
+    });
+  });
+  CUDA_CHECK(cudaGetLastError());
+  if (db) {
+    cuda::add_partials_kernel<<<(cols + 31) / 32, dim3(32, 8), 0, stream_>>>(db, partial, grid.y,
+                                                                             cols);
+    CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 }  // namespace vitgrid

@@ -1,6 +1,6 @@
-// GELU's forms on the device and its forward as an elementwise op, shared by the elementwise
-// kernels (elementwise.cu) and the FP8 casts that apply GELU to their input (fp8.cu), so both
-// store the same values.
+// GELU's forms on the device and its forward and backward as elementwise ops, shared by the
+// elementwise kernels (elementwise.cu) and the FP8 casts that apply GELU or its backward to
+// their input (fp8.cu), so both store the same values.
 #pragma once
 #include <type_traits>
 
@@ -46,6 +46,26 @@ struct GeluFwdOp {
     } else {
       return 0.5f * x * (1.0f + erff(x * kSqrt1_2));
     }
+  }
+};
+
+// GELU's backward as an elementwise op: dy * gelu'(x), in the form's fp32 math.
+template <GeluForm F>
+struct GeluBwdOp {  // v = {x, dy}
+  __device__ float operator()(const float* v, size_t) const {
+    const float x = v[0], dy = v[1];
+    float d;
+    if constexpr (F == GeluForm::Tanh) {
+      const float u = kSqrt2OverPi * (x + kGeluC * x * x * x);
+      const float t = tanhf(u);
+      d = 0.5f * (1.0f + t) +
+          0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kGeluC * x * x);
+    } else if constexpr (F == GeluForm::ErfFast) {
+      d = gelu_exact_fast_grad(x);
+    } else {
+      d = 0.5f * (1.0f + erff(x * kSqrt1_2)) + x * kInvSqrt2Pi * expf(-0.5f * x * x);
+    }
+    return dy * d;
   }
 };
 

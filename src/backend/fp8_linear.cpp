@@ -62,7 +62,7 @@ void fp8_linear_forward(Backend& be, const Fp8LinearMeta& m, uint8_t* scratch, v
   uint8_t* x8 = scratch;
   uint8_t* w8 = x8 + static_cast<size_t>(N) * in;
   using M = Fp8LinearMeta;
-  be.fp8_cast(x8, nullptr, m.amax_of(M::kX), x, N, in, m.scale_of(M::kX), Fp8Format::E4M3,
+  be.fp8_cast(x8, m.x_t, m.amax_of(M::kX), x, N, in, m.scale_of(M::kX), Fp8Format::E4M3,
               m.x_gelu);
   be.fp8_cast(w8, nullptr, m.amax_of(M::kW), W, out, in, m.scale_of(M::kW), Fp8Format::E4M3);
   be.fp8_gemm(y, false, 0.0f, x8, Fp8Format::E4M3, m.scale_inv_of(M::kX), w8, Fp8Format::E4M3,
@@ -105,8 +105,12 @@ void fp8_linear_backward(Backend& be, const Fp8LinearMeta& m, uint8_t* scratch, 
     }
   }
   if (dW) {
-    be.fp8_cast(nullptr, x8_t, m.amax_of(M::kX), x, N, in, m.scale_of(M::kX), Fp8Format::E4M3,
-                m.x_gelu);
+    if (m.x_t) {
+      x8_t = m.x_t;  // the forward's
+    } else {
+      be.fp8_cast(nullptr, x8_t, m.amax_of(M::kX), x, N, in, m.scale_of(M::kX), Fp8Format::E4M3,
+                  m.x_gelu);
+    }
     be.fp8_gemm(dW, true, 1.0f, dy8_t, Fp8Format::E5M2, m.scale_inv_of(M::kDy), x8_t,
                 Fp8Format::E4M3, m.scale_inv_of(M::kX), out, in, N, nullptr);
   }

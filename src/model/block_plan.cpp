@@ -319,6 +319,19 @@ std::vector<BlockPlan> compile_chunk_plans(const ChunkSpec& s) {
         for (Op& op : *list)
           op.fp8 = op.kind == OpKind::Linear || op.kind == OpKind::LinearBackward ||
                    op.kind == OpKind::AttentionRow || op.kind == OpKind::AttentionRowBackward;
+    if (s.fp8 && s.tp.fp8_keep_x_transposes) {
+      // The training forward's casts keep x's transpose, the recompute's too, and the weight
+      // gradients take it: no second cast of x, and qkv's and fc1's bf16 inputs (Y1, Y2) are
+      // not read by the backward. A checkpointed block's recompute ends before fc2, whose
+      // backward then casts its input again.
+      auto kept = [&](const Op& op) { return op.fp8 && (op.w.index != kFc2W || !p.checkpointed); };
+      for (Op& op : p.forward) op.x_t = kept(op);
+      for (Op& op : p.recompute) op.x_t = op.fp8;
+      for (Op& op : p.backward) {
+        op.x_t = kept(op);
+        if (op.x_t && (op.x == Buf::Y1 || op.x == Buf::Y2)) op.x = Buf::None;
+      }
+    }
   }
   return plans;
 }
@@ -358,7 +371,8 @@ std::string describe(const std::vector<Op>& ops) {
     if (op.kind == OpKind::Linear || op.kind == OpKind::LinearBackward ||
         op.kind == OpKind::AttentionRow || op.kind == OpKind::AttentionRowBackward)
       o << (op.role == LinearRole::Column ? " column" : " row") << (op.fp8 ? " fp8" : "")
-        << (op.x_gelu ? " x_gelu" : "") << (op.dy_gelu ? " dy_gelu" : "");
+        << (op.x_gelu ? " x_gelu" : "") << (op.dy_gelu ? " dy_gelu" : "")
+        << (op.x_t ? " x_t" : "");
     if (op.norm) o << " norm" << op.norm;
     buf("out", op.out);
     buf("x", op.x);

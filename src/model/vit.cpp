@@ -303,17 +303,35 @@ void ViT::plan_activations() {
           for (Buf x : {op.out, op.x, op.a, op.b, op.gelu, op.dy, op.branch})
             g_used = g_used || x == Buf::G;
   const bool keep_g = cfg_.keep_gelu_output && g_used;  // where the block is not checkpointed
+  // FP8 with the inputs' transposes kept (Op::x_t): one buffer per Linear per block; Y1 and Y2
+  // then one scratch when no backward op reads them (only qkv's and fc1's weight gradients did)
+  bool keep_xt = false, y_in_backward = false;
+  for (const auto& plans : plans_)
+    for (const BlockPlan& p : plans) {
+      for (const auto* list : {&p.forward, &p.recompute, &p.backward})
+        for (const Op& op : *list) keep_xt = keep_xt || op.x_t;
+      for (const Op& op : p.backward)
+        for (Buf x : {op.out, op.x, op.a, op.b, op.gelu, op.dy, op.branch})
+          y_in_backward = y_in_backward || x == Buf::Y1 || x == Buf::Y2;
+    }
+  const bool share_y = keep_xt && !y_in_backward;
   bool path_f = false;
   for (const BlockPlan& p : plans_[0])
     for (const Op& op : p.forward) path_f = path_f || op.kind == OpKind::PathFactors;
   a_->path_stride = Bm;
   auto block_set = [&](Acts::BlockActs& b) {
-    b.y1 = take(N * C * as);
+    b.y1 = share_y ? nullptr : take(N * C * as);
     b.qkv = take(Ni * 3 * Cl * as);
     b.att = take(Ni * Cl * as);
     b.asaved = take(asaved);
     b.r_mid = take(N * C * as);
-    b.y2 = take(N * C * as);
+    b.y2 = share_y ? nullptr : take(N * C * as);
+    if (keep_xt) {  // [in, rows] codes: qkv and fc1 read Stream rows, proj and fc2 Inner ones
+      b.xt[0] = static_cast<uint8_t*>(take(N * C));
+      b.xt[1] = static_cast<uint8_t*>(take(Ni * Cl));
+      b.xt[2] = static_cast<uint8_t*>(take(N * C));
+      b.xt[3] = static_cast<uint8_t*>(take(Ni * Ml));
+    }
     b.h = take(Ni * Ml * as);
     b.g = keep_g ? take(Ni * Ml * as) : nullptr;
     b.m1 = static_cast<float*>(take(N * 4));
@@ -346,6 +364,7 @@ void ViT::plan_activations() {
     if (any_ckpt) block_set(a.shared);  // with keep_g: its own g
     a.p_scr = take(N * C * as);
     a.g_scr = keep_g || !g_used ? nullptr : take(Ni * Ml * as);
+    void* y_scr = share_y ? take(N * C * as) : nullptr;  // Y1, then Y2: never live together
     a.f_scr[0] = take(N * C * as);
     a.f_scr[1] = all_ckpt ? nullptr : take(N * C * as);  // checkpointing: f_scr[0] only
     for (auto& st : a.sets)
@@ -353,9 +372,11 @@ void ViT::plan_activations() {
         st.blocks[j].p = a.p_scr;
         if (!keep_g) st.blocks[j].g = a.g_scr;
         st.blocks[j].f = a.f_scr[j & 1];
+        if (share_y) st.blocks[j].y1 = st.blocks[j].y2 = y_scr;
       }
     a.shared.p = a.p_scr;
     if (!keep_g) a.shared.g = a.g_scr;
+    if (share_y) a.shared.y1 = a.shared.y2 = y_scr;
     a.shared.f = a.f_scr[0];
     a.ptok = take(Np * C * as);
     a.cls_a = take(Bm * C * as);

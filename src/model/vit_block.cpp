@@ -152,9 +152,12 @@ void ViT::run_ops(const std::vector<Op>& ops, int l, const DeviceBatch& in, int6
     if (!op.fp8) return nullptr;
     const int w = op.w.index;
     VG_CHECK(w == kQkvW || w == kProjW || w == kFc1W || w == kFc2W, "an FP8 op on param " << w);
-    m8 = fp8_meta(l, w == kQkvW ? 0 : w == kProjW ? 1 : w == kFc1W ? 2 : 3);
+    const int k = w == kQkvW ? 0 : w == kProjW ? 1 : w == kFc1W ? 2 : 3;
+    m8 = fp8_meta(l, k);
     m8.x_gelu = op.x_gelu ? &cfg_.gelu : nullptr;
     m8.dy_gelu = op.dy_gelu;
+    m8.x_t = op.x_t ? b.xt[k] : nullptr;
+    VG_CHECK(!op.x_t || m8.x_t, "an FP8 Linear keeping x's transpose without its buffer");
     return &m8;
   };
   for (const Op& op : ops) {

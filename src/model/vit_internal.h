@@ -18,6 +18,9 @@ struct ViT::Acts {
     void *y1, *qkv, *att, *p, *r_mid, *y2, *h, *g, *f;
     float *m1, *s1, *m2, *s2;
     void* asaved;
+    // FP8: the transposed codes of qkv's, proj's, fc1's and fc2's inputs, kept from the forward
+    // for the weight gradients (Op::x_t; null where no op keeps them)
+    uint8_t* xt[4] = {nullptr, nullptr, nullptr, nullptr};
   };
   struct Set {
     void* patches = nullptr;         // embedding input (first chunk of the first stage)

@@ -197,6 +197,35 @@ TEST(Fp8Linear, DyGeluIsGeluBackwardThenTheLayer) {
   }());
 }
 
+TEST(Fp8Linear, KeptTransposeIsTheBackwardsCast) {
+  // x_t: the forward's cast of x writes its transpose, the weight gradient takes it without
+  // reading x (null here): the same dW, dx and amaxes, bit for bit, as casting x again
+  Layer L, R;
+  std::vector<uint8_t> xt(size_t(N) * kIn, 0xAA);
+  vitgrid::Fp8LinearMeta m = L.meta();
+  m.x_t = xt.data();
+  Vec y(size_t(N) * kOut), ry(y.size());
+  vitgrid::fp8_linear_forward(L.be, m, L.scratch.data(), y.data(), L.x.data(), L.W.data(),
+                              L.b.data(), N, kIn, kOut);
+  vitgrid::fp8_linear_forward(R.be, R.meta(), R.scratch.data(), ry.data(), R.x.data(), R.W.data(),
+                              R.b.data(), N, kIn, kOut);
+  EXPECT_EQ(y, ry);
+  const Vec xq = quantized(L.x, L.scale[0], Fp8Format::E4M3);
+  for (int i = 0; i < N; ++i)
+    for (int k = 0; k < kIn; ++k)
+      ASSERT_EQ(vitgrid::fp8_decode(xt[size_t(k) * N + i], Fp8Format::E4M3),
+                xq[size_t(i) * kIn + k])
+          << i << "," << k;
+  Vec dx(size_t(N) * kIn), dW(size_t(kOut) * kIn, 0.25f), rdx = dx, rdW = dW;
+  vitgrid::fp8_linear_backward(L.be, m, L.scratch.data(), dx.data(), dW.data(), nullptr,
+                               L.dy.data(), nullptr, L.W.data(), N, kIn, kOut);
+  vitgrid::fp8_linear_backward(R.be, R.meta(), R.scratch.data(), rdx.data(), rdW.data(), nullptr,
+                               R.dy.data(), R.x.data(), R.W.data(), N, kIn, kOut);
+  EXPECT_EQ(dx, rdx);
+  EXPECT_EQ(dW, rdW);
+  for (int k = 0; k < 3; ++k) EXPECT_EQ(L.amax(k), R.amax(k)) << k;
+}
+
 TEST(Fp8Linear, CloseToTheBf16Layer) {
   // E4M3 keeps 3 mantissa bits: each operand is within 2^-4 relative of its bf16 value, so the
   // output is a few percent off the bf16 layer's (rel L2), and not equal to it

@@ -188,6 +188,40 @@ TEST(BlockPlan, Fp8DyCastTakesGeluBackwardWhereTheModeAllows) {
       }
 }
 
+TEST(BlockPlan, Fp8KeepsTheInputsTransposesWhereTheBackwardFindsThem) {
+  // a mode that allows it (none): every FP8 Linear of the training forward and the recompute
+  // keeps x's transpose and its backward takes it, not reading Y1 / Y2, but fc2 of a
+  // checkpointed block (the recompute ends before fc2: its backward casts H again); never in
+  // evaluation; nowhere in a mode that does not allow it (1d)
+  for (bool allowed : {true, false})
+    for (bool fused : {true, false}) {
+      TpFusions f = all_fusions(1);
+      f.fp8 = true;
+      f.fp8_keep_x_transposes = allowed;
+      ChunkSpec s = spec(3, 0.0f, 0.1f, 1, fused, f);
+      s.fp8 = true;
+      SCOPED_TRACE(std::string(allowed ? "allowed" : "not allowed") + (fused ? ", fused" : ""));
+      for (const BlockPlan& p : compile_chunk_plans(s)) {
+        auto want = [&](const Op& o) {
+          return allowed && o.fp8 && (o.w.index != kFc2W || !p.checkpointed);
+        };
+        for (const Op& o : p.forward) EXPECT_EQ(o.x_t, want(o)) << name(o.kind);
+        for (const Op& o : p.forward_eval) EXPECT_FALSE(o.x_t) << name(o.kind);
+        for (const Op& o : p.recompute) EXPECT_EQ(o.x_t, allowed && o.fp8) << name(o.kind);
+        int backward_kept = 0;
+        for (const Op& o : p.backward) {
+          EXPECT_EQ(o.x_t, want(o)) << name(o.kind);
+          if (o.x_t) {
+            ++backward_kept;
+            EXPECT_NE(o.x, Buf::Y1);
+            EXPECT_NE(o.x, Buf::Y2);
+          }
+        }
+        EXPECT_EQ(backward_kept, allowed ? (p.checkpointed ? 3 : 4) : 0);
+      }
+    }
+}
+
 TEST(BlockPlan, UnfusedPlanHasNoFusion) {
   for (float dropout : {0.0f, 0.1f})
     for (float path : {0.0f, 0.3f}) {

@@ -248,9 +248,11 @@ TEST(Model, FusedPlansEqualUnfused) {
 }
 
 // FP8 without dropout on the activation: fc2's casts apply fc1's GELU to its pre-activation
-// (block_plan.h), so no GELU pass runs and no GELU output is held, kept or not; the step is
-// the unfused plan's bit for bit (a GELU pass, then fc2 casting its output: the same codes;
-// without dropout and drop path the other fusions round alike).
+// and fc1's gradient cast GELU's backward (block_plan.h), so no GELU pass runs and no GELU
+// output or gradient is held, kept or not; the forward's casts keep the inputs' transposes for
+// the weight gradients. The step is the unfused plan's bit for bit (a GELU pass, then fc2
+// casting its output: the same codes; without dropout and drop path the other fusions round
+// alike).
 TEST(Model, Fp8GeluInTheCasts) {
   ViTConfig c = tiny(false, 0.0f);
   c.hidden = 32;
@@ -265,10 +267,18 @@ TEST(Model, Fp8GeluInTheCasts) {
   Rig b(bf, DType::BF16, B);
   const std::string fwd = describe(a.model->block_plan(1, B).forward);
   const std::string bwd = describe(a.model->block_plan(1, B).backward);
-  EXPECT_NE(fwd.find("Linear row fp8 x_gelu out=F x=H"), std::string::npos) << fwd;
+  EXPECT_NE(fwd.find("Linear row fp8 x_gelu x_t out=F x=H"), std::string::npos) << fwd;
+  EXPECT_NE(fwd.find("Linear column fp8 x_t out=Qkv x=Y1"), std::string::npos) << fwd;
   EXPECT_EQ(fwd.find("gelu=G"), std::string::npos) << fwd;
   EXPECT_EQ(fwd.find("Gelu "), std::string::npos) << fwd;
-  EXPECT_NE(bwd.find("LinearBackward row fp8 x_gelu out=Dh x=H"), std::string::npos) << bwd;
+  EXPECT_NE(bwd.find("LinearBackward row fp8 x_gelu x_t out=Dh x=H dy=Dres"), std::string::npos)
+      << bwd;
+  // fc1: GELU's backward in its dy cast, x's transpose from the forward (Y2 not read)
+  EXPECT_NE(bwd.find("LinearBackward column fp8 dy_gelu x_t out=Dtmp dy=Dh gelu=H w=fc1.w"),
+            std::string::npos)
+      << bwd;
+  EXPECT_EQ(bwd.find("Y1"), std::string::npos) << bwd;
+  EXPECT_EQ(bwd.find("Y2"), std::string::npos) << bwd;
   EXPECT_EQ(bwd.find("Gelu "), std::string::npos) << bwd;
   // no G: kept or not the same bytes, and one [N, mlp] buffer fewer than bf16's shared one
   EXPECT_EQ(k.model->activation_bytes(), a.model->activation_bytes());

@@ -37,6 +37,10 @@ struct Fp8LinearMeta {
   // pre-activation and applies to dy, whose cast (Fp8Ops::fp8_cast_grad) takes GELU's backward
   // and the bias gradient in its pass: no stored GELU gradient, no pass of its own.
   bool dy_gelu = false;
+  // Where x's transpose lives between the forward and the backward ([in, N] codes): the
+  // forward's cast of x writes it, the weight gradient takes it instead of casting x again
+  // (the same scale within a step, so the same codes; x is then not read by the backward).
+  uint8_t* x_t = nullptr;
   const float* scale_of(int k) const { return scale + k * stride; }
   const float* scale_inv_of(int k) const { return scale_inv + k * stride; }
   float* amax_of(int k) const { return amax + k * stride; }

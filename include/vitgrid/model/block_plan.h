@@ -104,6 +104,8 @@ struct Op {
   bool x_gelu = false;         // FP8 Linear(Backward): its input is gelu(x), applied by the casts
   bool dy_gelu = false;        // FP8 LinearBackward: `gelu` is its own pre-activation, GELU's
                                // backward applied to dy by dy's cast (fc1)
+  bool x_t = false;            // FP8 Linear(Backward): x's transpose kept by the forward's cast
+                               // in the block's buffer, taken by the weight gradient
 };
 
 struct BlockPlan {

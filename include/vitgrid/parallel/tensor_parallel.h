@@ -113,6 +113,10 @@ struct TpFusions {
   // dy cast applies GELU's backward): the modes that hand gelu_pre and dy to one local
   // backward unsliced (none)
   bool fp8_gelu_in_dy_cast = false;
+  // an FP8 Linear's forward cast may keep x's transpose for the weight gradient
+  // (Fp8LinearMeta::x_t): the modes whose Linears each cast x once, whole, in the forward and
+  // take the same rows in the backward (none)
+  bool fp8_keep_x_transposes = false;
 };
 
 class TensorParallel {

@@ -222,6 +222,34 @@ TEST_P(CheckpointIo, RoundTripAcrossSplits) {
   }
 }
 
+// A .tmp left by a killed run whose rank 0 still holds it open (a process not yet gone: here
+// this process, through HDF5, which refuses to truncate a file it has open) is replaced by a
+// new file, not truncated: the write succeeds and reads back whole; the old one stays open.
+TEST(CheckpointIo, StaleTmpStillOpenIsReplaced) {
+  vgtest::SharedTmpDir tmp;
+  const std::string dir = tmp / "ckpt", stale = dir + "/step_00000007.h5.tmp";
+  vitgrid::io_detail::H5Id held;
+  if (rank_of() == 0) {
+    std::filesystem::create_directories(dir);
+    std::lock_guard<std::recursive_mutex> lock(vitgrid::hdf5_mutex());
+    held = vitgrid::io_detail::H5Id(H5Fcreate(stale.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT,
+                                              H5P_DEFAULT));
+    ASSERT_TRUE(held.valid());
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  ShardSet w = make_write_set();
+  const std::string path =
+      vitgrid::write_checkpoint(MPI_COMM_WORLD, dir, 7, w.shards, make_meta(7), 0, 2);
+  EXPECT_FALSE(std::filesystem::exists(stale));
+  ShardSet r = make_read_set();
+  vitgrid::read_checkpoint(MPI_COMM_WORLD, path, r.shards, nullptr);
+  for (size_t t = 0; t < kTensors.size(); ++t) expect_shard_values(r.shards[t], t);
+  if (rank_of() == 0) {
+    std::lock_guard<std::recursive_mutex> lock(vitgrid::hdf5_mutex());
+    held.reset();
+  }
+}
+
 // The chunk shape a part asks for, and its ranges in the chunks: a 2d-mode qkv-like part,
 // three strided blocks of rows, each a column block (6 runs of 4 floats), asks for chunks of one
 // block and writes three whole chunks; a part not on the chunk grid, or already one run per

@@ -477,13 +477,14 @@ void write_root_attributes(hid_t file, const CheckpointMeta& meta, int world_siz
 // direct_io, rank 0 alone, serial HDF5 (the same alignment as the collective files): creates
 // the file with every tensor's dataset (contiguous or in `chunks`, allocated, never filled),
 // the state and the root attributes but `complete`. Returns the open file (invalid after a
-// failure, recorded in the caller's SoftFailures scope), the tensors' datasets in `dsets` and,
-// per tensor, its number of file offsets then the offsets (the dataset's, or each chunk's in
-// row-major chunk order) in `addrs`.
+// failure, recorded in the caller's SoftFailures scope), the tensors' datasets in `dsets`, per
+// tensor its number of file offsets then the offsets (the dataset's, or each chunk's in
+// row-major chunk order) in `addrs`, and the bytes each offset starts in `extents`.
 H5Id lay_out_serial(const std::string& path, const std::vector<TensorShard>& shards,
                     const std::vector<std::vector<int64_t>>& chunks, const CheckpointMeta& meta,
                     int world_size, hid_t lcpl, const io_detail::SoftFailures& soft,
-                    std::vector<H5Id>* dsets, std::vector<uint64_t>* addrs) {
+                    std::vector<H5Id>* dsets, std::vector<uint64_t>* addrs,
+                    std::vector<std::pair<off_t, off_t>>* extents) {
   H5Id fapl(H5_CHECK(H5Pcreate(H5P_FILE_ACCESS)));
   H5_CHECK(H5Pset_alignment(fapl, 64 * 1024, 1024 * 1024));
   // A .tmp left by a killed run is removed, not truncated: a rank of that run still alive
@@ -516,13 +517,18 @@ H5Id lay_out_serial(const std::string& path, const std::vector<TensorShard>& sha
       VG_CHECK(at != HADDR_UNDEF, "dataset '" << s.name << "' has no storage");
       addrs->push_back(1);
       addrs->push_back(at);
+      extents->push_back({static_cast<off_t>(at), static_cast<off_t>(n * sizeof(float))});
       continue;
     }
     // each chunk's address, row-major over the chunk grid
     const size_t r = chunk.size();
     std::vector<int64_t> grid(r);
     uint64_t total = 1;
-    for (size_t d = 0; d < r; ++d) total *= grid[d] = s.global_shape[d] / chunk[d];
+    int64_t bytes = sizeof(float);
+    for (size_t d = 0; d < r; ++d) {
+      total *= grid[d] = s.global_shape[d] / chunk[d];
+      bytes *= chunk[d];
+    }
     addrs->push_back(total);
     std::vector<hsize_t> at(r, 0);
     for (uint64_t c = 0; c < total; ++c) {
@@ -534,6 +540,7 @@ H5Id lay_out_serial(const std::string& path, const std::vector<TensorShard>& sha
       VG_CHECK(soft.failed() || addr != HADDR_UNDEF,
                "dataset '" << s.name << "': a chunk has no storage");
       addrs->push_back(addr);
+      extents->push_back({static_cast<off_t>(addr), static_cast<off_t>(bytes)});
     }
   }
   write_state(file, lcpl, H5P_DEFAULT, meta, [](const char*) {});
@@ -609,28 +616,17 @@ std::string write_checkpoint(MPI_Comm comm, const std::string& dir, int64_t step
       const std::vector<std::vector<int64_t>> chunks = agree_chunk_shapes(comm, shards);
       std::vector<uint64_t> addrs;  // per tensor: its count of offsets, then the offsets
       std::vector<H5Id> dsets;      // rank 0: open until their checksums are attached
+      std::vector<std::pair<off_t, off_t>> extents;  // rank 0: the data's bytes in the file
       if (rank == 0)
-        file = lay_out_serial(tmp, shards, chunks, meta, size, lcpl, soft, &dsets, &addrs);
+        file = lay_out_serial(tmp, shards, chunks, meta, size, lcpl, soft, &dsets, &addrs,
+                              &extents);
       agreed("laying it out");
       if (rank == 0) {
         // The file's space is reserved first (the data and a margin for the metadata still
         // to come): the direct writes beside rank 0's metadata writes can then not fill the
         // disk under them, and a disk too full fails here, cleanly.
-        std::vector<std::pair<off_t, off_t>> extents;
         off_t end = 0;
-        for (size_t k = 0, si = 0; si < shards.size(); ++si) {
-          int64_t bytes = sizeof(float);
-          if (chunks[si].empty()) {
-            for (int64_t e : shards[si].global_shape) bytes *= e;
-          } else {
-            for (int64_t e : chunks[si]) bytes *= e;
-          }
-          const uint64_t n = addrs[k++];
-          for (uint64_t c = 0; c < n; ++c, ++k) {
-            extents.push_back({static_cast<off_t>(addrs[k]), static_cast<off_t>(bytes)});
-            end = std::max(end, extents.back().first + extents.back().second);
-          }
-        }
+        for (const auto& e : extents) end = std::max(end, e.first + e.second);
         extents.push_back({end, kMetadataMargin});
         const int err = reserve_space(tmp, extents);
         if (err != 0) soft.fail(err, "reserving the file's space (fallocate)");

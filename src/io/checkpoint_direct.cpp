@@ -29,13 +29,13 @@ void file_runs(const TensorShard& s, std::vector<std::pair<int64_t, int64_t>>* r
   }
   // per dimension: the selected coordinates as segments [start, start + len), in selection
   // order, adjacent ones merged
-  const bool strided = !s.stride.empty() && !s.block.empty();
+  const bool is_strided = strided(s);
   std::vector<std::vector<std::pair<int64_t, int64_t>>> seg(r);
   for (size_t d = 0; d < r; ++d) {
-    const int64_t n = strided ? s.count[d] : 1;
+    const int64_t n = is_strided ? s.count[d] : 1;
     for (int64_t c = 0; c < n; ++c) {
-      const int64_t st = strided ? s.offset[d] + c * s.stride[d] : s.offset[d];
-      const int64_t len = strided ? s.block[d] : s.count[d];
+      const int64_t st = is_strided ? s.offset[d] + c * s.stride[d] : s.offset[d];
+      const int64_t len = is_strided ? s.block[d] : s.count[d];
       if (len <= 0) return;  // nothing selected
       if (!seg[d].empty() && seg[d].back().first + seg[d].back().second == st)
         seg[d].back().second += len;
@@ -83,20 +83,20 @@ std::vector<int64_t> chunk_proposal(const TensorShard& s, size_t min_run_bytes) 
   if (r == 0) return none;
   std::vector<std::pair<int64_t, int64_t>> runs;
   file_runs(s, &runs);
-  const bool strided = !s.stride.empty() && !s.block.empty();
+  const bool is_strided = strided(s);
   // the blocks: several along the first axis at most (a strided qkv's q, k, v), each then one
   // contiguous piece of s.data
-  const int64_t blocks = strided ? s.count[0] : 1;
+  const int64_t blocks = is_strided ? s.count[0] : 1;
   if (runs.size() <= static_cast<size_t>(blocks) ||
       static_cast<size_t>(s.elements()) * sizeof(float) >= runs.size() * min_run_bytes)
     return none;
   std::vector<int64_t> chunk(r);
   int64_t bytes = sizeof(float);
   for (size_t d = 0; d < r; ++d) {
-    chunk[d] = strided ? s.block[d] : s.count[d];
+    chunk[d] = is_strided ? s.block[d] : s.count[d];
     if (chunk[d] <= 0 || s.global_shape[d] % chunk[d] != 0 || s.offset[d] % chunk[d] != 0)
       return none;
-    if (strided && (d > 0 ? s.count[d] != 1 : s.stride[0] % chunk[0] != 0)) return none;
+    if (is_strided && (d > 0 ? s.count[d] != 1 : s.stride[0] % chunk[0] != 0)) return none;
     bytes *= chunk[d];
   }
   if (bytes >= (int64_t(1) << 32)) return none;  // HDF5's largest chunk is 4 GiB - 1
@@ -154,15 +154,15 @@ void direct_ranges(const TensorShard& s, const std::vector<int64_t>& chunk,
     return;
   }
   const size_t r = s.global_shape.size();
-  const bool strided = !s.stride.empty() && !s.block.empty();
+  const bool is_strided = strided(s);
   int64_t per = 1;
   for (int64_t c : chunk) per *= c;
-  const int64_t blocks = strided ? s.count[0] : 1;
+  const int64_t blocks = is_strided ? s.count[0] : 1;
   VG_CHECK(per * blocks == s.elements(), "shard '" << s.name << "' does not fit its chunks");
   for (int64_t b = 0; b < blocks; ++b) {
     int64_t index = 0;
     for (size_t d = 0; d < r; ++d) {
-      const int64_t at = s.offset[d] + (d == 0 && strided ? b * s.stride[0] : 0);
+      const int64_t at = s.offset[d] + (d == 0 && is_strided ? b * s.stride[0] : 0);
       VG_CHECK(at % chunk[d] == 0, "shard '" << s.name << "' does not fit its chunks");
       index = index * (s.global_shape[d] / chunk[d]) + at / chunk[d];
     }

@@ -21,6 +21,8 @@ std::string join_path(const std::string& dir, const std::string& name);
 // Parses "step_<digits>.h5" (and nothing else: a ".h5.tmp" is an unfinished write).
 bool parse_step_file_name(const std::string& name, int64_t* step);
 void check_shard_bounds(const TensorShard& s);
+// Whether s selects strided blocks (stride and block given; check_shard_bounds: both or none).
+bool strided(const TensorShard& s);
 // Names and global shapes must match on every rank, since dataset creation and the
 // collective transfers pair up call by call.
 uint64_t shard_signature(const std::vector<TensorShard>& shards);

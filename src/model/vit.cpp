@@ -293,28 +293,31 @@ void ViT::plan_activations() {
   const bool has_out = layout_.chunks.size() > 1 || !layout_.head;
   // checkpointing: the recomputed blocks (the first of each chunk) share one block set
   const bool any_ckpt = checkpointed_in_chunk(0), all_ckpt = checkpointed_in_chunk(max_blocks - 1);
+  // whether any op of the plans (only their backward lists: backward_only) passes pred
+  auto any_op = [&](bool backward_only, auto pred) {
+    for (const auto& plans : plans_)
+      for (const BlockPlan& p : plans)
+        for (const auto* list : {&p.forward, &p.forward_eval, &p.recompute, &p.backward})
+          if (!backward_only || list == &p.backward)
+            for (const Op& op : *list)
+              if (pred(op)) return true;
+    return false;
+  };
+  auto names = [](const Op& op, Buf b) {
+    for (Buf x : {op.out, op.x, op.a, op.b, op.gelu, op.dy, op.branch})
+      if (x == b) return true;
+    return false;
+  };
   // G (fc1's GELU output) where an op reads or writes it: not where fc2's FP8 casts apply the
   // GELU themselves (block_plan.h); kept per block (keep_gelu_output) or one scratch
-  bool g_used = false;
-  for (const auto& plans : plans_)
-    for (const BlockPlan& p : plans)
-      for (const auto* list : {&p.forward, &p.forward_eval, &p.recompute, &p.backward})
-        for (const Op& op : *list)
-          for (Buf x : {op.out, op.x, op.a, op.b, op.gelu, op.dy, op.branch})
-            g_used = g_used || x == Buf::G;
+  const bool g_used = any_op(false, [&](const Op& op) { return names(op, Buf::G); });
   const bool keep_g = cfg_.keep_gelu_output && g_used;  // where the block is not checkpointed
   // FP8 with the inputs' transposes kept (Op::x_t): one buffer per Linear per block; Y1 and Y2
   // then one scratch when no backward op reads them (only qkv's and fc1's weight gradients did)
-  bool keep_xt = false, y_in_backward = false;
-  for (const auto& plans : plans_)
-    for (const BlockPlan& p : plans) {
-      for (const auto* list : {&p.forward, &p.recompute, &p.backward})
-        for (const Op& op : *list) keep_xt = keep_xt || op.x_t;
-      for (const Op& op : p.backward)
-        for (Buf x : {op.out, op.x, op.a, op.b, op.gelu, op.dy, op.branch})
-          y_in_backward = y_in_backward || x == Buf::Y1 || x == Buf::Y2;
-    }
-  const bool share_y = keep_xt && !y_in_backward;
+  const bool keep_xt = any_op(false, [](const Op& op) { return op.x_t; });
+  const bool share_y = keep_xt && !any_op(true, [&](const Op& op) {
+                         return names(op, Buf::Y1) || names(op, Buf::Y2);
+                       });
   bool path_f = false;
   for (const BlockPlan& p : plans_[0])
     for (const Op& op : p.forward) path_f = path_f || op.kind == OpKind::PathFactors;

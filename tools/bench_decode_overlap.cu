@@ -11,7 +11,7 @@
 // images") has the figures.
 //
 //   nvcc -std=c++17 -O2 -arch=sm_90 tools/bench_decode_overlap.cu -o bench_decode_overlap \
-//        -lcublas -lnvjpeg -lcuda
+//        -lcublas -lnvjpeg -lcuda -ljpeg
 //   ./bench_decode_overlap DIR [NAME]  # DIR: a tree of JPEGs (the first 2048 found are used);
 //                                      # NAME: only the variants whose name holds it
 //                                      # (or one of its '|'-separated parts; "=X": named X)
@@ -21,6 +21,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <nvjpeg.h>
+#include <cstdio>
+#include <jpeglib.h>
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -65,7 +67,13 @@ void load(const std::string& root, int maxn) {
   }
 }
 
-struct Opts { bool yuv = false; int dec_prio = 0; int gemm_prio = 0; int green_sms = 0; bool graph = false; bool ahead = false; int alloc = 0; int prealloc = 0; int own_ctx = 0; };
+struct Opts { bool yuv = false; int dec_prio = 0; int gemm_prio = 0; int green_sms = 0; bool graph = false; bool ahead = false; int alloc = 0; int prealloc = 0; int own_ctx = 0; int split = 0; int roi = 0; };
+// split T: no batched decoder; T host threads each run nvJPEG's decoupled hybrid path per image
+// (DALI's "mixed" decoder): nvjpegDecodeJpegHost (Huffman decode on the CPU) into a pinned
+// buffer, then the transfer and nvjpegDecodeJpegDevice (IDCT, colour conversion on the GPU) on
+// the thread's own stream; two states per thread alternate so the next image's host stage runs
+// while the last one's device stage does. roi 1: only a centred box of 60% of each side is
+// decoded (nvjpegDecodeParamsSetROI), as a RandomResizedCrop's region would be.
 // own_ctx 1: the decoder thread works in a context of its own (cuCtxCreate), so the cuMemFree
 // calls nvJPEG makes wait only for that context's work; 2: as 1, and each batch's pixels are
 // copied into a buffer of the GEMMs' (primary) context with cuMemcpyPeerAsync, as a trainer
@@ -195,6 +203,123 @@ struct Dec {
   }
 };
 
+
+struct SplitThread {
+  nvjpegJpegDecoder_t dec = nullptr;
+  nvjpegJpegState_t st[2] = {};
+  nvjpegBufferPinned_t pin[2] = {};
+  nvjpegBufferDevice_t dbuf[2] = {};
+  nvjpegJpegStream_t js = nullptr;
+  nvjpegDecodeParams_t par = nullptr;
+  cudaStream_t s = nullptr;
+  cudaEvent_t ev[2] = {};
+  unsigned char* out[2] = {};
+  size_t cap = (size_t)3 << 24;
+  long n = 0;
+  void init(nvjpegHandle_t h, bool prio_high) {
+    int lo, hi; CK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+    NJ(nvjpegDecoderCreate(h, NVJPEG_BACKEND_HYBRID, &dec));
+    for (int k = 0; k < 2; ++k) {
+      NJ(nvjpegDecoderStateCreate(h, dec, &st[k]));
+      NJ(nvjpegBufferPinnedCreate(h, nullptr, &pin[k]));
+      NJ(nvjpegBufferDeviceCreate(h, nullptr, &dbuf[k]));
+      NJ(nvjpegStateAttachPinnedBuffer(st[k], pin[k]));
+      NJ(nvjpegStateAttachDeviceBuffer(st[k], dbuf[k]));
+      CK(cudaEventCreateWithFlags(&ev[k], cudaEventDisableTiming));
+      CK(cudaMalloc(&out[k], cap));
+    }
+    NJ(nvjpegJpegStreamCreate(h, &js));
+    NJ(nvjpegDecodeParamsCreate(h, &par));
+    NJ(nvjpegDecodeParamsSetOutputFormat(par, NVJPEG_OUTPUT_RGB));
+    CK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, prio_high ? hi : lo));
+  }
+  void one(nvjpegHandle_t h, const std::vector<unsigned char>& b, int roi) {
+    const int k = (int)(n & 1);
+    if (n >= 2) CK(cudaEventSynchronize(ev[k]));  // state k's last device stage is done
+    NJ(nvjpegJpegStreamParse(h, b.data(), b.size(), 0, 0, js));
+    unsigned w = 0, hh = 0; NJ(nvjpegJpegStreamGetFrameDimensions(js, &w, &hh));
+    int x0 = 0, y0 = 0, rw = (int)w, rh = (int)hh;
+    if (roi) { rw = (int)(w * 0.6); rh = (int)(hh * 0.6); x0 = ((int)w - rw) / 2; y0 = ((int)hh - rh) / 2; }
+    NJ(nvjpegDecodeParamsSetROI(par, x0, y0, roi ? rw : -1, roi ? rh : -1));
+    NJ(nvjpegDecodeJpegHost(h, dec, st[k], par, js));
+    NJ(nvjpegDecodeJpegTransferToDevice(h, dec, st[k], js, s));
+    nvjpegImage_t im; memset(&im, 0, sizeof im);
+    for (int c = 0; c < 3; ++c) { im.channel[c] = out[k] + (size_t)c * rw * rh; im.pitch[c] = rw; }
+    NJ(nvjpegDecodeJpegDevice(h, dec, st[k], &im, s));
+    CK(cudaEventRecord(ev[k], s));
+    ++n;
+  }
+  void destroy() {
+    CK(cudaStreamSynchronize(s));
+    for (int k = 0; k < 2; ++k) {
+      NJ(nvjpegJpegStateDestroy(st[k])); NJ(nvjpegBufferPinnedDestroy(pin[k]));
+      NJ(nvjpegBufferDeviceDestroy(dbuf[k])); CK(cudaEventDestroy(ev[k])); CK(cudaFree(out[k]));
+    }
+    NJ(nvjpegJpegStreamDestroy(js)); NJ(nvjpegDecodeParamsDestroy(par)); NJ(nvjpegDecoderDestroy(dec));
+    CK(cudaStreamDestroy(s));
+  }
+};
+
+// The split decoder's threads beside the GEMMs: returns img/s over `seconds`
+double run_split(const Opts& o, std::atomic<bool>& stop) {
+  nvjpegHandle_t h;
+  nvjpegDevAllocator_t da{dev_malloc1, dev_free1};
+  nvjpegPinnedAllocator_t pa{pin_malloc1, pin_free1};
+  NJ(nvjpegCreateEx(NVJPEG_BACKEND_DEFAULT, &da, &pa, 0, &h));
+  std::vector<SplitThread> th(o.split);
+  for (auto& t : th) t.init(h, o.dec_prio != 0);
+  for (int i = 0; i < 4; ++i) for (auto& t : th) t.one(h, blobs[i % blobs.size()], o.roi);  // warm
+  CK(cudaDeviceSynchronize());
+  for (auto& t : th) t.n = 0;
+  std::vector<std::thread> ws;
+  auto t0 = clk::now();
+  for (int j = 0; j < o.split; ++j) ws.emplace_back([&, j] {
+    CK(cudaSetDevice(0));
+    size_t i = (size_t)j * 97;
+    while (!stop) th[j].one(h, blobs[i++ % blobs.size()], o.roi);
+    CK(cudaStreamSynchronize(th[j].s));
+  });
+  for (auto& w : ws) w.join();
+  const double sec = secs(t0);
+  long n = 0;
+  for (auto& t : th) { n += t.n; t.destroy(); }
+  NJ(nvjpegDestroy(h));
+  return n / sec;
+}
+
+
+// libjpeg-turbo's whole decode (ISLOW, fancy upsampling, RGB: the host loader's settings) on T
+// threads, for the split decoder's host stage to be compared with; img/s over `seconds`.
+double run_turbo(int T, double seconds) {
+  std::atomic<bool> stop{false};
+  std::vector<long> n(T, 0);
+  std::vector<std::thread> ws;
+  auto t0 = clk::now();
+  for (int j = 0; j < T; ++j) ws.emplace_back([&, j] {
+    std::vector<unsigned char> out;
+    size_t i = (size_t)j * 97;
+    while (!stop) {
+      const auto& b = blobs[i++ % blobs.size()];
+      jpeg_decompress_struct c; jpeg_error_mgr e; c.err = jpeg_std_error(&e);
+      jpeg_create_decompress(&c); jpeg_mem_src(&c, b.data(), b.size()); jpeg_read_header(&c, TRUE);
+      c.out_color_space = JCS_RGB; c.dct_method = JDCT_ISLOW; c.do_fancy_upsampling = TRUE;
+      jpeg_start_decompress(&c);
+      out.resize((size_t)c.output_width * c.output_height * 3);
+      while (c.output_scanline < c.output_height) {
+        JSAMPROW r = out.data() + (size_t)c.output_scanline * c.output_width * 3;
+        jpeg_read_scanlines(&c, &r, 1);
+      }
+      jpeg_finish_decompress(&c); jpeg_destroy_decompress(&c);
+      ++n[j];
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  stop = true;
+  for (auto& w : ws) w.join();
+  long tot = 0; for (long v : n) tot += v;
+  return tot / secs(t0);
+}
+
 const char* g_only = nullptr;  // argv[2]: run only the variants whose name holds it
 
 void run(const char* name, Opts o, bool do_dec, bool do_gemm, double seconds) {
@@ -262,7 +387,8 @@ void run(const char* name, Opts o, bool do_dec, bool do_gemm, double seconds) {
     }
   };
   std::atomic<int> ready{0};
-  if (!o.own_ctx || !do_dec) { dec_setup(); ready = 1; }
+  if (o.split) ready = 1;
+  else if (!o.own_ctx || !do_dec) { dec_setup(); ready = 1; }
   gm.step(); CK(cudaStreamSynchronize(gs));
   std::atomic<bool> stop{false};
   double flops = 0, gsec = 0; long imgs = 0; double dsec = 0;
@@ -286,7 +412,12 @@ void run(const char* name, Opts o, bool do_dec, bool do_gemm, double seconds) {
     CK(cudaStreamSynchronize(gs));
     gsec = secs(t);
   });
-  if (do_dec) td = std::thread([&] {
+  if (do_dec && o.split) td = std::thread([&] {
+    CK(cudaSetDevice(0));
+    const double rate = run_split(o, stop);
+    dsec = 1; imgs = (long)rate;
+  });
+  else if (do_dec) td = std::thread([&] {
     CK(cudaSetDevice(0));
     if (o.own_ctx) { dec_setup(); ready = 1; }
     auto t = clk::now(); int i = 0;
@@ -303,7 +434,7 @@ void run(const char* name, Opts o, bool do_dec, bool do_gemm, double seconds) {
          do_gemm ? flops / gsec / 1e12 : 0.0);
   fflush(stdout);
   CK(cudaDeviceSynchronize());
-  if (!o.own_ctx || !do_dec) dec_teardown();
+  if (!o.split && (!o.own_ctx || !do_dec)) dec_teardown();
   if (dst) CK(cudaFree(dst));
   CK(cudaStreamDestroy(ds));
   if (o.green_sms == 0) CK(cudaStreamDestroy(gs));  // a green context's stream stays with it
@@ -339,6 +470,17 @@ int main(int argc, char** argv) {
   run("RGB own ctx + gemm graph, ahead", {false,0,0,0,true,true,0,0,1}, true, true, T);
   run("RGB own ctx + copy + gemm graph, ahead", {false,0,0,0,true,true,0,0,2}, true, true, T);
   run("RGB own ctx + copy + gemm eager, ahead", {false,0,0,0,false,true,0,0,2}, true, true, T);
+  for (int nt : {1, 8, 16}) {
+    const std::string nt_name = "turbo " + std::to_string(nt) + " alone";
+    bool want = !g_only;
+    if (g_only) { std::stringstream alts(g_only); for (std::string a; std::getline(alts, a, '|');) want = want || (a[0] == '=' ? a.substr(1) == nt_name : nt_name.find(a) != std::string::npos); }
+    if (want) printf("%-44s decode %8.0f img/s (libjpeg-turbo, whole image, host only)\n", nt_name.c_str(), run_turbo(nt, T));
+    std::string n1 = "split " + std::to_string(nt) + " alone", n2 = "split " + std::to_string(nt) + " + gemm graph, ahead";
+    std::string n3 = "split roi " + std::to_string(nt) + " + gemm graph, ahead";
+    Opts a{}; a.split = nt; run(n1.c_str(), a, true, false, T);
+    Opts b{}; b.split = nt; b.graph = true; b.ahead = true; run(n2.c_str(), b, true, true, T);
+    Opts c = b; c.roi = 1; run(n3.c_str(), c, true, true, T);
+  }
   // last: a library without the flag ends the program at the handle's creation
   run("RGB pools alone", {false,0,0,0,false,false,3}, true, false, T);
   run("RGB + gemm graph, ahead, pools", {false,0,0,0,true,true,3}, true, true, T);

@@ -461,7 +461,7 @@ PYEOF
     [ -d "$D/jpeg/train" ] || "$PY" tools/make_jpeg_dataset.py "$D/jpeg-small" --train 2048 --val 16 --classes 16 2>&1 | tail -1
     DIR=$D/jpeg/train; [ -d "$DIR" ] || DIR=$D/jpeg-small/train
     nvcc -std=c++17 -O2 -arch=sm_90 tools/bench_decode_overlap.cu -o "$B/bin/bench_decode_overlap" \
-      -lcublas -lnvjpeg -lcuda && "$B/bin/bench_decode_overlap" "$DIR" ${DECODE_VARIANTS:+"$DECODE_VARIANTS"} \
+      -lcublas -lnvjpeg -lcuda -ljpeg && "$B/bin/bench_decode_overlap" "$DIR" ${DECODE_VARIANTS:+"$DECODE_VARIANTS"} \
       | tee "$OUT/decode_overlap.log"
     ;;
   recipes)

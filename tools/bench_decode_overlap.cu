@@ -67,7 +67,10 @@ void load(const std::string& root, int maxn) {
   }
 }
 
-struct Opts { bool yuv = false; int dec_prio = 0; int gemm_prio = 0; int green_sms = 0; bool graph = false; bool ahead = false; int alloc = 0; int prealloc = 0; int own_ctx = 0; int split = 0; int roi = 0; };
+struct Opts { bool yuv = false; int dec_prio = 0; int gemm_prio = 0; int green_sms = 0; bool graph = false; bool ahead = false; int alloc = 0; int prealloc = 0; int own_ctx = 0; int split = 0; int roi = 0; int dec_green = 0; };
+// dec_green S: the decoder thread works in a green context of S SMs (cuGreenCtxCreate, then
+// cuCtxFromGreenCtx made current): the primary context's memory, its own SMs, run beside the
+// primary context's GEMMs rather than time-sliced with them; do its frees wait for them too?
 // split T: no batched decoder; T host threads each run nvJPEG's decoupled hybrid path per image
 // (DALI's "mixed" decoder): nvjpegDecodeJpegHost (Huffman decode on the CPU) into a pinned
 // buffer, then the transfer and nvjpegDecodeJpegDevice (IDCT, colour conversion on the GPU) on
@@ -354,8 +357,21 @@ void run(const char* name, Opts o, bool do_dec, bool do_gemm, double seconds) {
   unsigned char* dst = nullptr;  // the primary context's copy of each batch (own_ctx 2)
   const size_t dst_cap = (size_t)512 << 20;
   if (o.own_ctx == 2) CK(cudaMalloc(&dst, dst_cap));
+  CUgreenCtx dec_gctx = nullptr;
   auto dec_setup = [&] {
-    if (o.own_ctx) {
+    if (o.dec_green) {
+      CUdevice dev; CU(cuDeviceGet(&dev, 0));
+      CUdevResource all, part, rest; unsigned ng = 1;
+      CU(cuDeviceGetDevResource(dev, &all, CU_DEV_RESOURCE_TYPE_SM));
+      CU(cuDevSmResourceSplitByCount(&part, &ng, &all, &rest, 0, o.dec_green));
+      CUdevResourceDesc desc; CU(cuDevResourceGenerateDesc(&desc, &part, 1));
+      CU(cuGreenCtxCreate(&dec_gctx, desc, dev, CU_GREEN_CTX_DEFAULT_STREAM));
+      CUcontext gc; CU(cuCtxFromGreenCtx(&gc, dec_gctx)); CU(cuCtxSetCurrent(gc));
+      CUstream cs; CU(cuGreenCtxStreamCreate(&cs, dec_gctx, CU_STREAM_NON_BLOCKING, 0));
+      dc.s = (cudaStream_t)cs;
+      dc.init(dc.s, o.yuv, o.alloc);
+      printf("  decoder in a green context of %u SMs\n", part.sm.smCount);
+    } else if (o.own_ctx) {
       CUdevice dev; CU(cuDeviceGet(&dev, 0));
       CU(cuCtxCreate(&own, nullptr, 0, dev));
       CU(cuCtxSetCurrent(own));
@@ -380,6 +396,11 @@ void run(const char* name, Opts o, bool do_dec, bool do_gemm, double seconds) {
     NJ(nvjpegJpegStateDestroy(dc.st));
     NJ(nvjpegDestroy(dc.h));
     if (dc.out) CK(cudaFree(dc.out));
+    if (o.dec_green) {
+      CK(cudaStreamDestroy(dc.s));
+      CU(cuCtxSetCurrent(primary));
+      CU(cuGreenCtxDestroy(dec_gctx));
+    }
     if (o.own_ctx) {
       CK(cudaStreamDestroy(dc.s));
       CU(cuCtxSetCurrent(primary));
@@ -387,8 +408,9 @@ void run(const char* name, Opts o, bool do_dec, bool do_gemm, double seconds) {
     }
   };
   std::atomic<int> ready{0};
+  const bool dec_thread_ctx = o.own_ctx || o.dec_green;  // set up on the decoder's thread
   if (o.split) ready = 1;
-  else if (!o.own_ctx || !do_dec) { dec_setup(); ready = 1; }
+  else if (!dec_thread_ctx || !do_dec) { dec_setup(); ready = 1; }
   gm.step(); CK(cudaStreamSynchronize(gs));
   std::atomic<bool> stop{false};
   double flops = 0, gsec = 0; long imgs = 0; double dsec = 0;
@@ -419,11 +441,11 @@ void run(const char* name, Opts o, bool do_dec, bool do_gemm, double seconds) {
   });
   else if (do_dec) td = std::thread([&] {
     CK(cudaSetDevice(0));
-    if (o.own_ctx) { dec_setup(); ready = 1; }
+    if (dec_thread_ctx) { dec_setup(); ready = 1; }
     auto t = clk::now(); int i = 0;
     while (!stop) { imgs += dec_batch(i); i += 256; }
     dsec = secs(t);
-    if (o.own_ctx) dec_teardown();
+    if (dec_thread_ctx) dec_teardown();
   });
   while (!ready) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
@@ -434,7 +456,7 @@ void run(const char* name, Opts o, bool do_dec, bool do_gemm, double seconds) {
          do_gemm ? flops / gsec / 1e12 : 0.0);
   fflush(stdout);
   CK(cudaDeviceSynchronize());
-  if (!o.split && (!o.own_ctx || !do_dec)) dec_teardown();
+  if (!o.split && (!dec_thread_ctx || !do_dec)) dec_teardown();
   if (dst) CK(cudaFree(dst));
   CK(cudaStreamDestroy(ds));
   if (o.green_sms == 0) CK(cudaStreamDestroy(gs));  // a green context's stream stays with it
@@ -470,6 +492,12 @@ int main(int argc, char** argv) {
   run("RGB own ctx + gemm graph, ahead", {false,0,0,0,true,true,0,0,1}, true, true, T);
   run("RGB own ctx + copy + gemm graph, ahead", {false,0,0,0,true,true,0,0,2}, true, true, T);
   run("RGB own ctx + copy + gemm eager, ahead", {false,0,0,0,false,true,0,0,2}, true, true, T);
+  for (int sms : {8, 16}) {
+    const std::string a = "RGB green " + std::to_string(sms) + " alone", b = "RGB green " + std::to_string(sms) + " + gemm graph, ahead";
+    Opts g{}; g.dec_green = sms; run(a.c_str(), g, true, false, T);
+    g.graph = true; g.ahead = true; run(b.c_str(), g, true, true, T);
+    g.prealloc = 1024; const std::string c = b + ", prealloc 1024"; run(c.c_str(), g, true, true, T);
+  }
   for (int nt : {1, 8, 16}) {
     const std::string nt_name = "turbo " + std::to_string(nt) + " alone";
     bool want = !g_only;

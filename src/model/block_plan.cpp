@@ -332,6 +332,23 @@ std::vector<BlockPlan> compile_chunk_plans(const ChunkSpec& s) {
         if (op.x_t && (op.x == Buf::Y1 || op.x == Buf::Y2)) op.x = Buf::None;
       }
     }
+    if (s.fp8 && s.fused && s.tp.fp8_layernorm_cast) {
+      // LN1 and LN2 write the FP8 copies of qkv's and fc1's inputs (and, the Linears keeping
+      // x's transpose, those): nothing reads their bf16 outputs then (the evaluation forward,
+      // whose casts keep no transposes, is left as it is)
+      for (auto* list : {&p.forward, &p.recompute})
+        for (size_t i = 0; i + 1 < list->size(); ++i) {
+          Op& ln = (*list)[i];
+          Op& lin = (*list)[i + 1];
+          if (ln.kind != OpKind::LayerNorm || lin.kind != OpKind::Linear || !lin.fp8 ||
+              !lin.x_t || lin.x_gelu || lin.role != LinearRole::Column || lin.x != ln.out)
+            continue;
+          ln.cast_w = lin.w;
+          ln.out = Buf::None;
+          lin.x = Buf::None;
+          lin.x_cast = true;
+        }
+    }
   }
   return plans;
 }
@@ -372,7 +389,7 @@ std::string describe(const std::vector<Op>& ops) {
         op.kind == OpKind::AttentionRow || op.kind == OpKind::AttentionRowBackward)
       o << (op.role == LinearRole::Column ? " column" : " row") << (op.fp8 ? " fp8" : "")
         << (op.x_gelu ? " x_gelu" : "") << (op.dy_gelu ? " dy_gelu" : "")
-        << (op.x_t ? " x_t" : "");
+        << (op.x_t ? " x_t" : "") << (op.x_cast ? " x_cast" : "");
     if (op.norm) o << " norm" << op.norm;
     buf("out", op.out);
     buf("x", op.x);
@@ -386,6 +403,7 @@ std::string describe(const std::vector<Op>& ops) {
     par("dw", op.dw);
     par("db", op.db);
     par("dsum", op.dsum);
+    par("cast", op.cast_w);
     if (op.factors != Factors::None) o << " factors=" << factors[static_cast<int>(op.factors)];
     if (op.kind == OpKind::Dropout || op.kind == OpKind::DropoutBackward)
       o << " site=" << sites[op.site] << (op.path ? "+path" : "");

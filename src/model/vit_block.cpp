@@ -144,20 +144,25 @@ void ViT::run_ops(const std::vector<Op>& ops, int l, const DeviceBatch& in, int6
     be_.attention_backward(ap.qkv(a.dqkv, lo), ap.out(a.dtmp, lo), ap.qkv(b.qkv, lo),
                            ap.out(b.att, lo), ap.saved(b.asaved, lo), n, T, H, hd, a.attn_ws);
   };
-  // an FP8 Linear's scaling: qkv, proj, fc1 or fc2 by its weight
-  Fp8LinearMeta m8;
-  auto fp8 = [&](const Op& op) -> const Fp8LinearMeta* {
-    VG_CHECK(!(op.x_gelu || op.dy_gelu) || op.fp8,
-             "a GELU applied by the casts of a Linear not in FP8");
-    if (!op.fp8) return nullptr;
-    const int w = op.w.index;
+  // an FP8 Linear's scaling: qkv, proj, fc1 or fc2 by its weight (x_t: the transpose of its
+  // input kept in the block's buffer)
+  auto meta = [&](int w, bool x_t) {
     VG_CHECK(w == kQkvW || w == kProjW || w == kFc1W || w == kFc2W, "an FP8 op on param " << w);
     const int k = w == kQkvW ? 0 : w == kProjW ? 1 : w == kFc1W ? 2 : 3;
-    m8 = fp8_meta(l, k);
+    Fp8LinearMeta m = fp8_meta(l, k);
+    m.x_t = x_t ? b.xt[k] : nullptr;
+    VG_CHECK(!x_t || m.x_t, "an FP8 Linear keeping x's transpose without its buffer");
+    return m;
+  };
+  Fp8LinearMeta m8;
+  auto fp8 = [&](const Op& op) -> const Fp8LinearMeta* {
+    VG_CHECK(!(op.x_gelu || op.dy_gelu || op.x_cast) || op.fp8,
+             "a GELU applied by the casts, or a cast input, of a Linear not in FP8");
+    if (!op.fp8) return nullptr;
+    m8 = meta(op.w.index, op.x_t);
     m8.x_gelu = op.x_gelu ? &cfg_.gelu : nullptr;
     m8.dy_gelu = op.dy_gelu;
-    m8.x_t = op.x_t ? b.xt[k] : nullptr;
-    VG_CHECK(!op.x_t || m8.x_t, "an FP8 Linear keeping x's transpose without its buffer");
+    m8.x_cast = op.x_cast;
     return &m8;
   };
   for (const Op& op : ops) {
@@ -177,6 +182,14 @@ void ViT::run_ops(const std::vector<Op>& ops, int l, const DeviceBatch& in, int6
       case OpKind::LayerNorm: {
         float* m = op.norm == 1 ? b.m1 : b.m2;
         float* s = op.norm == 1 ? b.s1 : b.s2;
+        if (op.cast_w.valid()) {  // into the FP8 copy of the Column Linear's input that follows
+          Fp8LinearMeta next = meta(op.cast_w.index, true);
+          next.x_cast = true;
+          tp_.layernorm_forward_fp8(buf(op.x), m, s, buf(op.a), buf(op.b), W(op.w), W(op.bias),
+                                    N, C, cfg_.ln_eps, factors(op.factors), next, C,
+                                    op.cast_w.index == kQkvW ? 3 * C : M);
+          break;
+        }
         tp_.layernorm_forward(buf(op.x), buf(op.out), m, s, buf(op.a), buf(op.b), W(op.w),
                               W(op.bias), N, C, cfg_.ln_eps, factors(op.factors));
         break;

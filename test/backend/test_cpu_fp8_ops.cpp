@@ -80,6 +80,47 @@ TEST(CpuFp8Ops, CastWithGeluInIsGeluThenTheCast) {
   }
 }
 
+TEST(CpuFp8Ops, LayerNormFp8IsTheLayerNormThenTheCast) {
+  // add_layernorm_forward_fp8: res, statistics, codes, transpose and amax as
+  // add_layernorm_forward then fp8_cast of its y (with and without the branch and its row
+  // factors; out or out_t alone)
+  CpuBackend be(DType::BF16);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> d(0.0f, 1.5f);
+  const int N = 12, C = 40;
+  auto vec = [&](size_t n) {
+    std::vector<float> v(n);
+    for (float& x : v) x = vitgrid::round_bf16(d(rng));
+    return v;
+  };
+  const std::vector<float> a = vec(N * C), b = vec(N * C), gamma = vec(C), beta = vec(C);
+  const std::vector<float> factors = {0.0f, 2.0f, 1.25f, 4.0f};  // per 3 rows
+  alignas(16) const float scale = 37.0f;
+  for (int variant = 0; variant < 4; ++variant) {
+    const bool with_b = variant != 0;
+    const vitgrid::RowFactors bf = variant == 2 ? vitgrid::RowFactors{factors.data(), 3}
+                                                : vitgrid::RowFactors{};
+    std::vector<float> res(N * C), rres(N * C), y(N * C), mean(N), rstd(N), rmean(N), rstd2(N);
+    std::vector<uint8_t> out(N * C, 1), out_t(N * C, 2), rout(N * C, 3), rout_t(N * C, 4);
+    float amax = 0.5f, ramax = 0.5f;
+    uint8_t* o = variant == 3 ? nullptr : out.data();
+    be.add_layernorm_forward_fp8(res.data(), o, out_t.data(), &amax, &scale, Fp8Format::E4M3,
+                                 mean.data(), rstd.data(), a.data(), with_b ? b.data() : nullptr,
+                                 gamma.data(), beta.data(), N, C, 1e-6f, bf);
+    be.add_layernorm_forward(rres.data(), y.data(), rmean.data(), rstd2.data(), a.data(),
+                             with_b ? b.data() : nullptr, gamma.data(), beta.data(), N, C, 1e-6f,
+                             bf);
+    be.fp8_cast(rout.data(), rout_t.data(), &ramax, y.data(), N, C, &scale, Fp8Format::E4M3);
+    EXPECT_EQ(res, rres) << variant;
+    EXPECT_EQ(mean, rmean) << variant;
+    EXPECT_EQ(rstd, rstd2) << variant;
+    if (o) EXPECT_EQ(out, rout) << variant;
+    EXPECT_EQ(out_t, rout_t) << variant;
+    EXPECT_EQ(amax, ramax) << variant;
+    EXPECT_GT(amax, 0.5f) << variant;
+  }
+}
+
 // D = (A B^T) sa sb (+ bias) + beta D0 in double from the decoded codes.
 std::vector<double> reference(const std::vector<uint8_t>& A, Fp8Format fa,
                               const std::vector<uint8_t>& B, Fp8Format fb, int M, int N, int K,

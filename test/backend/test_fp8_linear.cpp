@@ -226,6 +226,39 @@ TEST(Fp8Linear, KeptTransposeIsTheBackwardsCast) {
   for (int k = 0; k < 3; ++k) EXPECT_EQ(L.amax(k), R.amax(k)) << k;
 }
 
+TEST(Fp8Linear, CastInputIsTakenFromTheScratch) {
+  // x_cast: x's codes at the scratch's start (and its transpose in x_t), written by whoever
+  // produced x with the layer's x scale and amax (the LayerNorm before it); the forward casts
+  // no x, reads none (null) and leaves x's amax alone: the same y as the layer casting x
+  Layer L, R;
+  std::vector<uint8_t> xt(size_t(N) * kIn, 0xAA), rxt(xt.size(), 0x55);
+  Fp8LinearMeta m = L.meta(), rm = R.meta();
+  m.x_t = xt.data();
+  m.x_cast = true;
+  rm.x_t = rxt.data();
+  L.be.fp8_cast(L.scratch.data(), xt.data(), m.amax_of(Fp8LinearMeta::kX), L.x.data(), N, kIn,
+                m.scale_of(Fp8LinearMeta::kX), Fp8Format::E4M3);
+  const float x_amax = L.amax(0);
+  std::fill(L.scratch.begin() + size_t(N) * kIn, L.scratch.end(), 0x7F);  // the rest: garbage
+  Vec y(size_t(N) * kOut), ry(y.size());
+  vitgrid::fp8_linear_forward(L.be, m, L.scratch.data(), y.data(), nullptr, L.W.data(),
+                              L.b.data(), N, kIn, kOut);
+  vitgrid::fp8_linear_forward(R.be, rm, R.scratch.data(), ry.data(), R.x.data(), R.W.data(),
+                              R.b.data(), N, kIn, kOut);
+  EXPECT_EQ(y, ry);
+  EXPECT_EQ(xt, rxt);
+  EXPECT_EQ(L.amax(0), x_amax);
+  EXPECT_EQ(L.amax(0), R.amax(0));
+  EXPECT_EQ(L.amax(1), R.amax(1));
+  // a cast input with a GELU still to apply: a programming error, the process ends naming it
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const vitgrid::Gelu gelu = vitgrid::Gelu::Exact;
+  m.x_gelu = &gelu;
+  EXPECT_DEATH(vitgrid::fp8_linear_forward(L.be, m, L.scratch.data(), y.data(), nullptr,
+                                           L.W.data(), L.b.data(), N, kIn, kOut),
+               "an input cast already and a GELU to apply");
+}
+
 TEST(Fp8Linear, CloseToTheBf16Layer) {
   // E4M3 keeps 3 mantissa bits: each operand is within 2^-4 relative of its bf16 value, so the
   // output is a few percent off the bf16 layer's (rel L2), and not equal to it

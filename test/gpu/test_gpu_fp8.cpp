@@ -202,6 +202,54 @@ TEST_P(GpuFp8, GradCastIsGeluBackwardThenTheCastWithTheBiasSums) {
     }
 }
 
+// add_layernorm_forward_fp8 (the LayerNorm writing the next FP8 Linear's input) against
+// add_layernorm_forward then fp8_cast on the GPU itself, bit for bit: res, mean, rstd, codes,
+// transpose, amax. Shapes: whole 32-row blocks with 8-row transposed stores (256 x 768, 96 x
+// 384, 64 x 1024), a short last block and rows not a multiple of 8 (77 x 768, 33 x 80: the
+// element-wise transpose), a width past the fused kernel (40 x 2048: LayerNorm, then the
+// cast); variants: no branch, a branch, a branch with row factors, no row-major codes.
+TEST_P(GpuFp8, LayerNormFp8IsTheLayerNormThenTheCast) {
+  Dev& d = *gpu;
+  const std::pair<int, int> shapes[] = {{256, 768}, {96, 384}, {64, 1024}, {77, 768}, {33, 80},
+                                        {40, 2048}};
+  for (const auto& nc : shapes)
+    for (int variant = 0; variant < 4; ++variant) {
+      const int N = nc.first, C = nc.second;
+      SCOPED_TRACE(std::to_string(N) + "x" + std::to_string(C) + " variant " +
+                   std::to_string(variant));
+      const size_t n = size_t(N) * C;
+      void* a = d.act(rnd(n, 2.0f));
+      void* b = variant == 0 ? nullptr : d.act(rnd(n, 1.0f));
+      void* gamma = d.act(rnd(C, 1.0f));
+      void* beta = d.act(rnd(C, 0.5f));
+      Vec fh(N);
+      for (int i = 0; i < N; ++i) fh[i] = i % 5 == 0 ? 0.0f : 1.0f / (1.0f - 0.1f * (i % 3));
+      const RowFactors bf = variant == 2 ? RowFactors{d.f32(fh), 1} : RowFactors{};
+      float* scale = d.f32(Vec{55.0f});
+      const std::vector<uint8_t> fill(n, 0xAA);
+      uint8_t *o = variant == 3 ? nullptr : bytes(d, fill), *ot = bytes(d, fill);
+      uint8_t *ro = bytes(d, fill), *rot = bytes(d, fill);
+      void *res = d.nan_act(n), *rres = d.nan_act(n), *y = d.nan_act(n);
+      float *mean = d.f32(Vec(N, kNaN)), *rstd = d.f32(Vec(N, kNaN));
+      float *rmean = d.f32(Vec(N, kNaN)), *rrstd = d.f32(Vec(N, kNaN));
+      float *am = d.f32(Vec{0.25f}), *ram = d.f32(Vec{0.25f});
+      d.be->add_layernorm_forward_fp8(res, o, ot, am, scale, Fp8Format::E4M3, mean, rstd, a, b,
+                                      gamma, beta, N, C, 1e-6f, bf);
+      d.be->add_layernorm_forward(rres, y, rmean, rrstd, a, b, gamma, beta, N, C, 1e-6f, bf);
+      d.be->fp8_cast(ro, rot, ram, y, N, C, scale, Fp8Format::E4M3);
+      const Vec r1 = d.get_act(res, n), r2 = d.get_act(rres, n);
+      EXPECT_EQ(0, std::memcmp(r1.data(), r2.data(), n * sizeof(float))) << "res";
+      const Vec m1 = d.get_f32(mean, N), m2 = d.get_f32(rmean, N);
+      const Vec s1 = d.get_f32(rstd, N), s2 = d.get_f32(rrstd, N);
+      EXPECT_EQ(0, std::memcmp(m1.data(), m2.data(), N * sizeof(float))) << "mean";
+      EXPECT_EQ(0, std::memcmp(s1.data(), s2.data(), N * sizeof(float))) << "rstd";
+      if (o) EXPECT_EQ(codes(d, o, n), codes(d, ro, n));
+      EXPECT_EQ(codes(d, ot, n), codes(d, rot, n));
+      EXPECT_EQ(d.get_f32(am, 1)[0], d.get_f32(ram, 1)[0]);
+      EXPECT_GT(d.get_f32(am, 1)[0], 0.25f);
+    }
+}
+
 TEST_P(GpuFp8, CastOnlyTheTransposeAndNaN) {
   const int rows = 128, cols = 256;  // whole tiles: the vector path
   const size_t n = size_t(rows) * cols;

@@ -222,6 +222,62 @@ TEST(BlockPlan, Fp8KeepsTheInputsTransposesWhereTheBackwardFindsThem) {
     }
 }
 
+TEST(BlockPlan, Fp8LayerNormsWriteTheNextLinearsInput) {
+  // a mode that allows it (none), fused: LN1 and LN2 of the training forward and the recompute
+  // write qkv's and fc1's FP8 inputs (cast_w), store no y, and those Linears take x as cast;
+  // nothing else changes (the evaluation forward, the backward); not where the mode does not
+  // allow it, nor unfused
+  for (bool allowed : {true, false})
+    for (bool fused : {true, false})
+      for (int ckpt : {0, 2})
+        for (float dropout : {0.0f, 0.1f}) {
+          TpFusions f = all_fusions(1);
+          f.fp8 = f.fp8_keep_x_transposes = true;
+          f.fp8_layernorm_cast = allowed;
+          ChunkSpec s = spec(3, dropout, 0.1f, ckpt, fused, f);
+          s.fp8 = true;
+          const auto plans = compile_chunk_plans(s);
+          ChunkSpec off = s;
+          off.tp.fp8_layernorm_cast = false;
+          const auto ref = compile_chunk_plans(off);
+          const bool on = allowed && fused;
+          SCOPED_TRACE(std::string(on ? "on" : "off") + " ckpt " + std::to_string(ckpt) +
+                       " dropout " + std::to_string(dropout));
+          for (size_t b = 0; b < plans.size(); ++b) {
+            const BlockPlan& p = plans[b];
+            EXPECT_EQ(describe(p.forward_eval), describe(ref[b].forward_eval));
+            EXPECT_EQ(describe(p.backward), describe(ref[b].backward));
+            for (const auto* list : {&p.forward, &p.recompute}) {
+              int cast = 0;
+              for (size_t i = 0; i < list->size(); ++i) {
+                const Op& o = (*list)[i];
+                if (o.kind == OpKind::LayerNorm) {
+                  EXPECT_EQ(o.cast_w.valid(), on);
+                  if (!o.cast_w.valid()) continue;
+                  ++cast;
+                  EXPECT_EQ(o.cast_w.index, o.norm == 1 ? kQkvW : kFc1W);
+                  EXPECT_EQ(o.out, Buf::None);
+                  ASSERT_LT(i + 1, list->size());
+                  const Op& lin = (*list)[i + 1];
+                  EXPECT_EQ(lin.kind, OpKind::Linear);
+                  EXPECT_EQ(lin.w.index, o.cast_w.index);
+                  EXPECT_TRUE(lin.x_cast && lin.x_t && lin.fp8);
+                  EXPECT_EQ(lin.x, Buf::None);
+                } else {
+                  EXPECT_EQ(o.x_cast, on && (o.w.index == kQkvW || o.w.index == kFc1W) &&
+                                          o.kind == OpKind::Linear);
+                  if (on) {
+                    EXPECT_NE(o.x, Buf::Y1);
+                    EXPECT_NE(o.x, Buf::Y2);
+                  }
+                }
+              }
+              if (!list->empty()) EXPECT_EQ(cast, on ? 2 : 0);
+            }
+          }
+        }
+}
+
 TEST(BlockPlan, UnfusedPlanHasNoFusion) {
   for (float dropout : {0.0f, 0.1f})
     for (float path : {0.0f, 0.3f}) {

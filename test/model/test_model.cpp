@@ -250,9 +250,10 @@ TEST(Model, FusedPlansEqualUnfused) {
 // FP8 without dropout on the activation: fc2's casts apply fc1's GELU to its pre-activation
 // and fc1's gradient cast GELU's backward (block_plan.h), so no GELU pass runs and no GELU
 // output or gradient is held, kept or not; the forward's casts keep the inputs' transposes for
-// the weight gradients. The step is the unfused plan's bit for bit (a GELU pass, then fc2
-// casting its output: the same codes; without dropout and drop path the other fusions round
-// alike).
+// the weight gradients, and LN1 / LN2 write qkv's / fc1's inputs in FP8 themselves (no Y1, Y2
+// in training). The step is the unfused plan's bit for bit (a GELU pass, then fc2 casting its
+// output; LayerNorms storing y, then the Linears casting it: the same codes; without dropout
+// and drop path the other fusions round alike).
 TEST(Model, Fp8GeluInTheCasts) {
   ViTConfig c = tiny(false, 0.0f);
   c.hidden = 32;
@@ -268,7 +269,17 @@ TEST(Model, Fp8GeluInTheCasts) {
   const std::string fwd = describe(a.model->block_plan(1, B).forward);
   const std::string bwd = describe(a.model->block_plan(1, B).backward);
   EXPECT_NE(fwd.find("Linear row fp8 x_gelu x_t out=F x=H"), std::string::npos) << fwd;
-  EXPECT_NE(fwd.find("Linear column fp8 x_t out=Qkv x=Y1"), std::string::npos) << fwd;
+  EXPECT_NE(fwd.find("cast=qkv.w\nLinear column fp8 x_t x_cast out=Qkv w=qkv.w"),
+            std::string::npos)
+      << fwd;
+  EXPECT_NE(fwd.find("cast=fc1.w\nLinear column fp8 x_t x_cast out=H w=fc1.w"), std::string::npos)
+      << fwd;
+  EXPECT_EQ(fwd.find("Y1"), std::string::npos) << fwd;
+  EXPECT_EQ(fwd.find("Y2"), std::string::npos) << fwd;
+  // evaluation: the LayerNorms store y and the Linears cast it (no transposes to keep)
+  const std::string ev = describe(a.model->block_plan(1, B).forward_eval);
+  EXPECT_EQ(ev.find("cast="), std::string::npos) << ev;
+  EXPECT_NE(ev.find("Linear column fp8 out=Qkv x=Y1"), std::string::npos) << ev;
   EXPECT_EQ(fwd.find("gelu=G"), std::string::npos) << fwd;
   EXPECT_EQ(fwd.find("Gelu "), std::string::npos) << fwd;
   EXPECT_NE(bwd.find("LinearBackward row fp8 x_gelu x_t out=Dh x=H dy=Dres"), std::string::npos)

@@ -494,6 +494,15 @@ class Fp8Ops {
   virtual void fp8_cast_grad(uint8_t* out, uint8_t* out_t, float* amax, const void* dy,
                              int rows, int cols, const float* scale, Fp8Format f, float* db,
                              const void* gelu_pre, Gelu g) = 0;
+  // NormAttentionOps::add_layernorm_forward (res, mean, rstd, a, b, gamma, beta, N, C, eps,
+  // bf) whose output y is not stored but cast as fp8_cast would cast it (out, out_t, amax,
+  // scale, f): the same codes, transpose and amax as add_layernorm_forward then fp8_cast, in one
+  // pass (the LayerNorm before an FP8 Linear writes that Linear's input in FP8).
+  virtual void add_layernorm_forward_fp8(void* res, uint8_t* out, uint8_t* out_t, float* amax,
+                                         const float* scale, Fp8Format f, float* mean,
+                                         float* rstd, const void* a, const void* b,
+                                         const void* gamma, const void* beta, int N, int C,
+                                         float eps, RowFactors bf = {}) = 0;
   // D[M,N] = (A[M,K] B[N,K]^T) * a_scale_inv[0] * b_scale_inv[0] + beta D: both operands
   // K-contiguous (the form Hopper's FP8 tensor cores take; a Linear's transposed operands come
   // from fp8_cast's out_t), not both E5M2; fp32 sums; the scale_inv pointers 16-byte aligned

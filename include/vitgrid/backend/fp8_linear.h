@@ -10,8 +10,10 @@
 //
 // Hopper's FP8 GEMMs take K-contiguous operands with K a multiple of 16: in and out must be
 // multiples of 16, and so must the rows where the weight gradient (whose K they are) is
-// taken. The casts are passes of their own here (but for a GELU applied to x, x_gelu); fusing
-// them into the kernels that produce x and dy is what makes FP8 pay (tools/MEASURED.md).
+// taken. The casts are passes of their own here, but where the meta says otherwise: a GELU
+// applied to x by x's cast (x_gelu), GELU's backward and the bias gradient in dy's (dy_gelu),
+// x cast by the LayerNorm that produced it (x_cast); fusing the casts into the kernels that
+// produce x and dy is what makes FP8 pay (tools/MEASURED.md).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -41,6 +43,11 @@ struct Fp8LinearMeta {
   // forward's cast of x writes it, the weight gradient takes it instead of casting x again
   // (the same scale within a step, so the same codes; x is then not read by the backward).
   uint8_t* x_t = nullptr;
+  // x is already cast: its codes are at the start of the forward's scratch and its transpose
+  // (where x_t is set) in x_t, with this layer's x scale and amax, as the LayerNorm before the
+  // Linear writes them (Fp8Ops::add_layernorm_forward_fp8); the forward casts no x and reads
+  // none (x may be null).
+  bool x_cast = false;
   const float* scale_of(int k) const { return scale + k * stride; }
   const float* scale_inv_of(int k) const { return scale_inv + k * stride; }
   float* amax_of(int k) const { return amax + k * stride; }

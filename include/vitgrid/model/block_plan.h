@@ -28,6 +28,9 @@
 //   GELU in the FP8 casts:   with FP8 Linears and no dropout on the activation, fc1 stores
 //                            only its pre-activation H and fc2's casts apply the GELU as they
 //                            read it (x_gelu), forward and backward: no GELU pass, no G.
+//   LayerNorm writes FP8:    with FP8 Linears keeping their inputs' transposes, LN1 and LN2
+//                            write qkv's and fc1's inputs in FP8 (and their transposes) with
+//                            those Linears' scales: no bf16 Y1 / Y2 in training, no cast pass.
 // And one rule no flag undoes (it is the precision, not a fusion):
 //   FP8 Linears:             with precision.mode = fp8 (ChunkSpec::fp8), the four Linears
 //                            (qkv, proj, fc1, fc2) run their forward, data and weight
@@ -106,6 +109,9 @@ struct Op {
                                // backward applied to dy by dy's cast (fc1)
   bool x_t = false;            // FP8 Linear(Backward): x's transpose kept by the forward's cast
                                // in the block's buffer, taken by the weight gradient
+  ParamRef cast_w;             // LayerNorm: out not stored; the LayerNorm writes the FP8 copy
+                               // of the input of the Linear of these weights, which follows
+  bool x_cast = false;         // FP8 Linear: its input cast already (by the LayerNorm before it)
 };
 
 struct BlockPlan {

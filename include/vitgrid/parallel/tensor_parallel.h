@@ -117,6 +117,10 @@ struct TpFusions {
   // (Fp8LinearMeta::x_t): the modes whose Linears each cast x once, whole, in the forward and
   // take the same rows in the backward (none)
   bool fp8_keep_x_transposes = false;
+  // layernorm_forward_fp8: a LayerNorm may write the next FP8 Column Linear's input as that
+  // Linear's forward cast would (Fp8LinearMeta::x_cast): the modes whose Column Linear takes
+  // the LayerNorm's rows as its local input, whole (none)
+  bool fp8_layernorm_cast = false;
 };
 
 class TensorParallel {
@@ -211,6 +215,15 @@ class TensorParallel {
   virtual void layernorm_forward(void* res, void* y, float* mean, float* rstd, const void* a,
                                  const void* b, const void* gamma, const void* beta, int rows,
                                  int C, float eps, RowFactors bf = {}) = 0;
+  // layernorm_forward whose y is not stored: it goes into the FP8 copy of the input of the
+  // Column Linear that follows (in x out features on these rows), as that Linear's forward
+  // cast would make it (next's x scale and amax, its transpose into next.x_t), where that
+  // Linear, called with next.x_cast, finds it (Fp8LinearMeta::x_cast). Where
+  // fusions().fp8_layernorm_cast says so.
+  virtual void layernorm_forward_fp8(void* res, float* mean, float* rstd, const void* a,
+                                     const void* b, const void* gamma, const void* beta,
+                                     int rows, int C, float eps, RowFactors bf,
+                                     const Fp8LinearMeta& next, int in, int out) = 0;
   // With dsum (where fusions() says so): dsum += the column sums of the updated dx, which is
   // then the whole bias gradient of a Row Linear whose output gradient dx is; that Linear's
   // backward is then given no db. With bf (where fusions() says so):

@@ -4,6 +4,7 @@
 // sum the exact products of two FP8 values, and rounds once to the act dtype.
 #include <cblas.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -42,6 +43,18 @@ void CpuBackend::fp8_cast(uint8_t* out, uint8_t* out_t, float* amax, const void*
       for (int c = 0; c < cols; ++c)
         out_t[static_cast<size_t>(c) * rows + r] = dst[static_cast<size_t>(r) * cols + c];
   }
+}
+
+void CpuBackend::add_layernorm_forward_fp8(void* res, uint8_t* out, uint8_t* out_t,
+                                           float* amax, const float* scale, Fp8Format f,
+                                           float* mean, float* rstd, const void* a,
+                                           const void* b, const void* gamma, const void* beta,
+                                           int N, int C, float eps, RowFactors bf) {
+  OpScope op_scope(*this, "add_layernorm_forward_fp8");
+  check_fp8_cast_args(out, out_t, amax, N, C, scale);
+  std::vector<float> y(static_cast<size_t>(std::max(N, 0)) * std::max(C, 0));
+  add_layernorm_forward(res, y.data(), mean, rstd, a, b, gamma, beta, N, C, eps, bf);
+  fp8_cast(out, out_t, amax, y.data(), N, C, scale, f);
 }
 
 void CpuBackend::fp8_cast_grad(uint8_t* out, uint8_t* out_t, float* amax, const void* dy_,

@@ -77,10 +77,6 @@ struct GradGelu {
   }
 };
 
-// |v| as ordered integer bits: for non-negative floats (and NaN, whose bits exceed inf's) the
-// integer maximum is the float maximum, so atomicMax on the bits keeps NaN once seen.
-__device__ __forceinline__ int abs_bits(float v) { return __float_as_int(fabsf(v)); }
-
 // Whether a tile takes the vector path: whole, every row and column start a multiple of kChunk
 // elements, the pointers aligned for kChunk-element loads and 8-byte stores.
 template <class Src>
@@ -104,7 +100,7 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(
     int rows, int cols, const float* __restrict__ scale_p, __nv_fp8_interpretation_t fmt,
     int tiles, float* __restrict__ partial) {
   __shared__ __align__(8) uint8_t tile[kTileRows][kTileCols + 8];
-  __shared__ int warp_max[kThreads / 32];
+  __shared__ int warp_max[32];
   constexpr int kGroups = kThreads * kChunk / kTileCols;  // 16 row groups of the column sums
   __shared__ float sums[kGroups][kTileCols];
   const int c0 = blockIdx.x * kTileCols;
@@ -192,15 +188,7 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(
       partial[static_cast<size_t>(blockIdx.y) * cols + c0 + threadIdx.x] = s;
     }
   }
-  // block maximum, then one atomic per block
-  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-  __syncthreads();
-  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = m;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kThreads / 32; ++w) m = max(m, warp_max[w]);
-    atomicMax(reinterpret_cast<int*>(amax), m);
-  }
+  block_amax_atomic(m, amax, warp_max);
 }
 
 // db[c] += the sum over p of partial[p][c], in a fixed order: 8 strided runs of the partials

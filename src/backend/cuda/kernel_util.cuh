@@ -48,6 +48,24 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// |v| as ordered integer bits: for non-negative floats (and NaN, whose bits exceed inf's) the
+// integer maximum is the float maximum, so atomicMax on the bits keeps NaN once seen (the FP8
+// casts' amaxes).
+__device__ __forceinline__ int abs_bits(float v) { return __float_as_int(fabsf(v)); }
+
+// *amax = max(*amax, the block's largest m) (abs_bits values; one atomic per block, by thread
+// 0). Every thread of the block calls it; `sh` holds 32 ints.
+__device__ __forceinline__ void block_amax_atomic(int m, float* amax, int* sh) {
+  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  __syncthreads();  // sh may still be read by a previous use
+  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) m = max(m, sh[w]);
+    atomicMax(reinterpret_cast<int*>(amax), m);
+  }
+}
+
 // Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result.
 // `sh` holds 32 values of Acc. Deterministic: fixed reduction tree.
 template <class Acc>

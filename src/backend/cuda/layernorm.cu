@@ -11,6 +11,8 @@
 #include <string>
 #include <type_traits>
 
+#include <cuda_fp8.h>
+
 #include "cuda_backend_impl.h"
 #include "kernel_util.cuh"
 #include "layernorm_reduce.cuh"
@@ -77,22 +79,21 @@ __global__ void add_layernorm_fwd_kernel(T* res, T* y, float* mean, float* rstd,
 // The same for rows of up to 32*K packs of V elements (16-byte vectors): each lane keeps its
 // packs of the row in registers, so a and b are read once and res and y written once (the
 // generic kernel above re-reads the row from memory for the variance and the output).
-// The row body, shared with the block-per-row kernel below: thread t of a team of nt owns
-// packs t + nt k, k < K; sum(v) adds v over the team (every thread gets the total); thread 0
-// writes the statistics.
-template <class T, int K, class Sum>
+// The row body, shared with the block-per-row kernel and the FP8 one below: thread t of a team
+// of nt owns packs t + nt k, k < K; sum(v) adds v over the team (every thread gets the total);
+// store(p, o) writes pack p of y (as rounded to T); thread 0 writes the statistics.
+template <class T, int K, class Sum, class Store>
 __device__ __forceinline__ void add_layernorm_row(int64_t row, int t, int nt, Sum sum, T* res,
-                                                  T* y, float* mean, float* rstd, const T* a,
-                                                  const T* b, const T* gamma, const T* beta,
-                                                  int C, float eps, const float* bf,
-                                                  int bf_rows) {
+                                                  Store store, float* mean, float* rstd,
+                                                  const T* a, const T* b, const T* gamma,
+                                                  const T* beta, int C, float eps,
+                                                  const float* bf, int bf_rows) {
   constexpr int V = 16 / sizeof(T);
   using P = Pack<T, V>;
   const int packs = C / V;
   const P* ar = reinterpret_cast<const P*>(a + row * C);
   const P* br = b ? reinterpret_cast<const P*>(b + row * C) : nullptr;
   P* rr = reinterpret_cast<P*>(res + row * C);
-  P* yr = reinterpret_cast<P*>(y + row * C);
   float r[K][V];
   float s = 0.0f;
   const float fr = bf && br ? bf[row / bf_rows] : 1.0f;
@@ -135,12 +136,87 @@ __device__ __forceinline__ void add_layernorm_row(int64_t row, int t, int nt, Su
 #pragma unroll
     for (int j = 0; j < V; ++j)
       o.v[j] = from_f<T>((r[k][j] - m) * rs * to_f(gp.v[j]) + to_f(bp.v[j]));
-    yr[p] = o;
+    store(p, o);
   }
   if (t == 0) {
     mean[row] = m;
     rstd[row] = rs;
   }
+}
+
+// add_layernorm_row's store of y's packs into row `row` of y[N, C].
+template <class T>
+struct RowStore {
+  T* y;
+  int64_t row;
+  int C;
+  __device__ __forceinline__ void operator()(int p, const Pack<T, 16 / sizeof(T)>& o) const {
+    reinterpret_cast<Pack<T, 16 / sizeof(T)>*>(y + row * C)[p] = o;
+  }
+};
+
+// add_layernorm_forward_fp8: a block of kLnFp8Warps warps takes kLnFp8Rows rows (a warp per row
+// at a time, as add_layernorm_fwd_vec_kernel), converts y's packs to FP8 codes as it would
+// store them (rounded to T first: fp8_cast of the stored y, code for code), writes them to out
+// (row-major) and to a shared tile, then writes the tile's transpose to out_t[C, N] (8 rows of
+// a column per 8-byte store where the block's rows are whole and N a multiple of 8), and adds
+// its largest |y| to *amax. Dynamic shared memory: kLnFp8Rows x (C + 8) bytes.
+constexpr int kLnFp8Rows = 32, kLnFp8Warps = 8;
+
+template <class T, int K>
+__global__ void __launch_bounds__(32 * kLnFp8Warps) add_layernorm_fwd_fp8_kernel(
+    T* res, uint8_t* out, uint8_t* out_t, float* amax, const float* scale_p,
+    __nv_fp8_interpretation_t fmt, float* mean, float* rstd, const T* a, const T* b,
+    const T* gamma, const T* beta, int N, int C, float eps, const float* bf, int bf_rows) {
+  extern __shared__ __align__(16) uint8_t ln_fp8_tile[];
+  __shared__ int sh_max[32];
+  constexpr int V = 16 / sizeof(T);
+  static_assert(V == 8, "FP8 LayerNorm output: 8 codes per pack (bf16 / fp16 rows)");
+  const int pitch = C + 8;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kLnFp8Rows;
+  const int rows = static_cast<int>(min(static_cast<int64_t>(kLnFp8Rows), N - r0));
+  const float scale = scale_p[0];
+  int m = 0;  // the thread's amax, as bits
+  for (int i = threadIdx.x >> 5; i < rows; i += kLnFp8Warps) {
+    const int64_t row = r0 + i;
+    auto store = [&](int p, const Pack<T, V>& o) {
+      uint8_t codes[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const float f = to_f(o.v[j]);
+        m = max(m, abs_bits(f));
+        codes[j] = __nv_cvt_float_to_fp8(f * scale, __NV_SATFINITE, fmt);
+      }
+      uint2 packed;
+      memcpy(&packed, codes, sizeof packed);
+      if (out) *reinterpret_cast<uint2*>(out + row * C + p * V) = packed;
+      *reinterpret_cast<uint2*>(ln_fp8_tile + i * pitch + p * V) = packed;
+    };
+    add_layernorm_row<T, K>(
+        row, threadIdx.x & 31, 32, [](float v) { return warp_sum(v); }, res, store, mean, rstd,
+        a, b, gamma, beta, C, eps, bf, bf_rows);
+  }
+  if (out_t) {
+    __syncthreads();
+    if (rows == kLnFp8Rows && N % 8 == 0) {
+      constexpr int kPerCol = kLnFp8Rows / 8;
+      for (int q = threadIdx.x; q < C * kPerCol; q += blockDim.x) {
+        const int c = q / kPerCol, rr = (q % kPerCol) * 8;
+        uint8_t codes[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) codes[k] = ln_fp8_tile[(rr + k) * pitch + c];
+        uint2 packed;
+        memcpy(&packed, codes, sizeof packed);
+        *reinterpret_cast<uint2*>(out_t + static_cast<int64_t>(c) * N + r0 + rr) = packed;
+      }
+    } else {
+      for (int q = threadIdx.x; q < C * rows; q += blockDim.x) {
+        const int c = q / rows, rr = q % rows;
+        out_t[static_cast<int64_t>(c) * N + r0 + rr] = ln_fp8_tile[rr * pitch + c];
+      }
+    }
+  }
+  block_amax_atomic(m, amax, sh_max);
 }
 
 template <class T, int K>
@@ -151,8 +227,8 @@ __global__ void __launch_bounds__(256) add_layernorm_fwd_vec_kernel(
   const int64_t row = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5);
   if (row >= N) return;
   add_layernorm_row<T, K>(
-      row, threadIdx.x & 31, 32, [](float v) { return warp_sum(v); }, res, y, mean, rstd, a, b,
-      gamma, beta, C, eps, bf, bf_rows);
+      row, threadIdx.x & 31, 32, [](float v) { return warp_sum(v); }, res, RowStore<T>{y, row, C},
+      mean, rstd, a, b, gamma, beta, C, eps, bf, bf_rows);
 }
 
 // dx += rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma.
@@ -502,8 +578,8 @@ __global__ void __launch_bounds__(1024) add_layernorm_fwd_wide_kernel(
   const int64_t row = blockIdx.x;
   if (row >= N) return;  // (uniform over the block)
   add_layernorm_row<T, K>(
-      row, threadIdx.x, blockDim.x, [&](float v) { return block_sum(v, sh); }, res, y, mean,
-      rstd, a, b, gamma, beta, C, eps, bf, bf_rows);
+      row, threadIdx.x, blockDim.x, [&](float v) { return block_sum(v, sh); }, res,
+      RowStore<T>{y, row, C}, mean, rstd, a, b, gamma, beta, C, eps, bf, bf_rows);
 }
 
 // Backward: a fixed grid of blocks striding over the rows (block i: rows i, i + grid, ...);
@@ -752,6 +828,49 @@ void CudaBackend::add_layernorm_forward(void* res, void* y, float* mean, float* 
     else if (K <= 8) launch(add_layernorm_fwd_vec_kernel<T, 8>);
     else launch(add_layernorm_fwd_vec_kernel<T, 16>);
   });
+}
+
+void CudaBackend::add_layernorm_forward_fp8(void* res, uint8_t* out, uint8_t* out_t,
+                                            float* amax, const float* scale, Fp8Format f,
+                                            float* mean, float* rstd, const void* a,
+                                            const void* b, const void* gamma, const void* beta,
+                                            int N, int C, float eps, RowFactors bf) {
+  OpScope op_scope(*this, "add_layernorm_forward_fp8");
+  check_fp8_cast_args(out, out_t, amax, N, C, scale);
+  if (N <= 0 || C <= 0) return;
+  const __nv_fp8_interpretation_t fmt = f == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2;
+  auto aligned8 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; };
+  bool fused = false;
+  dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    constexpr int V = 16 / sizeof(T);
+    if constexpr (V == 8) {
+      const int K = (C / V + 31) / 32;
+      if (C % V != 0 || K > 4 || !aligned16(res) || !aligned16(a) || (b && !aligned16(b)) ||
+          !aligned16(gamma) || !aligned16(beta) || (out && !aligned8(out)) ||
+          (out_t && !aligned8(out_t)))
+        return;
+      const unsigned blocks = static_cast<unsigned>((N + kLnFp8Rows - 1) / kLnFp8Rows);
+      const size_t smem = static_cast<size_t>(kLnFp8Rows) * (C + 8);
+      auto launch = [&](auto kernel) {
+        kernel<<<blocks, 32 * kLnFp8Warps, smem, stream_>>>(
+            static_cast<T*>(res), out, out_t, amax, scale, fmt, mean, rstd,
+            static_cast<const T*>(a), static_cast<const T*>(b), static_cast<const T*>(gamma),
+            static_cast<const T*>(beta), N, C, eps, b ? bf.f : nullptr, bf.rows_per);
+        CUDA_CHECK_LAUNCH();
+      };
+      if (K <= 1) launch(add_layernorm_fwd_fp8_kernel<T, 1>);
+      else if (K == 2) launch(add_layernorm_fwd_fp8_kernel<T, 2>);
+      else if (K == 3) launch(add_layernorm_fwd_fp8_kernel<T, 3>);
+      else launch(add_layernorm_fwd_fp8_kernel<T, 4>);
+      fused = true;
+    }
+  });
+  if (fused) return;
+  // wider rows, fp32 activations, unaligned buffers: the LayerNorm into scratch, then the cast
+  void* y = scratch(static_cast<size_t>(N) * C * act_size());
+  add_layernorm_forward(res, y, mean, rstd, a, b, gamma, beta, N, C, eps, bf);
+  fp8_cast(out, out_t, amax, y, N, C, scale, f);
 }
 
 void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy,

@@ -311,6 +311,22 @@ void TensorParallelBase::linear_backward(LinearRole role, void* dx, float* dW, f
 
 // ---- LayerNorm with the statistics reduced over the hidden axis
 
+// The FP8 copy goes where local_forward's scratch puts x's (slot 12, asked for the Linear's
+// own size, so the same buffer the Linear then gets).
+void TensorParallelBase::layernorm_forward_fp8(void* res, float* mean, float* rstd,
+                                               const void* a, const void* b, const void* gamma,
+                                               const void* beta, int rows, int C, float eps,
+                                               RowFactors bf, const Fp8LinearMeta& next, int in,
+                                               int out) {
+  VG_CHECK(fusions().fp8_layernorm_cast && hq_ == 1 && in == C && next.x_cast && !next.x_gelu,
+           "a LayerNorm writing FP8 in tensor mode " << tensor_mode_name(mode()) << " (in " << in
+                                                     << ", C " << C << ")");
+  auto* s = static_cast<uint8_t*>(scratch(12, fp8_linear_scratch_bytes(rows, in, out)));
+  using M = Fp8LinearMeta;
+  be_.add_layernorm_forward_fp8(res, s, next.x_t, next.amax_of(M::kX), next.scale_of(M::kX),
+                                Fp8Format::E4M3, mean, rstd, a, b, gamma, beta, rows, C, eps, bf);
+}
+
 void TensorParallelBase::layernorm_forward(void* res, void* y, float* mean, float* rstd,
                                            const void* a, const void* b, const void* gamma,
                                            const void* beta, int rows, int C, float eps,

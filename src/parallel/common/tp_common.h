@@ -32,6 +32,9 @@ class TensorParallelBase : public TensorParallel {
   void layernorm_forward(void* res, void* y, float* mean, float* rstd, const void* a,
                          const void* b, const void* gamma, const void* beta, int rows, int C,
                          float eps, RowFactors bf) override;
+  void layernorm_forward_fp8(void* res, float* mean, float* rstd, const void* a, const void* b,
+                             const void* gamma, const void* beta, int rows, int C, float eps,
+                             RowFactors bf, const Fp8LinearMeta& next, int in, int out) final;
   void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy, const void* x,
                           const void* gamma, const float* mean, const float* rstd, int rows,
                           int C, float* dsum, void* dbranch, RowFactors bf) override;

@@ -344,6 +344,7 @@ std::vector<BlockPlan> compile_chunk_plans(const ChunkSpec& s) {
               !lin.x_t || lin.x_gelu || lin.role != LinearRole::Column || lin.x != ln.out)
             continue;
           ln.cast_w = lin.w;
+          ln.out_w = lin.out_w;  // the Linear's output width (its FP8 scratch's size)
           ln.out = Buf::None;
           lin.x = Buf::None;
           lin.x_cast = true;

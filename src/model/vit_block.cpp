@@ -187,7 +187,7 @@ void ViT::run_ops(const std::vector<Op>& ops, int l, const DeviceBatch& in, int6
           next.x_cast = true;
           tp_.layernorm_forward_fp8(buf(op.x), m, s, buf(op.a), buf(op.b), W(op.w), W(op.bias),
                                     N, C, cfg_.ln_eps, factors(op.factors), next, C,
-                                    op.cast_w.index == kQkvW ? 3 * C : M);
+                                    width(op.out_w));
           break;
         }
         tp_.layernorm_forward(buf(op.x), buf(op.out), m, s, buf(op.a), buf(op.b), W(op.w),

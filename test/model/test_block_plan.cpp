@@ -256,6 +256,7 @@ TEST(BlockPlan, Fp8LayerNormsWriteTheNextLinearsInput) {
                   if (!o.cast_w.valid()) continue;
                   ++cast;
                   EXPECT_EQ(o.cast_w.index, o.norm == 1 ? kQkvW : kFc1W);
+                  EXPECT_EQ(o.out_w, o.norm == 1 ? Width::Qkv : Width::Mlp);
                   EXPECT_EQ(o.out, Buf::None);
                   ASSERT_LT(i + 1, list->size());
                   const Op& lin = (*list)[i + 1];
@@ -272,7 +273,9 @@ TEST(BlockPlan, Fp8LayerNormsWriteTheNextLinearsInput) {
                   }
                 }
               }
-              if (!list->empty()) EXPECT_EQ(cast, on ? 2 : 0);
+              if (!list->empty()) {
+                EXPECT_EQ(cast, on ? 2 : 0);
+              }
             }
           }
         }

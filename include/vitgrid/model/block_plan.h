@@ -110,7 +110,8 @@ struct Op {
   bool x_t = false;            // FP8 Linear(Backward): x's transpose kept by the forward's cast
                                // in the block's buffer, taken by the weight gradient
   ParamRef cast_w;             // LayerNorm: out not stored; the LayerNorm writes the FP8 copy
-                               // of the input of the Linear of these weights, which follows
+                               // of the input of the Linear of these weights (out_w wide), which
+                               // follows
   bool x_cast = false;         // FP8 Linear: its input cast already (by the LayerNorm before it)
 };
 

@@ -1,4 +1,5 @@
-// Fused residual add + LayerNorm forward and the LayerNorm backward, side by side.
+// Fused residual add + LayerNorm forward (also writing FP8 codes for the FP8 Linear that reads
+// it: add_layernorm_forward_fp8) and the LayerNorm backward, side by side.
 // One warp per row (ViT rows are C = 192..1280 wide: a warp streams them at full bandwidth and
 // needs no shared memory), a thread block per row past that (the large ViT's 4096); statistics in fp32; parameter gradients through a deterministic
 // two-stage column reduction (no atomics, same bits every run).
@@ -76,9 +77,6 @@ __global__ void add_layernorm_fwd_kernel(T* res, T* y, float* mean, float* rstd,
   }
 }
 
-// The same for rows of up to 32*K packs of V elements (16-byte vectors): each lane keeps its
-// packs of the row in registers, so a and b are read once and res and y written once (the
-// generic kernel above re-reads the row from memory for the variance and the output).
 // The row body, shared with the block-per-row kernel and the FP8 one below: thread t of a team
 // of nt owns packs t + nt k, k < K; sum(v) adds v over the team (every thread gets the total);
 // store(p, o) writes pack p of y (as rounded to T); thread 0 writes the statistics.
@@ -155,6 +153,21 @@ struct RowStore {
   }
 };
 
+// The same for rows of up to 32*K packs of V elements (16-byte vectors): each lane keeps its
+// packs of the row in registers, so a and b are read once and res and y written once (the
+// generic kernel above re-reads the row from memory for the variance and the output).
+template <class T, int K>
+__global__ void __launch_bounds__(256) add_layernorm_fwd_vec_kernel(
+    T* res, T* y, float* mean, float* rstd, const T* a, const T* b, const T* gamma,
+    const T* beta, int N, int C, float eps, const float* bf, int bf_rows) {
+  const int warps = blockDim.x >> 5;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5);
+  if (row >= N) return;
+  add_layernorm_row<T, K>(
+      row, threadIdx.x & 31, 32, [](float v) { return warp_sum(v); }, res, RowStore<T>{y, row, C},
+      mean, rstd, a, b, gamma, beta, C, eps, bf, bf_rows);
+}
+
 // add_layernorm_forward_fp8: a block of kLnFp8Warps warps takes kLnFp8Rows rows (a warp per row
 // at a time, as add_layernorm_fwd_vec_kernel), converts y's packs to FP8 codes as it would
 // store them (rounded to T first: fp8_cast of the stored y, code for code), writes them to out
@@ -217,18 +230,6 @@ __global__ void __launch_bounds__(32 * kLnFp8Warps) add_layernorm_fwd_fp8_kernel
     }
   }
   block_amax_atomic(m, amax, sh_max);
-}
-
-template <class T, int K>
-__global__ void __launch_bounds__(256) add_layernorm_fwd_vec_kernel(
-    T* res, T* y, float* mean, float* rstd, const T* a, const T* b, const T* gamma,
-    const T* beta, int N, int C, float eps, const float* bf, int bf_rows) {
-  const int warps = blockDim.x >> 5;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * warps + (threadIdx.x >> 5);
-  if (row >= N) return;
-  add_layernorm_row<T, K>(
-      row, threadIdx.x & 31, 32, [](float v) { return warp_sum(v); }, res, RowStore<T>{y, row, C},
-      mean, rstd, a, b, gamma, beta, C, eps, bf, bf_rows);
 }
 
 // dx += rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma.

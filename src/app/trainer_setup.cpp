@@ -206,6 +206,7 @@ void Run::plan_workspace() {
   ws.param_tensors = model->params().size();
   ws.local_params = model->num_local_params();
   ws.grad_buckets = reducer ? reducer->buckets().size() : 0;
+  ws.fp8_layernorms = model->layernorms_write_fp8();
   agreed([&] { be->plan_workspace(workspace_plan_for(cfg, ws)); });
 }
 

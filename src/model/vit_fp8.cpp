@@ -72,6 +72,15 @@ Fp8LinearMeta ViT::fp8_meta(int l, int linear) const {
   return {fp8_dev_ + i, fp8_dev_ + n + i, fp8_dev_ + 2 * n + i, kStride};
 }
 
+bool ViT::layernorms_write_fp8() const {
+  for (const auto& plans : plans_)
+    for (const BlockPlan& p : plans)
+      for (const auto* list : {&p.forward, &p.recompute, &p.forward_eval})
+        for (const Op& op : *list)
+          if (op.cast_w.valid()) return true;
+  return false;
+}
+
 void ViT::fp8_upload_scales() {
   const size_t t = fp8_state_->tensors(), n = t * kStride;
   std::vector<float> h(2 * n, 0.0f);

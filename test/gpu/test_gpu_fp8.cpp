@@ -250,6 +250,34 @@ TEST_P(GpuFp8, LayerNormFp8IsTheLayerNormThenTheCast) {
     }
 }
 
+// A width past the fused kernel (ViT-H's 1280) goes through the backend's scratch (the
+// LayerNorm, then the cast): with the trainer's plan (WorkspacePlan::fp8_layernorm_cols) the
+// call allocates nothing.
+TEST_P(GpuFp8, LayerNormFp8PastTheKernelIsPlanned) {
+  Dev& d = *gpu;
+  const int N = 96, C = 1280;
+  Backend::WorkspacePlan plan;
+  plan.max_rows = N;
+  plan.max_cols = C;
+  plan.fp8_layernorm_cols = C;
+  d.be->plan_workspace(plan);
+  const size_t n = size_t(N) * C;
+  void* a = d.act(rnd(n, 2.0f));
+  void* gamma = d.act(rnd(C, 1.0f));
+  void* beta = d.act(rnd(C, 0.5f));
+  void* res = d.nan_act(n);
+  float *mean = d.f32(Vec(N, kNaN)), *rstd = d.f32(Vec(N, kNaN)), *am = d.f32(Vec{0.0f});
+  float* scale = d.f32(Vec{10.0f});
+  const std::vector<uint8_t> fill(n, 0xAA);
+  uint8_t *o = bytes(d, fill), *ot = bytes(d, fill);
+  const int64_t before = d.be->device_allocations();
+  d.be->add_layernorm_forward_fp8(res, o, ot, am, scale, Fp8Format::E4M3, mean, rstd, a, nullptr,
+                                  gamma, beta, N, C, 1e-6f);
+  d.be->synchronize();
+  EXPECT_EQ(d.be->device_allocations(), before);
+  EXPECT_GT(d.get_f32(am, 1)[0], 0.0f);
+}
+
 TEST_P(GpuFp8, CastOnlyTheTransposeAndNaN) {
   const int rows = 128, cols = 256;  // whole tiles: the vector path
   const size_t n = size_t(rows) * cols;

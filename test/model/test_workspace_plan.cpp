@@ -104,6 +104,30 @@ ListTotals optimizer_lists(const ViT& model, const ZeroShards* zero) {
   return t;
 }
 
+TEST(WorkspacePlan, Fp8LayerNormsWhereThePlansHaveThem) {
+  // the LayerNorms' width where the model's plans let them write FP8 (fp8, fused, a mode that
+  // allows it), else none (the CUDA backend sizes its fallback's scratch by it)
+  ViTConfig c;
+  c.image = 16, c.patch = 4, c.hidden = 48, c.depth = 2, c.heads = 2, c.mlp = 96, c.classes = 7;
+  ProcessGrid grid(MPI_COMM_SELF, GridShape{});
+  std::unique_ptr<Backend> be = make_backend("cpu", 0, DType::BF16);
+  std::unique_ptr<Collectives> coll = make_mpi_collectives(grid);
+  std::unique_ptr<TensorParallel> tp = make_tensor_parallel(grid, *be, *coll);
+  for (int variant = 0; variant < 3; ++variant) {
+    ViTConfig v = c;
+    v.fp8 = variant != 0;
+    v.fused_block = variant != 2;
+    ViT model(v, *be, *tp, 16, StageLayout::whole(v.depth));  // 16 x 17 rows: FP8's multiple
+    const bool want = variant == 1;
+    EXPECT_EQ(model.layernorms_write_fp8(), want) << variant;
+    WorkspaceShape ws;
+    ws.micro_batch = 16;
+    ws.act_size = 2;
+    ws.fp8_layernorms = model.layernorms_write_fp8();
+    EXPECT_EQ(workspace_plan_for(v, ws).fp8_layernorm_cols, want ? 48 : 0) << variant;
+  }
+}
+
 TEST(WorkspacePlan, CoversTheOptimizerSliceLists) {
   ViTConfig c;  // small: a real model on the CPU backend gives the real parameter list
   c.image = 16, c.patch = 4, c.hidden = 48, c.depth = 3, c.heads = 2, c.mlp = 96, c.classes = 7;

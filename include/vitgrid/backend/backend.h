@@ -173,6 +173,9 @@ class Device {
     int64_t slice_lists = 0;
     int64_t slices = 0;
     int64_t slice_elems = 0;
+    // The width of the LayerNorms that write FP8 (Fp8Ops::add_layernorm_forward_fp8) on up to
+    // max_rows rows; 0: none do.
+    int64_t fp8_layernorm_cols = 0;
   };
   virtual void plan_workspace(const WorkspacePlan& p) { (void)p; }
   // Device allocations the backend made so far (alloc() and internal ones; on the CPU, alloc()

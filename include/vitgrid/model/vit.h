@@ -221,6 +221,8 @@ class ViT {
     return (static_cast<size_t>(l) * kFp8Linears + linear) * Fp8LinearMeta::kTensors + k;
   }
   bool fp8() const { return cfg_.fp8; }
+  // Whether the plans' LayerNorms write FP8 (block_plan.h: the next FP8 Linear's input).
+  bool layernorms_write_fp8() const;
   size_t fp8_tensors() const { return fp8_state_ ? fp8_state_->tensors() : 0; }
   void fp8_take_amaxes(float* amax);
   void fp8_update(const float* amax);

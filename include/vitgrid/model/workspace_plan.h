@@ -16,6 +16,7 @@
 //    strategies run linear_backward on blocks of these.
 //  * copies: boundary / residual-stream tensors of a micro-batch (B * tokens * hidden act
 //    elements) and fp32 gradients of a parameter (tensor-parallel reductions).
+//  * FP8 LayerNorms: where the plans' LayerNorms write FP8, their width (hidden) on those rows.
 //  * slice lists: the optimizer passes two lists over the whole flat buffer (with and without
 //    weight decay), or with ZeRO-1 one per gradient bucket plus one of all its pieces; a
 //    parameter cut by a bucket boundary adds a slice. Bounded together by 2 + buckets lists,
@@ -37,6 +38,7 @@ struct WorkspaceShape {
   size_t param_tensors = 0;  // ViT::params().size() on this rank
   size_t local_params = 0;   // ViT::num_local_params() (flat elements, padding included)
   size_t grad_buckets = 0;   // gradient buckets (with ZeRO-1, one slice list each)
+  bool fp8_layernorms = false;  // ViT::layernorms_write_fp8()
 };
 
 inline Backend::WorkspacePlan workspace_plan_for(const ViTConfig& cfg, const WorkspaceShape& s) {
@@ -48,6 +50,7 @@ inline Backend::WorkspacePlan workspace_plan_for(const ViTConfig& cfg, const Wor
   p.max_weight_elems = std::max({3 * C * C, M * C, K * C, C * int64_t(cfg.patch_dim())});
   p.max_copy_bytes = std::max(static_cast<size_t>(B * T * C) * s.act_size,
                               static_cast<size_t>(p.max_weight_elems) * sizeof(float));
+  if (s.fp8_layernorms) p.fp8_layernorm_cols = C;  // LN1 / LN2, the Stream's rows
   if (s.optimizer) {
     const int64_t P = static_cast<int64_t>(s.param_tensors);
     const int64_t Bk = static_cast<int64_t>(s.grad_buckets);

@@ -250,6 +250,8 @@ void CudaBackend::plan_workspace(const WorkspacePlan& p) {
       fp8_grad_scratch_bytes(rows, cols),               // fp8_cast_grad's bias gradient
       layernorm_scratch_bytes(rows, cols),              // dgamma / dbeta partials
       layernorm_split_scratch_bytes(rows, cols),        // the same, rows split over ranks
+      layernorm_fp8_scratch_bytes(rows, std::max<int64_t>(p.fp8_layernorm_cols, 0),
+                                  act_size()),          // a LayerNorm's y before its FP8 cast
       sum_squares_scratch_bytes(lists, slices, elems),  // per-chunk partial sums
       static_cast<size_t>(std::max<int64_t>(p.max_weight_elems, 0)) * act_size(),  // dW temp
       std::min(p.max_copy_bytes, kCopyPieceBytes)});    // overlapping copies, in pieces

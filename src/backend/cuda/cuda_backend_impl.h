@@ -240,6 +240,8 @@ class CudaBackend final : public Backend {
   // fp8_cast_grad's bias-gradient partials (scratch)
   static size_t fp8_grad_scratch_bytes(int64_t rows, int64_t cols);
   static size_t layernorm_scratch_bytes(int64_t rows, int64_t cols);
+  // add_layernorm_forward_fp8's y where its fused kernel does not take the rows (layernorm.cu)
+  static size_t layernorm_fp8_scratch_bytes(int64_t rows, int64_t cols, size_t act_size);
   static size_t layernorm_split_scratch_bytes(int64_t rows, int64_t cols);
   static size_t sum_squares_scratch_bytes(int64_t lists, int64_t slices, int64_t elems);
   // layernorm_backward for any width and alignment (unfused: a dx pass, a parameter pass)

@@ -831,6 +831,16 @@ void CudaBackend::add_layernorm_forward(void* res, void* y, float* mean, float* 
   });
 }
 
+// Rows the fused kernel takes: 16-bit, whole 16-byte packs, at most 4 packs per lane (C <= 1024).
+static bool layernorm_fp8_fused(int64_t C, size_t act_size) {
+  return act_size == 2 && C % 8 == 0 && (C / 8 + 31) / 32 <= 4;
+}
+
+size_t CudaBackend::layernorm_fp8_scratch_bytes(int64_t rows, int64_t cols, size_t act_size) {
+  if (rows <= 0 || cols <= 0 || layernorm_fp8_fused(cols, act_size)) return 0;
+  return static_cast<size_t>(rows) * static_cast<size_t>(cols) * act_size;
+}
+
 void CudaBackend::add_layernorm_forward_fp8(void* res, uint8_t* out, uint8_t* out_t,
                                             float* amax, const float* scale, Fp8Format f,
                                             float* mean, float* rstd, const void* a,
@@ -847,9 +857,9 @@ void CudaBackend::add_layernorm_forward_fp8(void* res, uint8_t* out, uint8_t* ou
     constexpr int V = 16 / sizeof(T);
     if constexpr (V == 8) {
       const int K = (C / V + 31) / 32;
-      if (C % V != 0 || K > 4 || !aligned16(res) || !aligned16(a) || (b && !aligned16(b)) ||
-          !aligned16(gamma) || !aligned16(beta) || (out && !aligned8(out)) ||
-          (out_t && !aligned8(out_t)))
+      if (!layernorm_fp8_fused(C, sizeof(T)) || !aligned16(res) || !aligned16(a) ||
+          (b && !aligned16(b)) || !aligned16(gamma) || !aligned16(beta) ||
+          (out && !aligned8(out)) || (out_t && !aligned8(out_t)))
         return;
       const unsigned blocks = static_cast<unsigned>((N + kLnFp8Rows - 1) / kLnFp8Rows);
       const size_t smem = static_cast<size_t>(kLnFp8Rows) * (C + 8);
@@ -868,7 +878,8 @@ void CudaBackend::add_layernorm_forward_fp8(void* res, uint8_t* out, uint8_t* ou
     }
   });
   if (fused) return;
-  // wider rows, fp32 activations, unaligned buffers: the LayerNorm into scratch, then the cast
+  // wider rows, fp32 activations, unaligned buffers: the LayerNorm into scratch (planned:
+  // layernorm_fp8_scratch_bytes), then the cast
   void* y = scratch(static_cast<size_t>(N) * C * act_size());
   add_layernorm_forward(res, y, mean, rstd, a, b, gamma, beta, N, C, eps, bf);
   fp8_cast(out, out_t, amax, y, N, C, scale, f);

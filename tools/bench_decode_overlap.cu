@@ -6,9 +6,11 @@
 // (a green context), caching allocators given to nvJPEG (nvjpegCreateEx, nvjpegCreateExV2),
 // nvJPEG's own stream-ordered memory pools (NVJPEG_FLAGS_ENABLE_MEMORY_POOLS: cudaFreeAsync
 // instead of frees that wait for the whole device), the hardware path's buffers sized ahead
-// (nvjpegDecodeBatchedPreAllocate). With tools/ktrace's
-// VITGRID_KTRACE_API=1 it shows where the decoding thread waits. tools/MEASURED.md ("H100: real
-// images") has the figures.
+// (nvjpegDecodeBatchedPreAllocate), the decoder in a green context of its own ("green"), and
+// two decoders that are not the batched hardware one: nvJPEG's decoupled hybrid path on T host
+// threads (Huffman on the CPU, IDCT on the GPU: "split"), and libjpeg-turbo's whole decode on T
+// threads ("turbo", host only). With tools/ktrace's VITGRID_KTRACE_API=1 it shows where the
+// decoding thread waits. tools/MEASURED.md ("H100: real images") has the figures.
 //
 //   nvcc -std=c++17 -O2 -arch=sm_90 tools/bench_decode_overlap.cu -o bench_decode_overlap \
 //        -lcublas -lnvjpeg -lcuda -ljpeg

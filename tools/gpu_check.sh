@@ -455,7 +455,8 @@ PYEOF
     fi | tee "$OUT/jpeg_train.log"
     ;;
   decode_overlap)
-    # nvJPEG's hardware decode beside a GEMM load, stand-alone (tools/bench_decode_overlap.cu)
+    # nvJPEG's hardware decode beside a GEMM load, stand-alone (tools/bench_decode_overlap.cu;
+    # also its hybrid split decoder and libjpeg-turbo on 1, 8 and 16 threads: "split", "turbo")
     # on the JPEG step's set (made here if missing: 2,048 images); DECODE_VARIANTS="a|b" runs only
     # the variants whose names hold one of the parts (e.g. "alone|pools")
     [ -d "$D/jpeg/train" ] || "$PY" tools/make_jpeg_dataset.py "$D/jpeg-small" --train 2048 --val 16 --classes 16 2>&1 | tail -1

@@ -327,14 +327,18 @@ double run_turbo(int T, double seconds) {
 
 const char* g_only = nullptr;  // argv[2]: run only the variants whose name holds it
 
+// Whether the variant `name` runs: every one without NAME; else those whose name holds one of
+// NAME's '|'-separated parts ("=X": the variant named X alone).
+bool selected(const std::string& name) {
+  if (!g_only) return true;
+  std::stringstream alts(g_only);
+  for (std::string a; std::getline(alts, a, '|');)
+    if (a[0] == '=' ? a.substr(1) == name : name.find(a) != std::string::npos) return true;
+  return false;
+}
+
 void run(const char* name, Opts o, bool do_dec, bool do_gemm, double seconds) {
-  if (g_only) {  // NAME: alternatives separated by '|'
-    bool hit = false;
-    std::stringstream alts(g_only);
-    for (std::string a; std::getline(alts, a, '|');)  // "=NAME": that variant alone
-      hit = hit || (a[0] == '=' ? a.substr(1) == name : std::strstr(name, a.c_str()) != nullptr);
-    if (!hit) return;
-  }
+  if (!selected(name)) return;
   int lo, hi; CK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
   cudaStream_t gs = nullptr, ds = nullptr;
   if (o.green_sms > 0) {
@@ -502,9 +506,7 @@ int main(int argc, char** argv) {
   }
   for (int nt : {1, 8, 16}) {
     const std::string nt_name = "turbo " + std::to_string(nt) + " alone";
-    bool want = !g_only;
-    if (g_only) { std::stringstream alts(g_only); for (std::string a; std::getline(alts, a, '|');) want = want || (a[0] == '=' ? a.substr(1) == nt_name : nt_name.find(a) != std::string::npos); }
-    if (want) printf("%-44s decode %8.0f img/s (libjpeg-turbo, whole image, host only)\n", nt_name.c_str(), run_turbo(nt, T));
+    if (selected(nt_name)) printf("%-44s decode %8.0f img/s (libjpeg-turbo, whole image, host only)\n", nt_name.c_str(), run_turbo(nt, T));
     std::string n1 = "split " + std::to_string(nt) + " alone", n2 = "split " + std::to_string(nt) + " + gemm graph, ahead";
     std::string n3 = "split roi " + std::to_string(nt) + " + gemm graph, ahead";
     Opts a{}; a.split = nt; run(n1.c_str(), a, true, false, T);

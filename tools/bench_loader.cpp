@@ -5,7 +5,10 @@
 //   --decode=host    libjpeg-turbo decode + crop + resize + flip on the loader's workers
 //   --decode=device  the device's batched decoder (nvJPEG) for the JPEGs it takes, the rest on
 //                    the host; each batch is complete on the device before the next is counted
-//   bench_loader DECK [--batches=N] [--decode=host|device] [--section.key=value ...]
+//   --resize=device  what the host decodes is cropped, resized and flipped on the device (the
+//                    workers only decode); --resize=host (the default here): on the workers
+//   bench_loader DECK [--batches=N] [--decode=host|device] [--resize=host|device]
+//                [--section.key=value ...]
 // Compare with what the GPU consumes (vitgrid bench's img/s per rank).
 #include <mpi.h>
 
@@ -30,7 +33,7 @@ int main(int argc, char** argv) {
     if (argc < 2)
       throw vitgrid::UserError("usage: bench_loader DECK [--batches=N] [--decode=host|device] [overrides]");
     int batches = 20;
-    std::string decode = "host";
+    std::string decode = "host", resize = "host";
     std::vector<std::string> over;
     for (int i = 2; i < argc; ++i) {
       std::string a = argv[i];
@@ -38,9 +41,13 @@ int main(int argc, char** argv) {
         batches = std::stoi(a.substr(10));
       else if (a.rfind("--decode=", 0) == 0)
         decode = a.substr(9);
+      else if (a.rfind("--resize=", 0) == 0)
+        resize = a.substr(9);
       else
         over.push_back(a);
     }
+    if ((decode != "host" && decode != "device") || (resize != "host" && resize != "device"))
+      throw vitgrid::UserError("--decode and --resize take host or device");
     vitgrid::Deck d = vitgrid::parse_deck(argv[1], over, 1);
     std::shared_ptr<vitgrid::Dataset> ds = vitgrid::make_dataset(d, true);
     const int S = ds->image_size();
@@ -50,13 +57,20 @@ int main(int argc, char** argv) {
     std::unique_ptr<vitgrid::Backend> be;
     vitgrid::ImageDecoder* dec = nullptr;
     uint8_t* out = nullptr;
-    if (decode == "device") {
+    if (decode == "device" || resize == "device") {
       be = vitgrid::make_backend("cuda", 0, vitgrid::DType::F32);
-      dec = be->image_decoder();
-      if (!dec) throw vitgrid::UserError("--decode=device: the backend has no JPEG decoder");
-      c.real.device_accepts = [dec](int comps, bool prog, int sh, int sv) {
-        return dec->accepts(comps, prog, sh, sv);
-      };
+      dec = be->image_decoder(decode == "device");
+      if (!dec) throw vitgrid::UserError("--decode/--resize=device: the backend has no image decoder");
+      if (decode == "device")
+        c.real.device_accepts = [dec](int comps, bool prog, int sh, int sv) {
+          return dec->accepts(comps, prog, sh, sv);
+        };
+      if (resize == "device") {
+        const int interp = c.real.interp;
+        c.real.device_resizes = [dec, S, interp](double w, double h) {
+          return dec->resizes(w, h, S, interp);
+        };
+      }
       out = static_cast<uint8_t*>(be->alloc(static_cast<size_t>(c.global_batch) * S * S * 3));
     }
     vitgrid::DataLoader loader(ds, c);
@@ -91,11 +105,11 @@ int main(int argc, char** argv) {
       if (dec)
         std::snprintf(timing, sizeof timing, " | per batch: %.1f ms in the decoder's calls, %.1f ms waiting for the device",
                       1e3 * host_s / batches, 1e3 * wait_s / batches);
-      std::printf("input | %s | %dx%d | batch %lld | workers %d | decode %s | %.1f%% on the device "
-                  "| %.0f img/s%s\n",
+      std::printf("input | %s | %dx%d | batch %lld | workers %d | decode %s | resize %s | %.1f%% "
+                  "decoded on the device | %.0f img/s%s\n",
                   ds->describe().c_str(), S, S, static_cast<long long>(c.global_batch), c.workers,
-                  dec ? dec->describe().c_str() : "host (libjpeg-turbo)",
-                  100.0 * on_device / std::max<int64_t>(1, n), n / dt, timing);
+                  decode == "device" ? dec->describe().c_str() : "host (libjpeg-turbo)",
+                  resize.c_str(), 100.0 * on_device / std::max<int64_t>(1, n), n / dt, timing);
     } else {
       // the CPU reference of the device-side preparation, for scale
       std::vector<float> ref(static_cast<size_t>(last->count) * 3 * S * S);

@@ -38,10 +38,13 @@ fi
 PY=$(command -v python3)
 # The large ViT (bf16, activation checkpointing, global batch 32) under each layout given, on
 # 4 GPUs: large_layouts LOGNAME LAYOUT...
-# JPEG_DECODES / RECIPE_DECODES entries (host, device, device:SHARE, auto) as deck overrides in X
+# JPEG_DECODES / RECIPE_DECODES entries (host, device, device:SHARE, auto; /host or /device
+# after one: data.resize) as deck overrides in X
 decode_args() {
-  X=(--data.decode=${1%%:*})
-  [[ $1 == *:* ]] && X+=(--data.device_share=${1#*:})
+  local d=${1%%/*}
+  X=(--data.decode=${d%%:*})
+  [[ $d == *:* ]] && X+=(--data.device_share=${d#*:})
+  [[ $1 == */* ]] && X+=(--data.resize=${1#*/})
   return 0
 }
 large_layouts() {
@@ -417,9 +420,10 @@ PYEOF
     fi
     J=(--model.num_classes=100 --data.hflip=true --data.interpolation=bilinear --data.workers=$CORES)
     if [[ " ${JPEG_PARTS:-input train} " == *" input "* ]]; then
-      for src in "folder $D/jpeg" "tfrecord $D/jpeg-tfr" "jpeg_h5 $D/jpeg.h5"; do
-        set -- $src
-        for where in host device; do
+      for src in ${JPEG_INPUT_SOURCES:-folder tfrecord jpeg_h5}; do
+        case $src in folder) set -- folder "$D/jpeg" ;; tfrecord) set -- tfrecord "$D/jpeg-tfr" ;; jpeg_h5) set -- jpeg_h5 "$D/jpeg.h5" ;; esac
+        # host decoding with the resize on the host's threads and on the device; nvJPEG
+        for where in "host --resize=host" "host --resize=device" "device"; do
           "$B/bin/bench_loader" inputs/bench_vit_b16.ini --data.dataset=$1 --data.path=$2 \
             --data.index_dir="$D/idx" "${J[@]}" --decode=$where --batches=${JPEG_BATCHES:-60} 2>&1 | grep -E "^input|rror"
         done
@@ -437,7 +441,8 @@ PYEOF
         for m in ${JPEG_MODELS:-vit-base/16 vit-base/32}; do
           mpirun -np $np --bind-to none "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --model.preset=$m \
             --model.num_classes=100 "${G[@]}" --warmup=5 --steps=30 2>&1 | grep -E "^bench|rror" | sed "s/^/$np GPU | /"
-          # JPEG_DECODES: host, device (all on the GPU) or device:SHARE (data.device_share)
+          # JPEG_DECODES: host, device (all on the GPU) or device:SHARE (data.device_share),
+          # each with /host or /device: data.resize
           for src in ${JPEG_TRAIN_SOURCES:-folder}; do
             case $src in folder) P=$D/jpeg ;; jpeg_h5) P=$D/jpeg.h5 ;; tfrecord) P=$D/jpeg-tfr ;; esac
             for dec in ${JPEG_DECODES:-host device device:0.3}; do

@@ -168,7 +168,10 @@ class Inputs {
   void* d_raw_[kUploadSlots] = {nullptr, nullptr, nullptr};
   size_t off_labels_ = 0, off_position_ = 0, off_soft_ = 0, off_aug_ = 0, off_images_ = 0,
          raw_bytes_ = 0;
-  ImageDecoder* decoder_ = nullptr;  // the device's JPEG decoder, when it decodes (data.decode)
+  // the device's JPEG decoder, when it decodes (data.decode) or resizes the host's decodes
+  // (data.resize: resize_on_device_)
+  ImageDecoder* decoder_ = nullptr;
+  bool resize_on_device_ = false;
   int decode_interp_ = 1;            // its resize filter (data.interpolation)
   DataLoader* loader_ = nullptr;     // the loader feeding start_upload (host decode fallback)
   int64_t bad_images_ = 0;           // undecodable images this rank replaced so far

@@ -56,6 +56,12 @@ LoaderConfig Inputs::loader_config(bool train) const {
     c.real.device_accepts = [dec](int comps, bool prog, int sh, int sv) {
       return dec->accepts(comps, prog, sh, sv);
     };
+    if (resize_on_device_) {
+      const int S = run_.cfg.image, interp = decode_interp_;
+      c.real.device_resizes = [dec, S, interp](double w, double h) {
+        return dec->resizes(w, h, S, interp);
+      };
+    }
   }
   return c;
 }
@@ -64,25 +70,40 @@ LoaderConfig Inputs::loader_config(bool train) const {
 // dataset holds encoded images (only the stage holding the patch embedding reads images); it
 // takes data.device_share of them. auto decodes on the host: on an H100 nvJPEG's hardware
 // decode of the next batch waits for the running step's kernels (README, "Decoding"), and 16
-// loader threads per GPU keep ViT-B/16 fed.
+// loader threads per GPU keep ViT-B/16 fed. What the loader's threads decode is cropped,
+// resized and flipped on the device with data.resize = device, and auto where the backend
+// can (a GPU): the threads then only decode.
 void Inputs::setup_decoder() {
   const Deck& deck = run_.deck;
   const Dataset* ds = run_.train_ds ? run_.train_ds.get() : run_.eval_ds.get();
   if (!ds || !ds->encoded() || !run_.model->layout().embed) return;
   const int threads = loader_config(true).workers;
-  if (deck.data.decode != "device" || deck.data.device_share == 0.0) {
-    run_.log("data: JPEGs decoded on the host (libjpeg-turbo, %d loader threads)\n", threads);
+  const bool jpeg = deck.data.decode == "device" && deck.data.device_share > 0.0;
+  const bool resize = deck.data.resize != "host";
+  decode_interp_ = make_loader_config(deck, true, 0, 1, 1).real.interp;
+  if (jpeg || resize) decoder_ = run_.be->image_decoder(jpeg);
+  if (!decoder_) {
+    if (jpeg)
+      throw UserError(
+          "data.decode = device, but the " + run_.be->name() +
+          " backend has no JPEG decoder (data.decode = auto or host decodes on the host)");
+    if (deck.data.resize == "device")
+      throw UserError("data.resize = device, but the " + run_.be->name() +
+                      " backend does not resize images (data.resize = auto or host resizes on "
+                      "the host)");
+    run_.log("data: JPEGs decoded and resized on the host (libjpeg-turbo, %d loader threads)\n",
+             threads);
     return;
   }
-  decoder_ = run_.be->image_decoder();
-  decode_interp_ = make_loader_config(deck, true, 0, 1, 1).real.interp;
-  if (!decoder_)
-    throw UserError(
-        "data.decode = device, but the " + run_.be->name() +
-        " backend has no JPEG decoder (data.decode = auto or host decodes on the host)");
-  if (deck.data.device_share < 1.0)
-    run_.log("data: JPEGs decoded on the device (%g of them; the rest by %d loader threads): %s\n",
-             deck.data.device_share, threads, decoder_->describe().c_str());
+  resize_on_device_ = resize;
+  const char* where = resize ? "resized on the device" : "resized on the host";
+  if (!jpeg)
+    run_.log("data: JPEGs decoded on the host (libjpeg-turbo, %d loader threads), %s\n", threads,
+             where);
+  else if (deck.data.device_share < 1.0)
+    run_.log("data: JPEGs decoded on the device (%g of them; the rest by %d loader threads, %s): "
+             "%s\n",
+             deck.data.device_share, threads, where, decoder_->describe().c_str());
   else
     run_.log("data: JPEGs decoded on the device: %s\n", decoder_->describe().c_str());
 }

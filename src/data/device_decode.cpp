@@ -1,5 +1,6 @@
 // A batch's images through the device's JPEG decoder: the views it takes decoded there, the
-// images the loader decoded on the host copied there; views the device refuses after all
+// regions the loader decoded for it resized there, the images the loader decoded and resized
+// on the host copied there; views the device refuses after all
 // (bitstreams it cannot decode) are decoded on the host, their labels and soft targets
 // following a replacement.
 #include <algorithm>
@@ -29,6 +30,21 @@ void decode_batch_on_device(ImageDecoder& dec, const HostBatch& hb, int S, int i
     on_device[v.slot] = 1;
   }
   if (!jobs.empty()) dec.decode_async(jobs.data(), static_cast<int>(jobs.size()), S, interp, out_dev);
+  std::vector<HostRegion> regions(hb.regions.size());
+  for (size_t k = 0; k < regions.size(); ++k) {
+    const DecodedRegion& d = hb.regions[k];
+    HostRegion& g = regions[k];
+    g.pixels = hb.pixels[d.part].data() + d.offset;
+    g.x0 = d.x0, g.y0 = d.y0, g.w = d.w, g.h = d.h;
+    g.W = d.W, g.H = d.H;
+    g.bx0 = d.bx0, g.by0 = d.by0, g.bx1 = d.bx1, g.by1 = d.by1;
+    g.mode = d.mode;
+    g.flip = d.flip;
+    g.slot = d.slot;
+    on_device[d.slot] = 1;
+  }
+  if (!regions.empty())
+    dec.resize_async(regions.data(), static_cast<int>(regions.size()), S, interp, out_dev);
   std::vector<const uint8_t*> host;
   std::vector<int> slots;
   for (int j = 0; j < hb.count; ++j)

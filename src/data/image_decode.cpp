@@ -381,14 +381,31 @@ int dct_scale_denom(const Box& box, int S) {
   return 1;
 }
 
-void decode_crop_resize(const uint8_t* data, size_t size, const ImageInfo& info, Box box, int S,
-                        Interp interp, bool flip, bool dct_scale, uint8_t* out,
-                        DecodeScratch& scratch) {
+ResizeRegion decode_region(const uint8_t* data, size_t size, const ImageInfo& info, Box box, int S,
+                           Interp interp, bool dct_scale, DecodeScratch& scratch) {
+  ResizeRegion reg;
   if (info.format == ImageFormat::Png) {
     int w = 0, h = 0;
     decode_png(data, size, scratch.pixels, scratch.row, &w, &h);
-    resample(scratch.pixels.data(), w, h, w * 3, box, S, S, interp, flip, out, scratch.resample);
-    return;
+    const size_t stride = (size_t)w * 3;
+    int cx0 = 0, cy0 = 0;
+    reg.W = w, reg.H = h;
+    reg.box = box;
+    if (box.mode == BoxMode::CropThenResize) {
+      // Pillow's crop: the rounded box is the whole image the resize sees
+      cx0 = (int)std::nearbyint(box.x0), cy0 = (int)std::nearbyint(box.y0);
+      const int cx1 = (int)std::nearbyint(box.x1), cy1 = (int)std::nearbyint(box.y1);
+      if (cx0 < 0 || cy0 < 0 || cx1 > w || cy1 > h || cx1 <= cx0 || cy1 <= cy0)
+        throw std::invalid_argument("decode_region: crop box outside the image");
+      reg.W = cx1 - cx0, reg.H = cy1 - cy0;
+      reg.box = Box{0, 0, (double)reg.W, (double)reg.H, BoxMode::Pillow};
+    }
+    int fx1 = 0, fy1 = 0;
+    resample_footprint(reg.W, reg.H, reg.box, S, S, interp, &reg.x0, &reg.y0, &fx1, &fy1);
+    reg.w = fx1 - reg.x0, reg.h = fy1 - reg.y0;
+    reg.stride = stride;
+    reg.pixels = scratch.pixels.data() + (size_t)(cy0 + reg.y0) * stride + (size_t)(cx0 + reg.x0) * 3;
+    return reg;
   }
   if (info.format != ImageFormat::Jpeg) throw DecodeError("not an image");
   const int d = dct_scale ? dct_scale_denom(box, S) : 1;
@@ -417,12 +434,23 @@ void decode_crop_resize(const uint8_t* data, size_t size, const ImageInfo& info,
   }
   int fx0, fy0, fx1, fy1;
   resample_footprint(vw, vh, vbox, S, S, interp, &fx0, &fy0, &fx1, &fy1);
-  const int reg[4] = {vx + fx0, vy + fy0, vx + fx1, vy + fy1};
+  const int rg[4] = {vx + fx0, vy + fy0, vx + fx1, vy + fy1};
   JpegRows r;
-  decode_jpeg_rows(data, size, d, reg, scratch.pixels, scratch.row, r);
-  const uint8_t* part = scratch.pixels.data() + (size_t)(reg[0] - r.col0) * 3;
-  resample_part(part, (int)r.stride, fx0, fy0, fx1 - fx0, fy1 - fy0, vw, vh, vbox, S, S, interp,
-                flip, out, scratch.resample);
+  decode_jpeg_rows(data, size, d, rg, scratch.pixels, scratch.row, r);
+  reg.pixels = scratch.pixels.data() + (size_t)(rg[0] - r.col0) * 3;
+  reg.stride = r.stride;
+  reg.x0 = fx0, reg.y0 = fy0, reg.w = fx1 - fx0, reg.h = fy1 - fy0;
+  reg.W = vw, reg.H = vh;
+  reg.box = vbox;
+  return reg;
+}
+
+void decode_crop_resize(const uint8_t* data, size_t size, const ImageInfo& info, Box box, int S,
+                        Interp interp, bool flip, bool dct_scale, uint8_t* out,
+                        DecodeScratch& scratch) {
+  const ResizeRegion r = decode_region(data, size, info, box, S, interp, dct_scale, scratch);
+  resample_part(r.pixels, (int)r.stride, r.x0, r.y0, r.w, r.h, r.W, r.H, r.box, S, S, interp, flip,
+                out, scratch.resample);
 }
 
 }  // namespace vitgrid

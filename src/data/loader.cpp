@@ -128,12 +128,18 @@ void DataLoader::Impl::read_views(HostBatch& hb, const int64_t* idx, const Sampl
   struct Part {
     std::vector<uint8_t> encoded;
     std::vector<EncodedView> views;
+    std::vector<DecodedRegion> regions;
     int bad = 0;
     int error_at = -1;  // the sample whose error stopped this thread
     std::exception_ptr error;
   };
   std::vector<Part> parts(w);
   while ((int)scratch.size() < w) scratch.push_back(std::make_unique<ViewScratch>());
+  // each thread's region pixels go to a buffer of the batch's own (it keeps its capacity when
+  // the batch is reused: no allocation or first touch per batch)
+  const bool regions = static_cast<bool>(cfg.real.device_resizes);
+  if (regions && (int)hb.pixels.size() < w) hb.pixels.resize(w);
+  for (auto& px : hb.pixels) px.clear();
   std::atomic<int> next{0};
   auto work = [&](int t) {
     Part& part = parts[t];
@@ -146,6 +152,11 @@ void DataLoader::Impl::read_views(HostBatch& hb, const int64_t* idx, const Sampl
         to.out = hb.images.data() + j * img;
         to.encoded = &part.encoded;
         to.views = cfg.real.device_accepts ? &part.views : nullptr;
+        if (regions) {
+          to.part = t;
+          to.pixels = &hb.pixels[t];
+          to.regions = &part.regions;
+        }
         const bool flip = cfg.train && cfg.hflip && sampler->flip_at(pos);
         hb.labels[j] = cut_view(src, cfg.real, cfg.seed, cfg.train, flip, idx[j],
                                 cfg.train ? pos : idx[j], S, to, &part.bad, mine);
@@ -170,6 +181,7 @@ void DataLoader::Impl::read_views(HostBatch& hb, const int64_t* idx, const Sampl
   if (failed) std::rethrow_exception(failed->error);
   hb.encoded.clear();
   hb.views.clear();
+  hb.regions.clear();
   hb.bad = 0;
   for (Part& part : parts) {
     for (EncodedView v : part.views) {
@@ -177,10 +189,13 @@ void DataLoader::Impl::read_views(HostBatch& hb, const int64_t* idx, const Sampl
       hb.views.push_back(v);
     }
     hb.encoded.insert(hb.encoded.end(), part.encoded.begin(), part.encoded.end());
+    hb.regions.insert(hb.regions.end(), part.regions.begin(), part.regions.end());
     hb.bad += part.bad;
   }
   std::sort(hb.views.begin(), hb.views.end(),
             [](const EncodedView& a, const EncodedView& b) { return a.slot < b.slot; });
+  std::sort(hb.regions.begin(), hb.regions.end(),
+            [](const DecodedRegion& a, const DecodedRegion& b) { return a.slot < b.slot; });
 }
 
 // Mixup / CutMix: sample j is mixed with j ^ 1 (positions 2k and 2k+1: first_position and the

@@ -146,6 +146,10 @@ const std::vector<Field>& schema() {
       VG_FIELD(data, device_share, "",
                "data.decode = device: the share of each batch's JPEGs given to the GPU's decoder "
                "(0 to 1); the loader's threads decode the rest at the same time"),
+      VG_FIELD(data, resize, "auto|host|device",
+               "where the JPEGs the loader's threads decode are cropped, resized and flipped: "
+               "host = those threads; device = the GPU (Pillow's filter, the same pixels), the "
+               "threads then only decode; auto = device on GPUs"),
       // [optim]
       VG_FIELD(optim, name, "adamw|lamb|sgd", "optimizer"),
       VG_FIELD(optim, lr, "", "peak learning rate (> 0)"),

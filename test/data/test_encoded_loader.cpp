@@ -26,6 +26,7 @@
 #include "vitgrid/core/error.h"
 #include "vitgrid/data/dataset.h"
 #include "vitgrid/data/image_source.h"
+#include "vitgrid/data/image_transform.h"
 
 using vitgrid::DataLoader;
 using vitgrid::Dataset;
@@ -317,6 +318,22 @@ class HostFakeDecoder final : public vitgrid::ImageDecoder {
   void copy_async(const uint8_t* const* host, const int* slots, int n, int S, uint8_t* out) override {
     for (int k = 0; k < n; ++k) pending_.push_back({slots[k], S, out, host[k]});
   }
+  // boxes up to max_box_ pixels wide and high (the device's filter bound, made small)
+  bool resizes(double w, double h, int, int) const override { return w <= max_box_ && h <= max_box_; }
+  // the host's resample of each region (the CUDA kernels' reference), at once
+  void resize_async(const vitgrid::HostRegion* r, int n, int S, int interp, uint8_t* out) override {
+    for (int k = 0; k < n; ++k) {
+      const vitgrid::HostRegion& g = r[k];
+      EXPECT_LE(std::max(g.bx1 - g.bx0, g.by1 - g.by0), max_box_ + 1.0);
+      const vitgrid::Box box{g.bx0, g.by0, g.bx1, g.by1, static_cast<vitgrid::BoxMode>(g.mode)};
+      vitgrid::resample_part(g.pixels, g.w * 3, g.x0, g.y0, g.w, g.h, g.W, g.H, box, S, S,
+                             static_cast<vitgrid::Interp>(interp), g.flip != 0,
+                             out + (size_t)g.slot * S * S * 3, scratch_);
+      ++resized_;
+    }
+  }
+  double max_box_ = 1e9;
+  int resized_ = 0;
   std::vector<int> join() override {
     std::vector<int> refused;
     for (const Work& w : pending_) {
@@ -355,6 +372,7 @@ class HostFakeDecoder final : public vitgrid::ImageDecoder {
   const HostBatch*& batch_;
   std::vector<Work> pending_;
   int jobs_ = 0;
+  vitgrid::ResampleScratch scratch_;
 };
 
 }  // namespace
@@ -430,4 +448,71 @@ TEST_F(EncodedLoader, RefusedDeviceViewsEndAsTheHostLoadersBatch) {
   EXPECT_GT(host_replaced, 3);
   EXPECT_EQ(replaced, host_replaced);
   EXPECT_GT(relabelled, 0);       // at least one replacement came from another class
+}
+
+// data.resize = device: the loader's threads decode only the region each view's resize reads
+// (HostBatch::regions, their pixels in per-thread buffers), the "device" resamples it (here the
+// host's resample_part, which the CUDA kernels equal bit for bit: test/gpu/test_gpu_jpeg.cpp).
+// Train (RandomResizedCrop + flip, Mixup/CutMix) and eval (resize + centre crop) batches end as
+// the all-host loader's, with some views left to the device's decoder, some boxes too large for
+// the "device" resized on the host, and the truncated file replaced as the host replaces it.
+TEST_F(EncodedLoader, DeviceResizedRegionsEndAsTheHostLoadersBatch) {
+  for (const char* tree : {"tree", "bad"}) {
+    for (bool train : {true, false}) {
+      auto ds = open("folder", train, tree);
+      auto host_cfg = cfg(10, 1, 1, 0);
+      host_cfg.train = train;
+      host_cfg.real.dct_scale = false;
+      auto dev_cfg = host_cfg;
+      const HostBatch* current = nullptr;
+      DataLoader host(ds, host_cfg), fake_side(ds, dev_cfg);
+      HostFakeDecoder dec(fake_side, current);
+      dec.max_box_ = train ? 60 : 100;
+      dev_cfg.real.device_resizes = [&dec](double w, double h) { return dec.resizes(w, h, kS, 1); };
+      dev_cfg.real.device_accepts = [](int comps, bool progressive, int, int) {
+        return comps == 3 && !progressive;
+      };
+      dev_cfg.real.device_share = 0.25;
+      DataLoader dev(ds, dev_cfg);
+      int64_t regions = 0, views = 0, host_resized = 0, host_bad = 0, dev_bad = 0;
+      for (int s = 0; s < (train ? 9 : 2); ++s) {
+        auto h = host.next(), d = dev.next();
+        if (!h) {
+          EXPECT_FALSE(d);
+          break;
+        }
+        ASSERT_TRUE(d);
+        current = d.get();
+        host_bad += h->bad;
+        dev_bad += d->bad;
+        EXPECT_EQ(h->labels, d->labels);
+        EXPECT_EQ(h->soft, d->soft);
+        std::set<int> slots;
+        for (const auto& r : d->regions) {
+          EXPECT_TRUE(slots.insert(r.slot).second);
+          ASSERT_LT(r.part, (int)d->pixels.size());
+          ASSERT_LE(r.offset + (size_t)r.w * r.h * 3, d->pixels[r.part].size());
+        }
+        for (const auto& v : d->views) EXPECT_TRUE(slots.insert(v.slot).second);
+        regions += (int64_t)d->regions.size();
+        views += (int64_t)d->views.size();
+        host_resized += d->count - (int64_t)slots.size();
+        std::vector<uint8_t> out((size_t)d->count * kS * kS * 3, 0);
+        vitgrid::decode_batch_on_device(dec, *d, kS, 1, out.data());
+        int64_t replaced = 0;
+        vitgrid::finish_batch_on_device(dec, dev, *d, kS, kClasses, out.data(), &replaced,
+                                        [](const std::vector<int32_t>&, const std::vector<float>&) {});
+        for (int j = 0; j < d->count; ++j)
+          EXPECT_EQ(image_of(*h, j), std::string(out.begin() + j * kS * kS * 3,
+                                                 out.begin() + (j + 1) * kS * kS * 3))
+              << tree << (train ? " train" : " eval") << " step " << s << " slot " << j;
+      }
+      EXPECT_GT(regions, 0) << tree << train;
+      EXPECT_GT(host_resized, 0) << tree << train;  // boxes beyond max_box_
+      if (train) EXPECT_GT(views, 0) << tree;
+      EXPECT_EQ(dev_bad, host_bad) << tree << train;
+      if (std::string(tree) == "bad" && train) EXPECT_GT(host_bad, 0);
+      EXPECT_EQ(dec.resized_, regions);
+    }
+  }
 }

@@ -457,6 +457,92 @@ TEST_F(GpuJpeg, CopyAsync) {
     EXPECT_TRUE(std::equal(hosts[k].begin(), hosts[k].end(), h.begin() + slots[k] * img)) << k;
 }
 
+#ifdef VG_HAVE_CPU_IMAGE
+// resize_async: the regions the CPU path decodes (data/image_decode.h decode_region), cropped,
+// resized and flipped on the device, equal the CPU path's output (decode_crop_resize) bit for
+// bit: RandomResizedCrop boxes (CropThenResize, cut on the host), eval boxes (ResizeThenCrop),
+// the manifest's Pillow boxes, both filters, with and without the flip, every decodable file
+// (CMYK, progressive and PNG included: the host decodes them); through the nvJPEG decoder and
+// through one made for resizing alone, in one batch of many sizes.
+TEST_F(GpuJpeg, ResizeOfHostRegionsEqualsTheCpuPath) {
+  const std::string d = test_dir();
+  if (d.empty()) GTEST_SKIP() << "make_test_jpegs.py did not run";
+  const std::vector<Case> cases = load_cases(d);
+  cuda::NvjpegDecoderOptions ro;
+  ro.jpeg = false;
+  std::unique_ptr<ImageDecoder> resizer = cuda::make_nvjpeg_decoder(0, compute, ro);
+  ASSERT_TRUE(resizer);
+  EXPECT_FALSE(resizer->accepts(3, false, 2, 2));
+  EXPECT_TRUE(resizer->resizes(400, 300, 224, 1));
+  EXPECT_FALSE(resizer->resizes(40000, 300, 224, 1));
+  for (int S : {224, 96}) {
+    for (int interp : {0, 1}) {
+      std::vector<std::vector<uint8_t>> packed;
+      std::vector<HostRegion> regions;
+      std::vector<uint8_t> want;
+      const size_t img = size_t(S) * S * 3;
+      int64_t pos = 0;
+      for (const Case& c : cases) {
+        if (c.S != S || c.interp != interp) continue;
+        const uint8_t* p = reinterpret_cast<const uint8_t*>(c.data.data());
+        ImageInfo info;
+        try {
+          info = peek_image(p, c.data.size());
+        } catch (const DecodeError&) {
+          continue;
+        }
+        std::vector<Box> boxes = {Box{c.x0, c.y0, c.x1, c.y1, static_cast<BoxMode>(c.mode)},
+                                  eval_box(info.width, info.height, S, 0.875)};
+        for (int k = 0; k < 4; ++k)
+          boxes.push_back(rrc_box(7, pos++, info.width, info.height, 0.08, 1.0, 0.75, 4.0 / 3));
+        for (size_t bi = 0; bi < boxes.size(); ++bi) {
+          const bool flip = (bi + pos) % 2 == 1;
+          const Interp ip = interp ? Interp::Bicubic : Interp::Bilinear;
+          DecodeScratch scratch;
+          std::vector<uint8_t> cpu(img);
+          try {
+            decode_crop_resize(p, c.data.size(), info, boxes[bi], S, ip, flip, false, cpu.data(),
+                               scratch);
+          } catch (const DecodeError&) {
+            break;  // the truncated file: the host refuses it too
+          }
+          const ResizeRegion r = decode_region(p, c.data.size(), info, boxes[bi], S, ip, false, scratch);
+          std::vector<uint8_t> px(size_t(r.w) * r.h * 3);
+          for (int y = 0; y < r.h; ++y)
+            std::copy(r.pixels + y * r.stride, r.pixels + y * r.stride + size_t(r.w) * 3,
+                      px.begin() + size_t(y) * r.w * 3);
+          packed.push_back(std::move(px));
+          HostRegion g;
+          g.x0 = r.x0, g.y0 = r.y0, g.w = r.w, g.h = r.h, g.W = r.W, g.H = r.H;
+          g.bx0 = r.box.x0, g.by0 = r.box.y0, g.bx1 = r.box.x1, g.by1 = r.box.y1;
+          g.mode = static_cast<int>(r.box.mode);
+          g.flip = flip;
+          g.slot = static_cast<int>(regions.size());
+          regions.push_back(g);
+          want.insert(want.end(), cpu.begin(), cpu.end());
+        }
+      }
+      ASSERT_GT(regions.size(), 20u);
+      for (size_t k = 0; k < regions.size(); ++k) regions[k].pixels = packed[k].data();
+      for (ImageDecoder* dd : {dec.get(), resizer.get()}) {
+        uint8_t* out = dev(want.size());
+        dd->resize_async(regions.data(), int(regions.size()), S, interp, out);
+        EXPECT_TRUE(dd->join().empty());
+        CU(cudaStreamSynchronize(compute));
+        std::vector<uint8_t> got(want.size());
+        CU(cudaMemcpy(got.data(), out, got.size(), cudaMemcpyDeviceToHost));
+        for (size_t k = 0; k < regions.size(); ++k)
+          EXPECT_TRUE(std::equal(want.begin() + k * img, want.begin() + (k + 1) * img,
+                                 got.begin() + k * img))
+              << dd->describe() << ": region " << k << " (mode " << regions[k].mode << ", "
+              << regions[k].w << " x " << regions[k].h << " of " << regions[k].W << " x "
+              << regions[k].H << "), S " << S << ", interp " << interp;
+      }
+    }
+  }
+}
+#endif
+
 #ifndef VG_JPEG_STANDALONE  // (built without the backend: the decoder's files alone)
 // Through the backend: image_decoder() exists and joins the backend's stream.
 TEST_F(GpuJpeg, BackendDecoder) {
@@ -481,6 +567,12 @@ TEST_F(GpuJpeg, BackendDecoder) {
   be->copy_to_host(got.data(), out, bytes);  // on the backend's stream: after the join
   EXPECT_TRUE(got == want);
   be->release(out);
+  // a backend asked for resizing alone first has no JPEG decoder
+  std::unique_ptr<Backend> be2 = make_cuda_backend(0, DType::F32);
+  ImageDecoder* rd = be2->image_decoder(false);
+  ASSERT_NE(rd, nullptr);
+  EXPECT_FALSE(rd->accepts(3, false, 2, 2));
+  EXPECT_EQ(be2->image_decoder(false), rd);
 }
 #endif
 

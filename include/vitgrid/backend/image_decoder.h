@@ -1,8 +1,11 @@
 // Batched image decoding on the device (the CUDA backend: nvJPEG, with the hardware JPEG engine
 // where the GPU has one, A100/H100, else nvJPEG's hybrid/CUDA decoder), each image's crop box
 // resampled to S x S with Pillow's antialiased filter (data/image_transform.h: resample()) and
-// optionally mirrored, written as uint8 HWC into the device batch. Decoding, crop, resize and
-// flip of a batch run on the decoder's own stream so they overlap the previous step's compute.
+// optionally mirrored, written as uint8 HWC into the device batch; the same crop/resize/flip
+// of images the host decoded (resize_async: the loader's threads then only decode). Decoding,
+// crop, resize and flip of a batch run on the decoder's own stream so they overlap the
+// previous step's compute. A decoder made for resizing alone (Backend::image_decoder(false))
+// accepts no JPEG.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -20,6 +23,20 @@ struct DecodeJob {
   int slot = 0;  // output image index: out + slot * S * S * 3
 };
 
+// An image decoded on the host, for the device's crop/resize/flip (resize_async): the columns
+// [x0, x0 + w) and rows [y0, y0 + h) of the W x H RGB image the resize sees, packed (w * 3
+// bytes per row) at `pixels` in host memory; the box in that image (mode 0 Pillow or 2
+// ResizeThenCrop) as DecodeJob's.
+struct HostRegion {
+  const uint8_t* pixels = nullptr;
+  int x0 = 0, y0 = 0, w = 0, h = 0;
+  int W = 0, H = 0;
+  double bx0 = 0, by0 = 0, bx1 = 0, by1 = 0;
+  int mode = 0;
+  int flip = 0;
+  int slot = 0;
+};
+
 class ImageDecoder {
  public:
   virtual ~ImageDecoder() = default;
@@ -32,6 +49,14 @@ class ImageDecoder {
   // [*, S, S, 3] uint8), on the decoder's own thread and stream: the call returns at once. The
   // host bitstreams must stay untouched until join() has returned.
   virtual void decode_async(const DecodeJob* jobs, int n, int S, int interp,
+                            uint8_t* out_dev) = 0;
+  // Whether resize_async takes a source box of box_w x box_h pixels to S x S (the device's
+  // filter has a bound on its taps: downscales beyond ~50x are the host's).
+  virtual bool resizes(double box_w, double box_h, int S, int interp) const = 0;
+  // Enqueues the crop/resize/flip of host-decoded regions[0..n) into out_dev + slot * S * S * 3,
+  // after the work enqueued before, equal bit for bit to the host's (data/image_transform.h
+  // resample_part). The host pixels must stay untouched until join().
+  virtual void resize_async(const HostRegion* regions, int n, int S, int interp,
                             uint8_t* out_dev) = 0;
   // Enqueues copies of already decoded S x S x 3 images (host memory, e.g. the loader's host
   // decodes of the images the device does not take) to out_dev + slots[k] * S * S * 3 after the
@@ -50,7 +75,8 @@ class ImageDecoder {
   // do not wait, so the next batch is decoded into the other slot while this one computes.
   // Decoding itself never waits. The default does nothing (decoders that write at once).
   virtual void release_output(const uint8_t* out_dev) { (void)out_dev; }
-  // "nvJPEG hardware engine" / "nvJPEG hybrid (CUDA)": recorded in the run's outputs.
+  // "nvJPEG hardware engine" / "nvJPEG hybrid (CUDA)" / "resize only": recorded in the run's
+  // outputs.
   virtual std::string describe() const = 0;
 };
 

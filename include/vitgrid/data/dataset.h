@@ -70,6 +70,12 @@ struct RealImageConfig {
   // The share of the images the device is offered, by stream position (device_turn()): the
   // rest are decoded by the loader's threads while the device decodes its part.
   double device_share = 1.0;
+  // Whether the device resizes the host's decodes (data.resize = device): the loader's threads
+  // then only decode (the region each crop's resize reads: HostBatch::regions) and the device
+  // crops, resizes and flips, bit for bit as the host would. Given the source box's width and
+  // height in pixels: false for a box the device cannot take (a downscale beyond its filter
+  // bound), which the host resizes. Null: the host resizes everything.
+  std::function<bool(double box_w, double box_h)> device_resizes;
 };
 
 // Whether the sample at stream `position` is offered to the device's decoder: evenly spread
@@ -126,6 +132,21 @@ struct EncodedView {
   int64_t index = 0, position = 0;  // dataset index and stream position (for the CPU fallback)
 };
 
+// A sample decoded on the host, for the device's resize (RealImageConfig::device_resizes): the
+// columns [x0, x0 + w) and rows [y0, y0 + h) of the W x H image its resize sees, packed RGB
+// (w * 3 bytes per row) at HostBatch::pixels[part][offset...], and the box in that image
+// (data/image_transform.h BoxMode Pillow or ResizeThenCrop; data/image_decode.h ResizeRegion).
+struct DecodedRegion {
+  int slot = 0;  // index in the batch
+  int part = 0;
+  size_t offset = 0;
+  int x0 = 0, y0 = 0, w = 0, h = 0;
+  int W = 0, H = 0;
+  double bx0 = 0, by0 = 0, bx1 = 0, by1 = 0;
+  int mode = 0;
+  int flip = 0;
+};
+
 // One micro-batch on the host, ready to copy to the device.
 struct HostBatch {
   int64_t step = 0;
@@ -138,6 +159,10 @@ struct HostBatch {
   std::vector<float> soft;         // mixed soft targets [count, K] (empty without mixing)
   std::vector<uint8_t> encoded;    // bitstreams of `views`, back to back
   std::vector<EncodedView> views;  // samples for the device's decoder (empty: all decoded)
+  // samples decoded on the host for the device's resize, by slot; their pixels, one buffer per
+  // loader thread (kept with the batch's storage when the loader reuses it)
+  std::vector<DecodedRegion> regions;
+  std::vector<std::vector<uint8_t>> pixels;
   int bad = 0;                     // undecodable samples replaced in this batch
 };
 
@@ -208,7 +233,8 @@ class DataLoader {
 };
 
 // A batch's images through the device's JPEG decoder (backend/image_decoder.h) into out_dev
-// ([count, S, S, 3] uint8): its views decoded there, the host-decoded images copied there.
+// ([count, S, S, 3] uint8): its views decoded there, its regions resized there, the other
+// host-decoded images copied there.
 // Returns at once (the decoder works on its own thread and stream); the batch must stay alive
 // until finish_batch_on_device().
 void decode_batch_on_device(class ImageDecoder& dec, const HostBatch& hb, int S, int interp,

@@ -82,6 +82,24 @@ struct DecodeScratch {
 // exact path (measured in test/data/test_image_decode.cpp, DctScaleClose).
 int dct_scale_denom(const Box& box, int S);
 
+// What the resample of one sample reads, as decoded: the columns [x0, x0 + w) and rows
+// [y0, y0 + h) of a W x H RGB image (pixel (x0, y0) at `pixels`, rows `stride` bytes apart) and
+// the box in that image (BoxMode Pillow or ResizeThenCrop: a CropThenResize box is cut out
+// first, the cut being the image). resample_part() of it, or the device's resize
+// (backend/image_decoder.h HostRegion), gives decode_crop_resize()'s output.
+struct ResizeRegion {
+  const uint8_t* pixels = nullptr;
+  size_t stride = 0;
+  int x0 = 0, y0 = 0, w = 0, h = 0;
+  int W = 0, H = 0;
+  Box box;
+};
+
+// decode_crop_resize()'s decoding half: the region (pointing into scratch.pixels, valid until
+// the scratch is used again). Throws DecodeError as decode_image().
+ResizeRegion decode_region(const uint8_t* data, size_t size, const ImageInfo& info, Box box, int S,
+                           Interp interp, bool dct_scale, DecodeScratch& scratch);
+
 // The CPU path of one sample: decodes only the rows and columns of `data` that the resample of
 // `box` reads (a CropThenResize box itself; with the filter's support around it otherwise),
 // at 1/dct_scale_denom() when dct_scale, and writes the S x S RGB result (mirrored when flip) to

@@ -90,6 +90,7 @@ struct DataSection {
   bool dct_scale = true;        // CPU decoding: DCT-domain downscaling of crops >= 2x the output
   std::string decode = "auto";  // auto | host | device: where JPEGs are decoded
   double device_share = 1.0;    // with a device decoder: share of the JPEGs it is given
+  std::string resize = "auto";  // auto | host | device: where host-decoded JPEGs are resized
 };
 
 struct OptimSection {

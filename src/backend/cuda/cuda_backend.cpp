@@ -105,14 +105,20 @@ CudaBackend::~CudaBackend() {
   if (stream_) cudaStreamDestroy(stream_);
 }
 
-ImageDecoder* CudaBackend::image_decoder() {
+ImageDecoder* CudaBackend::image_decoder(bool jpeg) {
 #ifdef VITGRID_HAVE_NVJPEG
   if (!image_decoder_tried_) {
     image_decoder_tried_ = true;
+    image_decoder_jpeg_ = jpeg;
     cuda::NvjpegDecoderOptions o;
+    o.jpeg = jpeg;
     o.count_memory = [this](int64_t bytes) { count_memory(bytes); };
     image_decoder_ = cuda::make_nvjpeg_decoder(device_, stream_, o);
   }
+  VG_CHECK(!jpeg || image_decoder_jpeg_,
+           "image_decoder(): made for resizing alone, then asked for a JPEG decoder");
+#else
+  (void)jpeg;
 #endif
   return image_decoder_.get();
 }

@@ -155,7 +155,7 @@ class CudaBackend final : public Backend {
   size_t attention_alignment() const override { return 16; }  // cuDNN's tensors
 
   // nvJPEG + the resize kernels (nvjpeg_decoder.cpp), made on first use; null without nvJPEG
-  ImageDecoder* image_decoder() override;
+  ImageDecoder* image_decoder(bool jpeg = true) override;
 
   // out[c] = the sum of the `parts` consecutive blocks in[parts * c], in block order, on
   // stream st (the copy-engine reduce-scatter's local step)
@@ -341,6 +341,7 @@ class CudaBackend final : public Backend {
   mutable std::unique_ptr<cuda::CudnnAttention, cuda::CudnnAttentionDelete> cudnn_attention_;
   std::unique_ptr<ImageDecoder> image_decoder_;
   bool image_decoder_tried_ = false;
+  bool image_decoder_jpeg_ = false;  // made with nvJPEG
 };
 
 }  // namespace vitgrid

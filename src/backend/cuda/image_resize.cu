@@ -55,13 +55,13 @@ __global__ void resize_horizontal_kernel(const ResizeJob* __restrict__ jobs, int
   const uint8_t* b_plane = j.gray ? j.src : j.src + 2 * j.plane;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
     const int r = i / S, x = i - r * S;
-    const size_t row = static_cast<size_t>(y_first + r) * j.pitch;
+    const ptrdiff_t row = static_cast<ptrdiff_t>(y_first + r - j.org_y) * j.pitch;
     const int n = count[x];
-    const int x0 = first[x];
+    const int x0 = first[x] - j.org_x;
     int32_t s0 = kResampleHalf, s1 = kResampleHalf, s2 = kResampleHalf;
     for (int t = 0; t < n; ++t) {
       const int32_t w = kw[t * S + x];
-      const size_t o = row + x0 + t;
+      const ptrdiff_t o = row + static_cast<ptrdiff_t>(x0 + t) * j.step;
       s0 += static_cast<int32_t>(r_plane[o]) * w;
       s1 += static_cast<int32_t>(g_plane[o]) * w;
       s2 += static_cast<int32_t>(b_plane[o]) * w;

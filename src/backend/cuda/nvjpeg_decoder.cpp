@@ -116,6 +116,11 @@ class NvjpegDecoder final : public ImageDecoder {
   // False (and a line on stderr) when no nvJPEG backend can be created on this device.
   bool init() {
     CUDA_CHECK(cudaSetDevice(device_));
+    if (!opts_.jpeg) {
+      CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      for (Slot& s : slots_) CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
+      return true;
+    }
     const unsigned flags_pref = opts_.interpolate_chroma ? NVJPEG_FLAGS_UPSAMPLING_WITH_INTERPOLATION
                                                          : NVJPEG_FLAGS_DEFAULT;
     std::vector<nvjpegBackend_t> order;
@@ -181,7 +186,7 @@ class NvjpegDecoder final : public ImageDecoder {
   }
 
   bool accepts(int components, bool progressive, int sub_h, int sub_v) const override {
-    if (progressive) return false;
+    if (!handle_ || progressive) return false;
     if (components == 1) return true;
     if (components != 3) return false;  // CMYK / YCCK: not in nvjpegDecodeBatched's reach
     const bool plain = (sub_h == 1 || sub_h == 2) && (sub_v == 1 || sub_v == 2);
@@ -196,6 +201,10 @@ class NvjpegDecoder final : public ImageDecoder {
              "decode_async: n " << n << ", S " << S << ", interp " << interp);
     std::vector<int> refused;
     if (n == 0) return refused;
+    if (!handle_) {  // resizing alone: every JPEG is the host's
+      for (int i = 0; i < n; ++i) refused.push_back(i);
+      return refused;
+    }
     // ---- headers: what nvJPEG takes, and each image's size
     acc_.clear();
     for (int i = 0; i < n; ++i) {
@@ -241,15 +250,7 @@ class NvjpegDecoder final : public ImageDecoder {
       r.plane = static_cast<size_t>(a.W) * a.H;
       r.pitch = a.W;
       r.src = base + static_cast<size_t>(a.cy) * a.W + a.cx;
-      r.W = a.cw;
-      r.H = a.ch;
-      r.x0 = a.bx0, r.y0 = a.by0, r.x1 = a.bx1, r.y1 = a.by1;
-      r.rx = a.rx, r.ry = a.ry, r.ox = a.ox, r.oy = a.oy;
-      r.tmp = tmp_ + a.tmp_off;
-      r.tmp_rows = a.tmp_rows;
-      r.dst = out_dev + static_cast<size_t>(jb.slot) * S * S * 3;
-      r.gray = a.gray;
-      r.flip = jb.flip ? 1 : 0;
+      fill_resize_job(a, S, jb.slot, jb.flip, out_dev, &r);
     }
     CUDA_CHECK(cudaMemcpyAsync(jobs_dev_, slot.jobs_host, m * sizeof(ResizeJob),
                                cudaMemcpyHostToDevice, stream_));
@@ -258,6 +259,77 @@ class NvjpegDecoder final : public ImageDecoder {
     finish(slot);
     std::sort(refused.begin(), refused.end());
     return refused;
+  }
+
+  bool resizes(double box_w, double box_h, int S, int interp) const override {
+    if (!(box_w > 0 && box_h > 0) || S <= 0) return false;
+    // the taps of one output: the box's extent over S per axis (Pillow's ksize, + 2), with
+    // room for the whole-axis resize of a ResizeThenCrop box
+    const int kh = resize_taps_bound(interp, 0, 0.0f, static_cast<float>(box_w), S);
+    const int kv = resize_taps_bound(interp, 0, 0.0f, static_cast<float>(box_h), S);
+    return std::max(kh, kv) + 2 <= kMaxTaps;
+  }
+
+  // The work of one resize_async, on the worker thread: the regions go through the slot's
+  // pinned staging into its device buffer in one copy, then the resize kernels.
+  void run_resize(const HostRegion* regs, int n, int S, int interp, uint8_t* out_dev) {
+    VG_CHECK(n >= 0 && S > 0 && (interp == 0 || interp == 1) && (n == 0 || out_dev),
+             "resize_async: n " << n << ", S " << S << ", interp " << interp);
+    if (n == 0) return;
+    acc_.clear();
+    size_t dec_need = 0, tmp_need = 0;
+    int kcap_h = 1, kcap_v = 1, max_rows = 1;
+    for (int i = 0; i < n; ++i) {
+      const HostRegion& g = regs[i];
+      Accepted a;
+      a.job = i;
+      a.W = g.W, a.H = g.H;
+      VG_CHECK(g.pixels && g.w > 0 && g.h > 0 && g.x0 >= 0 && g.y0 >= 0 && g.x0 + g.w <= g.W &&
+                   g.y0 + g.h <= g.H && geometry(g.mode, g.bx0, g.by0, g.bx1, g.by1, S, interp, &a),
+               "resize_async: region " << i << " (" << g.w << " x " << g.h << " at " << g.x0 << ", "
+                                       << g.y0 << " of " << g.W << " x " << g.H << ", mode "
+                                       << g.mode << ") is not one the device resizes");
+      a.dec_off = dec_need;
+      dec_need += align_up(static_cast<size_t>(g.w) * g.h * 3);
+      a.tmp_off = tmp_need;
+      tmp_need += align_up(static_cast<size_t>(a.tmp_rows) * S * 3);
+      kcap_h = std::max(kcap_h, a.kh);
+      kcap_v = std::max(kcap_v, a.kv);
+      max_rows = std::max(max_rows, a.tmp_rows);
+      acc_.push_back(a);
+    }
+    Slot& slot = next_slot();
+    if (slot.staging_bytes < dec_need) {
+      if (slot.staging) CUDA_CHECK(cudaFreeHost(slot.staging));
+      slot.staging_bytes = dec_need + dec_need / 4;
+      CUDA_CHECK(cudaMallocHost(&slot.staging, slot.staging_bytes));
+    }
+    for (const Accepted& a : acc_) {
+      const HostRegion& g = regs[a.job];
+      std::memcpy(slot.staging + a.dec_off, g.pixels, static_cast<size_t>(g.w) * g.h * 3);
+    }
+    grow(reinterpret_cast<void**>(&slot.decoded), &slot.decoded_cap, dec_need);
+    grow(reinterpret_cast<void**>(&tmp_), &tmp_cap_, tmp_need);
+    CUDA_CHECK(cudaMemcpyAsync(slot.decoded, slot.staging, dec_need, cudaMemcpyHostToDevice, stream_));
+    ensure_jobs(slot, n);
+    for (int k = 0; k < n; ++k) {
+      const Accepted& a = acc_[k];
+      const HostRegion& g = regs[a.job];
+      ResizeJob& r = slot.jobs_host[k];
+      r = ResizeJob{};
+      r.src = slot.decoded + a.dec_off;
+      r.pitch = g.w * 3;
+      r.step = 3;
+      r.plane = 1;
+      r.org_x = g.x0 - a.cx;
+      r.org_y = g.y0 - a.cy;
+      fill_resize_job(a, S, g.slot, g.flip, out_dev, &r);
+    }
+    CUDA_CHECK(cudaMemcpyAsync(jobs_dev_, slot.jobs_host, n * sizeof(ResizeJob),
+                               cudaMemcpyHostToDevice, stream_));
+    wait_release(out_dev);
+    launch_resize(jobs_dev_, n, S, interp, kcap_h, kcap_v, max_rows, stream_);
+    finish(slot);
   }
 
   // The work of one copy_async, on the worker thread.
@@ -302,6 +374,17 @@ class NvjpegDecoder final : public ImageDecoder {
     });
   }
 
+  void resize_async(const HostRegion* regions, int n, int S, int interp,
+                    uint8_t* out_dev) override {
+    VG_CHECK(n >= 0 && S > 0 && (interp == 0 || interp == 1) && (n == 0 || out_dev),
+             "resize_async: n " << n << ", S " << S << ", interp " << interp);
+    if (n == 0) return;
+    std::vector<HostRegion> copy(regions, regions + n);
+    submit([this, copy, S, interp, out_dev] {
+      run_resize(copy.data(), static_cast<int>(copy.size()), S, interp, out_dev);
+    });
+  }
+
   void copy_async(const uint8_t* const* host_images, const int* slots, int n, int S,
                   uint8_t* out_dev) override {
     VG_CHECK(n >= 0 && S > 0, "copy_async: n " << n << ", S " << S);
@@ -342,6 +425,7 @@ class NvjpegDecoder final : public ImageDecoder {
   }
 
   std::string describe() const override {
+    if (!handle_) return "Pillow resize on the GPU (no JPEG decoder)";
     std::ostringstream os;
     switch (backend_) {
       case NVJPEG_BACKEND_HARDWARE:
@@ -486,29 +570,35 @@ class NvjpegDecoder final : public ImageDecoder {
     a->H = static_cast<int>(h);
     a->gray = comps == 1;
     a->css = static_cast<int>(css);
-    // geometry (data/image_transform.cpp, per BoxMode): CropThenResize cuts the rounded box
-    // out; ResizeThenCrop keeps the window [off, off + S) of the whole axis resized to r
+    return geometry(jb.mode, jb.x0, jb.y0, jb.x1, jb.y1, S, interp, a);
+  }
+
+  // The resize of box (x0, y0, x1, y1) of mode `mode` of the a->W x a->H image (data/
+  // image_transform.cpp, per BoxMode): CropThenResize cuts the rounded box out; ResizeThenCrop
+  // keeps the window [off, off + S) of the whole axis resized to r. False: refused.
+  static bool geometry(int mode, double x0, double y0, double x1, double y1, int S, int interp,
+                       Accepted* a) {
     a->cx = 0, a->cy = 0, a->cw = a->W, a->ch = a->H;
     a->rx = S, a->ry = S, a->ox = 0, a->oy = 0;
-    if (jb.mode == 1) {
-      const int x0 = static_cast<int>(std::nearbyint(jb.x0)), y0 = static_cast<int>(std::nearbyint(jb.y0));
-      const int x1 = static_cast<int>(std::nearbyint(jb.x1)), y1 = static_cast<int>(std::nearbyint(jb.y1));
-      if (x0 < 0 || y0 < 0 || x1 > a->W || y1 > a->H || x1 <= x0 || y1 <= y0) return false;
-      a->cx = x0, a->cy = y0, a->cw = x1 - x0, a->ch = y1 - y0;
+    if (mode == 1) {
+      const int cx0 = static_cast<int>(std::nearbyint(x0)), cy0 = static_cast<int>(std::nearbyint(y0));
+      const int cx1 = static_cast<int>(std::nearbyint(x1)), cy1 = static_cast<int>(std::nearbyint(y1));
+      if (cx0 < 0 || cy0 < 0 || cx1 > a->W || cy1 > a->H || cx1 <= cx0 || cy1 <= cy0) return false;
+      a->cx = cx0, a->cy = cy0, a->cw = cx1 - cx0, a->ch = cy1 - cy0;
       a->bx0 = 0, a->by0 = 0, a->bx1 = static_cast<float>(a->cw), a->by1 = static_cast<float>(a->ch);
-    } else if (jb.mode == 2) {
+    } else if (mode == 2) {
       auto window = [S](int in_size, double b0, double b1, int* r, int* off) {
         if (!(b1 > b0)) return false;
         *r = static_cast<int>(std::nearbyint(in_size * static_cast<double>(S) / (b1 - b0)));
         *off = static_cast<int>(std::nearbyint(b0 * *r / in_size));
         return *r >= S && *off >= 0 && *off + S <= *r;
       };
-      if (!window(a->W, jb.x0, jb.x1, &a->rx, &a->ox) || !window(a->H, jb.y0, jb.y1, &a->ry, &a->oy))
+      if (!window(a->W, x0, x1, &a->rx, &a->ox) || !window(a->H, y0, y1, &a->ry, &a->oy))
         return false;
       a->bx0 = 0, a->by0 = 0, a->bx1 = static_cast<float>(a->W), a->by1 = static_cast<float>(a->H);
-    } else if (jb.mode == 0) {
-      a->bx0 = static_cast<float>(jb.x0), a->by0 = static_cast<float>(jb.y0);
-      a->bx1 = static_cast<float>(jb.x1), a->by1 = static_cast<float>(jb.y1);
+    } else if (mode == 0) {
+      a->bx0 = static_cast<float>(x0), a->by0 = static_cast<float>(y0);
+      a->bx1 = static_cast<float>(x1), a->by1 = static_cast<float>(y1);
       if (!(a->bx0 >= 0 && a->by0 >= 0 && a->bx1 <= a->W && a->by1 <= a->H && a->bx1 > a->bx0 &&
             a->by1 > a->by0))
         return false;
@@ -521,6 +611,20 @@ class NvjpegDecoder final : public ImageDecoder {
     a->tmp_rows = static_cast<int>(
         resize_tmp_rows_bound(interp, a->ch, a->by0, a->by1, a->ry, a->oy, S));
     return true;
+  }
+
+  // The geometry, buffers and output of one image's ResizeJob (its source already set).
+  void fill_resize_job(const Accepted& a, int S, int slot, int flip, uint8_t* out_dev,
+                       ResizeJob* r) const {
+    r->W = a.cw;
+    r->H = a.ch;
+    r->x0 = a.bx0, r->y0 = a.by0, r->x1 = a.bx1, r->y1 = a.by1;
+    r->rx = a.rx, r->ry = a.ry, r->ox = a.ox, r->oy = a.oy;
+    r->tmp = tmp_ + a.tmp_off;
+    r->tmp_rows = a.tmp_rows;
+    r->dst = out_dev + static_cast<size_t>(slot) * S * S * 3;
+    r->gray = a.gray;
+    r->flip = flip ? 1 : 0;
   }
 
   // nvjpegDecodeBatched of acc_ into slot.decoded; images it fails on are moved to *refused.

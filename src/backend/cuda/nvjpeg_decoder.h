@@ -16,11 +16,16 @@ namespace cuda {
 
 // One image of a batch for the resize kernels (device copy, one per accepted job).
 struct ResizeJob {
-  const uint8_t* src = nullptr;  // decoded planar RGB: channel c at src + c * plane
+  // the decoded pixels: channel c of pixel (x, y) of the W x H image the resize sees at
+  // src + (y - org_y) * pitch + (x - org_x) * step + c * plane (nvJPEG's planar RGB: step 1,
+  // plane W * H; a host region, packed RGB: step 3, plane 1, org its first pixel)
+  const uint8_t* src = nullptr;
   uint8_t* tmp = nullptr;        // the horizontal pass's rows: [tmp_rows][S][3]
   uint8_t* dst = nullptr;        // the output image: [S][S][3]
   size_t plane = 0;              // bytes between channel planes
-  int pitch = 0;                 // bytes between rows of a plane
+  int pitch = 0;                 // bytes between rows
+  int step = 1;                  // bytes between pixels of a row
+  int org_x = 0, org_y = 0;
   int W = 0, H = 0;
   int tmp_rows = 0;              // rows allocated at tmp (>= the rows the vertical pass reads)
   int gray = 0;                  // one plane: R = G = B = plane 0
@@ -39,6 +44,9 @@ size_t resize_tmp_rows_bound(int interp, int H, float y0, float y1, int ry, int 
 int resize_taps_bound(int interp, int in_size, float in0, float in1, int r);
 
 struct NvjpegDecoderOptions {
+  // false: no nvJPEG at all, the crop/resize/flip of host decodes (resize_async) and copies
+  // alone; accepts() takes nothing.
+  bool jpeg = true;
   // Try nvJPEG's hardware backend first (else GPU_HYBRID, else DEFAULT).
   bool prefer_hardware = true;
   // NVJPEG_FLAGS_UPSAMPLING_WITH_INTERPOLATION: chroma upsampled by interpolation (closer to

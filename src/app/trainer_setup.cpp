@@ -36,17 +36,6 @@ FusedGeluMode fused_gelu_mode_of(const std::string& v) {
   if (v == "on") return FusedGeluMode::On;
   return FusedGeluMode::Auto;
 }
-
-// device.host_wait: auto blocks where the loader's threads decode JPEGs (an encoded source not
-// wholly given to the device's decoder), whose cores a spinning wait would take (on 4 x H100
-// with 16 cores per GPU, ViT-B/32 from JPEG: tools/MEASURED.md, "H100: real images").
-bool host_wait_blocks(const Deck& deck) {
-  if (deck.device.host_wait != "auto") return deck.device.host_wait == "block";
-  const std::string& ds = deck.data.dataset;
-  const bool encoded = ds == "tfrecord" || ds == "folder" || ds == "jpeg_h5";
-  const bool all_on_device = deck.data.decode == "device" && deck.data.device_share >= 1.0;
-  return encoded && !all_on_device;
-}
 }  // namespace
 
 Run::~Run() {
@@ -116,7 +105,6 @@ void Run::setup(bool training) {
     bo.fused_gelu_forward_config = deck.device.fused_gelu_forward_config;
     bo.fused_gelu_backward_config = deck.device.fused_gelu_backward_config;
     bo.tuning_log = deck.device.tuning_log;
-    bo.host_wait_block = host_wait_blocks(deck);
     be = make_backend(kind, grid->local_rank(), act_dtype_of(deck.precision.mode), bo);
   });
 #ifdef VITGRID_HAVE_CUDA

@@ -285,10 +285,6 @@ const std::vector<Field>& schema() {
       VG_FIELD(device, nccl_blocking, "",
                "every NCCL call waits for completion on the host (debugging; normally calls return "
                "once enqueued and a watchdog thread follows them)"),
-      VG_FIELD(device, host_wait, "auto|spin|block",
-               "how a host thread waits for the GPU: spin (the least latency, a core kept busy), "
-               "block (the thread sleeps: its core decodes JPEGs meanwhile); auto = block when "
-               "the loader's threads decode JPEGs, else spin"),
   };
   return fields;
 }

@@ -550,7 +550,6 @@ struct BackendOptions {
   int fused_gelu_forward_config = -1;   // device.fused_gelu_forward_config (-1: chosen)
   int fused_gelu_backward_config = -1;  // device.fused_gelu_backward_config (-1: chosen)
   bool tuning_log = false;              // device.tuning_log: each tuned choice to stderr
-  bool host_wait_block = false;         // device.host_wait = block: waiting threads sleep
 };
 
 // Factory: "cpu" always; "cuda" when built with CUDA (throws UserError otherwise).

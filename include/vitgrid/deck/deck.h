@@ -155,7 +155,6 @@ struct DeviceSection {
   int fused_gelu_backward_config = -1;
   bool tuning_log = false;       // each tuned GEMM / fused-GELU choice to stderr
   bool nccl_blocking = false;    // every NCCL call waits on the host (debugging)
-  std::string host_wait = "auto";  // auto | spin | block: how host threads wait for the GPU
 };
 
 struct Deck {

@@ -58,10 +58,6 @@ CudaBackend::CudaBackend(int device, DType act, const BackendOptions& opts)
       deterministic_(opts.deterministic),
       attention_mode_(checked_attention_mode(opts.attention)) {
   CUDA_CHECK(cudaSetDevice(device_));
-  // device.host_wait: a host thread waiting for the device (a stream or event synchronisation,
-  // a blocking copy) sleeps instead of spinning; the flags are the device's, for every thread
-  CUDA_CHECK(cudaSetDeviceFlags(opts.host_wait_block ? cudaDeviceScheduleBlockingSync
-                                                     : cudaDeviceScheduleSpin));
   CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
   set_fused_gelu(opts);
   // A non-blocking stream: no implicit serialisation with the legacy default stream, which

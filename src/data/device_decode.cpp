@@ -35,6 +35,7 @@ void decode_batch_on_device(ImageDecoder& dec, const HostBatch& hb, int S, int i
     const DecodedRegion& d = hb.regions[k];
     HostRegion& g = regions[k];
     g.pixels = hb.pixels[d.part].data() + d.offset;
+    g.stride = d.stride;
     g.x0 = d.x0, g.y0 = d.y0, g.w = d.w, g.h = d.h;
     g.W = d.W, g.H = d.H;
     g.bx0 = d.bx0, g.by0 = d.by0, g.bx1 = d.bx1, g.by1 = d.by1;

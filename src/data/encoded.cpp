@@ -116,21 +116,17 @@ int32_t cut_view(const ImageSource& src, const RealImageConfig& cfg, uint64_t se
       } else if (to.regions && cfg.device_resizes &&
                  cfg.device_resizes(box.x1 - box.x0, box.y1 - box.y0)) {
         const ResizeRegion r = decode_region(p, size, info, box, S, static_cast<Interp>(cfg.interp),
-                                             cfg.dct_scale, scratch.decode);
+                                             cfg.dct_scale, scratch.decode, to.pixels);
         DecodedRegion d;
         d.slot = to.slot;
         d.part = to.part;
-        d.offset = to.pixels->size();
+        d.offset = r.offset;
+        d.stride = r.stride;
         d.x0 = r.x0, d.y0 = r.y0, d.w = r.w, d.h = r.h;
         d.W = r.W, d.H = r.H;
         d.bx0 = r.box.x0, d.by0 = r.box.y0, d.bx1 = r.box.x1, d.by1 = r.box.y1;
         d.mode = static_cast<int>(r.box.mode);
         d.flip = flip ? 1 : 0;
-        const size_t row = static_cast<size_t>(r.w) * 3;
-        for (int y = 0; y < r.h; ++y) {
-          const uint8_t* src = r.pixels + static_cast<size_t>(y) * r.stride;
-          to.pixels->insert(to.pixels->end(), src, src + row);
-        }
         to.regions->push_back(d);
       } else {
         decode_crop_resize(p, size, info, box, S, static_cast<Interp>(cfg.interp), flip,

@@ -161,8 +161,10 @@ struct JpegRows {
 
 // Decodes rows [y0, y1) and at least columns [x0, x1) of the image scaled by 1/d (region in
 // scaled pixels; null: everything) to RGB in buf. Throws DecodeError.
-void decode_jpeg_rows(const uint8_t* data, size_t size, int d, const int* region,
-                      std::vector<uint8_t>& buf, std::vector<uint8_t>& rowbuf, JpegRows& r) {
+// Rows go to buf from byte `at` (buf grows to hold them; on an error it is cut back to `at`).
+template <class Buf>
+void decode_jpeg_rows(const uint8_t* data, size_t size, int d, const int* region, Buf& buf,
+                      std::vector<uint8_t>& rowbuf, JpegRows& r, size_t at = 0) {
   jpeg_decompress_struct cinfo;
   JpegError err;
   cinfo.err = jpeg_std_error(&err.pub);
@@ -173,6 +175,7 @@ void decode_jpeg_rows(const uint8_t* data, size_t size, int d, const int* region
   // Nothing with a destructor lives between setjmp and the libjpeg calls that may jump back.
   if (setjmp(err.jump)) {
     jpeg_destroy_decompress(&cinfo);
+    if (buf.size() > at) buf.resize(at);
     throw DecodeError(std::string("JPEG: ") + err.message);
   }
   jpeg_create_decompress(&cinfo);
@@ -215,7 +218,7 @@ void decode_jpeg_rows(const uint8_t* data, size_t size, int d, const int* region
   r.row0 = y0;
   r.row1 = y1;
   r.stride = (size_t)cinfo.output_width * 3;
-  buf.resize(r.stride * (size_t)(y1 - y0));
+  buf.resize(at + r.stride * (size_t)(y1 - y0));
   if (cmyk) rowbuf.resize((size_t)cinfo.output_width * ncomp);
   if (y0 > 0) jpeg_skip_scanlines(&cinfo, (JDIMENSION)y0);
   while ((int)cinfo.output_scanline < y1) {
@@ -223,11 +226,11 @@ void decode_jpeg_rows(const uint8_t* data, size_t size, int d, const int* region
     if (cmyk) {
       JSAMPROW row = rowbuf.data();
       jpeg_read_scanlines(&cinfo, &row, 1);
-      cmyk_to_rgb(rowbuf.data(), (int)cinfo.output_width, buf.data() + (size_t)(y - y0) * r.stride);
+      cmyk_to_rgb(rowbuf.data(), (int)cinfo.output_width, buf.data() + at + (size_t)(y - y0) * r.stride);
     } else {
       JSAMPROW rows[16];
       const int n = std::min(16, y1 - y);
-      for (int i = 0; i < n; i++) rows[i] = buf.data() + (size_t)(y - y0 + i) * r.stride;
+      for (int i = 0; i < n; i++) rows[i] = buf.data() + at + (size_t)(y - y0 + i) * r.stride;
       jpeg_read_scanlines(&cinfo, rows, (JDIMENSION)n);
     }
   }
@@ -272,7 +275,8 @@ void png_read_mem(png_structp png, png_bytep out, png_size_t n) {
 
 void png_warn(png_structp, png_const_charp) {}
 
-void decode_png(const uint8_t* data, size_t size, std::vector<uint8_t>& rgb,
+template <class Buf>
+void decode_png(const uint8_t* data, size_t size, Buf& rgb,
                 std::vector<uint8_t>& rowbuf, int* width, int* height) {
   char message[200] = "corrupt PNG";
   PngInput in{data, size, 0};
@@ -382,7 +386,7 @@ int dct_scale_denom(const Box& box, int S) {
 }
 
 ResizeRegion decode_region(const uint8_t* data, size_t size, const ImageInfo& info, Box box, int S,
-                           Interp interp, bool dct_scale, DecodeScratch& scratch) {
+                           Interp interp, bool dct_scale, DecodeScratch& scratch, PixelBuffer* into) {
   ResizeRegion reg;
   if (info.format == ImageFormat::Png) {
     int w = 0, h = 0;
@@ -405,6 +409,15 @@ ResizeRegion decode_region(const uint8_t* data, size_t size, const ImageInfo& in
     reg.w = fx1 - reg.x0, reg.h = fy1 - reg.y0;
     reg.stride = stride;
     reg.pixels = scratch.pixels.data() + (size_t)(cy0 + reg.y0) * stride + (size_t)(cx0 + reg.x0) * 3;
+    if (into) {  // packed rows
+      const size_t row = (size_t)reg.w * 3;
+      reg.offset = into->size();
+      into->resize(reg.offset + row * reg.h);
+      for (int y = 0; y < reg.h; ++y)
+        std::memcpy(into->data() + reg.offset + y * row, reg.pixels + y * stride, row);
+      reg.stride = row;
+      reg.pixels = into->data() + reg.offset;
+    }
     return reg;
   }
   if (info.format != ImageFormat::Jpeg) throw DecodeError("not an image");
@@ -436,8 +449,15 @@ ResizeRegion decode_region(const uint8_t* data, size_t size, const ImageInfo& in
   resample_footprint(vw, vh, vbox, S, S, interp, &fx0, &fy0, &fx1, &fy1);
   const int rg[4] = {vx + fx0, vy + fy0, vx + fx1, vy + fy1};
   JpegRows r;
-  decode_jpeg_rows(data, size, d, rg, scratch.pixels, scratch.row, r);
-  reg.pixels = scratch.pixels.data() + (size_t)(rg[0] - r.col0) * 3;
+  if (into) {  // the rows straight into *into
+    const size_t at = into->size();
+    decode_jpeg_rows(data, size, d, rg, *into, scratch.row, r, at);
+    reg.offset = at + (size_t)(rg[0] - r.col0) * 3;
+    reg.pixels = into->data() + reg.offset;
+  } else {
+    decode_jpeg_rows(data, size, d, rg, scratch.pixels, scratch.row, r);
+    reg.pixels = scratch.pixels.data() + (size_t)(rg[0] - r.col0) * 3;
+  }
   reg.stride = r.stride;
   reg.x0 = fx0, reg.y0 = fy0, reg.w = fx1 - fx0, reg.h = fy1 - fy0;
   reg.W = vw, reg.H = vh;

@@ -19,15 +19,15 @@ struct ViewScratch {
 // takes the image (cfg.device_accepts) and `views` is given, left for the device: its bytes are
 // appended to *encoded and a view with `slot` to *views (out untouched); or, when the device
 // resizes it (cfg.device_resizes) and `regions` is given, decoded on the host and left for the
-// device's resize: the region's pixels appended to *pixels, a region of part `part` with
-// `slot` to *regions (out untouched).
+// device's resize: the region's rows decoded at the end of *pixels, a region of part `part`
+// with `slot` to *regions (out untouched).
 struct ViewTarget {
   int slot = 0;
   uint8_t* out = nullptr;
   std::vector<uint8_t>* encoded = nullptr;
   std::vector<EncodedView>* views = nullptr;
   int part = 0;
-  std::vector<uint8_t>* pixels = nullptr;
+  PixelBuffer* pixels = nullptr;
   std::vector<DecodedRegion>* regions = nullptr;
 };
 

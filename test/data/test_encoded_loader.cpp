@@ -326,7 +326,7 @@ class HostFakeDecoder final : public vitgrid::ImageDecoder {
       const vitgrid::HostRegion& g = r[k];
       EXPECT_LE(std::max(g.bx1 - g.bx0, g.by1 - g.by0), max_box_ + 1.0);
       const vitgrid::Box box{g.bx0, g.by0, g.bx1, g.by1, static_cast<vitgrid::BoxMode>(g.mode)};
-      vitgrid::resample_part(g.pixels, g.w * 3, g.x0, g.y0, g.w, g.h, g.W, g.H, box, S, S,
+      vitgrid::resample_part(g.pixels, (int)g.stride, g.x0, g.y0, g.w, g.h, g.W, g.H, box, S, S,
                              static_cast<vitgrid::Interp>(interp), g.flip != 0,
                              out + (size_t)g.slot * S * S * 3, scratch_);
       ++resized_;
@@ -491,7 +491,8 @@ TEST_F(EncodedLoader, DeviceResizedRegionsEndAsTheHostLoadersBatch) {
         for (const auto& r : d->regions) {
           EXPECT_TRUE(slots.insert(r.slot).second);
           ASSERT_LT(r.part, (int)d->pixels.size());
-          ASSERT_LE(r.offset + (size_t)r.w * r.h * 3, d->pixels[r.part].size());
+          ASSERT_GE(r.stride, (size_t)r.w * 3);
+          ASSERT_LE(r.offset + r.stride * (r.h - 1) + (size_t)r.w * 3, d->pixels[r.part].size());
         }
         for (const auto& v : d->views) EXPECT_TRUE(slots.insert(v.slot).second);
         regions += (int64_t)d->regions.size();

@@ -477,7 +477,8 @@ TEST_F(GpuJpeg, ResizeOfHostRegionsEqualsTheCpuPath) {
   EXPECT_FALSE(resizer->resizes(40000, 300, 224, 1));
   for (int S : {224, 96}) {
     for (int interp : {0, 1}) {
-      std::vector<std::vector<uint8_t>> packed;
+      std::vector<PixelBuffer> packed;
+      std::vector<size_t> offsets;
       std::vector<HostRegion> regions;
       std::vector<uint8_t> want;
       const size_t img = size_t(S) * S * 3;
@@ -506,13 +507,14 @@ TEST_F(GpuJpeg, ResizeOfHostRegionsEqualsTheCpuPath) {
           } catch (const DecodeError&) {
             break;  // the truncated file: the host refuses it too
           }
-          const ResizeRegion r = decode_region(p, c.data.size(), info, boxes[bi], S, ip, false, scratch);
-          std::vector<uint8_t> px(size_t(r.w) * r.h * 3);
-          for (int y = 0; y < r.h; ++y)
-            std::copy(r.pixels + y * r.stride, r.pixels + y * r.stride + size_t(r.w) * 3,
-                      px.begin() + size_t(y) * r.w * 3);
+          // as the loader's threads do: the rows decoded into a buffer of the batch's
+          PixelBuffer px(7);  // (not at its start)
+          const ResizeRegion r =
+              decode_region(p, c.data.size(), info, boxes[bi], S, ip, false, scratch, &px);
           packed.push_back(std::move(px));
+          offsets.push_back(r.offset);
           HostRegion g;
+          g.stride = r.stride;
           g.x0 = r.x0, g.y0 = r.y0, g.w = r.w, g.h = r.h, g.W = r.W, g.H = r.H;
           g.bx0 = r.box.x0, g.by0 = r.box.y0, g.bx1 = r.box.x1, g.by1 = r.box.y1;
           g.mode = static_cast<int>(r.box.mode);
@@ -523,7 +525,7 @@ TEST_F(GpuJpeg, ResizeOfHostRegionsEqualsTheCpuPath) {
         }
       }
       ASSERT_GT(regions.size(), 20u);
-      for (size_t k = 0; k < regions.size(); ++k) regions[k].pixels = packed[k].data();
+      for (size_t k = 0; k < regions.size(); ++k) regions[k].pixels = packed[k].data() + offsets[k];
       for (ImageDecoder* dd : {dec.get(), resizer.get()}) {
         uint8_t* out = dev(want.size());
         dd->resize_async(regions.data(), int(regions.size()), S, interp, out);

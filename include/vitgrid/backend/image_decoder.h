@@ -24,11 +24,12 @@ struct DecodeJob {
 };
 
 // An image decoded on the host, for the device's crop/resize/flip (resize_async): the columns
-// [x0, x0 + w) and rows [y0, y0 + h) of the W x H RGB image the resize sees, packed (w * 3
-// bytes per row) at `pixels` in host memory; the box in that image (mode 0 Pillow or 2
+// [x0, x0 + w) and rows [y0, y0 + h) of the W x H RGB image the resize sees, rows `stride`
+// bytes apart from `pixels` in host memory; the box in that image (mode 0 Pillow or 2
 // ResizeThenCrop) as DecodeJob's.
 struct HostRegion {
   const uint8_t* pixels = nullptr;
+  size_t stride = 0;
   int x0 = 0, y0 = 0, w = 0, h = 0;
   int W = 0, H = 0;
   double bx0 = 0, by0 = 0, bx1 = 0, by1 = 0;

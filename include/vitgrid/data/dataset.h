@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "vitgrid/data/pixel_buffer.h"
+
 namespace vitgrid {
 
 struct Deck;
@@ -133,13 +135,14 @@ struct EncodedView {
 };
 
 // A sample decoded on the host, for the device's resize (RealImageConfig::device_resizes): the
-// columns [x0, x0 + w) and rows [y0, y0 + h) of the W x H image its resize sees, packed RGB
-// (w * 3 bytes per row) at HostBatch::pixels[part][offset...], and the box in that image
+// columns [x0, x0 + w) and rows [y0, y0 + h) of the W x H image its resize sees, RGB rows
+// `stride` bytes apart from HostBatch::pixels[part][offset], and the box in that image
 // (data/image_transform.h BoxMode Pillow or ResizeThenCrop; data/image_decode.h ResizeRegion).
 struct DecodedRegion {
   int slot = 0;  // index in the batch
   int part = 0;
   size_t offset = 0;
+  size_t stride = 0;
   int x0 = 0, y0 = 0, w = 0, h = 0;
   int W = 0, H = 0;
   double bx0 = 0, by0 = 0, bx1 = 0, by1 = 0;
@@ -162,7 +165,7 @@ struct HostBatch {
   // samples decoded on the host for the device's resize, by slot; their pixels, one buffer per
   // loader thread (kept with the batch's storage when the loader reuses it)
   std::vector<DecodedRegion> regions;
-  std::vector<std::vector<uint8_t>> pixels;
+  std::vector<PixelBuffer> pixels;
   int bad = 0;                     // undecodable samples replaced in this batch
 };
 

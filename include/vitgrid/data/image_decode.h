@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "vitgrid/data/image_transform.h"
+#include "vitgrid/data/pixel_buffer.h"
 
 namespace vitgrid {
 
@@ -68,7 +69,7 @@ void decode_image(const uint8_t* data, size_t size, DecodedImage& out, int scale
 // Buffers reused across decode_crop_resize() calls by one thread: once grown to the largest
 // image seen they are not reallocated (libjpeg-turbo itself still allocates its pools per call).
 struct DecodeScratch {
-  std::vector<uint8_t> pixels;  // the decoded region, RGB rows
+  PixelBuffer pixels;           // the decoded region, RGB rows
   std::vector<uint8_t> row;     // one CMYK / RGBA row before conversion
   ResampleScratch resample;
 };
@@ -90,15 +91,19 @@ int dct_scale_denom(const Box& box, int S);
 struct ResizeRegion {
   const uint8_t* pixels = nullptr;
   size_t stride = 0;
+  size_t offset = 0;  // decode_region(..., into): pixel (x0, y0) at into->data() + offset
   int x0 = 0, y0 = 0, w = 0, h = 0;
   int W = 0, H = 0;
   Box box;
 };
 
-// decode_crop_resize()'s decoding half: the region (pointing into scratch.pixels, valid until
-// the scratch is used again). Throws DecodeError as decode_image().
+// decode_crop_resize()'s decoding half: the region, pointing into scratch.pixels (valid until
+// the scratch is used again), or with `into` appended to *into (a JPEG's rows decoded there
+// directly, rows `stride` bytes apart; other formats' rows packed; `pixels` valid until *into
+// grows, `offset` for good). Throws DecodeError as decode_image(); *into is then as it was.
 ResizeRegion decode_region(const uint8_t* data, size_t size, const ImageInfo& info, Box box, int S,
-                           Interp interp, bool dct_scale, DecodeScratch& scratch);
+                           Interp interp, bool dct_scale, DecodeScratch& scratch,
+                           PixelBuffer* into = nullptr);
 
 // The CPU path of one sample: decodes only the rows and columns of `data` that the resample of
 // `box` reads (a CropThenResize box itself; with the filter's support around it otherwise),

@@ -108,6 +108,11 @@ bool css_factors(nvjpegChromaSubsampling_t css, int* h, int* v) {
 // RGB output of a one-component image may fill all three).
 size_t decoded_bytes(int W, int H) { return align_up(static_cast<size_t>(W) * H * 3); }
 
+// The bytes of a host region's rows, from its first pixel to its last.
+size_t region_bytes(const HostRegion& g) {
+  return g.stride * static_cast<size_t>(g.h - 1) + static_cast<size_t>(g.w) * 3;
+}
+
 class NvjpegDecoder final : public ImageDecoder {
  public:
   NvjpegDecoder(int device, cudaStream_t join_stream, const NvjpegDecoderOptions& opts)
@@ -284,13 +289,13 @@ class NvjpegDecoder final : public ImageDecoder {
       Accepted a;
       a.job = i;
       a.W = g.W, a.H = g.H;
-      VG_CHECK(g.pixels && g.w > 0 && g.h > 0 && g.x0 >= 0 && g.y0 >= 0 && g.x0 + g.w <= g.W &&
+      VG_CHECK(g.pixels && g.w > 0 && g.h > 0 && g.stride >= static_cast<size_t>(g.w) * 3 && g.x0 >= 0 && g.y0 >= 0 && g.x0 + g.w <= g.W &&
                    g.y0 + g.h <= g.H && geometry(g.mode, g.bx0, g.by0, g.bx1, g.by1, S, interp, &a),
                "resize_async: region " << i << " (" << g.w << " x " << g.h << " at " << g.x0 << ", "
                                        << g.y0 << " of " << g.W << " x " << g.H << ", mode "
                                        << g.mode << ") is not one the device resizes");
       a.dec_off = dec_need;
-      dec_need += align_up(static_cast<size_t>(g.w) * g.h * 3);
+      dec_need += align_up(region_bytes(g));
       a.tmp_off = tmp_need;
       tmp_need += align_up(static_cast<size_t>(a.tmp_rows) * S * 3);
       kcap_h = std::max(kcap_h, a.kh);
@@ -306,7 +311,7 @@ class NvjpegDecoder final : public ImageDecoder {
     }
     for (const Accepted& a : acc_) {
       const HostRegion& g = regs[a.job];
-      std::memcpy(slot.staging + a.dec_off, g.pixels, static_cast<size_t>(g.w) * g.h * 3);
+      std::memcpy(slot.staging + a.dec_off, g.pixels, region_bytes(g));
     }
     grow(reinterpret_cast<void**>(&slot.decoded), &slot.decoded_cap, dec_need);
     grow(reinterpret_cast<void**>(&tmp_), &tmp_cap_, tmp_need);
@@ -318,7 +323,7 @@ class NvjpegDecoder final : public ImageDecoder {
       ResizeJob& r = slot.jobs_host[k];
       r = ResizeJob{};
       r.src = slot.decoded + a.dec_off;
-      r.pitch = g.w * 3;
+      r.pitch = static_cast<int>(g.stride);
       r.step = 3;
       r.plane = 1;
       r.org_x = g.x0 - a.cx;

@@ -477,12 +477,15 @@ PYEOF
     # DALI loader reads ImageNet): RECIPE_STEPS optimizer steps each, the rate of all but the
     # first, and the projected wall time of 300 epochs of ImageNet-1k (1,281,167 images).
     # RECIPE_DECODES: as JPEG_DECODES (default: the decks' own, data.decode = auto).
-    [ -d "$D/jpeg-tfr" ] || { echo "recipes: run the jpeg step first (it writes $D/jpeg-tfr)"; exit 1; }
+    # RECIPE_SOURCE=folder reads the ImageFolder tree instead (the same batches).
+    RP=$D/jpeg-tfr RS=()
+    [ "${RECIPE_SOURCE:-tfrecord}" = folder ] && RP=$D/jpeg RS=(--data.dataset=folder)
+    [ -d "$RP" ] || { echo "recipes: run the jpeg step first (it writes $RP)"; exit 1; }
     for r in ${RECIPES:-b32 b16 l32}; do
       for dec in ${RECIPE_DECODES:-auto}; do
         decode_args "$dec"
         mpirun -np "$NGPU" --bind-to none "$B/bin/vitgrid" train inputs/imagenet_vit_${r}_lamb_32k.ini \
-          --data.path="$D/jpeg-tfr" --data.index_dir="$D/idx" --model.num_classes=100 \
+          "${RS[@]}" --data.path="$RP" --data.index_dir="$D/idx" --model.num_classes=100 \
           --data.grad_accum=$((32768 / (256 * NGPU))) --data.workers=$CORES "${X[@]}" \
           --run.epochs=0 --run.steps=${RECIPE_STEPS:-4} --run.log_every=1 --run.eval_samples=512 \
           --run.out_dir="$D/recipe-$r" --checkpoint.every_steps=0 --checkpoint.resume=none 2>&1 | grep -E "rror" | head -2

@@ -60,7 +60,8 @@ int main(int argc, char** argv) {
     if (decode == "device" || resize == "device") {
       be = vitgrid::make_backend("cuda", 0, vitgrid::DType::F32);
       dec = be->image_decoder(decode == "device");
-      if (!dec) throw vitgrid::UserError("--decode/--resize=device: the backend has no image decoder");
+      if (!dec)
+        throw vitgrid::UserError("--decode/--resize=device: the backend has no image decoder");
       if (decode == "device")
         c.real.device_accepts = [dec](int comps, bool prog, int sh, int sv) {
           return dec->accepts(comps, prog, sh, sv);
@@ -105,11 +106,12 @@ int main(int argc, char** argv) {
       if (dec)
         std::snprintf(timing, sizeof timing, " | per batch: %.1f ms in the decoder's calls, %.1f ms waiting for the device",
                       1e3 * host_s / batches, 1e3 * wait_s / batches);
-      std::printf("input | %s | %dx%d | batch %lld | workers %d | decode %s | resize %s | %.1f%% "
-                  "decoded on the device | %.0f img/s%s\n",
-                  ds->describe().c_str(), S, S, static_cast<long long>(c.global_batch), c.workers,
-                  decode == "device" ? dec->describe().c_str() : "host (libjpeg-turbo)",
-                  resize.c_str(), 100.0 * on_device / std::max<int64_t>(1, n), n / dt, timing);
+      std::printf(
+          "input | %s | %dx%d | batch %lld | workers %d | decode %s | resize %s | %.1f%% "
+          "decoded on the device | %.0f img/s%s\n",
+          ds->describe().c_str(), S, S, static_cast<long long>(c.global_batch), c.workers,
+          decode == "device" ? dec->describe().c_str() : "host (libjpeg-turbo)", resize.c_str(),
+          100.0 * on_device / std::max<int64_t>(1, n), n / dt, timing);
     } else {
       // the CPU reference of the device-side preparation, for scale
       std::vector<float> ref(static_cast<size_t>(last->count) * 3 * S * S);

@@ -101,9 +101,10 @@ void Inputs::setup_decoder() {
     run_.log("data: JPEGs decoded on the host (libjpeg-turbo, %d loader threads), %s\n", threads,
              where);
   else if (deck.data.device_share < 1.0)
-    run_.log("data: JPEGs decoded on the device (%g of them; the rest by %d loader threads, %s): "
-             "%s\n",
-             deck.data.device_share, threads, where, decoder_->describe().c_str());
+    run_.log(
+        "data: JPEGs decoded on the device (%g of them; the rest by %d loader threads, %s): "
+        "%s\n",
+        deck.data.device_share, threads, where, decoder_->describe().c_str());
   else
     run_.log("data: JPEGs decoded on the device: %s\n", decoder_->describe().c_str());
 }

@@ -226,7 +226,8 @@ void decode_jpeg_rows(const uint8_t* data, size_t size, int d, const int* region
     if (cmyk) {
       JSAMPROW row = rowbuf.data();
       jpeg_read_scanlines(&cinfo, &row, 1);
-      cmyk_to_rgb(rowbuf.data(), (int)cinfo.output_width, buf.data() + at + (size_t)(y - y0) * r.stride);
+      cmyk_to_rgb(rowbuf.data(), (int)cinfo.output_width,
+                  buf.data() + at + (size_t)(y - y0) * r.stride);
     } else {
       JSAMPROW rows[16];
       const int n = std::min(16, y1 - y);
@@ -276,8 +277,8 @@ void png_read_mem(png_structp png, png_bytep out, png_size_t n) {
 void png_warn(png_structp, png_const_charp) {}
 
 template <class Buf>
-void decode_png(const uint8_t* data, size_t size, Buf& rgb,
-                std::vector<uint8_t>& rowbuf, int* width, int* height) {
+void decode_png(const uint8_t* data, size_t size, Buf& rgb, std::vector<uint8_t>& rowbuf,
+                int* width, int* height) {
   char message[200] = "corrupt PNG";
   PngInput in{data, size, 0};
   png_structp png =
@@ -386,7 +387,8 @@ int dct_scale_denom(const Box& box, int S) {
 }
 
 ResizeRegion decode_region(const uint8_t* data, size_t size, const ImageInfo& info, Box box, int S,
-                           Interp interp, bool dct_scale, DecodeScratch& scratch, PixelBuffer* into) {
+                           Interp interp, bool dct_scale, DecodeScratch& scratch,
+                           PixelBuffer* into) {
   ResizeRegion reg;
   if (info.format == ImageFormat::Png) {
     int w = 0, h = 0;
@@ -408,7 +410,8 @@ ResizeRegion decode_region(const uint8_t* data, size_t size, const ImageInfo& in
     resample_footprint(reg.W, reg.H, reg.box, S, S, interp, &reg.x0, &reg.y0, &fx1, &fy1);
     reg.w = fx1 - reg.x0, reg.h = fy1 - reg.y0;
     reg.stride = stride;
-    reg.pixels = scratch.pixels.data() + (size_t)(cy0 + reg.y0) * stride + (size_t)(cx0 + reg.x0) * 3;
+    reg.pixels =
+        scratch.pixels.data() + (size_t)(cy0 + reg.y0) * stride + (size_t)(cx0 + reg.x0) * 3;
     if (into) {  // packed rows
       const size_t row = (size_t)reg.w * 3;
       reg.offset = into->size();

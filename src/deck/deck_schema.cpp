@@ -177,8 +177,7 @@ const std::vector<Field>& schema() {
       VG_FIELD(precision, fp8_amax_history, "",
                "fp8: steps of amax history a scale is taken from (Transformer Engine's "
                "amax_history_len)"),
-      VG_FIELD(precision, fp8_margin, "",
-               "fp8: scale = fp8 max / 2^margin / amax (>= 0)"),
+      VG_FIELD(precision, fp8_margin, "", "fp8: scale = fp8 max / 2^margin / amax (>= 0)"),
       VG_FIELD(precision, fp8_amax_compute, "max|most_recent",
                "fp8: the amax a scale is taken from: the history's maximum, or the last step's"),
       VG_FIELD(precision, initial_scale, "", "fp16 initial loss scale"),

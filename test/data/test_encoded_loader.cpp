@@ -14,8 +14,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <set>
 #include <string>
@@ -319,7 +319,9 @@ class HostFakeDecoder final : public vitgrid::ImageDecoder {
     for (int k = 0; k < n; ++k) pending_.push_back({slots[k], S, out, host[k]});
   }
   // boxes up to max_box_ pixels wide and high (the device's filter bound, made small)
-  bool resizes(double w, double h, int, int) const override { return w <= max_box_ && h <= max_box_; }
+  bool resizes(double w, double h, int, int) const override {
+    return w <= max_box_ && h <= max_box_;
+  }
   // the host's resample of each region (the CUDA kernels' reference), at once
   void resize_async(const vitgrid::HostRegion* r, int n, int S, int interp, uint8_t* out) override {
     for (int k = 0; k < n; ++k) {
@@ -501,11 +503,12 @@ TEST_F(EncodedLoader, DeviceResizedRegionsEndAsTheHostLoadersBatch) {
         std::vector<uint8_t> out((size_t)d->count * kS * kS * 3, 0);
         vitgrid::decode_batch_on_device(dec, *d, kS, 1, out.data());
         int64_t replaced = 0;
-        vitgrid::finish_batch_on_device(dec, dev, *d, kS, kClasses, out.data(), &replaced,
-                                        [](const std::vector<int32_t>&, const std::vector<float>&) {});
+        vitgrid::finish_batch_on_device(
+            dec, dev, *d, kS, kClasses, out.data(), &replaced,
+            [](const std::vector<int32_t>&, const std::vector<float>&) {});
         for (int j = 0; j < d->count; ++j)
-          EXPECT_EQ(image_of(*h, j), std::string(out.begin() + j * kS * kS * 3,
-                                                 out.begin() + (j + 1) * kS * kS * 3))
+          EXPECT_EQ(image_of(*h, j),
+                    std::string(out.begin() + j * kS * kS * 3, out.begin() + (j + 1) * kS * kS * 3))
               << tree << (train ? " train" : " eval") << " step " << s << " slot " << j;
       }
       EXPECT_GT(regions, 0) << tree << train;

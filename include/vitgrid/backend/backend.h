@@ -214,7 +214,10 @@ class Device {
   // backend has none (the CPU backend: the loader decodes and resizes with libjpeg-turbo and
   // its own resampling). jpeg = false: the device's crop/resize of host decodes alone (no
   // JPEG decoder is initialised; the first call's choice stays, true including false's).
-  virtual class ImageDecoder* image_decoder(bool jpeg = true) { (void)jpeg; return nullptr; }
+  virtual class ImageDecoder* image_decoder(bool jpeg = true) {
+    (void)jpeg;
+    return nullptr;
+  }
   // ---- input batches, copied while the previous batch computes. A slot is a host staging
   // area (page-locked on CUDA) plus the device buffer the caller uploads it into.
   // staging(slot, bytes) returns the slot's host area once its previous upload has read it;

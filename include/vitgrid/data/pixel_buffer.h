@@ -14,7 +14,8 @@ template <class T, class A = std::allocator<T>>
 struct DefaultInitAllocator : A {
   template <class U>
   struct rebind {
-    using other = DefaultInitAllocator<U, typename std::allocator_traits<A>::template rebind_alloc<U>>;
+    using other =
+        DefaultInitAllocator<U, typename std::allocator_traits<A>::template rebind_alloc<U>>;
   };
   using A::A;
   template <class U>

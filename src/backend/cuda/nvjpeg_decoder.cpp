@@ -289,8 +289,9 @@ class NvjpegDecoder final : public ImageDecoder {
       Accepted a;
       a.job = i;
       a.W = g.W, a.H = g.H;
-      VG_CHECK(g.pixels && g.w > 0 && g.h > 0 && g.stride >= static_cast<size_t>(g.w) * 3 && g.x0 >= 0 && g.y0 >= 0 && g.x0 + g.w <= g.W &&
-                   g.y0 + g.h <= g.H && geometry(g.mode, g.bx0, g.by0, g.bx1, g.by1, S, interp, &a),
+      VG_CHECK(g.pixels && g.w > 0 && g.h > 0 && g.stride >= static_cast<size_t>(g.w) * 3 &&
+                   g.x0 >= 0 && g.y0 >= 0 && g.x0 + g.w <= g.W && g.y0 + g.h <= g.H &&
+                   geometry(g.mode, g.bx0, g.by0, g.bx1, g.by1, S, interp, &a),
                "resize_async: region " << i << " (" << g.w << " x " << g.h << " at " << g.x0 << ", "
                                        << g.y0 << " of " << g.W << " x " << g.H << ", mode "
                                        << g.mode << ") is not one the device resizes");
@@ -315,7 +316,8 @@ class NvjpegDecoder final : public ImageDecoder {
     }
     grow(reinterpret_cast<void**>(&slot.decoded), &slot.decoded_cap, dec_need);
     grow(reinterpret_cast<void**>(&tmp_), &tmp_cap_, tmp_need);
-    CUDA_CHECK(cudaMemcpyAsync(slot.decoded, slot.staging, dec_need, cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(
+        cudaMemcpyAsync(slot.decoded, slot.staging, dec_need, cudaMemcpyHostToDevice, stream_));
     ensure_jobs(slot, n);
     for (int k = 0; k < n; ++k) {
       const Accepted& a = acc_[k];
@@ -586,8 +588,10 @@ class NvjpegDecoder final : public ImageDecoder {
     a->cx = 0, a->cy = 0, a->cw = a->W, a->ch = a->H;
     a->rx = S, a->ry = S, a->ox = 0, a->oy = 0;
     if (mode == 1) {
-      const int cx0 = static_cast<int>(std::nearbyint(x0)), cy0 = static_cast<int>(std::nearbyint(y0));
-      const int cx1 = static_cast<int>(std::nearbyint(x1)), cy1 = static_cast<int>(std::nearbyint(y1));
+      const int cx0 = static_cast<int>(std::nearbyint(x0)),
+                cy0 = static_cast<int>(std::nearbyint(y0));
+      const int cx1 = static_cast<int>(std::nearbyint(x1)),
+                cy1 = static_cast<int>(std::nearbyint(y1));
       if (cx0 < 0 || cy0 < 0 || cx1 > a->W || cy1 > a->H || cx1 <= cx0 || cy1 <= cy0) return false;
       a->cx = cx0, a->cy = cy0, a->cw = cx1 - cx0, a->ch = cy1 - cy0;
       a->bx0 = 0, a->by0 = 0, a->bx1 = static_cast<float>(a->cw), a->by1 = static_cast<float>(a->ch);

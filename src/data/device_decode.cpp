@@ -33,16 +33,9 @@ void decode_batch_on_device(ImageDecoder& dec, const HostBatch& hb, int S, int i
   std::vector<HostRegion> regions(hb.regions.size());
   for (size_t k = 0; k < regions.size(); ++k) {
     const DecodedRegion& d = hb.regions[k];
-    HostRegion& g = regions[k];
-    g.pixels = hb.pixels[d.part].data() + d.offset;
-    g.stride = d.stride;
-    g.x0 = d.x0, g.y0 = d.y0, g.w = d.w, g.h = d.h;
-    g.W = d.W, g.H = d.H;
-    g.bx0 = d.bx0, g.by0 = d.by0, g.bx1 = d.bx1, g.by1 = d.by1;
-    g.mode = d.mode;
-    g.flip = d.flip;
-    g.slot = d.slot;
-    on_device[d.slot] = 1;
+    regions[k] = d.region;
+    regions[k].pixels = hb.pixels[d.part].data() + d.offset;
+    on_device[d.region.slot] = 1;
   }
   if (!regions.empty())
     dec.resize_async(regions.data(), static_cast<int>(regions.size()), S, interp, out_dev);

@@ -118,15 +118,16 @@ int32_t cut_view(const ImageSource& src, const RealImageConfig& cfg, uint64_t se
         const ResizeRegion r = decode_region(p, size, info, box, S, static_cast<Interp>(cfg.interp),
                                              cfg.dct_scale, scratch.decode, to.pixels);
         DecodedRegion d;
-        d.slot = to.slot;
         d.part = to.part;
         d.offset = r.offset;
-        d.stride = r.stride;
-        d.x0 = r.x0, d.y0 = r.y0, d.w = r.w, d.h = r.h;
-        d.W = r.W, d.H = r.H;
-        d.bx0 = r.box.x0, d.by0 = r.box.y0, d.bx1 = r.box.x1, d.by1 = r.box.y1;
-        d.mode = static_cast<int>(r.box.mode);
-        d.flip = flip ? 1 : 0;
+        HostRegion& g = d.region;
+        g.stride = r.stride;
+        g.x0 = r.x0, g.y0 = r.y0, g.w = r.w, g.h = r.h;
+        g.W = r.W, g.H = r.H;
+        g.bx0 = r.box.x0, g.by0 = r.box.y0, g.bx1 = r.box.x1, g.by1 = r.box.y1;
+        g.mode = static_cast<int>(r.box.mode);
+        g.flip = flip ? 1 : 0;
+        g.slot = to.slot;
         to.regions->push_back(d);
       } else {
         decode_crop_resize(p, size, info, box, S, static_cast<Interp>(cfg.interp), flip,

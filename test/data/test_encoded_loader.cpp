@@ -490,11 +490,12 @@ TEST_F(EncodedLoader, DeviceResizedRegionsEndAsTheHostLoadersBatch) {
         EXPECT_EQ(h->labels, d->labels);
         EXPECT_EQ(h->soft, d->soft);
         std::set<int> slots;
-        for (const auto& r : d->regions) {
+        for (const auto& dr : d->regions) {
+          const vitgrid::HostRegion& r = dr.region;
           EXPECT_TRUE(slots.insert(r.slot).second);
-          ASSERT_LT(r.part, (int)d->pixels.size());
+          ASSERT_LT(dr.part, (int)d->pixels.size());
           ASSERT_GE(r.stride, (size_t)r.w * 3);
-          ASSERT_LE(r.offset + r.stride * (r.h - 1) + (size_t)r.w * 3, d->pixels[r.part].size());
+          ASSERT_LE(dr.offset + r.stride * (r.h - 1) + (size_t)r.w * 3, d->pixels[dr.part].size());
         }
         for (const auto& v : d->views) EXPECT_TRUE(slots.insert(v.slot).second);
         regions += (int64_t)d->regions.size();

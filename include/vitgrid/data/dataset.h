@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "vitgrid/backend/image_decoder.h"
 #include "vitgrid/data/pixel_buffer.h"
 
 namespace vitgrid {
@@ -135,19 +136,13 @@ struct EncodedView {
 };
 
 // A sample decoded on the host, for the device's resize (RealImageConfig::device_resizes): the
-// columns [x0, x0 + w) and rows [y0, y0 + h) of the W x H image its resize sees, RGB rows
-// `stride` bytes apart from HostBatch::pixels[part][offset], and the box in that image
-// (data/image_transform.h BoxMode Pillow or ResizeThenCrop; data/image_decode.h ResizeRegion).
+// region as backend/image_decoder.h HostRegion describes it (its slot the index in the batch),
+// its first pixel at HostBatch::pixels[part][offset] (region.pixels is set from them once the
+// batch is complete: the buffer may move while it grows).
 struct DecodedRegion {
-  int slot = 0;  // index in the batch
   int part = 0;
   size_t offset = 0;
-  size_t stride = 0;
-  int x0 = 0, y0 = 0, w = 0, h = 0;
-  int W = 0, H = 0;
-  double bx0 = 0, by0 = 0, bx1 = 0, by1 = 0;
-  int mode = 0;
-  int flip = 0;
+  HostRegion region;
 };
 
 // One micro-batch on the host, ready to copy to the device.

@@ -257,11 +257,7 @@ class NvjpegDecoder final : public ImageDecoder {
       r.src = base + static_cast<size_t>(a.cy) * a.W + a.cx;
       fill_resize_job(a, S, jb.slot, jb.flip, out_dev, &r);
     }
-    CUDA_CHECK(cudaMemcpyAsync(jobs_dev_, slot.jobs_host, m * sizeof(ResizeJob),
-                               cudaMemcpyHostToDevice, stream_));
-    wait_release(out_dev);
-    launch_resize(jobs_dev_, m, S, interp, kcap_h, kcap_v, max_rows, stream_);
-    finish(slot);
+    enqueue_resize(slot, m, S, interp, kcap_h, kcap_v, max_rows, out_dev);
     std::sort(refused.begin(), refused.end());
     return refused;
   }
@@ -332,11 +328,7 @@ class NvjpegDecoder final : public ImageDecoder {
       r.org_y = g.y0 - a.cy;
       fill_resize_job(a, S, g.slot, g.flip, out_dev, &r);
     }
-    CUDA_CHECK(cudaMemcpyAsync(jobs_dev_, slot.jobs_host, n * sizeof(ResizeJob),
-                               cudaMemcpyHostToDevice, stream_));
-    wait_release(out_dev);
-    launch_resize(jobs_dev_, n, S, interp, kcap_h, kcap_v, max_rows, stream_);
-    finish(slot);
+    enqueue_resize(slot, n, S, interp, kcap_h, kcap_v, max_rows, out_dev);
   }
 
   // The work of one copy_async, on the worker thread.
@@ -620,6 +612,17 @@ class NvjpegDecoder final : public ImageDecoder {
     a->tmp_rows = static_cast<int>(
         resize_tmp_rows_bound(interp, a->ch, a->by0, a->by1, a->ry, a->oy, S));
     return true;
+  }
+
+  // The slot's n resize jobs to the device and the resize kernels after them, once out_dev's
+  // last reader is past; the slot is busy until they are done.
+  void enqueue_resize(Slot& slot, int n, int S, int interp, int kcap_h, int kcap_v, int max_rows,
+                      uint8_t* out_dev) {
+    CUDA_CHECK(cudaMemcpyAsync(jobs_dev_, slot.jobs_host, n * sizeof(ResizeJob),
+                               cudaMemcpyHostToDevice, stream_));
+    wait_release(out_dev);
+    launch_resize(jobs_dev_, n, S, interp, kcap_h, kcap_v, max_rows, stream_);
+    finish(slot);
   }
 
   // The geometry, buffers and output of one image's ResizeJob (its source already set).

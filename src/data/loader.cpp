@@ -194,10 +194,9 @@ void DataLoader::Impl::read_views(HostBatch& hb, const int64_t* idx, const Sampl
   }
   std::sort(hb.views.begin(), hb.views.end(),
             [](const EncodedView& a, const EncodedView& b) { return a.slot < b.slot; });
-  std::sort(hb.regions.begin(), hb.regions.end(),
-            [](const DecodedRegion& a, const DecodedRegion& b) {
-              return a.region.slot < b.region.slot;
-            });
+  std::sort(
+      hb.regions.begin(), hb.regions.end(),
+      [](const DecodedRegion& a, const DecodedRegion& b) { return a.region.slot < b.region.slot; });
 }
 
 // Mixup / CutMix: sample j is mixed with j ^ 1 (positions 2k and 2k+1: first_position and the

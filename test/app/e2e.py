@@ -1325,30 +1325,49 @@ def t_jpeg_layouts(tmp):
     p = subprocess.run([tool, "verify", src["folder"]], capture_output=True, text=True)
     check(p.returncode == 1 and "_train_00006.JPEG" in p.stdout + p.stderr,
           f"verify lists the truncated file and exits 1 (exit {p.returncode})")
+    # the CPU backend has no device to decode or resize on: asked for one, every rank of a
+    # pipeline (only the first stage reads images) ends with one message and the same exit
+    for key in ("--data.decode=device", "--data.resize=device"):
+        d = os.path.join(tmp, "refuse_" + key[7:13])
+        p = run(2, ["train", DECK, f"--run.out_dir={d}", "--data.dataset=folder",
+                    f"--data.path={src['folder']}", "--device.backend=cpu",
+                    "--parallel.pipeline=2"] + JPEG_DECK + [key], timeout=120, expect_rc=None)
+        out = p.stdout + p.stderr
+        n = out.count("vitgrid: error:")
+        check(p.returncode == 2 and n == 1 and key[2:].split("=")[0] in out,
+              f"{key} on the CPU backend: exit {p.returncode}, {n} message(s) naming it")
 
 
 def t_gpu_jpeg(tmp):
     """On a GPU: JPEGs decoded on the device (nvJPEG), all of them or half (data.device_share,
     the rest by the loader's threads), train along the curve of the same deck decoded on the
     host (libjpeg-turbo) within 2e-2 (the decoders' pixels differ slightly), on 1 GPU and on 2
-    GPUs (data parallel) within 1e-4 of 1 GPU. Skipped (77) without a GPU."""
+    GPUs (data parallel) within 1e-4 of 1 GPU. Host decoding resized on the GPU (the default)
+    and on the loader's threads (data.resize = host) give the same pixels: the same curve
+    within 1e-6. Skipped (77) without a GPU."""
     ngpu = gpus_or_skip()
     src = jpeg_sources(tmp, classes=4, train=24, val=8, forms=("folder",))
     curves = {}
-    lay = [(1, "device"), (1, "host"), (1, "half")] + ([(2, "device")] if ngpu >= 2 else [])
+    lay = [(1, "device"), (1, "host"), (1, "half"), (1, "hostresize")] + (
+        [(2, "device")] if ngpu >= 2 else [])
     for np_, where in lay:
         d = os.path.join(tmp, f"{where}{np_}")
         how = (["--data.decode=device", "--data.device_share=0.5"] if where == "half"
+               else ["--data.decode=host", "--data.resize=host"] if where == "hostresize"
                else [f"--data.decode={where}"])
         p = run(np_, ["train", DECK, f"--run.out_dir={d}", "--data.dataset=folder",
                       f"--data.path={src['folder']}", "--device.backend=cuda",
                       "--data.dct_scale=false"] + how + JPEG_DECK)
-        if where != "host":
+        if where in ("device", "half"):
             check("decoded on the device" in p.stdout, f"{where}{np_}: the device decoder is used")
+        if where == "host":
+            check("resized on the device" in p.stdout, "host1: resized on the device")
         curves[(np_, where)] = losses(d)[1]
     for where in ("device", "half"):
         r = rel(curves[(1, where)], curves[(1, "host")])
         check(r <= 2e-2, f"{where} vs host decoding: max relative loss difference {r:.2e} <= 2e-2")
+    r = rel(curves[(1, "host")], curves[(1, "hostresize")])
+    check(r <= 1e-6, f"host decoding resized on the GPU vs on the threads: {r:.2e} <= 1e-6")
     if (2, "device") in curves:
         r = rel(curves[(2, "device")], curves[(1, "device")])
         check(r <= 1e-4, f"2 GPUs vs 1 GPU (device decoding): {r:.2e} <= 1e-4")

@@ -389,42 +389,10 @@ int dct_scale_denom(const Box& box, int S) {
 ResizeRegion decode_region(const uint8_t* data, size_t size, const ImageInfo& info, Box box, int S,
                            Interp interp, bool dct_scale, DecodeScratch& scratch,
                            PixelBuffer* into) {
-  ResizeRegion reg;
-  if (info.format == ImageFormat::Png) {
-    int w = 0, h = 0;
-    decode_png(data, size, scratch.pixels, scratch.row, &w, &h);
-    const size_t stride = (size_t)w * 3;
-    int cx0 = 0, cy0 = 0;
-    reg.W = w, reg.H = h;
-    reg.box = box;
-    if (box.mode == BoxMode::CropThenResize) {
-      // Pillow's crop: the rounded box is the whole image the resize sees
-      cx0 = (int)std::nearbyint(box.x0), cy0 = (int)std::nearbyint(box.y0);
-      const int cx1 = (int)std::nearbyint(box.x1), cy1 = (int)std::nearbyint(box.y1);
-      if (cx0 < 0 || cy0 < 0 || cx1 > w || cy1 > h || cx1 <= cx0 || cy1 <= cy0)
-        throw std::invalid_argument("decode_region: crop box outside the image");
-      reg.W = cx1 - cx0, reg.H = cy1 - cy0;
-      reg.box = Box{0, 0, (double)reg.W, (double)reg.H, BoxMode::Pillow};
-    }
-    int fx1 = 0, fy1 = 0;
-    resample_footprint(reg.W, reg.H, reg.box, S, S, interp, &reg.x0, &reg.y0, &fx1, &fy1);
-    reg.w = fx1 - reg.x0, reg.h = fy1 - reg.y0;
-    reg.stride = stride;
-    reg.pixels =
-        scratch.pixels.data() + (size_t)(cy0 + reg.y0) * stride + (size_t)(cx0 + reg.x0) * 3;
-    if (into) {  // packed rows
-      const size_t row = (size_t)reg.w * 3;
-      reg.offset = into->size();
-      into->resize(reg.offset + row * reg.h);
-      for (int y = 0; y < reg.h; ++y)
-        std::memcpy(into->data() + reg.offset + y * row, reg.pixels + y * stride, row);
-      reg.stride = row;
-      reg.pixels = into->data() + reg.offset;
-    }
-    return reg;
-  }
-  if (info.format != ImageFormat::Jpeg) throw DecodeError("not an image");
-  const int d = dct_scale ? dct_scale_denom(box, S) : 1;
+  const bool png = info.format == ImageFormat::Png;
+  if (!png && info.format != ImageFormat::Jpeg) throw DecodeError("not an image");
+  // DCT-domain scaling: JPEG only
+  const int d = !png && dct_scale ? dct_scale_denom(box, S) : 1;
   // libjpeg's scaled size: ceil(W / d).
   const int sw = (info.width + d - 1) / d, sh = (info.height + d - 1) / d;
   // The image resample() works on (its origin vx, vy and size vw x vh in scaled pixels) and
@@ -436,7 +404,7 @@ ResizeRegion decode_region(const uint8_t* data, size_t size, const ImageInfo& in
     const int cx0 = (int)std::nearbyint(box.x0), cy0 = (int)std::nearbyint(box.y0);
     const int cx1 = (int)std::nearbyint(box.x1), cy1 = (int)std::nearbyint(box.y1);
     if (cx0 < 0 || cy0 < 0 || cx1 > info.width || cy1 > info.height || cx1 <= cx0 || cy1 <= cy0)
-      throw std::invalid_argument("decode_crop_resize: crop box outside the image");
+      throw std::invalid_argument("decode_region: crop box outside the image");
     // At 1/d: the scaled pixels covering the crop, the crop's fraction of them as the box.
     vx = cx0 / d;
     vy = cy0 / d;
@@ -450,7 +418,28 @@ ResizeRegion decode_region(const uint8_t* data, size_t size, const ImageInfo& in
   }
   int fx0, fy0, fx1, fy1;
   resample_footprint(vw, vh, vbox, S, S, interp, &fx0, &fy0, &fx1, &fy1);
+  ResizeRegion reg;
+  reg.x0 = fx0, reg.y0 = fy0, reg.w = fx1 - fx0, reg.h = fy1 - fy0;
+  reg.W = vw, reg.H = vh;
+  reg.box = vbox;
   const int rg[4] = {vx + fx0, vy + fy0, vx + fx1, vy + fy1};
+  if (png) {  // the whole image (libpng has no regions), then the region's rows
+    int w = 0, h = 0;
+    decode_png(data, size, scratch.pixels, scratch.row, &w, &h);
+    if (w != info.width || h != info.height) throw DecodeError("PNG: size differs from its header");
+    reg.stride = (size_t)w * 3;
+    reg.pixels = scratch.pixels.data() + (size_t)rg[1] * reg.stride + (size_t)rg[0] * 3;
+    if (into) {  // packed rows
+      const size_t row = (size_t)reg.w * 3;
+      reg.offset = into->size();
+      into->resize(reg.offset + row * reg.h);
+      for (int y = 0; y < reg.h; ++y)
+        std::memcpy(into->data() + reg.offset + y * row, reg.pixels + y * reg.stride, row);
+      reg.stride = row;
+      reg.pixels = into->data() + reg.offset;
+    }
+    return reg;
+  }
   JpegRows r;
   if (into) {  // the rows straight into *into
     const size_t at = into->size();
@@ -462,9 +451,6 @@ ResizeRegion decode_region(const uint8_t* data, size_t size, const ImageInfo& in
     reg.pixels = scratch.pixels.data() + (size_t)(rg[0] - r.col0) * 3;
   }
   reg.stride = r.stride;
-  reg.x0 = fx0, reg.y0 = fy0, reg.w = fx1 - fx0, reg.h = fy1 - fy0;
-  reg.W = vw, reg.H = vh;
-  reg.box = vbox;
   return reg;
 }
 

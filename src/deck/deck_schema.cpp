@@ -263,8 +263,10 @@ const std::vector<Field>& schema() {
       VG_FIELD(device, attention, "auto|cudnn|flash|fallback",
                "attention on GPUs: cuDNN's fused SDPA (cudnn: needs a build with cudnn_frontend), "
                "vitgrid's own flash kernels, or the materialised cuBLASLt + softmax path; auto "
-               "takes cuDNN where the build has it and cuDNN accepts the shape, else flash, else "
-               "the fallback (fp32 and other head dims always take the fallback)"),
+               "takes flash where one CTA holds a whole head (head dim 64, at most 256 tokens: "
+               "faster than cuDNN there), else cuDNN where the build has it and cuDNN accepts "
+               "the shape, else flash, else the fallback (fp32 and other head dims always take "
+               "the fallback)"),
       VG_FIELD(device, fused_gelu, "auto|off|on",
                "fc1's forward and fc2's data gradient as CUTLASS GEMMs with exact-GELU epilogues "
                "(sm_90, bf16/fp16): auto takes per shape the fastest of the unfused path and the "

@@ -26,10 +26,11 @@
 #include <vector>
 
 #include "cuda_backend_impl.h"
+#include "flash_attention.h"
 #include "gemm_gelu.h"
 #include "vitgrid/backend/backend.h"
-#include "vitgrid/backend/fp8_linear.h"
 #include "vitgrid/backend/cuda/cuda_backend.h"
+#include "vitgrid/backend/fp8_linear.h"
 #include "vitgrid/core/error.h"
 
 namespace vitgrid {
@@ -150,10 +151,10 @@ void BM_LinearWgrad(benchmark::State& st) {
                                               benchmark::Counter::kIsIterationInvariantRate);
 }
 
-// Attention at ViT-B/16 shape, one backend per path (BackendOptions::attention, deck
-// device.attention). Arg path: 0 = the own flash kernels (flash), 1 = the cuBLASLt + softmax
-// fallback (fallback), 2 = cuDNN's fused SDPA (cudnn; skipped in builds without
-// cudnn_frontend; the label names the path that ran, flash if cuDNN rejected the shape).
+// Attention at ViT-B/16's shape (arg T 197) and ViT-B/32's (T 50), one backend per path
+// (BackendOptions::attention, deck device.attention). Arg path: 0 = the own flash kernels (flash),
+// 1 = the cuBLASLt + softmax fallback (fallback), 2 = cuDNN's fused SDPA (cudnn; skipped in builds
+// without cudnn_frontend; the label names the path that ran, flash if cuDNN rejected the shape).
 // FLOPs: 4*B*H*T^2*hd forward (QK^T and PV), 2.5x that for the backward (5 GEMMs; the flash
 // backward actually runs 7 for determinism, uncounted).
 const char* const kAttentionModes[3] = {"flash", "fallback", "cudnn"};
@@ -179,24 +180,24 @@ Backend* attention_backend(int path, std::string* why) {
 
 void attention_bench(benchmark::State& st, bool backward) {
   if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
-  const int path = static_cast<int>(st.range(0));
+  const int path = static_cast<int>(st.range(0)), T = static_cast<int>(st.range(1));
   std::string why;
   Backend* bp = attention_backend(path, &why);
   if (bp == nullptr) return st.SkipWithError(why.c_str());
   Backend& be = *bp;
-  const size_t a = be.act_size();
+  const size_t a = be.act_size(), n = size_t(kB) * T;
   Bufs b(be);
-  void* qkv = b.get(size_t(kN) * 3 * kC * a);
-  void* out = b.get(size_t(kN) * kC * a);
-  void* dout = b.get(size_t(kN) * kC * a);
-  void* dqkv = b.get(size_t(kN) * 3 * kC * a);
-  const size_t sb = be.attention_saved_bytes(kB, kT, kH, kHd);
-  const size_t wb = be.attention_workspace_bytes(kB, kT, kH, kHd);
+  void* qkv = b.get(n * 3 * kC * a);
+  void* out = b.get(n * kC * a);
+  void* dout = b.get(n * kC * a);
+  void* dqkv = b.get(n * 3 * kC * a);
+  const size_t sb = be.attention_saved_bytes(kB, T, kH, kHd);
+  const size_t wb = be.attention_workspace_bytes(kB, T, kH, kHd);
   void* saved = b.get(sb);
   void* ws = b.get(wb);
   auto op = [&] {
-    be.attention_forward(out, saved, qkv, kB, kT, kH, kHd, ws);
-    if (backward) be.attention_backward(dqkv, dout, qkv, out, saved, kB, kT, kH, kHd, ws);
+    be.attention_forward(out, saved, qkv, kB, T, kH, kHd, ws);
+    if (backward) be.attention_backward(dqkv, dout, qkv, out, saved, kB, T, kH, kHd, ws);
   };
   op();
   be.synchronize();
@@ -207,14 +208,43 @@ void attention_bench(benchmark::State& st, bool backward) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     st.SetIterationTime(s / kReps);
   }
-  const double fwd = 4.0 * kB * kH * double(kT) * kT * kHd;
+  const double fwd = 4.0 * kB * kH * double(T) * T * kHd;
   st.counters["TFLOP"] = benchmark::Counter((backward ? 3.5 : 1.0) * fwd * 1e-12,
                                               benchmark::Counter::kIsIterationInvariantRate);
   char label[160];
-  std::snprintf(
-      label, sizeof label, "device.attention = %s ran %s, saved %.1f MB, workspace %.1f MB",
-      kAttentionModes[path], cuda_attention_path(be, kB, kT, kH, kHd), sb / 1e6, wb / 1e6);
+  std::snprintf(label, sizeof label,
+                "device.attention = %s ran %s, saved %.1f MB, workspace %.1f MB",
+                kAttentionModes[path], cuda_attention_path(be, kB, T, kH, kHd), sb / 1e6, wb / 1e6);
   st.SetLabel(label);
+}
+
+// The own flash kernels (flash_attention.h), batch 256, 12 heads of 64: arg kernels 0 = tiled
+// over 64 rows, 1 = the best (one CTA per image and head where T <= 256); T; backward 0 =
+// forward alone, 1 = forward + backward.
+void BM_FlashKernels(benchmark::State& st) {
+  if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
+  const auto kernels = st.range(0) ? cuda::FlashKernels::Best : cuda::FlashKernels::Tiled;
+  const int T = static_cast<int>(st.range(1));
+  const bool backward = st.range(2) != 0;
+  Backend& be = gpu();
+  const cudaStream_t s = dynamic_cast<CudaBackend&>(be).stream();
+  const size_t a = be.act_size(), n = size_t(kB) * T;
+  Bufs b;
+  void* qkv = b.get(n * 3 * kC * a);
+  void* out = b.get(n * kC * a);
+  void* dout = b.get(n * kC * a);
+  void* dqkv = b.get(n * 3 * kC * a);
+  auto* lse = static_cast<float*>(b.get(size_t(kB) * kH * T * 4));
+  auto* Dws = static_cast<float*>(b.get(size_t(kB) * kH * T * 4));
+  timed(st, [&] {
+    cuda::flash_attention_forward(s, DType::BF16, out, lse, qkv, kB, T, kH, kHd, kernels);
+    if (backward)
+      cuda::flash_attention_backward(s, DType::BF16, dqkv, Dws, dout, qkv, out, lse, kB, T, kH, kHd,
+                                     kernels);
+  });
+  const double fwd = 4.0 * kB * kH * double(T) * T * kHd;
+  st.counters["TFLOP"] = benchmark::Counter((backward ? 3.5 : 1.0) * fwd * 1e-12,
+                                            benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // FP8 (backend.h Fp8Ops, cuBLASLt on sm_90) at the Linear layers' shapes, beside the bf16
@@ -792,17 +822,18 @@ BENCHMARK(BM_Fp8Cast)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AttentionForward)
-    ->ArgName("path")
-    ->Arg(0)
-    ->Arg(1)
-    ->Arg(2)
+    ->ArgNames({"path", "T"})
+    ->ArgsProduct({{0, 1, 2}, {kT, 50}})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AttentionFwdBwd)
-    ->ArgName("path")
-    ->Arg(0)
-    ->Arg(1)
-    ->Arg(2)
+    ->ArgNames({"path", "T"})
+    ->ArgsProduct({{0, 1, 2}, {kT, 50}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_FlashKernels)
+    ->ArgNames({"kernels", "T", "backward"})
+    ->ArgsProduct({{0, 1}, {kT, 50}, {0, 1}})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Elementwise)

@@ -529,7 +529,8 @@ TEST_P(GpuBackend, Softmax) {
 // dim 64/80/128, builds with cudnn_frontend; a shape cuDNN rejects runs the flash kernels),
 // the own flash kernels (bf16/fp16, head dim 32/64/80/128) and the cuBLASLt + softmax
 // fallback (fp32 and other head dims always take it). One backend per BackendOptions::attention
-// value (device.attention): the default (auto), cudnn, flash and fallback; each prints
+// value (device.attention): the default (auto: the whole-head flash kernels at head dim 64 and
+// T <= 256), cudnn, flash and fallback; each prints
 // the path it took. Shapes cover ragged tiles (T = 17, 50, 65, 197 against 64-row tiles; 128:
 // a multiple of cuDNN's 128-key tiles), several heads and batches, and hd = 32, 64, 80, 128
 // (16 and 8: fallback only).
@@ -644,10 +645,14 @@ TEST_P(GpuBackend, Attention) {
         EXPECT_EQ(saved_bytes[k], saved_bytes[2]);
       }
     }
-    if (cd) {
-      EXPECT_EQ(path[1], path[4]);  // auto takes what cudnn takes
-      EXPECT_EQ(path[5], path[4]);  // and so does cudnn with atomics
+    // auto takes the whole-head flash kernels where one CTA holds a head (head dim 64,
+    // T <= 256), else what cudnn takes
+    if (fused && s.hd == 64 && s.T <= 256) {
+      EXPECT_EQ(path[1], "flash");
+    } else if (cd) {
+      EXPECT_EQ(path[1], path[4]);
     }
+    if (cd) EXPECT_EQ(path[5], path[4]);  // cudnn with atomics takes what cudnn takes
   }
 }
 

@@ -1,10 +1,13 @@
 // Multi-head self-attention, three paths (BackendOptions::attention, deck device.attention:
 // auto | cudnn | flash | fallback; default auto):
-//  * cuDNN's fused SDPA (cudnn_attention.cpp): auto and cudnn, bf16/fp16 with head dim 64, 80
+//  * cuDNN's fused SDPA (cudnn_attention.cpp): cudnn, and auto where the own whole-head
+//    kernels do not apply, bf16/fp16 with head dim 64, 80
 //    or 128, when the build has cudnn_frontend and cuDNN builds both graphs of the shape
 //    (saved state: fp32 log-sum-exp [B,H,T]; workspace: what the graphs ask for, never less
 //    than the flash path's, so a shape cuDNN rejects can run the flash kernels instead).
-//  * the own flash kernels of flash_attention.cu: bf16/fp16 with head dim 32, 64, 80, 128
+//  * the own flash kernels of flash_attention.cu: flash; auto where they hold the whole head
+//    (head dim 64, T <= 256: ViT at 224 px) or cuDNN is not there; bf16/fp16 with head dim
+//    32, 64, 80, 128
 //    (saved state: fp32 log-sum-exp [B,H,T], the same quantity as cuDNN's; workspace: fp32
 //    D = rowsum(dO * O) [B,H,T] for the backward).
 //  * the fallback below: everything else, or every case with device.attention = fallback.
@@ -22,18 +25,10 @@
 
 #include "cuda_backend_impl.h"
 #include "cudnn_attention.h"
+#include "flash_attention.h"
 #include "kernel_util.cuh"
 
 namespace vitgrid {
-
-namespace cuda {  // flash_attention.cu
-bool flash_attention_supported(DType act, int hd);
-void flash_attention_forward(cudaStream_t st, DType act, void* out, float* lse, const void* qkv,
-                             int B, int T, int H, int hd);
-void flash_attention_backward(cudaStream_t st, DType act, void* dqkv, float* Dws,
-                              const void* dout, const void* qkv, const void* out,
-                              const float* lse, int B, int T, int H, int hd);
-}  // namespace cuda
 
 namespace {
 
@@ -108,8 +103,15 @@ cuda::CudnnAttention* CudaBackend::cudnn_attention() const {
   return cudnn_attention_.get();
 }
 
+// Auto with a sequence length: the own whole-head kernels where they apply (at ViT's lengths
+// they beat cuDNN's SDPA: tools/MEASURED.md, "attention"), else cuDNN, else the tiled kernels.
+bool CudaBackend::attention_head_kernels(int T, int hd) const {
+  return attention_mode_ == AttentionMode::Auto && T > 0 && cuda::flash_head_applies(act_, hd, T);
+}
+
 CudaBackend::AttentionPath CudaBackend::attention_route(int B, int T, int H, int hd) const {
   if (attention_mode_ == AttentionMode::Fallback) return AttentionPath::Fallback;
+  if (attention_head_kernels(T, hd)) return AttentionPath::Flash;
   if ((attention_mode_ == AttentionMode::Auto || attention_mode_ == AttentionMode::Cudnn) &&
       cuda::CudnnAttention::available() && cuda::CudnnAttention::eligible(act_, hd)) {
     // usable(): supported, and the workspace fits what attention_workspace_bytes() granted
@@ -138,7 +140,7 @@ size_t CudaBackend::attention_saved_bytes(int B, int T, int H, int hd) const {
 size_t CudaBackend::attention_workspace_bytes(int B, int T, int H, int hd) const {
   const size_t lse_ws = static_cast<size_t>(B) * H * T * sizeof(float);  // flash: D
   const AttentionPath path = attention_route(0, 0, 0, hd);
-  if (path == AttentionPath::Cudnn && B > 0 && T > 0) {
+  if (path == AttentionPath::Cudnn && B > 0 && T > 0 && !attention_head_kernels(T, hd)) {
     // builds the shape's graphs now (not in the step); never below the flash path's need
     return cudnn_attention()->workspace_bytes(act_, B, T, H, hd, lse_ws);
   }

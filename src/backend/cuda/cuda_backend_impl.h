@@ -132,9 +132,10 @@ class CudaBackend final : public Backend {
   #include "vitgrid/backend/backend_op_overrides.inc"
 
   // Attention (attention.cu), three paths, chosen per shape by BackendOptions::attention
-  // (device.attention): Auto and Cudnn take cuDNN's fused SDPA
-  // (cudnn_attention.cpp; bf16/fp16, head dims 64/80/128, when the build has cudnn_frontend
-  // and cuDNN supports the shape), else the own flash kernels (flash_attention.cu; bf16/fp16,
+  // (device.attention): Auto takes the own flash kernels where one CTA holds a whole head
+  // (flash_attention.h flash_head_applies: head dim 64, T <= 256), then Auto and Cudnn take
+  // cuDNN's fused SDPA (cudnn_attention.cpp; bf16/fp16, head dims 64/80/128, when the build has
+  // cudnn_frontend and cuDNN supports the shape), else the own flash kernels (bf16/fp16,
   // head dims 32/64/80/128), else the cuBLASLt + softmax fallback; Flash skips cuDNN, Fallback
   // forces the last. cuDNN and flash save the fp32 log-sum-exp [B,H,T] (the same quantity: a
   // shape may switch between them), the fallback the probabilities [B,H,T,T] in the act dtype.
@@ -144,6 +145,7 @@ class CudaBackend final : public Backend {
   // The path of the shape; B <= 0 or T <= 0: by dtype and head dim alone (what shapes normally
   // get; cuDNN may still reject one). Builds and caches the cuDNN graphs of the shape.
   AttentionPath attention_route(int B, int T, int H, int hd) const;
+  bool attention_head_kernels(int T, int hd) const;  // auto takes the whole-head flash kernels
   // "cudnn", "flash" or "fallback": attention_route's answer, for logs.
   const char* attention_path(int hd) const {
     return attention_path_name(attention_route(0, 0, 0, hd));

@@ -23,6 +23,13 @@
 //   dK/dV kernel: one CTA per (b, h, 64-key tile) loops over 32-query tiles with the
 //     transposed products S^T = K Q^T, dP^T = V dO^T (so P^T and dS^T land in registers in the
 //     A-operand layout): dV += P^T dO, dK += dS^T Q.
+// Whole-head kernels (head dim 64, T <= 256: ViT at 224 px; what FlashKernels::Best runs
+//   there): one CTA per (b, h) loads Q, K, V (and dO) of the head once into shared memory and
+//   runs the same tile bodies in the same order, its warps taking 16-row query tiles (forward)
+//   or the 16-key dK/dV and 16-query dQ items (backward, one kernel, D kept in shared memory).
+//   Same bits as the tiled kernels. H100, B = 256, 12 heads: T = 197 forward 0.207 ms against
+//   0.235 tiled and cuDNN's 0.176, forward + backward 0.809 against 1.01 and cuDNN's 0.936;
+//   T = 50: 0.144 against 0.179 and 0.247 (tools/MEASURED.md).
 //   Every output element is written by exactly one thread after a fixed-order fp32
 //   accumulation: bitwise reproducible run to run. Cost of that choice against FA2's atomic
 //   dQ: S and dP are computed twice (7 tile GEMMs instead of 5, i.e. 1.4x the backward
@@ -37,6 +44,7 @@
 #include <type_traits>
 
 #include "cuda_backend_impl.h"
+#include "flash_attention.h"
 #include "kernel_util.cuh"
 
 namespace vitgrid {
@@ -119,6 +127,26 @@ __device__ __forceinline__ float quad_max(float v) {
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
+// Shared-memory layouts of row-major [rows x HD] tiles of E, both conflict-free for ldmatrix's
+// 8-row reads. Padded: rows of HD + 8 elements (the tiled kernels). Swizzled: rows of HD
+// elements whose 16-byte chunks are permuted by XOR with (row & 7) (the whole-head kernels, which
+// hold four operands of a head and fit twice per SM). off(r, c): element offset of row r,
+// column c (a multiple of 8); a tile addressed from the base of its own rows starts at a row
+// that is a multiple of 8.
+template <int HD>
+struct Padded {
+  static constexpr int kStride = HD + 8;
+  __device__ __forceinline__ static int off(int r, int c) { return r * kStride + c; }
+};
+template <int HD>
+struct Swizzled {
+  static_assert(HD % 64 == 0, "the swizzle permutes groups of 8 chunks of 16 bytes");
+  __device__ __forceinline__ static int off(int r, int c) {
+    const int ch = c >> 3;
+    return r * HD + (((ch & ~7) | ((ch ^ r) & 7)) << 3) + (c & 7);
+  }
+};
+
 // R rows of HD elements (row stride ld in global, HD + 8 in shared) from g; rows >= nvalid
 // are zero-filled. nvalid >= 1.
 template <class E, int HD, int R>
@@ -161,13 +189,13 @@ __device__ __forceinline__ void store_rows(E* stage, const float (&acc)[HD / 8][
 // One key tile for the warp's MT x 16 query rows (each K/V fragment loaded from shared memory
 // feeds MT MMAs). kFull: all BN keys valid (no masks, no branches inside the unrolled loops,
 // so loads and MMAs interleave freely); else kvn valid keys.
-template <class E, int HD, int BN, int MT, bool kFull>
+template <class Lay, class E, int HD, int BN, int MT, bool kFull>
 __device__ __forceinline__ void fwd_tile(const E* ks_, const E* vs_, int kvn,
                                          const uint32_t (&qf)[MT][HD / 16][4],
                                          float (&o)[MT][HD / 8][4], float (&mrow)[MT][2],
                                          float (&lrow)[MT][2], float sl2, int lane, int lr,
                                          int lc) {
-  constexpr int SP = HD + 8, KS = HD / 16, NT = BN / 8, DT = HD / 8;
+  constexpr int KS = HD / 16, NT = BN / 8, DT = HD / 8;
   float s[MT][NT][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -179,7 +207,7 @@ __device__ __forceinline__ void fwd_tile(const E* ks_, const E* vs_, int kvn,
     for (int np = 0; np < NT / 2; ++np) {
       if (kFull || np * 16 < kvn) {
         uint32_t r[4];
-        ldsm_x4(r, ks_ + (np * 16 + lr) * SP + ks * 16 + lc);
+        ldsm_x4(r, ks_ + Lay::off(np * 16 + lr, ks * 16 + lc));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma<E>(s[mt][2 * np], qf[mt][ks], r[0], r[2]);
@@ -244,7 +272,7 @@ __device__ __forceinline__ void fwd_tile(const E* ks_, const E* vs_, int kvn,
 #pragma unroll
       for (int dp = 0; dp < HD / 16; ++dp) {
         uint32_t r[4];
-        ldsm_x4_t(r, vs_ + (kk * 16 + lr) * SP + dp * 16 + lc);
+        ldsm_x4_t(r, vs_ + Lay::off(kk * 16 + lr, dp * 16 + lc));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma<E>(o[mt][2 * dp], a[mt], r[0], r[1]);
@@ -317,9 +345,11 @@ __global__ void __launch_bounds__(kThreads, MinB)
       const E* ks_ = sK + buf * BN * SP;
       const E* vs_ = sV + buf * BN * SP;
       if (kvn == BN)
-        fwd_tile<E, HD, BN, MT, true>(ks_, vs_, kvn, qf, o, mrow, lrow, sl2, lane, lr, lc);
+        fwd_tile<Padded<HD>, E, HD, BN, MT, true>(ks_, vs_, kvn, qf, o, mrow, lrow, sl2, lane, lr,
+                                                  lc);
       else
-        fwd_tile<E, HD, BN, MT, false>(ks_, vs_, kvn, qf, o, mrow, lrow, sl2, lane, lr, lc);
+        fwd_tile<Padded<HD>, E, HD, BN, MT, false>(ks_, vs_, kvn, qf, o, mrow, lrow, sl2, lane, lr,
+                                                   lc);
     }
     __syncthreads();
   }
@@ -343,14 +373,14 @@ __global__ void __launch_bounds__(kThreads, MinB)
 
 // ---------------------------------------------------------------------------------------
 // Backward, dQ (and D = rowsum(dO * O))
-template <class E, int HD, int BN, int MT, bool kFull>
+template <class Lay, class E, int HD, int BN, int MT, bool kFull>
 __device__ __forceinline__ void dq_tile(const E* ks_, const E* vs_, int kvn,
                                         const uint32_t (&qf)[MT][HD / 16][4],
                                         const uint32_t (&df)[MT][HD / 16][4],
                                         float (&dq)[MT][HD / 8][4], const float (&L)[MT][2],
                                         const float (&D)[MT][2], float sl2, int lane, int lr,
                                         int lc) {
-  constexpr int SP = HD + 8, KS = HD / 16, NT = BN / 8;
+  constexpr int KS = HD / 16, NT = BN / 8;
   float s[MT][NT][4], dp[MT][NT][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -365,13 +395,13 @@ __device__ __forceinline__ void dq_tile(const E* ks_, const E* vs_, int kvn,
     for (int np = 0; np < NT / 2; ++np) {
       if (kFull || np * 16 < kvn) {
         uint32_t r[4];
-        ldsm_x4(r, ks_ + (np * 16 + lr) * SP + ks * 16 + lc);
+        ldsm_x4(r, ks_ + Lay::off(np * 16 + lr, ks * 16 + lc));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma<E>(s[mt][2 * np], qf[mt][ks], r[0], r[2]);
           mma<E>(s[mt][2 * np + 1], qf[mt][ks], r[1], r[3]);
         }
-        ldsm_x4(r, vs_ + (np * 16 + lr) * SP + ks * 16 + lc);
+        ldsm_x4(r, vs_ + Lay::off(np * 16 + lr, ks * 16 + lc));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma<E>(dp[mt][2 * np], df[mt][ks], r[0], r[2]);
@@ -409,7 +439,7 @@ __device__ __forceinline__ void dq_tile(const E* ks_, const E* vs_, int kvn,
 #pragma unroll
       for (int d2 = 0; d2 < HD / 16; ++d2) {
         uint32_t r[4];
-        ldsm_x4_t(r, ks_ + (kk * 16 + lr) * SP + d2 * 16 + lc);
+        ldsm_x4_t(r, ks_ + Lay::off(kk * 16 + lr, d2 * 16 + lc));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma<E>(dq[mt][2 * d2], a[mt], r[0], r[1]);
@@ -521,9 +551,11 @@ __global__ void __launch_bounds__(kThreads, MinB)
       const E* ks_ = sK + buf * BN * SP;
       const E* vs_ = sV + buf * BN * SP;
       if (kvn == BN)
-        dq_tile<E, HD, BN, MT, true>(ks_, vs_, kvn, qf, df, dq, L, D, sl2, lane, lr, lc);
+        dq_tile<Padded<HD>, E, HD, BN, MT, true>(ks_, vs_, kvn, qf, df, dq, L, D, sl2, lane, lr,
+                                                 lc);
       else
-        dq_tile<E, HD, BN, MT, false>(ks_, vs_, kvn, qf, df, dq, L, D, sl2, lane, lr, lc);
+        dq_tile<Padded<HD>, E, HD, BN, MT, false>(ks_, vs_, kvn, qf, df, dq, L, D, sl2, lane, lr,
+                                                  lc);
     }
     __syncthreads();
   }
@@ -541,14 +573,14 @@ __global__ void __launch_bounds__(kThreads, MinB)
 // Backward, dK and dV
 // One query tile for the warp's MT x 16 key rows (kw, vw: the warp's rows of K and V in
 // shared memory, read when the fragments are not held in registers).
-template <class E, int HD, int BM, int MT, bool kHold, bool kFull>
+template <class Lay, class E, int HD, int BM, int MT, bool kHold, bool kFull>
 __device__ __forceinline__ void dkdv_tile(const E* qs_, const E* os_, const float* Lb,
                                           const float* Db, int qn, const E* kw, const E* vw,
                                           const uint32_t (&kf)[MT][kHold ? HD / 16 : 1][4],
                                           const uint32_t (&vf)[MT][kHold ? HD / 16 : 1][4],
                                           float (&dk)[MT][HD / 8][4], float (&dv)[MT][HD / 8][4],
                                           float sl2, int lane, int lr, int lc) {
-  constexpr int SP = HD + 8, KS = HD / 16, NT = BM / 8;
+  constexpr int KS = HD / 16, NT = BM / 8;
   float s[MT][NT][4], dp[MT][NT][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -569,21 +601,21 @@ __device__ __forceinline__ void dkdv_tile(const E* qs_, const E* os_, const floa
           va[mt][i] = vf[mt][kHold ? ks : 0][i];
         }
       } else {
-        ldsm_x4(ka[mt], kw + (mt * 16 + lr) * SP + ks * 16 + lc);
-        ldsm_x4(va[mt], vw + (mt * 16 + lr) * SP + ks * 16 + lc);
+        ldsm_x4(ka[mt], kw + Lay::off(mt * 16 + lr, ks * 16 + lc));
+        ldsm_x4(va[mt], vw + Lay::off(mt * 16 + lr, ks * 16 + lc));
       }
     }
 #pragma unroll
     for (int np = 0; np < NT / 2; ++np) {
       if (kFull || np * 16 < qn) {
         uint32_t r[4];
-        ldsm_x4(r, qs_ + (np * 16 + lr) * SP + ks * 16 + lc);
+        ldsm_x4(r, qs_ + Lay::off(np * 16 + lr, ks * 16 + lc));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma<E>(s[mt][2 * np], ka[mt], r[0], r[2]);
           mma<E>(s[mt][2 * np + 1], ka[mt], r[1], r[3]);
         }
-        ldsm_x4(r, os_ + (np * 16 + lr) * SP + ks * 16 + lc);
+        ldsm_x4(r, os_ + Lay::off(np * 16 + lr, ks * 16 + lc));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma<E>(dp[mt][2 * np], va[mt], r[0], r[2]);
@@ -630,13 +662,13 @@ __device__ __forceinline__ void dkdv_tile(const E* qs_, const E* os_, const floa
 #pragma unroll
       for (int d2 = 0; d2 < HD / 16; ++d2) {
         uint32_t r[4];
-        ldsm_x4_t(r, os_ + (kk * 16 + lr) * SP + d2 * 16 + lc);
+        ldsm_x4_t(r, os_ + Lay::off(kk * 16 + lr, d2 * 16 + lc));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma<E>(dv[mt][2 * d2], ap[mt], r[0], r[1]);
           mma<E>(dv[mt][2 * d2 + 1], ap[mt], r[2], r[3]);
         }
-        ldsm_x4_t(r, qs_ + (kk * 16 + lr) * SP + d2 * 16 + lc);
+        ldsm_x4_t(r, qs_ + Lay::off(kk * 16 + lr, d2 * 16 + lc));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma<E>(dk[mt][2 * d2], as[mt], r[0], r[1]);
@@ -733,11 +765,11 @@ __global__ void __launch_bounds__(kThreads, MinB)
       const float* Lb = sL + buf * BM;
       const float* Db = sD + buf * BM;
       if (qn == BM)
-        dkdv_tile<E, HD, BM, MT, kHold, true>(qs_, os_, Lb, Db, qn, kw, vw, kf, vf, dk, dv, sl2,
-                                              lane, lr, lc);
+        dkdv_tile<Padded<HD>, E, HD, BM, MT, kHold, true>(qs_, os_, Lb, Db, qn, kw, vw, kf, vf, dk,
+                                                          dv, sl2, lane, lr, lc);
       else
-        dkdv_tile<E, HD, BM, MT, kHold, false>(qs_, os_, Lb, Db, qn, kw, vw, kf, vf, dk, dv,
-                                               sl2, lane, lr, lc);
+        dkdv_tile<Padded<HD>, E, HD, BM, MT, kHold, false>(qs_, os_, Lb, Db, qn, kw, vw, kf, vf, dk,
+                                                           dv, sl2, lane, lr, lc);
     }
     __syncthreads();
   }
@@ -749,6 +781,223 @@ __global__ void __launch_bounds__(kThreads, MinB)
       const int r = warp * WR + mt * 16;
       store_rows<E, HD>(sK + r * SP, dk[mt], scale, scale, g + C, ld, k0 + r, T);
       store_rows<E, HD>(sV + r * SP, dv[mt], 1.0f, 1.0f, g + 2 * C, ld, k0 + r, T);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Whole-head kernels (T <= kHeadMaxT): one CTA per (b, h) loads the head's operands
+// once into shared memory (swizzled rows, T rounded up to 16) and runs the tiled kernels' tile
+// bodies over them, in the same order: the same bits as the tiled kernels, without their
+// reloads of K and V (forward, dQ) or Q and dO (dK/dV) by every 64-row CTA of the head, nor
+// the second backward kernel's pass over D. At ViT's sequence lengths (T = 197: four 64-row
+// tiles) those reloads and each CTA's fill dominate the tiled kernels' time.
+constexpr int kHeadMaxT = 256;
+// The most warps per CTA and the __launch_bounds__ minimum of resident CTAs per SM (MinB 2:
+// registers capped at 65536 / (2 x 32 x warps)).
+constexpr int kHeadFwdWarps = 8, kHeadFwdMinB = 2;
+constexpr int kHeadBwdWarps = 6, kHeadBwdMinB = 2;
+
+// Rows [0, R) of a head's operand (row stride ld in global) into a swizzled [R x HD] tile;
+// rows >= nvalid zero-filled. Every thread of the CTA takes part.
+template <class E, int HD>
+__device__ __forceinline__ void load_head(E* s, const E* g, int64_t ld, int R, int nvalid) {
+  constexpr int CPR = HD / 8;
+  for (int i = threadIdx.x; i < R * CPR; i += blockDim.x) {
+    const int r = i / CPR, c = (i % CPR) * 8;
+    const bool v = r < nvalid;
+    cp_async16(s + Swizzled<HD>::off(r, c), v ? g + r * ld + c : g, v);
+  }
+}
+
+// The warp's 16 rows of a [16 x HD] fp32 accumulator, times mul, rounded to E (store_rows'
+// values), stored from the registers to rows t0 + r (< T) of g (row stride ld).
+template <class E, int HD>
+__device__ __forceinline__ void store_acc(const float (&acc)[HD / 8][4], float mul0, float mul1,
+                                          E* g, int64_t ld, int t0, int T) {
+  const int lane = threadIdx.x & 31, r = t0 + (lane >> 2), c0 = (lane & 3) * 2;
+#pragma unroll
+  for (int dt = 0; dt < HD / 8; ++dt) {
+    if (r < T)
+      *reinterpret_cast<uint32_t*>(g + r * ld + dt * 8 + c0) =
+          pack2<E>(acc[dt][0] * mul0, acc[dt][1] * mul0);
+    if (r + 8 < T)
+      *reinterpret_cast<uint32_t*>(g + (r + 8) * ld + dt * 8 + c0) =
+          pack2<E>(acc[dt][2] * mul1, acc[dt][3] * mul1);
+  }
+}
+
+// Forward: Q, K and V of the head in shared memory; warp w takes the 16-row query tiles w,
+// w + 8, ... through the key tiles of BN as fa_fwd_kernel does.
+template <class E, int HD, int BN, int NW, int MinB>
+__global__ void __launch_bounds__(NW * 32, MinB)
+    fa_head_fwd_kernel(E* __restrict__ out, float* __restrict__ lse, const E* __restrict__ qkv,
+                       int T, int H, float scale) {
+  using Lay = Swizzled<HD>;
+  constexpr int KS = HD / 16, DT = HD / 8;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int TP = (T + 15) & ~15;
+  E* sQ = reinterpret_cast<E*>(smem);  // [TP][HD] each
+  E* sK = sQ + TP * HD;
+  E* sV = sK + TP * HD;
+
+  const int bh = blockIdx.x, h = bh % H, b = bh / H;
+  const int C = H * HD;
+  const int64_t ld = 3 * static_cast<int64_t>(C);
+  const E* base = qkv + static_cast<int64_t>(b) * T * ld + h * HD;
+  load_head<E, HD>(sQ, base, ld, TP, T);
+  load_head<E, HD>(sK, base + C, ld, TP, T);
+  load_head<E, HD>(sV, base + 2 * C, ld, TP, T);
+  cp_async_commit();
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  const int lr = (lane & 7) + ((lane >> 3) & 1) * 8, lc = (lane >> 4) * 8;
+  const float sl2 = scale * kLog2e;
+  E* og = out + static_cast<int64_t>(b) * T * C + h * HD;
+  float* Lg = lse + static_cast<int64_t>(bh) * T;
+  cp_async_wait<0>();
+  __syncthreads();
+
+  for (int tq = warp; tq * 16 < T; tq += nw) {
+    uint32_t qf[1][KS][4];
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) ldsm_x4(qf[0][ks], sQ + Lay::off(tq * 16 + lr, ks * 16 + lc));
+    float o[1][DT][4], mrow[1][2], lrow[1][2];
+#pragma unroll
+    for (int i = 0; i < DT; ++i) o[0][i][0] = o[0][i][1] = o[0][i][2] = o[0][i][3] = 0.0f;
+    mrow[0][0] = mrow[0][1] = -INFINITY;
+    lrow[0][0] = lrow[0][1] = 0.0f;
+    for (int j = 0; j * BN < T; ++j) {
+      const int kvn = min(BN, T - j * BN);
+      const E* ks_ = sK + j * BN * HD;
+      const E* vs_ = sV + j * BN * HD;
+      if (kvn == BN)
+        fwd_tile<Lay, E, HD, BN, 1, true>(ks_, vs_, kvn, qf, o, mrow, lrow, sl2, lane, lr, lc);
+      else
+        fwd_tile<Lay, E, HD, BN, 1, false>(ks_, vs_, kvn, qf, o, mrow, lrow, sl2, lane, lr, lc);
+    }
+    const float l0 = quad_sum(lrow[0][0]), l1 = quad_sum(lrow[0][1]);
+    const int t0 = tq * 16;
+    store_acc<E, HD>(o[0], 1.0f / l0, 1.0f / l1, og, C, t0, T);
+    if ((lane & 3) == 0) {
+      const int r = t0 + (lane >> 2);
+      if (r < T) Lg[r] = mrow[0][0] * scale + logf(l0);
+      if (r + 8 < T) Lg[r + 8] = mrow[0][1] * scale + logf(l1);
+    }
+  }
+}
+
+// Rows of the backward's per-query statistics in shared memory: T rounded up to 64, as far as
+// the tile bodies read them.
+__host__ __device__ constexpr int head_stat_rows(int T) { return (T + 63) & ~63; }
+
+// Backward: Q, K, V and dO of the head in shared memory, L = lse * log2(e) and
+// D = rowsum(dO * O) (the tiled dQ kernel's sums) beside them; the warps take the 16-key dK/dV
+// tiles first (the larger items: four tile GEMMs to dQ's three), then the 16-query dQ tiles,
+// each through the tiled kernels' loop.
+template <class E, int HD, int BN, int BM, int NW, int MinB>
+__global__ void __launch_bounds__(NW * 32, MinB)
+    fa_head_bwd_kernel(E* __restrict__ dqkv, const E* __restrict__ dout, const E* __restrict__ qkv,
+                       const E* __restrict__ out, const float* __restrict__ lse, int T, int H,
+                       float scale) {
+  using Lay = Swizzled<HD>;
+  constexpr int KS = HD / 16, DT = HD / 8;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int TP = (T + 15) & ~15, TS = head_stat_rows(T);
+  E* sQ = reinterpret_cast<E*>(smem);  // [TP][HD] each
+  E* sK = sQ + TP * HD;
+  E* sV = sK + TP * HD;
+  E* sO = sV + TP * HD;                                // dO
+  float* sL = reinterpret_cast<float*>(sO + TP * HD);  // [TS], 0 past T
+  float* sD = sL + TS;                                 // [TS], 0 past T
+
+  const int bh = blockIdx.x, h = bh % H, b = bh / H;
+  const int C = H * HD;
+  const int64_t ld = 3 * static_cast<int64_t>(C);
+  const E* base = qkv + static_cast<int64_t>(b) * T * ld + h * HD;
+  const int64_t obase = static_cast<int64_t>(b) * T * C + h * HD;  // out / dout head base
+  load_head<E, HD>(sQ, base, ld, TP, T);
+  load_head<E, HD>(sK, base + C, ld, TP, T);
+  load_head<E, HD>(sV, base + 2 * C, ld, TP, T);
+  load_head<E, HD>(sO, dout + obase, C, TP, T);
+  cp_async_commit();
+
+  const float* Lg = lse + static_cast<int64_t>(bh) * T;
+  for (int i = threadIdx.x; i < TS; i += blockDim.x) sL[i] = i < T ? Lg[i] * kLog2e : 0.0f;
+  // D: two lanes per row, half a head each (2 * TS is a multiple of 32: whole warps iterate)
+  for (int i = threadIdx.x; i < 2 * TS; i += blockDim.x) {
+    const int r = i >> 1, half = i & 1;
+    float acc = 0.0f;
+    if (r < T) {
+      const int64_t off = obase + static_cast<int64_t>(r) * C + half * (HD / 2);
+#pragma unroll
+      for (int c = 0; c < HD / 2; c += 8) {
+        const Pack<E, 8> x = *reinterpret_cast<const Pack<E, 8>*>(out + off + c);
+        const Pack<E, 8> y = *reinterpret_cast<const Pack<E, 8>*>(dout + off + c);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc = fmaf(to_f(x.v[e]), to_f(y.v[e]), acc);
+      }
+    }
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    if (half == 0) sD[r] = acc;
+  }
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  const int lr = (lane & 7) + ((lane >> 3) & 1) * 8, lc = (lane >> 4) * 8;
+  const float sl2 = scale * kLog2e;
+  E* g = dqkv + static_cast<int64_t>(b) * T * ld + h * HD;
+  cp_async_wait<0>();
+  __syncthreads();
+
+  const int nt = TP / 16;
+  for (int it = warp; it < 2 * nt; it += nw) {
+    if (it < nt) {  // dK and dV of keys [16 it, 16 it + 16)
+      const int k0 = it * 16;
+      const uint32_t kf[1][1][4] = {}, vf[1][1][4] = {};  // not held (kHold = false)
+      float dk[1][DT][4], dv[1][DT][4];
+#pragma unroll
+      for (int i = 0; i < DT; ++i) {
+        dk[0][i][0] = dk[0][i][1] = dk[0][i][2] = dk[0][i][3] = 0.0f;
+        dv[0][i][0] = dv[0][i][1] = dv[0][i][2] = dv[0][i][3] = 0.0f;
+      }
+      const E* kw = sK + k0 * HD;
+      const E* vw = sV + k0 * HD;
+      for (int j = 0; j * BM < T; ++j) {
+        const int qn = min(BM, T - j * BM);
+        const E* qs_ = sQ + j * BM * HD;
+        const E* os_ = sO + j * BM * HD;
+        if (qn == BM)
+          dkdv_tile<Lay, E, HD, BM, 1, false, true>(qs_, os_, sL + j * BM, sD + j * BM, qn, kw, vw,
+                                                    kf, vf, dk, dv, sl2, lane, lr, lc);
+        else
+          dkdv_tile<Lay, E, HD, BM, 1, false, false>(qs_, os_, sL + j * BM, sD + j * BM, qn, kw, vw,
+                                                     kf, vf, dk, dv, sl2, lane, lr, lc);
+      }
+      store_acc<E, HD>(dk[0], scale, scale, g + C, ld, k0, T);
+      store_acc<E, HD>(dv[0], 1.0f, 1.0f, g + 2 * C, ld, k0, T);
+    } else {  // dQ of queries [16 (it - nt), ...)
+      const int q0 = (it - nt) * 16;
+      uint32_t qf[1][KS][4], df[1][KS][4];
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        ldsm_x4(qf[0][ks], sQ + Lay::off(q0 + lr, ks * 16 + lc));
+        ldsm_x4(df[0][ks], sO + Lay::off(q0 + lr, ks * 16 + lc));
+      }
+      const int r0 = q0 + (lane >> 2);
+      const float L[1][2] = {{sL[r0], sL[r0 + 8]}}, D[1][2] = {{sD[r0], sD[r0 + 8]}};
+      float dq[1][DT][4];
+#pragma unroll
+      for (int i = 0; i < DT; ++i) dq[0][i][0] = dq[0][i][1] = dq[0][i][2] = dq[0][i][3] = 0.0f;
+      for (int j = 0; j * BN < T; ++j) {
+        const int kvn = min(BN, T - j * BN);
+        const E* ks_ = sK + j * BN * HD;
+        const E* vs_ = sV + j * BN * HD;
+        if (kvn == BN)
+          dq_tile<Lay, E, HD, BN, 1, true>(ks_, vs_, kvn, qf, df, dq, L, D, sl2, lane, lr, lc);
+        else
+          dq_tile<Lay, E, HD, BN, 1, false>(ks_, vs_, kvn, qf, df, dq, L, D, sl2, lane, lr, lc);
+      }
+      store_acc<E, HD>(dq[0], scale, scale, g, ld, q0, T);
     }
   }
 }
@@ -821,16 +1070,55 @@ void dkdv_launch(cudaStream_t st, E* dqkv, const E* dout, const E* qkv, const fl
   CUDA_CHECK_LAUNCH();
 }
 
+// Warps for `items` equal work items, at most `most`: as few as finish them in the fewest
+// rounds (T = 197: 13 query tiles on 7 warps, 26 backward items on 6; T = 50: 4 and 4).
+int head_warps(int items, int most) {
+  const int rounds = (items + most - 1) / most;
+  return (items + rounds - 1) / rounds;
+}
+
+// The whole-head kernels take the tiled ones' key and query tile sizes (the same bits); MinB 2:
+// two CTAs per SM (at T = 197 the forward holds 78 KB of shared memory, the backward 106 KB).
 template <class E, int HD>
-void fwd(cudaStream_t st, E* out, float* lse, const E* qkv, int B, int T, int H) {
+void head_fwd(cudaStream_t st, E* out, float* lse, const E* qkv, int B, int T, int H) {
+  const size_t smem = static_cast<size_t>(3) * ((T + 15) & ~15) * HD * sizeof(E);
+  auto k = fa_head_fwd_kernel<E, HD, Cfg<HD>::kFwdBN, kHeadFwdWarps, kHeadFwdMinB>;
+  set_smem(k, smem);
+  const int nw = head_warps((T + 15) / 16, kHeadFwdWarps);
+  k<<<grid_of(B, H, 1), nw * 32, smem, st>>>(out, lse, qkv, T, H,
+                                             1.0f / std::sqrt(static_cast<float>(HD)));
+  CUDA_CHECK_LAUNCH();
+}
+
+template <class E, int HD>
+void head_bwd(cudaStream_t st, E* dqkv, const E* dout, const E* qkv, const E* out, const float* lse,
+              int B, int T, int H) {
+  const size_t smem = static_cast<size_t>(4) * ((T + 15) & ~15) * HD * sizeof(E) +
+                      2 * static_cast<size_t>(head_stat_rows(T)) * sizeof(float);
+  auto k = fa_head_bwd_kernel<E, HD, Cfg<HD>::kDqBN, Cfg<HD>::kKvBM, kHeadBwdWarps, kHeadBwdMinB>;
+  set_smem(k, smem);
+  const int nw = head_warps(2 * ((T + 15) / 16), kHeadBwdWarps);
+  k<<<grid_of(B, H, 1), nw * 32, smem, st>>>(dqkv, dout, qkv, out, lse, T, H,
+                                             1.0f / std::sqrt(static_cast<float>(HD)));
+  CUDA_CHECK_LAUNCH();
+}
+
+template <class E, int HD>
+void fwd(cudaStream_t st, E* out, float* lse, const E* qkv, int B, int T, int H, bool head) {
+  if constexpr (HD == 64) {
+    if (head) return head_fwd<E, HD>(st, out, lse, qkv, B, T, H);
+  }
   using K = Cfg<HD>;
   fwd_launch<E, HD, K::kFwdBN, K::kFwdMT, K::kFwdMinB>(st, out, lse, qkv, B, T, H);
 }
 
-// The dQ kernel runs first: it also writes D, which the dK/dV kernel reads.
+// Tiled: the dQ kernel runs first; it also writes D, which the dK/dV kernel reads.
 template <class E, int HD>
 void bwd(cudaStream_t st, E* dqkv, float* Dws, const E* dout, const E* qkv, const E* out,
-         const float* lse, int B, int T, int H) {
+         const float* lse, int B, int T, int H, bool head) {
+  if constexpr (HD == 64) {
+    if (head) return head_bwd<E, HD>(st, dqkv, dout, qkv, out, lse, B, T, H);
+  }
   using K = Cfg<HD>;
   dq_launch<E, HD, K::kDqBN, K::kDqMT, K::kDqMinB>(st, dqkv, Dws, dout, qkv, out, lse, B, T, H);
   dkdv_launch<E, HD, K::kKvBM, K::kKvMT, K::kKvHold, K::kKvMinB>(st, dqkv, dout, qkv, lse, Dws,
@@ -863,26 +1151,32 @@ bool flash_attention_supported(DType act, int hd) {
          (hd == 32 || hd == 64 || hd == 80 || hd == 128);
 }
 
+bool flash_head_applies(DType act, int hd, int T) {
+  return (act == DType::BF16 || act == DType::F16) && hd == 64 && T >= 1 && T <= kHeadMaxT;
+}
+
 void flash_attention_forward(cudaStream_t st, DType act, void* out, float* lse, const void* qkv,
-                             int B, int T, int H, int hd) {
+                             int B, int T, int H, int hd, FlashKernels kernels) {
   VG_CHECK(aligned16(out) && aligned16(qkv), "flash attention needs 16-byte aligned tensors");
+  const bool head = kernels == FlashKernels::Best && flash_head_applies(act, hd, T);
   dispatch(act, hd, [&](auto tag, auto hdc) {
     using E = typename decltype(tag)::type;
-    fwd<E, decltype(hdc)::value>(st, static_cast<E*>(out), lse, static_cast<const E*>(qkv), B, T,
-                                 H);
+    fwd<E, decltype(hdc)::value>(st, static_cast<E*>(out), lse, static_cast<const E*>(qkv), B, T, H,
+                                 head);
   });
 }
 
-void flash_attention_backward(cudaStream_t st, DType act, void* dqkv, float* Dws,
-                              const void* dout, const void* qkv, const void* out,
-                              const float* lse, int B, int T, int H, int hd) {
+void flash_attention_backward(cudaStream_t st, DType act, void* dqkv, float* Dws, const void* dout,
+                              const void* qkv, const void* out, const float* lse, int B, int T,
+                              int H, int hd, FlashKernels kernels) {
   VG_CHECK(aligned16(dqkv) && aligned16(dout) && aligned16(qkv) && aligned16(out),
            "flash attention needs 16-byte aligned tensors");
+  const bool head = kernels == FlashKernels::Best && flash_head_applies(act, hd, T);
   dispatch(act, hd, [&](auto tag, auto hdc) {
     using E = typename decltype(tag)::type;
     bwd<E, decltype(hdc)::value>(st, static_cast<E*>(dqkv), Dws, static_cast<const E*>(dout),
-                                 static_cast<const E*>(qkv), static_cast<const E*>(out), lse, B,
-                                 T, H);
+                                 static_cast<const E*>(qkv), static_cast<const E*>(out), lse, B, T,
+                                 H, head);
   });
 }
 

@@ -344,9 +344,13 @@ TEST(CpuElementwise, DropPathDropsWholeSamples) {
       dropped += !kept;
       for (size_t i = 0; i < per; ++i) {
         const float v = y[s * per + i];
-        if (!kept) ASSERT_EQ(v, 0.0f) << "sample " << s;
-        else if (p == 0.0f) ASSERT_EQ(v, scale) << "sample " << s;
-        else ASSERT_TRUE(v == 0.0f || v == scale) << "sample " << s;
+        if (!kept) {
+          ASSERT_EQ(v, 0.0f) << "sample " << s;
+        } else if (p == 0.0f) {
+          ASSERT_EQ(v, scale) << "sample " << s;
+        } else {
+          ASSERT_TRUE(v == 0.0f || v == scale) << "sample " << s;
+        }
       }
     }
     // 25% of 400 samples, within 5 standard deviations (8.7 samples)

@@ -114,7 +114,9 @@ TEST(CpuFp8Ops, LayerNormFp8IsTheLayerNormThenTheCast) {
     EXPECT_EQ(res, rres) << variant;
     EXPECT_EQ(mean, rmean) << variant;
     EXPECT_EQ(rstd, rstd2) << variant;
-    if (o) EXPECT_EQ(out, rout) << variant;
+    if (o) {
+      EXPECT_EQ(out, rout) << variant;
+    }
     EXPECT_EQ(out_t, rout_t) << variant;
     EXPECT_EQ(amax, ramax) << variant;
     EXPECT_GT(amax, 0.5f) << variant;

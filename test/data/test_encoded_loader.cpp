@@ -514,9 +514,13 @@ TEST_F(EncodedLoader, DeviceResizedRegionsEndAsTheHostLoadersBatch) {
       }
       EXPECT_GT(regions, 0) << tree << train;
       EXPECT_GT(host_resized, 0) << tree << train;  // boxes beyond max_box_
-      if (train) EXPECT_GT(views, 0) << tree;
+      if (train) {
+        EXPECT_GT(views, 0) << tree;
+      }
       EXPECT_EQ(dev_bad, host_bad) << tree << train;
-      if (std::string(tree) == "bad" && train) EXPECT_GT(host_bad, 0);
+      if (std::string(tree) == "bad" && train) {
+        EXPECT_GT(host_bad, 0);
+      }
       EXPECT_EQ(dec.resized_, regions);
     }
   }

@@ -82,7 +82,9 @@ TEST_P(GpuBackend, LinearForward) {
       }
       SCOPED_TRACE("out " + std::to_string(out) + " mode " + std::to_string(mode));
       EXPECT_CLOSE(yg, yc, tol());
-      if (gel) EXPECT_CLOSE(gg, gc, tol());
+      if (gel) {
+        EXPECT_CLOSE(gg, gc, tol());
+      }
     }
   }
 }
@@ -652,7 +654,9 @@ TEST_P(GpuBackend, Attention) {
     } else if (cd) {
       EXPECT_EQ(path[1], path[4]);
     }
-    if (cd) EXPECT_EQ(path[5], path[4]);  // cudnn with atomics takes what cudnn takes
+    if (cd) {
+      EXPECT_EQ(path[5], path[4]);  // cudnn with atomics takes what cudnn takes
+    }
   }
 }
 

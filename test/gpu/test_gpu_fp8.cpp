@@ -243,7 +243,9 @@ TEST_P(GpuFp8, LayerNormFp8IsTheLayerNormThenTheCast) {
       const Vec s1 = d.get_f32(rstd, N), s2 = d.get_f32(rrstd, N);
       EXPECT_EQ(0, std::memcmp(m1.data(), m2.data(), N * sizeof(float))) << "mean";
       EXPECT_EQ(0, std::memcmp(s1.data(), s2.data(), N * sizeof(float))) << "rstd";
-      if (o) EXPECT_EQ(codes(d, o, n), codes(d, ro, n));
+      if (o) {
+        EXPECT_EQ(codes(d, o, n), codes(d, ro, n));
+      }
       EXPECT_EQ(codes(d, ot, n), codes(d, rot, n));
       EXPECT_EQ(d.get_f32(am, 1)[0], d.get_f32(ram, 1)[0]);
       EXPECT_GT(d.get_f32(am, 1)[0], 0.25f);

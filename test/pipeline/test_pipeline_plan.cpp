@@ -115,8 +115,11 @@ TEST(PipelinePlan, PlacementRunsAtTheScheduleBubble) {
           for (bool train : {true, false}) {
             auto p = build_pipeline_plans(k, P, V, M, train);
             const std::string what = name({k, P, V, M}) + (train ? " train" : " eval");
-            if (train) EXPECT_NEAR(plan_bubble(p), p.simulated_bubble, 1e-12) << what;
-            else EXPECT_GE(plan_bubble(p), 0.0) << what;
+            if (train) {
+              EXPECT_NEAR(plan_bubble(p), p.simulated_bubble, 1e-12) << what;
+            } else {
+              EXPECT_GE(plan_bubble(p), 0.0) << what;
+            }
             // GPipe and 1F1B always grouped (their receives never wait beside the compute
             // on a GPU); interleaved training with M != P cannot be (its gradients wait long
             // for their consumer; P = 2, M = 1 aside): asynchronous

@@ -123,6 +123,7 @@ int Trainer::Impl::train() {
   double wait_since_log = 0.0;         // this rank's input waits since the last log line
   double decode_wait_since_log = 0.0;  // ... of them waiting for the JPEG decoder
   int64_t steps_since_log = 0;
+  bool said_input_bound = false;
   double last_loss = 0.0;
   const int64_t first_step = step;
   const int64_t allocs_before = be.device_allocations();
@@ -185,6 +186,20 @@ int Trainer::Impl::train() {
           static_cast<long long>(k), static_cast<long long>(total_steps),
           double(k) * G / train_ds.size(), loss, p.lr, ips, fmt_flops(ips * flops_sample).c_str(),
           wait, fmt_duration(eta).c_str(), p.applied ? "" : " | overflow: step skipped");
+      // Steps that spend a tenth of their time (and a millisecond) waiting for their batch are
+      // input-bound: said once, with what helps (the first interval, in which the loader fills
+      // its queue, aside).
+      const double wait_ms = per * wait_since_log, step_ms = 1e3 * log_time / steps_since_log;
+      if (!said_input_bound && k - steps_since_log > first_step && wait_ms >= 1.0 &&
+          wait_ms > 0.1 * step_ms) {
+        said_input_bound = true;
+        log("warning: input-bound: steps %lld-%lld waited %.1f ms of their %.1f ms for the next "
+            "batch (rank 0): the input pipeline delivers fewer images than the model trains on. "
+            "More cores per GPU or data.workers, data.decode = device for JPEGs, or a faster "
+            "file system help (README, \"Decoding\")\n",
+            static_cast<long long>(k - steps_since_log + 1), static_cast<long long>(k), wait_ms,
+            step_ms);
+      }
       log_time = 0.0;
       wait_since_log = decode_wait_since_log = 0.0;
       steps_since_log = 0;

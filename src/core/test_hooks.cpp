@@ -2,5 +2,5 @@
 #include "vitgrid/core/test_hooks.h"
 
 extern "C" {
-struct vitgrid_test_hooks_t vitgrid_test_hooks = {-1, -1, -1, 0, 0, 0};
+struct vitgrid_test_hooks_t vitgrid_test_hooks = {-1, -1, -1, 0, 0, 0, 0};
 }

@@ -5,6 +5,7 @@
 // next() in the order it happened, after the batches finished before it.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -16,6 +17,7 @@
 
 #include "views.h"
 #include "vitgrid/core/error.h"
+#include "vitgrid/core/test_hooks.h"
 #include "vitgrid/data/dataset.h"
 #include "vitgrid/data/image_source.h"
 
@@ -300,6 +302,9 @@ void DataLoader::Impl::run() {
     if (cfg.train) sampler = std::make_unique<Sampler>(cfg.seed, ds->size());
     const size_t cap = (size_t)std::max(1, cfg.prefetch);
     for (int64_t k = 0; cfg.train || k < eval_batches; ++k) {
+      if (cfg.train && vitgrid_test_hooks.loader_batch_delay_ms > 0)  // tests: a slow loader
+        std::this_thread::sleep_for(
+            std::chrono::milliseconds(vitgrid_test_hooks.loader_batch_delay_ms));
       auto hb = cfg.train ? make_train(*sampler, k) : make_eval(k);
       std::unique_lock<std::mutex> lock(mu);
       not_full.wait(lock, [&] { return stop || queue.size() < cap; });

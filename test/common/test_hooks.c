@@ -6,6 +6,7 @@
  *   VITGRID_TEST_NCCL_SKIP=rank:n       that world rank silently skips its n-th NCCL collective
  *   VITGRID_TEST_METRICS_NO_RESERVE=1   MetricsWriter does not reserve room before a write
  *   VITGRID_TEST_CKPT_DELAY_MS=n        write_checkpoint sleeps n ms before each tensor
+ *   VITGRID_TEST_LOADER_DELAY_MS=n      the data loader sleeps n ms before each training batch
  * In a process without the struct (mpirun, a shell) it does nothing. The product itself never
  * reads these variables. Never linked into vitgrid. */
 #define _GNU_SOURCE
@@ -49,4 +50,6 @@ __attribute__((constructor)) static void vg_test_hooks_init(void) {
   if (v && *v == '1') h->metrics_no_reserve = 1;
   v = getenv("VITGRID_TEST_CKPT_DELAY_MS");
   if (v && *v) h->checkpoint_tensor_delay_ms = atoi(v);
+  v = getenv("VITGRID_TEST_LOADER_DELAY_MS");
+  if (v && *v) h->loader_batch_delay_ms = atoi(v);
 }

@@ -30,6 +30,9 @@ struct vitgrid_test_hooks_t {
   /* Milliseconds write_checkpoint sleeps before each tensor's collective write (0: none), so
    * that a test can signal or kill the ranks while a checkpoint is being written. */
   int checkpoint_tensor_delay_ms;
+  /* Milliseconds the data loader's thread sleeps before each training batch (0: none): a run
+   * whose steps wait for their input, as on a node whose CPUs decode too slowly. */
+  int loader_batch_delay_ms;
 };
 
 /* The one instance, in vitgrid_core; the vitgrid executable exports it by name. */

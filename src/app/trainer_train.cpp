@@ -186,18 +186,20 @@ int Trainer::Impl::train() {
           static_cast<long long>(k), static_cast<long long>(total_steps),
           double(k) * G / train_ds.size(), loss, p.lr, ips, fmt_flops(ips * flops_sample).c_str(),
           wait, fmt_duration(eta).c_str(), p.applied ? "" : " | overflow: step skipped");
-      // Steps that spend a tenth of their time (and a millisecond) waiting for their batch are
-      // input-bound: said once, with what helps (the first interval, in which the loader fills
-      // its queue, aside).
-      const double wait_ms = per * wait_since_log, step_ms = 1e3 * log_time / steps_since_log;
-      if (!said_input_bound && k - steps_since_log > first_step && wait_ms >= 1.0 &&
-          wait_ms > 0.1 * step_ms) {
+      // Waits for the loader's batches of a tenth of the step (and a millisecond) in the steady
+      // state mean that it delivers fewer images than the device trains on: said once, with
+      // what helps (the first interval, in which the loader fills its queue, aside; the device
+      // decoder's waits, which include the running step's end, do not count).
+      const double loader_ms = per * (wait_since_log - decode_wait_since_log);
+      const double step_ms = 1e3 * log_time / steps_since_log;
+      if (!said_input_bound && k - steps_since_log > first_step && loader_ms >= 1.0 &&
+          loader_ms > 0.1 * step_ms) {
         said_input_bound = true;
-        log("warning: input-bound: steps %lld-%lld waited %.1f ms of their %.1f ms for the next "
-            "batch (rank 0): the input pipeline delivers fewer images than the model trains on. "
-            "More cores per GPU or data.workers, data.decode = device for JPEGs, or a faster "
-            "file system help (README, \"Decoding\")\n",
-            static_cast<long long>(k - steps_since_log + 1), static_cast<long long>(k), wait_ms,
+        log("warning: input-bound: in steps %lld-%lld rank 0 waited %.1f ms a step for the "
+            "loader's next batch, in steps of %.1f ms: the input pipeline delivers fewer images "
+            "than the model trains on. More cores per GPU or data.workers, data.decode = device "
+            "for JPEGs, or a faster file system help (README, \"Decoding\")\n",
+            static_cast<long long>(k - steps_since_log + 1), static_cast<long long>(k), loader_ms,
             step_ms);
       }
       log_time = 0.0;

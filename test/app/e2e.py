@@ -1480,7 +1480,8 @@ def t_input_bound(tmp):
     fast = run(2, common + [f"--run.out_dir={os.path.join(tmp, 'fast')}", "--data.prefetch=16"])
     warns = [ln for ln in slow.stdout.splitlines() if "input-bound" in ln]
     check(len(warns) == 1, f"slow loader: {len(warns)} input-bound warning(s), 1 expected")
-    m = re.search(r"steps (\d+)-(\d+) waited ([\d.]+) ms of their ([\d.]+) ms", warns[0] if warns else "")
+    m = re.search(r"in steps (\d+)-(\d+) rank 0 waited ([\d.]+) ms a step .* in steps of ([\d.]+) ms",
+                  warns[0] if warns else "")
     check(m is not None and int(m.group(1)) == 6 and int(m.group(2)) == 10,
           f"the warning names steps 6-10, the interval after the first: {warns[:1]}")
     if m:

@@ -791,7 +791,8 @@ __global__ void __launch_bounds__(kThreads, MinB)
 // bodies over them, in the same order: the same bits as the tiled kernels, without their
 // reloads of K and V (forward, dQ) or Q and dO (dK/dV) by every 64-row CTA of the head, nor
 // the second backward kernel's pass over D. At ViT's sequence lengths (T = 197: four 64-row
-// tiles) those reloads and each CTA's fill dominate the tiled kernels' time.
+// tiles per head) that saves 12-20% of the time (tools/MEASURED.md); both are then bound by
+// the tile bodies' ldmatrix traffic from shared memory, not by the tensor cores.
 constexpr int kHeadMaxT = 256;
 // The most warps per CTA and the __launch_bounds__ minimum of resident CTAs per SM (MinB 2:
 // registers capped at 65536 / (2 x 32 x warps)).
@@ -827,8 +828,8 @@ __device__ __forceinline__ void store_acc(const float (&acc)[HD / 8][4], float m
   }
 }
 
-// Forward: Q, K and V of the head in shared memory; warp w takes the 16-row query tiles w,
-// w + 8, ... through the key tiles of BN as fa_fwd_kernel does.
+// Forward: Q, K and V of the head in shared memory; of nw warps, warp w takes the 16-row query
+// tiles w, w + nw, ... through the key tiles of BN as fa_fwd_kernel does.
 template <class E, int HD, int BN, int NW, int MinB>
 __global__ void __launch_bounds__(NW * 32, MinB)
     fa_head_fwd_kernel(E* __restrict__ out, float* __restrict__ lse, const E* __restrict__ qkv,

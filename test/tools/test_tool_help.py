@@ -2,8 +2,8 @@
 """Every Python tool of tools/ answers --help with its usage and exit 0 under each python3 this
 machine has (the one first on PATH, e.g. pyenv's without h5py or torch, and Debian's
 /usr/bin/python3): third-party modules are imported only after argument parsing. And the
-binaries: `vitgrid --help`, `vitgrid train --help`, `vitgrid_dataset --help` print their usage
-on stdout and exit 0.
+binaries: `vitgrid --help`, `vitgrid train --help`, `vitgrid_dataset --help` and
+`bench_loader --help` print their usage on stdout and exit 0.
 Run by ctest with VITGRID_BIN and VITGRID_SOURCE_DIR set."""
 import glob
 import os
@@ -30,7 +30,9 @@ for py in pythons:
 
 vitgrid = os.environ.get("VITGRID_BIN", os.path.join(ROOT, "build", "bin", "vitgrid"))
 dataset = os.path.join(os.path.dirname(vitgrid), "vitgrid_dataset")
-for cmd in ([vitgrid, "--help"], [vitgrid, "train", "--help"], [dataset, "--help"]):
+loader = os.path.join(os.path.dirname(vitgrid), "bench_loader")
+for cmd in ([vitgrid, "--help"], [vitgrid, "train", "--help"], [dataset, "--help"],
+            [loader, "--help"]):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     ok = p.returncode == 0 and p.stdout.startswith("usage")
     check(ok, f"{os.path.basename(cmd[0])} {' '.join(cmd[1:])}: exit {p.returncode}, usage on stdout"

@@ -90,7 +90,10 @@ int main(int argc, char** argv) {
         "usage: bench_loader DECK [--batches=N] [--decode=host|device] [--resize=host|device] "
         "[--section.key=value ...]";
     if (argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
-      if (rank == 0) std::printf("%s\n(mpirun -np <GPUs per node>: every rank's loader at once, rank 0 the sum)\n", usage);
+      if (rank == 0)
+        std::printf(
+            "%s\n(mpirun -np <GPUs per node>: every rank's loader at once, rank 0 the sum)\n",
+            usage);
       MPI_Finalize();
       return 0;
     }
@@ -174,8 +177,10 @@ int main(int argc, char** argv) {
       if (ds->encoded()) {
         char timing[128] = "";
         if (dec)
-          std::snprintf(timing, sizeof timing, " | per batch: %.1f ms in the decoder's calls, %.1f ms waiting for the device",
-                        1e3 * host_s / batches, 1e3 * wait_s / batches);
+          std::snprintf(
+              timing, sizeof timing,
+              " | per batch: %.1f ms in the decoder's calls, %.1f ms waiting for the device",
+              1e3 * host_s / batches, 1e3 * wait_s / batches);
         std::printf(
             "input%s | %s | %dx%d | batch %lld | workers %d | decode %s | resize %s | %.1f%% "
             "decoded on the device | %.0f img/s%s\n",
@@ -190,10 +195,11 @@ int main(int argc, char** argv) {
                                           last->count, S, d.data.crop_padding, d.data.mean.data(),
                                           d.data.std.data());
         const double dp = vitgrid::now_s() - t1;
-        std::printf("loader%s | %s | %dx%d | batch %lld | workers %d | mixup %.2f | %.0f img/s | CPU "
-                    "prepare_images reference %.0f img/s\n",
-                    who, ds->describe().c_str(), S, S, static_cast<long long>(last->count),
-                    c.workers, c.mix.mixup_alpha, ips, last->count / dp);
+        std::printf(
+            "loader%s | %s | %dx%d | batch %lld | workers %d | mixup %.2f | %.0f img/s | CPU "
+            "prepare_images reference %.0f img/s\n",
+            who, ds->describe().c_str(), S, S, static_cast<long long>(last->count), c.workers,
+            c.mix.mixup_alpha, ips, last->count / dp);
       }
       std::fflush(stdout);
       MPI_Reduce(&ips, &total, 1, MPI_DOUBLE, MPI_SUM, 0, MPI_COMM_WORLD);

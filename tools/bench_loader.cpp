@@ -210,6 +210,7 @@ int main(int argc, char** argv) {
   }
   loader.reset();
   if (out) be->release(out);
+  be.reset();
   MPI_Finalize();
   return rc;
 }

@@ -25,10 +25,11 @@
 #include <tuple>
 #include <vector>
 
+#include "flash_attention.h"
+#include "gpu_test_util.h"
 #include "vitgrid/backend/backend.h"
 #include "vitgrid/backend/cpu/emulate16.h"
 #include "vitgrid/backend/cuda/cuda_backend.h"
-#include "gpu_test_util.h"
 #include "vitgrid/core/error.h"
 #include "vitgrid/core/rng.h"
 #include "vitgrid/model/workspace_plan.h"
@@ -647,9 +648,8 @@ TEST_P(GpuBackend, Attention) {
         EXPECT_EQ(saved_bytes[k], saved_bytes[2]);
       }
     }
-    // auto takes the whole-head flash kernels where one CTA holds a head (head dim 64,
-    // T <= 256), else what cudnn takes
-    if (fused && s.hd == 64 && s.T <= 256) {
+    // auto takes the whole-head flash kernels where they apply, else what cudnn takes
+    if (cuda::flash_head_applies(dt, s.hd, s.T)) {
       EXPECT_EQ(path[1], "flash");
     } else if (cd) {
       EXPECT_EQ(path[1], path[4]);

@@ -371,6 +371,27 @@ __global__ void __launch_bounds__(kThreads, MinB)
   }
 }
 
+// D = rowsum(dO * O) of one row, two lanes per row (lanes 2i and 2i + 1: half a head each, in
+// order, then the pair's sum); row_off: the row's element offset in out / dout, valid false for
+// rows past T (sum 0). Every lane of the warp calls it.
+template <class E, int HD>
+__device__ __forceinline__ float row_dot_pair(const E* out, const E* dout, int64_t row_off,
+                                              int half, bool valid) {
+  float acc = 0.0f;
+  if (valid) {
+    const int64_t off = row_off + half * (HD / 2);
+#pragma unroll
+    for (int c = 0; c < HD / 2; c += 8) {
+      const Pack<E, 8> x = *reinterpret_cast<const Pack<E, 8>*>(out + off + c);
+      const Pack<E, 8> y = *reinterpret_cast<const Pack<E, 8>*>(dout + off + c);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc = fmaf(to_f(x.v[e]), to_f(y.v[e]), acc);
+    }
+  }
+  acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+  return acc;
+}
+
 // ---------------------------------------------------------------------------------------
 // Backward, dQ (and D = rowsum(dO * O))
 template <class Lay, class E, int HD, int BN, int MT, bool kFull>
@@ -487,18 +508,8 @@ __global__ void __launch_bounds__(kThreads, MinB)
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {  // D: two lanes per row, half a head each
       const int r = warp * WR + mt * 16 + (lane >> 1), half = lane & 1, t = q0 + r;
-      float acc = 0.0f;
-      if (t < T) {
-        const int64_t off = obase + static_cast<int64_t>(t) * C + half * (HD / 2);
-#pragma unroll
-        for (int c = 0; c < HD / 2; c += 8) {
-          const Pack<E, 8> x = *reinterpret_cast<const Pack<E, 8>*>(out + off + c);
-          const Pack<E, 8> y = *reinterpret_cast<const Pack<E, 8>*>(dout + off + c);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc = fmaf(to_f(x.v[e]), to_f(y.v[e]), acc);
-        }
-      }
-      acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+      const float acc =
+          row_dot_pair<E, HD>(out, dout, obase + static_cast<int64_t>(t) * C, half, t < T);
       if (half == 0) {
         sD[r] = acc;
         if (t < T) Dws[static_cast<int64_t>(bh) * T + t] = acc;
@@ -928,18 +939,8 @@ __global__ void __launch_bounds__(NW * 32, MinB)
   // D: two lanes per row, half a head each (2 * TS is a multiple of 32: whole warps iterate)
   for (int i = threadIdx.x; i < 2 * TS; i += blockDim.x) {
     const int r = i >> 1, half = i & 1;
-    float acc = 0.0f;
-    if (r < T) {
-      const int64_t off = obase + static_cast<int64_t>(r) * C + half * (HD / 2);
-#pragma unroll
-      for (int c = 0; c < HD / 2; c += 8) {
-        const Pack<E, 8> x = *reinterpret_cast<const Pack<E, 8>*>(out + off + c);
-        const Pack<E, 8> y = *reinterpret_cast<const Pack<E, 8>*>(dout + off + c);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc = fmaf(to_f(x.v[e]), to_f(y.v[e]), acc);
-      }
-    }
-    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    const float acc =
+        row_dot_pair<E, HD>(out, dout, obase + static_cast<int64_t>(r) * C, half, r < T);
     if (half == 0) sD[r] = acc;
   }
 

@@ -263,7 +263,7 @@ const std::vector<Field>& schema() {
       VG_FIELD(device, attention, "auto|cudnn|flash|fallback",
                "attention on GPUs: cuDNN's fused SDPA (cudnn: needs a build with cudnn_frontend), "
                "vitgrid's own flash kernels, or the materialised cuBLASLt + softmax path; auto "
-               "takes flash where one CTA holds a whole head (head dim 64, at most 256 tokens: "
+               "takes flash where one CTA holds a whole head (head dim 64, at most 224 tokens: "
                "faster than cuDNN there), else cuDNN where the build has it and cuDNN accepts "
                "the shape, else flash, else the fallback (fp32 and other head dims always take "
                "the fallback)"),

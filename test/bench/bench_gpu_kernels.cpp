@@ -219,7 +219,7 @@ void attention_bench(benchmark::State& st, bool backward) {
 }
 
 // The own flash kernels (flash_attention.h), batch 256, 12 heads of 64: arg kernels 0 = tiled
-// over 64 rows, 1 = the best (one CTA per image and head where T <= 256); T; backward 0 =
+// over 64 rows, 1 = the best (one CTA per image and head where T <= 224); T; backward 0 =
 // forward alone, 1 = forward + backward.
 void BM_FlashKernels(benchmark::State& st) {
   if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");

@@ -533,7 +533,7 @@ TEST_P(GpuBackend, Softmax) {
 // the own flash kernels (bf16/fp16, head dim 32/64/80/128) and the cuBLASLt + softmax
 // fallback (fp32 and other head dims always take it). One backend per BackendOptions::attention
 // value (device.attention): the default (auto: the whole-head flash kernels at head dim 64 and
-// T <= 256), cudnn, flash and fallback; each prints
+// T <= 224), cudnn, flash and fallback; each prints
 // the path it took. Shapes cover ragged tiles (T = 17, 50, 65, 197 against 64-row tiles; 128:
 // a multiple of cuDNN's 128-key tiles), several heads and batches, and hd = 32, 64, 80, 128
 // (16 and 8: fallback only).

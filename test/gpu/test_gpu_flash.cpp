@@ -1,11 +1,11 @@
 // vitgrid's own attention kernels (src/backend/cuda/flash_attention.h): the whole-head kernels
-// (one CTA per image and head, the head in shared memory: bf16/fp16, head dim 64, T <= 256)
+// (one CTA per image and head, the head in shared memory: bf16/fp16, head dim 64, T <= 224)
 // against the tiled kernels, which run the same tile bodies in the same order: the output,
 // the saved log-sum-exp and the backward's dqkv must be the same bits, and every element
 // written (the outputs are poisoned with NaN first). Both against the CPU backend's attention
 // (fp32) within the tolerances of test_gpu_backend.cpp's attention test, and twice the same.
 // Sequence lengths: one token, a partial 16-row tile, ViT-B/32's 50, ViT-B/16's 197, 208 (whole
-// tiles) and 256 (the largest the whole-head kernels take); then 257, which both run tiled.
+// tiles) and 224 (the largest the whole-head kernels take); then 225, which both run tiled.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -49,11 +49,11 @@ TEST_P(GpuFlash, WholeHeadKernelsEqualTiledOnes) {
     int B, T, H;
   };
   for (Shape s : {Shape{3, 1, 2}, Shape{2, 13, 3}, Shape{3, 50, 4}, Shape{2, 197, 3},
-                  Shape{1, 208, 2}, Shape{2, 256, 2}, Shape{1, 257, 2}}) {
+                  Shape{1, 208, 2}, Shape{2, 224, 2}, Shape{1, 225, 2}}) {
     const std::string tag =
         "B T H = " + std::to_string(s.B) + " " + std::to_string(s.T) + " " + std::to_string(s.H);
     SCOPED_TRACE(tag);
-    EXPECT_EQ(s.T <= 256, cuda::flash_head_applies(dt, hd, s.T));
+    EXPECT_EQ(s.T <= 224, cuda::flash_head_applies(dt, hd, s.T));
     const size_t C = size_t(s.H) * hd, nqkv = size_t(s.B) * s.T * 3 * C,
                  nout = size_t(s.B) * s.T * C, nl = size_t(s.B) * s.H * s.T;
     const Vec qkv_h = rnd(nqkv), dout_h = rnd(nout);
@@ -101,7 +101,11 @@ TEST_P(GpuFlash, WholeHeadKernelsEqualTiledOnes) {
     EXPECT_EQ(run[0].out, run[1].out) << "forward output";
     EXPECT_EQ(0, std::memcmp(run[0].lse.data(), run[1].lse.data(), nl * sizeof(float)))
         << "log-sum-exp";
-    EXPECT_EQ(run[0].dqkv, run[1].dqkv) << "backward dqkv";
+    size_t ndiff = 0, first = 0;  // backward dqkv: how many differ, and where first
+    for (size_t i = nqkv; i-- > 0;)
+      if (run[0].dqkv[i] != run[1].dqkv[i]) first = i, ++ndiff;
+    EXPECT_EQ(ndiff, 0u) << "backward dqkv elements differ of " << nqkv << ", the first at token "
+                         << first / (3 * C) << ", column " << first % (3 * C);
     for (float v : run[1].lse) ASSERT_FALSE(std::isnan(v)) << "a log-sum-exp left unwritten";
   }
 }

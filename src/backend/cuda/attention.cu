@@ -6,7 +6,7 @@
 //    (saved state: fp32 log-sum-exp [B,H,T]; workspace: what the graphs ask for, never less
 //    than the flash path's, so a shape cuDNN rejects can run the flash kernels instead).
 //  * the own flash kernels of flash_attention.cu: flash; auto where they hold the whole head
-//    (head dim 64, T <= 256: ViT at 224 px) or cuDNN is not there; bf16/fp16 with head dim
+//    (head dim 64, T <= 224: ViT at 224 px) or cuDNN is not there; bf16/fp16 with head dim
 //    32, 64, 80, 128
 //    (saved state: fp32 log-sum-exp [B,H,T], the same quantity as cuDNN's; workspace: fp32
 //    D = rowsum(dO * O) [B,H,T] for the backward).

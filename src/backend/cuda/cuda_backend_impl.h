@@ -133,7 +133,7 @@ class CudaBackend final : public Backend {
 
   // Attention (attention.cu), three paths, chosen per shape by BackendOptions::attention
   // (device.attention): Auto takes the own flash kernels where one CTA holds a whole head
-  // (flash_attention.h flash_head_applies: head dim 64, T <= 256), then Auto and Cudnn take
+  // (flash_attention.h flash_head_applies: head dim 64, T <= 224), then Auto and Cudnn take
   // cuDNN's fused SDPA (cudnn_attention.cpp; bf16/fp16, head dims 64/80/128, when the build has
   // cudnn_frontend and cuDNN supports the shape), else the own flash kernels (bf16/fp16,
   // head dims 32/64/80/128), else the cuBLASLt + softmax fallback; Flash skips cuDNN, Fallback

@@ -23,17 +23,19 @@
 //   dK/dV kernel: one CTA per (b, h, 64-key tile) loops over 32-query tiles with the
 //     transposed products S^T = K Q^T, dP^T = V dO^T (so P^T and dS^T land in registers in the
 //     A-operand layout): dV += P^T dO, dK += dS^T Q.
-// Whole-head kernels (head dim 64, T <= 256: ViT at 224 px; what FlashKernels::Best runs
+// Whole-head kernels (head dim 64, T <= 224: ViT at 224 px; what FlashKernels::Best runs
 //   there): one CTA per (b, h) loads Q, K, V (and dO) of the head once into shared memory and
-//   runs the same tile bodies in the same order, its warps taking 16-row query tiles (forward)
-//   or the 16-key dK/dV and 16-query dQ items (backward, one kernel, D kept in shared memory).
-//   Same bits as the tiled kernels. H100, B = 256, 12 heads: T = 197 forward 0.207 ms against
-//   0.235 tiled and cuDNN's 0.176, forward + backward 0.809 against 1.01 and cuDNN's 0.936;
-//   T = 50: 0.144 against 0.179 and 0.247 (tools/MEASURED.md).
+//   runs the same tile bodies in the same order. Forward: its warps take 16-row query tiles.
+//   Backward, one kernel, D kept in shared memory: the warps take the 16-key dK/dV tiles,
+//   storing dS^T in shared memory, then the 16-query dQ tiles read it back: S and dP are
+//   computed once (5 tile GEMMs, against the tiled kernels' 7). Same bits as the tiled kernels.
+//   H100, B = 256, 12 heads: T = 197 forward 0.207 ms against 0.235 tiled and cuDNN's 0.176;
+//   forward + backward on an H200 0.756-0.782 ms against 1.02 tiled (the backward that
+//   recomputed S and dP: 0.785-0.792), T = 50 0.128 against 0.163 (0.136) (tools/MEASURED.md).
 //   Every output element is written by exactly one thread after a fixed-order fp32
 //   accumulation: bitwise reproducible run to run. Cost of that choice against FA2's atomic
-//   dQ: S and dP are computed twice (7 tile GEMMs instead of 5, i.e. 1.4x the backward
-//   tensor-core work), no fp32 dQ workspace, no atomics and no cast kernel.
+//   dQ in the tiled kernels: S and dP are computed twice (7 tile GEMMs instead of 5, i.e. 1.4x
+//   the backward tensor-core work), no fp32 dQ workspace, no atomics and no cast kernel.
 // Kernels are templated on tile sizes and on MT (16-row MMA tiles per warp: one shared-memory
 // fragment feeds MT MMAs); Cfg below holds the choice per head dim and the measurements.
 #include <cuda_bf16.h>
@@ -130,7 +132,7 @@ __device__ __forceinline__ float quad_max(float v) {
 // Shared-memory layouts of row-major [rows x HD] tiles of E, both conflict-free for ldmatrix's
 // 8-row reads. Padded: rows of HD + 8 elements (the tiled kernels). Swizzled: rows of HD
 // elements whose 16-byte chunks are permuted by XOR with (row & 7) (the whole-head kernels, which
-// hold four operands of a head and fit twice per SM). off(r, c): element offset of row r,
+// hold three or four operands of a head). off(r, c): element offset of row r,
 // column c (a multiple of 8); a tile addressed from the base of its own rows starts at a row
 // that is a multiple of 8.
 template <int HD>
@@ -584,13 +586,17 @@ __global__ void __launch_bounds__(kThreads, MinB)
 // Backward, dK and dV
 // One query tile for the warp's MT x 16 key rows (kw, vw: the warp's rows of K and V in
 // shared memory, read when the fragments are not held in registers).
-template <class Lay, class E, int HD, int BM, int MT, bool kHold, bool kFull>
+// kStoreDS (the whole-head backward): dS^T, rounded to E as the dK product takes it, is also
+// stored to ds (row r: the warp's key r, column c: the tile's query c; row stride ss elements),
+// 0 for keys >= kvalid (the dQ product of the tiled kernels sees 0 there).
+template <class Lay, class E, int HD, int BM, int MT, bool kHold, bool kFull, bool kStoreDS = false>
 __device__ __forceinline__ void dkdv_tile(const E* qs_, const E* os_, const float* Lb,
                                           const float* Db, int qn, const E* kw, const E* vw,
                                           const uint32_t (&kf)[MT][kHold ? HD / 16 : 1][4],
                                           const uint32_t (&vf)[MT][kHold ? HD / 16 : 1][4],
                                           float (&dk)[MT][HD / 8][4], float (&dv)[MT][HD / 8][4],
-                                          float sl2, int lane, int lr, int lc) {
+                                          float sl2, int lane, int lr, int lc, E* ds = nullptr,
+                                          int ss = 0, int kvalid = 0) {
   constexpr int KS = HD / 16, NT = BM / 8;
   float s[MT][NT][4], dp[MT][NT][4];
 #pragma unroll
@@ -669,6 +675,14 @@ __device__ __forceinline__ void dkdv_tile(const E* qs_, const E* os_, const floa
         as[mt][1] = pack2<E>(dp[mt][2 * kk][2], dp[mt][2 * kk][3]);
         as[mt][2] = pack2<E>(dp[mt][2 * kk + 1][0], dp[mt][2 * kk + 1][1]);
         as[mt][3] = pack2<E>(dp[mt][2 * kk + 1][2], dp[mt][2 * kk + 1][3]);
+        if constexpr (kStoreDS) {  // the A fragment's four 2-element pieces, at their places
+          const int r = mt * 16 + (lane >> 2), c = kk * 16 + (lane & 3) * 2;
+          const bool v0 = r < kvalid, v1 = r + 8 < kvalid;
+          *reinterpret_cast<uint32_t*>(ds + r * ss + c) = v0 ? as[mt][0] : 0u;
+          *reinterpret_cast<uint32_t*>(ds + (r + 8) * ss + c) = v1 ? as[mt][1] : 0u;
+          *reinterpret_cast<uint32_t*>(ds + r * ss + c + 8) = v0 ? as[mt][2] : 0u;
+          *reinterpret_cast<uint32_t*>(ds + (r + 8) * ss + c + 8) = v1 ? as[mt][3] : 0u;
+        }
       }
 #pragma unroll
       for (int d2 = 0; d2 < HD / 16; ++d2) {
@@ -801,14 +815,17 @@ __global__ void __launch_bounds__(kThreads, MinB)
 // once into shared memory (swizzled rows, T rounded up to 16) and runs the tiled kernels' tile
 // bodies over them, in the same order: the same bits as the tiled kernels, without their
 // reloads of K and V (forward, dQ) or Q and dO (dK/dV) by every 64-row CTA of the head, nor
-// the second backward kernel's pass over D. At ViT's sequence lengths (T = 197: four 64-row
-// tiles per head) that saves 12-20% of the time (tools/MEASURED.md); both are then bound by
-// the tile bodies' ldmatrix traffic from shared memory, not by the tensor cores.
-constexpr int kHeadMaxT = 256;
-// The most warps per CTA and the __launch_bounds__ minimum of resident CTAs per SM (MinB 2:
-// registers capped at 65536 / (2 x 32 x warps)).
+// the second backward kernel's pass over D, nor (backward) the dQ tiles' second computation of
+// S and dP. At ViT's sequence lengths (T = 197: four 64-row tiles per head) that saves 20-25%
+// of the time (tools/MEASURED.md); both are then bound by the tile bodies' ldmatrix traffic
+// from shared memory, not by the tensor cores. kHeadMaxT: the backward's shared memory
+// (Q, K, V, dO and dS^T: 4 T 128 + 2 T^2 bytes) within the SM's 227 KB.
+constexpr int kHeadMaxT = 224;
+// The forward: at most 8 warps, MinB 2 (two CTAs per SM: registers capped at
+// 65536 / (2 x 32 x warps)). The backward: a warp per 16-key tile, one CTA per SM (13 or 14
+// warps get 128 registers), query tiles of 16 in its dK/dV loop.
 constexpr int kHeadFwdWarps = 8, kHeadFwdMinB = 2;
-constexpr int kHeadBwdWarps = 6, kHeadBwdMinB = 2;
+constexpr int kHeadBwdWarps = kHeadMaxT / 16, kHeadBwdBM = 16;
 
 // Rows [0, R) of a head's operand (row stride ld in global) into a swizzled [R x HD] tile;
 // rows >= nvalid zero-filled. Every thread of the CTA takes part.
@@ -904,24 +921,28 @@ __global__ void __launch_bounds__(NW * 32, MinB)
 __host__ __device__ constexpr int head_stat_rows(int T) { return (T + 63) & ~63; }
 
 // Backward: Q, K, V and dO of the head in shared memory, L = lse * log2(e) and
-// D = rowsum(dO * O) (the tiled dQ kernel's sums) beside them; the warps take the 16-key dK/dV
-// tiles first (the larger items: four tile GEMMs to dQ's three), then the 16-query dQ tiles,
-// each through the tiled kernels' loop.
-template <class E, int HD, int BN, int BM, int NW, int MinB>
-__global__ void __launch_bounds__(NW * 32, MinB)
+// D = rowsum(dO * O) (the tiled dQ kernel's sums) beside them, and dS^T [TP x (TP + 8)] of E.
+// Phase 1: warp w takes the 16-key tiles w, w + nw, ... through the tiled dK/dV kernel's loop
+// over query tiles of BM (16: no spills under the 128 registers of 13-14 warps), storing dS^T
+// as it goes. Phase 2: warp w takes the 16-query tiles w, w + nw, ...: dQ = dS K over the
+// 16-key blocks in order, dS read back through transposing ldmatrix: the tiled dQ kernel's
+// products in its order, without computing S and dP again (5 tile GEMMs instead of 7).
+template <class E, int HD, int BM, int NW>
+__global__ void __launch_bounds__(NW * 32, 1)
     fa_head_bwd_kernel(E* __restrict__ dqkv, const E* __restrict__ dout, const E* __restrict__ qkv,
                        const E* __restrict__ out, const float* __restrict__ lse, int T, int H,
                        float scale) {
   using Lay = Swizzled<HD>;
-  constexpr int KS = HD / 16, DT = HD / 8;
+  constexpr int DT = HD / 8;
   extern __shared__ __align__(128) unsigned char smem[];
-  const int TP = (T + 15) & ~15, TS = head_stat_rows(T);
+  const int TP = (T + 15) & ~15, TS = head_stat_rows(T), SS = TP + 8;
   E* sQ = reinterpret_cast<E*>(smem);  // [TP][HD] each
   E* sK = sQ + TP * HD;
   E* sV = sK + TP * HD;
   E* sO = sV + TP * HD;                                // dO
   float* sL = reinterpret_cast<float*>(sO + TP * HD);  // [TS], 0 past T
   float* sD = sL + TS;                                 // [TS], 0 past T
+  E* sS = reinterpret_cast<E*>(sD + TS);               // dS^T [TP][SS]: rows keys, columns queries
 
   const int bh = blockIdx.x, h = bh % H, b = bh / H;
   const int C = H * HD;
@@ -952,55 +973,56 @@ __global__ void __launch_bounds__(NW * 32, MinB)
   __syncthreads();
 
   const int nt = TP / 16;
-  for (int it = warp; it < 2 * nt; it += nw) {
-    if (it < nt) {  // dK and dV of keys [16 it, 16 it + 16)
-      const int k0 = it * 16;
-      const uint32_t kf[1][1][4] = {}, vf[1][1][4] = {};  // not held (kHold = false)
-      float dk[1][DT][4], dv[1][DT][4];
+  for (int kt = warp; kt < nt; kt += nw) {  // dK, dV and dS^T of keys [16 kt, 16 kt + 16)
+    const int k0 = kt * 16;
+    const uint32_t kf[1][1][4] = {}, vf[1][1][4] = {};  // not held (kHold = false)
+    float dk[1][DT][4], dv[1][DT][4];
 #pragma unroll
-      for (int i = 0; i < DT; ++i) {
-        dk[0][i][0] = dk[0][i][1] = dk[0][i][2] = dk[0][i][3] = 0.0f;
-        dv[0][i][0] = dv[0][i][1] = dv[0][i][2] = dv[0][i][3] = 0.0f;
-      }
-      const E* kw = sK + k0 * HD;
-      const E* vw = sV + k0 * HD;
-      for (int j = 0; j * BM < T; ++j) {
-        const int qn = min(BM, T - j * BM);
-        const E* qs_ = sQ + j * BM * HD;
-        const E* os_ = sO + j * BM * HD;
-        if (qn == BM)
-          dkdv_tile<Lay, E, HD, BM, 1, false, true>(qs_, os_, sL + j * BM, sD + j * BM, qn, kw, vw,
-                                                    kf, vf, dk, dv, sl2, lane, lr, lc);
-        else
-          dkdv_tile<Lay, E, HD, BM, 1, false, false>(qs_, os_, sL + j * BM, sD + j * BM, qn, kw, vw,
-                                                     kf, vf, dk, dv, sl2, lane, lr, lc);
-      }
-      store_acc<E, HD>(dk[0], scale, scale, g + C, ld, k0, T);
-      store_acc<E, HD>(dv[0], 1.0f, 1.0f, g + 2 * C, ld, k0, T);
-    } else {  // dQ of queries [16 (it - nt), ...)
-      const int q0 = (it - nt) * 16;
-      uint32_t qf[1][KS][4], df[1][KS][4];
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        ldsm_x4(qf[0][ks], sQ + Lay::off(q0 + lr, ks * 16 + lc));
-        ldsm_x4(df[0][ks], sO + Lay::off(q0 + lr, ks * 16 + lc));
-      }
-      const int r0 = q0 + (lane >> 2);
-      const float L[1][2] = {{sL[r0], sL[r0 + 8]}}, D[1][2] = {{sD[r0], sD[r0 + 8]}};
-      float dq[1][DT][4];
-#pragma unroll
-      for (int i = 0; i < DT; ++i) dq[0][i][0] = dq[0][i][1] = dq[0][i][2] = dq[0][i][3] = 0.0f;
-      for (int j = 0; j * BN < T; ++j) {
-        const int kvn = min(BN, T - j * BN);
-        const E* ks_ = sK + j * BN * HD;
-        const E* vs_ = sV + j * BN * HD;
-        if (kvn == BN)
-          dq_tile<Lay, E, HD, BN, 1, true>(ks_, vs_, kvn, qf, df, dq, L, D, sl2, lane, lr, lc);
-        else
-          dq_tile<Lay, E, HD, BN, 1, false>(ks_, vs_, kvn, qf, df, dq, L, D, sl2, lane, lr, lc);
-      }
-      store_acc<E, HD>(dq[0], scale, scale, g, ld, q0, T);
+    for (int i = 0; i < DT; ++i) {
+      dk[0][i][0] = dk[0][i][1] = dk[0][i][2] = dk[0][i][3] = 0.0f;
+      dv[0][i][0] = dv[0][i][1] = dv[0][i][2] = dv[0][i][3] = 0.0f;
     }
+    const E* kw = sK + k0 * HD;
+    const E* vw = sV + k0 * HD;
+    E* dsw = sS + k0 * SS;
+    for (int j = 0; j * BM < T; ++j) {
+      const int qn = min(BM, T - j * BM);
+      const E* qs_ = sQ + j * BM * HD;
+      const E* os_ = sO + j * BM * HD;
+      if (qn == BM)
+        dkdv_tile<Lay, E, HD, BM, 1, false, true, true>(qs_, os_, sL + j * BM, sD + j * BM, qn, kw,
+                                                        vw, kf, vf, dk, dv, sl2, lane, lr, lc,
+                                                        dsw + j * BM, SS, T - k0);
+      else
+        dkdv_tile<Lay, E, HD, BM, 1, false, false, true>(qs_, os_, sL + j * BM, sD + j * BM, qn,
+                                                         kw, vw, kf, vf, dk, dv, sl2, lane, lr, lc,
+                                                         dsw + j * BM, SS, T - k0);
+    }
+    store_acc<E, HD>(dk[0], scale, scale, g + C, ld, k0, T);
+    store_acc<E, HD>(dv[0], 1.0f, 1.0f, g + 2 * C, ld, k0, T);
+  }
+  __syncthreads();
+
+  // ldmatrix.trans of dS^T's [16 keys x 16 queries] block gives dS's A fragment: matrices
+  // (queries 0-7 | 8-15) x (keys 0-7 | 8-15) in the order a0..a3
+  const int sr = (lane & 7) + ((lane >> 4) & 1) * 8, sc = ((lane >> 3) & 1) * 8;
+  for (int qt = warp; qt < nt; qt += nw) {  // dQ of queries [16 qt, 16 qt + 16)
+    const int q0 = qt * 16;
+    float dq[DT][4];
+#pragma unroll
+    for (int i = 0; i < DT; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.0f;
+    for (int kb = 0; kb < nt; ++kb) {
+      uint32_t a[4];
+      ldsm_x4_t(a, sS + (kb * 16 + sr) * SS + q0 + sc);
+#pragma unroll
+      for (int d2 = 0; d2 < HD / 16; ++d2) {
+        uint32_t r[4];
+        ldsm_x4_t(r, sK + Lay::off(kb * 16 + lr, d2 * 16 + lc));
+        mma<E>(dq[2 * d2], a, r[0], r[1]);
+        mma<E>(dq[2 * d2 + 1], a, r[2], r[3]);
+      }
+    }
+    store_acc<E, HD>(dq, scale, scale, g, ld, q0, T);
   }
 }
 
@@ -1079,8 +1101,8 @@ int head_warps(int items, int most) {
   return (items + rounds - 1) / rounds;
 }
 
-// The whole-head kernels take the tiled ones' key and query tile sizes (the same bits); MinB 2:
-// two CTAs per SM (at T = 197 the forward holds 78 KB of shared memory, the backward 106 KB).
+// The whole-head forward takes the tiled one's key tile size; two CTAs per SM (at T = 197 it
+// holds 78 KB of shared memory).
 template <class E, int HD>
 void head_fwd(cudaStream_t st, E* out, float* lse, const E* qkv, int B, int T, int H) {
   const size_t smem = static_cast<size_t>(3) * ((T + 15) & ~15) * HD * sizeof(E);
@@ -1092,14 +1114,18 @@ void head_fwd(cudaStream_t st, E* out, float* lse, const E* qkv, int B, int T, i
   CUDA_CHECK_LAUNCH();
 }
 
+// The backward: one CTA per SM at T = 197 (194 KB of shared memory with dS^T), a warp per 16-row
+// tile (13 at T = 197, 4 at T = 50).
 template <class E, int HD>
 void head_bwd(cudaStream_t st, E* dqkv, const E* dout, const E* qkv, const E* out, const float* lse,
               int B, int T, int H) {
-  const size_t smem = static_cast<size_t>(4) * ((T + 15) & ~15) * HD * sizeof(E) +
-                      2 * static_cast<size_t>(head_stat_rows(T)) * sizeof(float);
-  auto k = fa_head_bwd_kernel<E, HD, Cfg<HD>::kDqBN, Cfg<HD>::kKvBM, kHeadBwdWarps, kHeadBwdMinB>;
+  const size_t TP = (T + 15) & ~15;
+  const size_t smem = 4 * TP * HD * sizeof(E) +
+                      2 * static_cast<size_t>(head_stat_rows(T)) * sizeof(float) +
+                      TP * (TP + 8) * sizeof(E);
+  auto k = fa_head_bwd_kernel<E, HD, kHeadBwdBM, kHeadBwdWarps>;
   set_smem(k, smem);
-  const int nw = head_warps(2 * ((T + 15) / 16), kHeadBwdWarps);
+  const int nw = head_warps(static_cast<int>(TP / 16), kHeadBwdWarps);
   k<<<grid_of(B, H, 1), nw * 32, smem, st>>>(dqkv, dout, qkv, out, lse, T, H,
                                              1.0f / std::sqrt(static_cast<float>(HD)));
   CUDA_CHECK_LAUNCH();

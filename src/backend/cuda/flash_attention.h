@@ -14,7 +14,7 @@ namespace cuda {
 enum class FlashKernels { Best, Tiled };
 
 bool flash_attention_supported(DType act, int hd);
-// The whole-head kernels: bf16/fp16, head dim 64, T <= 256 (ViT's 224 px at patch 16 or 32).
+// The whole-head kernels: bf16/fp16, head dim 64, T <= 224 (ViT's 224 px at patch 16 or 32).
 bool flash_head_applies(DType act, int hd, int T);
 
 void flash_attention_forward(cudaStream_t st, DType act, void* out, float* lse, const void* qkv,

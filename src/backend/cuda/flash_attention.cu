@@ -994,8 +994,8 @@ __global__ void __launch_bounds__(NW * 32, 1)
                                                         vw, kf, vf, dk, dv, sl2, lane, lr, lc,
                                                         dsw + j * BM, SS, T - k0);
       else
-        dkdv_tile<Lay, E, HD, BM, 1, false, false, true>(qs_, os_, sL + j * BM, sD + j * BM, qn,
-                                                         kw, vw, kf, vf, dk, dv, sl2, lane, lr, lc,
+        dkdv_tile<Lay, E, HD, BM, 1, false, false, true>(qs_, os_, sL + j * BM, sD + j * BM, qn, kw,
+                                                         vw, kf, vf, dk, dv, sl2, lane, lr, lc,
                                                          dsw + j * BM, SS, T - k0);
     }
     store_acc<E, HD>(dk[0], scale, scale, g + C, ld, k0, T);

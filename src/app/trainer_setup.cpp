@@ -105,6 +105,7 @@ void Run::setup(bool training) {
     bo.fused_gelu_forward_config = deck.device.fused_gelu_forward_config;
     bo.fused_gelu_backward_config = deck.device.fused_gelu_backward_config;
     bo.tuning_log = deck.device.tuning_log;
+    bo.fp8_fast_accum = deck.precision.fp8_fast_accum;
     be = make_backend(kind, grid->local_rank(), act_dtype_of(deck.precision.mode), bo);
   });
 #ifdef VITGRID_HAVE_CUDA

@@ -180,6 +180,11 @@ const std::vector<Field>& schema() {
       VG_FIELD(precision, fp8_margin, "", "fp8: scale = fp8 max / 2^margin / amax (>= 0)"),
       VG_FIELD(precision, fp8_amax_compute, "max|most_recent",
                "fp8: the amax a scale is taken from: the history's maximum, or the last step's"),
+      VG_FIELD(precision, fp8_fast_accum, "",
+               "fp8 on GPUs: the forward's GEMMs (E4M3 x E4M3) accumulate in the tensor cores "
+               "alone (cuBLASLt's FAST_ACCUM, as Transformer Engine's and torchao's forward "
+               "GEMMs do), not promoted to fp32 every few steps of K; the gradients' GEMMs "
+               "always promote. The CPU's emulation sums exactly either way"),
       VG_FIELD(precision, initial_scale, "", "fp16 initial loss scale"),
       VG_FIELD(precision, growth_interval, "",
                "fp16 steps without overflow before the scale grows"),

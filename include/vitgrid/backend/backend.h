@@ -513,7 +513,8 @@ class Fp8Ops {
                                          float eps, RowFactors bf = {}) = 0;
   // D[M,N] = (A[M,K] B[N,K]^T) * a_scale_inv[0] * b_scale_inv[0] + beta D: both operands
   // K-contiguous (the form Hopper's FP8 tensor cores take; a Linear's transposed operands come
-  // from fp8_cast's out_t), not both E5M2; fp32 sums; the scale_inv pointers 16-byte aligned
+  // from fp8_cast's out_t), not both E5M2; fp32 sums (on GPUs, E4M3 x E4M3 under
+  // BackendOptions::fp8_fast_accum: the tensor cores' accumulator alone); the scale_inv pointers 16-byte aligned
   // (cuBLASLt refuses others). D is act dtype (beta 0), or fp32 where
   // d_f32 (a weight gradient: beta 1 accumulates). bias[N] (act dtype, act D only) may be null.
   virtual void fp8_gemm(void* D, bool d_f32, float beta, const uint8_t* A, Fp8Format fa,
@@ -553,6 +554,7 @@ struct BackendOptions {
   int fused_gelu_forward_config = -1;   // device.fused_gelu_forward_config (-1: chosen)
   int fused_gelu_backward_config = -1;  // device.fused_gelu_backward_config (-1: chosen)
   bool tuning_log = false;              // device.tuning_log: each tuned choice to stderr
+  bool fp8_fast_accum = false;  // precision.fp8_fast_accum: E4M3 x E4M3 fp8_gemm unpromoted
 };
 
 // Factory: "cpu" always; "cuda" when built with CUDA (throws UserError otherwise).

@@ -118,6 +118,7 @@ struct PrecisionSection {
   int fp8_amax_history = 1024;
   int fp8_margin = 0;
   std::string fp8_amax_compute = "max";  // max | most_recent
+  bool fp8_fast_accum = true;  // the forward's FP8 GEMMs without promoted accumulation
 };
 
 struct CheckpointSection {

@@ -66,6 +66,7 @@ struct GemmSpec {
   bool fp8 = false;
   const float* a_scale = nullptr;
   const float* b_scale = nullptr;
+  bool fast_accum = false;  // FP8: CUBLASLT_MATMUL_DESC_FAST_ACCUM (no promotion to fp32)
 };
 
 namespace cuda {
@@ -271,6 +272,7 @@ class CudaBackend final : public Backend {
   DType act_;
   bool tf32_;
   int gemm_tune_;  // GEMM candidates timed per new shape (1: the heuristic's first, untimed)
+  bool fp8_fast_accum_;  // BackendOptions::fp8_fast_accum
   bool gemm_tune_log_;          // BackendOptions::tuning_log: every tuned choice to stderr
   ReplicaMax tune_agree_;       // set_tune_agreement: timed choices on the worst replica's times
   bool deterministic_;  // false: attention's backward may use atomics (cuDNN)

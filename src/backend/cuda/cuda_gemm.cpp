@@ -194,11 +194,12 @@ bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
   const bool fast_tf32 = tf32_ && s.ab_type == CUDA_R_32F;
   char keybuf[512];
   std::snprintf(keybuf, sizeof keybuf,
-                "%d%d|%d,%d,%d|%lld,%lld,%lld|%lld,%lld,%lld|%d|%d,%d,%d|%d|%d|%u,%u,%u,%u,%u|%lld|%d",
+                "%d%d|%d,%d,%d|%lld,%lld,%lld|%lld,%lld,%lld|%d|%d,%d,%d|%d|%d%d|%u,%u,%u,%u,%u|%lld|%d",
                 int(s.transA), int(s.transB), s.M, s.N, s.K, (long long)s.lda,
                 (long long)s.ldb, (long long)s.ldc, (long long)s.strideA,
                 (long long)s.strideB, (long long)s.strideC, s.batch, int(s.ab_type),
-                s.fp8 ? int(s.b_type) : -1, int(s.c_type), int(s.epilogue), int(fast_tf32), alignment_of(s.A),
+                s.fp8 ? int(s.b_type) : -1, int(s.c_type), int(s.epilogue), int(fast_tf32),
+                int(s.fast_accum), alignment_of(s.A),
                 alignment_of(s.B), alignment_of(s.C), alignment_of(s.bias),
                 alignment_of(s.aux), (long long)s.aux_ld, gemm_sm_margin_);
   const std::string key(keybuf);
@@ -217,6 +218,11 @@ bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
     const cublasLtEpilogue_t epi = s.epilogue;
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
                                                 sizeof epi));
+    if (s.fast_accum) {
+      const int8_t on = 1;
+      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &on,
+                                                  sizeof on));
+    }
     if (gemm_sm_margin_ > 0) {  // the heuristic and the persistent grids size to the rest
       const int32_t target = sm_count_ - gemm_sm_margin_;
       CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET,
@@ -316,7 +322,9 @@ bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
 
 // D[M,N] = (A[M,K] B[N,K]^T) a_scale_inv b_scale_inv + beta D (backend.h Fp8Ops): the row-major
 // y = x W^T form, so the column-major call is "TN", the only one Hopper's FP8 GEMMs take.
-// Sums in fp32 with cuBLASLt's periodic promotion (no CUBLASLT_MATMUL_DESC_FAST_ACCUM).
+// Sums in fp32 with cuBLASLt's periodic promotion, but for E4M3 x E4M3 (the Linears' forward)
+// under BackendOptions::fp8_fast_accum: CUBLASLT_MATMUL_DESC_FAST_ACCUM, the tensor cores'
+// accumulator alone (Transformer Engine's recipe: fast forward, promoted gradients).
 void CudaBackend::fp8_gemm(void* D, bool d_f32, float beta, const uint8_t* A, Fp8Format fa,
                            const float* a_scale_inv, const uint8_t* B, Fp8Format fb,
                            const float* b_scale_inv, int M, int N, int K, const void* bias) {
@@ -345,6 +353,7 @@ void CudaBackend::fp8_gemm(void* D, bool d_f32, float beta, const uint8_t* A, Fp
   s.beta = beta;
   s.bias = bias;
   s.epilogue = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+  s.fast_accum = fp8_fast_accum_ && fa == Fp8Format::E4M3 && fb == Fp8Format::E4M3;
   matmul(s);
 }
 

@@ -122,14 +122,19 @@ void Run::setup(bool training) {
     log("data axis: gradients in NCCL symmetric memory, reduced by all-to-all + local sum + "
         "all-gather under NCCL's zero-CTA policy (device.data_comm = %s)\n",
         deck.device.data_comm.c_str());
-  log("backend %s, precision %s, %s\n", be->name().c_str(), deck.precision.mode.c_str(),
+  const bool fp8 = deck.precision.mode == "fp8";
+  log("backend %s, precision %s%s%s\n", be->name().c_str(), deck.precision.mode.c_str(),
       kind == "cpu" && deck.precision.mode != "fp32" && deck.precision.mode != "tf32"
-          ? "16-bit storage emulated on the CPU"
-          : "");
+          ? ", 16-bit storage emulated on the CPU"
+          : "",
+      !fp8 || kind == "cpu" ? ""
+      : deck.precision.fp8_fast_accum
+          ? ", the forward's FP8 GEMMs accumulating unpromoted (precision.fp8_fast_accum)"
+          : ", every FP8 GEMM's sums promoted to fp32");
   agreed([&] { tp = make_tensor_parallel(*grid, *be, *coll); });
 
   cfg = ViTConfig::from(deck.model);
-  cfg.fp8 = deck.precision.mode == "fp8";
+  cfg.fp8 = fp8;
   cfg.fp8_history = deck.precision.fp8_amax_history;
   cfg.fp8_margin = deck.precision.fp8_margin;
   cfg.fp8_algo = deck.precision.fp8_amax_compute == "most_recent" ? Fp8AmaxAlgo::MostRecent

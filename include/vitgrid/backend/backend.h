@@ -514,8 +514,8 @@ class Fp8Ops {
   // D[M,N] = (A[M,K] B[N,K]^T) * a_scale_inv[0] * b_scale_inv[0] + beta D: both operands
   // K-contiguous (the form Hopper's FP8 tensor cores take; a Linear's transposed operands come
   // from fp8_cast's out_t), not both E5M2; fp32 sums (on GPUs, E4M3 x E4M3 under
-  // BackendOptions::fp8_fast_accum: the tensor cores' accumulator alone); the scale_inv pointers 16-byte aligned
-  // (cuBLASLt refuses others). D is act dtype (beta 0), or fp32 where
+  // BackendOptions::fp8_fast_accum: the tensor cores' accumulator alone); the scale_inv
+  // pointers 16-byte aligned (cuBLASLt refuses others). D is act dtype (beta 0), or fp32 where
   // d_f32 (a weight gradient: beta 1 accumulates). bias[N] (act dtype, act D only) may be null.
   virtual void fp8_gemm(void* D, bool d_f32, float beta, const uint8_t* A, Fp8Format fa,
                         const float* a_scale_inv, const uint8_t* B, Fp8Format fb,

@@ -23,7 +23,6 @@
 #include <cstdio>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "vitgrid/backend/backend.h"
@@ -117,13 +116,8 @@ int main(int argc, char** argv) {
     S = ds->image_size();
     // each rank a batch of the deck's global batch (per accumulation step), its own samples
     const int64_t per_rank = d.data.global_batch / d.data.grad_accum;
-    // data.workers = 0: the rank's share of the node's cores (at most 16), as vitgrid train
-    const int workers =
-        d.data.workers > 0
-            ? d.data.workers
-            : std::max(1, std::min<int>(16, static_cast<int>(std::thread::hardware_concurrency()) /
-                                                local_size));
-    c = vitgrid::make_loader_config(d, true, rank, size, workers);
+    // data.workers = 0: the rank's share of the node's cores, as vitgrid train
+    c = vitgrid::make_loader_config(d, true, rank, size, vitgrid::loader_workers(d, local_size));
     c.global_batch = per_rank * size;
     c.grad_accum = 1;
     if (decode == "device" || resize == "device") {
@@ -131,16 +125,7 @@ int main(int argc, char** argv) {
       dec = be->image_decoder(decode == "device");
       if (!dec)
         throw vitgrid::UserError("--decode/--resize=device: the backend has no image decoder");
-      if (decode == "device")
-        c.real.device_accepts = [dec](int comps, bool prog, int sh, int sv) {
-          return dec->accepts(comps, prog, sh, sv);
-        };
-      if (resize == "device") {
-        const int interp = c.real.interp;
-        c.real.device_resizes = [dec, S = S, interp](double w, double h) {
-          return dec->resizes(w, h, S, interp);
-        };
-      }
+      vitgrid::use_device_decoder(c, dec, decode == "device", resize == "device", S);
       out = static_cast<uint8_t*>(be->alloc(static_cast<size_t>(per_rank) * S * S * 3));
     }
     loader = std::make_unique<vitgrid::DataLoader>(ds, c);

@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "trainer_impl.h"
@@ -43,26 +42,10 @@ LoaderConfig Inputs::loader_config(bool train) const {
   const Deck& deck = run_.deck;
   const ProcessGrid& grid = *run_.grid;
   // auto workers: this rank's share of the node's cores (a CPU-backend rank computes on one)
-  const int workers =
-      deck.data.workers > 0
-          ? deck.data.workers
-          : std::max(1, std::min<int>(16, static_cast<int>(std::thread::hardware_concurrency()) /
-                                              std::max(1, grid.local_size())));
-  LoaderConfig c =
-      make_loader_config(deck, train, grid.rank(Axis::Data), grid.size(Axis::Data), workers);
+  LoaderConfig c = make_loader_config(deck, train, grid.rank(Axis::Data), grid.size(Axis::Data),
+                                      loader_workers(deck, grid.local_size()));
   c.num_classes = run_.cfg.classes;
-  if (decoder_) {
-    const ImageDecoder* dec = decoder_;
-    c.real.device_accepts = [dec](int comps, bool prog, int sh, int sv) {
-      return dec->accepts(comps, prog, sh, sv);
-    };
-    if (resize_on_device_) {
-      const int S = run_.cfg.image, interp = decode_interp_;
-      c.real.device_resizes = [dec, S, interp](double w, double h) {
-        return dec->resizes(w, h, S, interp);
-      };
-    }
-  }
+  if (decoder_) use_device_decoder(c, decoder_, true, resize_on_device_, run_.cfg.image);
   return c;
 }
 

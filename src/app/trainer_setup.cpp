@@ -123,14 +123,15 @@ void Run::setup(bool training) {
         "all-gather under NCCL's zero-CTA policy (device.data_comm = %s)\n",
         deck.device.data_comm.c_str());
   const bool fp8 = deck.precision.mode == "fp8";
-  log("backend %s, precision %s%s%s\n", be->name().c_str(), deck.precision.mode.c_str(),
-      kind == "cpu" && deck.precision.mode != "fp32" && deck.precision.mode != "tf32"
-          ? ", 16-bit storage emulated on the CPU"
-          : "",
-      !fp8 || kind == "cpu" ? ""
-      : deck.precision.fp8_fast_accum
-          ? ", the forward's FP8 GEMMs accumulating unpromoted (precision.fp8_fast_accum)"
-          : ", every FP8 GEMM's sums promoted to fp32");
+  std::string how;
+  if (kind == "cpu" && deck.precision.mode != "fp32" && deck.precision.mode != "tf32")
+    how = ", 16-bit storage emulated on the CPU";
+  else if (fp8)
+    how = deck.precision.fp8_fast_accum
+              ? ", the forward's FP8 GEMMs accumulating unpromoted (precision.fp8_fast_accum)"
+              : ", every FP8 GEMM's sums promoted to fp32";
+  log("backend %s, precision %s%s\n", be->name().c_str(), deck.precision.mode.c_str(),
+      how.c_str());
   agreed([&] { tp = make_tensor_parallel(*grid, *be, *coll); });
 
   cfg = ViTConfig::from(deck.model);

@@ -13,6 +13,20 @@
 
 namespace vitgrid {
 
+void use_device_decoder(LoaderConfig& c, const ImageDecoder* dec, bool decode, bool resize,
+                        int S) {
+  if (decode)
+    c.real.device_accepts = [dec](int comps, bool prog, int sh, int sv) {
+      return dec->accepts(comps, prog, sh, sv);
+    };
+  if (resize) {
+    const int interp = c.real.interp;
+    c.real.device_resizes = [dec, S, interp](double w, double h) {
+      return dec->resizes(w, h, S, interp);
+    };
+  }
+}
+
 void decode_batch_on_device(ImageDecoder& dec, const HostBatch& hb, int S, int interp,
                             uint8_t* out_dev) {
   const size_t img = static_cast<size_t>(S) * S * 3;

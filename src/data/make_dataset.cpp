@@ -10,9 +10,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <set>
 #include <string>
+#include <thread>
 
 #include "vitgrid/core/error.h"
 #include "vitgrid/core/log.h"
@@ -50,6 +52,12 @@ int interp_of(const DataSection& d) {
 
 std::string tfrecord_index_dir(const Deck& deck) {
   return deck.data.index_dir.empty() ? deck.run.out_dir + "/tfrecord-index" : deck.data.index_dir;
+}
+
+int loader_workers(const Deck& deck, int local_ranks) {
+  if (deck.data.workers > 0) return deck.data.workers;
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  return std::max(1, std::min(16, cores / std::max(1, local_ranks)));
 }
 
 LoaderConfig make_loader_config(const Deck& deck, bool train, int data_rank, int data_size,

@@ -185,6 +185,9 @@ struct LoaderConfig {
 // `data_rank` of `data_size` with `workers` threads; device_accepts is left to the caller.
 LoaderConfig make_loader_config(const Deck& deck, bool train, int data_rank, int data_size,
                                 int workers);
+// The loader's threads: data.workers, or where that is 0 this rank's share of the node's cores
+// (local_ranks ranks on the node), at most 16.
+int loader_workers(const Deck& deck, int local_ranks);
 
 // Which dataset indices, augmentation and Mixup draws make up a micro-batch: pure functions,
 // tested for layout independence.
@@ -245,6 +248,11 @@ void finish_batch_on_device(
     class ImageDecoder& dec, DataLoader& loader, const HostBatch& hb, int S, int K,
     uint8_t* out_dev, int64_t* bad,
     const std::function<void(const std::vector<int32_t>&, const std::vector<float>&)>& relabel);
+
+// Routes a loader's encoded images to the device decoder `dec`: the JPEGs it accepts are left
+// to it (decode), and what the threads decode is cut to the regions it resizes on the device
+// to S x S with c.real.interp (resize).
+void use_device_decoder(LoaderConfig& c, const ImageDecoder* dec, bool decode, bool resize, int S);
 
 // The reference (CPU) image preparation that Backend::prepare_images must reproduce:
 // out[count,3,S,S] fp32 = normalise(crop/flip(img)), mixed with the partner sample of the batch

@@ -53,6 +53,10 @@ size_t fp8_linear_scratch_bytes(int N, int in, int out) {
   return std::max(forward, backward);
 }
 
+Fp8DyCodes fp8_linear_dy_codes(uint8_t* scratch, int N, int out) {
+  return {scratch, scratch + static_cast<size_t>(N) * static_cast<size_t>(out)};
+}
+
 void fp8_linear_forward(Backend& be, const Fp8LinearMeta& m, uint8_t* scratch, void* y,
                         const void* x, const void* W, const void* b, int N, int in, int out,
                         void* gelu_out, Gelu gelu) {
@@ -81,17 +85,20 @@ void fp8_linear_backward(Backend& be, const Fp8LinearMeta& m, uint8_t* scratch, 
   VG_CHECK(!gelu_db || (dx && gelu_pre), "fp8_linear_backward: gelu_db without dx and gelu_pre");
   VG_CHECK(!m.dy_gelu || (gelu_pre && !gelu_db && (dx || dW)),
            "fp8_linear_backward: dy_gelu needs gelu_pre (of dy), no gelu_db, and dx or dW");
+  VG_CHECK(!m.dy_cast || (!db && !m.dy_gelu && !gelu_pre),
+           "fp8_linear_backward: dy cast already, with a bias gradient or GELU still to apply");
   if (N == 0) return;
   using M = Fp8LinearMeta;
   const size_t n = static_cast<size_t>(N);
-  uint8_t* dy8 = scratch;                // [N, out]
-  uint8_t* dy8_t = dy8 + n * out;        // [out, N]
-  uint8_t* w8_t = dy8_t + n * out;       // [in, out]
+  const Fp8DyCodes codes = fp8_linear_dy_codes(scratch, N, out);
+  uint8_t* dy8 = codes.dy;                  // [N, out]
+  uint8_t* dy8_t = codes.dy_t;              // [out, N]
+  uint8_t* w8_t = dy8_t + n * out;          // [in, out]
   uint8_t* x8_t = w8_t + size_t(in) * out;  // [in, N]
   // dy's cast takes the bias gradient (and, dy_gelu, GELU's backward) in its pass
   const void* dy_pre = m.dy_gelu ? gelu_pre : nullptr;
   if (m.dy_gelu) gelu_pre = nullptr;
-  if (dx || dW) {
+  if ((dx || dW) && !m.dy_cast) {
     be.fp8_cast_grad(dx ? dy8 : nullptr, dW ? dy8_t : nullptr, m.amax_of(M::kDy), dy, N, out,
                      m.scale_of(M::kDy), Fp8Format::E5M2, db, dy_pre, gelu);
     db = nullptr;

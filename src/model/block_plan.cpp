@@ -350,6 +350,22 @@ std::vector<BlockPlan> compile_chunk_plans(const ChunkSpec& s) {
           lin.x_cast = true;
         }
     }
+    if (s.fp8 && s.fused && s.tp.fp8_attention_dy_cast) {
+      // the attention backward writes qkv's FP8 output gradient (codes, transpose, amax) and
+      // sums qkv's bias gradient: nothing reads the act-dtype Dqkv after it
+      for (size_t i = 0; i + 1 < p.backward.size(); ++i) {
+        Op& at = p.backward[i];
+        Op& lin = p.backward[i + 1];
+        if (at.kind != OpKind::AttentionBackward || lin.kind != OpKind::LinearBackward ||
+            !lin.fp8 || lin.w.index != kQkvW || lin.dy != Buf::Dqkv || lin.dy_gelu)
+          continue;
+        at.cast_w = lin.w;
+        at.db = lin.db;
+        lin.db = ParamRef{};
+        lin.dy = Buf::None;
+        lin.dy_cast = true;
+      }
+    }
   }
   return plans;
 }
@@ -390,7 +406,8 @@ std::string describe(const std::vector<Op>& ops) {
         op.kind == OpKind::AttentionRow || op.kind == OpKind::AttentionRowBackward)
       o << (op.role == LinearRole::Column ? " column" : " row") << (op.fp8 ? " fp8" : "")
         << (op.x_gelu ? " x_gelu" : "") << (op.dy_gelu ? " dy_gelu" : "")
-        << (op.x_t ? " x_t" : "") << (op.x_cast ? " x_cast" : "");
+        << (op.x_t ? " x_t" : "") << (op.x_cast ? " x_cast" : "")
+        << (op.dy_cast ? " dy_cast" : "");
     if (op.norm) o << " norm" << op.norm;
     buf("out", op.out);
     buf("x", op.x);

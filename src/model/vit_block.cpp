@@ -156,13 +156,14 @@ void ViT::run_ops(const std::vector<Op>& ops, int l, const DeviceBatch& in, int6
   };
   Fp8LinearMeta m8;
   auto fp8 = [&](const Op& op) -> const Fp8LinearMeta* {
-    VG_CHECK(!(op.x_gelu || op.dy_gelu || op.x_cast) || op.fp8,
-             "a GELU applied by the casts, or a cast input, of a Linear not in FP8");
+    VG_CHECK(!(op.x_gelu || op.dy_gelu || op.x_cast || op.dy_cast) || op.fp8,
+             "a GELU applied by the casts, or a cast input or gradient, of a Linear not in FP8");
     if (!op.fp8) return nullptr;
     m8 = meta(op.w.index, op.x_t);
     m8.x_gelu = op.x_gelu ? &cfg_.gelu : nullptr;
     m8.dy_gelu = op.dy_gelu;
     m8.x_cast = op.x_cast;
+    m8.dy_cast = op.dy_cast;
     return &m8;
   };
   for (const Op& op : ops) {
@@ -234,6 +235,13 @@ void ViT::run_ops(const std::vector<Op>& ops, int l, const DeviceBatch& in, int6
         break;
       }
       case OpKind::AttentionBackward:
+        if (op.cast_w.valid()) {  // into the FP8 copies of qkv's output gradient, which follows
+          Fp8LinearMeta prev = meta(op.cast_w.index, false);
+          prev.dy_cast = true;
+          tp_.attention_backward_fp8(a.dqkv, a.dtmp, b.qkv, b.att, b.asaved, Bi, T, H, hd,
+                                     a.attn_ws, prev, G(op.db));
+          break;
+        }
         attention_backward(0, Bi);
         break;
       case OpKind::AttentionRowBackward:

@@ -12,7 +12,8 @@
 //    pairing a Linear layer uses: E4M3 x E4M3 (forward), E5M2 x E4M3 (data gradient), E5M2 x
 //    E4M3 into fp32 with beta 1 (weight gradient).
 //  - fp8_cast_grad (a gradient's cast with GELU's backward and the bias sums in its pass)
-//    against gelu_backward then fp8_cast on the GPU itself, the sums against double sums.
+//    against gelu_backward then fp8_cast on the GPU itself, the sums against double sums; the
+//    same for attention_backward_fp8 (the attention backward casting qkv's gradient).
 //  - the FP8 Linear layer composed from them, against the CPU's composition.
 // Skips without a GPU, and the FP8 cases on a GPU without FP8 tensor cores (where
 // fp8_supported must say so).
@@ -250,6 +251,74 @@ TEST_P(GpuFp8, LayerNormFp8IsTheLayerNormThenTheCast) {
       EXPECT_EQ(codes(d, ot, n), codes(d, rot, n));
       EXPECT_EQ(d.get_f32(am, 1)[0], d.get_f32(ram, 1)[0]);
       EXPECT_GT(d.get_f32(am, 1)[0], 0.25f);
+    }
+}
+
+// attention_backward_fp8 (the attention backward writing qkv's FP8 output gradient) against
+// attention_backward then fp8_cast_grad on the GPU itself: the same codes, transpose and amax
+// bit for bit (every code written: the outputs start as 0xAA), the bias gradient within fp32
+// rounding of a double sum of the stored gradient, the same bits twice. Shapes where the
+// whole-head kernels cast the gradient themselves (head dim 64: T = 197, 224, 50, 13 and 1;
+// several images and heads) and where the backward and the cast run apart (T = 257, head dim
+// 32); E5M2 (a gradient's) and E4M3; without the row-major codes, without the bias gradient.
+TEST_P(GpuFp8, AttentionBackwardFp8IsTheBackwardThenTheCast) {
+  Dev& d = *gpu;
+  struct Shape {
+    int B, T, H, hd;
+  };
+  const Shape shapes[] = {{3, 197, 2, 64}, {1, 224, 1, 64}, {4, 50, 3, 64}, {2, 13, 2, 64},
+                          {3, 1, 2, 64},   {2, 257, 1, 64}, {2, 50, 2, 32}};
+  for (const Shape& sh : shapes)
+    for (int variant = 0; variant < 3; ++variant) {
+      const int B = sh.B, T = sh.T, H = sh.H, hd = sh.hd, C = H * hd, rows = B * T, cols = 3 * C;
+      const Fp8Format f = variant == 1 ? Fp8Format::E4M3 : Fp8Format::E5M2;
+      SCOPED_TRACE("B " + std::to_string(B) + " T " + std::to_string(T) + " H " +
+                   std::to_string(H) + " hd " + std::to_string(hd) + " variant " +
+                   std::to_string(variant) + " (" + cuda_attention_path(*d.be, B, T, H, hd) + ")");
+      const size_t nq = size_t(rows) * cols, no = size_t(rows) * C;
+      void* qkv = d.act(rnd(nq, 1.0f));
+      void* att = d.nan_act(no);
+      void* saved = d.raw(d.be->attention_saved_bytes(B, T, H, hd));
+      const size_t wsb = d.be->attention_workspace_bytes(B, T, H, hd);
+      void* ws = wsb ? d.raw(wsb) : nullptr;
+      d.be->attention_forward(att, saved, qkv, B, T, H, hd, ws);
+      void* dout = d.act(rnd(no, 1.0f));
+      void* g = d.nan_act(nq);
+      d.be->attention_backward(g, dout, qkv, att, saved, B, T, H, hd, ws);
+      float* scale = d.f32(Vec{variant == 1 ? 300.0f : 3000.0f});
+      const std::vector<uint8_t> fill(nq, 0xAA);
+      uint8_t *a = variant == 2 ? nullptr : bytes(d, fill), *at = bytes(d, fill);
+      uint8_t *r = bytes(d, fill), *rt = bytes(d, fill);
+      float *ma = d.f32(Vec{0.125f}), *mr = d.f32(Vec{0.125f});
+      const bool bias = variant != 2;
+      float* db = bias ? d.f32(Vec(cols, 0.5f)) : nullptr;
+      float* rdb = d.f32(Vec(cols, 0.5f));
+      void* scratch = d.nan_act(nq);  // the act-dtype gradient, where the two run apart
+      d.be->attention_backward_fp8(scratch, a, at, ma, scale, f, db, dout, qkv, att, saved, B, T,
+                                   H, hd, ws);
+      d.be->fp8_cast_grad(r, rt, mr, g, rows, cols, scale, f, rdb, nullptr, Gelu::Exact);
+      if (a) {
+        EXPECT_EQ(codes(d, a, nq), codes(d, r, nq));
+      }
+      EXPECT_EQ(codes(d, at, nq), codes(d, rt, nq));
+      EXPECT_EQ(d.get_f32(ma, 1)[0], d.get_f32(mr, 1)[0]);
+      EXPECT_GT(d.get_f32(ma, 1)[0], 0.125f);
+      if (!bias) continue;
+      const Vec gh = d.get_act(g, nq), got = d.get_f32(db, cols);
+      for (int c = 0; c < cols; ++c) {
+        double want = 0.5, mag = 0.5;
+        for (int i = 0; i < rows; ++i) {
+          want += gh[size_t(i) * cols + c];
+          mag += std::fabs(gh[size_t(i) * cols + c]);
+        }
+        ASSERT_NEAR(got[c], want, 1e-6 * mag) << "column " << c;
+      }
+      float* db2 = d.f32(Vec(cols, 0.5f));
+      d.be->attention_backward_fp8(scratch, a, at, ma, scale, f, db2, dout, qkv, att, saved, B, T,
+                                   H, hd, ws);
+      const Vec again = d.get_f32(db2, cols);
+      EXPECT_EQ(0, std::memcmp(got.data(), again.data(), cols * sizeof(float)))
+          << "the bias gradient differs run to run";
     }
 }
 

@@ -281,6 +281,62 @@ TEST(BlockPlan, Fp8LayerNormsWriteTheNextLinearsInput) {
         }
 }
 
+TEST(BlockPlan, Fp8AttentionBackwardWritesQkvsGradient) {
+  // a mode that allows it (none), fused: the attention backward casts qkv's output gradient
+  // (cast_w qkv) and takes its bias gradient, qkv's backward reads no Dqkv, casts no dy and
+  // sums no bias; every other op is the plan's without the rule; not where the mode does not
+  // allow it, nor unfused, nor in bf16
+  for (bool allowed : {true, false})
+    for (bool fused : {true, false})
+      for (bool fp8 : {true, false})
+        for (int ckpt : {0, 2})
+          for (float dropout : {0.0f, 0.1f}) {
+            TpFusions f = all_fusions(1);
+            f.fp8 = f.fp8_keep_x_transposes = f.fp8_layernorm_cast = f.fp8_gelu_in_dy_cast = true;
+            f.fp8_attention_dy_cast = allowed;
+            ChunkSpec s = spec(3, dropout, 0.1f, ckpt, fused, f);
+            s.fp8 = fp8;
+            const auto plans = compile_chunk_plans(s);
+            ChunkSpec off = s;
+            off.tp.fp8_attention_dy_cast = false;
+            const auto ref = compile_chunk_plans(off);
+            const bool on = allowed && fused && fp8;
+            SCOPED_TRACE(std::string(on ? "on" : "off") + " ckpt " + std::to_string(ckpt) +
+                         " dropout " + std::to_string(dropout));
+            for (size_t b = 0; b < plans.size(); ++b) {
+              const BlockPlan& p = plans[b];
+              EXPECT_EQ(describe(p.forward), describe(ref[b].forward));
+              EXPECT_EQ(describe(p.recompute), describe(ref[b].recompute));
+              ASSERT_EQ(p.backward.size(), ref[b].backward.size());
+              int cast = 0;
+              for (size_t i = 0; i < p.backward.size(); ++i) {
+                const Op& o = p.backward[i];
+                const Op& r = ref[b].backward[i];
+                EXPECT_EQ(o.kind, r.kind);
+                if (o.kind == OpKind::AttentionBackward && on) {
+                  ++cast;
+                  EXPECT_EQ(o.cast_w.index, kQkvW);
+                  EXPECT_EQ(o.db.index, kQkvB);
+                  ASSERT_LT(i + 1, p.backward.size());
+                  const Op& lin = p.backward[i + 1];
+                  EXPECT_EQ(lin.kind, OpKind::LinearBackward);
+                  EXPECT_EQ(lin.w.index, kQkvW);
+                  EXPECT_TRUE(lin.dy_cast && lin.fp8);
+                  EXPECT_EQ(lin.dy, Buf::None);
+                  EXPECT_FALSE(lin.db.valid());
+                  EXPECT_EQ(ref[b].backward[i + 1].db.index, kQkvB);
+                  EXPECT_EQ(ref[b].backward[i + 1].dy, Buf::Dqkv);
+                } else if (!(on && i > 0 && p.backward[i - 1].kind == OpKind::AttentionBackward)) {
+                  EXPECT_EQ(describe({o}), describe({r}));
+                  EXPECT_FALSE(o.dy_cast);
+                  EXPECT_FALSE(o.cast_w.valid() && o.kind == OpKind::AttentionBackward);
+                }
+              }
+              EXPECT_EQ(cast, on ? 1 : 0);
+            }
+          }
+}
+
 TEST(BlockPlan, UnfusedPlanHasNoFusion) {
   for (float dropout : {0.0f, 0.1f})
     for (float path : {0.0f, 0.3f}) {
@@ -367,16 +423,23 @@ TEST(BlockPlan, InvariantsOverEveryCombination) {
         for (int ckpt : {0, 1, 3})
           for (bool keep_g : {false, true})
             for (bool stores : {false, true})
-              for (int caps = 0; caps < 16; ++caps)
+              for (int caps = 0; caps < 32; ++caps)
                 for (bool fused : {true, false}) {
                   TpFusions tp;
                   tp.gelu_bias_in_row_backward = caps & 1;
                   tp.row_bias_in_layernorm_backward = caps & 2;
                   tp.layernorm_row_factors = caps & 4;
                   tp.row_parts = caps & 8 ? 2 : 1;
+                  // FP8 Linears with every FP8 fusion a mode may allow (the modes that allow
+                  // them have no parts)
+                  const bool fp8 = caps & 16;
+                  tp.fp8 = fp8;
+                  tp.fp8_gelu_in_dy_cast = tp.fp8_keep_x_transposes = fp8 && !(caps & 8);
+                  tp.fp8_layernorm_cast = tp.fp8_attention_dy_cast = fp8 && !(caps & 8);
                   ChunkSpec s = spec(blocks, dropout, path, std::min(ckpt, blocks), fused, tp);
                   s.keep_gelu_output = keep_g;
                   s.stores_output = stores;
+                  s.fp8 = fp8;
                   SCOPED_TRACE("blocks " + std::to_string(blocks) + " dropout " +
                                std::to_string(dropout) + " path " + std::to_string(path) +
                                " ckpt " + std::to_string(ckpt) + " caps " +
@@ -439,6 +502,11 @@ TEST(BlockPlan, InvariantsOverEveryCombination) {
                         EXPECT_TRUE(made.count(Buf::Dtmp));
                         made.insert(Buf::Dqkv);
                       }
+                      // a gradient cast already was cast by the op before it
+                      if (o.dy_cast) {
+                        EXPECT_TRUE(&o != &plans[j].backward.front() &&
+                                    (&o - 1)->cast_w.index == o.w.index);
+                      }
                       if (o.kind == OpKind::AttentionRowBackward) made.insert(Buf::Dqkv);
                       EXPECT_TRUE(made.count(o.dy)) << name(o.kind) << " dy " << name(o.dy);
                       made.insert(o.out);
@@ -446,7 +514,7 @@ TEST(BlockPlan, InvariantsOverEveryCombination) {
                     }
                   }
                 }
-  EXPECT_EQ(combos, 2 * 2 * 2 * 3 * 2 * 2 * 16 * 2);
+  EXPECT_EQ(combos, 2 * 2 * 2 * 3 * 2 * 2 * 32 * 2);
 }
 
 }  // namespace

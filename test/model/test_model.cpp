@@ -250,8 +250,8 @@ TEST(Model, FusedPlansEqualUnfused) {
 // FP8 without dropout on the activation: fc2's casts apply fc1's GELU to its pre-activation
 // and fc1's gradient cast GELU's backward (block_plan.h), so no GELU pass runs and no GELU
 // output or gradient is held, kept or not; the forward's casts keep the inputs' transposes for
-// the weight gradients, and LN1 / LN2 write qkv's / fc1's inputs in FP8 themselves (no Y1, Y2
-// in training). The step is the unfused plan's bit for bit (a GELU pass, then fc2 casting its
+// the weight gradients, LN1 / LN2 write qkv's / fc1's inputs in FP8 themselves (no Y1, Y2
+// in training), and the attention backward qkv's output gradient. The step is the unfused plan's bit for bit (a GELU pass, then fc2 casting its
 // output; LayerNorms storing y, then the Linears casting it: the same codes; without dropout
 // and drop path the other fusions round alike).
 TEST(Model, Fp8GeluInTheCasts) {
@@ -291,6 +291,12 @@ TEST(Model, Fp8GeluInTheCasts) {
   EXPECT_EQ(bwd.find("Y1"), std::string::npos) << bwd;
   EXPECT_EQ(bwd.find("Y2"), std::string::npos) << bwd;
   EXPECT_EQ(bwd.find("Gelu "), std::string::npos) << bwd;
+  // qkv: its output gradient cast by the attention backward, which sums its bias gradient
+  EXPECT_NE(bwd.find("AttentionBackward db=qkv.b cast=qkv.w\n"
+                     "LinearBackward column fp8 x_t dy_cast out=Dtmp w=qkv.w dw=qkv.w\n"),
+            std::string::npos)
+      << bwd;
+  EXPECT_EQ(bwd.find("Dqkv"), std::string::npos) << bwd;
   // no G: kept or not the same bytes, and one [N, mlp] buffer fewer than bf16's shared one
   EXPECT_EQ(k.model->activation_bytes(), a.model->activation_bytes());
   const size_t g = size_t(B) * c.tokens() * c.mlp * sizeof(float);

@@ -511,6 +511,17 @@ class Fp8Ops {
                                          float* rstd, const void* a, const void* b,
                                          const void* gamma, const void* beta, int N, int C,
                                          float eps, RowFactors bf = {}) = 0;
+  // NormAttentionOps::attention_backward (dqkv, dout, qkv, out, saved, B, T, H, hd,
+  // workspace) whose qkv gradient g [B*T, 3C] goes to qkv's FP8 backward as fp8_cast_grad
+  // casts it (out, out_t, amax, scale, f; db[3C] += its column sums): the same codes,
+  // transpose and amax as attention_backward then fp8_cast_grad, the column sums within fp32
+  // rounding of them in another order fixed by the shape. dqkv is the act-dtype buffer of g
+  // that a backend not fusing the two writes (and may leave untouched otherwise).
+  virtual void attention_backward_fp8(void* dqkv, uint8_t* out, uint8_t* out_t, float* amax,
+                                      const float* scale, Fp8Format f, float* db,
+                                      const void* dout, const void* qkv, const void* att,
+                                      const void* saved, int B, int T, int H, int hd,
+                                      void* workspace) = 0;
   // D[M,N] = (A[M,K] B[N,K]^T) * a_scale_inv[0] * b_scale_inv[0] + beta D: both operands
   // K-contiguous (the form Hopper's FP8 tensor cores take; a Linear's transposed operands come
   // from fp8_cast's out_t), not both E5M2; fp32 sums (on GPUs, E4M3 x E4M3 under

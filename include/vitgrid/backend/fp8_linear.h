@@ -12,7 +12,8 @@
 // multiples of 16, and so must the rows where the weight gradient (whose K they are) is
 // taken. The casts are passes of their own here, but where the meta says otherwise: a GELU
 // applied to x by x's cast (x_gelu), GELU's backward and the bias gradient in dy's (dy_gelu),
-// x cast by the LayerNorm that produced it (x_cast); fusing the casts into the kernels that
+// x cast by the LayerNorm that produced it (x_cast), dy cast by the attention backward that
+// produced it (dy_cast); fusing the casts into the kernels that
 // produce x and dy is what makes FP8 pay (tools/MEASURED.md).
 #pragma once
 #include <cstddef>
@@ -48,6 +49,11 @@ struct Fp8LinearMeta {
   // Linear writes them (Fp8Ops::add_layernorm_forward_fp8); the forward casts no x and reads
   // none (x may be null).
   bool x_cast = false;
+  // dy is already cast: its codes and transpose are where fp8_linear_dy_codes puts them in the
+  // backward's scratch, with this layer's dy scale and amax, and the bias gradient summed, as
+  // the attention backward before qkv's writes them (Fp8Ops::attention_backward_fp8); the
+  // backward casts no dy and reads none (dy may be null; db must be).
+  bool dy_cast = false;
   const float* scale_of(int k) const { return scale + k * stride; }
   const float* scale_inv_of(int k) const { return scale_inv + k * stride; }
   float* amax_of(int k) const { return amax + k * stride; }
@@ -55,6 +61,12 @@ struct Fp8LinearMeta {
 
 // The FP8 copies' scratch (bytes) the two calls below need for N rows.
 size_t fp8_linear_scratch_bytes(int N, int in, int out);
+// Where fp8_linear_backward's scratch holds dy's codes [N, out] and their transpose [out, N].
+struct Fp8DyCodes {
+  uint8_t* dy;
+  uint8_t* dy_t;
+};
+Fp8DyCodes fp8_linear_dy_codes(uint8_t* scratch, int N, int out);
 
 // Throws (VG_CHECK) unless in and out (and N, with dW) are multiples of 16 (Hopper's FP8 GEMMs).
 void fp8_linear_forward(Backend& be, const Fp8LinearMeta& meta, uint8_t* scratch, void* y,

@@ -31,6 +31,9 @@
 //   LayerNorm writes FP8:    with FP8 Linears keeping their inputs' transposes, LN1 and LN2
 //                            write qkv's and fc1's inputs in FP8 (and their transposes) with
 //                            those Linears' scales: no bf16 Y1 / Y2 in training, no cast pass.
+//   attention writes FP8:    with FP8 Linears, the attention backward writes qkv's output
+//                            gradient in FP8 (codes, transpose, amax) with qkv's dy scale and
+//                            sums qkv's bias gradient; qkv's backward casts no dy.
 // And one rule no flag undoes (it is the precision, not a fusion):
 //   FP8 Linears:             with precision.mode = fp8 (ChunkSpec::fp8), the four Linears
 //                            (qkv, proj, fc1, fc2) run their forward, data and weight
@@ -111,8 +114,12 @@ struct Op {
                                // in the block's buffer, taken by the weight gradient
   ParamRef cast_w;             // LayerNorm: out not stored; the LayerNorm writes the FP8 copy
                                // of the input of the Linear of these weights (out_w wide), which
-                               // follows
+                               // follows. AttentionBackward: the FP8 copies of the output
+                               // gradient of the Linear of these weights (qkv), which follows,
+                               // and its bias gradient (db)
   bool x_cast = false;         // FP8 Linear: its input cast already (by the LayerNorm before it)
+  bool dy_cast = false;        // FP8 LinearBackward: its output gradient cast already (by the
+                               // attention backward before it), its bias gradient summed
 };
 
 struct BlockPlan {

@@ -121,6 +121,10 @@ struct TpFusions {
   // Linear's forward cast would (Fp8LinearMeta::x_cast): the modes whose Column Linear takes
   // the LayerNorm's rows as its local input, whole (none)
   bool fp8_layernorm_cast = false;
+  // attention_backward_fp8: the attention backward may write the FP8 Column Linear qkv's
+  // output gradient as that Linear's backward cast would (Fp8LinearMeta::dy_cast): the modes
+  // whose qkv backward takes the attention's gradient rows as its local dy, whole (none)
+  bool fp8_attention_dy_cast = false;
 };
 
 class TensorParallel {
@@ -224,6 +228,17 @@ class TensorParallel {
                                      const void* b, const void* gamma, const void* beta,
                                      int rows, int C, float eps, RowFactors bf,
                                      const Fp8LinearMeta& next, int in, int out) = 0;
+  // The backend's attention backward of B samples (their qkv [B, T, 3C], output att and
+  // saved state; dqkv the act-dtype gradient's buffer, which it may leave unwritten) whose
+  // gradient goes into the FP8 copies of the output gradient of qkv, the Column Linear that
+  // follows (C in, 3C out features on B T rows), as that Linear's backward cast would make it
+  // (prev's dy scale and amax, its transpose, db += the bias gradient), where that Linear,
+  // called with prev.dy_cast and no bias gradient, finds it. Where
+  // fusions().fp8_attention_dy_cast says so.
+  virtual void attention_backward_fp8(void* dqkv, const void* dout, const void* qkv,
+                                      const void* att, const void* saved, int B, int T, int H,
+                                      int hd, void* workspace, const Fp8LinearMeta& prev,
+                                      float* db) = 0;
   // With dsum (where fusions() says so): dsum += the column sums of the updated dx, which is
   // then the whole bias gradient of a Row Linear whose output gradient dx is; that Linear's
   // backward is then given no db. With bf (where fusions() says so):

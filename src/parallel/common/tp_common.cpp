@@ -327,6 +327,23 @@ void TensorParallelBase::layernorm_forward_fp8(void* res, float* mean, float* rs
                                 Fp8Format::E4M3, mean, rstd, a, b, gamma, beta, rows, C, eps, bf);
 }
 
+// The codes go where local_backward's scratch puts dy's (slot 12, asked for qkv's own size, so
+// the same buffer the Linear then gets).
+void TensorParallelBase::attention_backward_fp8(void* dqkv, const void* dout, const void* qkv,
+                                                const void* att, const void* saved, int B, int T,
+                                                int H, int hd, void* workspace,
+                                                const Fp8LinearMeta& prev, float* db) {
+  VG_CHECK(fusions().fp8_attention_dy_cast && prev.dy_cast && !prev.dy_gelu,
+           "an attention backward writing FP8 in tensor mode " << tensor_mode_name(mode()));
+  const int rows = B * T, C = H * hd;
+  auto* s = static_cast<uint8_t*>(scratch(12, fp8_linear_scratch_bytes(rows, C, 3 * C)));
+  const Fp8DyCodes codes = fp8_linear_dy_codes(s, rows, 3 * C);
+  using M = Fp8LinearMeta;
+  be_.attention_backward_fp8(dqkv, codes.dy, codes.dy_t, prev.amax_of(M::kDy),
+                             prev.scale_of(M::kDy), Fp8Format::E5M2, db, dout, qkv, att, saved,
+                             B, T, H, hd, workspace);
+}
+
 void TensorParallelBase::layernorm_forward(void* res, void* y, float* mean, float* rstd,
                                            const void* a, const void* b, const void* gamma,
                                            const void* beta, int rows, int C, float eps,

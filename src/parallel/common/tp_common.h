@@ -35,6 +35,9 @@ class TensorParallelBase : public TensorParallel {
   void layernorm_forward_fp8(void* res, float* mean, float* rstd, const void* a, const void* b,
                              const void* gamma, const void* beta, int rows, int C, float eps,
                              RowFactors bf, const Fp8LinearMeta& next, int in, int out) final;
+  void attention_backward_fp8(void* dqkv, const void* dout, const void* qkv, const void* att,
+                              const void* saved, int B, int T, int H, int hd, void* workspace,
+                              const Fp8LinearMeta& prev, float* db) final;
   void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy, const void* x,
                           const void* gamma, const float* mean, const float* rstd, int rows,
                           int C, float* dsum, void* dbranch, RowFactors bf) override;

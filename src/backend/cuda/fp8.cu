@@ -292,10 +292,11 @@ void CudaBackend::fp8_cast_grad(uint8_t* out, uint8_t* out_t, float* amax, const
   }
 }
 
-// Where the whole-head flash kernels run the backward, they cast the gradient as they produce
-// it (flash_attention.h FlashGradCast): the bf16 dqkv is neither written nor read again, and
-// each image's column sums (in the attention workspace, which attention_workspace_bytes sizes
-// for them) are added into db in order. Elsewhere: the backward, then the cast.
+// Where the whole-head flash kernels run the backward (and BackendOptions::fp8_attention_cast
+// asks for it), they cast the gradient as they produce it (flash_attention.h FlashGradCast):
+// the bf16 dqkv is neither written nor read again, and each image's column sums (in the
+// attention workspace, which attention_workspace_bytes sizes for them) are added into db in
+// order. Elsewhere: the backward, then the cast (fp8_cast_grad), as qkv's backward casts.
 void CudaBackend::attention_backward_fp8(void* dqkv, uint8_t* out, uint8_t* out_t, float* amax,
                                          const float* scale, Fp8Format f, float* db,
                                          const void* dout, const void* qkv, const void* att,
@@ -305,7 +306,7 @@ void CudaBackend::attention_backward_fp8(void* dqkv, uint8_t* out, uint8_t* out_
   const int rows = B * T, cols = 3 * H * hd;
   check_fp8_cast_args(out, out_t, amax, rows, cols, scale);
   if (B <= 0 || T <= 0) return;
-  if (attention_route(B, T, H, hd) != AttentionPath::Flash ||
+  if (!fp8_attention_cast_ || attention_route(B, T, H, hd) != AttentionPath::Flash ||
       !cuda::flash_head_applies(act_, hd, T)) {
     attention_backward(dqkv, dout, qkv, att, saved, B, T, H, hd, workspace);
     fp8_cast_grad(out, out_t, amax, dqkv, rows, cols, scale, f, db, nullptr, Gelu::Exact);

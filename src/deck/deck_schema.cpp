@@ -189,7 +189,8 @@ const std::vector<Field>& schema() {
                "fp8 on GPUs: where the whole-head flash kernels run the attention backward, "
                "they cast qkv's output gradient to FP8 themselves (codes, transpose, amax, "
                "qkv's bias gradient) instead of writing it in bf16 for a cast pass; the same "
-               "codes either way. Off by default until its speed is measured (tools/MEASURED.md)"),
+               "codes either way. Off by default until measured against the cast pass "
+               "(tools/gpu_check.sh fp8cast)"),
       VG_FIELD(precision, initial_scale, "", "fp16 initial loss scale"),
       VG_FIELD(precision, growth_interval, "",
                "fp16 steps without overflow before the scale grows"),

@@ -439,10 +439,17 @@ PYEOF
       fi
       "${TPY[@]}" "$PY" test/data/write_tfrecord.py "$D/jpeg" "$D/jpeg-tfr" --shards 16 --val-shards 2 2>&1 | tail -1
     fi
+    # source jpeg_h5_256 (JPEG_INPUT_SOURCES / JPEG_TRAIN_SOURCES): the set packed with
+    # --short-side 256 (images resized to a shorter side of 256, re-encoded at quality 90)
+    if [[ " ${JPEG_INPUT_SOURCES:-} ${JPEG_TRAIN_SOURCES:-} " == *" jpeg_h5_256 "* ]] &&
+       [ ! -f "$D/jpeg256_train.h5" ]; then
+      "$B/bin/vitgrid_dataset" pack "$D/jpeg" "$D/jpeg256.h5" --short-side 256 --threads $CORES 2>&1 | tail -2
+    fi
     J=(--model.num_classes=100 --data.hflip=true --data.interpolation=bilinear --data.workers=$CORES)
     if [[ " ${JPEG_PARTS:-input train} " == *" input "* ]]; then
       for src in ${JPEG_INPUT_SOURCES:-folder tfrecord jpeg_h5}; do
-        case $src in folder) set -- folder "$D/jpeg" ;; tfrecord) set -- tfrecord "$D/jpeg-tfr" ;; jpeg_h5) set -- jpeg_h5 "$D/jpeg.h5" ;; esac
+        case $src in folder) set -- folder "$D/jpeg" ;; tfrecord) set -- tfrecord "$D/jpeg-tfr" ;;
+          jpeg_h5) set -- jpeg_h5 "$D/jpeg.h5" ;; jpeg_h5_256) set -- jpeg_h5 "$D/jpeg256.h5" ;; esac
         # host decoding with the resize on the host's threads and on the device; nvJPEG
         for where in "host --resize=host" "host --resize=device" "device"; do
           "$B/bin/bench_loader" inputs/bench_vit_b16.ini --data.dataset=$1 --data.path=$2 \
@@ -465,11 +472,13 @@ PYEOF
           # JPEG_DECODES: host, device (all on the GPU) or device:SHARE (data.device_share),
           # each with /host or /device: data.resize
           for src in ${JPEG_TRAIN_SOURCES:-folder}; do
-            case $src in folder) P=$D/jpeg ;; jpeg_h5) P=$D/jpeg.h5 ;; tfrecord) P=$D/jpeg-tfr ;; esac
+            S=$src
+            case $src in folder) P=$D/jpeg ;; jpeg_h5) P=$D/jpeg.h5 ;; tfrecord) P=$D/jpeg-tfr ;;
+              jpeg_h5_256) P=$D/jpeg256.h5; S=jpeg_h5 ;; esac
             for dec in ${JPEG_DECODES:-host device device:0.3}; do
               decode_args "$dec"
               mpirun -np $np --bind-to none "$B/bin/vitgrid" train inputs/bench_vit_b16.ini --model.preset=$m \
-                --data.dataset=$src --data.path=$P --data.index_dir="$D/idx" "${J[@]}" "${G[@]}" "${X[@]}" \
+                --data.dataset=$S --data.path=$P --data.index_dir="$D/idx" "${J[@]}" "${G[@]}" "${X[@]}" \
                 --run.steps=${JPEG_STEPS:-50} --run.out_dir="$D/run-$src" \
                 --run.eval_samples=512 --checkpoint.every_steps=0 2>&1 | grep -E "rror" | head -2
               "$PY" tools/run_rate.py "$D/run-$src/metrics.h5" --skip 10 --label "$np GPU | $m $src $dec"

@@ -21,6 +21,13 @@
 //          pass sizes /jpeg (file sizes; TFRecord records are read), the second writes it.
 //          TFRecord labels are 1-based as build_imagenet_data.py writes them: the default label
 //          offset there is -1 (pass --label-offset 0 for 0-based shards).
+//          --short-side N [--quality Q] [--threads T]: each image whose shorter side exceeds N
+//          is stored resized to N (torchvision's Resize(N) on the PIL image: Pillow's
+//          antialiased bicubic) and re-encoded as Pillow's save(quality=Q) would (default 90),
+//          on T threads; the others, and images that cannot be decoded, are copied unchanged.
+//          Both passes transcode (the same bytes twice: no temporary copy). Root attributes
+//          short_side and quality record it. For nodes whose CPUs cannot decode full-size
+//          images as fast as their GPUs train (tools/MEASURED.md, "the packed form, resized").
 //   vitgrid_dataset verify SRC [--eval-fraction F] [--label-offset N] [--threads T]
 //       decodes every image of SRC (folder, TFRecord directory or packed .h5) with the CPU
 //       decoder and lists each one that fails with the reason, then a count; exit 1 if any did.
@@ -35,6 +42,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <memory>
 #include <mutex>
@@ -46,6 +54,7 @@
 #include "vitgrid/core/error.h"
 #include "vitgrid/data/dataset.h"
 #include "vitgrid/data/image_decode.h"
+#include "vitgrid/data/image_encode.h"
 #include "vitgrid/data/image_source.h"
 
 namespace {
@@ -62,9 +71,10 @@ constexpr int64_t kWriteImages = 1024;  // images read from the source per write
                "--seed X\n"
                "writes OUT_PREFIX_train.h5 and OUT_PREFIX_eval.h5 (packed HDF5 images)\n"
                "  vitgrid_dataset pack SRC OUT.h5 [--source folder|tfrecord] [--eval-fraction F]\n"
-               "                  [--label-offset N]\n"
+               "                  [--label-offset N] [--short-side N [--quality Q]] [--threads T]\n"
                "writes OUT_train.h5 and OUT_val.h5 (packed JPEG files) from an ImageFolder tree\n"
-               "or a TFRecord directory\n"
+               "or a TFRecord directory; with --short-side, images whose shorter side exceeds N\n"
+               "are stored resized to N (bicubic) and re-encoded at quality Q (default 90)\n"
                "  vitgrid_dataset verify SRC [--eval-fraction F] [--label-offset N] [--threads T]\n"
                "decodes every image of a folder tree, TFRecord directory or packed .h5; lists\n"
                "those that fail; exit 1 if any\n");
@@ -168,7 +178,14 @@ struct SourceArgs {
   double eval_fraction = 0.0;
   bool label_offset_set = false;
   int label_offset = 0;
+  // pack: --short-side (0: the bytes unchanged), --quality (-1: not given)
+  int short_side = 0;
+  int quality = -1;
 };
+
+// Threads for the work of every image (verify's decodes, pack's transcodes): the machine's,
+// at most 8 unless --threads says.
+int default_threads() { return (int)std::max(1u, std::min(8u, std::thread::hardware_concurrency())); }
 
 std::string detect_kind(const SourceArgs& a) {
   if (!a.kind.empty()) return a.kind;
@@ -190,13 +207,19 @@ std::unique_ptr<vitgrid::ImageSource> open_source(const SourceArgs& a, const std
   return vitgrid::open_jpeg_h5(a.src, o);
 }
 
-// Parses the options after the positional arguments of pack / verify.
-void parse_source_options(int argc, char** argv, int first, SourceArgs& a, int* threads) {
+// Parses the options after the positional arguments of pack / verify (pack: packing true).
+void parse_source_options(int argc, char** argv, int first, SourceArgs& a, int* threads,
+                          bool packing) {
   for (int i = first; i < argc; i += 2) {
     const std::string f = argv[i];
     if (i + 1 >= argc) usage((f + " needs a value").c_str());
     const char* v = argv[i + 1];
-    if (f == "--source" && !threads) {
+    if (f == "--short-side" && packing) {
+      a.short_side = (int)parse_int(f, v, 1);
+    } else if (f == "--quality" && packing) {
+      a.quality = (int)parse_int(f, v, 1);
+      if (a.quality > 100) usage("--quality must be in 1..100");
+    } else if (f == "--source" && packing) {
       a.kind = v;
       if (a.kind != "folder" && a.kind != "tfrecord")
         usage(("--source is folder or tfrecord, got '" + a.kind + "'").c_str());
@@ -212,12 +235,14 @@ void parse_source_options(int argc, char** argv, int first, SourceArgs& a, int* 
         usage(("--label-offset needs an integer, got '" + std::string(v) + "'").c_str());
       a.label_offset = (int)x;
       a.label_offset_set = true;
-    } else if (f == "--threads" && threads) {
+    } else if (f == "--threads") {
       *threads = (int)parse_int(f, v, 1);
     } else {
       usage(("unknown option " + f).c_str());
     }
   }
+  if (a.quality >= 0 && a.short_side == 0) usage("--quality applies with --short-side only");
+  if (a.quality < 0) a.quality = 90;
 }
 
 // HDF5 handles closed on scope exit.
@@ -232,43 +257,115 @@ struct H5Id {
 struct SplitPlan {
   std::vector<int64_t> offsets;  // N+1
   std::vector<int64_t> labels;   // N
+  int64_t resized = 0, kept_bad = 0;  // --short-side: images resized; undecodable ones copied
 };
 
-// First pass: the size of every sample (folder: file sizes, the labels come in the second
-// pass; else each sample is read, which gives its label too).
-SplitPlan plan_split(const vitgrid::ImageSource& src, const std::string& kind) {
+// The samples pack stores, read kChunk at a time from the source on `threads` threads: the
+// source's bytes, or (short_side > 0) transcode_short_side's. The same bytes on every call.
+class PackReader {
+ public:
+  static constexpr int64_t kChunk = 1024;
+  PackReader(const vitgrid::ImageSource& src, int short_side, int quality, int threads)
+      : src_(src), short_side_(short_side), quality_(quality),
+        threads_(short_side > 0 ? threads : 1) {}
+  struct Item {
+    std::vector<uint8_t> bytes;
+    int32_t label = 0;
+    bool resized = false;
+    std::string bad;  // why an image could not be transcoded (copied unchanged)
+  };
+  // Samples [i0, min(i0 + kChunk, n)) into items (items[k]: sample i0 + k).
+  void read(int64_t i0, std::vector<Item>& items) {
+    const int64_t n = std::min(src_.size(), i0 + kChunk) - i0;
+    items.resize((size_t)n);
+    std::atomic<int64_t> next{0};
+    std::exception_ptr error;
+    std::mutex mu;
+    auto work = [&] {
+      vitgrid::TranscodeScratch t;
+      for (int64_t k; (k = next.fetch_add(1)) < n;) {
+        Item& it = items[(size_t)k];
+        try {
+          src_.read(i0 + k, it.bytes, it.label);
+          it.resized = false;
+          it.bad.clear();
+          if (short_side_ > 0) {
+            try {
+              it.resized = vitgrid::transcode_short_side(it.bytes, short_side_, quality_,
+                                                         vitgrid::Interp::Bicubic, t);
+            } catch (const vitgrid::DecodeError& e) {
+              it.bad = e.what();
+            }
+          }
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(mu);
+          if (!error) error = std::current_exception();
+          next = n;
+        }
+      }
+    };
+    if (threads_ <= 1) {
+      work();
+    } else {
+      std::vector<std::thread> pool;
+      for (int t = 0; t < threads_; ++t) pool.emplace_back(work);
+      for (auto& t : pool) t.join();
+    }
+    if (error) std::rethrow_exception(error);
+  }
+
+ private:
+  const vitgrid::ImageSource& src_;
+  int short_side_, quality_, threads_;
+};
+
+// First pass: the size of every sample (folder, bytes unchanged: file sizes, the labels come
+// in the second pass; else each sample is read, and transcoded, which gives its label too).
+SplitPlan plan_split(const vitgrid::ImageSource& src, const std::string& kind,
+                     PackReader& reader, bool transcode) {
   SplitPlan p;
   const int64_t n = src.size();
   p.offsets.assign((size_t)n + 1, 0);
   p.labels.assign((size_t)n, 0);
-  std::vector<uint8_t> bytes;
-  for (int64_t i = 0; i < n; ++i) {
-    int64_t size = 0;
-    int32_t label = 0;
-    if (kind == "folder") {
-      struct stat st;
-      const std::string path = src.where(i);
-      if (stat(path.c_str(), &st) != 0)
-        throw vitgrid::UserError(path + ": cannot stat: " + std::strerror(errno));
-      size = (int64_t)st.st_size;
-      label = -1;  // filled by the second pass
-    } else {
-      src.read(i, bytes, label);
-      size = (int64_t)bytes.size();
+  std::vector<PackReader::Item> items;
+  for (int64_t i0 = 0; i0 < n; i0 += PackReader::kChunk) {
+    const int64_t i1 = std::min(n, i0 + PackReader::kChunk);
+    if (kind != "folder" || transcode) reader.read(i0, items);
+    for (int64_t i = i0; i < i1; ++i) {
+      int64_t size = 0;
+      int32_t label = 0;
+      if (kind == "folder" && !transcode) {
+        struct stat st;
+        const std::string path = src.where(i);
+        if (stat(path.c_str(), &st) != 0)
+          throw vitgrid::UserError(path + ": cannot stat: " + std::strerror(errno));
+        size = (int64_t)st.st_size;
+        label = -1;  // filled by the second pass
+      } else {
+        const PackReader::Item& it = items[(size_t)(i - i0)];
+        size = (int64_t)it.bytes.size();
+        label = it.label;
+        p.resized += it.resized;
+        if (!it.bad.empty()) {
+          ++p.kept_bad;
+          std::fprintf(stderr, "vitgrid_dataset: %s: copied unchanged (cannot decode it: %s)\n",
+                       src.where(i).c_str(), it.bad.c_str());
+        }
+      }
+      p.offsets[(size_t)i + 1] = p.offsets[(size_t)i] + size;
+      p.labels[(size_t)i] = label;
+      if ((i + 1) % 50000 == 0)
+        std::fprintf(stderr, "vitgrid_dataset: sized %lld of %lld\n", (long long)(i + 1),
+                     (long long)n);
     }
-    p.offsets[(size_t)i + 1] = p.offsets[(size_t)i] + size;
-    p.labels[(size_t)i] = label;
-    if ((i + 1) % 50000 == 0)
-      std::fprintf(stderr, "vitgrid_dataset: sized %lld of %lld\n", (long long)(i + 1),
-                   (long long)n);
   }
   return p;
 }
 
 // Second pass: writes the packed file (under `path`, a temporary name the caller renames).
-void write_jpeg_h5(const vitgrid::ImageSource& src, SplitPlan& p, int64_t K,
+void write_jpeg_h5(const vitgrid::ImageSource& src, PackReader& reader, SplitPlan& p, int64_t K,
                    const std::vector<std::string>& classes, const std::string& source,
-                   const std::string& path) {
+                   int short_side, int quality, const std::string& path) {
   const int64_t n = src.size();
   const hsize_t total = (hsize_t)p.offsets.back();
   H5Id file{H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose};
@@ -284,7 +381,7 @@ void write_jpeg_h5(const vitgrid::ImageSource& src, SplitPlan& p, int64_t K,
 
   // Streams the bytes in slabs of up to kSlab bytes (one image may exceed it alone).
   constexpr size_t kSlab = (size_t)64 << 20;
-  std::vector<uint8_t> slab, bytes;
+  std::vector<uint8_t> slab;
   hsize_t slab_start = 0;
   auto flush = [&] {
     if (slab.empty()) return;
@@ -295,20 +392,24 @@ void write_jpeg_h5(const vitgrid::ImageSource& src, SplitPlan& p, int64_t K,
     slab_start += count;
     slab.clear();
   };
-  for (int64_t i = 0; i < n; ++i) {
-    int32_t label = 0;
-    src.read(i, bytes, label);
-    const int64_t want = p.offsets[(size_t)i + 1] - p.offsets[(size_t)i];
-    if (p.labels[(size_t)i] < 0) p.labels[(size_t)i] = label;
-    if ((int64_t)bytes.size() != want || label != p.labels[(size_t)i])
-      throw vitgrid::UserError(src.where(i) + ": changed while being packed (" +
-                               std::to_string(bytes.size()) + " bytes, " + std::to_string(want) +
-                               " before)");
-    if (!slab.empty() && slab.size() + bytes.size() > kSlab) flush();
-    slab.insert(slab.end(), bytes.begin(), bytes.end());
-    if ((i + 1) % 50000 == 0)
-      std::fprintf(stderr, "vitgrid_dataset: packed %lld of %lld\n", (long long)(i + 1),
-                   (long long)n);
+  std::vector<PackReader::Item> items;
+  for (int64_t i0 = 0; i0 < n; i0 += PackReader::kChunk) {
+    reader.read(i0, items);
+    for (int64_t i = i0; i < i0 + (int64_t)items.size(); ++i) {
+      const std::vector<uint8_t>& bytes = items[(size_t)(i - i0)].bytes;
+      const int32_t label = items[(size_t)(i - i0)].label;
+      const int64_t want = p.offsets[(size_t)i + 1] - p.offsets[(size_t)i];
+      if (p.labels[(size_t)i] < 0) p.labels[(size_t)i] = label;
+      if ((int64_t)bytes.size() != want || label != p.labels[(size_t)i])
+        throw vitgrid::UserError(src.where(i) + ": changed while being packed (" +
+                                 std::to_string(bytes.size()) + " bytes, " +
+                                 std::to_string(want) + " before)");
+      if (!slab.empty() && slab.size() + bytes.size() > kSlab) flush();
+      slab.insert(slab.end(), bytes.begin(), bytes.end());
+      if ((i + 1) % 50000 == 0)
+        std::fprintf(stderr, "vitgrid_dataset: packed %lld of %lld\n", (long long)(i + 1),
+                     (long long)n);
+    }
   }
   flush();
 
@@ -347,6 +448,13 @@ void write_jpeg_h5(const vitgrid::ImageSource& src, SplitPlan& p, int64_t K,
     H5Id a{H5Acreate2(file.id, "source", st.id, scalar.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose};
     H5_OK(H5Awrite(a.id, st.id, source.c_str()));
   }
+  if (short_side > 0)  // the images resized: what to and how
+    for (const auto& kv : {std::make_pair("short_side", (int64_t)short_side),
+                           std::make_pair("quality", (int64_t)quality)}) {
+      H5Id a{H5Acreate2(file.id, kv.first, H5T_STD_I64LE, scalar.id, H5P_DEFAULT, H5P_DEFAULT),
+             H5Aclose};
+      H5_OK(H5Awrite(a.id, H5T_NATIVE_INT64, &kv.second));
+    }
   H5Dclose(djpeg.id);  // before the file: its close then flushes everything
   djpeg.id = -1;
   const herr_t rc = H5Fclose(file.id);
@@ -359,7 +467,8 @@ int pack(int argc, char** argv) {
   SourceArgs a;
   a.src = argv[2];
   const std::string out = argv[3];
-  parse_source_options(argc, argv, 4, a, nullptr);
+  int threads = default_threads();
+  parse_source_options(argc, argv, 4, a, &threads, true);
   if (out.size() < 4 || out.compare(out.size() - 3, 3, ".h5") != 0)
     usage("pack's output must be named X.h5 (it writes X_train.h5 and X_val.h5)");
   const std::string stem = out.substr(0, out.size() - 3);
@@ -373,7 +482,11 @@ int pack(int argc, char** argv) {
   auto eval = open_source(a, kind, false);
   std::fprintf(stderr, "vitgrid_dataset: packing %s\n  and %s\n", train->describe().c_str(),
                eval->describe().c_str());
-  SplitPlan ptrain = plan_split(*train, kind), peval = plan_split(*eval, kind);
+  const bool transcode = a.short_side > 0;
+  PackReader rtrain(*train, a.short_side, a.quality, threads),
+      reval(*eval, a.short_side, a.quality, threads);
+  SplitPlan ptrain = plan_split(*train, kind, rtrain, transcode),
+            peval = plan_split(*eval, kind, reval, transcode);
   int64_t K = train->num_classes();
   std::vector<std::string> classes = train->class_names();
   if (kind == "tfrecord") {  // the shards do not say: the largest label + 1
@@ -385,11 +498,17 @@ int pack(int argc, char** argv) {
     classes.clear();
     for (int64_t k = 0; k < K; ++k) classes.push_back(std::to_string(k));
   }
-  const std::string src_attr = kind + " " + fs::absolute(a.src, ec).string();
+  const std::string src_attr =
+      kind + " " + fs::absolute(a.src, ec).string() +
+      (transcode ? " short_side=" + std::to_string(a.short_side) +
+                       " quality=" + std::to_string(a.quality)
+                 : "");
   const std::string tmp_train = stem + "_train.h5.tmp", tmp_val = stem + "_val.h5.tmp";
   try {
-    write_jpeg_h5(*train, ptrain, K, classes, src_attr + " split=train", tmp_train);
-    write_jpeg_h5(*eval, peval, K, classes, src_attr + " split=val", tmp_val);
+    write_jpeg_h5(*train, rtrain, ptrain, K, classes, src_attr + " split=train", a.short_side,
+                  a.quality, tmp_train);
+    write_jpeg_h5(*eval, reval, peval, K, classes, src_attr + " split=val", a.short_side,
+                  a.quality, tmp_val);
   } catch (...) {
     std::remove(tmp_train.c_str());
     std::remove(tmp_val.c_str());
@@ -404,6 +523,12 @@ int pack(int argc, char** argv) {
       "images, %lld bytes), %lld classes, from %s\n",
       stem.c_str(), (long long)train->size(), (long long)ptrain.offsets.back(), stem.c_str(),
       (long long)eval->size(), (long long)peval.offsets.back(), (long long)K, kind.c_str());
+  if (transcode)
+    std::printf("vitgrid_dataset: resized %lld of %lld images to a shorter side of %d (quality "
+                "%d); %lld that could not be decoded copied unchanged\n",
+                (long long)(ptrain.resized + peval.resized),
+                (long long)(train->size() + eval->size()), a.short_side, a.quality,
+                (long long)(ptrain.kept_bad + peval.kept_bad));
   return 0;
 }
 
@@ -411,8 +536,8 @@ int verify(int argc, char** argv) {
   if (argc < 3 || argv[2][0] == '-') usage("verify takes SRC");
   SourceArgs a;
   a.src = argv[2];
-  int threads = (int)std::max(1u, std::min(8u, std::thread::hardware_concurrency()));
-  parse_source_options(argc, argv, 3, a, &threads);
+  int threads = default_threads();
+  parse_source_options(argc, argv, 3, a, &threads, false);
   const std::string kind = detect_kind(a);
   std::vector<std::unique_ptr<vitgrid::ImageSource>> splits;
   splits.push_back(open_source(a, kind, true));

@@ -10,8 +10,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <random>
 #include <set>
@@ -22,6 +24,7 @@
 
 #include "data_test_util.h"
 #include "vitgrid/core/error.h"
+#include "vitgrid/data/image_decode.h"
 #include "vitgrid/data/image_source.h"
 
 namespace {
@@ -502,6 +505,99 @@ TEST_F(ImageSources, VerifyListsUndecodableFiles) {
   EXPECT_NE(out.find("12 images checked, 0 could not be decoded"), std::string::npos) << out;
   EXPECT_EQ(run(tool() + " verify " + t.file("nowhere.h5"), &out), 2) << out;
   EXPECT_EQ(run(tool() + " pack " + t.file("clean"), &out), 2) << out;  // no OUT
+}
+
+// pack --short-side: every image whose shorter side exceeds N is stored as Pillow makes it
+// (torchvision's Resize(N), bicubic, then save(quality=Q): short_side_reference.py, an
+// independent writer): the same size and, decoded, the same pixels within one level (the same
+// bytes where Pillow's libjpeg is the one vitgrid links); smaller images and the truncated one
+// unchanged; the same file on 1 and 3 threads; the attributes record N and Q; bad options
+// refused.
+TEST_F(ImageSources, PackShortSideIsPillowsResizeAndSave) {
+  vgtest::TempDir t;
+  const int N = 96, Q = 85;
+  std::string out, ref;
+  ASSERT_EQ(run(py() + "short_side_reference.py " + path("tree") + " " + t.file("ref") + " " +
+                    std::to_string(N) + " " + std::to_string(Q),
+                &ref),
+            0)
+      << ref;
+  const std::string args = " --short-side " + std::to_string(N) + " --quality " + std::to_string(Q);
+  ASSERT_EQ(run(tool() + " pack " + path("tree") + " " + t.file("s3.h5") + args + " --threads 3",
+                &out),
+            0)
+      << out;
+  EXPECT_NE(out.find(kTruncated + std::string(": copied unchanged")), std::string::npos) << out;
+  EXPECT_NE(out.find("of 24 images to a shorter side of 96 (quality 85); 1 that could not be "
+                     "decoded copied unchanged"),
+            std::string::npos)
+      << out;
+  ASSERT_EQ(run(tool() + " pack " + path("tree") + " " + t.file("s1.h5") + args + " --threads 1",
+                &out),
+            0)
+      << out;
+  for (const char* split : {"_train.h5", "_val.h5"})
+    EXPECT_EQ(slurp(t.file(std::string("s3") + split)), slurp(t.file(std::string("s1") + split)))
+        << "1 and 3 threads differ: " << split;
+  // the reference's word for each file (by name: the tree's names are unique)
+  std::map<std::string, std::string> status;
+  {
+    std::istringstream lines(ref);
+    for (std::string line; std::getline(lines, line);) {
+      const std::string word = line.substr(0, line.find(' '));
+      status[fs::path(line.substr(line.rfind(' ') + 1)).filename().string()] = word;
+    }
+  }
+  EXPECT_EQ(status[kTruncated], "bad");
+  int resized = 0, same_bytes = 0;
+  for (bool train : {true, false}) {
+    auto packed = vitgrid::open_jpeg_h5(t.file("s3.h5"), opts(train));
+    auto orig = vitgrid::open_image_folder(path("tree"), opts(train));
+    auto pil = vitgrid::open_image_folder(t.file("ref"), opts(train));
+    ASSERT_EQ(packed->size(), orig->size());
+    ASSERT_EQ(pil->size(), orig->size());
+    std::vector<uint8_t> a, o, r;
+    int32_t la, lo, lr;
+    vitgrid::DecodedImage da, dr;
+    for (int64_t i = 0; i < orig->size(); ++i) {
+      SCOPED_TRACE(orig->where(i));
+      packed->read(i, a, la);
+      orig->read(i, o, lo);
+      pil->read(i, r, lr);
+      EXPECT_EQ(la, lo);
+      const std::string name = fs::path(orig->where(i)).filename().string();
+      ASSERT_EQ(status.count(name), 1u) << ref;
+      if (status[name] != "resized") {
+        EXPECT_EQ(a, o) << "not resized: the source's bytes";
+        continue;
+      }
+      ++resized;
+      same_bytes += a == r;
+      const vitgrid::ImageInfo ia = vitgrid::peek_image(a.data(), a.size());
+      const vitgrid::ImageInfo ir = vitgrid::peek_image(r.data(), r.size());
+      EXPECT_EQ(ia.format, vitgrid::ImageFormat::Jpeg);
+      ASSERT_EQ(ia.width, ir.width);
+      ASSERT_EQ(ia.height, ir.height);
+      EXPECT_EQ(std::min(ia.width, ia.height), N);
+      vitgrid::decode_image(a.data(), a.size(), da);
+      vitgrid::decode_image(r.data(), r.size(), dr);
+      ASSERT_EQ(da.rgb.size(), dr.rgb.size());
+      int most = 0;
+      for (size_t k = 0; k < da.rgb.size(); ++k) most = std::max(most, std::abs(da.rgb[k] - dr.rgb[k]));
+      EXPECT_LE(most, 1);
+    }
+  }
+  EXPECT_GE(resized, 12) << ref;  // most of the tree's 60-500 px images
+  std::printf("pack --short-side: %d images resized, %d of them byte for byte Pillow's\n",
+              resized, same_bytes);
+  ASSERT_EQ(run("h5dump -a short_side -a quality " + t.file("s3_train.h5"), &out), 0) << out;
+  EXPECT_NE(out.find("(0): 96"), std::string::npos) << out;
+  EXPECT_NE(out.find("(0): 85"), std::string::npos) << out;
+  for (const char* bad : {" --quality 90", " --short-side 0", " --short-side 96 --quality 101",
+                          " --short-side x"})
+    EXPECT_EQ(run(tool() + " pack " + path("tree") + " " + t.file("bad.h5") + bad, &out), 2)
+        << bad << ": " << out;
+  EXPECT_FALSE(fs::exists(t.file("bad_train.h5")));
 }
 
 }  // namespace

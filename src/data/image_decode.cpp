@@ -14,6 +14,8 @@
 #include <jerror.h>
 #include <png.h>
 
+#include "libjpeg_error.h"
+
 namespace vitgrid {
 namespace {
 
@@ -101,26 +103,12 @@ ImageInfo peek_png(const uint8_t* d, size_t n) {
 // ---------------------------------------------------------------------------------------------
 // libjpeg-turbo.
 
-struct JpegError {
-  jpeg_error_mgr pub;  // first: libjpeg casts cinfo->err to this
-  std::jmp_buf jump;
-  char message[JMSG_LENGTH_MAX];
-};
-
-[[noreturn]] void jpeg_fail(j_common_ptr cinfo) {
-  JpegError* e = reinterpret_cast<JpegError*>(cinfo->err);
-  (*cinfo->err->format_message)(cinfo, e->message);
-  std::longjmp(e->jump, 1);
-}
-
 // Warnings (level -1) are errors but for junk before the EOI marker; traces are ignored.
 void jpeg_emit(j_common_ptr cinfo, int level) {
   if (level >= 0) return;
   if (cinfo->err->msg_code == JWRN_EXTRANEOUS_DATA && cinfo->err->msg_parm.i[1] == 0xD9) return;
-  jpeg_fail(cinfo);
+  libjpeg::fail(cinfo);
 }
-
-void jpeg_silent(j_common_ptr) {}
 
 // Pillow's convert("RGB") of its CMYK image, which holds the inverted Adobe samples
 // ("CMYK;I"): with C = 255 - c etc., nk = 255 - K, R = nk - C * nk / 255 (Convert.c cmyk2rgb,
@@ -166,12 +154,9 @@ template <class Buf>
 void decode_jpeg_rows(const uint8_t* data, size_t size, int d, const int* region, Buf& buf,
                       std::vector<uint8_t>& rowbuf, JpegRows& r, size_t at = 0) {
   jpeg_decompress_struct cinfo;
-  JpegError err;
-  cinfo.err = jpeg_std_error(&err.pub);
-  err.pub.error_exit = jpeg_fail;
+  libjpeg::Error err;
+  cinfo.err = libjpeg::install(err);
   err.pub.emit_message = jpeg_emit;
-  err.pub.output_message = jpeg_silent;
-  err.message[0] = 0;
   // Nothing with a destructor lives between setjmp and the libjpeg calls that may jump back.
   if (setjmp(err.jump)) {
     jpeg_destroy_decompress(&cinfo);

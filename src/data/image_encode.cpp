@@ -10,35 +10,17 @@
 
 #include <jpeglib.h>
 
+#include "libjpeg_error.h"
+
 namespace vitgrid {
-namespace {
-
-struct EncodeError {
-  jpeg_error_mgr pub;
-  std::jmp_buf jump;
-  char message[JMSG_LENGTH_MAX];
-};
-
-[[noreturn]] void encode_fail(j_common_ptr cinfo) {
-  auto* e = reinterpret_cast<EncodeError*>(cinfo->err);
-  (*cinfo->err->format_message)(cinfo, e->message);
-  std::longjmp(e->jump, 1);
-}
-
-void encode_silent(j_common_ptr) {}
-
-}  // namespace
 
 void encode_jpeg(const uint8_t* rgb, int w, int h, int quality, std::vector<uint8_t>& out) {
   if (w <= 0 || h <= 0 || quality < 1 || quality > 100)
     throw DecodeError("JPEG encode: " + std::to_string(w) + " x " + std::to_string(h) +
                       " at quality " + std::to_string(quality));
   jpeg_compress_struct cinfo;
-  EncodeError err;
-  cinfo.err = jpeg_std_error(&err.pub);
-  err.pub.error_exit = encode_fail;
-  err.pub.output_message = encode_silent;
-  err.message[0] = 0;
+  libjpeg::Error err;
+  cinfo.err = libjpeg::install(err);
   unsigned char* mem = nullptr;
   unsigned long size = 0;
   // Nothing with a destructor lives between setjmp and the libjpeg calls that may jump back.

@@ -79,10 +79,8 @@ void CpuBackend::attention_backward_fp8(void* dqkv, uint8_t* out, uint8_t* out_t
                                         const void* saved, int B, int T, int H, int hd,
                                         void* workspace) {
   OpScope op_scope(*this, "attention_backward_fp8");
-  const int rows = B * T, cols = 3 * H * hd;
-  check_fp8_cast_args(out, out_t, amax, rows, cols, scale);
-  attention_backward(dqkv, dout, qkv, att, saved, B, T, H, hd, workspace);
-  fp8_cast_grad(out, out_t, amax, dqkv, rows, cols, scale, f, db, nullptr, Gelu::Exact);
+  attention_backward_then_cast(*this, dqkv, out, out_t, amax, scale, f, db, dout, qkv, att, saved,
+                               B, T, H, hd, workspace);
 }
 
 void CpuBackend::fp8_gemm(void* D, bool d_f32, float beta, const uint8_t* A, Fp8Format fa,

@@ -303,15 +303,13 @@ void CudaBackend::attention_backward_fp8(void* dqkv, uint8_t* out, uint8_t* out_
                                          const void* saved, int B, int T, int H, int hd,
                                          void* workspace) {
   OpScope op_scope(*this, "attention_backward_fp8");
+  if (!fp8_attention_cast_ || B <= 0 || T <= 0 ||
+      attention_route(B, T, H, hd) != AttentionPath::Flash ||
+      !cuda::flash_head_applies(act_, hd, T))
+    return attention_backward_then_cast(*this, dqkv, out, out_t, amax, scale, f, db, dout, qkv,
+                                        att, saved, B, T, H, hd, workspace);
   const int rows = B * T, cols = 3 * H * hd;
   check_fp8_cast_args(out, out_t, amax, rows, cols, scale);
-  if (B <= 0 || T <= 0) return;
-  if (!fp8_attention_cast_ || attention_route(B, T, H, hd) != AttentionPath::Flash ||
-      !cuda::flash_head_applies(act_, hd, T)) {
-    attention_backward(dqkv, dout, qkv, att, saved, B, T, H, hd, workspace);
-    fp8_cast_grad(out, out_t, amax, dqkv, rows, cols, scale, f, db, nullptr, Gelu::Exact);
-    return;
-  }
   cuda::FlashGradCast c;
   c.out = out;
   c.out_t = out_t;

@@ -349,9 +349,12 @@ PYEOF
     # precision.fp8_attention_cast (the whole-head flash backward casting qkv's FP8 gradient
     # itself) against the backward then the cast: gpu_fp8's bitwise case, e2e's loss check,
     # then ViT-B/16 fp8 both ways interleaved (and ViT-S/16, ViT-L/16), the profile with it, and
-    # torch.compile bf16 (BUILD_TARGET="vitgrid gpu_fp8" is enough for this step)
+    # torch.compile bf16, and the kernel alone both ways where bench_gpu_kernels was built
+    # (BUILD_TARGET="vitgrid gpu_fp8 bench_gpu_kernels")
     {
       "$B/bin/gpu_fp8" --gtest_filter='*AttentionBackwardFp8*' 2>&1 | grep -E "^\[  (FAILED|PASSED|  OK) |Failure|Expected"
+      [ -x "$B/bin/bench_gpu_kernels" ] && "$B/bin/bench_gpu_kernels" --benchmark_min_time=0.1s \
+        --benchmark_filter='BM_AttentionBackwardFp8' 2>&1 | grep -E "^BM_|Benchmark"
       (cd "$B" && ctest -R "^e2e_gpu_fp8$" -V --timeout 600) 2>&1 | grep -E ": (ok|FAIL|skip) "
       for m in vit-base/16 vit-small/16 vit-large/16; do
         for c in false true false true; do

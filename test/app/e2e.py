@@ -1472,13 +1472,15 @@ def t_input_bound(tmp):
     steps of this model even on a loaded machine) the log has one input-bound warning, after
     the first interval, naming the wait and the step time; a run without the delay has none (a
     model whose step of ~100 ms dwarfs the loader's work per batch; 16 batches queued ahead)."""
+    # (no evaluations or checkpoints between the intervals: the steady state alone)
+    quiet = ["--run.eval_every=0", "--checkpoint.every_steps=0"]
     slow = run(2, ["train", DECK, "--run.steps=15", "--run.log_every=5", "--model.hidden=64",
                    "--model.heads=4", "--model.depth=4", "--model.image_size=16",
-                   f"--run.out_dir={os.path.join(tmp, 'slow')}"],
+                   f"--run.out_dir={os.path.join(tmp, 'slow')}"] + quiet,
                env={"VITGRID_TEST_LOADER_DELAY_MS": "200"}, preload=hooks_lib())
     fast = run(2, ["train", DECK, "--run.steps=20", "--run.log_every=5", "--model.hidden=128",
                    "--model.heads=4", "--model.depth=6", "--model.image_size=16",
-                   "--data.prefetch=16", f"--run.out_dir={os.path.join(tmp, 'fast')}"])
+                   "--data.prefetch=16", f"--run.out_dir={os.path.join(tmp, 'fast')}"] + quiet)
     warns = [ln for ln in slow.stdout.splitlines() if "input-bound" in ln]
     check(len(warns) == 1, f"slow loader: {len(warns)} input-bound warning(s), 1 expected")
     m = re.search(r"in steps (\d+)-(\d+) rank 0 waited ([\d.]+) ms a step .* in steps of ([\d.]+) ms",

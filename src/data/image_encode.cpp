@@ -2,9 +2,7 @@
 // include/vitgrid/data/image_encode.h.
 #include "vitgrid/data/image_encode.h"
 
-#include <algorithm>
 #include <csetjmp>
-#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -48,13 +46,6 @@ void encode_jpeg(const uint8_t* rgb, int w, int h, int quality, std::vector<uint
   std::free(mem);
 }
 
-void short_side_size(int w, int h, int short_side, int* out_w, int* out_h) {
-  const int s = std::min(w, h), l = std::max(w, h);
-  const int nl = (int)((double)((int64_t)short_side * l) / (double)s);
-  *out_w = w <= h ? short_side : nl;
-  *out_h = w <= h ? nl : short_side;
-}
-
 bool transcode_short_side(std::vector<uint8_t>& bytes, int short_side, int quality,
                           Interp interp, TranscodeScratch& t) {
   const ImageInfo info = peek_image(bytes.data(), bytes.size());
@@ -62,7 +53,7 @@ bool transcode_short_side(std::vector<uint8_t>& bytes, int short_side, int quali
   decode_image(bytes.data(), bytes.size(), t.decoded);
   const DecodedImage& d = t.decoded;
   int w = 0, h = 0;
-  short_side_size(d.width, d.height, short_side, &w, &h);
+  resized_size(d.width, d.height, short_side, &w, &h);
   t.resized.resize((size_t)w * (size_t)h * 3);
   Box box;
   box.x1 = d.width;

@@ -487,13 +487,17 @@ Box rrc_box(uint64_t seed, int64_t position, int W, int H, double scale_lo, doub
              BoxMode::CropThenResize};
 }
 
-Box eval_box(int W, int H, int S, double crop_pct) {
-  const int size = (int)std::floor(S / crop_pct);
+void resized_size(int W, int H, int size, int* out_w, int* out_h) {
   const int short_side = std::min(W, H), long_side = std::max(W, H);
   // torchvision's _compute_resized_output_size: int(size * long / short) (true division).
   const int new_long = (int)((double)((int64_t)size * long_side) / (double)short_side);
-  const int new_w = W <= H ? size : new_long;
-  const int new_h = W <= H ? new_long : size;
+  *out_w = W <= H ? size : new_long;
+  *out_h = W <= H ? new_long : size;
+}
+
+Box eval_box(int W, int H, int S, double crop_pct) {
+  int new_w = 0, new_h = 0;
+  resized_size(W, H, (int)std::floor(S / crop_pct), &new_w, &new_h);
   if (new_w < S || new_h < S)
     throw std::invalid_argument("eval_box: crop_pct > 1 would pad the " + std::to_string(S) +
                                 " crop");

@@ -18,10 +18,6 @@ namespace vitgrid {
 // q in 1..100. Throws DecodeError (the codec's error class) on a libjpeg failure.
 void encode_jpeg(const uint8_t* rgb, int w, int h, int quality, std::vector<uint8_t>& out);
 
-// The size torchvision's Resize(short_side) gives a w x h image: the shorter side short_side,
-// the longer int(short_side * long / short) (Python's truncation).
-void short_side_size(int w, int h, int short_side, int* out_w, int* out_h);
-
 // What a transcode keeps between images (decoded pixels, the resized ones, resampling state).
 struct TranscodeScratch {
   DecodedImage decoded;
@@ -30,7 +26,7 @@ struct TranscodeScratch {
 };
 
 // An encoded image (JPEG or PNG) whose shorter side exceeds short_side is decoded (Pillow's
-// convert("RGB")), resized to short_side_size with Pillow's antialiased `interp` filter
+// convert("RGB")), resized to resized_size(short_side) with Pillow's antialiased `interp` filter
 // (Image.resize without a box) and re-encoded with encode_jpeg at `quality`, replacing bytes;
 // returns true. Smaller images are left as they are (false). Throws DecodeError where the
 // image cannot be decoded (bytes unchanged).

@@ -120,6 +120,10 @@ void resample_coeffs(int in_size, Box box, int axis, int out_size, Interp interp
 Box rrc_box(uint64_t seed, int64_t position, int W, int H, double scale_lo, double scale_hi,
             double ratio_lo, double ratio_hi);
 
+// The size torchvision's Resize(size) gives a W x H image: the shorter side `size`, the longer
+// int(size * long / short) (Python's truncation of the true quotient).
+void resized_size(int W, int H, int size, int* out_w, int* out_h);
+
 // The eval transform's box (ResizeThenCrop) for an image of W x H and output S x S.
 Box eval_box(int W, int H, int S, double crop_pct);
 

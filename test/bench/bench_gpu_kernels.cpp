@@ -354,22 +354,38 @@ void BM_Fp8LinearLayer(benchmark::State& st) {
 
 // An activation [batch x tokens, cols] (bf16) to FP8 codes with its amax, with (arg 1) or
 // without its transpose: the pass each FP8 GEMM operand costs while the casts are not fused
-// into the kernels producing them.
+// into the kernels producing them. Arg src: 0 the values as they are (fp8_cast), 1 through
+// GELU (fc2's input), 2 a gradient through GELU's backward with the bias gradient's column
+// sums (fp8_cast_grad: fc1's output gradient, two inputs read). GB: the bytes read and written.
+void fill_random_bf16(void* p, size_t n, float scale, unsigned seed);
+
 void BM_Fp8Cast(benchmark::State& st) {
   if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
   const int cols = static_cast<int>(st.range(0));
   const bool transpose = st.range(1) != 0;
+  const int src = static_cast<int>(st.range(2));
   Bufs b;
+  const size_t a = gpu().act_size(), n = size_t(kN) * cols;
   const float one = 1.0f;
   float* scale = static_cast<float*>(b.get(sizeof(float)));
   gpu().copy_to_device(scale, &one, sizeof one);
   float* amax = static_cast<float*>(b.get(sizeof(float)));
-  void* x = b.get(size_t(kN) * cols * gpu().act_size());
-  auto* out = static_cast<uint8_t*>(b.get(size_t(kN) * cols));
-  auto* out_t = transpose ? static_cast<uint8_t*>(b.get(size_t(kN) * cols)) : nullptr;
-  timed(st, [&] { gpu().fp8_cast(out, out_t, amax, x, kN, cols, scale, Fp8Format::E4M3); });
+  void* x = b.get(n * a);
+  void* pre = src == 2 ? b.get(n * a) : nullptr;
+  float* db = src == 2 ? static_cast<float*>(b.get(size_t(cols) * 4)) : nullptr;
+  auto* out = static_cast<uint8_t*>(b.get(n));
+  auto* out_t = transpose ? static_cast<uint8_t*>(b.get(n)) : nullptr;
+  fill_random_bf16(x, n, 2.0f, 1);  // random values, as in training (not the zero fill)
+  if (pre) fill_random_bf16(pre, n, 2.0f, 2);
+  const Gelu g = Gelu::Exact;
+  timed(st, [&] {
+    if (src == 2)
+      gpu().fp8_cast_grad(out, out_t, amax, x, kN, cols, scale, Fp8Format::E5M2, db, pre, g);
+    else
+      gpu().fp8_cast(out, out_t, amax, x, kN, cols, scale, Fp8Format::E4M3, src == 1 ? &g : nullptr);
+  });
   st.counters["GB"] = benchmark::Counter(
-      double(kN) * cols * (gpu().act_size() + 1 + (transpose ? 1 : 0)) * 1e-9,
+      double(n) * ((src == 2 ? 2 : 1) * a + 1 + (transpose ? 1 : 0)) * 1e-9,
       benchmark::Counter::kIsIterationInvariantRate);
 }
 
@@ -859,8 +875,12 @@ BENCHMARK(BM_Fp8LinearLayer)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Fp8Cast)
-    ->ArgNames({"cols", "transpose"})
-    ->ArgsProduct({{kC, 4 * kC}, {0, 1}})
+    ->ArgNames({"cols", "transpose", "src"})
+    ->Args({kC, 0, 0})
+    ->Args({kC, 1, 0})
+    ->Args({3 * kC, 1, 0})
+    ->Args({4 * kC, 1, 1})
+    ->Args({4 * kC, 1, 2})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_AttentionForward)

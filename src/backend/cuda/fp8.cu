@@ -28,12 +28,17 @@ constexpr int kGradTiles = 4;
 // The values cast, read at a flat index of the [rows, cols] input: kChunk of them (the vector
 // path) or one. Plain: the input's. GeluIn: gelu of it as gelu_forward stores it (the
 // elementwise kernels' op, rounded to T). GradGelu: dy * gelu'(pre) as gelu_backward stores it.
+// The vector path reads in two steps, so that a thread's loads are all in flight before it
+// computes: fetch (the raw kChunk elements) and value (them converted and through the op).
 template <class T>
 struct Plain {
   const T* x;
+  using Raw = Pack<T, kChunk>;
   __device__ __forceinline__ bool aligned() const { return aligned_to(x, sizeof(Pack<T, kChunk>)); }
-  __device__ __forceinline__ void load(size_t at, float* f) const {
-    const Pack<T, kChunk> v = *reinterpret_cast<const Pack<T, kChunk>*>(x + at);
+  __device__ __forceinline__ void fetch(size_t at, Raw& r) const {
+    r = *reinterpret_cast<const Pack<T, kChunk>*>(x + at);
+  }
+  __device__ __forceinline__ void value(const Raw& v, float* f) const {
 #pragma unroll
     for (int k = 0; k < kChunk; ++k) f[k] = to_f<T>(v.v[k]);
   }
@@ -48,8 +53,8 @@ struct GeluIn : Plain<T> {
   static __device__ __forceinline__ float op(float v) {
     return to_f<T>(from_f<T>(GeluFwdOp<F>{}(&v, 0)));
   }
-  __device__ __forceinline__ void load(size_t at, float* f) const {
-    Plain<T>::load(at, f);
+  __device__ __forceinline__ void value(const typename Plain<T>::Raw& v, float* f) const {
+    Plain<T>::value(v, f);
 #pragma unroll
     for (int k = 0; k < kChunk; ++k) f[k] = op(f[k]);
   }
@@ -67,11 +72,16 @@ struct GradGelu {
     return Plain<T>::aligned_to(dy, sizeof(Pack<T, kChunk>)) &&
            Plain<T>::aligned_to(pre, sizeof(Pack<T, kChunk>));
   }
-  __device__ __forceinline__ void load(size_t at, float* f) const {
-    const Pack<T, kChunk> g = *reinterpret_cast<const Pack<T, kChunk>*>(dy + at);
-    const Pack<T, kChunk> h = *reinterpret_cast<const Pack<T, kChunk>*>(pre + at);
+  struct Raw {
+    Pack<T, kChunk> g, h;
+  };
+  __device__ __forceinline__ void fetch(size_t at, Raw& r) const {
+    r.g = *reinterpret_cast<const Pack<T, kChunk>*>(dy + at);
+    r.h = *reinterpret_cast<const Pack<T, kChunk>*>(pre + at);
+  }
+  __device__ __forceinline__ void value(const Raw& r, float* f) const {
 #pragma unroll
-    for (int k = 0; k < kChunk; ++k) f[k] = op(to_f<T>(h.v[k]), to_f<T>(g.v[k]));
+    for (int k = 0; k < kChunk; ++k) f[k] = op(to_f<T>(r.h.v[k]), to_f<T>(r.g.v[k]));
   }
   __device__ __forceinline__ float load1(size_t at) const {
     return op(to_f<T>(pre[at]), to_f<T>(dy[at]));
@@ -88,19 +98,24 @@ __device__ __forceinline__ bool vector_tile(const uint8_t* out, const uint8_t* o
          rows % kChunk == 0 && src.aligned() && a(out, 8) && a(out_t, 8);
 }
 
-// Each block casts `tiles` 64 x 128 tiles down one column of tiles: the rows converted kChunk
-// elements per thread (one 16-byte load of bf16/fp16, an 8-byte store of codes), kept in shared
-// memory, then the transpose written kChunk rows of one column per 8-byte store. Tiles at the
-// edges, and inputs whose shapes or pointers do not allow vectors, go element by element. With
-// partial (fp8_cast_grad's bias gradient), the block's column sums of the values over its rows
-// go to partial[blockIdx.y][cols], in a fixed order: each thread sums its column(s) down its
-// rows, then the 16 row groups are added in turn.
+// Each block casts `tiles` 64 x 128 tiles down one column of tiles. Vector path: each thread
+// converts kChunk elements of four rows (16-byte loads of bf16/fp16, all four issued before the
+// first is converted; two elements per conversion instruction) and stores their codes row-wise
+// (8-byte stores) and into shared memory; then each thread reads one 8-row x 4-column block of
+// the tile as eight 32-bit words (no bank conflicts: rows are 33 words apart and a warp reads 4
+// row blocks x 8 word columns), transposes it with byte permutes and writes the 8 rows of each
+// of its 4 columns (8-byte stores; a warp writes 32-byte runs). Tiles at the edges, and inputs
+// whose shapes or pointers do not allow vectors, go element by element. With partial
+// (fp8_cast_grad's bias gradient), the block's column sums of the values over its rows go to
+// partial[blockIdx.y][cols], in a fixed order: each thread sums its column(s) down its rows,
+// then the 16 row groups are added in turn.
 template <class T, class Src>
 __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(
     uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, float* __restrict__ amax, Src src,
     int rows, int cols, const float* __restrict__ scale_p, __nv_fp8_interpretation_t fmt,
     int tiles, float* __restrict__ partial) {
-  __shared__ __align__(8) uint8_t tile[kTileRows][kTileCols + 8];
+  constexpr int kStride = kTileCols + 4;  // bytes per shared row: 33 words
+  __shared__ __align__(16) uint8_t tile[kTileRows][kStride];
   __shared__ int warp_max[32];
   constexpr int kGroups = kThreads * kChunk / kTileCols;  // 16 row groups of the column sums
   __shared__ float sums[kGroups][kTileCols];
@@ -117,36 +132,62 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(
     if (r0 >= rows) break;
     if (t > 0) __syncthreads();  // the previous tile's transpose has read the shared tile
     if (vector_tile(out, out_t, src, rows, cols, r0, c0)) {
-      constexpr int kPerRow = kTileCols / kChunk;
-      for (int q = threadIdx.x; q < kTileRows * kPerRow; q += kThreads) {
-        const int tr = q / kPerRow, tc = (q % kPerRow) * kChunk;
-        const size_t at = static_cast<size_t>(r0 + tr) * cols + c0 + tc;
-        float f[kChunk];
-        src.load(at, f);
-        uint8_t codes[kChunk];
+      constexpr int kPerRow = kTileCols / kChunk;        // 16 threads per row
+      constexpr int kIter = kTileRows * kPerRow / kThreads;  // 4 rows per thread
+      static_assert(kIter * kThreads == kTileRows * kPerRow, "whole rows per pass");
+      const int tr0 = threadIdx.x / kPerRow, tc = (threadIdx.x % kPerRow) * kChunk;
+      typename Src::Raw raw[kIter];
 #pragma unroll
-        for (int k = 0; k < kChunk; ++k) {
-          m = max(m, abs_bits(f[k]));
+      for (int i = 0; i < kIter; ++i)
+        src.fetch(static_cast<size_t>(r0 + tr0 + i * (kThreads / kPerRow)) * cols + c0 + tc, raw[i]);
+#pragma unroll
+      for (int i = 0; i < kIter; ++i) {
+        const int tr = tr0 + i * (kThreads / kPerRow);
+        float f[kChunk];
+        src.value(raw[i], f);
+        uint32_t w[kChunk / 4];
+#pragma unroll
+        for (int k = 0; k < kChunk; k += 2) {
+          m = max(m, max(abs_bits(f[k]), abs_bits(f[k + 1])));
           acc[k] += f[k];
-          codes[k] = __nv_cvt_float_to_fp8(f[k] * scale, __NV_SATFINITE, fmt);
+          acc[k + 1] += f[k + 1];
+          // .x is the low byte: the element at the lower address
+          const uint32_t two = __nv_cvt_float2_to_fp8x2(make_float2(f[k] * scale, f[k + 1] * scale),
+                                                        __NV_SATFINITE, fmt);
+          if (k % 4 == 0) w[k / 4] = two;
+          else w[k / 4] |= two << 16;
         }
-        uint2 packed;
-        memcpy(&packed, codes, sizeof packed);
-        if (out) *reinterpret_cast<uint2*>(out + at) = packed;
-        *reinterpret_cast<uint2*>(&tile[tr][tc]) = packed;
+        if (out)
+          *reinterpret_cast<uint2*>(out + static_cast<size_t>(r0 + tr) * cols + c0 + tc) =
+              make_uint2(w[0], w[1]);
+        uint32_t* sw = reinterpret_cast<uint32_t*>(&tile[tr][tc]);
+        sw[0] = w[0];
+        sw[1] = w[1];
       }
       if (out_t) {
         __syncthreads();
-        constexpr int kPerCol = kTileRows / kChunk;
-        for (int q = threadIdx.x; q < kTileCols * kPerCol; q += kThreads) {
-          const int tc = q / kPerCol, tr = (q % kPerCol) * kChunk;
-          uint8_t codes[kChunk];
+        // warp wp: row blocks (wp & 1) * 4 + lane / 8, word columns (wp >> 1) * 8 + lane % 8
+        const int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
+        const int rb = (wp & 1) * 4 + lane / 8, wc = (wp >> 1) * 8 + lane % 8;
+        uint32_t v[8];
 #pragma unroll
-          for (int k = 0; k < kChunk; ++k) codes[k] = tile[tr + k][tc];
-          uint2 packed;
-          memcpy(&packed, codes, sizeof packed);
-          *reinterpret_cast<uint2*>(out_t + static_cast<size_t>(c0 + tc) * rows + r0 + tr) = packed;
+        for (int i = 0; i < 8; ++i) v[i] = *reinterpret_cast<const uint32_t*>(&tile[rb * 8 + i][wc * 4]);
+        // per half of the rows: column j's 4 bytes from the 4 words (byte 0 = the first row)
+        uint32_t col[4][2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t* a = v + 4 * h;
+          const uint32_t t0 = __byte_perm(a[0], a[1], 0x5140), t1 = __byte_perm(a[2], a[3], 0x5140);
+          const uint32_t t2 = __byte_perm(a[0], a[1], 0x7362), t3 = __byte_perm(a[2], a[3], 0x7362);
+          col[0][h] = __byte_perm(t0, t1, 0x5410);
+          col[1][h] = __byte_perm(t0, t1, 0x7632);
+          col[2][h] = __byte_perm(t2, t3, 0x5410);
+          col[3][h] = __byte_perm(t2, t3, 0x7632);
         }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          *reinterpret_cast<uint2*>(out_t + static_cast<size_t>(c0 + wc * 4 + j) * rows + r0 + rb * 8) =
+              make_uint2(col[j][0], col[j][1]);
       }
     } else {
       for (int i = threadIdx.x; i < kTileRows * kTileCols; i += kThreads) {

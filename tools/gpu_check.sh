@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and measure vitgrid on a GPU node in one go, beside PyTorch + timm.
 #   tools/gpu_check.sh STEP...      (default: build test bench)
-# Steps: build test cputest bench models loader jpeg decode_overlap recipes kernels fp8 fp8cast fp8bench compile scale study large
+# Steps: build test cputest bench models loader jpeg decode_overlap recipes kernels fp8 fp8bench compile scale study large
 # large2 pipeline tpvitb ckpt recompute seqpar e2epar profile variants trace (each described where it is handled below).
 # Writes logs under $OUT (default /tmp/vitgrid-gpu). On a node without parallel HDF5 or
 # Boost.ProgramOptions, put their Debian packages in .gpu-deps/ (see README): they are unpacked
@@ -344,30 +344,6 @@ PYEOF
     "$B/bin/bench_gpu_kernels" --benchmark_min_time=0.1s \
       --benchmark_filter='BM_(Fp8Linear|Fp8LinearLayer|Fp8Cast|LinearForward|LinearBackward|LinearWgrad/.*/tune:1)' 2>&1 \
       | grep -E "^BM_|Benchmark" | tee "$OUT/fp8_kernels.log"
-    ;;
-  fp8cast)
-    # precision.fp8_attention_cast (the whole-head flash backward casting qkv's FP8 gradient
-    # itself) against the backward then the cast: gpu_fp8's bitwise case, e2e's loss check,
-    # then ViT-B/16 fp8 both ways interleaved (and ViT-S/16, ViT-L/16), the profile with it, and
-    # torch.compile bf16, and the kernel alone both ways where bench_gpu_kernels was built
-    # (BUILD_TARGET="vitgrid gpu_fp8 bench_gpu_kernels")
-    {
-      "$B/bin/gpu_fp8" --gtest_filter='*AttentionBackwardFp8*' 2>&1 | grep -E "^\[  (FAILED|PASSED|  OK) |Failure|Expected"
-      [ -x "$B/bin/bench_gpu_kernels" ] && "$B/bin/bench_gpu_kernels" --benchmark_min_time=0.1s \
-        --benchmark_filter='BM_AttentionBackwardFp8' 2>&1 | grep -E "^BM_|Benchmark"
-      (cd "$B" && ctest -R "^e2e_gpu_fp8$" -V --timeout 600) 2>&1 | grep -E ": (ok|FAIL|skip) "
-      for m in vit-base/16 vit-small/16 vit-large/16; do
-        for c in false true false true; do
-          echo "$m precision.fp8_attention_cast = $c"
-          mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --model.preset=$m --precision.mode=fp8 \
-            --precision.fp8_attention_cast=$c --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
-          [ $m = vit-base/16 ] || [ $c = false ] || break
-        done
-      done
-      mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --precision.mode=fp8 \
-        --precision.fp8_attention_cast=true --profile 2>&1 | grep -E "^\||^profile"
-      "$PY" tools/bench_pytorch.py --precision bf16 --compile 2>&1 | grep -E "^pytorch|Error"
-    } | tee "$OUT/fp8cast.log"
     ;;
   fp8bench)
     # precision.mode = fp8 beside bf16: ViT-S/16, ViT-B/16 and ViT-L/16 at batch 256 (vitgrid),

@@ -106,7 +106,6 @@ void Run::setup(bool training) {
     bo.fused_gelu_backward_config = deck.device.fused_gelu_backward_config;
     bo.tuning_log = deck.device.tuning_log;
     bo.fp8_fast_accum = deck.precision.fp8_fast_accum;
-    bo.fp8_attention_cast = deck.precision.fp8_attention_cast;
     be = make_backend(kind, grid->local_rank(), act_dtype_of(deck.precision.mode), bo);
   });
 #ifdef VITGRID_HAVE_CUDA
@@ -128,14 +127,9 @@ void Run::setup(bool training) {
   if (kind == "cpu" && deck.precision.mode != "fp32" && deck.precision.mode != "tf32")
     how = ", 16-bit storage emulated on the CPU";
   else if (fp8)
-    how = std::string(deck.precision.fp8_fast_accum
-                          ? ", the forward's FP8 GEMMs accumulating unpromoted "
-                            "(precision.fp8_fast_accum)"
-                          : ", every FP8 GEMM's sums promoted to fp32") +
-          (deck.precision.fp8_attention_cast && kind == "cuda"
-               ? ", qkv's FP8 gradient cast by the attention backward where the whole-head "
-                 "kernels run it (precision.fp8_attention_cast)"
-               : "");
+    how = deck.precision.fp8_fast_accum
+              ? ", the forward's FP8 GEMMs accumulating unpromoted (precision.fp8_fast_accum)"
+              : ", every FP8 GEMM's sums promoted to fp32";
   log("backend %s, precision %s%s\n", be->name().c_str(), deck.precision.mode.c_str(),
       how.c_str());
   agreed([&] { tp = make_tensor_parallel(*grid, *be, *coll); });

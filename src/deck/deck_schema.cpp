@@ -185,12 +185,6 @@ const std::vector<Field>& schema() {
                "alone (cuBLASLt's FAST_ACCUM, as Transformer Engine's and torchao's forward "
                "GEMMs do), not promoted to fp32 every few steps of K; the gradients' GEMMs "
                "always promote. The CPU's emulation sums exactly either way"),
-      VG_FIELD(precision, fp8_attention_cast, "",
-               "fp8 on GPUs: where the whole-head flash kernels run the attention backward, "
-               "they cast qkv's output gradient to FP8 themselves (codes, transpose, amax, "
-               "qkv's bias gradient) instead of writing it in bf16 for a cast pass; the same "
-               "codes either way. Off by default until measured against the cast pass "
-               "(tools/gpu_check.sh fp8cast)"),
       VG_FIELD(precision, initial_scale, "", "fp16 initial loss scale"),
       VG_FIELD(precision, growth_interval, "",
                "fp16 steps without overflow before the scale grows"),

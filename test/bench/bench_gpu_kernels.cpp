@@ -248,47 +248,6 @@ void BM_FlashKernels(benchmark::State& st) {
                                             benchmark::Counter::kIsIterationInvariantRate);
 }
 
-// Fp8Ops::attention_backward_fp8 at ViT-B/16's and ViT-B/32's lengths (batch 256, 12 heads of
-// 64, bf16, device.attention = auto: the whole-head kernels): arg fused 0 = the backward into
-// bf16 then fp8_cast_grad (codes, transpose, amax, qkv's bias gradient), 1 = the whole-head
-// backward casting as it goes (precision.fp8_attention_cast). The attention forward is not
-// timed (run once). GB counts the bytes the fused form no longer moves (the bf16 dqkv written
-// and read back) as a rate, for scale.
-void BM_AttentionBackwardFp8(benchmark::State& st) {
-  if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
-  const bool fused = st.range(0) != 0;
-  const int T = static_cast<int>(st.range(1));
-  BackendOptions o;
-  o.fp8_attention_cast = fused;
-  static std::map<bool, std::unique_ptr<Backend>> backends;
-  auto& bp = backends[fused];
-  if (!bp) bp = make_cuda_backend(0, DType::BF16, o);
-  Backend& be = *bp;
-  if (!be.fp8_supported(nullptr)) return st.SkipWithError("no FP8 tensor cores");
-  const size_t a = be.act_size(), n = size_t(kB) * T, cols = 3 * kC;
-  Bufs b(be);
-  void* qkv = b.get(n * cols * a);
-  void* att = b.get(n * kC * a);
-  void* dout = b.get(n * kC * a);
-  void* dqkv = b.get(n * cols * a);
-  auto* codes = static_cast<uint8_t*>(b.get(n * cols));
-  auto* codes_t = static_cast<uint8_t*>(b.get(n * cols));
-  void* saved = b.get(be.attention_saved_bytes(kB, T, kH, kHd));
-  void* ws = b.get(be.attention_workspace_bytes(kB, T, kH, kHd));
-  auto* f = static_cast<float*>(b.get(cols * 4 + 64));
-  float* db = f + 16;  // the scale and the amax 16-byte aligned before it
-  const float scale = 1024.0f;
-  be.copy_to_device(f, &scale, sizeof scale);
-  be.attention_forward(att, saved, qkv, kB, T, kH, kHd, ws);
-  timed(st, [&] {
-    be.attention_backward_fp8(dqkv, codes, codes_t, f + 4, f, Fp8Format::E5M2, db, dout, qkv,
-                              att, saved, kB, T, kH, kHd, ws);
-  }, [&] { be.synchronize(); });
-  st.counters["GB"] = benchmark::Counter(2.0 * n * cols * a * 1e-9,
-                                           benchmark::Counter::kIsIterationInvariantRate);
-  st.SetLabel(cuda_attention_path(be, kB, T, kH, kHd));
-}
-
 // FP8 (backend.h Fp8Ops, cuBLASLt on sm_90) at the Linear layers' shapes, beside the bf16
 // BM_Linear* above. Arg pass: 0 the forward y = x W^T + b (E4M3 x E4M3 -> bf16), 1 the data
 // gradient dx = dy W (E5M2 x E4M3 -> bf16, W's transpose as the K-contiguous operand), 2 the
@@ -891,11 +850,6 @@ BENCHMARK(BM_AttentionForward)
 BENCHMARK(BM_AttentionFwdBwd)
     ->ArgNames({"path", "T"})
     ->ArgsProduct({{0, 1, 2}, {kT, 50}})
-    ->UseManualTime()
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_AttentionBackwardFp8)
-    ->ArgNames({"fused", "T"})
-    ->ArgsProduct({{0, 1}, {kT, 50}})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_FlashKernels)

@@ -258,15 +258,11 @@ TEST_P(GpuFp8, LayerNormFp8IsTheLayerNormThenTheCast) {
 // attention_backward then fp8_cast_grad on the GPU itself: the same codes, transpose and amax
 // bit for bit (every code written: the outputs start as 0xAA), the bias gradient within fp32
 // rounding of a double sum of the stored gradient, the same bits twice. Shapes where the
-// whole-head kernels cast the gradient themselves (head dim 64: T = 197, 224, 50, 13 and 1;
-// several images and heads) and where the backward and the cast run apart (T = 257, head dim
-// 32); E5M2 (a gradient's) and E4M3; without the row-major codes, without the bias gradient
-// (BackendOptions::fp8_attention_cast, which the deck's precision.fp8_attention_cast sets).
+// whole-head kernels run the backward (head dim 64: T = 197, 224, 50, 13 and 1; several images
+// and heads) and where the tiled ones do (T = 257, head dim 32); E5M2 (a gradient's) and E4M3;
+// without the row-major codes, without the bias gradient.
 TEST_P(GpuFp8, AttentionBackwardFp8IsTheBackwardThenTheCast) {
-  BackendOptions o;
-  o.fp8_attention_cast = true;  // (without it, every shape runs the backward, then the cast)
-  Dev cast(make_cuda_backend(0, dt, o));
-  Dev& d = cast;
+  Dev& d = *gpu;
   struct Shape {
     int B, T, H, hd;
   };

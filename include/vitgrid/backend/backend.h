@@ -575,8 +575,6 @@ struct BackendOptions {
   int fused_gelu_backward_config = -1;  // device.fused_gelu_backward_config (-1: chosen)
   bool tuning_log = false;              // device.tuning_log: each tuned choice to stderr
   bool fp8_fast_accum = false;  // precision.fp8_fast_accum: E4M3 x E4M3 fp8_gemm unpromoted
-  // precision.fp8_attention_cast: attention_backward_fp8 casts in the flash backward itself
-  bool fp8_attention_cast = false;
 };
 
 // Factory: "cpu" always; "cuda" when built with CUDA (throws UserError otherwise).

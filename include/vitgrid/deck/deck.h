@@ -119,7 +119,6 @@ struct PrecisionSection {
   int fp8_margin = 0;
   std::string fp8_amax_compute = "max";  // max | most_recent
   bool fp8_fast_accum = true;  // the forward's FP8 GEMMs without promoted accumulation
-  bool fp8_attention_cast = false;  // GPUs: the flash backward casts qkv's FP8 gradient itself
 };
 
 struct CheckpointSection {

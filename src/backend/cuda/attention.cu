@@ -18,7 +18,6 @@
 // (the `saved` state, as on the CPU), and the backward recomputes nothing.
 // Each GEMM is one launch per head with the batch running over b (or per image with the batch
 // over heads, whichever gives fewer launches), since (b, h) is not a single stride.
-#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -141,11 +140,6 @@ size_t CudaBackend::attention_saved_bytes(int B, int T, int H, int hd) const {
 size_t CudaBackend::attention_workspace_bytes(int B, int T, int H, int hd) const {
   const size_t lse_ws = static_cast<size_t>(B) * H * T * sizeof(float);  // flash: D
   const AttentionPath path = attention_route(0, 0, 0, hd);
-  // the whole-head kernels keep D in shared memory; attention_backward_fp8's per-image column
-  // sums of the qkv gradient (fp32 [B, 3C]) take the workspace there
-  if (T > 0 && cuda::flash_head_applies(act_, hd, T) &&
-      (attention_head_kernels(T, hd) || path == AttentionPath::Flash))
-    return std::max(lse_ws, static_cast<size_t>(B) * 3 * H * hd * sizeof(float));
   if (path == AttentionPath::Cudnn && B > 0 && T > 0 && !attention_head_kernels(T, hd)) {
     // builds the shape's graphs now (not in the step); never below the flash path's need
     return cudnn_attention()->workspace_bytes(act_, B, T, H, hd, lse_ws);

@@ -40,7 +40,6 @@
 // fragment feeds MT MMAs); Cfg below holds the choice per head dim and the measurements.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 
 #include <cmath>
 #include <cstdint>
@@ -857,53 +856,6 @@ __device__ __forceinline__ void store_acc(const float (&acc)[HD / 8][4], float m
   }
 }
 
-// The warp's 16 rows of a [16 x HD] fp32 accumulator, times mul, rounded to E (store_acc's
-// values), cast as Fp8Ops::fp8_cast casts those values (fp8(v * scale), nearest even,
-// saturating): the codes to rows row0 + r (r < nvalid) and columns col0 ... col0 + HD - 1 of
-// c.out [rows, 3C] and of its transpose c.out_t [3C, rows]; m takes the largest |v| (as
-// abs_bits); sums[HD] (shared memory) the 16 rows' column sums of v in a fixed order (each
-// lane its two rows, then the eight row groups by xor shuffles; lanes 0-3 write).
-template <class E, int HD>
-__device__ __forceinline__ void cast_acc(const float (&acc)[HD / 8][4], float mul,
-                                         const FlashGradCast& c, float scale, int64_t row0,
-                                         int col0, int nvalid, float* sums, int& m) {
-  const int lane = threadIdx.x & 31, r = lane >> 2, c0 = (lane & 3) * 2;
-  const int64_t ld = 3 * static_cast<int64_t>(c.C);
-  const auto fmt = c.e5m2 ? __NV_E5M2 : __NV_E4M3;
-  const bool v0 = r < nvalid, v1 = r + 8 < nvalid;
-#pragma unroll
-  for (int dt = 0; dt < HD / 8; ++dt) {
-    uint8_t q[2][2];
-    float s[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int col = col0 + dt * 8 + c0 + i;
-      const float a = v0 ? to_f<E>(from_f<E>(acc[dt][i] * mul)) : 0.0f;
-      const float b = v1 ? to_f<E>(from_f<E>(acc[dt][2 + i] * mul)) : 0.0f;
-      m = max(m, max(abs_bits(a), abs_bits(b)));
-      q[0][i] = __nv_cvt_float_to_fp8(a * scale, __NV_SATFINITE, fmt);
-      q[1][i] = __nv_cvt_float_to_fp8(b * scale, __NV_SATFINITE, fmt);
-      if (c.out_t) {
-        uint8_t* t = c.out_t + static_cast<int64_t>(col) * c.rows + row0 + r;
-        if (v0) t[0] = q[0][i];
-        if (v1) t[8] = q[1][i];
-      }
-      s[i] = a + b;
-#pragma unroll
-      for (int o = 4; o < 32; o <<= 1) s[i] += __shfl_xor_sync(0xffffffffu, s[i], o);
-    }
-    if (c.out) {
-      uint8_t* g = c.out + (row0 + r) * ld + col0 + dt * 8 + c0;
-      if (v0) *reinterpret_cast<uint16_t*>(g) = uint16_t(q[0][0] | (q[0][1] << 8));
-      if (v1) *reinterpret_cast<uint16_t*>(g + 8 * ld) = uint16_t(q[1][0] | (q[1][1] << 8));
-    }
-    if (lane < 4) {
-      sums[dt * 8 + c0] = s[0];
-      sums[dt * 8 + c0 + 1] = s[1];
-    }
-  }
-}
-
 // Forward: Q, K and V of the head in shared memory; of nw warps, warp w takes the 16-row query
 // tiles w, w + nw, ... through the key tiles of BN as fa_fwd_kernel does.
 template <class E, int HD, int BN, int NW, int MinB>
@@ -975,15 +927,11 @@ __host__ __device__ constexpr int head_stat_rows(int T) { return (T + 63) & ~63;
 // as it goes. Phase 2: warp w takes the 16-query tiles w, w + nw, ...: dQ = dS K over the
 // 16-key blocks in order, dS read back through transposing ldmatrix: the tiled dQ kernel's
 // products in its order, without computing S and dP again (5 tile GEMMs instead of 7).
-// kCast (Fp8Ops::attention_backward_fp8): dQ, dK and dV are not stored but cast (cast_acc):
-// codes, transpose and amax, and the head's column sums per image (the bias gradient's
-// partials, summed over the 16-row tiles in order) to cast.sums[b][part * C + h * HD + d];
-// the dK/dV tiles' sums wait in sKV (after dS^T), the dQ tiles' in sQ (dead in phase 2).
-template <class E, int HD, int BM, int NW, bool kCast>
+template <class E, int HD, int BM, int NW>
 __global__ void __launch_bounds__(NW * 32, 1)
     fa_head_bwd_kernel(E* __restrict__ dqkv, const E* __restrict__ dout, const E* __restrict__ qkv,
                        const E* __restrict__ out, const float* __restrict__ lse, int T, int H,
-                       float scale, FlashGradCast cast) {
+                       float scale) {
   using Lay = Swizzled<HD>;
   constexpr int DT = HD / 8;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -995,10 +943,6 @@ __global__ void __launch_bounds__(NW * 32, 1)
   float* sL = reinterpret_cast<float*>(sO + TP * HD);  // [TS], 0 past T
   float* sD = sL + TS;                                 // [TS], 0 past T
   E* sS = reinterpret_cast<E*>(sD + TS);               // dS^T [TP][SS]: rows keys, columns queries
-  float* sKV = reinterpret_cast<float*>(sS + TP * SS);  // kCast: [TP / 16][2 HD] dK | dV sums
-  float* sQs = reinterpret_cast<float*>(sQ);            // kCast: [TP / 16][HD] dQ sums
-  [[maybe_unused]] int m = 0;  // kCast: the thread's amax, as bits
-  [[maybe_unused]] const float cscale = kCast ? cast.scale[0] : 0.0f;
 
   const int bh = blockIdx.x, h = bh % H, b = bh / H;
   const int C = H * HD;
@@ -1024,7 +968,7 @@ __global__ void __launch_bounds__(NW * 32, 1)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
   const int lr = (lane & 7) + ((lane >> 3) & 1) * 8, lc = (lane >> 4) * 8;
   const float sl2 = scale * kLog2e;
-  E* g = kCast ? nullptr : dqkv + static_cast<int64_t>(b) * T * ld + h * HD;
+  E* g = dqkv + static_cast<int64_t>(b) * T * ld + h * HD;
   cp_async_wait<0>();
   __syncthreads();
 
@@ -1054,15 +998,8 @@ __global__ void __launch_bounds__(NW * 32, 1)
                                                          vw, kf, vf, dk, dv, sl2, lane, lr, lc,
                                                          dsw + j * BM, SS, T - k0);
     }
-    if constexpr (kCast) {
-      const int64_t row0 = static_cast<int64_t>(b) * T + k0;
-      float* sums = sKV + kt * 2 * HD;
-      cast_acc<E, HD>(dk[0], scale, cast, cscale, row0, C + h * HD, T - k0, sums, m);
-      cast_acc<E, HD>(dv[0], 1.0f, cast, cscale, row0, 2 * C + h * HD, T - k0, sums + HD, m);
-    } else {
-      store_acc<E, HD>(dk[0], scale, scale, g + C, ld, k0, T);
-      store_acc<E, HD>(dv[0], 1.0f, 1.0f, g + 2 * C, ld, k0, T);
-    }
+    store_acc<E, HD>(dk[0], scale, scale, g + C, ld, k0, T);
+    store_acc<E, HD>(dv[0], 1.0f, 1.0f, g + 2 * C, ld, k0, T);
   }
   __syncthreads();
 
@@ -1085,24 +1022,7 @@ __global__ void __launch_bounds__(NW * 32, 1)
         mma<E>(dq[2 * d2 + 1], a, r[2], r[3]);
       }
     }
-    if constexpr (kCast) {
-      cast_acc<E, HD>(dq, scale, cast, cscale, static_cast<int64_t>(b) * T + q0, h * HD, T - q0,
-                      sQs + qt * HD, m);
-    } else {
-      store_acc<E, HD>(dq, scale, scale, g, ld, q0, T);
-    }
-  }
-  if constexpr (kCast) {
-    __shared__ int warp_max[32];
-    __syncthreads();
-    if (cast.sums)
-      for (int i = threadIdx.x; i < 3 * HD; i += blockDim.x) {
-        const int part = i / HD, d = i % HD;
-        float s = 0.0f;
-        for (int t = 0; t < nt; ++t) s += part == 0 ? sQs[t * HD + d] : sKV[t * 2 * HD + i - HD];
-        cast.sums[static_cast<int64_t>(b) * 3 * C + part * C + h * HD + d] = s;
-      }
-    block_amax_atomic(m, cast.amax, warp_max);
+    store_acc<E, HD>(dq, scale, scale, g, ld, q0, T);
   }
 }
 
@@ -1196,20 +1116,18 @@ void head_fwd(cudaStream_t st, E* out, float* lse, const E* qkv, int B, int T, i
 
 // The backward: one CTA per SM at T = 197 (194 KB of shared memory with dS^T), a warp per 16-row
 // tile (13 at T = 197, 4 at T = 50).
-// With a cast (kCast), the dK/dV tiles' column sums take 2 HD floats per 16 keys more (7 KB
-// at T = 224: 222.5 KB in all).
-template <class E, int HD, bool kCast = false>
+template <class E, int HD>
 void head_bwd(cudaStream_t st, E* dqkv, const E* dout, const E* qkv, const E* out, const float* lse,
-              int B, int T, int H, const FlashGradCast& cast = {}) {
+              int B, int T, int H) {
   const size_t TP = (T + 15) & ~15;
   const size_t smem = 4 * TP * HD * sizeof(E) +
                       2 * static_cast<size_t>(head_stat_rows(T)) * sizeof(float) +
-                      TP * (TP + 8) * sizeof(E) + (kCast ? TP / 16 * 2 * HD * sizeof(float) : 0);
-  auto k = fa_head_bwd_kernel<E, HD, kHeadBwdBM, kHeadBwdWarps, kCast>;
+                      TP * (TP + 8) * sizeof(E);
+  auto k = fa_head_bwd_kernel<E, HD, kHeadBwdBM, kHeadBwdWarps>;
   set_smem(k, smem);
   const int nw = head_warps(static_cast<int>(TP / 16), kHeadBwdWarps);
   k<<<grid_of(B, H, 1), nw * 32, smem, st>>>(dqkv, dout, qkv, out, lse, T, H,
-                                             1.0f / std::sqrt(static_cast<float>(HD)), cast);
+                                             1.0f / std::sqrt(static_cast<float>(HD)));
   CUDA_CHECK_LAUNCH();
 }
 
@@ -1287,24 +1205,6 @@ void flash_attention_backward(cudaStream_t st, DType act, void* dqkv, float* Dws
     bwd<E, decltype(hdc)::value>(st, static_cast<E*>(dqkv), Dws, static_cast<const E*>(dout),
                                  static_cast<const E*>(qkv), static_cast<const E*>(out), lse, B, T,
                                  H, head);
-  });
-}
-
-void flash_attention_backward_cast(cudaStream_t st, DType act, const FlashGradCast& cast,
-                                   const void* dout, const void* qkv, const void* out,
-                                   const float* lse, int B, int T, int H, int hd) {
-  VG_CHECK(flash_head_applies(act, hd, T) && cast.amax && cast.scale && cast.C == H * hd &&
-               cast.rows == static_cast<int64_t>(B) * T,
-           "flash attention's cast backward: whole-head kernels only (B " << B << ", T " << T
-                                                                          << ", hd " << hd << ")");
-  VG_CHECK(aligned16(dout) && aligned16(qkv) && aligned16(out),
-           "flash attention needs 16-byte aligned tensors");
-  dispatch(act, hd, [&](auto tag, auto hdc) {
-    using E = typename decltype(tag)::type;
-    if constexpr (decltype(hdc)::value == 64) {
-      head_bwd<E, 64, true>(st, nullptr, static_cast<const E*>(dout), static_cast<const E*>(qkv),
-                            static_cast<const E*>(out), lse, B, T, H, cast);
-    }
   });
 }
 

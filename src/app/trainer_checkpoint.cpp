@@ -143,8 +143,9 @@ void Checkpointer::save() {
   for (size_t k = 0; k < st.size(); ++k) opt.state_to_host(k, host.data() + (k + 1) * n);
   if (run_.model->fp8()) {
     const Fp8ScalingState& f = run_.model->fp8_scaling();
-    std::copy(f.amax_history().begin(), f.amax_history().end(), fp8_host_.begin());
-    std::copy(f.scales().begin(), f.scales().end(), fp8_host_.begin() + f.amax_history().size());
+    const std::vector<float> h = f.amax_history();  // in time order, from the ring
+    std::copy(h.begin(), h.end(), fp8_host_.begin());
+    std::copy(f.scales().begin(), f.scales().end(), fp8_host_.begin() + h.size());
   }
   CheckpointMeta meta;
   meta.deck = deck.resolved_text();
@@ -341,7 +342,7 @@ bool Checkpointer::load(std::string path, bool full, bool resume) {
                "FP8 scales start at 1, the amax history empty\n", path.c_str());
     if (run_.model->fp8() && fp8_found) {
       Fp8ScalingState& f = run_.model->fp8_scaling();
-      const size_t h = f.amax_history().size();
+      const size_t h = f.tensors() * static_cast<size_t>(f.history());
       f.restore(std::vector<float>(fp8_host_.begin(), fp8_host_.begin() + h),
                 std::vector<float>(fp8_host_.begin() + h, fp8_host_.end()));
       run_.model->fp8_upload_scales();

@@ -254,6 +254,8 @@ class Stepper {
   std::shared_ptr<const HostBatch> next_hb_;
   int slot_ = 0;
   std::vector<float> fp8_amax_;  // the step's FP8 amaxes (fp8_update)
+  // the backend readback slot of the FP8 amaxes (the step scalars take 0 and 1)
+  static constexpr int kFp8Readback = 2;
   std::function<std::shared_ptr<const HostBatch>()> next_batch_;
 };
 

@@ -82,15 +82,17 @@ void Stepper::finish_gradients(float scale) {
                        1.0f / scale);
 }
 
-// Called by all ranks once a step's backward is enqueued (precision.mode = fp8): delayed
-// scaling takes the step's amaxes, the maximum over every rank (data replicas and tensor ranks
-// cast parts of each tensor; a pipeline stage records its own blocks' only, 0 for the others),
-// so every rank's scales stay the same; the new scales are in place for the next step's casts.
-// Waits for the step's kernels (one read-back of depth x 12 floats).
+// Called by all ranks once a step's optimizer is enqueued (precision.mode = fp8), after
+// model.fp8_amaxes_start(kFp8Readback) once its backward was: delayed scaling takes the step's
+// amaxes, the maximum over every rank (data replicas and tensor ranks cast parts of each
+// tensor; a pipeline stage records its own blocks' only, 0 for the others), so every rank's
+// scales stay the same; the new scales are in place for the next step's casts. Waits for the
+// backward's kernels only (one read-back of depth x 12 floats): the reduction and the update
+// run on the host while the device runs the optimizer.
 void Stepper::fp8_update() {
   ViT& model = *run_.model;
   fp8_amax_.resize(model.fp8_tensors());
-  model.fp8_take_amaxes(fp8_amax_.data());
+  model.fp8_amaxes_wait(kFp8Readback, fp8_amax_.data());
   for (float& a : fp8_amax_)  // an overflow is kept: MPI_MAX may drop a NaN, not an inf
     if (std::isnan(a)) a = INFINITY;
   WatchdogWait w("the MPI all-reduce of the FP8 amaxes");
@@ -179,6 +181,7 @@ Stepper::PendingStep Stepper::enqueue_step(int64_t s, double lr, bool more) {
       in_.start_upload(*next_hb_, slot_, last ? s + 1 : s);
     }
   }
+  if (model.fp8()) model.fp8_amaxes_start(kFp8Readback);  // read while the optimizer runs
   PendingStep p;
   p.step = s;
   p.input_wait_s = input_wait + decode_wait;

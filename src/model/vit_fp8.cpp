@@ -91,12 +91,15 @@ void ViT::fp8_upload_scales() {
   be_.copy_to_device(fp8_dev_, h.data(), h.size() * sizeof(float));
 }
 
-void ViT::fp8_take_amaxes(float* amax) {
-  const size_t t = fp8_state_->tensors(), n = t * kStride;
-  std::vector<float> h(n);
-  be_.copy_to_host(h.data(), fp8_dev_ + 2 * n, n * sizeof(float));
-  be_.zero(fp8_dev_ + 2 * n, n * sizeof(float));
-  for (size_t i = 0; i < t; ++i) amax[i] = h[i * kStride];
+void ViT::fp8_amaxes_start(int slot) {
+  const size_t n = fp8_state_->tensors() * kStride;
+  be_.readback_start(slot, fp8_dev_ + 2 * n, n * sizeof(float));
+  be_.zero(fp8_dev_ + 2 * n, n * sizeof(float));  // after the copy, in stream order
+}
+
+void ViT::fp8_amaxes_wait(int slot, float* amax) {
+  const auto* h = static_cast<const float*>(be_.readback_wait(slot));
+  for (size_t i = 0; i < fp8_state_->tensors(); ++i) amax[i] = h[i * kStride];
 }
 
 void ViT::fp8_update(const float* amax) {

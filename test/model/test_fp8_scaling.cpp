@@ -9,6 +9,7 @@
 #include <cmath>
 #include <deque>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -73,6 +74,9 @@ class ReferenceRecipe {
       m.current = 0;
     }
   }
+
+  // A state restored from a checkpoint counts its overflows from there.
+  void forget_nonfinite() { nonfinite_ = 0; }
 
   // Checks `s` against this reference: scales, history rows (entry 0 the current step, entry
   // k the step k updates ago, zeros where none), the overflow counter.
@@ -264,6 +268,55 @@ TEST(Fp8Scaling, MatchesReferenceOnRandomSteps) {
           ref.expect_equal(s, where);
           if (::testing::Test::HasFailure()) return;
         }
+      }
+    }
+  }
+}
+
+// Long windows, where the window's maximum leaves it often: amaxes that decay by 1% a step with
+// a spike now and then (and, rarely, an inf or a NaN), histories of 5, 64 and 1024 (TE's
+// default) over 2,500 updates, the state copied through what a checkpoint keeps at update 1,200
+// (the copy then runs beside it). Every update against the reference, both states.
+TEST(Fp8Scaling, LongWindowsMatchTheReference) {
+  const std::vector<Fp8Format> formats = {Fp8Format::E4M3, Fp8Format::E5M2, Fp8Format::E4M3};
+  std::mt19937 rng(1024);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  for (int history : {5, 64, 1024}) {
+    Fp8ScalingState s(formats, history);
+    std::unique_ptr<Fp8ScalingState> copy;
+    ReferenceRecipe ref(formats, history, 0, Fp8AmaxAlgo::Max);
+    std::unique_ptr<ReferenceRecipe> ref_copy;  // the reference from the restore on
+    std::vector<float> level(formats.size(), 1.0f);
+    for (int step = 0; step < 2500; ++step) {
+      for (size_t i = 0; i < formats.size(); ++i) {
+        level[i] *= 0.99f;
+        const float p = u(rng);
+        float a = level[i] * (1.0f + 0.1f * u(rng));
+        if (p < 0.02f) level[i] = a = 1.0f + 8.0f * u(rng);  // a spike
+        else if (p < 0.0205f) a = kInf;
+        else if (p < 0.021f) a = kNan;
+        s.record(i, a);
+        if (copy) {
+          copy->record(i, a);
+          ref_copy->record(i, a);
+        }
+        ref.record(i, a);
+      }
+      s.update();
+      ref.update();
+      if (copy) {
+        copy->update();
+        ref_copy->update();
+      }
+      const std::string where = "history " + std::to_string(history) + " step " + std::to_string(step);
+      ref.expect_equal(s, where);
+      if (copy) ref_copy->expect_equal(*copy, where + " (restored at 1200)");
+      if (::testing::Test::HasFailure()) return;
+      if (step == 1200) {
+        copy = std::make_unique<Fp8ScalingState>(formats, history);
+        copy->restore(s.amax_history(), s.scales());
+        ref_copy = std::make_unique<ReferenceRecipe>(ref);
+        ref_copy->forget_nonfinite();
       }
     }
   }

@@ -19,7 +19,9 @@
 // overflow, like inf, as in TE's PyTorch path (torch.max in _default_get_amax_and_update_history):
 // the two mean the same thing upstream, and a window that held one keeps its scale until the
 // entry leaves it. TE rolls its history by -1 (entry 0 the current step, the others in ring
-// order); here entry k is the step k updates ago: the same window, in time order. The model layer
+// order); here entry k is the step k updates ago: the same window, in time order (kept in a
+// ring, so an update moves nothing; and for "max" a queue of the window's decreasing maxima per
+// tensor, so an update costs the same at any history length). The model layer
 // owns this state and never calls MPI: where a tensor is sharded over the tensor-parallel axis, the
 // caller reduces the step's amaxes (MPI_MAX) and merges them with merge_amax_max() before update().
 #pragma once
@@ -51,10 +53,10 @@ class Fp8ScalingState {
   // The amax of tensor i's cast in the current step. A tensor cast several times in a step
   // (micro-batches, a recomputed forward) keeps the max; a NaN stays NaN.
   void record(size_t i, float amax) {
-    float& slot = history_[i * history_len_];
+    float& slot = ring_[i * len() + head_];
     slot = amax_max(slot, amax);
   }
-  float current_amax(size_t i) const { return history_[i * history_len_]; }
+  float current_amax(size_t i) const { return ring_[i * len() + head_]; }
   // record() of other[i] for every tensor i: the step's amaxes of the other ranks, reduced by
   // the caller. MPI_MAX on floats may drop a NaN (implementation-defined), so a caller that
   // must keep it maps NaN to inf before reducing.
@@ -70,7 +72,7 @@ class Fp8ScalingState {
   const std::vector<float>& scale_invs() const { return scale_inv_; }
   // [tensors x history], row i tensor i's: entry 0 the current step, entry k the step k
   // updates ago (0 where none yet). With scales(), what a checkpoint keeps.
-  const std::vector<float>& amax_history() const { return history_; }
+  std::vector<float> amax_history() const;
   // Loads a checkpoint's amax_history() and scales() (sizes as above); scale_inv follows.
   void restore(const std::vector<float>& amax_history, const std::vector<float>& scales);
 
@@ -81,12 +83,27 @@ class Fp8ScalingState {
  private:
   // max that keeps a NaN from either side.
   static float amax_max(float a, float b) { return (b > a || std::isnan(b)) ? b : a; }
+  size_t len() const { return static_cast<size_t>(history_len_); }
+  // Appends tensor i's entry of update `step` to its queue of window maxima, first dropping
+  // the entries it outranks (a NaN ranks as inf: either makes the window's amax non-finite).
+  void push_max(size_t i, uint64_t step, float amax);
+  // The queues from the ring's closed entries (construction, restore).
+  void rebuild_max();
 
   std::vector<Fp8Format> formats_;
   int history_len_;
   int margin_;
   Fp8AmaxAlgo algo_;
-  std::vector<float> history_;
+  // ring_[i * history + (head_ + k) % history]: tensor i's entry k
+  std::vector<float> ring_;
+  size_t head_ = 0;
+  // updates so far, counted from history (so that the steps in a window are never negative)
+  uint64_t updates_;
+  // "max": per tensor a circular queue (capacity history) of (update, amax) whose amaxes
+  // decrease from its front, the window's entries that no later entry outranks
+  std::vector<uint64_t> q_step_;
+  std::vector<float> q_amax_;
+  std::vector<uint32_t> q_front_, q_size_;
   std::vector<float> scale_;
   std::vector<float> scale_inv_;
   uint64_t nonfinite_amaxes_ = 0;

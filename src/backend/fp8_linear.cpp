@@ -29,15 +29,16 @@ void check_fp8_cast_args(const uint8_t* out, const uint8_t* out_t, const float* 
            "fp8_cast: rows " << rows << ", cols " << cols);
 }
 
-void attention_backward_then_cast(Backend& be, void* dqkv, uint8_t* out, uint8_t* out_t,
-                                  float* amax, const float* scale, Fp8Format f, float* db,
-                                  const void* dout, const void* qkv, const void* att,
-                                  const void* saved, int B, int T, int H, int hd,
-                                  void* workspace) {
+void Backend::attention_backward_fp8(void* dqkv, uint8_t* out, uint8_t* out_t, float* amax,
+                                     const float* scale, Fp8Format f, float* db,
+                                     const void* dout, const void* qkv, const void* att,
+                                     const void* saved, int B, int T, int H, int hd,
+                                     void* workspace) {
+  OpScope op_scope(*this, "attention_backward_fp8");
   const int rows = B * T, cols = 3 * H * hd;
   check_fp8_cast_args(out, out_t, amax, rows, cols, scale);
-  be.attention_backward(dqkv, dout, qkv, att, saved, B, T, H, hd, workspace);
-  be.fp8_cast_grad(out, out_t, amax, dqkv, rows, cols, scale, f, db, nullptr, Gelu::Exact);
+  attention_backward(dqkv, dout, qkv, att, saved, B, T, H, hd, workspace);
+  fp8_cast_grad(out, out_t, amax, dqkv, rows, cols, scale, f, db, nullptr, Gelu::Exact);
 }
 
 void check_fp8_gemm_args(bool d_f32, float beta, Fp8Format fa, const float* a_scale_inv,

@@ -3,8 +3,7 @@
 // (own flash kernels, the fallback, cuDNN's fused SDPA), fused add+LayerNorm forward/backward,
 // the bias gradients' column sums, AdamW over 86M parameters, the MLP's GEMMs with the exact
 // GELU fused (CUTLASS sm_90a, src/backend/cuda/gemm_gelu.h) beside the unfused path, and the
-// Linear layers' GEMMs in FP8 (cuBLASLt) with the casts that feed them, and the attention
-// backward that casts qkv's FP8 gradient.
+// Linear layers' GEMMs in FP8 (cuBLASLt) with the casts that feed them.
 // Manual time: each iteration runs the op `reps` times between two stream synchronisations
 // (so launch gaps are included, as in training) and reports the mean per op; counters TFLOP
 // and GB are rates per second of that time (printed as TFLOP=.../s, GB=.../s). Use

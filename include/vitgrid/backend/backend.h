@@ -546,16 +546,15 @@ class Backend : public Device, public LayerOps, public NormAttentionOps, public 
                 public Fp8Ops {
  public:
   ~Backend() override = default;
+  // Fp8Ops::attention_backward_fp8 as the two ops it stands for, on every backend: the cast's
+  // arguments checked, attention_backward into dqkv, then fp8_cast_grad of it (a backend whose
+  // attention backward could write FP8 itself would override this; the whole-head flash
+  // backward doing so measured slower, tools/MEASURED.md).
+  void attention_backward_fp8(void* dqkv, uint8_t* out, uint8_t* out_t, float* amax,
+                              const float* scale, Fp8Format f, float* db, const void* dout,
+                              const void* qkv, const void* att, const void* saved, int B, int T,
+                              int H, int hd, void* workspace) override;
 };
-
-// Fp8Ops::attention_backward_fp8 as the two ops it stands for: be's attention_backward into
-// dqkv, then fp8_cast_grad of it (the backends' path where nothing fuses them); checks the cast's
-// arguments first.
-void attention_backward_then_cast(Backend& be, void* dqkv, uint8_t* out, uint8_t* out_t,
-                                  float* amax, const float* scale, Fp8Format f, float* db,
-                                  const void* dout, const void* qkv, const void* att,
-                                  const void* saved, int B, int T, int H, int hd,
-                                  void* workspace);
 
 // Attention's path on GPUs (device.attention): see make_cuda_backend.
 enum class AttentionMode { Auto, Cudnn, Flash, Fallback };

@@ -73,16 +73,6 @@ void CpuBackend::fp8_cast_grad(uint8_t* out, uint8_t* out_t, float* amax, const 
   if (db) add_column_sums(db, dy, rows, cols);
 }
 
-void CpuBackend::attention_backward_fp8(void* dqkv, uint8_t* out, uint8_t* out_t, float* amax,
-                                        const float* scale, Fp8Format f, float* db,
-                                        const void* dout, const void* qkv, const void* att,
-                                        const void* saved, int B, int T, int H, int hd,
-                                        void* workspace) {
-  OpScope op_scope(*this, "attention_backward_fp8");
-  attention_backward_then_cast(*this, dqkv, out, out_t, amax, scale, f, db, dout, qkv, att, saved,
-                               B, T, H, hd, workspace);
-}
-
 void CpuBackend::fp8_gemm(void* D, bool d_f32, float beta, const uint8_t* A, Fp8Format fa,
                           const float* a_scale_inv, const uint8_t* B, Fp8Format fb,
                           const float* b_scale_inv, int M, int N, int K, const void* bias) {

@@ -332,16 +332,4 @@ void CudaBackend::fp8_cast_grad(uint8_t* out, uint8_t* out_t, float* amax, const
   }
 }
 
-// The backward, then the cast (measured against the whole-head flash backward casting as it
-// went, on an H200: that kernel took 0.794 ms where the two took 0.732 at ViT-B/16's T = 197).
-void CudaBackend::attention_backward_fp8(void* dqkv, uint8_t* out, uint8_t* out_t, float* amax,
-                                         const float* scale, Fp8Format f, float* db,
-                                         const void* dout, const void* qkv, const void* att,
-                                         const void* saved, int B, int T, int H, int hd,
-                                         void* workspace) {
-  OpScope op_scope(*this, "attention_backward_fp8");
-  attention_backward_then_cast(*this, dqkv, out, out_t, amax, scale, f, db, dout, qkv, att, saved,
-                               B, T, H, hd, workspace);
-}
-
 }  // namespace vitgrid

@@ -158,7 +158,8 @@ class Inputs {
   void setup_decoder();
 
   // Upload slots: 0 and 1 alternate in training (the next micro-batch is copied while the
-  // current one computes), 2 serves eval / predict. Each device buffer holds one rank batch
+  // current one computes), 2 serves eval / predict (3 is the FP8 scales': Stepper::kFp8Upload).
+  // Each device buffer holds one rank batch
   // as [labels | position | soft targets | aug | images], at offsets off_* (position: the
   // step it trains in and its first sample's stream position, which key the dropout masks:
   // DeviceBatch::position). With the device's JPEG decoder the images part is the
@@ -254,8 +255,9 @@ class Stepper {
   std::shared_ptr<const HostBatch> next_hb_;
   int slot_ = 0;
   std::vector<float> fp8_amax_;  // the step's FP8 amaxes (fp8_update)
-  // the backend readback slot of the FP8 amaxes (the step scalars take 0 and 1)
-  static constexpr int kFp8Readback = 2;
+  // the backend readback slot of the FP8 amaxes (the step scalars take 0 and 1), and the
+  // upload slot of their scales (the batches take 0 to Inputs::kUploadSlots - 1)
+  static constexpr int kFp8Readback = 2, kFp8Upload = 3;
   std::function<std::shared_ptr<const HostBatch>()> next_batch_;
 };
 

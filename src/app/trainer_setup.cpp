@@ -27,6 +27,7 @@ DType act_dtype_of(const std::string& mode) {
 // The deck's device.attention / device.fused_gelu (validated against their choices).
 AttentionMode attention_mode_of(const std::string& v) {
   if (v == "cudnn") return AttentionMode::Cudnn;
+  if (v == "cudnn_forward") return AttentionMode::CudnnForward;
   if (v == "flash") return AttentionMode::Flash;
   if (v == "fallback") return AttentionMode::Fallback;
   return AttentionMode::Auto;

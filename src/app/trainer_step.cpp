@@ -88,7 +88,8 @@ void Stepper::finish_gradients(float scale) {
 // tensor; a pipeline stage records its own blocks' only, 0 for the others), so every rank's
 // scales stay the same; the new scales are in place for the next step's casts. Waits for the
 // backward's kernels only (one read-back of depth x 12 floats): the reduction and the update
-// run on the host while the device runs the optimizer.
+// run on the host while the device runs the optimizer, and the scales go up through their
+// upload slot, in the device's order, without the host waiting for it.
 void Stepper::fp8_update() {
   ViT& model = *run_.model;
   fp8_amax_.resize(model.fp8_tensors());
@@ -98,7 +99,7 @@ void Stepper::fp8_update() {
   WatchdogWait w("the MPI all-reduce of the FP8 amaxes");
   MPI_Allreduce(MPI_IN_PLACE, fp8_amax_.data(), static_cast<int>(fp8_amax_.size()), MPI_FLOAT,
                 MPI_MAX, run_.world);
-  model.fp8_update(fp8_amax_.data());
+  model.fp8_update(fp8_amax_.data(), kFp8Upload);
 }
 
 // Runs `body` (the work of one micro-batch) eagerly, or as the CUDA graph of its key.
@@ -181,7 +182,7 @@ Stepper::PendingStep Stepper::enqueue_step(int64_t s, double lr, bool more) {
       in_.start_upload(*next_hb_, slot_, last ? s + 1 : s);
     }
   }
-  if (model.fp8()) model.fp8_amaxes_start(kFp8Readback);  // read while the optimizer runs
+  if (model.fp8()) model.fp8_amaxes_start(kFp8Readback, kFp8Upload);  // while the optimizer runs
   PendingStep p;
   p.step = s;
   p.input_wait_s = input_wait + decode_wait;

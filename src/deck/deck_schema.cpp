@@ -265,13 +265,14 @@ const std::vector<Field>& schema() {
                "MiB of fp32 gradients per data-parallel reduction bucket, each reduced during the "
                "backward once complete (the buckets set the reduction's order, so the last bits of "
                "the sums; 0: one reduction after the backward)"),
-      VG_FIELD(device, attention, "auto|cudnn|flash|fallback",
+      VG_FIELD(device, attention, "auto|cudnn|flash|fallback|cudnn_forward",
                "attention on GPUs: cuDNN's fused SDPA (cudnn: needs a build with cudnn_frontend), "
                "vitgrid's own flash kernels, or the materialised cuBLASLt + softmax path; auto "
                "takes flash where one CTA holds a whole head (head dim 64, at most 224 tokens: "
                "faster than cuDNN there), else cuDNN where the build has it and cuDNN accepts "
                "the shape, else flash, else the fallback (fp32 and other head dims always take "
-               "the fallback)"),
+               "the fallback); cudnn_forward: cuDNN's forward where it accepts the shape, the "
+               "backward as auto's (both save the same log-sum-exp)"),
       VG_FIELD(device, fused_gelu, "auto|off|on",
                "fc1's forward and fc2's data gradient as CUTLASS GEMMs with exact-GELU epilogues "
                "(sm_90, bf16/fp16): auto takes per shape the fastest of the unfused path and the "

@@ -81,20 +81,37 @@ bool ViT::layernorms_write_fp8() const {
   return false;
 }
 
-void ViT::fp8_upload_scales() {
-  const size_t t = fp8_state_->tensors(), n = t * kStride;
-  std::vector<float> h(2 * n, 0.0f);
+void ViT::fp8_upload_scales(int upload_slot) {
+  const size_t t = fp8_state_->tensors(), n = t * kStride, bytes = 2 * n * sizeof(float);
+  std::vector<float> own;
+  float* h = nullptr;
+  if (upload_slot >= 0) {
+    h = static_cast<float*>(be_.staging(upload_slot, bytes));  // its last upload has read it
+    std::fill(h, h + 2 * n, 0.0f);
+  } else {
+    own.assign(2 * n, 0.0f);
+    h = own.data();
+  }
   for (size_t i = 0; i < t; ++i) {
     h[i * kStride] = fp8_state_->scale(i);
     h[n + i * kStride] = fp8_state_->scale_inv(i);
   }
-  be_.copy_to_device(fp8_dev_, h.data(), h.size() * sizeof(float));
+  if (upload_slot < 0) {
+    be_.copy_to_device(fp8_dev_, h, bytes);
+    return;
+  }
+  // after the work fp8_amaxes_start marked (the step's casts and GEMMs), before the work
+  // enqueued from now on: the device never waits for the host here
+  be_.upload_async(upload_slot, fp8_dev_, bytes);
+  be_.wait_uploads();
 }
 
-void ViT::fp8_amaxes_start(int slot) {
+void ViT::fp8_amaxes_start(int slot, int upload_slot) {
   const size_t n = fp8_state_->tensors() * kStride;
   be_.readback_start(slot, fp8_dev_ + 2 * n, n * sizeof(float));
   be_.zero(fp8_dev_ + 2 * n, n * sizeof(float));  // after the copy, in stream order
+  // the step's last reader of the scales is enqueued: the next upload may overwrite them
+  if (upload_slot >= 0) be_.release_slot(upload_slot);
 }
 
 void ViT::fp8_amaxes_wait(int slot, float* amax) {
@@ -102,10 +119,10 @@ void ViT::fp8_amaxes_wait(int slot, float* amax) {
   for (size_t i = 0; i < fp8_state_->tensors(); ++i) amax[i] = h[i * kStride];
 }
 
-void ViT::fp8_update(const float* amax) {
+void ViT::fp8_update(const float* amax, int upload_slot) {
   fp8_state_->merge_amax_max(amax);
   fp8_state_->update();
-  fp8_upload_scales();
+  fp8_upload_scales(upload_slot);
 }
 
 void ViT::fp8_discard_amaxes() {

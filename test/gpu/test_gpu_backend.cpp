@@ -533,7 +533,8 @@ TEST_P(GpuBackend, Softmax) {
 // the own flash kernels (bf16/fp16, head dim 32/64/80/128) and the cuBLASLt + softmax
 // fallback (fp32 and other head dims always take it). One backend per BackendOptions::attention
 // value (device.attention): the default (auto: the whole-head flash kernels at head dim 64 and
-// T <= 224), cudnn, flash and fallback; each prints
+// T <= 224), cudnn, flash, fallback and cudnn_forward (cuDNN's forward with auto's backward,
+// which reads the log-sum-exp cuDNN saved); each prints
 // the path it took. Shapes cover ragged tiles (T = 17, 50, 65, 197 against 64-row tiles; 128:
 // a multiple of cuDNN's 128-key tiles), several heads and batches, and hd = 32, 64, 80, 128
 // (16 and 8: fallback only).
@@ -559,20 +560,25 @@ TEST_P(GpuBackend, Attention) {
   std::unique_ptr<Dev> fb = make_with(AttentionMode::Fallback, "fallback"),
                        fl = make_with(AttentionMode::Flash, "flash"),
                        cd = make_with(AttentionMode::Cudnn, "cudnn"),
-                       ca = make_with(AttentionMode::Cudnn, "cudnn", false);
+                       ca = make_with(AttentionMode::Cudnn, "cudnn", false),
+                       cf = make_with(AttentionMode::CudnnForward, "cudnn_forward");
   ASSERT_TRUE(fb && fl);
 #if defined(VITGRID_HAVE_CUDNN_FRONTEND) && VITGRID_HAVE_CUDNN_FRONTEND
   ASSERT_TRUE(cd) << "built with cudnn_frontend, yet device.attention = cudnn was refused";
+  ASSERT_TRUE(cf) << "built with cudnn_frontend, yet device.attention = cudnn_forward was refused";
 #else
   EXPECT_FALSE(cd) << "device.attention = cudnn accepted by a build without cudnn_frontend";
+  EXPECT_FALSE(cf) << "device.attention = cudnn_forward accepted without cudnn_frontend";
 #endif
   const double tol_f = dt == DType::F32 ? 2e-5 : 2 * tol();
   const double tol_b = dt == DType::F32 ? 2e-5 : (dt == DType::BF16 ? 2.5e-2 : 2 * tol());
   // 0 CPU reference, then the CUDA backends: 1 default (auto), 2 fallback, 3 flash, 4 cudnn,
-  // 5 cudnn with atomics allowed
-  constexpr int K = 6;
-  const char* names[K] = {"cpu", "default", "fallback", "flash", "cudnn", "cudnn-atomic"};
-  Dev* devs[K] = {cpu.get(), gpu.get(), fb.get(), fl.get(), cd.get(), ca.get()};
+  // 5 cudnn with atomics allowed, 6 cudnn_forward (cuDNN's forward, auto's backward: the
+  // whole-head kernels reading cuDNN's log-sum-exp at T <= 224)
+  constexpr int K = 7;
+  const char* names[K] = {"cpu",   "default",      "fallback",     "flash",
+                          "cudnn", "cudnn-atomic", "cudnn_forward"};
+  Dev* devs[K] = {cpu.get(), gpu.get(), fb.get(), fl.get(), cd.get(), ca.get(), cf.get()};
   for (Shape s : {Shape{3, 17, 2, 64}, Shape{2, 197, 3, 64}, Shape{2, 128, 2, 64},
                   Shape{2, 65, 4, 80}, Shape{1, 50, 2, 128}, Shape{2, 33, 3, 32},
                   Shape{3, 17, 2, 16}, Shape{5, 9, 7, 8}}) {
@@ -635,6 +641,8 @@ TEST_P(GpuBackend, Attention) {
         EXPECT_EQ(path[k], "fallback");
       } else if (k == 3 || !cudnn_eligible || !cd) {
         EXPECT_EQ(path[k], "flash");
+      } else if (k == 6) {  // the forward's path: cudnn's
+        EXPECT_EQ(path[k], path[4]);
       } else {  // default and cudnn: cuDNN, or flash for a shape cuDNN rejects
         EXPECT_TRUE(path[k] == "cudnn" || path[k] == "flash") << path[k];
       }

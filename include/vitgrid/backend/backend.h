@@ -557,7 +557,7 @@ class Backend : public Device, public LayerOps, public NormAttentionOps, public 
 };
 
 // Attention's path on GPUs (device.attention): see make_cuda_backend.
-enum class AttentionMode { Auto, Cudnn, Flash, Fallback };
+enum class AttentionMode { Auto, Cudnn, Flash, Fallback, CudnnForward };
 // Fused GEMM + exact GELU on GPUs (device.fused_gelu): see make_cuda_backend.
 enum class FusedGeluMode { Auto, Off, On };
 

@@ -150,7 +150,7 @@ struct DeviceSection {
   int gemm_sm_margin = 0;        // SMs the GEMMs leave free while buckets are reduced
   bool cuda_graph = true;        // replay the step's micro-batches as CUDA graphs (see trainer)
   double bucket_mb = 25.0;       // MiB of fp32 gradients per data-parallel bucket (0: no overlap)
-  std::string attention = "auto";   // auto | cudnn | flash | fallback: attention's path on GPUs
+  std::string attention = "auto";   // auto | cudnn | flash | fallback | cudnn_forward: attention's path on GPUs
   std::string fused_gelu = "auto";  // auto | off | on: fc1 / fc2 GEMMs with GELU epilogues
   int fused_gelu_forward_config = -1;   // forced fused-GELU configuration ids (-1: chosen)
   int fused_gelu_backward_config = -1;

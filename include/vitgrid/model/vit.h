@@ -212,14 +212,18 @@ class ViT {
   // scaling state (the same on every rank: the amaxes it is updated with are reduced over all
   // of them), so a layout change needs no resharding of it. The casts of a step record into
   // backend memory; between steps the caller
-  //   fp8_amaxes_start(slot)  enqueues, once the step's backward is, the read-back of this
-  //                           rank's amaxes (0 for blocks it does not hold) into the backend's
-  //                           readback slot, and their zeroing for the next step,
+  //   fp8_amaxes_start(slot, up)  enqueues, once the step's backward is, the read-back of
+  //                           this rank's amaxes (0 for blocks it does not hold) into the
+  //                           backend's readback slot, and their zeroing for the next step;
+  //                           with an upload slot up >= 0, marks the work so far as the last
+  //                           to read the scales (Backend::release_slot),
   //   (enqueues the optimizer, which the device runs meanwhile)
   //   fp8_amaxes_wait(slot, a) waits for that read-back only and copies the amaxes to a,
   //   reduces a over every rank (MAX; NaN as inf: MPI_MAX may drop a NaN), and
-  //   fp8_update(a)           records them, updates the scales and uploads them for the next
-  //                           step.
+  //   fp8_update(a, up)       records them, updates the scales and uploads them for the next
+  //                           step: through upload slot up (>= 0: staged, copied once the
+  //                           marked work is done, the work enqueued after it behind the copy;
+  //                           the host does not wait), else a copy that waits for the stream.
   static constexpr int kFp8Linears = 4;
   static size_t fp8_tensor(int l, int linear, int k) {
     return (static_cast<size_t>(l) * kFp8Linears + linear) * Fp8LinearMeta::kTensors + k;
@@ -228,9 +232,9 @@ class ViT {
   // Whether the plans' LayerNorms write FP8 (block_plan.h: the next FP8 Linear's input).
   bool layernorms_write_fp8() const;
   size_t fp8_tensors() const { return fp8_state_ ? fp8_state_->tensors() : 0; }
-  void fp8_amaxes_start(int slot);
+  void fp8_amaxes_start(int slot, int upload_slot = -1);
   void fp8_amaxes_wait(int slot, float* amax);
-  void fp8_update(const float* amax);
+  void fp8_update(const float* amax, int upload_slot = -1);
   // Forgets what the casts recorded since the last update (after an evaluation: its forwards
   // must not widen the training scales).
   void fp8_discard_amaxes();
@@ -238,7 +242,7 @@ class ViT {
   // the casts use the restored scales.
   Fp8ScalingState& fp8_scaling() { return *fp8_state_; }
   const Fp8ScalingState& fp8_scaling() const { return *fp8_state_; }
-  void fp8_upload_scales();
+  void fp8_upload_scales(int upload_slot = -1);
 
   size_t activation_bytes() const { return act_bytes_; }
   // The plan block l (held by this rank) runs for a micro-batch of `batch` samples.

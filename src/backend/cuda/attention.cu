@@ -76,9 +76,12 @@ static void attention_gemm(CudaBackend& be, GemmSpec s, Offs oa, Offs ob, Offs o
 }
 
 AttentionMode CudaBackend::checked_attention_mode(AttentionMode m) {
-  if (m == AttentionMode::Cudnn && !cuda::CudnnAttention::available()) {
+  if ((m == AttentionMode::Cudnn || m == AttentionMode::CudnnForward) &&
+      !cuda::CudnnAttention::available()) {
     throw UserError(
-        "device.attention = cudnn, but this build has no cudnn_frontend (the cuDNN SDPA path "
+        std::string("device.attention = ") +
+        (m == AttentionMode::Cudnn ? "cudnn" : "cudnn_forward") +
+        ", but this build has no cudnn_frontend (the cuDNN SDPA path "
         "is not compiled in: run `make deps` or tools/fetch_cudnn_frontend.sh, or point "
         "VITGRID_CUDNN_FRONTEND_DIR at the headers, and reconfigure); use auto, flash or "
         "fallback");
@@ -105,15 +108,20 @@ cuda::CudnnAttention* CudaBackend::cudnn_attention() const {
 
 // Auto with a sequence length: the own whole-head kernels where they apply (at ViT's lengths
 // they beat cuDNN's SDPA: tools/MEASURED.md, "attention"), else cuDNN, else the tiled kernels.
-bool CudaBackend::attention_head_kernels(int T, int hd) const {
-  return attention_mode_ == AttentionMode::Auto && T > 0 && cuda::flash_head_applies(act_, hd, T);
+// CudnnForward: cuDNN's forward where it takes the shape, the backward Auto's (both paths save
+// the same log-sum-exp, so the backward reads either's).
+bool CudaBackend::attention_head_kernels(int T, int hd, bool backward) const {
+  const bool auto_like = attention_mode_ == AttentionMode::Auto ||
+                         (attention_mode_ == AttentionMode::CudnnForward && backward);
+  return auto_like && T > 0 && cuda::flash_head_applies(act_, hd, T);
 }
 
-CudaBackend::AttentionPath CudaBackend::attention_route(int B, int T, int H, int hd) const {
+CudaBackend::AttentionPath CudaBackend::attention_route(int B, int T, int H, int hd,
+                                                        bool backward) const {
   if (attention_mode_ == AttentionMode::Fallback) return AttentionPath::Fallback;
-  if (attention_head_kernels(T, hd)) return AttentionPath::Flash;
-  if ((attention_mode_ == AttentionMode::Auto || attention_mode_ == AttentionMode::Cudnn) &&
-      cuda::CudnnAttention::available() && cuda::CudnnAttention::eligible(act_, hd)) {
+  if (attention_head_kernels(T, hd, backward)) return AttentionPath::Flash;
+  if (attention_mode_ != AttentionMode::Flash && cuda::CudnnAttention::available() &&
+      cuda::CudnnAttention::eligible(act_, hd)) {
     // usable(): supported, and the workspace fits what attention_workspace_bytes() granted
     if (B <= 0 || T <= 0 || cudnn_attention()->usable(act_, B, T, H, hd)) {
       return AttentionPath::Cudnn;
@@ -140,7 +148,7 @@ size_t CudaBackend::attention_saved_bytes(int B, int T, int H, int hd) const {
 size_t CudaBackend::attention_workspace_bytes(int B, int T, int H, int hd) const {
   const size_t lse_ws = static_cast<size_t>(B) * H * T * sizeof(float);  // flash: D
   const AttentionPath path = attention_route(0, 0, 0, hd);
-  if (path == AttentionPath::Cudnn && B > 0 && T > 0 && !attention_head_kernels(T, hd)) {
+  if (path == AttentionPath::Cudnn && B > 0 && T > 0 && !attention_head_kernels(T, hd, false)) {
     // builds the shape's graphs now (not in the step); never below the flash path's need
     return cudnn_attention()->workspace_bytes(act_, B, T, H, hd, lse_ws);
   }
@@ -212,7 +220,7 @@ void CudaBackend::attention_backward(void* dqkv, const void* dout, const void* q
                                      int hd, void* workspace) {
   OpScope op_scope(*this, "attention_backward");
   if (B <= 0 || T <= 0) return;
-  const AttentionPath path = attention_route(B, T, H, hd);
+  const AttentionPath path = attention_route(B, T, H, hd, true);
   if (path == AttentionPath::Cudnn) {
     cudnn_attention()->backward(act_, dqkv, dout, qkv, out, static_cast<const float*>(saved), B,
                                 T, H, hd, workspace);

@@ -145,8 +145,10 @@ class CudaBackend final : public Backend {
   static const char* attention_path_name(AttentionPath p);
   // The path of the shape; B <= 0 or T <= 0: by dtype and head dim alone (what shapes normally
   // get; cuDNN may still reject one). Builds and caches the cuDNN graphs of the shape.
-  AttentionPath attention_route(int B, int T, int H, int hd) const;
-  bool attention_head_kernels(int T, int hd) const;  // auto takes the whole-head flash kernels
+  // backward: the backward's path (CudnnForward: Auto's), else the forward's.
+  AttentionPath attention_route(int B, int T, int H, int hd, bool backward = false) const;
+  // auto (or, backward, cudnn_forward) takes the whole-head flash kernels
+  bool attention_head_kernels(int T, int hd, bool backward = false) const;
   // "cudnn", "flash" or "fallback": attention_route's answer, for logs.
   const char* attention_path(int hd) const {
     return attention_path_name(attention_route(0, 0, 0, hd));

@@ -107,8 +107,9 @@ __device__ __forceinline__ bool vector_tile(const uint8_t* out, const uint8_t* o
 // whose shapes or pointers do not allow vectors, go element by element. With partial
 // (fp8_cast_grad's bias gradient), the block's column sums of the values over its rows go to
 // partial[blockIdx.y][cols], in a fixed order: each thread sums its column(s) down its rows,
-// then the 16 row groups are added in turn.
-template <class T, class Src>
+// then the 16 row groups are added in turn. kSums: partial is set (the casts without it skip
+// the sums' additions at compile time).
+template <class T, class Src, bool kSums>
 __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(
     uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, float* __restrict__ amax, Src src,
     int rows, int cols, const float* __restrict__ scale_p, __nv_fp8_interpretation_t fmt,
@@ -148,8 +149,10 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(
 #pragma unroll
         for (int k = 0; k < kChunk; k += 2) {
           m = max(m, max(abs_bits(f[k]), abs_bits(f[k + 1])));
-          acc[k] += f[k];
-          acc[k + 1] += f[k + 1];
+          if constexpr (kSums) {
+            acc[k] += f[k];
+            acc[k + 1] += f[k + 1];
+          }
           // .x is the low byte: the element at the lower address
           const uint32_t two = __nv_cvt_float2_to_fp8x2(make_float2(f[k] * scale, f[k + 1] * scale),
                                                         __NV_SATFINITE, fmt);
@@ -196,7 +199,7 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(
         if (r < rows && c < cols) {
           const float v = src.load1(static_cast<size_t>(r) * cols + c);
           m = max(m, abs_bits(v));
-          eacc += v;
+          if constexpr (kSums) eacc += v;
           code = __nv_cvt_float_to_fp8(v * scale, __NV_SATFINITE, fmt);
           if (out) out[static_cast<size_t>(r) * cols + c] = code;
         }
@@ -212,7 +215,7 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(
       }
     }
   }
-  if (partial) {
+  if constexpr (kSums) {
     // Vector path: thread t summed columns (t % 16) * 8 + k of rows t / 16 + 16 i; element
     // path (edge tiles; a block's last tile short of 64 rows): column t % 128 of rows
     // t / 128 + 2 i. Both kinds of partial sums, then each column's in turn.
@@ -288,7 +291,7 @@ void CudaBackend::fp8_cast(uint8_t* out, uint8_t* out_t, float* amax, const void
   cuda::dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
     auto launch = [&](auto src) {
-      cuda::fp8_cast_kernel<T><<<grid, cuda::kThreads, 0, stream_>>>(
+      cuda::fp8_cast_kernel<T, decltype(src), false><<<grid, cuda::kThreads, 0, stream_>>>(
           out, out_t, amax, src, rows, cols, scale, fmt, 1, nullptr);
     };
     const T* xt = static_cast<const T*>(x);
@@ -315,8 +318,12 @@ void CudaBackend::fp8_cast_grad(uint8_t* out, uint8_t* out_t, float* amax, const
   cuda::dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
     auto launch = [&](auto src) {
-      cuda::fp8_cast_kernel<T><<<grid, cuda::kThreads, 0, stream_>>>(
-          out, out_t, amax, src, rows, cols, scale, fmt, tiles, partial);
+      if (partial)
+        cuda::fp8_cast_kernel<T, decltype(src), true><<<grid, cuda::kThreads, 0, stream_>>>(
+            out, out_t, amax, src, rows, cols, scale, fmt, tiles, partial);
+      else
+        cuda::fp8_cast_kernel<T, decltype(src), false><<<grid, cuda::kThreads, 0, stream_>>>(
+            out, out_t, amax, src, rows, cols, scale, fmt, tiles, nullptr);
     };
     const T* d = static_cast<const T*>(dy);
     if (!gelu_pre) return launch(cuda::Plain<T>{d});

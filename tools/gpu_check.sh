@@ -350,14 +350,18 @@ PYEOF
     # torch.compile bf16 and torch.compile + torchao's float8 training (tensorwise; its wheel
     # from .gpu-deps/ where the node has none), the op profiles of ViT-B/16's step in both, the
     # loss curves of 300 ViT-S/16 steps, and ViT-Lite-7/4 trained 30 epochs on a generated 32 px
-    # set of 10 classes in each precision (final top-1)
+    # set of 10 classes in each precision (final top-1). Attention: FP8_ATTENTION (default
+    # cudnn_forward, the faster at T = 197), and ViT-B/16 fp8 with auto beside it
+    ATT=--device.attention=${FP8_ATTENTION:-cudnn_forward}
     {
       for m in vit-small/16 vit-base/16 vit-large/16; do
         for p in bf16 fp8; do
           mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --model.preset=$m \
-            --precision.mode=$p --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
+            --precision.mode=$p $ATT --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
         done
       done
+      mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --precision.mode=fp8 \
+        --device.attention=auto --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
       if ! "$PY" -c "import torchao" 2>/dev/null && ls .gpu-deps/torchao-*.whl >/dev/null 2>&1; then
         "$PY" -m pip install --no-deps -q .gpu-deps/torchao-*.whl >/dev/null 2>&1
       fi
@@ -365,7 +369,7 @@ PYEOF
         "$PY" tools/bench_pytorch.py --precision bf16 --compile $f 2>&1 | grep -E "^pytorch|Error|needs"
       done
       for p in bf16 fp8; do
-        mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --precision.mode=$p --profile 2>&1 \
+        mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --precision.mode=$p $ATT --profile 2>&1 \
           | grep -E "^\||^profile"
         rm -rf "$D/s16-$p"
         mpirun -np 1 "$B/bin/vitgrid" train inputs/bench_vit_b16.ini --model.preset=vit-small/16 \

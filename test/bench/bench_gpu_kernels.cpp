@@ -350,16 +350,36 @@ void BM_Fp8Cast(benchmark::State& st) {
 void BM_AttentionForward(benchmark::State& st) { attention_bench(st, false); }
 void BM_AttentionFwdBwd(benchmark::State& st) { attention_bench(st, true); }
 
+// The residual add + LayerNorm forward of ViT-B/16's rows; arg fp8: 1 writing the next
+// Linear's FP8 input (codes, transpose, amax: add_layernorm_forward_fp8) instead of y.
+// Random values (fill_random_bf16). GB: bytes read and written.
 void BM_LayerNormForward(benchmark::State& st) {
   if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
+  const bool fp8 = st.range(0) != 0;
   const size_t a = gpu().act_size(), nc = size_t(kN) * kC;
   Bufs b;
   void *res = b.get(nc * a), *y = b.get(nc * a), *x = b.get(nc * a), *r = b.get(nc * a);
   float* mean = static_cast<float*>(b.get(kN * 4));
   float* rstd = static_cast<float*>(b.get(kN * 4));
   void *g = b.get(kC * a), *be = b.get(kC * a);
-  timed(st, [&] { gpu().add_layernorm_forward(res, y, mean, rstd, x, r, g, be, kN, kC, 1e-6f); });
-  st.counters["GB"] = benchmark::Counter(4.0 * nc * a * 1e-9,
+  auto* out = static_cast<uint8_t*>(b.get(nc));
+  auto* out_t = static_cast<uint8_t*>(b.get(nc));
+  const float one[4] = {1.0f, 0, 0, 0};
+  auto* scale = static_cast<float*>(b.get(sizeof one));
+  gpu().copy_to_device(scale, one, sizeof one);
+  auto* amax = static_cast<float*>(b.get(16));
+  fill_random_bf16(x, nc, 1.0f, 1);
+  fill_random_bf16(r, nc, 1.0f, 2);
+  fill_random_bf16(g, kC, 1.0f, 3);
+  fill_random_bf16(be, kC, 0.5f, 4);
+  timed(st, [&] {
+    if (fp8)
+      gpu().add_layernorm_forward_fp8(res, out, out_t, amax, scale, Fp8Format::E4M3, mean, rstd,
+                                      x, r, g, be, kN, kC, 1e-6f);
+    else
+      gpu().add_layernorm_forward(res, y, mean, rstd, x, r, g, be, kN, kC, 1e-6f);
+  });
+  st.counters["GB"] = benchmark::Counter((fp8 ? 3.0 * a + 2.0 : 4.0 * a) * nc * 1e-9,
                                            benchmark::Counter::kIsIterationInvariantRate);
 }
 
@@ -861,7 +881,7 @@ BENCHMARK(BM_Elementwise)
     ->DenseRange(0, 5)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_LayerNormForward)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_LayerNormForward)->ArgName("fp8")->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LayerNormBackward)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LayerNormBackwardKernel)
     ->ArgNames({"C", "dsum"})

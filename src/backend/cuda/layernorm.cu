@@ -170,10 +170,14 @@ __global__ void __launch_bounds__(256) add_layernorm_fwd_vec_kernel(
 
 // add_layernorm_forward_fp8: a block of kLnFp8Warps warps takes kLnFp8Rows rows (a warp per row
 // at a time, as add_layernorm_fwd_vec_kernel), converts y's packs to FP8 codes as it would
-// store them (rounded to T first: fp8_cast of the stored y, code for code), writes them to out
-// (row-major) and to a shared tile, then writes the tile's transpose to out_t[C, N] (8 rows of
-// a column per 8-byte store where the block's rows are whole and N a multiple of 8), and adds
-// its largest |y| to *amax. Dynamic shared memory: kLnFp8Rows x (C + 8) bytes.
+// store them (rounded to T first: fp8_cast of the stored y, code for code; two values per
+// conversion instruction), writes them to out (row-major) and to a shared tile (rows C + 4
+// bytes apart: 32-bit words of one column fall in distinct banks), then writes the tile's
+// transpose to out_t[C, N]: where the block's rows are whole, N a multiple of 8 and C of 32,
+// each thread reads an 8-row x 4-column block as eight 32-bit words, transposes it with byte
+// permutes and writes its 4 columns' 8 rows (8-byte stores; a warp's 4 row blocks x 8 word
+// columns write 32-byte runs, as fp8.cu's cast); else byte by byte. Adds its largest |y| to
+// *amax. Dynamic shared memory: kLnFp8Rows x (C + 4) bytes.
 constexpr int kLnFp8Rows = 32, kLnFp8Warps = 8;
 
 template <class T, int K>
@@ -185,7 +189,8 @@ __global__ void __launch_bounds__(32 * kLnFp8Warps) add_layernorm_fwd_fp8_kernel
   __shared__ int sh_max[32];
   constexpr int V = 16 / sizeof(T);
   static_assert(V == 8, "FP8 LayerNorm output: 8 codes per pack (bf16 / fp16 rows)");
-  const int pitch = C + 8;
+  static_assert(kLnFp8Rows == 32, "the transpose's 4 row blocks of 8 per warp");
+  const int pitch = C + 4;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kLnFp8Rows;
   const int rows = static_cast<int>(min(static_cast<int64_t>(kLnFp8Rows), N - r0));
   const float scale = scale_p[0];
@@ -193,17 +198,21 @@ __global__ void __launch_bounds__(32 * kLnFp8Warps) add_layernorm_fwd_fp8_kernel
   for (int i = threadIdx.x >> 5; i < rows; i += kLnFp8Warps) {
     const int64_t row = r0 + i;
     auto store = [&](int p, const Pack<T, V>& o) {
-      uint8_t codes[V];
+      uint32_t w[2];
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const float f = to_f(o.v[j]);
-        m = max(m, abs_bits(f));
-        codes[j] = __nv_cvt_float_to_fp8(f * scale, __NV_SATFINITE, fmt);
+      for (int j = 0; j < V; j += 2) {
+        const float f0 = to_f(o.v[j]), f1 = to_f(o.v[j + 1]);
+        m = max(m, max(abs_bits(f0), abs_bits(f1)));
+        // .x is the low byte: the element at the lower address
+        const uint32_t two =
+            __nv_cvt_float2_to_fp8x2(make_float2(f0 * scale, f1 * scale), __NV_SATFINITE, fmt);
+        if (j % 4 == 0) w[j / 4] = two;
+        else w[j / 4] |= two << 16;
       }
-      uint2 packed;
-      memcpy(&packed, codes, sizeof packed);
-      if (out) *reinterpret_cast<uint2*>(out + row * C + p * V) = packed;
-      *reinterpret_cast<uint2*>(ln_fp8_tile + i * pitch + p * V) = packed;
+      if (out) *reinterpret_cast<uint2*>(out + row * C + p * V) = make_uint2(w[0], w[1]);
+      uint32_t* sw = reinterpret_cast<uint32_t*>(ln_fp8_tile + i * pitch + p * V);
+      sw[0] = w[0];
+      sw[1] = w[1];
     };
     add_layernorm_row<T, K>(
         row, threadIdx.x & 31, 32, [](float v) { return warp_sum(v); }, res, store, mean, rstd,
@@ -211,16 +220,30 @@ __global__ void __launch_bounds__(32 * kLnFp8Warps) add_layernorm_fwd_fp8_kernel
   }
   if (out_t) {
     __syncthreads();
-    if (rows == kLnFp8Rows && N % 8 == 0) {
-      constexpr int kPerCol = kLnFp8Rows / 8;
-      for (int q = threadIdx.x; q < C * kPerCol; q += blockDim.x) {
-        const int c = q / kPerCol, rr = (q % kPerCol) * 8;
-        uint8_t codes[8];
+    if (rows == kLnFp8Rows && N % 8 == 0 && C % 32 == 0) {
+      const int lane = threadIdx.x & 31, rb = lane >> 3;  // rows rb * 8 .. rb * 8 + 7
+      for (int g = threadIdx.x >> 5; g < C / 32; g += kLnFp8Warps) {
+        const int wc = g * 8 + (lane & 7);  // columns wc * 4 .. wc * 4 + 3
+        uint32_t v[8];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) codes[k] = ln_fp8_tile[(rr + k) * pitch + c];
-        uint2 packed;
-        memcpy(&packed, codes, sizeof packed);
-        *reinterpret_cast<uint2*>(out_t + static_cast<int64_t>(c) * N + r0 + rr) = packed;
+        for (int k = 0; k < 8; ++k)
+          v[k] = *reinterpret_cast<const uint32_t*>(ln_fp8_tile + (rb * 8 + k) * pitch + wc * 4);
+        // per half of the rows: column j's 4 bytes from the 4 words (byte 0 = the first row)
+        uint32_t col[4][2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t* q = v + 4 * h;
+          const uint32_t t0 = __byte_perm(q[0], q[1], 0x5140), t1 = __byte_perm(q[2], q[3], 0x5140);
+          const uint32_t t2 = __byte_perm(q[0], q[1], 0x7362), t3 = __byte_perm(q[2], q[3], 0x7362);
+          col[0][h] = __byte_perm(t0, t1, 0x5410);
+          col[1][h] = __byte_perm(t0, t1, 0x7632);
+          col[2][h] = __byte_perm(t2, t3, 0x5410);
+          col[3][h] = __byte_perm(t2, t3, 0x7632);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          *reinterpret_cast<uint2*>(out_t + static_cast<int64_t>(wc * 4 + j) * N + r0 + rb * 8) =
+              make_uint2(col[j][0], col[j][1]);
       }
     } else {
       for (int q = threadIdx.x; q < C * rows; q += blockDim.x) {
@@ -862,7 +885,7 @@ void CudaBackend::add_layernorm_forward_fp8(void* res, uint8_t* out, uint8_t* ou
           (out && !aligned8(out)) || (out_t && !aligned8(out_t)))
         return;
       const unsigned blocks = static_cast<unsigned>((N + kLnFp8Rows - 1) / kLnFp8Rows);
-      const size_t smem = static_cast<size_t>(kLnFp8Rows) * (C + 8);
+      const size_t smem = static_cast<size_t>(kLnFp8Rows) * (C + 4);
       auto launch = [&](auto kernel) {
         kernel<<<blocks, 32 * kLnFp8Warps, smem, stream_>>>(
             static_cast<T*>(res), out, out_t, amax, scale, fmt, mean, rstd,

@@ -1,7 +1,7 @@
 // The ViT's FP8 scaling (precision.mode = fp8, model/vit.h): the delayed-scaling state of the
 // block Linears' tensors, on the host, and their scales and amaxes in backend memory, which
 // the FP8 Linears (backend/fp8_linear.h, called by the strategy) read and write.
-#include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -83,25 +83,19 @@ bool ViT::layernorms_write_fp8() const {
 
 void ViT::fp8_upload_scales(int upload_slot) {
   const size_t t = fp8_state_->tensors(), n = t * kStride, bytes = 2 * n * sizeof(float);
-  std::vector<float> own;
-  float* h = nullptr;
-  if (upload_slot >= 0) {
-    h = static_cast<float*>(be_.staging(upload_slot, bytes));  // its last upload has read it
-    std::fill(h, h + 2 * n, 0.0f);
-  } else {
-    own.assign(2 * n, 0.0f);
-    h = own.data();
-  }
+  std::vector<float> h(2 * n, 0.0f);
   for (size_t i = 0; i < t; ++i) {
     h[i * kStride] = fp8_state_->scale(i);
     h[n + i * kStride] = fp8_state_->scale_inv(i);
   }
   if (upload_slot < 0) {
-    be_.copy_to_device(fp8_dev_, h, bytes);
+    be_.copy_to_device(fp8_dev_, h.data(), bytes);
     return;
   }
-  // after the work fp8_amaxes_start marked (the step's casts and GEMMs), before the work
-  // enqueued from now on: the device never waits for the host here
+  // staged (once the slot's last upload has read it), copied after the work fp8_amaxes_start
+  // marked (the step's casts and GEMMs), before the work enqueued from now on: the host does
+  // not wait for the device here
+  std::memcpy(be_.staging(upload_slot, bytes), h.data(), bytes);
   be_.upload_async(upload_slot, fp8_dev_, bytes);
   be_.wait_uploads();
 }

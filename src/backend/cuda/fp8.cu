@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "cuda_backend_impl.h"
+#include "fp8_codes.cuh"
 #include "gelu_ops.cuh"
 #include "kernel_util.cuh"
 
@@ -153,9 +154,7 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(
             acc[k] += f[k];
             acc[k + 1] += f[k + 1];
           }
-          // .x is the low byte: the element at the lower address
-          const uint32_t two = __nv_cvt_float2_to_fp8x2(make_float2(f[k] * scale, f[k + 1] * scale),
-                                                        __NV_SATFINITE, fmt);
+          const uint32_t two = fp8x2_codes(f[k], f[k + 1], scale, fmt);
           if (k % 4 == 0) w[k / 4] = two;
           else w[k / 4] |= two << 16;
         }
@@ -174,18 +173,8 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(
         uint32_t v[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[i] = *reinterpret_cast<const uint32_t*>(&tile[rb * 8 + i][wc * 4]);
-        // per half of the rows: column j's 4 bytes from the 4 words (byte 0 = the first row)
         uint32_t col[4][2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t* a = v + 4 * h;
-          const uint32_t t0 = __byte_perm(a[0], a[1], 0x5140), t1 = __byte_perm(a[2], a[3], 0x5140);
-          const uint32_t t2 = __byte_perm(a[0], a[1], 0x7362), t3 = __byte_perm(a[2], a[3], 0x7362);
-          col[0][h] = __byte_perm(t0, t1, 0x5410);
-          col[1][h] = __byte_perm(t0, t1, 0x7632);
-          col[2][h] = __byte_perm(t2, t3, 0x5410);
-          col[3][h] = __byte_perm(t2, t3, 0x7632);
-        }
+        transpose_codes_8x4(v, col);
 #pragma unroll
         for (int j = 0; j < 4; ++j)
           *reinterpret_cast<uint2*>(out_t + static_cast<size_t>(c0 + wc * 4 + j) * rows + r0 + rb * 8) =

@@ -15,6 +15,7 @@
 #include <cuda_fp8.h>
 
 #include "cuda_backend_impl.h"
+#include "fp8_codes.cuh"
 #include "kernel_util.cuh"
 #include "layernorm_reduce.cuh"
 #include "vitgrid/core/error.h"
@@ -203,9 +204,7 @@ __global__ void __launch_bounds__(32 * kLnFp8Warps) add_layernorm_fwd_fp8_kernel
       for (int j = 0; j < V; j += 2) {
         const float f0 = to_f(o.v[j]), f1 = to_f(o.v[j + 1]);
         m = max(m, max(abs_bits(f0), abs_bits(f1)));
-        // .x is the low byte: the element at the lower address
-        const uint32_t two =
-            __nv_cvt_float2_to_fp8x2(make_float2(f0 * scale, f1 * scale), __NV_SATFINITE, fmt);
+        const uint32_t two = fp8x2_codes(f0, f1, scale, fmt);
         if (j % 4 == 0) w[j / 4] = two;
         else w[j / 4] |= two << 16;
       }
@@ -228,18 +227,8 @@ __global__ void __launch_bounds__(32 * kLnFp8Warps) add_layernorm_fwd_fp8_kernel
 #pragma unroll
         for (int k = 0; k < 8; ++k)
           v[k] = *reinterpret_cast<const uint32_t*>(ln_fp8_tile + (rb * 8 + k) * pitch + wc * 4);
-        // per half of the rows: column j's 4 bytes from the 4 words (byte 0 = the first row)
         uint32_t col[4][2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t* q = v + 4 * h;
-          const uint32_t t0 = __byte_perm(q[0], q[1], 0x5140), t1 = __byte_perm(q[2], q[3], 0x5140);
-          const uint32_t t2 = __byte_perm(q[0], q[1], 0x7362), t3 = __byte_perm(q[2], q[3], 0x7362);
-          col[0][h] = __byte_perm(t0, t1, 0x5410);
-          col[1][h] = __byte_perm(t0, t1, 0x7632);
-          col[2][h] = __byte_perm(t2, t3, 0x5410);
-          col[3][h] = __byte_perm(t2, t3, 0x7632);
-        }
+        transpose_codes_8x4(v, col);
 #pragma unroll
         for (int j = 0; j < 4; ++j)
           *reinterpret_cast<uint2*>(out_t + static_cast<int64_t>(wc * 4 + j) * N + r0 + rb * 8) =

@@ -1,0 +1,37 @@
+// FP8 code packing shared by the kernels that write FP8 operands (fp8.cu's casts, layernorm.cu's
+// LayerNorm writing FP8): two values converted by one instruction, and an 8 x 4 block of codes
+// transposed in registers for the K-contiguous copies the weight-gradient GEMMs take.
+#pragma once
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace vitgrid {
+namespace cuda {
+
+// fp8(a * scale), fp8(b * scale) (nearest even, saturating, NaN kept) in the low 16 bits, a's
+// code in the low byte (the element at the lower address).
+__device__ __forceinline__ uint32_t fp8x2_codes(float a, float b, float scale,
+                                                __nv_fp8_interpretation_t fmt) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(a * scale, b * scale), __NV_SATFINITE, fmt);
+}
+
+// v[i]: the 4 codes of row i of an 8 x 4 block (byte 0 its first column). col[j][h]: column j's
+// codes of rows 4h .. 4h + 3 (byte 0 the first row), so make_uint2(col[j][0], col[j][1]) is
+// column j's 8 rows in order. Byte permutes only.
+__device__ __forceinline__ void transpose_codes_8x4(const uint32_t (&v)[8], uint32_t (&col)[4][2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t* a = v + 4 * h;
+    const uint32_t t0 = __byte_perm(a[0], a[1], 0x5140), t1 = __byte_perm(a[2], a[3], 0x5140);
+    const uint32_t t2 = __byte_perm(a[0], a[1], 0x7362), t3 = __byte_perm(a[2], a[3], 0x7362);
+    col[0][h] = __byte_perm(t0, t1, 0x5410);
+    col[1][h] = __byte_perm(t0, t1, 0x7632);
+    col[2][h] = __byte_perm(t2, t3, 0x5410);
+    col[3][h] = __byte_perm(t2, t3, 0x7632);
+  }
+}
+
+}  // namespace cuda
+}  // namespace vitgrid

@@ -53,20 +53,31 @@ bool report_fatal(const char* file, int line, const std::string& msg) {
 }
 }  // namespace
 
+void exit_after(double grace_s, int code) {
+  std::thread([grace_s, code] {
+    std::this_thread::sleep_for(std::chrono::duration<double>(grace_s));
+    std::fprintf(stderr, "vitgrid: the end of the job did not complete within %.0f s: exiting\n",
+                 grace_s);
+    std::fflush(stderr);
+    std::_Exit(code);
+  }).detach();
+}
+
+void abort_job(int code, double grace_s) {
+  exit_after(grace_s, code);
+  MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);
+}
+
 void fail_one(const char* file, int line, const std::string& msg) {
-  if (report_fatal(file, line, msg)) MPI_Abort(MPI_COMM_WORLD, 1);
+  if (report_fatal(file, line, msg)) abort_job(1);
   std::abort();
 }
 
 void fail_one_with_cleanup(const char* file, int line, const std::string& msg,
                            const std::function<void()>& cleanup, double grace_s) {
   const bool inited = report_fatal(file, line, msg);
-  std::thread([grace_s] {
-    std::this_thread::sleep_for(std::chrono::duration<double>(grace_s));
-    std::fprintf(stderr, "vitgrid: the abort did not complete within %.0f s: exiting\n", grace_s);
-    std::fflush(stderr);
-    std::_Exit(1);
-  }).detach();
+  exit_after(grace_s, 1);
   if (cleanup) cleanup();
   if (inited) MPI_Abort(MPI_COMM_WORLD, 1);
   std::abort();
@@ -112,8 +123,7 @@ void fail_agreed(const std::string& msg, int code, double wait_s) {
     // Some rank is elsewhere: this rank's own message, then the job ends.
     std::fprintf(stderr, "vitgrid: error: %s\n", msg.c_str());
     std::fflush(stderr);
-    MPI_Abort(MPI_COMM_WORLD, code);
-    std::_Exit(code);
+    abort_job(code);
   }
   std::string text = msg;
   int len = rank == first ? static_cast<int>(msg.size()) : 0;
@@ -129,10 +139,7 @@ void fail_agreed(const std::string& msg, int code, double wait_s) {
   // Every rank is here with the same verdict: a clean finalize and the same exit code. Files
   // the unwinding left open are closed by HDF5 inside MPI_Finalize, alike on every rank; should
   // that not return, the job still ends.
-  std::thread([code] {
-    std::this_thread::sleep_for(std::chrono::seconds(30));
-    std::_Exit(code);
-  }).detach();
+  exit_after(30.0, code);
   MPI_Barrier(g_error_comm);
   MPI_Finalize();
   std::exit(code);

@@ -1,5 +1,7 @@
 #include "vitgrid/core/watchdog.h"
 
+#include "vitgrid/core/error.h"
+
 #include <mpi.h>
 #include <unistd.h>
 
@@ -56,7 +58,7 @@ int64_t now_ns() {
   MPI_Query_thread(&level);
   // The main thread is inside MPI: only with MPI_THREAD_MULTIPLE may this thread call it;
   // otherwise the launcher ends the job when this process exits without MPI_Finalize.
-  if (level == MPI_THREAD_MULTIPLE) MPI_Abort(MPI_COMM_WORLD, 1);
+  if (level == MPI_THREAD_MULTIPLE) abort_job(1);
   std::_Exit(1);
 }
 

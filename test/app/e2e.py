@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import h5py
@@ -577,12 +578,10 @@ def async_checkpoint_checks(tmp, extra):
 
     # kill -9 while step 4's checkpoint is written (step 2's complete): resume takes step 2
     k = os.path.join(tmp, "kill")
-    p = subprocess.Popen(launch + common + [f"--run.out_dir={k}", "--checkpoint.async=true"],
-                         env=dict(ENV, **slow), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, start_new_session=True)
+    p = start_launcher(launch + common + [f"--run.out_dir={k}", "--checkpoint.async=true"], slow)
     inside = wait_for(k, ["step_00000002.h5", "step_00000004.h5.tmp"])
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait(timeout=60)
+    kill_whole(p)
+    finish(p, 60)
     ck = sorted(os.listdir(os.path.join(k, "checkpoints")))
     check(inside and "step_00000004.h5" not in ck,
           f"killed during the background write of step 4: {ck}")
@@ -593,11 +592,9 @@ def async_checkpoint_checks(tmp, extra):
 
     # SIGUSR1 while a checkpoint is written in the background
     u = os.path.join(tmp, "usr1")
-    p = subprocess.Popen(launch + ["train", DECK, "--run.steps=400", "--checkpoint.every_steps=2",
-                                   "--run.log_every=1", f"--run.out_dir={u}",
-                                   "--checkpoint.async=true"] + extra,
-                         env=dict(ENV, **slow), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, start_new_session=True)
+    p = start_launcher(launch + ["train", DECK, "--run.steps=400", "--checkpoint.every_steps=2",
+                                 "--run.log_every=1", f"--run.out_dir={u}",
+                                 "--checkpoint.async=true"] + extra, slow)
     inside = wait_for(u, ["step_00000002.h5.tmp"])
     # to every rank, as SLURM's --signal=USR1@120 reaches a step's tasks (mpirun's forwarding
     # is e2e_signals'; a launcher set to OMPI_MCA_plm=isolated, as some containers are,
@@ -606,7 +603,7 @@ def async_checkpoint_checks(tmp, extra):
     check(len(ranks) == 2, f"the two ranks of the run found: {ranks}")
     for r in ranks:
         os.kill(int(r), signal.SIGUSR1)
-    rc, out = finish(p, [], 120)
+    rc, out = finish(p, 120)
     ck = sorted(os.listdir(os.path.join(u, "checkpoints")))
     check(inside and rc == 3, f"SIGUSR1 during a background write: exit {rc} == 3")
     if rc != 3:
@@ -649,15 +646,9 @@ def t_preemption(tmp):
     cmd = ["mpirun", "-np", "2", "--oversubscribe"] + pace + [
            VITGRID, "train", DECK, f"--run.out_dir={d}",
            f"--run.steps={steps}", "--checkpoint.every_steps=0", "--run.log_every=1"]
-    p = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = []
-    for line in p.stdout:
-        seen.append(line)
-        if line.startswith("step") and "/60" in line and int(line.split()[1].split("/")[0]) >= 8:
-            p.send_signal(signal.SIGUSR1)
-            break
-    out = "".join(seen) + p.stdout.read()
-    rc = p.wait(timeout=120)
+    p = launch_until_step(cmd, 8)
+    p.send_signal(signal.SIGUSR1)
+    rc, out = finish(p, 120)
     check(rc == 3, f"exit code {rc} == 3 (requeue)")
     check("preempt" in out, "the log says it was preempted")
     ck = sorted(os.listdir(os.path.join(d, "checkpoints")))
@@ -671,31 +662,121 @@ def t_preemption(tmp):
     check(np.array_equal(l2, lref), "the preempted-and-resumed run equals the uninterrupted one")
 
 
-def launch_until_step(cmd, step, env=None):
-    """Starts `cmd` (a launcher of vitgrid training with --run.log_every=1) and returns the
-    process and the lines read once the log reached `step`."""
+def descendants(pid):
+    """Every process under `pid`, children first."""
+    out, todo = [], [pid]
+    while todo:
+        kids = subprocess.run(["pgrep", "-P", str(todo.pop(0))], capture_output=True,
+                              text=True).stdout.split()
+        out += [int(k) for k in kids]
+        todo += kids
+    return out
+
+
+def kill_whole(p):
+    """SIGKILL of a launcher started in a session of its own and of every process under it:
+    Open MPI puts each rank in a process group of its own, so a killpg of the launcher's group
+    alone would leave the ranks running (a stopped one for good)."""
+    for pid in [p.pid] + descendants(p.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def show_stuck(p, what):
+    """What the processes under a launcher that ran past its time are doing: their state and
+    kernel wait, and where vitgrid's threads are (gdb, where there is one)."""
+    pids = [p.pid] + descendants(p.pid)
+    print(f"{what}: still running after its time:")
+    print(subprocess.run(["ps", "-o", "pid,ppid,pgid,stat,wchan:24,etime,args", "-p",
+                          ",".join(map(str, pids))], capture_output=True, text=True).stdout)
+    if shutil.which("gdb"):
+        for pid in pids:
+            try:
+                if "vitgrid" not in os.readlink(f"/proc/{pid}/exe"):
+                    continue
+            except OSError:
+                continue
+            try:
+                bt = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex",
+                                     "thread apply all bt 12"],
+                                    capture_output=True, text=True, timeout=60).stdout
+            except subprocess.TimeoutExpired:
+                bt = "#  (gdb did not answer within 60 s)"
+            print(f"--- {pid}\n" + "\n".join(l for l in bt.splitlines() if l.startswith(("#", "Thread"))))
+
+
+def start_launcher(cmd, env=None):
+    """Starts `cmd` (mpirun, a job script) in a session of its own, its merged output read line
+    by line by a thread into p.vg_lines, so that every wait on it has a deadline (launch_until_step,
+    finish)."""
     p = subprocess.Popen(cmd, env=dict(ENV, **(env or {})), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    seen = []
-    for line in p.stdout:
-        seen.append(line)
-        m = re.match(r"step\s+(\d+)/", line)
-        if m and int(m.group(1)) >= step:
-            break
-    return p, seen
+    p.vg_lines, p.vg_cmd, p.vg_cv = [], cmd, threading.Condition()
+
+    def read():
+        for line in p.stdout:
+            with p.vg_cv:
+                p.vg_lines.append(line)
+                p.vg_cv.notify_all()
+        with p.vg_cv:
+            p.vg_lines.append(None)  # end of the output
+            p.vg_cv.notify_all()
+
+    p.vg_reader = threading.Thread(target=read, daemon=True)
+    p.vg_reader.start()
+    return p
 
 
-def finish(p, seen, timeout):
-    """Waits for a process started in a session of its own (launch_until_step, run_bounded), `seen`
-    the lines already read: (exit code, or None when it ran past `timeout` and was killed whole,
-    output)."""
+def launch_until_step(cmd, step, env=None, timeout=180):
+    """Starts `cmd` (a launcher of vitgrid training with --run.log_every=1) and returns the
+    process once its log reached `step`; a run that ends or runs `timeout` seconds without
+    reaching it is killed whole and the test ends there (AssertionError)."""
+    p = start_launcher(cmd, env)
+    deadline = time.time() + timeout
+
+    def reached():
+        for line in p.vg_lines:
+            if line is None:
+                return True
+            m = re.match(r"step\s+(\d+)/", line)
+            if m and int(m.group(1)) >= step:
+                return True
+        return False
+
+    with p.vg_cv:
+        while not reached() and time.time() < deadline:
+            p.vg_cv.wait(timeout=1.0)
+        ended = None in p.vg_lines
+        ok = reached() and not ended
+    if not ok:
+        if not ended:
+            show_stuck(p, " ".join(map(str, cmd[:6])))
+        kill_whole(p)
+        tail = "".join(l for l in p.vg_lines if l)[-2000:]
+        raise AssertionError(f"{' '.join(map(str, cmd))}: {'ended' if ended else 'ran ' + str(timeout) + ' s'}"
+                             f" before step {step}:\n{tail}")
+    return p
+
+
+def finish(p, timeout):
+    """Waits for a process of start_launcher or launch_until_step: (exit code, or None when it
+    ran past `timeout` and was killed whole, the output)."""
+    rc = None
     try:
-        out, _ = p.communicate(timeout=timeout)
-        return p.returncode, "".join(seen) + out
+        rc = p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        return None, "".join(seen) + out
+        show_stuck(p, " ".join(map(str, p.vg_cmd[:6])))
+        kill_whole(p)
+        p.wait(timeout=60)
+    # the output ends once the last process that holds it has
+    p.vg_reader.join(timeout=30)
+    return rc, "".join(l for l in p.vg_lines if l)
 
 
 def t_signals(tmp):
@@ -706,7 +787,8 @@ def t_signals(tmp):
       a checkpoint that takes seconds to write (delays injected before every MPI call): the
       checkpoint is complete, no .tmp is left, and the run resumes bit for bit.
     - kill -STOP of one rank: within device.comm_timeout the others name the call they wait in
-      and end the job (non-zero exit), instead of waiting for good.
+      and end the job (non-zero exit), instead of waiting for good; also when MPI_Abort never
+      returns.
     - SIGTERM to a process with no training loop (bench) ends it as the signal's default action
       (the preemption signals are taken by one thread of their own)."""
     # The interrupted runs are long (still running whenever the signal comes) with a constant
@@ -746,10 +828,10 @@ def t_signals(tmp):
     # SIGTERM to the launch script
     d = os.path.join(tmp, "script")
     launcher = os.path.join(os.path.dirname(os.path.dirname(HERE)), "jobs", "mpirun.sh")
-    p, seen = launch_until_step(["bash", launcher, DECK, "2", f"--run.out_dir={d}",
+    p = launch_until_step(["bash", launcher, DECK, "2", f"--run.out_dir={d}",
                                  "--checkpoint.every_steps=0"] + long_run, 8)
     p.send_signal(signal.SIGTERM)
-    rc, out = finish(p, seen, 120)
+    rc, out = finish(p, 120)
     check(rc == 3 and "preempted (signal" in out, f"SIGTERM to jobs/mpirun.sh: exit {rc} == 3, preempted")
     ck = os.listdir(os.path.join(d, "checkpoints"))
     check(len(ck) == 1 and ck[0].endswith(".h5"), f"SIGTERM to jobs/mpirun.sh: one checkpoint, nothing else: {ck}")
@@ -775,9 +857,9 @@ def t_signals(tmp):
         cmd = ["mpirun", "-np", "2", "--oversubscribe", "-x", f"LD_PRELOAD={lib}", "-x",
                "VG_MPI_DELAY_P", "-x", "VG_MPI_DELAY_US", "-x", "VG_MPI_LAZY_SENDS", VITGRID,
                "train", DECK, f"--run.out_dir={d}"] + long_run + flags
-        p, seen = launch_until_step(cmd, 6, dict(slow, **extra_env))
+        p = launch_until_step(cmd, 6, dict(slow, **extra_env))
         p.send_signal(signal.SIGTERM)
-        rc, out = finish(p, seen, 120)
+        rc, out = finish(p, 120)
         done = complete_checkpoints(d)
         if extra_env:
             check(rc is not None and "preempted (signal 15)" in out and len(done) >= 1 and
@@ -793,25 +875,23 @@ def t_signals(tmp):
     d = os.path.join(tmp, "one_rank")
     cmd = ["mpirun", "-np", "2", "--oversubscribe", VITGRID, "train", DECK,
            f"--run.out_dir={d}", "--checkpoint.every_steps=0"] + long_run
-    p, seen = launch_until_step(cmd, 5)
+    p = launch_until_step(cmd, 5)
     ranks = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
     rank1 = [r for r in ranks if "OMPI_COMM_WORLD_RANK=1" in
              open(f"/proc/{r}/environ", "rb").read().decode(errors="replace").replace("\0", " ")]
     check(len(rank1) == 1, f"found rank 1's process among {ranks}")
     if rank1:
         os.kill(int(rank1[0]), signal.SIGUSR1)
-    rc, out = finish(p, seen, 120)
+    rc, out = finish(p, 120)
     check(rc == 3 and "preempted (signal 10)" in out,
           f"SIGUSR1 to rank 1 alone: exit {rc} == 3, the log names signal 10")
 
     # outside a training loop (bench has none) SIGTERM ends a rank as its default action does:
     # the signal thread does not swallow it
-    p = subprocess.Popen([VITGRID, "bench", DECK, "--warmup=0", "--steps=100000"], env=ENV,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
+    p = start_launcher([VITGRID, "bench", DECK, "--warmup=0", "--steps=100000"])
     time.sleep(3)
     p.send_signal(signal.SIGTERM)
-    rc, _ = finish(p, [], 60)
+    rc, _ = finish(p, 60)
     check(rc == -signal.SIGTERM, f"SIGTERM to vitgrid bench: ended by the signal (exit {rc})")
 
     # a frozen rank, stopped at three moments (the survivor waits in a different call each time)
@@ -820,18 +900,36 @@ def t_signals(tmp):
         cmd = ["mpirun", "-np", "2", "--oversubscribe", VITGRID, "train", DECK, f"--run.out_dir={d}",
                "--run.steps=1000000", "--run.log_every=1", "--run.eval_every=0",
                "--checkpoint.every_steps=0", "--device.comm_timeout=5"]
-        p, seen = launch_until_step(cmd, at)
+        p = launch_until_step(cmd, at)
         ranks = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
         check(len(ranks) == 2, f"two rank processes under mpirun: {ranks}")
         t0 = time.time()
         if ranks:
             os.kill(int(ranks[-1]), signal.SIGSTOP)
-        rc, out = finish(p, seen, 90)
+        rc, out = finish(p, 90)
         took = time.time() - t0
         line = [l for l in out.splitlines() if "has waited" in l]
         check(rc not in (None, 0) and bool(line) and "stopped responding" in line[0],
               f"kill -STOP of a rank after step {at}: the job ends (exit {rc}) after {took:.0f} s, "
               f"naming the call: {line[0][15:] if line else '(no watchdog line)'}")
+
+    # the same with an MPI_Abort that never returns (the test hooks' stand-in for an MPI whose
+    # abort waits on the stopped peer): the watchdog's rank ends itself, and with it the job
+    d = os.path.join(tmp, "frozen_abort")
+    cmd = ["mpirun", "-np", "2", "--oversubscribe", "-x", f"LD_PRELOAD={hooks_lib()}", "-x",
+           "VITGRID_TEST_ABORT_HANGS", VITGRID, "train", DECK, f"--run.out_dir={d}",
+           "--run.steps=1000000", "--run.log_every=1", "--run.eval_every=0",
+           "--checkpoint.every_steps=0", "--device.comm_timeout=5"]
+    p = launch_until_step(cmd, 5, {"VITGRID_TEST_ABORT_HANGS": "1"})
+    ranks = descendants(p.pid)
+    t0 = time.time()
+    if ranks:
+        os.kill(ranks[-1], signal.SIGSTOP)
+    rc, out = finish(p, 90)
+    took = time.time() - t0
+    check(rc not in (None, 0) and "stopped responding" in out,
+          f"kill -STOP of a rank, MPI_Abort never returning: the job ends (exit {rc}) after "
+          f"{took:.0f} s")
 
 
 def fill_disk(path):
@@ -1116,9 +1214,7 @@ def run_bounded(np_, args, timeout=60):
     """mpirun of vitgrid in a process group of its own, killed whole on timeout (a rank blocked
     on a FIFO must not outlive the test). Returns (exit code or None on timeout, output)."""
     cmd = ["mpirun", "-np", str(np_), "--oversubscribe", VITGRID] + args
-    p = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
-    return finish(p, [], timeout)
+    return finish(start_launcher(cmd), timeout)
 
 
 def refused(what, rc, out, names):
@@ -2230,6 +2326,8 @@ def t_gpu_tune_agreement(tmp):
 
 
 def main():
+    # line by line, so that a test ended by ctest's timeout shows how far it got
+    sys.stdout.reconfigure(line_buffering=True)
     name = sys.argv[1]
     fn = globals()["t_" + name]
     tmp = tempfile.mkdtemp(prefix=f"vg_{name}_")  # noqa: S108

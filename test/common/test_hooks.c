@@ -7,12 +7,16 @@
  *   VITGRID_TEST_METRICS_NO_RESERVE=1   MetricsWriter does not reserve room before a write
  *   VITGRID_TEST_CKPT_DELAY_MS=n        write_checkpoint sleeps n ms before each tensor
  *   VITGRID_TEST_LOADER_DELAY_MS=n      the data loader sleeps n ms before each training batch
+ *   VITGRID_TEST_ABORT_HANGS=1          MPI_Abort never returns and ends nothing (an MPI whose
+ *                                       abort waits for good on a stopped peer)
  * In a process without the struct (mpirun, a shell) it does nothing. The product itself never
  * reads these variables. Never linked into vitgrid. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "vitgrid/core/test_hooks.h"
 
@@ -52,4 +56,14 @@ __attribute__((constructor)) static void vg_test_hooks_init(void) {
   if (v && *v) h->checkpoint_tensor_delay_ms = atoi(v);
   v = getenv("VITGRID_TEST_LOADER_DELAY_MS");
   if (v && *v) h->loader_batch_delay_ms = atoi(v);
+}
+
+/* Interposes the MPI's own MPI_Abort (this library is preloaded, so the executable's calls
+ * reach it first); without VITGRID_TEST_ABORT_HANGS it is the MPI's. */
+int MPI_Abort(MPI_Comm comm, int code) {
+  const char* v = getenv("VITGRID_TEST_ABORT_HANGS");
+  if (v && *v == '1')
+    for (;;) sleep(1000);
+  int (*next)(MPI_Comm, int) = (int (*)(MPI_Comm, int))dlsym(RTLD_NEXT, "MPI_Abort");
+  return next(comm, code);
 }

@@ -32,12 +32,20 @@ class UserError : public std::runtime_error {
 // writer: its collectives run on every rank's writer, whatever the main threads do): fail_all
 // runs it first. One slot; an empty function clears it.
 void set_before_finalize(std::function<void()> f);
+// Starts a thread that exits the process with `code` after grace_s seconds (saying so): the
+// deadline of an end of the job that may block.
+void exit_after(double grace_s, int code);
+// Ends the job from this rank: MPI_Abort, a request to the launcher to end every rank, which an
+// MPI can leave unanswered while a peer is stopped or lost; should it not have ended this
+// process within grace_s, the process exits with `code` itself, and the launcher ends the other
+// ranks as for any rank gone without MPI_Finalize. (From a thread other than the one inside
+// MPI, only with MPI_THREAD_MULTIPLE.)
+[[noreturn]] void abort_job(int code, double grace_s = 10.0);
 [[noreturn]] void fail_one(const char* file, int line, const std::string& msg);
 // fail_one for a rank that must first release something that can block (NCCL communicators
 // whose kernels wait on a dead or diverged peer: ncclCommAbort, and MPI_Abort after it, may not
-// return). Prints the message, starts a reaper thread that exits the process with status 1
-// after grace_s seconds (the launcher then brings the other ranks down), runs `cleanup`, then
-// MPI_Abort. The job ends within grace_s whatever blocks.
+// return). Prints the message, starts exit_after(grace_s, 1), runs `cleanup`, then MPI_Abort.
+// The job ends within grace_s whatever blocks.
 [[noreturn]] void fail_one_with_cleanup(const char* file, int line, const std::string& msg,
                                         const std::function<void()>& cleanup, double grace_s);
 

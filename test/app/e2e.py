@@ -740,27 +740,27 @@ def launch_until_step(cmd, step, env=None, timeout=180):
     p = start_launcher(cmd, env)
     deadline = time.time() + timeout
 
-    def reached():
+    def seen():  # "step" once the log reached it, "ended" when the output ended first
         for line in p.vg_lines:
             if line is None:
-                return True
+                return "ended"
             m = re.match(r"step\s+(\d+)/", line)
             if m and int(m.group(1)) >= step:
-                return True
-        return False
+                return "step"
+        return None
 
     with p.vg_cv:
-        while not reached() and time.time() < deadline:
+        while seen() is None and time.time() < deadline:
             p.vg_cv.wait(timeout=1.0)
-        ended = None in p.vg_lines
-        ok = reached() and not ended
-    if not ok:
+        got = seen()
+    ended = got == "ended"
+    if got != "step":
         if not ended:
             show_stuck(p, " ".join(map(str, cmd[:6])))
         kill_whole(p)
         tail = "".join(l for l in p.vg_lines if l)[-2000:]
-        raise AssertionError(f"{' '.join(map(str, cmd))}: {'ended' if ended else 'ran ' + str(timeout) + ' s'}"
-                             f" before step {step}:\n{tail}")
+        how = "ended" if ended else f"ran {timeout} s"
+        raise AssertionError(f"{' '.join(map(str, cmd))}: {how} before step {step}:\n{tail}")
     return p
 
 

@@ -599,10 +599,10 @@ def async_checkpoint_checks(tmp, extra):
     # to every rank, as SLURM's --signal=USR1@120 reaches a step's tasks (mpirun's forwarding
     # is e2e_signals'; a launcher set to OMPI_MCA_plm=isolated, as some containers are,
     # catches SIGUSR1 without forwarding it)
-    ranks = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+    ranks = descendants(p.pid)
     check(len(ranks) == 2, f"the two ranks of the run found: {ranks}")
     for r in ranks:
-        os.kill(int(r), signal.SIGUSR1)
+        os.kill(r, signal.SIGUSR1)
     rc, out = finish(p, 120)
     ck = sorted(os.listdir(os.path.join(u, "checkpoints")))
     check(inside and rc == 3, f"SIGUSR1 during a background write: exit {rc} == 3")
@@ -688,11 +688,12 @@ def kill_whole(p):
         pass
 
 
-def show_stuck(p, what):
-    """What the processes under a launcher that ran past its time are doing: their state and
-    kernel wait, and where vitgrid's threads are (gdb, where there is one)."""
+def kill_stuck(p):
+    """kill_whole of a launcher that ran past its time, after printing what its processes are
+    doing: their state and kernel wait, and where vitgrid's threads are (gdb, where there is
+    one)."""
     pids = [p.pid] + descendants(p.pid)
-    print(f"{what}: still running after its time:")
+    print(f"{' '.join(map(str, p.vg_cmd[:6]))}: still running after its time:")
     print(subprocess.run(["ps", "-o", "pid,ppid,pgid,stat,wchan:24,etime,args", "-p",
                           ",".join(map(str, pids))], capture_output=True, text=True).stdout)
     if shutil.which("gdb"):
@@ -709,6 +710,7 @@ def show_stuck(p, what):
             except subprocess.TimeoutExpired:
                 bt = "#  (gdb did not answer within 60 s)"
             print(f"--- {pid}\n" + "\n".join(l for l in bt.splitlines() if l.startswith(("#", "Thread"))))
+    kill_whole(p)
 
 
 def start_launcher(cmd, env=None):
@@ -755,9 +757,7 @@ def launch_until_step(cmd, step, env=None, timeout=180):
         got = seen()
     ended = got == "ended"
     if got != "step":
-        if not ended:
-            show_stuck(p, " ".join(map(str, cmd[:6])))
-        kill_whole(p)
+        (kill_whole if ended else kill_stuck)(p)
         tail = "".join(l for l in p.vg_lines if l)[-2000:]
         how = "ended" if ended else f"ran {timeout} s"
         raise AssertionError(f"{' '.join(map(str, cmd))}: {how} before step {step}:\n{tail}")
@@ -771,8 +771,7 @@ def finish(p, timeout):
     try:
         rc = p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        show_stuck(p, " ".join(map(str, p.vg_cmd[:6])))
-        kill_whole(p)
+        kill_stuck(p)
         p.wait(timeout=60)
     # the output ends once the last process that holds it has
     p.vg_reader.join(timeout=30)
@@ -876,12 +875,12 @@ def t_signals(tmp):
     cmd = ["mpirun", "-np", "2", "--oversubscribe", VITGRID, "train", DECK,
            f"--run.out_dir={d}", "--checkpoint.every_steps=0"] + long_run
     p = launch_until_step(cmd, 5)
-    ranks = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+    ranks = descendants(p.pid)
     rank1 = [r for r in ranks if "OMPI_COMM_WORLD_RANK=1" in
              open(f"/proc/{r}/environ", "rb").read().decode(errors="replace").replace("\0", " ")]
     check(len(rank1) == 1, f"found rank 1's process among {ranks}")
     if rank1:
-        os.kill(int(rank1[0]), signal.SIGUSR1)
+        os.kill(rank1[0], signal.SIGUSR1)
     rc, out = finish(p, 120)
     check(rc == 3 and "preempted (signal 10)" in out,
           f"SIGUSR1 to rank 1 alone: exit {rc} == 3, the log names signal 10")
@@ -901,11 +900,11 @@ def t_signals(tmp):
                "--run.steps=1000000", "--run.log_every=1", "--run.eval_every=0",
                "--checkpoint.every_steps=0", "--device.comm_timeout=5"]
         p = launch_until_step(cmd, at)
-        ranks = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+        ranks = descendants(p.pid)
         check(len(ranks) == 2, f"two rank processes under mpirun: {ranks}")
         t0 = time.time()
         if ranks:
-            os.kill(int(ranks[-1]), signal.SIGSTOP)
+            os.kill(ranks[-1], signal.SIGSTOP)
         rc, out = finish(p, 90)
         took = time.time() - t0
         line = [l for l in out.splitlines() if "has waited" in l]

@@ -107,6 +107,7 @@ void Run::setup(bool training) {
     bo.fused_gelu_backward_config = deck.device.fused_gelu_backward_config;
     bo.tuning_log = deck.device.tuning_log;
     bo.fp8_fast_accum = deck.precision.fp8_fast_accum;
+    bo.fp8_fast_accum_dgrad = deck.precision.fp8_fast_accum_dgrad;
     be = make_backend(kind, grid->local_rank(), act_dtype_of(deck.precision.mode), bo);
   });
 #ifdef VITGRID_HAVE_CUDA
@@ -128,8 +129,14 @@ void Run::setup(bool training) {
   if (kind == "cpu" && deck.precision.mode != "fp32" && deck.precision.mode != "tf32")
     how = ", 16-bit storage emulated on the CPU";
   else if (fp8)
-    how = deck.precision.fp8_fast_accum
+    how = deck.precision.fp8_fast_accum && deck.precision.fp8_fast_accum_dgrad
+              ? ", the forward's and the data gradients' FP8 GEMMs accumulating unpromoted "
+                "(precision.fp8_fast_accum, fp8_fast_accum_dgrad)"
+          : deck.precision.fp8_fast_accum
               ? ", the forward's FP8 GEMMs accumulating unpromoted (precision.fp8_fast_accum)"
+          : deck.precision.fp8_fast_accum_dgrad
+              ? ", the data gradients' FP8 GEMMs accumulating unpromoted "
+                "(precision.fp8_fast_accum_dgrad)"
               : ", every FP8 GEMM's sums promoted to fp32";
   log("backend %s, precision %s%s\n", be->name().c_str(), deck.precision.mode.c_str(),
       how.c_str());

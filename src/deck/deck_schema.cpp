@@ -184,7 +184,13 @@ const std::vector<Field>& schema() {
                "fp8 on GPUs: the forward's GEMMs (E4M3 x E4M3) accumulate in the tensor cores "
                "alone (cuBLASLt's FAST_ACCUM, as Transformer Engine's and torchao's forward "
                "GEMMs do), not promoted to fp32 every few steps of K; the gradients' GEMMs "
-               "always promote. The CPU's emulation sums exactly either way"),
+               "promote (but see fp8_fast_accum_dgrad). The CPU's emulation sums exactly "
+               "either way"),
+      VG_FIELD(precision, fp8_fast_accum_dgrad, "",
+               "fp8 on GPUs: the data gradients' GEMMs (dx = dy W, E5M2 x E4M3, K = the "
+               "Linear's output width) accumulate in the tensor cores alone as well; off in "
+               "Transformer Engine's and torchao's recipes. The weight gradients' GEMMs (K = "
+               "the tokens of the micro-batch) always promote"),
       VG_FIELD(precision, initial_scale, "", "fp16 initial loss scale"),
       VG_FIELD(precision, growth_interval, "",
                "fp16 steps without overflow before the scale grows"),

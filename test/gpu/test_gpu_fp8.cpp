@@ -385,32 +385,36 @@ TEST_P(GpuFp8, GemmActOutputWithinTheAccumulatorsBound) {
     const std::vector<uint8_t> B = random_codes(size_t(c.N) * c.K, c.fb, 64.0f);
     const Vec bias = rnd(c.N, 50.0f);
     const float sa = 1.0f / 224.0f, sb = 1.0f / 8.0f;
-    Vec D[3];
+    Vec D[4];
     Dev cpu_dt(make_backend("cpu", 0, dt));  // the reference rounds to the GPU's act dtype
-    BackendOptions fast;
+    BackendOptions fast, fast_dgrad;
     fast.fp8_fast_accum = true;
+    fast_dgrad.fp8_fast_accum_dgrad = true;
     Dev gpu_fast(make_cuda_backend(0, dt, fast));
-    Dev* devs[3] = {&cpu_dt, gpu.get(), &gpu_fast};
-    for (int k = 0; k < 3; ++k) {
+    Dev gpu_fast_dgrad(make_cuda_backend(0, dt, fast_dgrad));
+    Dev* devs[4] = {&cpu_dt, gpu.get(), &gpu_fast, &gpu_fast_dgrad};
+    for (int k = 0; k < 4; ++k) {
       Dev& e = *devs[k];
       void* out = e.nan_act(size_t(c.M) * c.N);
       e.be->fp8_gemm(out, false, 0.0f, bytes(e, A), c.fa, e.f32(Vec{sa}), bytes(e, B), c.fb,
                      e.f32(Vec{sb}), c.M, c.N, c.K, c.bias ? e.act(bias) : nullptr);
       D[k] = e.get_act(out, size_t(c.M) * c.N);
     }
-    // fast accumulation applies to E4M3 x E4M3 only (the forward's GEMMs): the others the same
+    // fp8_fast_accum applies to E4M3 x E4M3 only (the forward's GEMMs), fp8_fast_accum_dgrad
+    // to the others (an E5M2 operand: the data gradients): each leaves the other kind the same
     // bits as without it
     const bool forward = c.fa == Fp8Format::E4M3 && c.fb == Fp8Format::E4M3;
-    if (!forward) {
-      EXPECT_EQ(0, std::memcmp(D[1].data(), D[2].data(), D[1].size() * 4));
-    }
+    const int fast_g = forward ? 2 : 3, other_g = forward ? 3 : 2;
+    EXPECT_EQ(0, std::memcmp(D[1].data(), D[other_g].data(), D[1].size() * 4))
+        << (forward ? "fp8_fast_accum_dgrad changed a forward GEMM"
+                    : "fp8_fast_accum changed a gradient's GEMM");
     // the bound of each element: one ulp of the output format, plus the tensor cores' FP8
     // accumulation, 2^-10 of the sum of |products| (their accumulator keeps ~14 bits between
     // cuBLASLt's promotions to fp32; beyond the ulp, 2^-12 was the largest seen on an H100);
     // with fast accumulation (no promotion over all of K <= 1024) 2^-7 (DeepSeek-V3 reports
     // ~2% at K = 4096 for the ~14-bit accumulator alone: ~2^-8 at K = 784)
-    for (int g = 1; g < (forward ? 3 : 2); ++g) {  // the GPU without, then with fast accumulation
-      const double bound = g == 2 ? -7 : -10;
+    for (int g : {1, fast_g}) {  // the GPU without, then with fast accumulation
+      const double bound = g == fast_g ? -7 : -10;
       size_t worst = 0;
       double worst_ratio = 0, worst_acc = 0;
       for (int i = 0; i < c.M; ++i) {
@@ -428,13 +432,13 @@ TEST_P(GpuFp8, GemmActOutputWithinTheAccumulatorsBound) {
           if (abs_sum > 0) worst_acc = std::max(worst_acc, std::max(0.0, diff - u) / abs_sum);
         }
       }
-      EXPECT_LE(worst_ratio, 1.0) << (g == 2 ? "fast accumulation, " : "") << "element " << worst
+      EXPECT_LE(worst_ratio, 1.0) << (g == fast_g ? "fast accumulation, " : "") << "element " << worst
                                   << ": gpu " << D[g][worst] << " cpu " << D[0][worst];
       std::printf(
           "  %dx%dx%d %s x %s%s: largest difference beyond one ulp: 2^%.1f of the sum of "
           "|products|\n",
           c.M, c.N, c.K, fp8_format_name(c.fa), fp8_format_name(c.fb),
-          g == 2 ? ", fast accumulation" : "", worst_acc > 0 ? std::log2(worst_acc) : -INFINITY);
+          g == fast_g ? ", fast accumulation" : "", worst_acc > 0 ? std::log2(worst_acc) : -INFINITY);
     }
   }
 }
@@ -444,9 +448,12 @@ TEST_P(GpuFp8, GemmWeightGradientAccumulatesInFp32) {
   const std::vector<uint8_t> A = random_codes(size_t(M) * K, Fp8Format::E5M2, 1024.0f);
   const std::vector<uint8_t> B = random_codes(size_t(N) * K, Fp8Format::E4M3, 448.0f);
   const Vec D0 = rnd(size_t(M) * N, 1000.0f);
-  Vec D[2];
-  Dev* devs[2] = {cpu.get(), gpu.get()};
-  for (int k = 0; k < 2; ++k) {
+  Vec D[3];
+  BackendOptions fast;  // never applies to a weight gradient (fp32 D, K = tokens)
+  fast.fp8_fast_accum = fast.fp8_fast_accum_dgrad = true;
+  Dev gpu_fast(make_cuda_backend(0, dt, fast));
+  Dev* devs[3] = {cpu.get(), gpu.get(), &gpu_fast};
+  for (int k = 0; k < 3; ++k) {
     Dev& d = *devs[k];
     float* out = d.f32(D0);
     for (int rep = 0; rep < 2; ++rep)  // two micro-batches
@@ -455,6 +462,8 @@ TEST_P(GpuFp8, GemmWeightGradientAccumulatesInFp32) {
     D[k] = d.get_f32(out, size_t(M) * N);
   }
   EXPECT_CLOSE(D[1], D[0], 1e-5);
+  EXPECT_EQ(0, std::memcmp(D[1].data(), D[2].data(), D[1].size() * 4))
+      << "fast accumulation changed a weight gradient's GEMM";
   // and it did accumulate: far from the initial values
   EXPECT_GT(rel_l2(D[0], D0), 1e-2);
 }

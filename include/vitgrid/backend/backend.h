@@ -525,7 +525,8 @@ class Fp8Ops {
   // D[M,N] = (A[M,K] B[N,K]^T) * a_scale_inv[0] * b_scale_inv[0] + beta D: both operands
   // K-contiguous (the form Hopper's FP8 tensor cores take; a Linear's transposed operands come
   // from fp8_cast's out_t), not both E5M2; fp32 sums (on GPUs, E4M3 x E4M3 under
-  // BackendOptions::fp8_fast_accum: the tensor cores' accumulator alone); the scale_inv
+  // BackendOptions::fp8_fast_accum, a data gradient (an E5M2 operand, act D) under
+  // fp8_fast_accum_dgrad: the tensor cores' accumulator alone); the scale_inv
   // pointers 16-byte aligned (cuBLASLt refuses others). D is act dtype (beta 0), or fp32 where
   // d_f32 (a weight gradient: beta 1 accumulates). bias[N] (act dtype, act D only) may be null.
   virtual void fp8_gemm(void* D, bool d_f32, float beta, const uint8_t* A, Fp8Format fa,
@@ -574,6 +575,8 @@ struct BackendOptions {
   int fused_gelu_backward_config = -1;  // device.fused_gelu_backward_config (-1: chosen)
   bool tuning_log = false;              // device.tuning_log: each tuned choice to stderr
   bool fp8_fast_accum = false;  // precision.fp8_fast_accum: E4M3 x E4M3 fp8_gemm unpromoted
+  bool fp8_fast_accum_dgrad = false;  // precision.fp8_fast_accum_dgrad: fp8_gemm with an
+                                      // E5M2 operand and an act-dtype D unpromoted
 };
 
 // Factory: "cpu" always; "cuda" when built with CUDA (throws UserError otherwise).

@@ -119,6 +119,7 @@ struct PrecisionSection {
   int fp8_margin = 0;
   std::string fp8_amax_compute = "max";  // max | most_recent
   bool fp8_fast_accum = true;  // the forward's FP8 GEMMs without promoted accumulation
+  bool fp8_fast_accum_dgrad = false;  // the data gradients' FP8 GEMMs the same
 };
 
 struct CheckpointSection {

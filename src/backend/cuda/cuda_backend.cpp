@@ -55,6 +55,7 @@ CudaBackend::CudaBackend(int device, DType act, const BackendOptions& opts)
       tf32_(opts.allow_tf32 && act == DType::F32),
       gemm_tune_(std::max(1, std::min(opts.gemm_tune, kMaxGemmTune))),
       fp8_fast_accum_(opts.fp8_fast_accum),
+      fp8_fast_accum_dgrad_(opts.fp8_fast_accum_dgrad),
       gemm_tune_log_(opts.tuning_log),
       deterministic_(opts.deterministic),
       attention_mode_(checked_attention_mode(opts.attention)) {

@@ -274,7 +274,8 @@ class CudaBackend final : public Backend {
   DType act_;
   bool tf32_;
   int gemm_tune_;  // GEMM candidates timed per new shape (1: the heuristic's first, untimed)
-  bool fp8_fast_accum_;  // BackendOptions::fp8_fast_accum
+  bool fp8_fast_accum_;        // BackendOptions::fp8_fast_accum
+  bool fp8_fast_accum_dgrad_;  // BackendOptions::fp8_fast_accum_dgrad
   bool gemm_tune_log_;          // BackendOptions::tuning_log: every tuned choice to stderr
   ReplicaMax tune_agree_;       // set_tune_agreement: timed choices on the worst replica's times
   bool deterministic_;  // false: attention's backward may use atomics (cuDNN)

@@ -323,8 +323,10 @@ bool CudaBackend::matmul(const GemmSpec& s, bool allow_unsupported) {
 // D[M,N] = (A[M,K] B[N,K]^T) a_scale_inv b_scale_inv + beta D (backend.h Fp8Ops): the row-major
 // y = x W^T form, so the column-major call is "TN", the only one Hopper's FP8 GEMMs take.
 // Sums in fp32 with cuBLASLt's periodic promotion, but for E4M3 x E4M3 (the Linears' forward)
-// under BackendOptions::fp8_fast_accum: CUBLASLT_MATMUL_DESC_FAST_ACCUM, the tensor cores'
-// accumulator alone (Transformer Engine's recipe: fast forward, promoted gradients).
+// under BackendOptions::fp8_fast_accum, and for an E5M2 operand with an act D (the data
+// gradients) under fp8_fast_accum_dgrad: CUBLASLT_MATMUL_DESC_FAST_ACCUM, the tensor cores'
+// accumulator alone (Transformer Engine's recipe: fast forward, promoted gradients). A weight
+// gradient (fp32 D, K = the micro-batch's tokens) always promotes.
 void CudaBackend::fp8_gemm(void* D, bool d_f32, float beta, const uint8_t* A, Fp8Format fa,
                            const float* a_scale_inv, const uint8_t* B, Fp8Format fb,
                            const float* b_scale_inv, int M, int N, int K, const void* bias) {
@@ -353,7 +355,8 @@ void CudaBackend::fp8_gemm(void* D, bool d_f32, float beta, const uint8_t* A, Fp
   s.beta = beta;
   s.bias = bias;
   s.epilogue = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
-  s.fast_accum = fp8_fast_accum_ && fa == Fp8Format::E4M3 && fb == Fp8Format::E4M3;
+  const bool e4m3 = fa == Fp8Format::E4M3 && fb == Fp8Format::E4M3;
+  s.fast_accum = e4m3 ? fp8_fast_accum_ : fp8_fast_accum_dgrad_ && !d_f32;
   matmul(s);
 }
 

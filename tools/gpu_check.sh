@@ -351,7 +351,8 @@ PYEOF
     # from .gpu-deps/ where the node has none), the op profiles of ViT-B/16's step in both, the
     # loss curves of 300 ViT-S/16 steps, and ViT-Lite-7/4 trained 30 epochs on a generated 32 px
     # set of 10 classes in each precision (final top-1). Attention: FP8_ATTENTION (default
-    # cudnn_forward, the faster at T = 197), and ViT-B/16 fp8 with auto beside it
+    # cudnn_forward, the faster at T = 197), and ViT-B/16 fp8 with auto beside it, and with
+    # precision.fp8_fast_accum_dgrad (its 300 ViT-S/16 steps too)
     ATT=--device.attention=${FP8_ATTENTION:-cudnn_forward}
     {
       for m in vit-small/16 vit-base/16 vit-large/16; do
@@ -362,6 +363,9 @@ PYEOF
       done
       mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --precision.mode=fp8 \
         --device.attention=auto --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
+      echo "ViT-B/16 fp8, precision.fp8_fast_accum_dgrad = true:"
+      mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --precision.mode=fp8 $ATT \
+        --precision.fp8_fast_accum_dgrad=true --warmup=5 --steps=20 2>&1 | grep -E "^bench|error"
       if ! "$PY" -c "import torchao" 2>/dev/null && ls .gpu-deps/torchao-*.whl >/dev/null 2>&1; then
         "$PY" -m pip install --no-deps -q .gpu-deps/torchao-*.whl >/dev/null 2>&1
       fi
@@ -382,7 +386,13 @@ PYEOF
           --checkpoint.every_steps=0 --checkpoint.resume=none --data.workers=$CORES \
           --precision.mode=$p --run.out_dir="$D/lite-$p" 2>&1 | grep -E "^eval|rror" | tail -1
       done
+      rm -rf "$D/s16-fp8-dgrad"
+      mpirun -np 1 "$B/bin/vitgrid" train inputs/bench_vit_b16.ini --model.preset=vit-small/16 \
+        --precision.mode=fp8 --precision.fp8_fast_accum_dgrad=true --run.steps=300 \
+        --run.log_every=100 --run.eval_every=0 --device.gemm_tune=0 \
+        --run.out_dir="$D/s16-fp8-dgrad" 2>&1 | grep -E "rror"
       "$PY" tools/compare_losses.py "$D/s16-bf16" "$D/s16-fp8"
+      "$PY" tools/compare_losses.py "$D/s16-bf16" "$D/s16-fp8-dgrad"
     } | tee "$OUT/fp8bench.log"
     ;;
   trace)

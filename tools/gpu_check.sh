@@ -354,6 +354,14 @@ PYEOF
     # cudnn_forward, the faster at T = 197), and ViT-B/16 fp8 with auto beside it, and with
     # precision.fp8_fast_accum_dgrad (its 300 ViT-S/16 steps too)
     ATT=--device.attention=${FP8_ATTENTION:-cudnn_forward}
+    # 300 ViT-S/16 steps into a fresh DIR: s16_steps DIR OVERRIDE...
+    s16_steps() {
+      local dir=$1; shift
+      rm -rf "$dir"
+      mpirun -np 1 "$B/bin/vitgrid" train inputs/bench_vit_b16.ini --model.preset=vit-small/16 \
+        --run.steps=300 --run.log_every=100 --run.eval_every=0 --device.gemm_tune=0 \
+        --run.out_dir="$dir" "$@" 2>&1 | grep -E "rror"
+    }
     {
       for m in vit-small/16 vit-base/16 vit-large/16; do
         for p in bf16 fp8; do
@@ -375,10 +383,7 @@ PYEOF
       for p in bf16 fp8; do
         mpirun -np 1 "$B/bin/vitgrid" bench inputs/bench_vit_b16.ini --precision.mode=$p $ATT --profile 2>&1 \
           | grep -E "^\||^profile"
-        rm -rf "$D/s16-$p"
-        mpirun -np 1 "$B/bin/vitgrid" train inputs/bench_vit_b16.ini --model.preset=vit-small/16 \
-          --precision.mode=$p --run.steps=300 --run.log_every=100 --run.eval_every=0 \
-          --device.gemm_tune=0 --run.out_dir="$D/s16-$p" 2>&1 | grep -E "rror"
+        s16_steps "$D/s16-$p" --precision.mode=$p
         rm -rf "$D/lite-$p"
         mpirun -np 1 --bind-to none "$B/bin/vitgrid" train inputs/cifar10_vit_lite_7_4.ini \
           --data.dataset=synthetic --data.synthetic_train=20000 --data.synthetic_eval=5000 \
@@ -386,11 +391,7 @@ PYEOF
           --checkpoint.every_steps=0 --checkpoint.resume=none --data.workers=$CORES \
           --precision.mode=$p --run.out_dir="$D/lite-$p" 2>&1 | grep -E "^eval|rror" | tail -1
       done
-      rm -rf "$D/s16-fp8-dgrad"
-      mpirun -np 1 "$B/bin/vitgrid" train inputs/bench_vit_b16.ini --model.preset=vit-small/16 \
-        --precision.mode=fp8 --precision.fp8_fast_accum_dgrad=true --run.steps=300 \
-        --run.log_every=100 --run.eval_every=0 --device.gemm_tune=0 \
-        --run.out_dir="$D/s16-fp8-dgrad" 2>&1 | grep -E "rror"
+      s16_steps "$D/s16-fp8-dgrad" --precision.mode=fp8 --precision.fp8_fast_accum_dgrad=true
       "$PY" tools/compare_losses.py "$D/s16-bf16" "$D/s16-fp8"
       "$PY" tools/compare_losses.py "$D/s16-bf16" "$D/s16-fp8-dgrad"
     } | tee "$OUT/fp8bench.log"

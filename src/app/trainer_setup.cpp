@@ -128,16 +128,19 @@ void Run::setup(bool training) {
   std::string how;
   if (kind == "cpu" && deck.precision.mode != "fp32" && deck.precision.mode != "tf32")
     how = ", 16-bit storage emulated on the CPU";
-  else if (fp8)
-    how = deck.precision.fp8_fast_accum && deck.precision.fp8_fast_accum_dgrad
-              ? ", the forward's and the data gradients' FP8 GEMMs accumulating unpromoted "
-                "(precision.fp8_fast_accum, fp8_fast_accum_dgrad)"
-          : deck.precision.fp8_fast_accum
-              ? ", the forward's FP8 GEMMs accumulating unpromoted (precision.fp8_fast_accum)"
-          : deck.precision.fp8_fast_accum_dgrad
-              ? ", the data gradients' FP8 GEMMs accumulating unpromoted "
-                "(precision.fp8_fast_accum_dgrad)"
-              : ", every FP8 GEMM's sums promoted to fp32";
+  else if (fp8) {
+    // which FP8 GEMMs accumulate unpromoted, and the keys that say so
+    const bool fwd = deck.precision.fp8_fast_accum, dgrad = deck.precision.fp8_fast_accum_dgrad;
+    const char* which = fwd && dgrad ? "forward's and the data gradients'"
+                        : fwd        ? "forward's"
+                                     : "data gradients'";
+    const char* keys = fwd && dgrad ? "fp8_fast_accum, fp8_fast_accum_dgrad"
+                       : fwd        ? "fp8_fast_accum"
+                                    : "fp8_fast_accum_dgrad";
+    how = !fwd && !dgrad ? std::string(", every FP8 GEMM's sums promoted to fp32")
+                         : std::string(", the ") + which +
+                               " FP8 GEMMs accumulating unpromoted (precision." + keys + ")";
+  }
   log("backend %s, precision %s%s\n", be->name().c_str(), deck.precision.mode.c_str(),
       how.c_str());
   agreed([&] { tp = make_tensor_parallel(*grid, *be, *coll); });

@@ -432,13 +432,15 @@ TEST_P(GpuFp8, GemmActOutputWithinTheAccumulatorsBound) {
           if (abs_sum > 0) worst_acc = std::max(worst_acc, std::max(0.0, diff - u) / abs_sum);
         }
       }
-      EXPECT_LE(worst_ratio, 1.0) << (g == fast_g ? "fast accumulation, " : "") << "element " << worst
+      EXPECT_LE(worst_ratio, 1.0) << (g == fast_g ? "fast accumulation, " : "") << "element "
+                                  << worst
                                   << ": gpu " << D[g][worst] << " cpu " << D[0][worst];
       std::printf(
           "  %dx%dx%d %s x %s%s: largest difference beyond one ulp: 2^%.1f of the sum of "
           "|products|\n",
           c.M, c.N, c.K, fp8_format_name(c.fa), fp8_format_name(c.fb),
-          g == fast_g ? ", fast accumulation" : "", worst_acc > 0 ? std::log2(worst_acc) : -INFINITY);
+          g == fast_g ? ", fast accumulation" : "",
+          worst_acc > 0 ? std::log2(worst_acc) : -INFINITY);
     }
   }
 }

@@ -82,7 +82,7 @@ void fp8_linear_forward(Backend& be, const Fp8LinearMeta& m, uint8_t* scratch, v
   if (!m.x_cast)
     be.fp8_cast(x8, m.x_t, m.amax_of(M::kX), x, N, in, m.scale_of(M::kX), Fp8Format::E4M3,
                 m.x_gelu);
-  be.fp8_cast(w8, nullptr, m.amax_of(M::kW), W, out, in, m.scale_of(M::kW), Fp8Format::E4M3);
+  be.fp8_cast(w8, m.w_t, m.amax_of(M::kW), W, out, in, m.scale_of(M::kW), Fp8Format::E4M3);
   be.fp8_gemm(y, false, 0.0f, x8, Fp8Format::E4M3, m.scale_inv_of(M::kX), w8, Fp8Format::E4M3,
               m.scale_inv_of(M::kW), N, out, in, b);
   if (gelu_out) be.gelu_forward(gelu_out, y, static_cast<size_t>(N) * out, gelu);
@@ -116,7 +116,12 @@ void fp8_linear_backward(Backend& be, const Fp8LinearMeta& m, uint8_t* scratch, 
     db = nullptr;
   }
   if (dx) {
-    be.fp8_cast(nullptr, w8_t, m.amax_of(M::kW), W, out, in, m.scale_of(M::kW), Fp8Format::E4M3);
+    if (m.w_t) {
+      w8_t = m.w_t;  // the forward's
+    } else {
+      be.fp8_cast(nullptr, w8_t, m.amax_of(M::kW), W, out, in, m.scale_of(M::kW),
+                  Fp8Format::E4M3);
+    }
     be.fp8_gemm(dx, false, 0.0f, dy8, Fp8Format::E5M2, m.scale_inv_of(M::kDy), w8_t,
                 Fp8Format::E4M3, m.scale_inv_of(M::kW), N, in, out, nullptr);
     if (gelu_db) {

@@ -93,6 +93,7 @@ ViT::ViT(const ViTConfig& cfg, Backend& be, TensorParallel& tp, int max_batch,
 
 ViT::~ViT() {
   if (fp8_dev_) be_.release(fp8_dev_);
+  if (fp8_wt_pool_) be_.release(fp8_wt_pool_);
   be_.release(act_pool_);
   if (!compute_alias_) be_.release(compute_);
   be_.release(grads_);

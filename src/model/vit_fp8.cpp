@@ -53,6 +53,24 @@ void ViT::fp8_init() {
                             fp8_linear_scratch_bytes(Ni, at, C),   // proj
                             fp8_linear_scratch_bytes(Ni, C, m),    // fc1
                             fp8_linear_scratch_bytes(Ni, m, C)}));  // fc2
+  // W's transposes, kept from each forward's cast of W for the data gradients: the four
+  // Linears' local [in, out] of every block this rank holds
+  const size_t wt[kFp8Linears] = {size_t(C) * q, size_t(at) * C, size_t(C) * m, size_t(m) * C};
+  const size_t wt_block = wt[0] + wt[1] + wt[2] + wt[3];
+  size_t held = 0;
+  for (int l = 0; l < cfg_.depth; ++l) held += chunk_of_block(l) >= 0 ? 1 : 0;
+  fp8_wt_.assign(cfg_.depth, std::vector<uint8_t*>(kFp8Linears, nullptr));
+  if (held > 0) {
+    fp8_wt_pool_ = be_.alloc(held * wt_block);
+    auto* p = static_cast<uint8_t*>(fp8_wt_pool_);
+    for (int l = 0; l < cfg_.depth; ++l) {
+      if (chunk_of_block(l) < 0) continue;
+      for (int k = 0; k < kFp8Linears; ++k) {
+        fp8_wt_[l][k] = p;
+        p += wt[k];
+      }
+    }
+  }
   std::vector<Fp8Format> formats(static_cast<size_t>(cfg_.depth) * kFp8Linears *
                                  Fp8LinearMeta::kTensors);
   for (size_t i = 0; i < formats.size(); ++i)
@@ -69,7 +87,9 @@ void ViT::fp8_init() {
 
 Fp8LinearMeta ViT::fp8_meta(int l, int linear) const {
   const size_t n = fp8_state_->tensors() * kStride, i = fp8_tensor(l, linear, 0) * kStride;
-  return {fp8_dev_ + i, fp8_dev_ + n + i, fp8_dev_ + 2 * n + i, kStride};
+  Fp8LinearMeta m{fp8_dev_ + i, fp8_dev_ + n + i, fp8_dev_ + 2 * n + i, kStride};
+  m.w_t = fp8_wt_[l][linear];
+  return m;
 }
 
 bool ViT::layernorms_write_fp8() const {

@@ -226,6 +226,44 @@ TEST(Fp8Linear, KeptTransposeIsTheBackwardsCast) {
   for (int k = 0; k < 3; ++k) EXPECT_EQ(L.amax(k), R.amax(k)) << k;
 }
 
+TEST(Fp8Linear, KeptWeightTransposeIsTheBackwardsCast) {
+  // w_t: the forward's cast of W writes W's transpose beside its codes, the data gradient takes
+  // it without casting W (W null in the backward): the codes are W's, transposed, and dx, dW
+  // and the amaxes the same bits as the layer casting W again
+  Layer L, R;
+  std::vector<uint8_t> wt(size_t(kOut) * kIn, 0xAA);
+  Fp8LinearMeta m = L.meta();
+  m.w_t = wt.data();
+  Vec y(size_t(N) * kOut), ry(y.size());
+  vitgrid::fp8_linear_forward(L.be, m, L.scratch.data(), y.data(), L.x.data(), L.W.data(),
+                              L.b.data(), N, kIn, kOut);
+  vitgrid::fp8_linear_forward(R.be, R.meta(), R.scratch.data(), ry.data(), R.x.data(), R.W.data(),
+                              R.b.data(), N, kIn, kOut);
+  EXPECT_EQ(y, ry);
+  const Vec wq = quantized(L.W, L.scale[1], Fp8Format::E4M3);
+  for (int o = 0; o < kOut; ++o)
+    for (int k = 0; k < kIn; ++k)
+      ASSERT_EQ(vitgrid::fp8_decode(wt[size_t(k) * kOut + o], Fp8Format::E4M3),
+                wq[size_t(o) * kIn + k])
+          << o << "," << k;
+  const float w_amax = L.amax(1);
+  EXPECT_EQ(w_amax, amax_of(L.W));
+  Vec dx(size_t(N) * kIn), dW(size_t(kOut) * kIn, 0.25f), rdx = dx, rdW = dW;
+  vitgrid::fp8_linear_backward(L.be, m, L.scratch.data(), dx.data(), dW.data(), nullptr,
+                               L.dy.data(), L.x.data(), nullptr, N, kIn, kOut);
+  vitgrid::fp8_linear_backward(R.be, R.meta(), R.scratch.data(), rdx.data(), rdW.data(), nullptr,
+                               R.dy.data(), R.x.data(), R.W.data(), N, kIn, kOut);
+  EXPECT_EQ(dx, rdx);
+  EXPECT_EQ(dW, rdW);
+  for (int k = 0; k < 3; ++k) EXPECT_EQ(L.amax(k), R.amax(k)) << k;
+  // a transpose that is not W's would show in dx: the backward does read w_t
+  std::fill(wt.begin(), wt.end(), uint8_t{0});
+  Vec zdx(dx.size(), 1.0f);
+  vitgrid::fp8_linear_backward(L.be, m, L.scratch.data(), zdx.data(), nullptr, nullptr,
+                               L.dy.data(), nullptr, nullptr, N, kIn, kOut);
+  EXPECT_EQ(zdx, Vec(dx.size(), 0.0f));
+}
+
 TEST(Fp8Linear, CastInputIsTakenFromTheScratch) {
   // x_cast: x's codes at the scratch's start (and its transpose in x_t), written by whoever
   // produced x with the layer's x scale and amax (the LayerNorm before it); the forward casts

@@ -10,8 +10,8 @@
 //
 // Hopper's FP8 GEMMs take K-contiguous operands with K a multiple of 16: in and out must be
 // multiples of 16, and so must the rows where the weight gradient (whose K they are) is
-// taken. The casts are passes of their own here, but where the meta says otherwise: a GELU
-// applied to x by x's cast (x_gelu), GELU's backward and the bias gradient in dy's (dy_gelu),
+// taken. The casts are passes of their own here, but where the meta says otherwise: W cast
+// once for both its GEMMs (w_t), a GELU applied to x by x's cast (x_gelu), GELU's backward and the bias gradient in dy's (dy_gelu),
 // x cast by the LayerNorm that produced it (x_cast), dy cast by the attention backward that
 // produced it (dy_cast); fusing the casts into the kernels that
 // produce x and dy is what makes FP8 pay (tools/MEASURED.md).
@@ -44,6 +44,10 @@ struct Fp8LinearMeta {
   // forward's cast of x writes it, the weight gradient takes it instead of casting x again
   // (the same scale within a step, so the same codes; x is then not read by the backward).
   uint8_t* x_t = nullptr;
+  // Where W's transpose lives between the forward and the backward ([in, out] codes): the
+  // forward's cast of W writes it beside W's codes (one pass), the data gradient takes it
+  // instead of casting W again (the same weights and scale within a step, so the same codes)
+  uint8_t* w_t = nullptr;
   // x is already cast: its codes are at the start of the forward's scratch and its transpose
   // (where x_t is set) in x_t, with this layer's x scale and amax, as the LayerNorm before the
   // Linear writes them (Fp8Ops::add_layernorm_forward_fp8); the forward casts no x and reads

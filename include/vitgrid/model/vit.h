@@ -340,6 +340,10 @@ class ViT {
   // FP8: the host state, and in backend memory [scales | scale_invs | amaxes] of its tensors
   std::unique_ptr<Fp8ScalingState> fp8_state_;
   float* fp8_dev_ = nullptr;
+  // FP8: W's transposed codes [in, out] of each held block's four Linears (Fp8LinearMeta::w_t:
+  // written by the forward's cast of W, read by the data gradient); null for blocks not held
+  std::vector<std::vector<uint8_t*>> fp8_wt_;
+  void* fp8_wt_pool_ = nullptr;
 };
 
 }  // namespace vitgrid

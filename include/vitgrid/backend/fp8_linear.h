@@ -11,10 +11,10 @@
 // Hopper's FP8 GEMMs take K-contiguous operands with K a multiple of 16: in and out must be
 // multiples of 16, and so must the rows where the weight gradient (whose K they are) is
 // taken. The casts are passes of their own here, but where the meta says otherwise: W cast
-// once for both its GEMMs (w_t), a GELU applied to x by x's cast (x_gelu), GELU's backward and the bias gradient in dy's (dy_gelu),
-// x cast by the LayerNorm that produced it (x_cast), dy cast by the attention backward that
-// produced it (dy_cast); fusing the casts into the kernels that
-// produce x and dy is what makes FP8 pay (tools/MEASURED.md).
+// once for both its GEMMs (w_t), a GELU applied to x by x's cast (x_gelu), GELU's backward
+// and the bias gradient in dy's (dy_gelu), x cast by the LayerNorm that produced it (x_cast),
+// dy cast by the attention backward that produced it (dy_cast); fusing the casts into the
+// kernels that produce x and dy is what makes FP8 pay (tools/MEASURED.md).
 #pragma once
 #include <cstddef>
 #include <cstdint>

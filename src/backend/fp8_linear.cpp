@@ -41,6 +41,17 @@ void Backend::attention_backward_fp8(void* dqkv, uint8_t* out, uint8_t* out_t, f
   fp8_cast_grad(out, out_t, amax, dqkv, rows, cols, scale, f, db, nullptr, Gelu::Exact);
 }
 
+void Backend::layernorm_backward_fp8(void* dx, float* dgamma, float* dbeta, const void* dy,
+                                     const void* x, const void* gamma, const float* mean,
+                                     const float* rstd, int N, int C, float* dsum,
+                                     void* dbranch, RowFactors bf, uint8_t* out, uint8_t* out_t,
+                                     float* amax, const float* scale, Fp8Format f) {
+  OpScope op_scope(*this, "layernorm_backward_fp8");
+  check_fp8_cast_args(out, out_t, amax, N, C, scale);
+  layernorm_backward(dx, dgamma, dbeta, dy, x, gamma, mean, rstd, N, C, dsum, dbranch, bf);
+  fp8_cast(out, out_t, amax, bf.f ? dbranch : dx, N, C, scale, f);
+}
+
 void check_fp8_gemm_args(bool d_f32, float beta, Fp8Format fa, const float* a_scale_inv,
                          Fp8Format fb, const float* b_scale_inv, int M, int N, int K,
                          const void* bias) {

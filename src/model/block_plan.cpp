@@ -367,6 +367,51 @@ std::vector<BlockPlan> compile_chunk_plans(const ChunkSpec& s) {
       }
     }
   }
+  if (s.fp8 && s.fused && s.tp.fp8_layernorm_dy_cast) {
+    // A LayerNorm backward writes the FP8 output gradient (codes, transpose, amax) of the Row
+    // Linear whose output is the residual branch it closes: LN2's proj's in the block, LN1's
+    // the previous block's fc2 (in the chunk, and not checkpointed: a recompute between the
+    // two would use the FP8 scratch). Where the gradient the Linear reads is the one the
+    // LayerNorm leaves (dres, or with row factors its branch) and the LayerNorm sums the
+    // Linear's bias gradient; nothing reads the act-dtype dy in the Linear then.
+    auto fuse = [](Op& ln, Op& lin, bool prev) {
+      if (ln.kind != OpKind::LayerNormBackward || ln.cast_w.valid() ||
+          lin.kind != OpKind::LinearBackward || !lin.fp8 || lin.role != LinearRole::Row ||
+          lin.dy_gelu || lin.dy_cast || lin.db.valid() || lin.gelu != Buf::None ||
+          lin.dsum.valid() || !ln.dsum.valid() ||
+          ln.dsum.prev != prev || ln.dsum.index != lin.w.index + 1 ||
+          lin.dy != (ln.branch != Buf::None ? ln.branch : ln.out))
+        return;
+      ln.cast_w = ParamRef{lin.w.index, prev};
+      ln.in = lin.in;
+      ln.out_w = lin.out_w;  // the Linear's widths (its FP8 scratch's size)
+      lin.dy = Buf::None;
+      lin.dy_cast = true;
+    };
+    // the op after i that is not a Report (the gradient reduction's marker, no kernel)
+    auto after = [](std::vector<Op>& ops, size_t i) -> Op* {
+      for (size_t k = i + 1; k < ops.size(); ++k)
+        if (ops[k].kind != OpKind::Report) return &ops[k];
+      return nullptr;
+    };
+    // the first op of a backward that is not a Need (the parameters' gather marker) or Report
+    auto first = [](std::vector<Op>& ops) -> Op* {
+      for (Op& op : ops)
+        if (op.kind != OpKind::Need && op.kind != OpKind::Report) return &op;
+      return nullptr;
+    };
+    for (int j = 0; j < s.blocks; ++j) {
+      std::vector<Op>& ops = plans[j].backward;
+      for (size_t i = 0; i < ops.size(); ++i) {
+        if (ops[i].kind != OpKind::LayerNormBackward) continue;
+        if (ops[i].norm == 2) {
+          if (Op* lin = after(ops, i)) fuse(ops[i], *lin, false);
+        } else if (j > 0 && !plans[j - 1].checkpointed) {
+          if (Op* lin = first(plans[j - 1].backward)) fuse(ops[i], *lin, true);
+        }
+      }
+    }
+  }
   return plans;
 }
 

@@ -230,6 +230,17 @@ void ViT::run_ops(const std::vector<Op>& ops, int l, const DeviceBatch& in, int6
       case OpKind::LayerNormBackward: {
         const float* m = op.norm == 1 ? b.m1 : b.m2;
         const float* s = op.norm == 1 ? b.s1 : b.s2;
+        if (op.cast_w.valid()) {  // into the FP8 copies of the Row Linear's output gradient
+          VG_CHECK(op.cast_w.index == kProjW || op.cast_w.index == kFc2W,
+                   "a LayerNorm backward casting for param " << int(op.cast_w.index));
+          Fp8LinearMeta prev = fp8_meta(op.cast_w.prev ? l - 1 : l,
+                                        op.cast_w.index == kProjW ? 1 : 3);
+          prev.dy_cast = true;
+          tp_.layernorm_backward_fp8(buf(op.out), G(op.dw), G(op.db), buf(op.dy), buf(op.x),
+                                     W(op.w), m, s, N, C, G(op.dsum), buf(op.branch),
+                                     factors(op.factors), prev, width(op.in), width(op.out_w));
+          break;
+        }
         tp_.layernorm_backward(buf(op.out), G(op.dw), G(op.db), buf(op.dy), buf(op.x), W(op.w),
                                m, s, N, C, G(op.dsum), buf(op.branch), factors(op.factors));
         break;

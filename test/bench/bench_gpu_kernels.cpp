@@ -424,6 +424,50 @@ void BM_LayerNormBackwardKernel(benchmark::State& st) {
   st.SetLabel(ds ? "dx column sums inside" : "");
 }
 
+// The LayerNorm backward whose dx is the output gradient of the FP8 Row Linear before it (LN2
+// for proj, LN1 for the previous block's fc2), ViT-B/16's rows, bf16, with the bias sums (dsum)
+// and E5M2 codes, their transpose and amax: arg fused 0 the LayerNorm backward then the cast
+// (Backend's two ops), 1 the fused kernel writing the codes (layernorm_backward_fp8). Random
+// values (fill_random_bf16). GB: dy, x, dx read, dx written, the codes and their transpose.
+void BM_LayerNormBackwardFp8(benchmark::State& st) {
+  if (cuda_device_count() == 0) return st.SkipWithError("no CUDA device");
+  const bool fused = st.range(0) != 0;
+  Backend& be = gpu();
+  const size_t a = be.act_size(), nc = size_t(kN) * kC;
+  Bufs b(be);
+  void *dx = b.get(nc * a), *dy = b.get(nc * a), *x = b.get(nc * a), *g = b.get(kC * a);
+  float* mean = static_cast<float*>(b.get(kN * 4));
+  float* rstd = static_cast<float*>(b.get(kN * 4));
+  float* dg = static_cast<float*>(b.get(kC * 4));
+  float* dbt = static_cast<float*>(b.get(kC * 4));
+  float* dsum = static_cast<float*>(b.get(kC * 4));
+  auto* out = static_cast<uint8_t*>(b.get(nc));
+  auto* out_t = static_cast<uint8_t*>(b.get(nc));
+  const float one[4] = {1.0f, 0, 0, 0};
+  auto* scale = static_cast<float*>(b.get(sizeof one));
+  be.copy_to_device(scale, one, sizeof one);
+  auto* amax = static_cast<float*>(b.get(16));
+  fill_random_bf16(dy, nc, 1.0f, 1);
+  fill_random_bf16(x, nc, 1.0f, 2);
+  fill_random_bf16(g, kC, 1.0f, 3);
+  be.add_layernorm_forward(dx, b.get(nc * a), mean, rstd, x, nullptr, g, g, kN, kC, 1e-6f);
+  fill_random_bf16(dx, nc, 0.01f, 4);  // (small: the repeated updates stay finite)
+  timed(
+      st,
+      [&] {
+        if (fused)
+          be.layernorm_backward_fp8(dx, dg, dbt, dy, x, g, mean, rstd, kN, kC, dsum, nullptr, {},
+                                    out, out_t, amax, scale, Fp8Format::E5M2);
+        else
+          be.Backend::layernorm_backward_fp8(dx, dg, dbt, dy, x, g, mean, rstd, kN, kC, dsum,
+                                             nullptr, {}, out, out_t, amax, scale,
+                                             Fp8Format::E5M2);
+      },
+      [&] { be.synchronize(); });
+  st.counters["GB"] = benchmark::Counter((4.0 * a + 2.0) * nc * 1e-9,
+                                           benchmark::Counter::kIsIterationInvariantRate);
+}
+
 // LayerNorm on wide rows (the block-per-row kernels past the warp-per-row kernels' reach; the
 // A/B switch against the earlier paths is gone: git history), bf16,
 // 6304 x 4096 elements in all (the large ViT's rows of 32 images in 1d tensor
@@ -886,6 +930,12 @@ BENCHMARK(BM_LayerNormBackward)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LayerNormBackwardKernel)
     ->ArgNames({"C", "dsum"})
     ->ArgsProduct({{kC, 384, 1024}, {0, 1}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_LayerNormBackwardFp8)
+    ->ArgName("fused")
+    ->Arg(0)
+    ->Arg(1)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LayerNormWide)

@@ -13,7 +13,8 @@
 //    E4M3 into fp32 with beta 1 (weight gradient).
 //  - fp8_cast_grad (a gradient's cast with GELU's backward and the bias sums in its pass)
 //    against gelu_backward then fp8_cast on the GPU itself, the sums against double sums; the
-//    same for attention_backward_fp8 (the attention backward casting qkv's gradient).
+//    same for attention_backward_fp8 (the attention backward casting qkv's gradient) and
+//    layernorm_backward_fp8 (the LayerNorm backward casting the Row Linear's gradient).
 //  - the FP8 Linear layer composed from them, against the CPU's composition.
 // Skips without a GPU, and the FP8 cases on a GPU without FP8 tensor cores (where
 // fp8_supported must say so).
@@ -251,6 +252,103 @@ TEST_P(GpuFp8, LayerNormFp8IsTheLayerNormThenTheCast) {
       EXPECT_EQ(codes(d, ot, n), codes(d, rot, n));
       EXPECT_EQ(d.get_f32(am, 1)[0], d.get_f32(ram, 1)[0]);
       EXPECT_GT(d.get_f32(am, 1)[0], 0.25f);
+    }
+}
+
+// layernorm_backward_fp8 (the LayerNorm backward writing the FP8 output gradient of the Row
+// Linear before it) against layernorm_backward then fp8_cast of the stored gradient on the GPU
+// itself: dx and dbranch, the codes, transpose and amax bit for bit (every code written: the
+// outputs start as 0xAA), dgamma, dbeta and the bias sums within fp32 rounding of the
+// unfused kernel's (another order of the same terms), the same bits twice. Shapes: ViT-B/16's
+// width on more 32-row groups than the grid has blocks (each block then takes several, the
+// last one short), widths of 1, 2 and 4 packs per lane, rows not a multiple of 8 and widths
+// not of 32 (the transpose byte by byte), a width past the kernel (the two ops); variants
+// without the bias sums, with them, with drop path's row factors, without the row-major
+// codes, in E4M3.
+TEST_P(GpuFp8, LayerNormBackwardFp8IsTheBackwardThenTheCast) {
+  Dev& d = *gpu;
+  const std::pair<int, int> shapes[] = {{9000, 768}, {512, 768}, {96, 384}, {64, 1024},
+                                        {40, 256},   {77, 768},  {33, 80},  {40, 2048}};
+  for (const auto& nc : shapes)
+    for (int variant = 0; variant < 5; ++variant) {
+      const int N = nc.first, C = nc.second;
+      SCOPED_TRACE(std::to_string(N) + "x" + std::to_string(C) + " variant " +
+                   std::to_string(variant));
+      const size_t n = size_t(N) * C;
+      const Fp8Format f = variant == 4 ? Fp8Format::E4M3 : Fp8Format::E5M2;
+      const bool sums = variant != 0, factors = variant == 2;
+      const Vec xh = rnd(n, 2.0f, 0.3f), dyh = rnd(n, 1.0f), dx0 = rnd(n, 0.5f);
+      void* x = d.act(xh);
+      void* dy = d.act(dyh);
+      void* gamma = d.act(rnd(C, 1.0f, 1.0f));
+      void* beta = d.act(rnd(C, 0.5f));
+      float *mean = d.nan_f32(N), *rstd = d.nan_f32(N);
+      d.be->add_layernorm_forward(d.nan_act(n), d.nan_act(n), mean, rstd, x, nullptr, gamma,
+                                  beta, N, C, 1e-6f);
+      Vec fh(N);
+      for (int i = 0; i < N; ++i) fh[i] = i % 5 == 0 ? 0.0f : 1.0f / (1.0f - 0.1f * (i % 3));
+      const RowFactors bf = factors ? RowFactors{d.f32(fh), 1} : RowFactors{};
+      float* scale = d.f32(Vec{f == Fp8Format::E4M3 ? 40.0f : 2000.0f});
+      const std::vector<uint8_t> fill(n, 0xAA);
+      struct Out {
+        void *dx, *dbr;
+        float *dg, *db, *dsum, *am;
+        uint8_t *o, *ot;
+      };
+      auto outs = [&](bool row_major) {
+        Out r;
+        r.dx = d.act(dx0);
+        r.dbr = factors ? d.nan_act(n) : nullptr;
+        r.dg = d.f32(Vec(C, 0.5f));
+        r.db = d.f32(Vec(C, -0.5f));
+        r.dsum = sums ? d.f32(Vec(C, 0.25f)) : nullptr;
+        r.am = d.f32(Vec{0.125f});
+        r.o = row_major ? bytes(d, fill) : nullptr;
+        r.ot = bytes(d, fill);
+        return r;
+      };
+      Out a = outs(variant != 3), a2 = outs(variant != 3), r = outs(true);
+      for (Out* o : {&a, &a2})
+        d.be->layernorm_backward_fp8(o->dx, o->dg, o->db, dy, x, gamma, mean, rstd, N, C,
+                                     o->dsum, o->dbr, bf, o->o, o->ot, o->am, scale, f);
+      d.be->layernorm_backward(r.dx, r.dg, r.db, dy, x, gamma, mean, rstd, N, C, r.dsum, r.dbr,
+                               bf);
+      d.be->fp8_cast(r.o, r.ot, r.am, factors ? r.dbr : r.dx, N, C, scale, f);
+      const Vec dxa = d.get_act(a.dx, n), dxr = d.get_act(r.dx, n);
+      EXPECT_EQ(0, std::memcmp(dxa.data(), dxr.data(), n * sizeof(float))) << "dx";
+      if (factors) {
+        const Vec ba = d.get_act(a.dbr, n), br = d.get_act(r.dbr, n);
+        EXPECT_EQ(0, std::memcmp(ba.data(), br.data(), n * sizeof(float))) << "dbranch";
+      }
+      if (a.o) {
+        EXPECT_EQ(codes(d, a.o, n), codes(d, r.o, n));
+      }
+      EXPECT_EQ(codes(d, a.ot, n), codes(d, r.ot, n));
+      EXPECT_EQ(d.get_f32(a.am, 1)[0], d.get_f32(r.am, 1)[0]);
+      EXPECT_GT(d.get_f32(a.am, 1)[0], 0.125f);
+      // the column sums: within 2^-20 of the sum of their terms' magnitudes (fp32 sums of at
+      // most 9000 terms in another order), bit for bit run to run
+      const Vec mh = d.get_f32(mean, N), sh = d.get_f32(rstd, N);
+      const Vec gh = factors ? d.get_act(r.dbr, n) : dxr;
+      Vec mag_g(C, 0.0f), mag_b(C, 0.0f), mag_d(C, 0.0f);
+      for (int i = 0; i < N; ++i)
+        for (int c = 0; c < C; ++c) {
+          const size_t k = size_t(i) * C + c;
+          mag_g[c] += std::fabs(dyh[k] * (round_to(dt, xh[k]) - mh[i]) * sh[i]);
+          mag_b[c] += std::fabs(dyh[k]);
+          mag_d[c] += std::fabs(gh[k]);
+        }
+      auto near = [&](const float* pa, const float* pa2, const float* pr, const Vec& mag,
+                      const char* what) {
+        const Vec va = d.get_f32(pa, C), va2 = d.get_f32(pa2, C), vr = d.get_f32(pr, C);
+        for (int c = 0; c < C; ++c)
+          ASSERT_NEAR(va[c], vr[c], std::ldexp(mag[c] + 1.0, -20)) << what << " column " << c;
+        EXPECT_EQ(0, std::memcmp(va.data(), va2.data(), C * sizeof(float)))
+            << what << " differs run to run";
+      };
+      near(a.dg, a2.dg, r.dg, mag_g, "dgamma");
+      near(a.db, a2.db, r.db, mag_b, "dbeta");
+      if (sums) near(a.dsum, a2.dsum, r.dsum, mag_d, "dsum");
     }
 }
 

@@ -7,6 +7,7 @@
 // tested on a model: test/model/test_model.cpp (1 rank) and test/parallel (every mode).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <set>
 #include <string>
@@ -335,6 +336,108 @@ TEST(BlockPlan, Fp8AttentionBackwardWritesQkvsGradient) {
               EXPECT_EQ(cast, on ? 1 : 0);
             }
           }
+}
+
+TEST(BlockPlan, Fp8LayerNormBackwardsWriteTheRowLinearsGradients) {
+  // a mode that allows it (none), fused, fp8: LN2's backward casts proj's output gradient and
+  // LN1's the previous block's fc2's (in the chunk, that block not checkpointed), where the
+  // Linear reads what the LayerNorm leaves (dres, or with drop path in the LayerNorms its
+  // branch) and the LayerNorm sums the Linear's bias gradient; the Linear then reads no dy.
+  // Every other op is the plan's without the rule; nothing where the mode does not allow it,
+  // unfused, or in bf16
+  for (bool allowed : {true, false})
+    for (bool fused : {true, false})
+      for (bool fp8 : {true, false})
+        for (int ckpt : {0, 2})
+          for (float dropout : {0.0f, 0.1f})
+            for (float path : {0.0f, 0.2f}) {
+              TpFusions f = all_fusions(1);
+              f.fp8 = f.fp8_keep_x_transposes = f.fp8_layernorm_cast = f.fp8_gelu_in_dy_cast =
+                  f.fp8_attention_dy_cast = true;
+              f.fp8_layernorm_dy_cast = allowed;
+              ChunkSpec s = spec(3, dropout, path, ckpt, fused, f);
+              s.fp8 = fp8;
+              const auto plans = compile_chunk_plans(s);
+              ChunkSpec off = s;
+              off.tp.fp8_layernorm_dy_cast = false;
+              const auto ref = compile_chunk_plans(off);
+              const bool on = allowed && fused && fp8;
+              SCOPED_TRACE(std::string(on ? "on" : "off") + " ckpt " + std::to_string(ckpt) +
+                           " dropout " + std::to_string(dropout) + " path " +
+                           std::to_string(path));
+              // (block, op) of each Linear whose dy a LayerNorm casts
+              std::vector<std::pair<size_t, size_t>> cast_for;
+              int casts2 = 0, casts1 = 0;
+              for (size_t b = 0; b < plans.size(); ++b) {
+                const BlockPlan& p = plans[b];
+                EXPECT_EQ(describe(p.forward), describe(ref[b].forward));
+                EXPECT_EQ(describe(p.recompute), describe(ref[b].recompute));
+                ASSERT_EQ(p.backward.size(), ref[b].backward.size());
+                for (size_t i = 0; i < p.backward.size(); ++i) {
+                  const Op& ln = p.backward[i];
+                  if (ln.kind != OpKind::LayerNormBackward || !ln.cast_w.valid()) continue;
+                  EXPECT_TRUE(on);
+                  const Buf left = ln.branch != Buf::None ? ln.branch : ln.out;
+                  size_t lb = b, li = i + 1;
+                  if (ln.norm == 2) {
+                    ++casts2;
+                    EXPECT_EQ(ln.cast_w.index, kProjW);
+                    EXPECT_FALSE(ln.cast_w.prev);
+                    while (li < p.backward.size() && p.backward[li].kind == OpKind::Report) ++li;
+                  } else {
+                    ++casts1;
+                    EXPECT_EQ(ln.cast_w.index, kFc2W);
+                    EXPECT_TRUE(ln.cast_w.prev);
+                    ASSERT_GT(b, 0u);
+                    EXPECT_FALSE(plans[b - 1].checkpointed);
+                    lb = b - 1;
+                    li = 0;
+                    while (li < plans[lb].backward.size() &&
+                           (plans[lb].backward[li].kind == OpKind::Need ||
+                            plans[lb].backward[li].kind == OpKind::Report))
+                      ++li;
+                  }
+                  ASSERT_LT(li, plans[lb].backward.size());
+                  const Op& lin = plans[lb].backward[li];
+                  const Op& rlin = ref[lb].backward[li];
+                  EXPECT_EQ(lin.kind, OpKind::LinearBackward);
+                  EXPECT_EQ(lin.w.index, ln.cast_w.index);
+                  EXPECT_TRUE(lin.dy_cast && lin.fp8);
+                  EXPECT_EQ(lin.dy, Buf::None);
+                  EXPECT_FALSE(lin.db.valid());
+                  EXPECT_EQ(rlin.dy, left);  // what the unfused Linear reads
+                  EXPECT_FALSE(rlin.db.valid());
+                  EXPECT_EQ(ln.dsum.index, ln.cast_w.index + 1);  // its bias gradient
+                  EXPECT_EQ(ln.dsum.prev, ln.cast_w.prev);
+                  EXPECT_EQ(ln.out_w, Width::Hidden);
+                  EXPECT_EQ(ln.in, ln.norm == 2 ? Width::Hidden : Width::Mlp);
+                  Op lr = ref[b].backward[i];  // the LayerNorm is the ref's otherwise
+                  lr.cast_w = ln.cast_w;
+                  lr.in = ln.in;
+                  lr.out_w = ln.out_w;
+                  EXPECT_EQ(describe({ln}), describe({lr}));
+                  cast_for.emplace_back(lb, li);
+                }
+              }
+              for (size_t b = 0; b < plans.size(); ++b)
+                for (size_t i = 0; i < plans[b].backward.size(); ++i) {
+                  const Op& o = plans[b].backward[i];
+                  const bool target = std::find(cast_for.begin(), cast_for.end(),
+                                                std::make_pair(b, i)) != cast_for.end();
+                  if (target || (o.kind == OpKind::LayerNormBackward && o.cast_w.valid()))
+                    continue;
+                  EXPECT_EQ(describe({o}), describe({ref[b].backward[i]}));
+                }
+              // without dropout (drop path or not: it rides on the LayerNorms) every proj, and
+              // fc2 of each block but the chunk's last (its gradient comes from the next chunk
+              // or the head) that is not checkpointed (blocks 0 and 1 with ckpt 2)
+              if (on && dropout == 0.0f) {
+                EXPECT_EQ(casts2, 3);
+                EXPECT_EQ(casts1, ckpt == 0 ? 2 : 0);
+              } else {
+                EXPECT_EQ(casts1 + casts2, 0);
+              }
+            }
 }
 
 TEST(BlockPlan, UnfusedPlanHasNoFusion) {

@@ -251,7 +251,8 @@ TEST(Model, FusedPlansEqualUnfused) {
 // and fc1's gradient cast GELU's backward (block_plan.h), so no GELU pass runs and no GELU
 // output or gradient is held, kept or not; the forward's casts keep the inputs' transposes for
 // the weight gradients, LN1 / LN2 write qkv's / fc1's inputs in FP8 themselves (no Y1, Y2
-// in training), and the attention backward qkv's output gradient. The step is the unfused plan's bit for bit (a GELU pass, then fc2 casting its
+// in training), the attention backward qkv's output gradient, and the LayerNorm backwards
+// proj's and fc2's. The step is the unfused plan's bit for bit (a GELU pass, then fc2 casting its
 // output; LayerNorms storing y, then the Linears casting it: the same codes; without dropout
 // and drop path the other fusions round alike).
 TEST(Model, Fp8GeluInTheCasts) {
@@ -282,8 +283,22 @@ TEST(Model, Fp8GeluInTheCasts) {
   EXPECT_NE(ev.find("Linear column fp8 out=Qkv x=Y1"), std::string::npos) << ev;
   EXPECT_EQ(fwd.find("gelu=G"), std::string::npos) << fwd;
   EXPECT_EQ(fwd.find("Gelu "), std::string::npos) << fwd;
-  EXPECT_NE(bwd.find("LinearBackward row fp8 x_gelu x_t out=Dh x=H dy=Dres"), std::string::npos)
+  // fc2 and proj: their output gradients cast by the LayerNorm backwards that leave them (the
+  // next block's LN1, LN2), which sum their bias gradients; the chunk's first block's LN1 casts
+  // for no Linear
+  EXPECT_NE(bwd.find("LinearBackward row fp8 x_gelu x_t dy_cast out=Dh x=H w=fc2.w dw=fc2.w\n"),
+            std::string::npos)
       << bwd;
+  EXPECT_NE(bwd.find("dsum=proj.b cast=proj.w\nReport mlp\n"
+                     "LinearBackward row fp8 x_t dy_cast out=Dtmp x=Att w=proj.w dw=proj.w\n"),
+            std::string::npos)
+      << bwd;
+  EXPECT_NE(bwd.find("LayerNormBackward norm1 out=Dres x=RIn dy=Dtmp w=norm1.w dw=norm1.w "
+                     "db=norm1.b dsum=prev.fc2.b cast=prev.fc2.w\n"),
+            std::string::npos)
+      << bwd;
+  const std::string bwd0 = describe(a.model->block_plan(0, B).backward);
+  EXPECT_EQ(bwd0.find("cast=prev"), std::string::npos) << bwd0;
   // fc1: GELU's backward in its dy cast, x's transpose from the forward (Y2 not read)
   EXPECT_NE(bwd.find("LinearBackward column fp8 dy_gelu x_t out=Dtmp dy=Dh gelu=H w=fc1.w"),
             std::string::npos)

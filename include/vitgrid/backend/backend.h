@@ -522,6 +522,19 @@ class Fp8Ops {
                                       const void* dout, const void* qkv, const void* att,
                                       const void* saved, int B, int T, int H, int hd,
                                       void* workspace) = 0;
+  // NormAttentionOps::layernorm_backward (dx, dgamma, dbeta, dy, x, gamma, mean, rstd, N, C,
+  // dsum, dbranch, bf) whose updated dx (with row factors: dbranch) is the output gradient of
+  // the FP8 Linear before the LayerNorm (a Row Linear whose output is the residual branch),
+  // cast for that Linear's backward as fp8_cast casts it (out, out_t, amax, scale, f): dx,
+  // dbranch, the codes, transpose and amax as layernorm_backward then fp8_cast of the stored
+  // gradient, dgamma, dbeta and dsum within fp32 rounding of them in another order fixed by
+  // the shape.
+  virtual void layernorm_backward_fp8(void* dx, float* dgamma, float* dbeta, const void* dy,
+                                      const void* x, const void* gamma, const float* mean,
+                                      const float* rstd, int N, int C, float* dsum,
+                                      void* dbranch, RowFactors bf, uint8_t* out,
+                                      uint8_t* out_t, float* amax, const float* scale,
+                                      Fp8Format f) = 0;
   // D[M,N] = (A[M,K] B[N,K]^T) * a_scale_inv[0] * b_scale_inv[0] + beta D: both operands
   // K-contiguous (the form Hopper's FP8 tensor cores take; a Linear's transposed operands come
   // from fp8_cast's out_t), not both E5M2; fp32 sums (on GPUs, E4M3 x E4M3 under
@@ -555,6 +568,14 @@ class Backend : public Device, public LayerOps, public NormAttentionOps, public 
                               const float* scale, Fp8Format f, float* db, const void* dout,
                               const void* qkv, const void* att, const void* saved, int B, int T,
                               int H, int hd, void* workspace) override;
+  // Fp8Ops::layernorm_backward_fp8 as the two ops it stands for: the cast's arguments
+  // checked, layernorm_backward, then fp8_cast of dx (dbranch with row factors); the CUDA
+  // backend's fused LayerNorm backward writes the codes itself where its kernel takes the rows.
+  void layernorm_backward_fp8(void* dx, float* dgamma, float* dbeta, const void* dy,
+                              const void* x, const void* gamma, const float* mean,
+                              const float* rstd, int N, int C, float* dsum, void* dbranch,
+                              RowFactors bf, uint8_t* out, uint8_t* out_t, float* amax,
+                              const float* scale, Fp8Format f) override;
 };
 
 // Attention's path on GPUs (device.attention): see make_cuda_backend.

@@ -116,10 +116,14 @@ struct Op {
                                // of the input of the Linear of these weights (out_w wide), which
                                // follows. AttentionBackward: the FP8 copies of the output
                                // gradient of the Linear of these weights (qkv), which follows,
-                               // and its bias gradient (db)
+                               // and its bias gradient (db). LayerNormBackward: the FP8 copies
+                               // of the output gradient of the Row Linear of these weights
+                               // (in x out_w; proj, or prev: the previous block's fc2), whose
+                               // backward comes next, its bias gradient in dsum
   bool x_cast = false;         // FP8 Linear: its input cast already (by the LayerNorm before it)
   bool dy_cast = false;        // FP8 LinearBackward: its output gradient cast already (by the
-                               // attention backward before it), its bias gradient summed
+                               // attention or LayerNorm backward before it), its bias gradient
+                               // summed
 };
 
 struct BlockPlan {

@@ -125,6 +125,11 @@ struct TpFusions {
   // output gradient as that Linear's backward cast would (Fp8LinearMeta::dy_cast): the modes
   // whose qkv backward takes the attention's gradient rows as its local dy, whole (none)
   bool fp8_attention_dy_cast = false;
+  // layernorm_backward_fp8: a LayerNorm backward may write the output gradient of the FP8 Row
+  // Linear before it (the residual branch's last Linear: proj, fc2) as that Linear's backward
+  // cast would (Fp8LinearMeta::dy_cast): the modes whose Row Linear takes the LayerNorm's
+  // gradient rows as its local dy, whole (none)
+  bool fp8_layernorm_dy_cast = false;
 };
 
 class TensorParallel {
@@ -247,6 +252,16 @@ class TensorParallel {
                                   const void* x, const void* gamma, const float* mean,
                                   const float* rstd, int rows, int C, float* dsum = nullptr,
                                   void* dbranch = nullptr, RowFactors bf = {}) = 0;
+  // layernorm_backward whose updated dx (with bf: dbranch), the output gradient of the FP8
+  // Row Linear before the LayerNorm (in x out features on these rows, its bias gradient in
+  // dsum), goes into that Linear's FP8 copies of dy as its backward cast would make them
+  // (prev's dy scale and amax, the transpose), where that Linear, called with prev.dy_cast and
+  // no bias gradient, finds them. Where fusions().fp8_layernorm_dy_cast says so.
+  virtual void layernorm_backward_fp8(void* dx, float* dgamma, float* dbeta, const void* dy,
+                                      const void* x, const void* gamma, const float* mean,
+                                      const float* rstd, int rows, int C, float* dsum,
+                                      void* dbranch, RowFactors bf, const Fp8LinearMeta& prev,
+                                      int in, int out) = 0;
 
   // ---- per-sample results. Collective over the tensor group.
   // Sums host values over the ranks holding other samples of the Stream layout, so each

@@ -131,6 +131,13 @@ class CudaBackend final : public Backend {
   // the op set both backends implement (cuda_gemm.cpp, elementwise.cu, layernorm.cu,
   // attention.cu, vit_ops.cu, optim_reduce.cu, tp_ops.cu)
   #include "vitgrid/backend/backend_op_overrides.inc"
+  // Fp8Ops::layernorm_backward_fp8: the fused LayerNorm backward writing the codes where it
+  // takes the rows (16-bit rows of up to 1024, 16-byte aligned), else Backend's two ops
+  void layernorm_backward_fp8(void* dx, float* dgamma, float* dbeta, const void* dy,
+                              const void* x, const void* gamma, const float* mean,
+                              const float* rstd, int N, int C, float* dsum, void* dbranch,
+                              RowFactors bf, uint8_t* out, uint8_t* out_t, float* amax,
+                              const float* scale, Fp8Format f) override;
 
   // Attention (attention.cu), three paths, chosen per shape by BackendOptions::attention
   // (device.attention): Auto takes the own flash kernels where one CTA holds a whole head

@@ -169,6 +169,39 @@ __global__ void __launch_bounds__(256) add_layernorm_fwd_vec_kernel(
       mean, rstd, a, b, gamma, beta, C, eps, bf, bf_rows);
 }
 
+// The transpose of a tile of FP8 codes in shared memory (`rows` <= 32 rows of C codes, pitch
+// bytes apart, pitch a multiple of 4 and not of 128: 32-bit words of one column fall in
+// distinct banks) to out_t[C, N] at rows r0 ..: where the tile has 32 rows, N is a multiple of
+// 8 and C of 32, each thread reads an 8-row x 4-column block as eight 32-bit words, transposes
+// it with byte permutes and writes its 4 columns' 8 rows (8-byte stores; a warp's 4 row blocks
+// x 8 word columns write 32-byte runs, as fp8.cu's cast); else byte by byte. The block's nw
+// warps take part.
+__device__ __forceinline__ void store_tile_transpose(const uint8_t* tile, int pitch, int rows,
+                                                     uint8_t* out_t, int64_t N, int C,
+                                                     int64_t r0, int nw) {
+  if (rows == 32 && N % 8 == 0 && C % 32 == 0) {
+    const int lane = threadIdx.x & 31, rb = lane >> 3;  // rows rb * 8 .. rb * 8 + 7
+    for (int g = threadIdx.x >> 5; g < C / 32; g += nw) {
+      const int wc = g * 8 + (lane & 7);  // columns wc * 4 .. wc * 4 + 3
+      uint32_t v[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        v[k] = *reinterpret_cast<const uint32_t*>(tile + (rb * 8 + k) * pitch + wc * 4);
+      uint32_t col[4][2];
+      transpose_codes_8x4(v, col);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        *reinterpret_cast<uint2*>(out_t + static_cast<int64_t>(wc * 4 + j) * N + r0 + rb * 8) =
+            make_uint2(col[j][0], col[j][1]);
+    }
+  } else {
+    for (int q = threadIdx.x; q < C * rows; q += 32 * nw) {
+      const int c = q / rows, rr = q % rows;
+      out_t[static_cast<int64_t>(c) * N + r0 + rr] = tile[rr * pitch + c];
+    }
+  }
+}
+
 // add_layernorm_forward_fp8: a block of kLnFp8Warps warps takes kLnFp8Rows rows (a warp per row
 // at a time, as add_layernorm_fwd_vec_kernel), converts y's packs to FP8 codes as it would
 // store them (rounded to T first: fp8_cast of the stored y, code for code; two values per
@@ -176,8 +209,7 @@ __global__ void __launch_bounds__(256) add_layernorm_fwd_vec_kernel(
 // bytes apart: 32-bit words of one column fall in distinct banks), then writes the tile's
 // transpose to out_t[C, N]: where the block's rows are whole, N a multiple of 8 and C of 32,
 // each thread reads an 8-row x 4-column block as eight 32-bit words, transposes it with byte
-// permutes and writes its 4 columns' 8 rows (8-byte stores; a warp's 4 row blocks x 8 word
-// columns write 32-byte runs, as fp8.cu's cast); else byte by byte. Adds its largest |y| to
+// permutes and writes its 4 columns' 8 rows (store_tile_transpose). Adds its largest |y| to
 // *amax. Dynamic shared memory: kLnFp8Rows x (C + 4) bytes.
 constexpr int kLnFp8Rows = 32, kLnFp8Warps = 8;
 
@@ -219,27 +251,7 @@ __global__ void __launch_bounds__(32 * kLnFp8Warps) add_layernorm_fwd_fp8_kernel
   }
   if (out_t) {
     __syncthreads();
-    if (rows == kLnFp8Rows && N % 8 == 0 && C % 32 == 0) {
-      const int lane = threadIdx.x & 31, rb = lane >> 3;  // rows rb * 8 .. rb * 8 + 7
-      for (int g = threadIdx.x >> 5; g < C / 32; g += kLnFp8Warps) {
-        const int wc = g * 8 + (lane & 7);  // columns wc * 4 .. wc * 4 + 3
-        uint32_t v[8];
-#pragma unroll
-        for (int k = 0; k < 8; ++k)
-          v[k] = *reinterpret_cast<const uint32_t*>(ln_fp8_tile + (rb * 8 + k) * pitch + wc * 4);
-        uint32_t col[4][2];
-        transpose_codes_8x4(v, col);
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          *reinterpret_cast<uint2*>(out_t + static_cast<int64_t>(wc * 4 + j) * N + r0 + rb * 8) =
-              make_uint2(col[j][0], col[j][1]);
-      }
-    } else {
-      for (int q = threadIdx.x; q < C * rows; q += blockDim.x) {
-        const int c = q / rows, rr = q % rows;
-        out_t[static_cast<int64_t>(c) * N + r0 + rr] = ln_fp8_tile[rr * pitch + c];
-      }
-    }
+    store_tile_transpose(ln_fp8_tile, pitch, rows, out_t, N, C, r0, kLnFp8Warps);
   }
   block_amax_atomic(m, amax, sh_max);
 }
@@ -360,8 +372,14 @@ constexpr int kLnBwd2Warps = 4;     // warps per block
 constexpr int kLnBwd2MaxPacks = 6;  // K <= 6: C <= 1536 in 16-bit types, <= 768 in fp32
 // Dynamic shared memory, in 16-byte slots: gamma [32 K], then per warp 2 stages x {dy, x, dx}
 // x [32 K] (lane-consecutive: conflict-free); at the end reused for the warps' column sums.
-__host__ __device__ constexpr size_t ln_bwd2_smem(int K) {
-  return static_cast<size_t>(16) * 32 * K * (1 + 2 * 3 * kLnBwd2Warps);
+__host__ __device__ constexpr size_t ln_bwd2_smem(int K, int W = kLnBwd2Warps) {
+  return static_cast<size_t>(16) * 32 * K * (1 + 2 * 3 * W);
+}
+// layernorm_backward_fp8's variant: groups of 32 rows (the transposed tile's), 8 warps a block,
+// the tile of C + 4 bytes a row after the stages; at most 4 packs per lane (C <= 1024).
+constexpr int kLnBwdF8Rows = 32, kLnBwdF8Warps = 8, kLnBwdF8MaxPacks = 4;
+__host__ __device__ constexpr size_t ln_bwd_f8_smem(int K, int C) {
+  return ln_bwd2_smem(K, kLnBwdF8Warps) + static_cast<size_t>(kLnBwdF8Rows) * (C + 4);
 }
 // Blocks of 4 warps per SM, the grid's width and __launch_bounds__' minimum: what fits in
 // registers (sm_90, 64 K per SM: <= 64, 80, 96, 128, 168, 255 per thread; measured 56, 80,
@@ -424,25 +442,43 @@ __device__ __forceinline__ void cp_async_wait() {
 // With DS, also the column sums of the stored (rounded) dx, one partial row per block in pd.
 // With PF (and DS): dbr = the stored dx's rows times bf[row / bf_rows] (rounded, +0 where the
 // factor is 0: RowFactors), and pd sums dbr instead.
-template <class T, int K, bool DS, bool PF>
-__global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K, DS, PF))
+// With F8 (layernorm_backward_fp8: the stored dx, or with PF dbr, is the output gradient of the
+// FP8 Linear before the LayerNorm): its FP8 codes with scale_p[0] as fp8_cast would write them
+// from the stored values, row-major to out and transposed to out_t[C, N], and their amax into
+// *amax. The block then takes groups of kLnBwdF8Rows consecutive rows (group i of the block:
+// blockIdx.x + i gridDim.x; warp w its rows w, w + W, ...), each group's codes staged in a
+// shared tile (after the stages, rows C + 4 bytes apart) and written transposed as the FP8
+// LayerNorm forward writes its tile (store_tile_transpose); W is then 8 warps, so that a group
+// is 4 rows a warp and two blocks of 8 hold as many warps as four of 4 (the tile's 24 KB at
+// C = 768 fits beside them).
+template <class T, int K, bool DS, bool PF, bool F8 = false, int W = kLnBwd2Warps>
+__global__ void __launch_bounds__(32 * W, ln_bwd2_blocks_per_sm(K, DS, PF) * kLnBwd2Warps / W)
     layernorm_bwd_fused2_kernel(T* dx, float* pg, float* pb, float* pd, const T* __restrict__ dy,
                                 const T* __restrict__ x, const T* __restrict__ gamma,
                                 const float* __restrict__ mean,
                                 const float* __restrict__ rstd, int N, int C, T* dbr,
-                                const float* __restrict__ bf, int bf_rows) {
+                                const float* __restrict__ bf, int bf_rows,
+                                uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
+                                float* amax, const float* __restrict__ scale_p,
+                                __nv_fp8_interpretation_t fmt) {
   static_assert(!PF || DS, "the row factors' kernel sums the branch gradient");
   constexpr int V = 16 / sizeof(T);  // elements per pack
-  constexpr int W = kLnBwd2Warps;
   constexpr int KS = 32 * K;         // 16-byte slots of one array of one row
+  constexpr int G = kLnBwdF8Rows, R = G / W;  // F8: a group's rows, a warp's rows of a group
+  static_assert(!F8 || (V == 8 && G % W == 0), "FP8 codes of 16-bit rows, whole rows per warp");
   extern __shared__ uint4 ln_bwd2_sh[];
+  __shared__ int warp_max[32];
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const int packs = C / V;
   uint4* gs = ln_bwd2_sh;                          // gamma, pack p at gs[p], zero past the row
   uint4* stage = ln_bwd2_sh + KS + w * 2 * 3 * KS;  // this warp's stages: [2][dy, x, dx][KS]
+  uint8_t* tile = reinterpret_cast<uint8_t*>(ln_bwd2_sh + KS * (1 + 2 * 3 * W));  // F8: codes
+  const int pitch = C + 4;
   for (int p = threadIdx.x; p < KS; p += 32 * W)
     gs[p] = p < packs ? __ldg(reinterpret_cast<const uint4*>(gamma + p * V))
                       : make_uint4(0u, 0u, 0u, 0u);
+  const float scale = F8 ? scale_p[0] : 0.0f;
+  int mx = 0;  // F8: the thread's amax, as bits
 
   // the lane's packs of dy, x and dx of row r into stage s; zeros past the row
   auto issue = [&](int64_t r, int s) {
@@ -457,8 +493,15 @@ __global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K, DS
       cp_async16(b + 2 * KS + k * 32 + lane, dx + at, in);
     }
   };
+  // the warp's rows in order: a row per warp of the block's W, gridDim.x W apart; with F8 its R
+  // rows of each of the block's groups
   const int64_t step = static_cast<int64_t>(gridDim.x) * W;
-  int64_t row = static_cast<int64_t>(blockIdx.x) * W + w;
+  auto next_of = [&](int64_t r) -> int64_t {
+    if constexpr (!F8) return r + step;
+    return r % G + W < G ? r + W : (r / G + gridDim.x) * G + w;
+  };
+  int64_t row = F8 ? static_cast<int64_t>(blockIdx.x) * G + w
+                   : static_cast<int64_t>(blockIdx.x) * W + w;
   float m_next = 0.0f, rs_next = 0.0f, f_next = 1.0f;
   if (row < N) {
     issue(row, 0);
@@ -476,10 +519,11 @@ __global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K, DS
   zero_acc(accb);
   zero_acc(accd);
   int s = 0;
-#pragma unroll 1
-  for (; row < N; row += step, s ^= 1) {
+  // Row r from stage s (the next row's loads issued first); nothing past N but the loads'
+  // (empty) group, which keeps the count uniform. F8: the codes to tile row tr.
+  auto do_row = [&](int64_t r, int tr) {
     const float m = m_next, rs = rs_next, fr = f_next;
-    const int64_t next = row + step;
+    const int64_t next = next_of(r);
     __syncwarp();  // the last row's reads of stage s ^ 1 are done before it is refilled
     if (next < N) {
       issue(next, s ^ 1);
@@ -489,6 +533,7 @@ __global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K, DS
     }
     cp_async_commit();  // (empty past the end: the group count stays uniform)
     cp_async_wait<1>();  // this row's group has landed
+    if (r >= N) return;
     const uint4* b = stage + s * 3 * KS;
     // the row sums of g and g * xhat in the first kernel's lane order, the column sums.
     // Packs past the row are zeros (gamma too): g = +0 leaves the row sums as they are, as
@@ -517,7 +562,7 @@ __global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K, DS
     s1 = s1 / C;
     s2 = s2 / C;
     // dx += rstd * (g - mean(g) - xhat * mean(g * xhat))
-    T* dxr = dx + row * C;
+    T* dxr = dx + r * C;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int p = lane + 32 * k;
@@ -525,6 +570,7 @@ __global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K, DS
       const uint4 dk = b[k * 32 + lane], xk = b[KS + k * 32 + lane],
                   ok = b[2 * KS + k * 32 + lane], gk = gs[k * 32 + lane];
       uint32_t o[4] = {0u, 0u, 0u, 0u}, ob[4] = {0u, 0u, 0u, 0u};
+      float cv[V];  // the values as stored (dx's, or with PF dbr's)
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         const float d = pack_elem<T>(dk, j);
@@ -537,16 +583,52 @@ __global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K, DS
         if constexpr (PF) {
           const float vb = fr != 0.0f ? __fmul_rn(to_f(from_f<T>(v)), fr) : 0.0f;
           ob[j * sizeof(T) / 4] |= elem_bits<T>(vb) << sh;
-          accd[k][j] = __fadd_rn(accd[k][j], to_f(from_f<T>(vb)));
-        } else if constexpr (DS) {
-          accd[k][j] = __fadd_rn(accd[k][j], to_f(from_f<T>(v)));
+          cv[j] = to_f(from_f<T>(vb));
+          accd[k][j] = __fadd_rn(accd[k][j], cv[j]);
+        } else {
+          cv[j] = to_f(from_f<T>(v));
+          if constexpr (DS) accd[k][j] = __fadd_rn(accd[k][j], cv[j]);
         }
+      }
+      if constexpr (F8) {  // two values per conversion instruction, as fp8.cu's cast
+        uint32_t c8[2];
+#pragma unroll
+        for (int j = 0; j < V; j += 2) {
+          mx = max(mx, max(abs_bits(cv[j]), abs_bits(cv[j + 1])));
+          const uint32_t two = fp8x2_codes(cv[j], cv[j + 1], scale, fmt);
+          if (j % 4 == 0) c8[j / 4] = two;
+          else c8[j / 4] |= two << 16;
+        }
+        if (out)
+          *reinterpret_cast<uint2*>(out + r * C + static_cast<int64_t>(p) * V) =
+              make_uint2(c8[0], c8[1]);
+        uint32_t* sw = reinterpret_cast<uint32_t*>(tile + tr * pitch + p * V);
+        sw[0] = c8[0];
+        sw[1] = c8[1];
       }
       *reinterpret_cast<uint4*>(dxr + static_cast<int64_t>(p) * V) =
           make_uint4(o[0], o[1], o[2], o[3]);
       if constexpr (PF)
-        *reinterpret_cast<uint4*>(dbr + row * C + static_cast<int64_t>(p) * V) =
+        *reinterpret_cast<uint4*>(dbr + r * C + static_cast<int64_t>(p) * V) =
             make_uint4(ob[0], ob[1], ob[2], ob[3]);
+    }
+  };
+  if constexpr (!F8) {
+#pragma unroll 1
+    for (; row < N; row += step, s ^= 1) do_row(row, 0);
+  } else {
+    // whole groups on every warp (rows past N skipped inside), a barrier before and after each
+    // group's transpose
+#pragma unroll 1
+    for (int64_t g0 = static_cast<int64_t>(blockIdx.x) * G; g0 < N;
+         g0 += static_cast<int64_t>(gridDim.x) * G) {
+#pragma unroll 1
+      for (int i = 0; i < R; ++i, s ^= 1) do_row(g0 + w + W * i, w + W * i);
+      __syncthreads();
+      if (out_t)
+        store_tile_transpose(tile, pitch, static_cast<int>(min(static_cast<int64_t>(G), N - g0)),
+                             out_t, N, C, g0, W);
+      __syncthreads();
     }
   }
   cp_async_wait<0>();
@@ -555,6 +637,7 @@ __global__ void __launch_bounds__(32 * kLnBwd2Warps, ln_bwd2_blocks_per_sm(K, DS
   // (3 W C floats with DS fit: the stages hold W 2 3 KS 16-byte slots, C <= KS V, V <= 8)
   write_block_partials<K, V, W, DS>(reinterpret_cast<float*>(ln_bwd2_sh + KS), accg, accb,
                                     accd, packs, C, pg, pb, pd);
+  if constexpr (F8) block_amax_atomic(mx, amax, warp_max);
 }
 
 // out = in's rows times their factors, as a dropout pass multiplies (RowFactors): the
@@ -1016,7 +1099,8 @@ void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, cons
         kernel<<<blocks, 32 * kLnBwd2Warps, smem, stream_>>>(
             static_cast<T*>(dx), pg, pb, pd, static_cast<const T*>(dy),
             static_cast<const T*>(x), static_cast<const T*>(gamma), mean, rstd, N, C,
-            static_cast<T*>(dbranch), bf.f, bf.rows_per);
+            static_cast<T*>(dbranch), bf.f, bf.rows_per, nullptr, nullptr, nullptr, nullptr,
+            __NV_E5M2);
         CUDA_CHECK_LAUNCH();
         launch_layernorm_bwd_param_final(stream_, dgamma, dbeta, pg, pb, blocks, C,
                                          DS ? dsum : nullptr, pd);
@@ -1057,6 +1141,76 @@ void CudaBackend::layernorm_backward(void* dx, float* dgamma, float* dbeta, cons
     });
   }
   if (dsum && !summed) column_sums_add(dsum, pf ? dbranch : dx, N, C);
+}
+
+// layernorm_backward_fp8: the fused kernel's F8 variant (8 warps, groups of 32 rows, the codes
+// staged for the transpose), its partial rows reduced as layernorm_backward's; rows it does not
+// take go through Backend's two ops.
+void CudaBackend::layernorm_backward_fp8(void* dx, float* dgamma, float* dbeta, const void* dy,
+                                         const void* x, const void* gamma, const float* mean,
+                                         const float* rstd, int N, int C, float* dsum,
+                                         void* dbranch, RowFactors bf, uint8_t* out,
+                                         uint8_t* out_t, float* amax, const float* scale,
+                                         Fp8Format f) {
+  OpScope op_scope(*this, "layernorm_backward_fp8");
+  check_fp8_cast_args(out, out_t, amax, N, C, scale);
+  VG_CHECK(!bf.f || (dbranch && dbranch != dx), "layernorm_backward_fp8: row factors need dbranch");
+  if (N <= 0 || C <= 0) return;
+  const bool pf = bf.f != nullptr, ds = pf || dsum != nullptr;
+  auto aligned8 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; };
+  const int K = (C / 8 + 31) / 32;
+  const bool fused = act_size() == 2 && C % 8 == 0 && K <= kLnBwdF8MaxPacks && aligned16(dx) &&
+                     aligned16(dy) && aligned16(x) && aligned16(gamma) &&
+                     (!pf || aligned16(dbranch)) && (!out || aligned8(out)) &&
+                     (!out_t || aligned8(out_t));
+  if (!fused) {
+    Backend::layernorm_backward_fp8(dx, dgamma, dbeta, dy, x, gamma, mean, rstd, N, C, dsum,
+                                    dbranch, bf, out, out_t, amax, scale, f);
+    return;
+  }
+  const __nv_fp8_interpretation_t fmt = f == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2;
+  dispatch_act(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if constexpr (sizeof(T) == 2) {
+      auto launch = [&](auto k_tag, auto ds_tag, auto pf_tag) {
+        constexpr int KK = decltype(k_tag)::value;
+        constexpr bool DS = decltype(ds_tag)::value, PF = decltype(pf_tag)::value;
+        constexpr int W = kLnBwdF8Warps;
+        auto kernel = layernorm_bwd_fused2_kernel<T, KK, DS, PF, true, W>;
+        const int64_t groups = (static_cast<int64_t>(N) + kLnBwdF8Rows - 1) / kLnBwdF8Rows;
+        const int blocks = static_cast<int>(std::min<int64_t>(
+            groups, 132 * (ln_bwd2_blocks_per_sm(KK, DS, PF) * kLnBwd2Warps / W)));
+        const size_t part = static_cast<size_t>(blocks) * C;
+        float* pg = static_cast<float*>(scratch((DS ? 3 : 2) * part * sizeof(float)));
+        float* pb = pg + part;
+        float* pd = DS ? pb + part : nullptr;
+        const size_t smem = ln_bwd_f8_smem(KK, C);
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        cudaSharedmemCarveoutMaxShared));
+        kernel<<<blocks, 32 * W, smem, stream_>>>(
+            static_cast<T*>(dx), pg, pb, pd, static_cast<const T*>(dy), static_cast<const T*>(x),
+            static_cast<const T*>(gamma), mean, rstd, N, C, static_cast<T*>(dbranch), bf.f,
+            bf.rows_per, out, out_t, amax, scale, fmt);
+        CUDA_CHECK_LAUNCH();
+        launch_layernorm_bwd_param_final(stream_, dgamma, dbeta, pg, pb, blocks, C,
+                                         DS ? dsum : nullptr, pd);
+        CUDA_CHECK_LAUNCH();
+      };
+      auto with_k = [&](auto ds_tag, auto pf_tag) {
+        switch (K) {
+          case 1: launch(std::integral_constant<int, 1>{}, ds_tag, pf_tag); break;
+          case 2: launch(std::integral_constant<int, 2>{}, ds_tag, pf_tag); break;
+          case 3: launch(std::integral_constant<int, 3>{}, ds_tag, pf_tag); break;
+          default: launch(std::integral_constant<int, 4>{}, ds_tag, pf_tag); break;
+        }
+      };
+      if (pf) with_k(std::true_type{}, std::true_type{});  // (pd unread without dsum)
+      else if (ds) with_k(std::true_type{}, std::false_type{});
+      else with_k(std::false_type{}, std::false_type{});
+    }
+  });
 }
 
 // The unfused LayerNorm backward: any width and alignment.

@@ -390,6 +390,26 @@ void TensorParallelBase::layernorm_backward(void* dx, float* dgamma, float* dbet
   be_.layernorm_split_backward_dx(dx, dy, x, gamma, mean, rstd, sums, rows, Cl, C);
 }
 
+// The codes go where local_backward's scratch puts dy's (slot 12, asked for the Linear's own
+// size, so the same buffer the Linear then gets).
+void TensorParallelBase::layernorm_backward_fp8(void* dx, float* dgamma, float* dbeta,
+                                                const void* dy, const void* x, const void* gamma,
+                                                const float* mean, const float* rstd, int rows,
+                                                int C, float* dsum, void* dbranch, RowFactors bf,
+                                                const Fp8LinearMeta& prev, int in, int out) {
+  VG_CHECK(fusions().fp8_layernorm_dy_cast && hq_ == 1 && out == C && prev.dy_cast &&
+               !prev.dy_gelu,
+           "a LayerNorm backward writing FP8 in tensor mode " << tensor_mode_name(mode())
+                                                              << " (out " << out << ", C " << C
+                                                              << ")");
+  auto* s = static_cast<uint8_t*>(scratch(12, fp8_linear_scratch_bytes(rows, in, out)));
+  const Fp8DyCodes codes = fp8_linear_dy_codes(s, rows, out);
+  using M = Fp8LinearMeta;
+  be_.layernorm_backward_fp8(dx, dgamma, dbeta, dy, x, gamma, mean, rstd, rows, C, dsum, dbranch,
+                             bf, codes.dy, codes.dy_t, prev.amax_of(M::kDy),
+                             prev.scale_of(M::kDy), Fp8Format::E5M2);
+}
+
 // ---- per-sample results
 
 void TensorParallelBase::sum_over_batch(double* v, int n) {

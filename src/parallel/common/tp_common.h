@@ -41,6 +41,10 @@ class TensorParallelBase : public TensorParallel {
   void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy, const void* x,
                           const void* gamma, const float* mean, const float* rstd, int rows,
                           int C, float* dsum, void* dbranch, RowFactors bf) override;
+  void layernorm_backward_fp8(void* dx, float* dgamma, float* dbeta, const void* dy,
+                              const void* x, const void* gamma, const float* mean,
+                              const float* rstd, int rows, int C, float* dsum, void* dbranch,
+                              RowFactors bf, const Fp8LinearMeta& prev, int in, int out) final;
   void sum_over_batch(double* v, int n) override;
   void sum_over_batch_device(double* v, int n) override;
   void gather_batch(void* out, const void* in, int batch, int64_t row_elems) override;

@@ -19,7 +19,7 @@ class TensorParallelNone final : public TensorParallelBase {
     f.gelu_bias_in_row_backward = f.row_bias_in_layernorm_backward = true;
     f.layernorm_row_factors = true;
     f.fp8 = f.fp8_gelu_in_dy_cast = f.fp8_keep_x_transposes = f.fp8_layernorm_cast = true;
-    f.fp8_attention_dy_cast = true;
+    f.fp8_attention_dy_cast = f.fp8_layernorm_dy_cast = true;
     return f;
   }
 

@@ -89,6 +89,7 @@ __device__ __forceinline__ float block_max(float v, float* sh) {
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+inline bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
 
 // Blocks for a grid-stride loop over `work` items: enough to fill an H100/H200 several times,
 // never more than needed.

@@ -945,7 +945,6 @@ void CudaBackend::add_layernorm_forward_fp8(void* res, uint8_t* out, uint8_t* ou
   check_fp8_cast_args(out, out_t, amax, N, C, scale);
   if (N <= 0 || C <= 0) return;
   const __nv_fp8_interpretation_t fmt = f == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2;
-  auto aligned8 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; };
   bool fused = false;
   dispatch_act(act_, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -1157,7 +1156,6 @@ void CudaBackend::layernorm_backward_fp8(void* dx, float* dgamma, float* dbeta, 
   VG_CHECK(!bf.f || (dbranch && dbranch != dx), "layernorm_backward_fp8: row factors need dbranch");
   if (N <= 0 || C <= 0) return;
   const bool pf = bf.f != nullptr, ds = pf || dsum != nullptr;
-  auto aligned8 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; };
   const int K = (C / 8 + 31) / 32;
   const bool fused = act_size() == 2 && C % 8 == 0 && K <= kLnBwdF8MaxPacks && aligned16(dx) &&
                      aligned16(dy) && aligned16(x) && aligned16(gamma) &&

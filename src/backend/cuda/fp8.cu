@@ -170,15 +170,7 @@ __global__ void __launch_bounds__(kThreads) fp8_cast_kernel(
         // warp wp: row blocks (wp & 1) * 4 + lane / 8, word columns (wp >> 1) * 8 + lane % 8
         const int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
         const int rb = (wp & 1) * 4 + lane / 8, wc = (wp >> 1) * 8 + lane % 8;
-        uint32_t v[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = *reinterpret_cast<const uint32_t*>(&tile[rb * 8 + i][wc * 4]);
-        uint32_t col[4][2];
-        transpose_codes_8x4(v, col);
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          *reinterpret_cast<uint2*>(out_t + static_cast<size_t>(c0 + wc * 4 + j) * rows + r0 + rb * 8) =
-              make_uint2(col[j][0], col[j][1]);
+        store_codes_8x4_transposed(&tile[0][0], kStride, rb, wc, out_t, c0, rows, r0 + rb * 8);
       }
     } else {
       for (int i = threadIdx.x; i < kTileRows * kTileCols; i += kThreads) {

@@ -33,5 +33,26 @@ __device__ __forceinline__ void transpose_codes_8x4(const uint32_t (&v)[8], uint
   }
 }
 
+// The 8 x 4 block of codes at rows 8 rb .. 8 rb + 7, bytes 4 wc .. 4 wc + 3 of a shared tile
+// (rows pitch bytes apart, pitch a multiple of 4) written transposed: column 4 wc + j's 8 codes
+// at out_t[(c0 + 4 wc + j) ld + r0 .. + 7], one 8-byte store each (c0, r0: the tile's first
+// column and the block's first row in the untransposed tensor; ld: its row count). A warp
+// whose lanes take 4 row blocks x 8 word columns reads 32-bit words without bank conflicts
+// (pitch not a multiple of 128) and writes 32-byte runs.
+__device__ __forceinline__ void store_codes_8x4_transposed(const uint8_t* tile, int pitch, int rb,
+                                                           int wc, uint8_t* out_t, size_t c0,
+                                                           size_t ld, size_t r0) {
+  uint32_t v[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    v[i] = *reinterpret_cast<const uint32_t*>(tile + (rb * 8 + i) * pitch + wc * 4);
+  uint32_t col[4][2];
+  transpose_codes_8x4(v, col);
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    *reinterpret_cast<uint2*>(out_t + (c0 + wc * 4 + j) * ld + r0) =
+        make_uint2(col[j][0], col[j][1]);
+}
+
 }  // namespace cuda
 }  // namespace vitgrid

@@ -78,6 +78,25 @@ __global__ void add_layernorm_fwd_kernel(T* res, T* y, float* mean, float* rstd,
   }
 }
 
+// A pack of res as stored, kept for the variance and the output: bf16 as its pack (its value
+// is a shift away: half the registers, which lets add_layernorm_fwd_fp8_kernel's four blocks a
+// SM fit without spills), other types as fp32 (fp16's conversions cost more than they save).
+template <class T, int V>
+struct KeptPack {
+  float f[V];
+  __device__ __forceinline__ void set(const Pack<T, V>& o) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) f[j] = to_f(o.v[j]);
+  }
+  __device__ __forceinline__ float operator[](int j) const { return f[j]; }
+};
+template <int V>
+struct KeptPack<__nv_bfloat16, V> {
+  Pack<__nv_bfloat16, V> p;
+  __device__ __forceinline__ void set(const Pack<__nv_bfloat16, V>& o) { p = o; }
+  __device__ __forceinline__ float operator[](int j) const { return to_f(p.v[j]); }
+};
+
 // The row body, shared with the block-per-row kernel and the FP8 one below: thread t of a team
 // of nt owns packs t + nt k, k < K; sum(v) adds v over the team (every thread gets the total);
 // store(p, o) writes pack p of y (as rounded to T); thread 0 writes the statistics.
@@ -93,7 +112,7 @@ __device__ __forceinline__ void add_layernorm_row(int64_t row, int t, int nt, Su
   const P* ar = reinterpret_cast<const P*>(a + row * C);
   const P* br = b ? reinterpret_cast<const P*>(b + row * C) : nullptr;
   P* rr = reinterpret_cast<P*>(res + row * C);
-  float r[K][V];
+  KeptPack<T, V> r[K];
   float s = 0.0f;
   const float fr = bf && br ? bf[row / bf_rows] : 1.0f;
 #pragma unroll
@@ -108,9 +127,9 @@ __device__ __forceinline__ void add_layernorm_row(int64_t row, int t, int nt, Su
     for (int j = 0; j < V; ++j) {
       // rounded to T as stored: the statistics see what the backward will read as x
       o.v[j] = br ? from_f<T>(to_f(ap.v[j]) + branch_elem(bp.v[j], bf, fr)) : ap.v[j];
-      r[k][j] = to_f(o.v[j]);
-      s += r[k][j];
+      s += to_f(o.v[j]);
     }
+    r[k].set(o);
     if (br || rr != ar) rr[p] = o;
   }
   const float m = sum(s) / C;
@@ -183,16 +202,7 @@ __device__ __forceinline__ void store_tile_transpose(const uint8_t* tile, int pi
     const int lane = threadIdx.x & 31, rb = lane >> 3;  // rows rb * 8 .. rb * 8 + 7
     for (int g = threadIdx.x >> 5; g < C / 32; g += nw) {
       const int wc = g * 8 + (lane & 7);  // columns wc * 4 .. wc * 4 + 3
-      uint32_t v[8];
-#pragma unroll
-      for (int k = 0; k < 8; ++k)
-        v[k] = *reinterpret_cast<const uint32_t*>(tile + (rb * 8 + k) * pitch + wc * 4);
-      uint32_t col[4][2];
-      transpose_codes_8x4(v, col);
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        *reinterpret_cast<uint2*>(out_t + static_cast<int64_t>(wc * 4 + j) * N + r0 + rb * 8) =
-            make_uint2(col[j][0], col[j][1]);
+      store_codes_8x4_transposed(tile, pitch, rb, wc, out_t, 0, N, r0 + rb * 8);
     }
   } else {
     for (int q = threadIdx.x; q < C * rows; q += 32 * nw) {
@@ -210,11 +220,12 @@ __device__ __forceinline__ void store_tile_transpose(const uint8_t* tile, int pi
 // transpose to out_t[C, N]: where the block's rows are whole, N a multiple of 8 and C of 32,
 // each thread reads an 8-row x 4-column block as eight 32-bit words, transposes it with byte
 // permutes and writes its 4 columns' 8 rows (store_tile_transpose). Adds its largest |y| to
-// *amax. Dynamic shared memory: kLnFp8Rows x (C + 4) bytes.
+// *amax. Dynamic shared memory: kLnFp8Rows x (C + 4) bytes. Up to C = 768 (K <= 3) four blocks
+// a SM (64 registers, no spills; 77 unbounded: three blocks), C = 1024 three (80).
 constexpr int kLnFp8Rows = 32, kLnFp8Warps = 8;
 
 template <class T, int K>
-__global__ void __launch_bounds__(32 * kLnFp8Warps) add_layernorm_fwd_fp8_kernel(
+__global__ void __launch_bounds__(32 * kLnFp8Warps, K <= 3 ? 4 : 3) add_layernorm_fwd_fp8_kernel(
     T* res, uint8_t* out, uint8_t* out_t, float* amax, const float* scale_p,
     __nv_fp8_interpretation_t fmt, float* mean, float* rstd, const T* a, const T* b,
     const T* gamma, const T* beta, int N, int C, float eps, const float* bf, int bf_rows) {
